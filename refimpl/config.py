@@ -1,0 +1,443 @@
+"""Read a Gemma 4 ``config.json`` and derive the per-layer geometry of the text decoder.
+
+Both architectures are read: ``Gemma4ForCausalLM`` (text fields at the top level) and
+``Gemma4ForConditionalGeneration`` (text fields under ``text_config``). Both serialisations are read:
+the legacy one (``global_head_dim``, ``num_global_key_value_heads``) and the ``per_layer_config`` one
+written by transformers 5.23+ (a sparse map from layer index to overridden fields).
+
+Everything the spec derives (gemma4-text-spec.md sections 2 and 4) is derived here, once, into
+``TextConfig.layers``: layer type, head dim, KV heads, K=V, the KV source of every layer, FFN width
+and RoPE parameters. The forward pass reads only this table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+LAYER_TYPES = (SLIDING, FULL)
+ROPE_TYPES = ("default", "proportional")
+
+DEFAULT_ROPE = {
+    SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+    FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+}
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """RoPE parameters of one layer type."""
+
+    rope_type: str  # "default" | "proportional"
+    theta: float
+    partial_rotary_factor: float = 1.0  # proportional only: fraction of the head that rotates
+    factor: float = 1.0  # proportional only: divides inv_freq
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Derived geometry of one decoder layer."""
+
+    index: int
+    layer_type: str  # SLIDING | FULL
+    head_dim: int  # D_l
+    num_kv_heads: int  # K_l
+    k_eq_v: bool  # V is the scale-free-normed raw key projection (no v_proj)
+    kv_source: int  # the layer whose K/V this layer attends over (== index when it owns KV)
+    ffn_width: int  # I_l: intermediate_size, or 2x on double-wide KV-shared layers
+    rope: RopeSpec
+
+    @property
+    def owns_kv(self) -> bool:
+        return self.kv_source == self.index
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.layer_type == SLIDING
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    """The text decoder's configuration with every derived quantity resolved."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    sliding_window: int
+    rms_norm_eps: float
+    final_logit_softcapping: float | None
+    hidden_size_per_layer_input: int  # P; 0 means no per-layer embeddings
+    vocab_size_per_layer_input: int
+    num_kv_shared_layers: int
+    use_double_wide_mlp: bool
+    attention_k_eq_v: bool
+    enable_moe_block: bool
+    num_experts: int | None
+    top_k_experts: int | None
+    moe_intermediate_size: int | None
+    tie_word_embeddings: bool
+    use_bidirectional_attention: str | None
+    layers: tuple[LayerSpec, ...]
+    bos_token_id: int | None = 2
+    eos_token_ids: tuple[int, ...] = (1,)
+    pad_token_id: int | None = 0
+    architecture: str = "Gemma4ForCausalLM"
+    serialisation: str = "legacy"  # "legacy" | "per_layer_config"
+    notes: tuple[str, ...] = field(default=())  # things the loader changed or wants to point out
+
+    @property
+    def first_shared_layer(self) -> int:
+        return self.num_hidden_layers - self.num_kv_shared_layers
+
+    @property
+    def has_ple(self) -> bool:
+        return self.hidden_size_per_layer_input > 0
+
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        return tuple(layer.layer_type for layer in self.layers)
+
+    def fixed_rule_kv_source(self, index: int) -> int:
+        """KV source under the llama.cpp / JAX positional rule (-1 for full, -2 for sliding)."""
+        layer = self.layers[index]
+        if layer.owns_kv:
+            return index
+        return self.first_shared_layer - (2 if layer.is_sliding else 1)
+
+    def fixed_rule_disagreements(self) -> list[int]:
+        """Shared layers whose source differs under the llama.cpp / JAX positional rule."""
+        return [
+            layer.index
+            for layer in self.layers
+            if not layer.owns_kv and self.fixed_rule_kv_source(layer.index) != layer.kv_source
+        ]
+
+
+# ----------------------------------------------------------------------------------------------
+# reading fields
+
+
+_REQUIRED = object()
+
+
+def _get(d: dict, key: str, kind: type | tuple, default: Any = _REQUIRED, where: str = "config.json") -> Any:
+    if key not in d or (d[key] is None and default is not _REQUIRED):
+        if default is _REQUIRED:
+            raise ConfigError(f"{where}: required field '{key}' is missing; add it to the config")
+        return default
+    value = d[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if int in kinds and isinstance(value, bool):
+        ok = bool in kinds
+    elif float in kinds and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+        value = float(value)
+    else:
+        ok = isinstance(value, kinds)
+    if not ok:
+        names = " or ".join(k.__name__ for k in kinds)
+        raise ConfigError(f"{where}: field '{key}' must be {names}, got {value!r}; fix the value in the config")
+    return value
+
+
+def _positive(value: int, key: str, where: str) -> int:
+    if value <= 0:
+        raise ConfigError(f"{where}: field '{key}' must be positive, got {value}")
+    return value
+
+
+def _token_ids(value: Any, key: str, where: str) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    items = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
+        raise ConfigError(f"{where}: field '{key}' must be an integer or a list of integers, got {value!r}")
+    return tuple(items)
+
+
+def _rope_specs(text: dict, used_types: set[str], where: str) -> dict[str, RopeSpec]:
+    raw = text.get("rope_parameters")
+    if raw is None:
+        raw = DEFAULT_ROPE
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: field 'rope_parameters' must be an object keyed by layer type, got {raw!r}")
+    specs = {}
+    for layer_type in sorted(used_types):
+        if layer_type not in raw or not isinstance(raw[layer_type], dict):
+            raise ConfigError(
+                f"{where}: 'rope_parameters' has no entry for layer type '{layer_type}'; add "
+                f'"{layer_type}": {json.dumps(DEFAULT_ROPE[layer_type])}'
+            )
+        entry = raw[layer_type]
+        key = f"rope_parameters.{layer_type}"
+        rope_type = entry.get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise ConfigError(
+                f"{where}: '{key}.rope_type' is {rope_type!r}, which this oracle does not know; "
+                f"Gemma 4 uses one of {', '.join(ROPE_TYPES)}"
+            )
+        theta = _get(entry, "rope_theta", float, where=f"{where} {key}")
+        _positive_float(theta, f"{key}.rope_theta", where)
+        prf = _get(entry, "partial_rotary_factor", float, 1.0, where=f"{where} {key}")
+        factor = _get(entry, "factor", float, 1.0, where=f"{where} {key}")
+        if rope_type == "default" and (prf != 1.0 or factor != 1.0):
+            raise ConfigError(
+                f"{where}: '{key}' sets partial_rotary_factor or factor with rope_type 'default'; Gemma 4 only "
+                "uses them with rope_type 'proportional' (remove them, or set rope_type to 'proportional')"
+            )
+        if not 0.0 < prf <= 1.0:
+            raise ConfigError(f"{where}: '{key}.partial_rotary_factor' must be in (0, 1], got {prf}")
+        _positive_float(factor, f"{key}.factor", where)
+        specs[layer_type] = RopeSpec(rope_type, theta, prf, factor)
+    return specs
+
+
+def _positive_float(value: float, key: str, where: str) -> None:
+    if not (value > 0 and math.isfinite(value)):
+        raise ConfigError(f"{where}: '{key}' must be a positive number, got {value}")
+
+
+def _layer_types(text: dict, num_layers: int, where: str) -> tuple[list[str], list[str]]:
+    notes = []
+    raw = text.get("layer_types")
+    if raw is None:
+        types = [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(num_layers)]
+        notes.append("layer_types absent: derived the default 5:1 sliding/full pattern")
+    else:
+        if not isinstance(raw, list) or len(raw) != num_layers:
+            raise ConfigError(
+                f"{where}: 'layer_types' must list one type per layer ({num_layers} = num_hidden_layers), "
+                f"got {len(raw) if isinstance(raw, list) else raw!r} entries"
+            )
+        for i, t in enumerate(raw):
+            if t not in LAYER_TYPES:
+                raise ConfigError(
+                    f"{where}: 'layer_types[{i}]' is {t!r}; each entry must be one of {', '.join(LAYER_TYPES)}"
+                )
+        types = list(raw)
+    if types[-1] != FULL:
+        types[-1] = FULL
+        notes.append(
+            f"the last layer ({num_layers - 1}) was '{SLIDING}'; forced to '{FULL}' as transformers does"
+        )
+    return types, notes
+
+
+def _kv_sources(types: list[str], num_shared: int, where: str) -> list[int]:
+    num_layers = len(types)
+    first = num_layers - num_shared
+    sources = list(range(num_layers))
+    for i in range(first, num_layers):
+        producers = [j for j in range(first) if types[j] == types[i]]
+        if not producers:
+            raise ConfigError(
+                f"{where}: KV-shared layer {i} is '{types[i]}' but no layer before the first shared layer "
+                f"({first} = num_hidden_layers - num_kv_shared_layers) has that type, so nothing produces its "
+                "K/V; lower 'num_kv_shared_layers' or change 'layer_types'"
+            )
+        sources[i] = producers[-1]
+    return sources
+
+
+# ----------------------------------------------------------------------------------------------
+# public entry points
+
+
+def text_section(raw: dict, where: str = "config.json") -> tuple[dict, dict, str]:
+    """Split a parsed config.json into (text fields, top-level fields, architecture name)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a JSON object at the top level")
+    archs = raw.get("architectures") or []
+    if "text_config" in raw:
+        text = raw["text_config"]
+        if not isinstance(text, dict):
+            raise ConfigError(f"{where}: 'text_config' must be an object")
+        arch = archs[0] if archs else "Gemma4ForConditionalGeneration"
+    else:
+        text = raw
+        arch = archs[0] if archs else "Gemma4ForCausalLM"
+    return text, raw, arch
+
+
+def parse_config(raw: dict, where: str = "config.json", extra_eos: tuple[int, ...] = ()) -> TextConfig:
+    """Build a ``TextConfig`` from a parsed config.json (either architecture, either serialisation)."""
+    text, top, arch = text_section(raw, where)
+    if "text_config" in top:
+        where = f"{where} text_config"
+
+    L = _positive(_get(text, "num_hidden_layers", int, where=where), "num_hidden_layers", where)
+    H = _positive(_get(text, "hidden_size", int, where=where), "hidden_size", where)
+    V = _positive(_get(text, "vocab_size", int, where=where), "vocab_size", where)
+    N = _positive(_get(text, "num_attention_heads", int, where=where), "num_attention_heads", where)
+    kv_heads = _positive(_get(text, "num_key_value_heads", int, where=where), "num_key_value_heads", where)
+    I = _positive(_get(text, "intermediate_size", int, where=where), "intermediate_size", where)
+    head_dim = _positive(_get(text, "head_dim", int, 256, where), "head_dim", where)
+    W = _positive(_get(text, "sliding_window", int, 512, where), "sliding_window", where)
+    eps = _get(text, "rms_norm_eps", float, 1e-6, where)
+    _positive_float(eps, "rms_norm_eps", where)
+    softcap = _get(text, "final_logit_softcapping", float, None, where)
+    if softcap is not None:
+        _positive_float(softcap, "final_logit_softcapping", where)
+    P = _get(text, "hidden_size_per_layer_input", int, 256, where)
+    if P < 0:
+        raise ConfigError(f"{where}: 'hidden_size_per_layer_input' must be >= 0, got {P}")
+    V_ple = _get(text, "vocab_size_per_layer_input", int, 262_144, where)
+    if P > 0:
+        _positive(V_ple, "vocab_size_per_layer_input", where)
+    num_shared = _get(text, "num_kv_shared_layers", int, 0, where)
+    if not 0 <= num_shared < L:
+        hint = " (an all-shared assistant/drafter model needs its target's cache, which this oracle does not serve)"
+        raise ConfigError(
+            f"{where}: 'num_kv_shared_layers' must be in [0, num_hidden_layers) = [0, {L}), got {num_shared}"
+            + (hint if num_shared == L else "")
+        )
+    double_wide = _get(text, "use_double_wide_mlp", bool, False, where)
+    k_eq_v = _get(text, "attention_k_eq_v", bool, False, where)
+    moe = _get(text, "enable_moe_block", bool, False, where)
+    tie = _get(text, "tie_word_embeddings", bool, top.get("tie_word_embeddings", True) is not False, where)
+    bidir = text.get("use_bidirectional_attention")
+    if bidir not in (None, "vision"):
+        raise ConfigError(
+            f"{where}: 'use_bidirectional_attention' is {bidir!r}; this oracle serves causal language models "
+            "(null) and 'vision' checkpoints, not fully bidirectional embedding models"
+        )
+    act = text.get("hidden_activation", text.get("hidden_act", "gelu_pytorch_tanh"))
+    if act != "gelu_pytorch_tanh":
+        raise ConfigError(f"{where}: 'hidden_activation' is {act!r}; Gemma 4 uses 'gelu_pytorch_tanh'")
+    if text.get("attention_bias"):
+        raise ConfigError(f"{where}: 'attention_bias' is true; Gemma 4 has no biases (set it to false)")
+
+    num_experts = top_k = moe_I = None
+    if moe:
+        for key in ("num_experts", "top_k_experts", "moe_intermediate_size"):
+            if text.get(key) is None:
+                raise ConfigError(
+                    f"{where}: 'enable_moe_block' is true but '{key}' is missing; set '{key}' "
+                    "(the 26B-A4B uses num_experts 128, top_k_experts 8, moe_intermediate_size 704)"
+                )
+        num_experts = _positive(_get(text, "num_experts", int, where=where), "num_experts", where)
+        top_k = _positive(_get(text, "top_k_experts", int, where=where), "top_k_experts", where)
+        moe_I = _positive(_get(text, "moe_intermediate_size", int, where=where), "moe_intermediate_size", where)
+        if top_k > num_experts:
+            raise ConfigError(
+                f"{where}: 'top_k_experts' ({top_k}) exceeds 'num_experts' ({num_experts}); lower top_k_experts"
+            )
+
+    types, notes = _layer_types(text, L, where)
+    rope = _rope_specs(text, set(types), where)
+
+    # per-layer head dim and KV heads, from either serialisation
+    if "per_layer_config" in text and text["per_layer_config"] is not None:
+        serialisation = "per_layer_config"
+        plc = text["per_layer_config"]
+        if not isinstance(plc, dict):
+            raise ConfigError(f"{where}: 'per_layer_config' must map layer indices to override objects")
+        overrides: dict[int, dict] = {}
+        for key, value in plc.items():
+            if not (isinstance(key, str) and key.lstrip("-").isdigit()) or not 0 <= int(key) < L:
+                raise ConfigError(f"{where}: 'per_layer_config' key {key!r} is not a layer index in [0, {L})")
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}: 'per_layer_config[{key}]' must be an object of overridden fields")
+            unknown = sorted(set(value) - {"head_dim", "num_key_value_heads"})
+            if unknown:
+                raise ConfigError(
+                    f"{where}: 'per_layer_config[{key}]' overrides {unknown}, which this oracle does not derive "
+                    "per layer (only head_dim and num_key_value_heads)"
+                )
+            overrides[int(key)] = value
+        per_layer = []
+        for i in range(L):
+            o = overrides.get(i, {})
+            d = _positive(_get(o, "head_dim", int, head_dim, f"{where} per_layer_config[{i}]"), "head_dim", where)
+            k = _get(o, "num_key_value_heads", int, kv_heads, f"{where} per_layer_config[{i}]")
+            per_layer.append((d, _positive(k, "num_key_value_heads", where)))
+    else:
+        serialisation = "legacy"
+        global_head_dim = _positive(_get(text, "global_head_dim", int, 512, where), "global_head_dim", where)
+        if "global_head_dim" not in text:
+            notes.append("global_head_dim absent: full layers use the transformers default 512")
+        global_kv = _get(text, "num_global_key_value_heads", int, None, where)
+        per_layer = []
+        for t in types:
+            if t == FULL:
+                k = global_kv if (k_eq_v and global_kv is not None) else kv_heads
+                per_layer.append((global_head_dim, _positive(k, "num_global_key_value_heads", where)))
+            else:
+                per_layer.append((head_dim, kv_heads))
+
+    sources = _kv_sources(types, num_shared, where)
+    first = L - num_shared
+    layers = []
+    for i, t in enumerate(types):
+        d, k = per_layer[i]
+        if N % k:
+            field_name = "num_global_key_value_heads" if (t == FULL and k_eq_v and serialisation == "legacy"
+                                                          and "num_global_key_value_heads" in text) else "num_key_value_heads"
+            raise ConfigError(
+                f"{where}: layer {i} ({t}) has {N} attention heads, not divisible by its {k} KV heads "
+                f"('{field_name}'); choose a KV head count that divides num_attention_heads"
+            )
+        if d % 2:
+            raise ConfigError(f"{where}: layer {i} has odd head_dim {d}; RoPE pairs dimension i with i + D/2")
+        width = 2 * I if (double_wide and i >= first) else I
+        layers.append(LayerSpec(i, t, d, k, k_eq_v and t == FULL, sources[i], width, rope[t]))
+    # a shared layer attends over its source's K/V, so the geometry must match
+    for layer in layers:
+        src = layers[layer.kv_source]
+        if (layer.head_dim, layer.num_kv_heads) != (src.head_dim, src.num_kv_heads):
+            raise ConfigError(
+                f"{where}: shared layer {layer.index} (head_dim {layer.head_dim}, {layer.num_kv_heads} KV heads) "
+                f"reads the K/V of layer {src.index} (head_dim {src.head_dim}, {src.num_kv_heads} KV heads); "
+                "their geometry must match"
+            )
+
+    eos = _token_ids(text.get("eos_token_id", top.get("eos_token_id", 1)), "eos_token_id", where)
+    eos = tuple(dict.fromkeys(eos + tuple(extra_eos)))
+    bos = text.get("bos_token_id", top.get("bos_token_id", 2))
+    pad = text.get("pad_token_id", top.get("pad_token_id", 0))
+
+    return TextConfig(
+        vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=N, intermediate_size=I,
+        sliding_window=W, rms_norm_eps=eps, final_logit_softcapping=softcap,
+        hidden_size_per_layer_input=P, vocab_size_per_layer_input=V_ple if P > 0 else 0,
+        num_kv_shared_layers=num_shared, use_double_wide_mlp=double_wide, attention_k_eq_v=k_eq_v,
+        enable_moe_block=moe, num_experts=num_experts, top_k_experts=top_k, moe_intermediate_size=moe_I,
+        tie_word_embeddings=tie, use_bidirectional_attention=bidir, layers=tuple(layers),
+        bos_token_id=bos, eos_token_ids=eos, pad_token_id=pad, architecture=arch,
+        serialisation=serialisation, notes=tuple(notes),
+    )
+
+
+def load_config(model_dir: str | Path) -> TextConfig:
+    """Read ``config.json`` (and ``generation_config.json`` stop ids, if present) from a checkpoint directory."""
+    model_dir = Path(model_dir)
+    path = model_dir / "config.json"
+    if not model_dir.is_dir():
+        raise ConfigError(f"{model_dir}: not a directory; pass a checkpoint directory holding config.json")
+    if not path.is_file():
+        raise ConfigError(f"{path}: not found; a checkpoint directory must hold config.json")
+    raw = _read_json(path)
+    extra_eos: tuple[int, ...] = ()
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        extra_eos = _token_ids(_read_json(gen).get("eos_token_id"), "eos_token_id", str(gen))
+    return parse_config(raw, str(path), extra_eos)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot be read ({e})") from None

@@ -1,0 +1,24 @@
+"""Errors raised for bad input. Each message names what is wrong and how to fix it.
+
+The command-line tools print these messages (never a traceback) and exit with status 2.
+"""
+
+
+class RefimplError(Exception):
+    """Base class of every error the oracle raises for bad input."""
+
+
+class ConfigError(RefimplError):
+    """config.json is missing, malformed or inconsistent."""
+
+
+class WeightsError(RefimplError):
+    """A safetensors file or tensor is missing, corrupt, truncated or mis-shaped."""
+
+
+class TokenizerError(RefimplError):
+    """The tokenizer is missing or cannot encode or decode what was asked."""
+
+
+class InputError(RefimplError):
+    """Token ids, rows or other call arguments are out of range."""

@@ -1,0 +1,410 @@
+"""The Gemma 4 text decoder, one small pure function per math step (gemma4-text-spec.md section 4).
+
+Shapes: T new tokens, S keys (cached + new), H hidden, N query heads, K KV heads, G = N / K,
+D head dim, P per-layer-input dim, L layers, V vocabulary, E experts.
+
+``Gemma4.forward`` runs every layer over every new token (vectorised over tokens and heads), keeps
+an explicit KV cache, and projects only the requested rows through the LM head, streaming over the
+vocabulary so the full ``[T, V]`` logits exist only when all rows are asked for.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from .config import RopeSpec, TextConfig, load_config
+from .errors import InputError
+from .weights import Gemma4Weights
+
+HEAD_CHUNK = 16_384  # vocabulary rows decoded per step of the streamed LM head
+
+
+# ----------------------------------------------------------------------------------------------
+# primitives
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+    """x [..., D] -> x / sqrt(mean(x^2) + eps) * weight. Gemma 4 uses w, not 1 + w; None = scale-free."""
+    y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    return y if weight is None else y * weight
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def linear(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """x [T, in] @ weight[out, in]^T -> [T, out] (no biases anywhere in Gemma 4)."""
+    return x @ weight.T
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def softcap(logits: np.ndarray, cap: float | None) -> np.ndarray:
+    """cap * tanh(logits / cap); identity when the config has no cap."""
+    return logits if cap is None else cap * np.tanh(logits / cap)
+
+
+def rope_inv_freq(rope: RopeSpec, head_dim: int) -> np.ndarray:
+    """Inverse frequencies [D/2] for the rotate-half pairs (i, i + D/2).
+
+    default:      1 / theta^(2i/D) for every pair.
+    proportional: the first n_rot = int(prf * D // 2) pairs get 1 / theta^(2i/D) / factor, with the
+                  FULL head dim D as denominator; the remaining pairs get 0 (cos 1, sin 0: identity).
+    """
+    if rope.rope_type == "default":
+        return 1.0 / rope.theta ** (np.arange(0, head_dim, 2) / head_dim)
+    n_rot = int(rope.partial_rotary_factor * head_dim // 2)
+    rotated = 1.0 / rope.theta ** (np.arange(0, 2 * n_rot, 2) / head_dim) / rope.factor
+    return np.concatenate([rotated, np.zeros(head_dim // 2 - n_rot)])
+
+
+def rope_cos_sin(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """positions [T], inv_freq [D/2] -> cos, sin [T, D/2] of the angles p * inv_freq."""
+    angles = positions[:, None].astype(inv_freq.dtype) * inv_freq[None, :]
+    return np.cos(angles), np.sin(angles)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x [T, heads, D]; rotate-half (NeoX): out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def attention_mask(q_pos: np.ndarray, k_pos: np.ndarray, window: int | None) -> np.ndarray:
+    """bool [T, S]: key k is visible to query q iff k <= q and, on sliding layers, q - k <= W - 1."""
+    delta = q_pos[:, None] - k_pos[None, :]
+    allowed = delta >= 0
+    if window is not None:
+        allowed &= delta < window
+    return allowed
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """q [T, N, D], k/v [S, K, D], mask [T, S] -> [T, N, D]. Scale 1.0, no softcap, GQA head j -> j // G."""
+    T, N, D = q.shape
+    K = k.shape[1]
+    qg = q.reshape(T, K, N // K, D)  # [T, K, G, D]
+    scores = np.einsum("tkgd,skd->kgts", qg, k)  # [K, G, T, S]
+    scores = np.where(mask, scores, -np.inf)
+    probs = softmax(scores, axis=-1)
+    out = np.einsum("kgts,skd->tkgd", probs, v)  # [T, K, G, D]
+    return out.reshape(T, N, D)
+
+
+def mlp(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    """GeGLU: (gelu_tanh(x gate^T) * (x up^T)) down^T; x [T, H] -> [T, H]."""
+    return linear(gelu_tanh(linear(x, gate)) * linear(x, up), down)
+
+
+def route(r: np.ndarray, scale: np.ndarray, proj: np.ndarray, per_expert_scale: np.ndarray,
+          top_k: int, eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Router on the un-normalised residual r [T, H].
+
+    z = rms(r) * scale * H^-1/2; probs = softmax(z proj^T) over all E experts; take the top-k,
+    renormalise them to sum 1, then multiply by per_expert_scale. Ties go to the lower expert index.
+    Returns (expert index [T, k], weight [T, k], probs [T, E]).
+    """
+    z = rms_norm(r, None, eps) * scale * r.shape[-1] ** -0.5
+    probs = softmax(linear(z, proj))  # [T, E]
+    idx = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]  # [T, k]
+    top = np.take_along_axis(probs, idx, axis=-1)
+    weight = top / np.sum(top, axis=-1, keepdims=True) * per_expert_scale[idx]
+    return idx, weight, probs
+
+
+def router_margin(probs: np.ndarray, top_k: int) -> np.ndarray:
+    """[T]: probability gap between the k-th chosen and the best unchosen expert (inf if all chosen)."""
+    if top_k >= probs.shape[-1]:
+        return np.full(probs.shape[0], np.inf)
+    ordered = -np.sort(-probs, axis=-1)
+    return ordered[:, top_k - 1] - ordered[:, top_k]
+
+
+def experts(u: np.ndarray, idx: np.ndarray, weight: np.ndarray, expert_weights) -> np.ndarray:
+    """Weighted sum of the chosen experts' GeGLU outputs. u [T, H]; idx, weight [T, k] -> [T, H].
+
+    ``expert_weights(e)`` returns (gate_up [2 Im, H] with gate rows first, down [H, Im]).
+    Loops over experts (not tokens): each expert runs once on the tokens routed to it.
+    """
+    out = np.zeros_like(u)
+    for e in np.unique(idx):
+        tok, slot = np.nonzero(idx == e)  # a token picks an expert at most once
+        gate_up, down = expert_weights(int(e))
+        gu = linear(u[tok], gate_up)  # [n, 2 Im]
+        half = gu.shape[-1] // 2
+        y = linear(gelu_tanh(gu[:, :half]) * gu[:, half:], down)  # [n, H]
+        out[tok] += weight[tok, slot][:, None] * y
+    return out
+
+
+def per_layer_inputs(x0: np.ndarray, tok_rows: np.ndarray, proj: np.ndarray, norm_w: np.ndarray,
+                     L: int, P: int, eps: float) -> np.ndarray:
+    """PLE [T, L, P] = (RMSNorm_P(x0 proj^T * H^-1/2) + table[ids] * sqrt(P)) / sqrt(2).
+
+    x0 [T, H] is the sqrt(H)-scaled embedding; tok_rows [T, L*P] the gathered PLE table rows.
+    """
+    T, H = x0.shape
+    ctx = rms_norm((linear(x0, proj) * H**-0.5).reshape(T, L, P), norm_w, eps)
+    tok = tok_rows.reshape(T, L, P) * math.sqrt(P)
+    return (ctx + tok) * 2**-0.5
+
+
+def bf16_round(x: float) -> float:
+    """Round a float to the nearest bfloat16 value (ties to even)."""
+    bits = np.array([x], dtype=np.float32).view(np.uint32).astype(np.uint64)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return float(bits.astype(np.uint32).view(np.float32)[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# KV cache
+
+
+@dataclass
+class LayerKV:
+    """K/V of one KV-owning layer: post-k_norm, post-RoPE keys and post-v_norm values, with positions."""
+
+    k: np.ndarray  # [S, K, D]
+    v: np.ndarray  # [S, K, D]
+    pos: np.ndarray  # [S] absolute positions
+
+
+@dataclass
+class KVCache:
+    """Per-sequence state. Sliding layers keep their last W - 1 keys (all a future query can see);
+    full layers keep everything; KV-shared layers own nothing and read their source layer's K/V."""
+
+    length: int = 0
+    layers: dict[int, LayerKV] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------------------------
+# the model
+
+
+@dataclass
+class Trace:
+    """Named intermediates, filled by ``forward`` when passed in. Arrays are [T, H] unless noted."""
+
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def put(self, name: str, value: np.ndarray) -> None:
+        self.tensors[name] = np.array(value, copy=True)
+
+
+class Gemma4:
+    """Exact Gemma 4 text decoder over a Hugging Face checkpoint directory."""
+
+    def __init__(self, model_dir: str | Path, dtype: str | np.dtype = "float64", embed_scale: str = "exact"):
+        dtype = np.dtype(dtype)
+        if dtype not in (np.float64, np.float32):
+            raise InputError(f"dtype must be float64 or float32, got {dtype}")
+        if embed_scale not in ("exact", "bf16"):
+            raise InputError(f"embed_scale must be 'exact' or 'bf16', got {embed_scale!r}")
+        self.model_dir = Path(model_dir)
+        self.cfg: TextConfig = load_config(model_dir)
+        self.weights = Gemma4Weights(model_dir, self.cfg, dtype)
+        self.dtype = dtype
+        root = math.sqrt(self.cfg.hidden_size)
+        self.embed_scale = root if embed_scale == "exact" else bf16_round(root)
+        self._inv_freq = {
+            (layer.layer_type, layer.head_dim): rope_inv_freq(layer.rope, layer.head_dim)
+            for layer in self.cfg.layers
+        }
+
+    # -- inputs -------------------------------------------------------------------------------
+
+    def check_ids(self, ids: Iterable[int]) -> np.ndarray:
+        ids = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids)
+        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise InputError("token ids must be a non-empty 1-D list of integers")
+        bad = ids[(ids < 0) | (ids >= self.cfg.vocab_size)]
+        if bad.size:
+            raise InputError(f"token id {int(bad[0])} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        return ids.astype(np.int64)
+
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        """x0 [T, H] = E[ids] * sqrt(H) (exact, or bf16-rounded on request); rows read from the memory map."""
+        return self.weights.rows("embed_tokens.weight", ids) * self.dtype.type(self.embed_scale)
+
+    def ple(self, x0: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """Per-layer inputs [T, L, P]; ids outside the PLE table use row 0 (the pad row), as HF and JAX do."""
+        cfg, w = self.cfg, self.weights
+        ple_ids = np.where((ids >= 0) & (ids < cfg.vocab_size_per_layer_input), ids, 0)
+        return per_layer_inputs(
+            x0, w.rows("embed_tokens_per_layer.weight", ple_ids), w["per_layer_model_projection.weight"],
+            w["per_layer_projection_norm.weight"], cfg.num_hidden_layers, cfg.hidden_size_per_layer_input,
+            cfg.rms_norm_eps,
+        )
+
+    # -- one layer ----------------------------------------------------------------------------
+
+    def attention_block(self, i: int, x: np.ndarray, positions: np.ndarray, cache: KVCache,
+                        call_kv: dict[int, LayerKV]) -> np.ndarray:
+        """Pre-norm attention with q/k/v norms and RoPE; returns the post-attention-normed output [T, H]."""
+        cfg, layer, w = self.cfg, self.cfg.layers[i], self.weights
+        p = f"layers.{i}."
+        T, N, D, eps = x.shape[0], cfg.num_attention_heads, layer.head_dim, cfg.rms_norm_eps
+        cos, sin = (a.astype(self.dtype) for a in rope_cos_sin(positions, self._inv_freq[(layer.layer_type, D)]))
+
+        h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
+        q = linear(h, w[p + "self_attn.q_proj.weight"]).reshape(T, N, D)
+        q = apply_rope(rms_norm(q, w[p + "self_attn.q_norm.weight"], eps), cos, sin)
+
+        if layer.owns_kv:
+            K = layer.num_kv_heads
+            kr = linear(h, w[p + "self_attn.k_proj.weight"]).reshape(T, K, D)
+            vr = kr if layer.k_eq_v else linear(h, w[p + "self_attn.v_proj.weight"]).reshape(T, K, D)
+            k = apply_rope(rms_norm(kr, w[p + "self_attn.k_norm.weight"], eps), cos, sin)
+            v = rms_norm(vr, None, eps)  # v_norm: scale-free
+            past = cache.layers.get(i)
+            if past is not None:
+                k, v = np.concatenate([past.k, k]), np.concatenate([past.v, v])
+                positions_all = np.concatenate([past.pos, positions])
+            else:
+                positions_all = positions
+            kv = call_kv[i] = LayerKV(k, v, positions_all)
+        else:
+            kv = call_kv[layer.kv_source]  # post-norm, post-RoPE K/V of the source layer
+
+        mask = attention_mask(positions, kv.pos, cfg.sliding_window if layer.is_sliding else None)
+        a = attention(q, kv.k, kv.v, mask).reshape(T, N * D)
+        o = linear(a, w[p + "self_attn.o_proj.weight"])
+        return rms_norm(o, w[p + "post_attention_layernorm.weight"], eps)
+
+    def ffn_block(self, i: int, r: np.ndarray, trace: Trace | None) -> np.ndarray:
+        """Dense GeGLU, or MoE with its dense branch in parallel; returns the post-FFN-normed output [T, H]."""
+        cfg, w, eps = self.cfg, self.weights, self.cfg.rms_norm_eps
+        p = f"layers.{i}."
+        u = rms_norm(r, w[p + "pre_feedforward_layernorm.weight"], eps)
+        m = mlp(u, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"], w[p + "mlp.down_proj.weight"])
+        if cfg.enable_moe_block:
+            m1 = rms_norm(m, w[p + "post_feedforward_layernorm_1.weight"], eps)
+            idx, weight, probs = route(r, w[p + "router.scale"], w[p + "router.proj.weight"],
+                                       w[p + "router.per_expert_scale"], cfg.top_k_experts, eps)
+            u2 = rms_norm(r, w[p + "pre_feedforward_layernorm_2.weight"], eps)
+
+            def expert_weights(e: int) -> tuple[np.ndarray, np.ndarray]:
+                return w.rows(p + "experts.gate_up_proj", e), w.rows(p + "experts.down_proj", e)
+
+            m2 = rms_norm(experts(u2, idx, weight, expert_weights), w[p + "post_feedforward_layernorm_2.weight"], eps)
+            if trace is not None:
+                trace.put(p + "router.experts", idx)
+                trace.put(p + "router.margin", router_margin(probs, cfg.top_k_experts))
+            m = m1 + m2
+        return rms_norm(m, w[p + "post_feedforward_layernorm.weight"], eps)
+
+    def ple_block(self, i: int, x: np.ndarray, ple_i: np.ndarray) -> np.ndarray:
+        """gelu(x gate^T) * ple_l -> proj -> norm; returns the term added to the residual [T, H]."""
+        w, p = self.weights, f"layers.{i}."
+        g = gelu_tanh(linear(x, w[p + "per_layer_input_gate.weight"])) * ple_i
+        g = linear(g, w[p + "per_layer_projection.weight"])
+        return rms_norm(g, w[p + "post_per_layer_input_norm.weight"], self.cfg.rms_norm_eps)
+
+    def layer(self, i: int, x: np.ndarray, ple_i: np.ndarray | None, positions: np.ndarray, cache: KVCache,
+              call_kv: dict[int, LayerKV], trace: Trace | None) -> np.ndarray:
+        p = f"layers.{i}."
+        a = self.attention_block(i, x, positions, cache, call_kv)
+        r = x + a
+        m = self.ffn_block(i, r, trace)
+        x = r + m
+        if ple_i is not None:
+            g = self.ple_block(i, x, ple_i)
+            x = x + g
+        x = x * self.weights[p + "layer_scalar"][0]
+        if trace is not None:
+            trace.put(p + "attn_out", a)
+            trace.put(p + "ffn_out", m)
+            if ple_i is not None:
+                trace.put(p + "ple_add", g)
+            trace.put(p + "residual", x)
+        return x
+
+    # -- whole model --------------------------------------------------------------------------
+
+    def hidden_states(self, ids: Sequence[int] | np.ndarray, *, cache: KVCache | None = None,
+                      embeddings: np.ndarray | None = None, trace: Trace | None = None) -> np.ndarray:
+        """Run every layer over the new tokens; returns the residual stream [T, H] before the final norm.
+
+        ``embeddings`` [T, H], when given, replaces E[ids] * sqrt(H) as the input (it must already be
+        scaled); ``ids`` then only select the per-layer-embedding rows (use the pad id 0 for soft tokens).
+        ``cache`` is advanced in place; positions continue from ``cache.length``.
+        """
+        cfg = self.cfg
+        ids = self.check_ids(ids)
+        cache = cache if cache is not None else KVCache()
+        T = ids.shape[0]
+        if embeddings is None:
+            x = self.embed(ids)
+        else:
+            x = np.asarray(embeddings, dtype=self.dtype)
+            if x.shape != (T, cfg.hidden_size):
+                raise InputError(f"embeddings must have shape [{T}, {cfg.hidden_size}], got {list(x.shape)}")
+        ple = self.ple(x, ids) if cfg.has_ple else None
+        positions = np.arange(cache.length, cache.length + T)
+        if trace is not None:
+            trace.put("embed", x)
+            if ple is not None:
+                trace.put("ple", ple)
+
+        call_kv: dict[int, LayerKV] = {}
+        for i in range(cfg.num_hidden_layers):
+            x = self.layer(i, x, None if ple is None else ple[:, i, :], positions, cache, call_kv, trace)
+
+        # keep what future tokens can attend to: sliding layers their last W - 1 keys, full layers all
+        end = cache.length + T
+        for i, kv in call_kv.items():
+            if cfg.layers[i].is_sliding:
+                keep = kv.pos > end - cfg.sliding_window
+                kv = LayerKV(kv.k[keep], kv.v[keep], kv.pos[keep])
+            cache.layers[i] = kv
+        cache.length = end
+        return x
+
+    def head(self, x: np.ndarray) -> np.ndarray:
+        """Final norm, tied LM head streamed over the vocabulary, softcap: x [R, H] -> logits [R, V]."""
+        cfg = self.cfg
+        y = rms_norm(x, self.weights["norm.weight"], cfg.rms_norm_eps)
+        logits = np.empty((y.shape[0], cfg.vocab_size), dtype=self.dtype)
+        for start in range(0, cfg.vocab_size, HEAD_CHUNK):
+            stop = min(start + HEAD_CHUNK, cfg.vocab_size)
+            logits[:, start:stop] = linear(y, self.weights.head_rows(start, stop))
+        return softcap(logits, cfg.final_logit_softcapping)
+
+    def forward(self, ids: Sequence[int] | np.ndarray, *, rows: str | Sequence[int] = "all",
+                cache: KVCache | None = None, embeddings: np.ndarray | None = None,
+                trace: Trace | None = None) -> np.ndarray:
+        """Logits [R, V] for the requested rows of this call: "last", "all", or a list of indices."""
+        ids = self.check_ids(ids)
+        index = resolve_rows(rows, len(ids))
+        x = self.hidden_states(ids, cache=cache, embeddings=embeddings, trace=trace)
+        return self.head(x[index])
+
+
+def resolve_rows(rows: str | Sequence[int], T: int) -> np.ndarray:
+    """"last" | "all" | indices (negative counts from the end) -> index array into [0, T)."""
+    if isinstance(rows, str):
+        if rows == "last":
+            return np.array([T - 1])
+        if rows == "all":
+            return np.arange(T)
+        raise InputError(f"rows must be 'last', 'all' or a list of indices, got {rows!r}")
+    index = np.asarray(list(rows), dtype=np.int64)
+    if index.ndim != 1:
+        raise InputError("rows must be a flat list of indices")
+    bad = index[(index < -T) | (index >= T)]
+    if bad.size:
+        raise InputError(f"row {int(bad[0])} is outside the {T} tokens of this call")
+    return np.where(index < 0, index + T, index)

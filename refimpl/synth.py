@@ -1,0 +1,211 @@
+"""Synthetic Gemma 4 checkpoints: published variants in miniature, written as Hugging Face directories.
+
+``write_checkpoint(preset, seed, out)`` writes ``config.json`` (legacy serialisation, which
+transformers 5.23+, mlx-lm and the llama.cpp converter all read), ``model.safetensors`` (F32 or
+BF16) and a SentencePiece ``tokenizer.model`` trained deterministically with Gemma's special pieces.
+The same preset and seed give the same bytes.
+
+Weights are drawn so that every parameter matters: norm weights, layer scalars and router scales
+lie in [0.5, 1.5] (so a ``1 + w`` norm or a skipped scalar shows), the final norm is large enough that
+logits reach the non-linear part of the softcap, and router projections are wide enough to give
+clear expert margins. Every preset ends its KV-owning prefix with (sliding, full), so the HF rule
+and the llama.cpp / JAX positional rule pick the same KV source.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from .config import FULL, SLIDING, parse_config
+from .errors import InputError
+from .safetensors_io import write_safetensors
+from .weights import expected_tensors
+
+S, F = SLIDING, FULL
+TOKENIZER_VOCAB = 512
+SPECIAL_PIECES = [
+    "<mask>", "<|turn>", "<turn|>", "<|image>", "<image|>", "<|image|>", "<|audio>", "<audio|>", "<|audio|>",
+    "<|video|>", "<|channel>", "<channel|>", "<|think|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
+    "<tool_response|>", "<|tool>", "<tool|>", '<|"|>',
+]
+
+_COMMON = dict(
+    vocab_size=TOKENIZER_VOCAB, hidden_size=64, num_attention_heads=4, head_dim=16, global_head_dim=32,
+    sliding_window=8, final_logit_softcapping=30.0, rms_norm_eps=1e-6, max_position_embeddings=4096,
+    hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, attention_bias=False,
+    rope_parameters={
+        S: {"rope_type": "default", "rope_theta": 10_000.0},
+        F: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+    },
+    hidden_size_per_layer_input=0, vocab_size_per_layer_input=TOKENIZER_VOCAB, num_kv_shared_layers=0,
+    use_double_wide_mlp=False, attention_k_eq_v=False, num_global_key_value_heads=None,
+    enable_moe_block=False, num_experts=None, top_k_experts=None, moe_intermediate_size=None,
+    use_bidirectional_attention=None, bos_token_id=2, pad_token_id=0,
+)
+
+PRESETS: dict[str, dict] = {
+    "e2b-mini": dict(
+        description="E2B in miniature: PLE, MQA, 4:1 sliding/full, 5 of 10 layers KV-shared, double-wide MLP",
+        num_hidden_layers=10, layer_types=[S, S, S, S, F] * 2, num_key_value_heads=1, intermediate_size=128,
+        hidden_size_per_layer_input=8, num_kv_shared_layers=5, use_double_wide_mlp=True,
+    ),
+    "e4b-mini": dict(
+        description="E4B in miniature: PLE, GQA, 5:1 sliding/full, 6 of 12 layers KV-shared",
+        num_hidden_layers=12, layer_types=[S, S, S, S, S, F] * 2, num_key_value_heads=2, intermediate_size=128,
+        hidden_size_per_layer_input=8, num_kv_shared_layers=6,
+    ),
+    "26b-a4b-mini": dict(
+        description="26B-A4B in miniature: MoE (8 experts, top-2) beside a dense branch, K=V full layers, 1 global KV head",
+        num_hidden_layers=6, layer_types=[S, S, S, S, S, F], num_key_value_heads=2, intermediate_size=96,
+        attention_k_eq_v=True, num_global_key_value_heads=1, enable_moe_block=True, num_experts=8,
+        top_k_experts=2, moe_intermediate_size=32, use_bidirectional_attention="vision",
+    ),
+    "31b-mini": dict(
+        description="31B in miniature: dense, K=V full layers, 1 global KV head",
+        num_hidden_layers=6, layer_types=[S, S, S, S, S, F], num_key_value_heads=2, intermediate_size=128,
+        attention_k_eq_v=True, num_global_key_value_heads=1, use_bidirectional_attention="vision",
+    ),
+    "all-features": dict(
+        description="every text feature at once: PLE, KV sharing of both types, double-wide MLP, MoE, K=V, GQA",
+        num_hidden_layers=8, layer_types=[S, S, S, S, F, S, S, F], num_key_value_heads=2, intermediate_size=96,
+        hidden_size_per_layer_input=8, num_kv_shared_layers=3, use_double_wide_mlp=True,
+        attention_k_eq_v=True, num_global_key_value_heads=1, enable_moe_block=True, num_experts=4,
+        top_k_experts=2, moe_intermediate_size=32,
+    ),
+}
+
+
+def preset_config(preset: str, turn_end_id: int) -> dict:
+    """The config.json (legacy serialisation, Gemma4ForCausalLM) of a preset."""
+    if preset not in PRESETS:
+        raise InputError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    fields = {k: v for k, v in PRESETS[preset].items() if k != "description"}
+    cfg = {
+        "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "dtype": "float32",
+        **_COMMON, **fields, "eos_token_id": [1, turn_end_id],
+    }
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# weights
+
+
+def _draw(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """One tensor: norms and scales in [0.5, 1.5]; projections ~ N(0, 1/fan_in); see module doc."""
+    leaf = name.rsplit(".", 2)
+    if name == "norm.weight":
+        return rng.uniform(1.5, 2.5, shape)  # logits of ~10: the softcap of 30 is visibly non-linear
+    if name == "embed_tokens.weight":
+        return rng.normal(0.0, 0.6, shape)
+    if name == "embed_tokens_per_layer.weight":
+        return rng.normal(0.0, 0.5, shape)
+    if name.endswith("router.proj.weight"):
+        return rng.normal(0.0, 2.0, shape)  # router logits of std ~2: clear top-k margins
+    if ("norm" in name and name.endswith(".weight")) or leaf[-1] in ("layer_scalar", "scale", "per_expert_scale"):
+        return rng.uniform(0.5, 1.5, shape)
+    fan_in = shape[-1]
+    return rng.normal(0.0, fan_in**-0.5, shape)
+
+
+def make_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
+    cfg = parse_config(config)
+    rng = np.random.default_rng(seed)
+    return {name: _draw(name, shape, rng) for name, shape in sorted(expected_tensors(cfg).items())}
+
+
+# ----------------------------------------------------------------------------------------------
+# tokenizer
+
+
+def _corpus(seed: int = 0):
+    rng = random.Random(seed)
+    words = (
+        "the a an of to in is and gemma model token layer attention window cache prefill decode logits "
+        "vocabulary sliding full rotary norm expert router scale embedding head softcap sequence batch "
+        "chunk position mask key value query hidden width double shared per table projection hello world "
+        "what why how when where which who this that these those it they we you user question answer"
+    ).split()
+    tails = [".", "!", "?", ",", " 123", " 4096", " café", " 漢字", " naïve", "\n", "  ", ""]
+    for _ in range(3000):
+        yield " ".join(rng.choice(words) for _ in range(rng.randint(3, 15))) + rng.choice(tails)
+
+
+def train_tokenizer() -> bytes:
+    """A 512-piece BPE SentencePiece model with Gemma's ids (pad 0, eos 1, bos 2, unk 3, <mask> 4),
+    Gemma 4's markers as user-defined pieces, byte fallback; deterministic."""
+    import sentencepiece as spm
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=_corpus(), model_writer=buf, vocab_size=TOKENIZER_VOCAB, model_type="bpe",
+        byte_fallback=True, pad_id=0, eos_id=1, bos_id=2, unk_id=3,
+        pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>",
+        character_coverage=1.0, split_digits=True, allow_whitespace_only_pieces=True,
+        remove_extra_whitespaces=False, normalization_rule_name="identity", add_dummy_prefix=False,
+        num_threads=1, user_defined_symbols=SPECIAL_PIECES, minloglevel=2,
+    )
+    return buf.getvalue()
+
+
+# ----------------------------------------------------------------------------------------------
+# the directory
+
+
+def write_checkpoint(preset: str, seed: int, out: str | Path, dtype: str = "f32",
+                     layout: str = "causal", overwrite: bool = False) -> Path:
+    """Write a complete checkpoint directory; atomic (a temporary directory renamed into place).
+
+    layout "causal" writes Gemma4ForCausalLM (tensors under ``model.``); "conditional" writes the
+    published Gemma4ForConditionalGeneration form (config under ``text_config``, tensors under
+    ``model.language_model.``) without vision or audio towers.
+    """
+    if dtype not in ("f32", "bf16"):
+        raise InputError(f"dtype must be f32 or bf16, got {dtype!r}")
+    if layout not in ("causal", "conditional"):
+        raise InputError(f"layout must be causal or conditional, got {layout!r}")
+    if not isinstance(seed, int) or seed < 0:
+        raise InputError(f"seed must be a non-negative integer, got {seed!r}")
+    out = Path(out)
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
+        raise InputError(f"{out} already exists and is not an empty directory; choose another --out")
+
+    tokenizer = train_tokenizer()
+    turn_end = SPECIAL_PIECES.index("<turn|>") + 4  # user-defined pieces follow the 4 core ids
+    config = preset_config(preset, turn_end)
+    weights = make_weights(config, seed)
+    config["dtype"] = "bfloat16" if dtype == "bf16" else "float32"
+    prefix = "model."
+    if layout == "conditional":
+        prefix = "model.language_model."
+        text = {k: v for k, v in config.items() if k not in ("architectures",)}
+        text["model_type"] = "gemma4_text"
+        config = {
+            "architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "text_config": text,
+            "vision_config": None, "audio_config": None, "eos_token_id": text["eos_token_id"],
+            "tie_word_embeddings": True, "dtype": text["dtype"],
+        }
+    tensors = {prefix + name: value for name, value in weights.items()}
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        write_safetensors(tmp / "model.safetensors", tensors, "BF16" if dtype == "bf16" else "F32",
+                          metadata={"format": "pt", "preset": preset, "seed": str(seed)})
+        (tmp / "tokenizer.model").write_bytes(tokenizer)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

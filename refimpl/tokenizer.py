@@ -1,0 +1,82 @@
+"""The checkpoint's SentencePiece tokenizer: encode with BOS, decode, and the Gemma 4 chat format.
+
+Raw text is encoded as ``[<bos>] + pieces`` (gemma4-text-spec.md section 7: prepend id 2 explicitly).
+Chat prompts are rendered turn by turn::
+
+    <bos><|turn>system\\n{text}<turn|>\\n        (only if there is a system message)
+    <|turn>user\\n{text}<turn|>\\n
+    <|turn>model\\n{text}<turn|>\\n               (role "assistant" is rendered as "model")
+    <|turn>model\\n                              (the generation prompt)
+
+Special markers are inserted by id and only the text between them goes through SentencePiece, as the
+Hugging Face tokenizer does when it splits special tokens out before tokenising.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import TokenizerError
+
+TOKENIZER_FILE = "tokenizer.model"
+TURN_START, TURN_END = "<|turn>", "<turn|>"
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "model", "model": "model"}
+
+
+class Tokenizer:
+    def __init__(self, path: str | Path):
+        import sentencepiece as spm
+
+        self.path = Path(path)
+        self.sp = spm.SentencePieceProcessor()
+        try:
+            self.sp.Load(str(self.path))
+        except (OSError, RuntimeError) as e:
+            raise TokenizerError(f"{self.path}: not a SentencePiece model ({e})") from None
+        self.bos_id = self.sp.bos_id()
+        if self.bos_id < 0:
+            raise TokenizerError(f"{self.path}: the tokenizer defines no <bos> piece")
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "Tokenizer | None":
+        """The directory's tokenizer, or None when it ships none (token ids still work then)."""
+        path = Path(model_dir) / TOKENIZER_FILE
+        return cls(path) if path.is_file() else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sp.GetPieceSize()
+
+    def piece_id(self, piece: str) -> int:
+        i = self.sp.PieceToId(piece)
+        if i == self.sp.unk_id() and piece != self.sp.IdToPiece(i):
+            raise TokenizerError(f"{self.path}: the tokenizer has no '{piece}' piece, needed for the chat format")
+        return i
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        ids = list(self.sp.EncodeAsIds(text))
+        return [self.bos_id] + ids if add_bos else ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.sp.DecodeIds([int(i) for i in ids])
+
+    def piece(self, i: int) -> str:
+        return self.sp.IdToPiece(int(i))
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation in the Gemma 4 chat format, starting with <bos>."""
+        start, end = self.piece_id(TURN_START), self.piece_id(TURN_END)
+        ids = [self.bos_id]
+        for n, message in enumerate(messages):
+            if not isinstance(message, dict) or "role" not in message or "content" not in message:
+                raise TokenizerError(f"chat message {n} must be an object with 'role' and 'content'")
+            role = ROLES.get(message["role"])
+            if role is None:
+                raise TokenizerError(
+                    f"chat message {n} has role {message['role']!r}; use one of {', '.join(ROLES)}"
+                )
+            ids += [start] + self.encode(f"{role}\n{message['content']}", add_bos=False) + [end]
+            ids += self.encode("\n", add_bos=False)
+        if add_generation_prompt:
+            ids += [start] + self.encode("model\n", add_bos=False)
+        return ids

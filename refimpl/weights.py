@@ -1,0 +1,172 @@
+"""Checkpoint tensor names and shapes for a ``TextConfig``, validated up front and read lazily.
+
+``expected_tensors(cfg)`` is the table of gemma4-text-spec.md section 5. ``Gemma4Weights`` checks a
+checkpoint against it once (missing, unexpected and mis-shaped tensors are one error naming the
+file, tensor, expected and found shape), then hands out decoded tensors on demand: nothing is
+upcast to float64 until a layer asks for it, and embedding tables are only ever read row by row.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .config import TextConfig
+from .errors import WeightsError
+from .safetensors_io import TensorStore
+
+TEXT_PREFIXES = ("model.language_model.", "model.")
+# multimodal towers of Gemma4ForConditionalGeneration; the text oracle does not read them
+MULTIMODAL_PREFIXES = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
+STALE_ON_SHARED = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_norm.weight")
+
+
+def expected_tensors(cfg: TextConfig) -> dict[str, tuple[int, ...]]:
+    """Every text-decoder tensor the checkpoint must hold (names without prefix) and its shape."""
+    H, V, N, P, L = cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads, cfg.hidden_size_per_layer_input, cfg.num_hidden_layers
+    t: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (V, H), "norm.weight": (H,)}
+    if cfg.has_ple:
+        t["embed_tokens_per_layer.weight"] = (cfg.vocab_size_per_layer_input, L * P)
+        t["per_layer_model_projection.weight"] = (L * P, H)
+        t["per_layer_projection_norm.weight"] = (P,)
+    for layer in cfg.layers:
+        p = f"layers.{layer.index}."
+        D, K, I = layer.head_dim, layer.num_kv_heads, layer.ffn_width
+        t[p + "input_layernorm.weight"] = (H,)
+        t[p + "self_attn.q_proj.weight"] = (N * D, H)
+        t[p + "self_attn.q_norm.weight"] = (D,)
+        if layer.owns_kv:
+            t[p + "self_attn.k_proj.weight"] = (K * D, H)
+            t[p + "self_attn.k_norm.weight"] = (D,)
+            if not layer.k_eq_v:
+                t[p + "self_attn.v_proj.weight"] = (K * D, H)
+        t[p + "self_attn.o_proj.weight"] = (H, N * D)
+        t[p + "post_attention_layernorm.weight"] = (H,)
+        t[p + "pre_feedforward_layernorm.weight"] = (H,)
+        t[p + "mlp.gate_proj.weight"] = (I, H)
+        t[p + "mlp.up_proj.weight"] = (I, H)
+        t[p + "mlp.down_proj.weight"] = (H, I)
+        t[p + "post_feedforward_layernorm.weight"] = (H,)
+        if cfg.enable_moe_block:
+            E, Im = cfg.num_experts, cfg.moe_intermediate_size
+            t[p + "router.proj.weight"] = (E, H)
+            t[p + "router.scale"] = (H,)
+            t[p + "router.per_expert_scale"] = (E,)
+            t[p + "experts.gate_up_proj"] = (E, 2 * Im, H)
+            t[p + "experts.down_proj"] = (E, H, Im)
+            t[p + "pre_feedforward_layernorm_2.weight"] = (H,)
+            t[p + "post_feedforward_layernorm_1.weight"] = (H,)
+            t[p + "post_feedforward_layernorm_2.weight"] = (H,)
+        if cfg.has_ple:
+            t[p + "per_layer_input_gate.weight"] = (P, H)
+            t[p + "per_layer_projection.weight"] = (H, P)
+            t[p + "post_per_layer_input_norm.weight"] = (H,)
+        t[p + "layer_scalar"] = (1,)
+    return t
+
+
+class Gemma4Weights:
+    """The text-decoder tensors of one checkpoint, validated against its config, decoded on demand."""
+
+    def __init__(self, model_dir: str | Path, cfg: TextConfig, dtype: np.dtype = np.float64):
+        self.cfg = cfg
+        self.dtype = np.dtype(dtype)
+        self.store = TensorStore(model_dir)
+        self.prefix = self._find_prefix()
+        self.ignored: list[str] = []
+        self._validate()
+
+    def _find_prefix(self) -> str:
+        for prefix in TEXT_PREFIXES:
+            if prefix + "embed_tokens.weight" in self.store:
+                return prefix
+        raise WeightsError(
+            f"{self.store.model_dir}: missing tensor 'embed_tokens.weight' (looked for "
+            + " and ".join(f"'{p}embed_tokens.weight'" for p in TEXT_PREFIXES)
+            + "); is this a Gemma 4 checkpoint?"
+        )
+
+    def _file(self, full_name: str) -> str:
+        return self.store.infos[full_name].path.name
+
+    def _validate(self) -> None:
+        expected = expected_tensors(self.cfg)
+        problems: list[str] = []
+        for name, shape in expected.items():
+            full = self.prefix + name
+            if full not in self.store:
+                problems.append(f"missing tensor '{full}' (expected shape {list(shape)})")
+            elif self.store.infos[full].shape != shape:
+                found = list(self.store.infos[full].shape)
+                problems.append(f"{self._file(full)}: tensor '{full}' has shape {found}, expected {list(shape)}")
+        shared = {layer.index for layer in self.cfg.layers if not layer.owns_kv}
+        for full in self.store.names:
+            if full.startswith(MULTIMODAL_PREFIXES):
+                self.ignored.append(full)
+                continue
+            if full == "lm_head.weight":
+                self._check_head(full, problems)
+                continue
+            name = full[len(self.prefix):] if full.startswith(self.prefix) else None
+            if name in expected:
+                continue
+            if name is not None and _is_stale_shared(name, shared):
+                self.ignored.append(full)  # stale K/V projections left on KV-shared layers
+                continue
+            problems.append(f"{self._file(full)}: unexpected tensor '{full}' (not part of this config's text decoder)")
+        if not self.cfg.tie_word_embeddings and "lm_head.weight" not in self.store:
+            problems.append(
+                f"missing tensor 'lm_head.weight' (expected shape [{self.cfg.vocab_size}, {self.cfg.hidden_size}]; "
+                "the config sets tie_word_embeddings to false)"
+            )
+        if problems:
+            shown = problems[:8] + ([f"... and {len(problems) - 8} more"] if len(problems) > 8 else [])
+            raise WeightsError(
+                f"{self.store.model_dir}: the weights do not match config.json:\n  " + "\n  ".join(shown)
+            )
+
+    def _check_head(self, full: str, problems: list[str]) -> None:
+        shape = (self.cfg.vocab_size, self.cfg.hidden_size)
+        if self.store.infos[full].shape != shape:
+            found = list(self.store.infos[full].shape)
+            problems.append(f"{self._file(full)}: tensor '{full}' has shape {found}, expected {list(shape)}")
+        elif self.cfg.tie_word_embeddings:
+            self.ignored.append(full)  # tied: the head is the embedding table
+
+    # ------------------------------------------------------------------------------------------
+    # access
+
+    @property
+    def storage_dtypes(self) -> dict[str, int]:
+        """How many text tensors are stored in each dtype (for inspect)."""
+        counts: dict[str, int] = {}
+        for name in expected_tensors(self.cfg):
+            d = self.store.infos[self.prefix + name].dtype
+            counts[d] = counts.get(d, 0) + 1
+        return counts
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        """A whole tensor, decoded to the compute dtype."""
+        return self.store.get(self.prefix + name, self.dtype)
+
+    def rows(self, name: str, index) -> np.ndarray:
+        """Only ``tensor[index]`` (first axis), gathered from the memory map and decoded."""
+        return self.store.rows(self.prefix + name, index, self.dtype)
+
+    @property
+    def head_name(self) -> str:
+        """Full name of the tensor the LM head multiplies by: the tied embedding table or lm_head."""
+        if self.cfg.tie_word_embeddings:
+            return self.prefix + "embed_tokens.weight"
+        return "lm_head.weight"
+
+    def head_rows(self, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of the LM head matrix [V, H], decoded."""
+        return self.store.rows(self.head_name, slice(start, stop), self.dtype)
+
+
+def _is_stale_shared(name: str, shared: set[int]) -> bool:
+    parts = name.split(".", 2)
+    return (len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) in shared
+            and parts[2] in STALE_ON_SHARED)
