@@ -22,6 +22,7 @@ from .errors import WeightsError
 
 # safetensors dtype -> (storage dtype, bytes per element)
 STORAGE = {
+    "I64": np.dtype("<i8"),
     "F64": np.dtype("<f8"),
     "F32": np.dtype("<f4"),
     "F16": np.dtype("<f2"),
@@ -44,7 +45,7 @@ def f32_to_bf16(x: np.ndarray) -> np.ndarray:
 
 
 def decode(raw: np.ndarray, dtype: str, out: np.dtype = np.float64) -> np.ndarray:
-    """Decode raw stored values (a memmap view or a copy) to ``out`` floats."""
+    """Decode raw stored values (a memmap view or a copy) to ``out``."""
     if dtype == "BF16":
         return bf16_to_f32(raw).astype(out, copy=False)
     return raw.astype(out)
@@ -181,19 +182,21 @@ class TensorStore:
 
 def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], dtype: str = "F32",
                       metadata: dict[str, str] | None = None) -> None:
-    """Write float tensors as ``dtype`` (F32, F16 or BF16) in name order, deterministically."""
-    if dtype not in ("F32", "F16", "BF16"):
+    """Write tensors in name order, deterministically. Float tensors are stored as ``dtype`` (F64, F32,
+    F16 or BF16, rounded to nearest even); integer tensors are always stored as I64."""
+    if dtype not in ("F64", "F32", "F16", "BF16"):
         raise ValueError(f"unsupported dtype {dtype!r}")
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
     blobs = []
     offset = 0
     for name in sorted(tensors):
-        x = np.asarray(tensors[name], dtype=np.float32)
-        if dtype == "BF16":
-            data = f32_to_bf16(x).astype("<u2").tobytes()
+        x = np.asarray(tensors[name])
+        kind = "I64" if np.issubdtype(x.dtype, np.integer) else dtype
+        if kind == "BF16":
+            data = f32_to_bf16(x.astype(np.float32)).astype("<u2").tobytes()
         else:
-            data = x.astype(STORAGE[dtype]).tobytes()
-        header[name] = {"dtype": dtype, "shape": list(x.shape), "data_offsets": [offset, offset + len(data)]}
+            data = x.astype(STORAGE[kind]).tobytes()
+        header[name] = {"dtype": kind, "shape": list(x.shape), "data_offsets": [offset, offset + len(data)]}
         blobs.append(data)
         offset += len(data)
     blob = json.dumps(header, separators=(",", ":")).encode("utf-8")

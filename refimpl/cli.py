@@ -1,0 +1,221 @@
+"""``refimpl``: the oracle's command line (synth, inspect, logits, generate).
+
+Bad input prints one ``error:`` line and exits 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from .config import load_config
+from .errors import InputError, RefimplError, TokenizerError
+from .generate import greedy_generate
+from .model import Gemma4, resolve_rows
+from .safetensors_io import write_safetensors
+from .synth import PRESETS, write_checkpoint
+from .tokenizer import Tokenizer
+from .weights import Gemma4Weights
+
+EXIT_USAGE = 2
+
+
+# ----------------------------------------------------------------------------------------------
+# inputs
+
+
+def _parse_ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise InputError(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not values:
+        raise InputError(f"{what} is empty")
+    return values
+
+
+def _prompt_ids(args, model_dir: Path) -> tuple[list[int], Tokenizer | None]:
+    tok = Tokenizer.from_dir(model_dir)
+    if args.tokens is not None:
+        if args.chat:
+            raise InputError("--chat applies to --prompt, not to --tokens")
+        return _parse_ints(args.tokens, "--tokens"), tok
+    if tok is None:
+        raise TokenizerError(f"{model_dir} has no tokenizer.model; pass token ids with --tokens instead of --prompt")
+    if args.chat:
+        return tok.encode_chat([{"role": "user", "content": args.prompt}]), tok
+    return tok.encode(args.prompt), tok
+
+
+def _piece(tok: Tokenizer | None, i: int) -> str:
+    return json.dumps(tok.piece(i), ensure_ascii=False) if tok is not None else "-"
+
+
+# ----------------------------------------------------------------------------------------------
+# commands
+
+
+def cmd_synth(args) -> int:
+    out = write_checkpoint(args.preset, args.seed, args.out, args.dtype, args.layout, overwrite=args.force)
+    print(f"wrote {args.preset} (seed {args.seed}, {args.dtype}, {args.layout}) to {out}")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    cfg = load_config(args.model)
+    weights = Gemma4Weights(args.model, cfg)
+    disagree = set(cfg.fixed_rule_disagreements())
+    rows = []
+    for layer in cfg.layers:
+        fixed = cfg.fixed_rule_kv_source(layer.index)
+        rows.append({
+            "layer": layer.index, "type": "full" if not layer.is_sliding else "sliding",
+            "head_dim": layer.head_dim, "kv_heads": layer.num_kv_heads, "k_eq_v": layer.k_eq_v,
+            "kv_source": layer.kv_source, "fixed_rule_kv_source": fixed, "ffn_width": layer.ffn_width,
+            "rope": layer.rope.rope_type, "rope_theta": layer.rope.theta,
+            "partial_rotary_factor": layer.rope.partial_rotary_factor,
+        })
+    if args.json:
+        print(json.dumps({
+            "architecture": cfg.architecture, "serialisation": cfg.serialisation, "tensor_prefix": weights.prefix,
+            "storage_dtypes": weights.storage_dtypes, "ignored_tensors": weights.ignored, "notes": list(cfg.notes),
+            "fixed_rule_disagreements": sorted(disagree), "layers": rows,
+        }, indent=2))
+        return 0
+    moe = (f"{cfg.num_experts} experts, top-{cfg.top_k_experts}, expert width {cfg.moe_intermediate_size}"
+           if cfg.enable_moe_block else "off")
+    print(f"{args.model}: {cfg.architecture} ({cfg.serialisation} config), tensors under '{weights.prefix}'")
+    print(f"  hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads, "
+          f"vocab {cfg.vocab_size}, sliding window {cfg.sliding_window}, softcap {cfg.final_logit_softcapping}")
+    print(f"  PLE: {'dim ' + str(cfg.hidden_size_per_layer_input) if cfg.has_ple else 'off'}; MoE: {moe}; "
+          f"KV-shared layers: {cfg.num_kv_shared_layers}; stored as "
+          + ", ".join(f"{n} {d}" for d, n in sorted(weights.storage_dtypes.items())))
+    print(f"  stop ids {list(cfg.eos_token_ids)}, bos {cfg.bos_token_id}")
+    print()
+    print(f"  {'layer':>5} {'type':<8} {'head_dim':>8} {'kv_heads':>8} {'K=V':<4} {'kv_source':>9} {'ffn':>6}  rope")
+    for r in rows:
+        src = "own" if r["kv_source"] == r["layer"] else str(r["kv_source"])
+        if r["layer"] in disagree:
+            src += "*"
+        rope = (f"{r['rope']} theta={r['rope_theta']:g}"
+                + (f" prf={r['partial_rotary_factor']:g}" if r["rope"] == "proportional" else ""))
+        print(f"  {r['layer']:>5} {r['type']:<8} {r['head_dim']:>8} {r['kv_heads']:>8} {'yes' if r['k_eq_v'] else '':<4} "
+              f"{src:>9} {r['ffn_width']:>6}  {rope}")
+    if disagree:
+        print()
+        print("  * the llama.cpp / JAX positional rule (full -> first_shared-1, sliding -> first_shared-2) would read "
+              + ", ".join(f"layer {cfg.fixed_rule_kv_source(i)} for layer {i}" for i in sorted(disagree))
+              + "; this oracle follows transformers (last KV-owning layer of the same type)")
+    for note in cfg.notes:
+        print(f"  note: {note}")
+    if weights.ignored:
+        print(f"  note: ignored {len(weights.ignored)} tensors (multimodal towers, tied lm_head, stale K/V on shared layers)")
+    return 0
+
+
+def cmd_logits(args) -> int:
+    if args.top_k < 1:
+        raise InputError(f"--top-k must be at least 1, got {args.top_k}")
+    model_dir = Path(args.model)
+    ids, tok = _prompt_ids(args, model_dir)
+    model = Gemma4(model_dir, args.dtype, args.embed_scale)
+    rows = args.rows if args.rows in ("last", "all") else _parse_ints(args.rows, "--rows")
+    index = resolve_rows(rows, len(ids))
+    logits = model.forward(ids, rows=rows)
+    write_safetensors(args.out, {"logits": logits, "rows": index, "tokens": np.asarray(ids)},
+                      "F64" if model.dtype == np.float64 else "F32",
+                      metadata={"model": str(model_dir), "dtype": str(model.dtype), "embed_scale": args.embed_scale})
+    print(f"{len(ids)} tokens, {len(index)} rows of {logits.shape[1]} logits ({model.dtype}) -> {args.out}")
+    for r, row in zip(index, logits):
+        top = np.argsort(-row, kind="stable")[: args.top_k]
+        shown = ", ".join(f"{int(t)} {_piece(tok, t)} {row[t]:.4f}" for t in top)
+        print(f"  row {int(r)}: {shown}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    model_dir = Path(args.model)
+    ids, tok = _prompt_ids(args, model_dir)
+    model = Gemma4(model_dir, args.dtype, args.embed_scale)
+
+    def show(token: int) -> None:
+        text = tok.decode([token]) if tok is not None else f"{token} "
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    result = greedy_generate(model, ids, args.max_new_tokens, on_token=show)
+    print()
+    print(f"[{len(ids)} prompt tokens, {len(result.tokens)} new: {','.join(map(str, result.tokens))}; "
+          f"{'stopped on a stop id' if result.stopped else 'reached --max-new-tokens'}]", file=sys.stderr)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# parser
+
+
+def _add_prompt(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint directory (config.json, safetensors, tokenizer.model)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--tokens", help="comma-separated token ids, e.g. 2,17,300 (used as given: no BOS added)")
+    src.add_argument("--prompt", help="text, encoded with <bos> prepended")
+    p.add_argument("--chat", action="store_true", help="render --prompt as one user turn of the Gemma 4 chat format")
+    p.add_argument("--dtype", choices=["float64", "float32"], default="float64")
+    p.add_argument("--embed-scale", choices=["exact", "bf16"], default="exact",
+                   help="sqrt(hidden_size) exactly (default, as HF float32) or rounded to bfloat16 (HF bf16, JAX)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="refimpl", description="Exact NumPy reference for the Gemma 4 text decoder.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("synth", help="write a synthetic checkpoint directory")
+    p.add_argument("--preset", required=True, choices=list(PRESETS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    p.add_argument("--dtype", choices=["f32", "bf16"], default="f32", help="storage dtype of the weights")
+    p.add_argument("--layout", choices=["causal", "conditional"], default="causal",
+                   help="Gemma4ForCausalLM (model.*) or Gemma4ForConditionalGeneration (model.language_model.*)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out directory")
+    p.set_defaults(func=cmd_synth)
+
+    p = sub.add_parser("inspect", help="print the derived layer table of a checkpoint")
+    p.add_argument("--model", required=True)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("logits", help="write golden logits for some rows of a prompt")
+    _add_prompt(p)
+    p.add_argument("--rows", default="last", help="last, all, or comma-separated row indices (negative from the end)")
+    p.add_argument("--out", required=True, help="output .safetensors: tensors logits [rows, V], rows, tokens")
+    p.add_argument("--top-k", type=int, default=5, help="tokens shown per row in the summary")
+    p.set_defaults(func=cmd_logits)
+
+    p = sub.add_parser("generate", help="greedy generation with the KV cache")
+    _add_prompt(p)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except RefimplError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

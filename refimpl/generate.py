@@ -1,0 +1,73 @@
+"""Greedy generation through the KV cache, and teacher-forced scoring of a given continuation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .errors import InputError
+from .model import Gemma4, KVCache
+
+
+@dataclass
+class Generation:
+    tokens: list[int]  # the new tokens, including the stop token if one was produced
+    stopped: bool  # True when a stop id ended the generation before max_new_tokens
+    margins: list[float]  # top-1 minus top-2 logit of each step (near-ties are small)
+
+
+def greedy_generate(model: Gemma4, prompt: Sequence[int], max_new_tokens: int,
+                    stop_ids: Sequence[int] | None = None,
+                    on_token: Callable[[int], None] | None = None) -> Generation:
+    """Prefill the prompt, then decode one token at a time, taking the argmax (lowest id on ties).
+
+    Stops after ``max_new_tokens`` or on a stop id (default: the checkpoint's eos ids).
+    """
+    if max_new_tokens < 0:
+        raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    stop = set(model.cfg.eos_token_ids if stop_ids is None else stop_ids)
+    cache = KVCache()
+    tokens: list[int] = []
+    margins: list[float] = []
+    if max_new_tokens == 0:
+        return Generation(tokens, False, margins)
+    logits = model.forward(prompt, rows="last", cache=cache)[0]
+    while True:
+        top2 = np.sort(logits)[-2:]
+        token = int(np.argmax(logits))
+        tokens.append(token)
+        margins.append(float(top2[1] - top2[0]))
+        if on_token is not None:
+            on_token(token)
+        if token in stop:
+            return Generation(tokens, True, margins)
+        if len(tokens) == max_new_tokens:
+            return Generation(tokens, False, margins)
+        logits = model.forward([token], rows="last", cache=cache)[0]
+
+
+@dataclass
+class Scored:
+    logits: np.ndarray  # [C, V]: row j predicts continuation[j]
+    logprobs: np.ndarray  # [C]: log p(continuation[j] | prompt, continuation[:j])
+    ranks: np.ndarray  # [C]: 0 when continuation[j] is the argmax
+    greedy: np.ndarray  # [C]: the model's own argmax at each step
+
+
+def score_continuation(model: Gemma4, prompt: Sequence[int], continuation: Sequence[int]) -> Scored:
+    """Teacher forcing: one forward over prompt + continuation, reading the rows that predict each
+    continuation token, so an early disagreement does not change the later steps' inputs."""
+    prompt, continuation = list(prompt), list(continuation)
+    if not prompt or not continuation:
+        raise InputError("teacher-forced scoring needs a non-empty prompt and continuation")
+    rows = list(range(len(prompt) - 1, len(prompt) + len(continuation) - 1))
+    logits = model.forward(prompt + continuation[:-1], rows=rows)
+    target = np.asarray(continuation)
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    logz = np.log(np.sum(np.exp(shifted), axis=-1))
+    logprobs = shifted[np.arange(len(target)), target] - logz
+    chosen = logits[np.arange(len(target)), target]
+    ranks = np.sum(logits > chosen[:, None], axis=-1)
+    return Scored(logits, logprobs, ranks, np.argmax(logits, axis=-1))
