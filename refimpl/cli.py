@@ -142,12 +142,26 @@ def cmd_generate(args) -> int:
     ids, tok = _prompt_ids(args, model_dir)
     model = Gemma4(model_dir, args.dtype, args.embed_scale)
 
+    new_tokens: list[int] = []
+    shown = ""
+
     def show(token: int) -> None:
-        text = tok.decode([token]) if tok is not None else f"{token} "
-        sys.stdout.write(text)
+        """Print the continuation as it grows, holding back an incomplete UTF-8 sequence."""
+        nonlocal shown
+        new_tokens.append(token)
+        if tok is None:
+            sys.stdout.write(f"{token} ")
+        else:
+            text = tok.decode(new_tokens)
+            if text.endswith("\ufffd"):
+                return
+            sys.stdout.write(text[len(shown):])
+            shown = text
         sys.stdout.flush()
 
     result = greedy_generate(model, ids, args.max_new_tokens, on_token=show)
+    if tok is not None:
+        sys.stdout.write(tok.decode(new_tokens)[len(shown):])
     print()
     print(f"[{len(ids)} prompt tokens, {len(result.tokens)} new: {','.join(map(str, result.tokens))}; "
           f"{'stopped on a stop id' if result.stopped else 'reached --max-new-tokens'}]", file=sys.stderr)

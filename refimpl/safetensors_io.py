@@ -117,7 +117,8 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
 
 
 class TensorStore:
-    """All tensors of a checkpoint directory (single file or sharded), memory-mapped on demand."""
+    """All tensors of a checkpoint directory (single file or sharded), or of one safetensors file,
+    memory-mapped on demand."""
 
     def __init__(self, model_dir: str | Path):
         model_dir = Path(model_dir)
@@ -125,7 +126,10 @@ class TensorStore:
         index = model_dir / INDEX_FILE
         single = model_dir / SINGLE_FILE
         self.infos: dict[str, TensorInfo] = {}
-        if index.is_file():
+        self._maps: dict[Path, np.memmap] = {}
+        if model_dir.is_file():
+            self.infos = read_header(model_dir)
+        elif index.is_file():
             self._read_index(index)
         elif single.is_file():
             self.infos = read_header(single)
@@ -133,7 +137,6 @@ class TensorStore:
             raise WeightsError(
                 f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE}; a checkpoint directory must hold its weights"
             )
-        self._maps: dict[Path, np.memmap] = {}
 
     def _read_index(self, index: Path) -> None:
         try:
