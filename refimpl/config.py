@@ -170,6 +170,11 @@ def _rope_specs(text: dict, used_types: set[str], where: str) -> dict[str, RopeS
         raw = DEFAULT_ROPE
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: field 'rope_parameters' must be an object keyed by layer type, got {raw!r}")
+    if "rope_type" in raw or "rope_theta" in raw:
+        raise ConfigError(
+            f"{where}: 'rope_parameters' must be keyed by layer type ('{SLIDING}', '{FULL}'), each with its own "
+            "rope_type and rope_theta; got one flat set of parameters"
+        )
     specs = {}
     for layer_type in sorted(used_types):
         if layer_type not in raw or not isinstance(raw[layer_type], dict):
@@ -213,10 +218,15 @@ def _layer_types(text: dict, num_layers: int, where: str) -> tuple[list[str], li
         types = [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(num_layers)]
         notes.append("layer_types absent: derived the default 5:1 sliding/full pattern")
     else:
-        if not isinstance(raw, list) or len(raw) != num_layers:
+        if not isinstance(raw, list):
+            raise ConfigError(
+                f"{where}: 'layer_types' must be a list of one type per layer ({num_layers} = num_hidden_layers), "
+                f"got {raw!r}"
+            )
+        if len(raw) != num_layers:
             raise ConfigError(
                 f"{where}: 'layer_types' must list one type per layer ({num_layers} = num_hidden_layers), "
-                f"got {len(raw) if isinstance(raw, list) else raw!r} entries"
+                f"got {len(raw)} entries"
             )
         for i, t in enumerate(raw):
             if t not in LAYER_TYPES:
@@ -257,6 +267,8 @@ def text_section(raw: dict, where: str = "config.json") -> tuple[dict, dict, str
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a JSON object at the top level")
     archs = raw.get("architectures") or []
+    if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise ConfigError(f"{where}: 'architectures' must be a list of class names, got {archs!r}")
     if "text_config" in raw:
         text = raw["text_config"]
         if not isinstance(text, dict):

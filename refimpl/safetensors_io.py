@@ -41,6 +41,8 @@ def f32_to_bf16(x: np.ndarray) -> np.ndarray:
     """Round float32 to the nearest bfloat16 (ties to even), returned as raw uint16 bits."""
     u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
     rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    rounded = np.where(nan, (u >> 16) | 0x0040, rounded)  # keep the sign, force a quiet NaN
     return rounded.astype(np.uint16)
 
 
@@ -113,6 +115,22 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
                 f"section but it holds {data_size} bytes"
             )
         infos[name] = TensorInfo(name, dtype, tuple(shape), path, data_start + offsets[0], data_start + offsets[1])
+    # the data section must be covered exactly: no overlaps, no gaps, nothing after the last tensor
+    end, previous = data_start, None
+    for info in sorted(infos.values(), key=lambda t: (t.begin, t.end)):
+        if info.begin < end:
+            raise WeightsError(
+                f"{path}: tensor '{info.name}': corrupt header: its bytes [{info.begin - data_start}, "
+                f"{info.end - data_start}) overlap tensor '{previous}' (data ends at {end - data_start})"
+            )
+        if info.begin > end:
+            raise WeightsError(
+                f"{path}: tensor '{info.name}': corrupt header: {info.begin - end} unused bytes before it "
+                "(the data section must be contiguous)"
+            )
+        end, previous = info.end, info.name
+    if end != size:
+        raise WeightsError(f"{path}: corrupt safetensors file: {size - end} bytes after the last tensor")
     return infos
 
 
@@ -147,6 +165,13 @@ class TensorStore:
             raise WeightsError(f"{index}: corrupt index: expected a JSON object with a 'weight_map' object") from None
         headers: dict[str, dict[str, TensorInfo]] = {}
         for name, shard in weight_map.items():
+            if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
+                raise WeightsError(
+                    f"{index}: corrupt index: weight_map entry '{name}' must name a shard file, got {shard!r}"
+                    if not isinstance(shard, str) else
+                    f"{index}: corrupt index: weight_map entry '{name}' names '{shard}', which is not a file name "
+                    "in the checkpoint directory"
+                )
             path = self.model_dir / shard
             if shard not in headers:
                 if not path.is_file():
@@ -155,6 +180,13 @@ class TensorStore:
             if name not in headers[shard]:
                 raise WeightsError(f"{path}: tensor '{name}' is listed in {INDEX_FILE} but not stored in this shard")
             self.infos[name] = headers[shard][name]
+        for shard, infos in headers.items():
+            unlisted = sorted(set(infos) - set(weight_map))
+            if unlisted:
+                raise WeightsError(
+                    f"{self.model_dir / shard}: tensor '{unlisted[0]}' is stored in this shard but not listed in "
+                    f"{INDEX_FILE}; add it to the weight_map"
+                )
 
     def __contains__(self, name: str) -> bool:
         return name in self.infos

@@ -1,0 +1,46 @@
+"""Shared fixtures.
+
+* ``preset_dirs``   (session): every preset of ``refimpl.synth.PRESETS`` written once (seed 0, F32),
+  as ``{preset: path}``.
+* ``preset_models`` (session): ``{preset: Gemma4(path)}`` in float64, exact embedding scale. The
+  model holds no per-call state (the KV cache is passed in), so one instance serves every test.
+* ``micro_factory`` (session): ``micro_factory(config_dict, seed) -> path``, a fresh directory per
+  call; safe inside hypothesis tests (it is not function-scoped).
+* ``micro_checkpoint`` / ``micro_config`` are re-exported from ``tests/helpers.py`` for direct use.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from helpers import micro_checkpoint, micro_config  # noqa: E402,F401
+from refimpl.model import Gemma4  # noqa: E402
+from refimpl.synth import PRESETS, write_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def preset_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("presets")
+    return {preset: write_checkpoint(preset, 0, root / preset, dtype="f32") for preset in PRESETS}
+
+
+@pytest.fixture(scope="session")
+def preset_models(preset_dirs) -> dict[str, Gemma4]:
+    return {preset: Gemma4(path) for preset, path in preset_dirs.items()}
+
+
+@pytest.fixture(scope="session")
+def micro_factory(tmp_path_factory):
+    root = tmp_path_factory.mktemp("micro")
+    counter = itertools.count()
+
+    def make(config_dict: dict, seed: int = 0, **kwargs) -> Path:
+        return micro_checkpoint(root / f"m{next(counter)}", config_dict, seed, **kwargs)
+
+    return make

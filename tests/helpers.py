@@ -1,0 +1,170 @@
+"""Shared helpers for the test-suite: micro checkpoints, reading weights back, small spec-level math.
+
+``micro_checkpoint(tmp_dir, config_dict, seed)`` writes ``config.json`` and ``model.safetensors``
+(weights from ``refimpl.synth.make_weights``, stored as F32 under the ``model.`` prefix) for any
+config dict, so tests can build tiny models of arbitrary shape. ``read_weights`` reads a checkpoint
+back with the independent ``safetensors`` package (not refimpl's reader) and strips the prefix, which
+is what ``tests/naive_gemma4.naive_forward`` takes.
+
+The math helpers at the bottom are written from gemma4-text-spec.md, not imported from refimpl, so a
+test that uses them checks refimpl against a second reading of the spec.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from refimpl.safetensors_io import write_safetensors
+from refimpl.synth import make_weights
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+PREFIXES = ("model.language_model.", "model.")
+
+
+# ----------------------------------------------------------------------------------------------
+# configs and checkpoints
+
+
+def micro_config(**overrides) -> dict:
+    """A tiny, valid Gemma4ForCausalLM config.json dict (legacy serialisation); override any field.
+
+    Defaults: 3 layers (S, S, F), vocab 64, hidden 16, 2 heads x 1 KV head, head_dim 4 / global 8,
+    window 3, softcap 30, no PLE, no MoE, no sharing, no K=V.
+    """
+    cfg = {
+        "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "dtype": "float32",
+        "vocab_size": 64, "hidden_size": 16, "intermediate_size": 24,
+        "num_hidden_layers": 3, "layer_types": [SLIDING, SLIDING, FULL],
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4, "global_head_dim": 8,
+        "sliding_window": 3, "final_logit_softcapping": 30.0, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096, "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True, "attention_bias": False,
+        "rope_parameters": {
+            SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+            FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+        },
+        "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 64, "num_kv_shared_layers": 0,
+        "use_double_wide_mlp": False, "attention_k_eq_v": False, "num_global_key_value_heads": None,
+        "enable_moe_block": False, "num_experts": None, "top_k_experts": None, "moe_intermediate_size": None,
+        "use_bidirectional_attention": None, "bos_token_id": 2, "pad_token_id": 0, "eos_token_id": [1],
+    }
+    cfg.update(overrides)
+    if "num_hidden_layers" in overrides and "layer_types" not in overrides:
+        L = cfg["num_hidden_layers"]
+        cfg["layer_types"] = [FULL if i == L - 1 else SLIDING for i in range(L)]
+    return cfg
+
+
+def micro_checkpoint(tmp_dir: str | Path, config_dict: dict, seed: int, dtype: str = "F32",
+                     prefix: str = "model.") -> Path:
+    """Write ``config.json`` + ``model.safetensors`` for ``config_dict`` into ``tmp_dir``; return it.
+
+    Weights come from ``make_weights(config_dict, seed)`` (every tensor the config needs, drawn so
+    every parameter matters) and are stored as ``dtype`` under ``prefix``.
+    """
+    out = Path(tmp_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = make_weights(config_dict, seed)
+    (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    write_safetensors(out / "model.safetensors", {prefix + k: v for k, v in weights.items()}, dtype)
+    return out
+
+
+def read_config(model_dir: str | Path) -> dict:
+    """The text part of a checkpoint's config.json (``text_config`` for the conditional layout)."""
+    raw = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    return raw.get("text_config", raw)
+
+
+def read_weights(model_dir: str | Path) -> dict[str, np.ndarray]:
+    """All text-decoder tensors of a single-file checkpoint as float64, names without the prefix.
+
+    Uses the ``safetensors`` package, not refimpl's reader, so a reader bug cannot hide here.
+    """
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(Path(model_dir) / "model.safetensors"))
+    out = {}
+    for name, value in tensors.items():
+        for prefix in PREFIXES:
+            if name.startswith(prefix):
+                out[name[len(prefix):]] = np.asarray(value, dtype=np.float64)
+                break
+    return out
+
+
+def kv_sources(layer_types: list[str], num_shared: int) -> list[int]:
+    """KV source of each layer by the HF rule (spec 4.6): a shared layer reads the last layer of its
+    own type before ``first = L - num_shared``; every other layer reads itself."""
+    L = len(layer_types)
+    first = L - num_shared
+    out = []
+    for i, t in enumerate(layer_types):
+        if i < first:
+            out.append(i)
+        else:
+            out.append(max(j for j in range(first) if layer_types[j] == t))
+    return out
+
+
+def effective_layer_types(config: dict) -> list[str]:
+    """layer_types with the last layer forced to full attention (spec 2, derived 1)."""
+    L = config["num_hidden_layers"]
+    types = list(config.get("layer_types") or [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(L)])
+    types[-1] = FULL
+    return types
+
+
+def sharing_is_valid(layer_types: list[str], num_shared: int) -> bool:
+    """Whether every shared layer's type has a producer before the first shared layer."""
+    first = len(layer_types) - num_shared
+    if first < 1:
+        return False
+    before = set(layer_types[:first])
+    return all(t in before for t in layer_types[first:])
+
+
+# ----------------------------------------------------------------------------------------------
+# spec-level math (written from the spec, independent of refimpl)
+
+
+def rms(x: np.ndarray, w: np.ndarray | None = None, eps: float = 1e-6) -> np.ndarray:
+    y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    return y if w is None else y * w
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    m = np.max(x, axis=-1, keepdims=True)
+    return x - m - np.log(np.sum(np.exp(x - m), axis=-1, keepdims=True))
+
+
+def inv_freq(rope: dict, head_dim: int) -> np.ndarray:
+    """Inverse frequencies [D/2] for one layer type (spec 4.3)."""
+    theta = float(rope["rope_theta"])
+    exps = np.arange(head_dim // 2) * 2.0 / head_dim
+    freqs = theta ** -exps
+    if rope.get("rope_type", "default") == "proportional":
+        n_rot = int(float(rope.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+        freqs = freqs / float(rope.get("factor", 1.0) or 1.0)
+        freqs[n_rot:] = 0.0
+    return freqs
+
+
+def rope(x: np.ndarray, positions: np.ndarray, freqs: np.ndarray) -> np.ndarray:
+    """Rotate-half RoPE; x [T, heads, D]."""
+    ang = positions[:, None, None] * freqs[None, None, :]
+    c, s = np.cos(ang), np.sin(ang)
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def max_abs(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float(np.max(np.abs(a - b))) if a.size else 0.0
