@@ -62,6 +62,7 @@ def score_continuation(model: Gemma4, prompt: Sequence[int], continuation: Seque
     prompt, continuation = list(prompt), list(continuation)
     if not prompt or not continuation:
         raise InputError("teacher-forced scoring needs a non-empty prompt and continuation")
+    model.check_ids(continuation)  # the last token is never fed to the model, but it is scored
     rows = list(range(len(prompt) - 1, len(prompt) + len(continuation) - 1))
     logits = model.forward(prompt + continuation[:-1], rows=rows)
     target = np.asarray(continuation)

@@ -13,7 +13,6 @@ test that uses them checks refimpl against a second reading of the spec.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
@@ -127,6 +126,52 @@ def sharing_is_valid(layer_types: list[str], num_shared: int) -> bool:
         return False
     before = set(layer_types[:first])
     return all(t in before for t in layer_types[first:])
+
+
+def spec_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """The text-decoder tensors a checkpoint for ``config`` holds (names without prefix, shapes),
+    written from the table of spec section 5 (shared layers carry no k/v projections or k_norm)."""
+    H, V, N = config["hidden_size"], config["vocab_size"], config["num_attention_heads"]
+    L, I = config["num_hidden_layers"], config["intermediate_size"]
+    P = int(config.get("hidden_size_per_layer_input") or 0)
+    n_shared = int(config.get("num_kv_shared_layers") or 0)
+    k_eq_v = bool(config.get("attention_k_eq_v"))
+    types = effective_layer_types(config)
+    out: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (V, H), "norm.weight": (H,)}
+    if P:
+        out["embed_tokens_per_layer.weight"] = (int(config.get("vocab_size_per_layer_input") or V), L * P)
+        out["per_layer_model_projection.weight"] = (L * P, H)
+        out["per_layer_projection_norm.weight"] = (P,)
+    for i, t in enumerate(types):
+        p = f"layers.{i}."
+        full = t == FULL
+        D = (config.get("global_head_dim") or 512) if full else config["head_dim"]
+        gkv = config.get("num_global_key_value_heads")
+        K = gkv if (full and k_eq_v and gkv is not None) else config["num_key_value_heads"]
+        shared = i >= L - n_shared
+        width = 2 * I if (config.get("use_double_wide_mlp") and shared) else I
+        out.update({p + "input_layernorm.weight": (H,), p + "self_attn.q_proj.weight": (N * D, H),
+                    p + "self_attn.q_norm.weight": (D,), p + "self_attn.o_proj.weight": (H, N * D),
+                    p + "post_attention_layernorm.weight": (H,), p + "pre_feedforward_layernorm.weight": (H,),
+                    p + "mlp.gate_proj.weight": (width, H), p + "mlp.up_proj.weight": (width, H),
+                    p + "mlp.down_proj.weight": (H, width), p + "post_feedforward_layernorm.weight": (H,),
+                    p + "layer_scalar": (1,)})
+        if not shared:
+            out[p + "self_attn.k_proj.weight"] = (K * D, H)
+            out[p + "self_attn.k_norm.weight"] = (D,)
+            if not (full and k_eq_v):
+                out[p + "self_attn.v_proj.weight"] = (K * D, H)
+        if P:
+            out.update({p + "per_layer_input_gate.weight": (P, H), p + "per_layer_projection.weight": (H, P),
+                        p + "post_per_layer_input_norm.weight": (H,)})
+        if config.get("enable_moe_block"):
+            E, Im = config["num_experts"], config["moe_intermediate_size"]
+            out.update({p + "router.proj.weight": (E, H), p + "router.scale": (H,), p + "router.per_expert_scale": (E,),
+                        p + "experts.gate_up_proj": (E, 2 * Im, H), p + "experts.down_proj": (E, H, Im),
+                        p + "pre_feedforward_layernorm_2.weight": (H,),
+                        p + "post_feedforward_layernorm_1.weight": (H,),
+                        p + "post_feedforward_layernorm_2.weight": (H,)})
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

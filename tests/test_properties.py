@@ -33,6 +33,7 @@ from helpers import (
     rms,
     rope,
     sharing_is_valid,
+    spec_tensor_shapes,
 )
 from naive_gemma4 import naive_forward
 from refimpl.errors import InputError
@@ -45,7 +46,6 @@ PRESET_NAMES = list(PRESETS)
 PRESET_VOCAB = 512
 PRESET_WINDOW = 8
 SHARED_PRESETS = [p for p in PRESET_NAMES if PRESETS[p].get("num_kv_shared_layers")]
-MOE_PRESETS = [p for p in PRESET_NAMES if PRESETS[p].get("enable_moe_block")]
 SESSION_FIXTURES = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 
 
@@ -82,7 +82,7 @@ def micro_configs(draw) -> dict:
     experts = draw(st.integers(3, 5), label="experts")
     top_k = draw(st.integers(1, min(3, experts)), label="top_k")
 
-    softcap = draw(st.one_of(st.none(), st.floats(5.0, 30.0)), label="softcap")
+    softcap = draw(st.floats(5.0, 30.0), label="softcap") if draw(st.booleans(), label="has softcap") else None
     cfg = micro_config(
         num_hidden_layers=L, layer_types=raw_types, num_kv_shared_layers=n_shared,
         num_attention_heads=N, num_key_value_heads=kv,
@@ -127,20 +127,30 @@ EVERYTHING_CONFIG = micro_config(
 )
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=SESSION_FIXTURES)
+@settings(max_examples=500, deadline=None, suppress_health_check=SESSION_FIXTURES)
 @given(cfg=micro_configs(), seed=st.integers(0, 2**16),
-       ids=st.lists(st.integers(0, 63), min_size=1, max_size=16))
+       ids=st.integers(1, 16).flatmap(lambda T: st.lists(st.integers(0, 63), min_size=T, max_size=T)))
 @example(cfg=TRAP_CONFIG, seed=1, ids=list(range(3, 19)))
 @example(cfg=EVERYTHING_CONFIG, seed=2, ids=[5, 9, 9, 60, 1, 0, 33, 2, 17, 17, 17, 4, 63, 8])
 @example(cfg=micro_config(num_hidden_layers=2, layer_types=[S, S], sliding_window=1), seed=3, ids=[7] * 9)
 def test_oracle_matches_naive(micro_factory, cfg, seed, ids):
     path = micro_factory(cfg, seed)
+    weights = read_weights(path)
+    # the weights the synthesiser wrote have the spec's names and shapes (section 5), so both
+    # implementations are fed the geometry the spec prescribes, not one they share by construction
+    assert {k: v.shape for k, v in weights.items()} == spec_tensor_shapes(cfg)
     oracle = Gemma4(path).forward(ids, rows="all")
-    naive = naive_forward(cfg, read_weights(path), ids)
+    naive = naive_forward(cfg, weights, ids)
     assert oracle.shape == naive.shape == (len(ids), 64)
     assert np.all(np.isfinite(oracle))
     err = max_abs(oracle, naive)
     assert err < 1e-10, f"oracle vs naive differ by {err:.3e}"
+
+
+@pytest.mark.parametrize("preset", PRESET_NAMES)
+def test_preset_tensors_follow_spec_table(preset_dirs, preset):
+    weights = read_weights(preset_dirs[preset])
+    assert {k: v.shape for k, v in weights.items()} == spec_tensor_shapes(read_config(preset_dirs[preset]))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,7 +224,7 @@ def check_cache(model: Gemma4, cache: KVCache, end: int) -> None:
 
 
 @pytest.mark.parametrize("preset", PRESET_NAMES)
-@settings(max_examples=10, deadline=None, suppress_health_check=SESSION_FIXTURES)
+@settings(max_examples=25, deadline=None, suppress_health_check=SESSION_FIXTURES)
 @given(plan=chunk_plans(), seed=st.integers(0, 2**16))
 @example(plan=[1] * 20, seed=0)  # pure decode, well past the window
 @example(plan=[10, 1, 1, 12], seed=1)  # prefill longer than W, decode, long chunk
@@ -231,6 +241,24 @@ def test_chunked_prefill_and_decode_equal_full_forward(preset_models, preset, pl
         got = model.forward(ids[start:start + n], rows="all", cache=cache)
         err = max_abs(got, full[start:start + n])
         assert err < 1e-11, f"rows {start}..{start + n - 1} of plan {plan} differ by {err:.3e}"
+        start += n
+        check_cache(model, cache, start)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=SESSION_FIXTURES)
+@given(cfg=micro_configs(), seed=st.integers(0, 2**16), plan=chunk_plans(max_T=14))
+@example(cfg=micro_config(sliding_window=1), seed=0, plan=[1, 3, 1, 1, 2])  # W = 1: sliding layers cache nothing
+@example(cfg=TRAP_CONFIG, seed=1, plan=[1, 1, 4, 1, 5])
+@example(cfg=EVERYTHING_CONFIG, seed=2, plan=[2, 5, 1, 1, 4])
+def test_chunked_equals_full_forward_on_micro_configs(micro_factory, cfg, seed, plan):
+    """The same cache property over drawn geometries: windows down to 1, KV sharing of either type
+    reading a truncated sliding cache, K=V full layers with their own KV-head count."""
+    model = Gemma4(micro_factory(cfg, seed))
+    ids = prompt(seed, sum(plan), vocab=64)
+    full = model.forward(ids)
+    cache, start = KVCache(), 0
+    for n in plan:
+        assert max_abs(model.forward(ids[start:start + n], cache=cache), full[start:start + n]) < 1e-11
         start += n
         check_cache(model, cache, start)
 
@@ -262,10 +290,12 @@ def test_streamed_head_matches_dense_head(preset_dirs, preset_models, monkeypatc
 # ----------------------------------------------------------------------------------------------
 # 6. float32 vs float64
 
-# Measured over exactly these presets and prompts (full forward and 5-token chunked decode in
-# float32 vs the float64 full forward), logits up to ~30: worst |f32 - f64| = 1.39e-3 (e4b-mini).
-# Bound: a round number a few times above it.
-F32_BOUND = 5e-3
+# Measured over exactly these presets and prompts (16 seeded prompts of 1-40 tokens per preset; full
+# forward and 5-token chunked prefill in float32 vs the float64 full forward; logits up to ~30):
+# worst |f32 - f64| = 3.35e-4 (e2b-mini; e4b 2.9e-4, 26b-a4b 9.1e-5, all-features 4.9e-5, 31b 2.0e-5).
+# Bound: a round number 3x above it. The prompts are fixed, so the figure is reproducible; over 300
+# random prompts of up to 64 tokens the tail reaches ~8e-3 (e2b-mini), so do not draw them at random.
+F32_BOUND = 1e-3
 
 
 def test_float32_agrees_with_float64(preset_dirs, preset_models):
@@ -273,7 +303,7 @@ def test_float32_agrees_with_float64(preset_dirs, preset_models):
     rng = np.random.default_rng(1)
     for preset, path in preset_dirs.items():
         m64, m32 = preset_models[preset], Gemma4(path, dtype="float32")
-        for _ in range(40):
+        for _ in range(16):
             T = int(rng.integers(1, 41))
             ids = [int(t) for t in rng.integers(0, PRESET_VOCAB, T)]
             ref = m64.forward(ids)
@@ -399,6 +429,15 @@ def test_score_continuation_matches_full_forward(preset_models, preset):
     assert max_abs(sc_own.logprobs, own_lp.max(axis=-1)) < 1e-12
 
 
+@pytest.mark.parametrize("bad", [-1, PRESET_VOCAB])
+def test_score_continuation_rejects_out_of_vocab_last_token(preset_models, bad):
+    """Regression: the last continuation token is scored but never fed to the model, so it used to
+    skip the id check (-1 silently scored token V-1; V raised a bare IndexError)."""
+    model = preset_models["31b-mini"]
+    with pytest.raises(InputError):
+        score_continuation(model, prompt(43, 5), [7, bad])
+
+
 # ----------------------------------------------------------------------------------------------
 # 10. trace
 
@@ -465,6 +504,16 @@ def test_trace_router(preset_dirs, preset_models, preset):
         assert max_abs(margin, srt[:, k - 1] - srt[:, k]) < 1e-12
 
 
+def attention_geometry(config: dict, i: int) -> tuple[int, int]:
+    """(D_l, K_l) of layer i (spec 4.5): full layers use global_head_dim, and
+    num_global_key_value_heads only with attention_k_eq_v."""
+    full = effective_layer_types(config)[i] == FULL
+    D = config["global_head_dim"] if full else config["head_dim"]
+    gkv = config.get("num_global_key_value_heads")
+    K = gkv if (full and config.get("attention_k_eq_v") and gkv is not None) else config["num_key_value_heads"]
+    return D, K
+
+
 def recompute_attn_out(config: dict, w: dict, trace: Trace, layer: int, src: int, T: int) -> np.ndarray:
     """Layer ``layer``'s post-attention-normed output when it attends over the K/V that layer
     ``src`` computes from its own input (spec 4.5 a, 4.6), from the traced residual stream."""
@@ -472,24 +521,16 @@ def recompute_attn_out(config: dict, w: dict, trace: Trace, layer: int, src: int
     N, eps = config["num_attention_heads"], config["rms_norm_eps"]
     k_eq_v = bool(config.get("attention_k_eq_v"))
 
-    def geometry(i):
-        full = types[i] == FULL
-        D = config["global_head_dim"] if full else config["head_dim"]
-        gkv = config.get("num_global_key_value_heads")
-        K = gkv if (full and k_eq_v and gkv is not None) else config["num_key_value_heads"]
-        return D, K
-
     def freqs(i):
-        D = geometry(i)[0]
-        return inv_freq(config["rope_parameters"][types[i]], D)
+        return inv_freq(config["rope_parameters"][types[i]], attention_geometry(config, i)[0])
 
     pos = np.arange(T, dtype=np.float64)
-    D, _ = geometry(layer)
+    D, _ = attention_geometry(config, layer)
     pl, ps = f"layers.{layer}.", f"layers.{src}."
     h = rms(layer_input(trace, layer), w[pl + "input_layernorm.weight"], eps)
     q = rope(rms((h @ w[pl + "self_attn.q_proj.weight"].T).reshape(T, N, D), w[pl + "self_attn.q_norm.weight"], eps),
              pos, freqs(layer))
-    Ds, K = geometry(src)
+    Ds, K = attention_geometry(config, src)
     assert Ds == D
     hs = rms(layer_input(trace, src), w[ps + "input_layernorm.weight"], eps)
     kr = (hs @ w[ps + "self_attn.k_proj.weight"].T).reshape(T, K, D)
@@ -529,11 +570,8 @@ def check_kv_sources(path, model: Gemma4, T: int) -> int:
             continue
         shared += 1
         assert model.cfg.layers[layer].kv_source == src
-        size = lambda i: (config["global_head_dim"] if types[i] == FULL else config["head_dim"])  # noqa: E731
-        for other in owners:
-            same_geometry = size(other) == size(layer) and (
-                model.cfg.layers[other].num_kv_heads == model.cfg.layers[src].num_kv_heads)
-            if other != src and same_geometry:
+        for other in owners:  # every other layer whose K/V this layer could attend over
+            if other != src and attention_geometry(config, other) == attention_geometry(config, src):
                 wrong = recompute_attn_out(config, w, trace, layer, other, T)
                 assert max_abs(wrong, traced) > 1e-6, f"layer {layer}: source {other} fits as well as {src}"
     return shared
