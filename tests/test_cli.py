@@ -12,13 +12,13 @@ from refimpl.cli import main
 from refimpl.generate import greedy_generate
 from refimpl.model import Gemma4
 from refimpl.safetensors_io import TensorStore, write_safetensors
-from refimpl.synth import make_weights, write_checkpoint
+from refimpl.synth import make_weights
 from refimpl.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
-def e2b(tmp_path_factory):
-    return write_checkpoint("e2b-mini", 0, tmp_path_factory.mktemp("cli") / "e2b")
+def e2b(preset_dirs):
+    return preset_dirs["e2b-mini"]
 
 
 def digest(directory):

@@ -6,13 +6,13 @@ import pytest
 
 from refimpl.config import load_config
 from refimpl.errors import TokenizerError
-from refimpl.synth import SPECIAL_PIECES, write_checkpoint
+from refimpl.synth import SPECIAL_PIECES
 from refimpl.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return write_checkpoint("e4b-mini", 0, tmp_path_factory.mktemp("tok") / "e4b")
+def ckpt(preset_dirs):
+    return preset_dirs["e4b-mini"]
 
 
 @pytest.fixture(scope="module")
