@@ -1,6 +1,9 @@
-"""Conformance harness for Gemma 4 inference engines (``conformance check --backend X``).
+"""Conformance harness for Gemma 4 inference engines: ``conformance check --backend X``.
 
-Not implemented yet: the harness, its backends and the bundled fixtures are tracked as their own
-issue and build on the oracle in ``refimpl``. This package exists so that the distribution's layout
-is final; it exports nothing.
+Drives a backend through the paths an optimised engine takes during prefill and decode (full
+forward, the three last-logits entry points at last and interior rows, output-row prefill with
+micro-batches, chunked and multi-sequence prefill, decode) and grades every returned logits row
+against golden float64 rows from the ``refimpl`` oracle. See docs/conformance.md.
 """
+
+__version__ = "0.1.0"

@@ -1,0 +1,402 @@
+"""``conformance``: the conformance gate's command line (check, list, generate, verify).
+
+    conformance check --backend NAME|module:attr [--fixtures DIR ...] [--profile P]
+                      [--expectations FILE] [-k REGEX] [--json FILE] [--junit-xml FILE]
+                      [--backend-option KEY=VALUE ...] [-q] [-v]
+    conformance list backends|cases|profiles [--fixtures DIR ...] [-k REGEX]
+    conformance generate (--model DIR | --preset NAME [--seed N]) [--prompts FILE.jsonl] --out DIR
+                         [--name N] [--version V]
+    conformance verify DIR ... [--recompute]
+
+Exit codes: 0 all selected cases pass (xfail, skipped and not-claimed allowed); 1 some case is fail,
+error or xpass; 2 usage error (bad arguments, bad expectations file, unknown profile, bad regex);
+3 fixture integrity error; 4 backend error (cannot be found, loaded or opened); 5 no case run (-k
+matched no case, or every selected case is not claimed or skipped). User errors print one
+``conformance: error:`` line, never a traceback. See docs/conformance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_FIXTURE, EXIT_BACKEND, EXIT_EMPTY = 0, 1, 2, 3, 4, 5
+PROG = "conformance"
+
+
+class UsageError(Exception):
+    """Bad command-line input (exit code 2)."""
+
+
+def _err(msg: str) -> None:
+    sys.stderr.write(f"{PROG}: error: {msg}\n")
+    sys.stderr.flush()
+
+
+def _warn(msg: str) -> None:
+    sys.stderr.write(f"{PROG}: warning: {msg}\n")
+    sys.stderr.flush()
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of exiting, so main() returns the exit code."""
+
+    def error(self, message: str):  # noqa: D401
+        raise UsageError(f"{message}\n{self.format_usage().strip()}")
+
+
+# ----------------------------------------------------------------------------------------------
+# argument helpers
+
+
+def _parse_option(text: str) -> tuple[str, Any]:
+    """KEY=VALUE; VALUE is read as JSON when it parses (numbers, true/false, null), else a string."""
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    if not sep or not key or not key.isidentifier():
+        raise UsageError(f"--backend-option must be KEY=VALUE with KEY a Python identifier, got {text!r}")
+    try:
+        parsed = json.loads(value)
+        if not isinstance(parsed, (int, float, bool)) and parsed is not None:
+            parsed = value
+    except ValueError:
+        parsed = value
+    return key, parsed
+
+
+def _compile(regex: str | None) -> re.Pattern | None:
+    if regex is None:
+        return None
+    try:
+        return re.compile(regex)
+    except re.error as e:
+        raise UsageError(f"-k: not a valid regular expression ({e}): {regex!r}") from None
+
+
+def _set_paths(dirs: Sequence[str] | None) -> list[Path]:
+    """--fixtures arguments as fixture-set directories; a directory holding sets expands to them."""
+    from .fixtures import bundled_sets
+
+    if not dirs:
+        paths = [Path(p) for p in bundled_sets()]
+        if not paths:
+            raise UsageError("no bundled fixture sets are installed; pass --fixtures DIR")
+        return paths
+    out: list[Path] = []
+    for d in dirs:
+        p = Path(d)
+        if not p.exists():
+            raise UsageError(f"--fixtures: no such directory: {d}")
+        if not p.is_dir():
+            raise UsageError(f"--fixtures: not a directory: {d}")
+        if (p / "manifest.json").exists():
+            out.append(p)
+            continue
+        subs = sorted(s for s in p.iterdir() if s.is_dir() and (s / "manifest.json").exists())
+        out.extend(subs if subs else [p])  # an empty directory: load_set says what is missing
+    return out
+
+
+def _profiles() -> dict[str, Any]:
+    from .profiles import PROFILES
+
+    return dict(PROFILES)
+
+
+# ----------------------------------------------------------------------------------------------
+# check
+
+
+def cmd_check(args, argv: Sequence[str]) -> int:
+    from .backend import BackendError
+    from .expectations import ExpectationsError, load as load_expectations
+    from .fixtures import FixtureError
+    from .registry import load_backend
+    from .report import ProgressBar, console_summary, is_tty, write_json, write_junit
+    from .runner import NoCasesSelected, run
+
+    pattern = _compile(args.k)
+    options = dict(_parse_option(o) for o in args.backend_option or [])
+    profiles = _profiles()
+    if args.profile is not None and args.profile not in profiles:
+        raise UsageError(f"unknown profile {args.profile!r}; choose one of {', '.join(profiles)}")
+    expectations = None
+    if args.expectations:
+        try:
+            expectations = load_expectations(args.expectations)
+        except ExpectationsError as e:
+            raise UsageError(str(e)) from None
+
+    try:
+        from .runner import load_sets
+
+        sets = load_sets(_set_paths(args.fixtures))
+    except FixtureError as e:
+        _err(f"fixture integrity: {e}")
+        return EXIT_FIXTURE
+
+    try:
+        backend = load_backend(args.backend, **options)
+    except BackendError as e:
+        _err(str(e))
+        return EXIT_BACKEND
+    profile_name = args.profile or backend.capabilities.default_profile
+    if profile_name not in profiles:
+        _err(f"backend {backend.name!r} declares default_profile {profile_name!r}, which is not a known "
+             f"profile ({', '.join(profiles)}); pass --profile")
+        return EXIT_BACKEND
+    profile = profiles[profile_name]
+    if expectations is not None and expectations.backend and expectations.backend != backend.name:
+        _warn(f"the expectations file is for backend {expectations.backend!r}, running {backend.name!r}")
+
+    bar = ProgressBar(sys.stderr, tty=is_tty(sys.stderr), enabled=not args.quiet)
+    try:
+        result = run(backend, sets, profile, expectations, pattern, bar, backend_options=options)
+    except NoCasesSelected as e:
+        bar.close()
+        _err(str(e))
+        return EXIT_EMPTY
+    except FixtureError as e:
+        bar.close()
+        _err(f"fixture integrity: {e}")
+        return EXIT_FIXTURE
+    except BackendError as e:
+        bar.close()
+        _err(str(e))
+        return EXIT_BACKEND
+    finally:
+        bar.close()
+
+    code = result.exit_code
+    if args.json:
+        path = write_json(result, args.json, argv=list(argv))
+        sys.stderr.write(f"wrote JSON report {path}\n")
+    if args.junit_xml:
+        path = write_junit(result, args.junit_xml)
+        sys.stderr.write(f"wrote JUnit XML {path}\n")
+    print(console_summary(result, verbose=args.verbose))
+    return code
+
+
+# ----------------------------------------------------------------------------------------------
+# list
+
+
+def cmd_list(args) -> int:
+    if args.what == "backends":
+        from .registry import available_backends
+
+        found = available_backends()
+        if not found:
+            print("(no registered backends; give a Python object as module:attr)")
+        w = max((len(n) for n in found), default=0)
+        for name, target in found.items():
+            print(f"{name.ljust(w)}  {target}")
+        return EXIT_OK
+    if args.what == "profiles":
+        for name, p in _profiles().items():
+            desc = getattr(p, "description", "")
+            print(f"{name}: {desc}")
+            print(f"    max_abs {p.max_abs:g}, max_rel {p.max_rel:g}, nmse {p.nmse:g}, cosine >= 1-{1 - p.cosine_min:.3g}, "
+                  f"kl_max {p.kl_max:g}, kl_mean {p.kl_mean:g}, delta_p {p.delta_p:g}, "
+                  f"top-{p.topk} overlap {p.topk_overlap_min:g}, tie_margin {p.tie_margin:g}, "
+                  f"identity_ratio {p.identity_ratio:g}")
+        return EXIT_OK
+    # cases
+    from .fixtures import FixtureError
+    from .runner import entry_point, load_sets
+
+    pattern = _compile(args.k)
+    try:
+        sets = load_sets(_set_paths(args.fixtures))
+    except FixtureError as e:
+        _err(f"fixture integrity: {e}")
+        return EXIT_FIXTURE
+    n = 0
+    for fs in sets:
+        for c in fs.cases:
+            if pattern is not None and not pattern.search(c.id):
+                continue
+            n += 1
+            print(f"{c.id}  [{entry_point(c)}] {','.join(c.features)}")
+    sys.stderr.write(f"{n} case(s) in {len(sets)} fixture set(s)\n")
+    return EXIT_OK if n else EXIT_EMPTY
+
+
+# ----------------------------------------------------------------------------------------------
+# generate / verify
+
+
+class _GenerateProgress:
+    """Progress for fixtures.generate_set: accepts (message), (done, total) or (done, total, message)."""
+
+    def __init__(self, enabled: bool):
+        from .report import ProgressBar, is_tty
+
+        self.bar = ProgressBar(sys.stderr, tty=is_tty(sys.stderr), enabled=enabled)
+
+    def __call__(self, *args, **kwargs) -> None:
+        nums = [a for a in args if isinstance(a, int) and not isinstance(a, bool)]
+        texts = [str(a) for a in args if isinstance(a, str)] + [str(v) for v in kwargs.values() if isinstance(v, str)]
+        text = " ".join(texts)
+        if len(nums) >= 2:
+            done, total = nums[0], nums[1]
+            if self.bar.tty:
+                self.bar(done, total, text)
+            else:
+                self.bar.message(f"[{done}/{total}] {text}".rstrip())
+        elif text:
+            self.bar.message(text)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def cmd_generate(args) -> int:
+    from .fixtures import FixtureError, generate_set
+
+    if (args.model is None) == (args.preset is None):
+        raise UsageError("give exactly one of --model DIR or --preset NAME")
+    if args.model is not None and args.seed is not None:
+        raise UsageError("--seed applies to --preset only")
+    if args.prompts is not None and not Path(args.prompts).is_file():
+        raise UsageError(f"--prompts: no such file: {args.prompts}")
+    if args.model is not None and not Path(args.model).is_dir():
+        raise UsageError(f"--model: no such directory: {args.model}")
+    out_path = Path(args.out)
+    if out_path.exists() and not (out_path.is_dir() and not any(out_path.iterdir())):
+        raise UsageError(f"--out: {args.out} already exists; a fixture set is never overwritten "
+                         "(choose a new directory, e.g. with a new version)")
+    progress = _GenerateProgress(enabled=not args.quiet)
+    kw: dict[str, Any] = {"model_dir": args.model, "preset": args.preset, "seed": args.seed or 0,
+                          "prompts": args.prompts, "name": args.name, "progress": progress}
+    if args.version is not None:
+        kw["version"] = args.version
+    try:
+        out = generate_set(args.out, **kw)
+    except FixtureError as e:
+        progress.close()
+        _err(str(e))
+        return EXIT_FIXTURE
+    except (ValueError, FileExistsError, OSError) as e:
+        progress.close()
+        raise UsageError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - refimpl errors (bad checkpoint, bad prompts) are user errors
+        progress.close()
+        from refimpl.errors import RefimplError
+
+        if isinstance(e, RefimplError):
+            raise UsageError(str(e)) from None
+        raise
+    progress.close()
+    print(f"wrote fixture set {out}")
+    return EXIT_OK
+
+
+def cmd_verify(args) -> int:
+    from .fixtures import verify_set
+
+    bad = 0
+    for d in args.dirs:
+        p = Path(d)
+        if not p.is_dir():
+            problems = [f"no such directory: {d}"]
+        elif args.recompute:
+            problems = list(verify_set(p, recompute=True))
+        else:
+            problems = list(verify_set(p))
+        if problems:
+            bad += 1
+            print(f"{d}: {len(problems)} problem(s)")
+            for prob in problems:
+                print(f"  - {prob}")
+        else:
+            print(f"{d}: ok")
+    return EXIT_FIXTURE if bad else EXIT_OK
+
+
+# ----------------------------------------------------------------------------------------------
+# parser and main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description="Conformance gate for Gemma 4 inference engines against the exact "
+                                       "float64 refimpl oracle. See docs/conformance.md.")
+    sub = p.add_subparsers(dest="command", metavar="{check,list,generate,verify}", parser_class=_Parser)
+    sub.required = True
+
+    c = sub.add_parser("check", help="run the fixture sets' cases on a backend and grade them",
+                       description="Run the selected cases of the fixture sets on a backend and grade every "
+                                   "returned logits row against the oracle's float64 rows. Exit codes: 0 pass, "
+                                   "1 fail/error/xpass, 2 usage, 3 fixture integrity, 4 backend, 5 no case run.")
+    c.add_argument("--backend", required=True, metavar="NAME|module:attr",
+                   help="a registered backend name (see 'conformance list backends') or module:attr")
+    c.add_argument("--fixtures", nargs="+", action="extend", metavar="DIR",
+                   help="fixture set directories, or directories holding sets (default: the bundled sets)")
+    c.add_argument("--profile", metavar="P", help="grading profile (default: the backend's default_profile)")
+    c.add_argument("--expectations", metavar="FILE", help="expectations file (JSON, or TOML for *.toml)")
+    c.add_argument("-k", metavar="REGEX", help="run only the cases whose id matches REGEX (re.search)")
+    c.add_argument("--json", metavar="FILE", help="write the JSON report (schema v1)")
+    c.add_argument("--junit-xml", metavar="FILE", help="write a JUnit XML report")
+    c.add_argument("--backend-option", action="append", metavar="KEY=VALUE",
+                   help="keyword argument for the backend's class or factory (repeatable)")
+    c.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    c.add_argument("-v", "--verbose", action="store_true", help="details of every failing case, not only the first")
+
+    ls = sub.add_parser("list", help="list backends, cases or profiles")
+    ls.add_argument("what", choices=("backends", "cases", "profiles"))
+    ls.add_argument("--fixtures", nargs="+", action="extend", metavar="DIR",
+                    help="fixture sets for 'list cases' (default: the bundled sets)")
+    ls.add_argument("-k", metavar="REGEX", help="only the cases whose id matches REGEX")
+
+    g = sub.add_parser("generate", help="generate a fixture set with the oracle (the only writer of goldens)")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", metavar="DIR", help="a checkpoint directory (config.json, safetensors, tokenizer)")
+    src.add_argument("--preset", metavar="NAME", help="a refimpl synthetic preset (see 'refimpl synth')")
+    g.add_argument("--seed", type=int, default=None, help="weights seed for --preset (default 0)")
+    g.add_argument("--prompts", metavar="FILE.jsonl", help="extra bases from your prompts (one JSON object a line)")
+    g.add_argument("--out", required=True, metavar="DIR", help="the new set's directory (must not exist)")
+    g.add_argument("--name", metavar="N", help="set name (default: the preset or model directory name)")
+    g.add_argument("--version", metavar="V", help="set version, semver (default 1.0.0)")
+    g.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+
+    v = sub.add_parser("verify", help="check fixture sets' schema and sha256 digests")
+    v.add_argument("dirs", nargs="+", metavar="DIR")
+    v.add_argument("--recompute", action="store_true",
+                   help="also recompute every base's logits with the oracle (slow for real checkpoints)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as e:  # --help / --version
+            return int(e.code or 0) if not isinstance(e.code, str) else EXIT_USAGE
+        if args.command == "check":
+            return cmd_check(args, argv)
+        if args.command == "list":
+            return cmd_list(args)
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "verify":
+            return cmd_verify(args)
+        raise UsageError(f"unknown command {args.command!r}")
+    except UsageError as e:
+        _err(str(e))
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        _err("interrupted")
+        return 130
+    except BrokenPipeError:
+        return EXIT_OK
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

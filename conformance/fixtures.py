@@ -1,0 +1,914 @@
+"""Fixture sets: golden float64 oracle logits for a case matrix, with an integrity-checked manifest.
+
+A set is a directory (docs/fixtures.md has the full format)::
+
+    <set>/manifest.json         schema, name, version, provenance, model, oracle, bases, files (sha256)
+    <set>/cases.json            {"cases": [Case.to_json(), ...]}
+    <set>/expected.safetensors  base/<id>/tokens [N] I64, base/<id>/logits [N, V] F64,
+                                base/<id>/router_margin [N] F64 (MoE models: min over layers per token)
+
+Public API::
+
+    generate_set(out, *, model_dir=None, preset=None, seed=0, prompts=None, name=None, version="1.0.0",
+                 progress=None, cross_check=None, command=None) -> Path
+    load_set(path) -> FixtureSet          # verifies schema and every sha256 first (FixtureError)
+    verify_set(path, *, recompute=False, workdir=None) -> list[str]   # problems; never raises for content
+    bundled_sets() -> list[Path]          # the sets shipped in the package, one per synthetic preset
+    load_prompts(path) -> list[dict]      # a prompts JSONL file, validated (PromptError with the line)
+    bundled_set(name) -> Path
+    FixtureSet.bases() / base_logits() / router_margins() / model_dir(workdir) / warnings
+    FixtureError (integrity/schema: exit 3), PromptError (a ValueError: a usage error)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import hashlib
+import importlib.resources
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+
+from . import __version__ as CONFORMANCE_VERSION
+from .cases import (
+    GENERATION_BASE, GENERATION_STEPS, PROMPT_CONTINUATION, PROMPT_PREFIX, RANDOM_BASES, Case, annotate,
+    check_case, generate_cases, random_base_length,
+)
+
+SCHEMA = "gemma4-conformance/fixtures"
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+CASES = "cases.json"
+EXPECTED = "expected.safetensors"
+SET_FILES = (CASES, EXPECTED)
+SYNTHETIC_FILES = ("config.json", "model.safetensors", "tokenizer.model")
+SYNTHETIC_CHECKED = ("config.json", "model.safetensors")  # a tokenizer mismatch is only a warning
+CONSISTENCY_BOUND = 1e-9  # chunked prefill + decode vs full forward inside the oracle (float64)
+RECOMPUTE_BOUND = 1e-9  # verify_set(recompute=True): stored logits vs a fresh oracle run
+CHAT_PROMPT = "What does the sliding window attention cache keep?"  # base G when the model has a tokenizer
+G_RANDOM_PROMPT = 16  # base G prompt length when the model has no tokenizer
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+SEMVER_RE = re.compile(
+    r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
+    r"(?:-((?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(?:\.(?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*))?"
+    r"(?:\+([0-9a-zA-Z-]+(?:\.[0-9a-zA-Z-]+)*))?$"
+)
+SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+
+Progress = Callable[[int, int, str], None]
+# cross_check(model_dir, bases, base_logits) -> {"implementation", "agreement", "detail"} | [...] | None
+# (None: the check could not run, e.g. its packages are missing, and nothing is recorded)
+CrossCheck = Callable[[Path, Mapping[str, np.ndarray], Mapping[str, np.ndarray]], Any]
+
+
+class FixtureError(Exception):
+    """An integrity or schema problem with a fixture set (exit code 3), or a set that cannot be made."""
+
+
+class PromptError(ValueError):
+    """A bad prompts file or prompt entry (a usage error, not an integrity one); names the file and line."""
+
+
+# ----------------------------------------------------------------------------------------------
+# small helpers
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _versions() -> dict[str, str]:
+    import refimpl
+
+    return {"refimpl_version": refimpl.__version__, "numpy_version": np.__version__,
+            "python_version": platform.python_version(), "conformance_version": CONFORMANCE_VERSION}
+
+
+def _read_json(path: Path) -> Any:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=1, sort_keys=False, allow_nan=False) + "\n", encoding="utf-8")
+
+
+def _model_files(model_dir: Path) -> list[str]:
+    """The files of a checkpoint the oracle reads (hashed for an external model, never copied)."""
+    names = ["config.json"]
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names.append(index.name)
+        try:
+            shards = sorted(set(_read_json(index)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            raise ValueError(f"{index}: not a valid safetensors index") from None
+        names += [s for s in shards if isinstance(s, str)]
+    else:
+        names.append("model.safetensors")
+    for optional in ("generation_config.json", "tokenizer.model"):
+        if (model_dir / optional).is_file():
+            names.append(optional)
+    for n in names:
+        if not (model_dir / n).is_file():
+            raise ValueError(f"{model_dir}: {n} is missing; a checkpoint directory needs config.json and its weights")
+    return names
+
+
+def _hash_files(model_dir: Path, names: Iterable[str]) -> dict[str, str]:
+    return {n: sha256_file(model_dir / n) for n in names}
+
+
+# ----------------------------------------------------------------------------------------------
+# prompts
+
+
+_PROMPT_KEYS = {"text", "messages", "tokens"}
+_PROMPT_OPTIONAL = {"id", "chat"}
+
+
+def _check_prompt(entry: Any, where: str) -> dict:
+    """One prompt entry -> {"kind": text|messages|tokens, "value": ..., "id": str|None, "chat": bool}."""
+    if isinstance(entry, str):
+        entry = {"text": entry}
+    elif isinstance(entry, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in entry):
+        entry = {"tokens": list(entry)}
+    if not isinstance(entry, dict):
+        raise PromptError(f"{where}: a prompt must be a JSON object with one of 'text', 'messages', 'tokens'")
+    kinds = sorted(_PROMPT_KEYS & set(entry))
+    unknown = sorted(set(entry) - _PROMPT_KEYS - _PROMPT_OPTIONAL)
+    if unknown:
+        raise PromptError(f"{where}: unknown key '{unknown[0]}' (allowed: text, messages, tokens, id, chat)")
+    if len(kinds) != 1:
+        raise PromptError(f"{where}: a prompt needs exactly one of 'text', 'messages', 'tokens'"
+                          + (f" (got {', '.join(kinds)})" if kinds else ""))
+    kind = kinds[0]
+    value = entry[kind]
+    pid = entry.get("id")
+    if pid is not None and not isinstance(pid, str):
+        raise PromptError(f"{where}: 'id' must be a string")
+    chat = entry.get("chat", False)
+    if not isinstance(chat, bool):
+        raise PromptError(f"{where}: 'chat' must be true or false")
+    if chat and kind != "text":
+        raise PromptError(f"{where}: 'chat' only applies to 'text' (use 'messages' for a conversation)")
+    if kind == "text":
+        if not isinstance(value, str) or not value:
+            raise PromptError(f"{where}: 'text' must be a non-empty string")
+    elif kind == "messages":
+        if not isinstance(value, list) or not value:
+            raise PromptError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
+        for n, m in enumerate(value):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise PromptError(f"{where}: message {n} must be an object with string 'role' and 'content'")
+    else:
+        if (not isinstance(value, list) or not value
+                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)):
+            raise PromptError(f"{where}: 'tokens' must be a non-empty list of non-negative integers")
+    return {"kind": kind, "value": value, "id": pid, "chat": chat, "where": where}
+
+
+def load_prompts(path: str | Path) -> list[dict]:
+    """Read a prompts JSONL file: one JSON object per line (blank lines are skipped), each with exactly
+    one of ``text`` (raw text; ``"chat": true`` renders it as one user turn), ``messages`` (a chat
+    conversation) or ``tokens`` (ids used as given), and an optional ``id``. PromptError names the line."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise PromptError(f"{path}: cannot be read ({e})") from None
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path} line {n}"
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise PromptError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(entry, dict):
+            raise PromptError(f"{where}: a prompt must be a JSON object with one of 'text', 'messages', 'tokens'")
+        out.append(_check_prompt(entry, where))
+    if not out:
+        raise PromptError(f"{path}: holds no prompt")
+    return out
+
+
+def _prompt_entries(prompts) -> list[dict]:
+    if prompts is None:
+        return []
+    if isinstance(prompts, (str, Path)):
+        return load_prompts(prompts)
+    return [_check_prompt(p, f"prompt {n}") for n, p in enumerate(prompts)]
+
+
+def _encode_prompt(p: dict, tokenizer, vocab: int) -> list[int]:
+    where = p["where"]
+    if p["kind"] == "tokens":
+        ids = list(p["value"])
+    else:
+        if tokenizer is None:
+            raise PromptError(f"{where}: the model directory has no tokenizer.model, so only 'tokens' prompts work")
+        try:
+            if p["kind"] == "messages":
+                ids = tokenizer.encode_chat(p["value"])
+            elif p["chat"]:
+                ids = tokenizer.encode_chat([{"role": "user", "content": p["value"]}])
+            else:
+                ids = tokenizer.encode(p["value"])
+        except Exception as e:  # noqa: BLE001 - TokenizerError and friends: report with the line
+            raise PromptError(f"{where}: {e}") from None
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise PromptError(f"{where}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+    return ids
+
+
+# ----------------------------------------------------------------------------------------------
+# bases
+
+
+def _ordinary_ids(tokenizer, vocab: int) -> np.ndarray:
+    """Token ids for random bases: no control, unknown, unused, byte or <marker> pieces (an engine may
+    treat image or turn markers specially). Without a tokenizer: every id from 5 (after pad, eos, bos,
+    unk, mask)."""
+    if tokenizer is None:
+        return np.arange(min(5, vocab - 1), vocab)
+    sp = tokenizer.sp
+    keep = []
+    for i in range(min(vocab, sp.GetPieceSize())):
+        if sp.IsControl(i) or sp.IsUnknown(i) or sp.IsUnused(i) or sp.IsByte(i):
+            continue
+        piece = sp.IdToPiece(i)
+        if len(piece) > 2 and piece.startswith("<") and piece.endswith(">"):
+            continue
+        keep.append(i)
+    if len(keep) < 16:
+        raise FixtureError("the tokenizer has fewer than 16 ordinary pieces; cannot draw random bases")
+    return np.asarray(keep, dtype=np.int64)
+
+
+def _bos(cfg, tokenizer) -> int:
+    if tokenizer is not None:
+        return int(tokenizer.bos_id)
+    return int(cfg.bos_token_id if cfg.bos_token_id is not None else 2)
+
+
+def _greedy(model, prompt: list[int], n: int) -> list[int]:
+    from refimpl.generate import greedy_generate
+
+    return [int(t) for t in greedy_generate(model, prompt, n, stop_ids=()).tokens]
+
+
+def _make_bases(model, tokenizer, seed: int, prompt_ids: list[list[int]]) -> tuple[dict[str, list[int]], dict]:
+    """Token ids of every base, and the manifest's description of each."""
+    cfg = model.cfg
+    pool = _ordinary_ids(tokenizer, cfg.vocab_size)
+    bos = _bos(cfg, tokenizer)
+    n = random_base_length(cfg)
+    bases: dict[str, list[int]] = {}
+    info: dict[str, dict] = {}
+    for k, b in enumerate(RANDOM_BASES):
+        rng = np.random.default_rng([seed, k])
+        bases[b] = [bos] + [int(t) for t in rng.choice(pool, n - 1)]
+        info[b] = {"source": "random", "length": n, "rng": f"numpy default_rng([{seed}, {k}])"}
+    if tokenizer is not None:
+        prompt = tokenizer.encode_chat([{"role": "user", "content": CHAT_PROMPT}])
+        source = {"source": "chat", "text": CHAT_PROMPT}
+    else:
+        rng = np.random.default_rng([seed, len(RANDOM_BASES)])
+        prompt = [bos] + [int(t) for t in rng.choice(pool, G_RANDOM_PROMPT - 1)]
+        source = {"source": "random", "rng": f"numpy default_rng([{seed}, {len(RANDOM_BASES)}])"}
+    bases[GENERATION_BASE] = prompt + _greedy(model, prompt, GENERATION_STEPS)
+    info[GENERATION_BASE] = {**source, "length": len(bases[GENERATION_BASE]), "prompt_length": len(prompt),
+                             "continuation": f"greedy, {GENERATION_STEPS} tokens"}
+    for k, ids in enumerate(prompt_ids):
+        b = f"{PROMPT_PREFIX}{k}"
+        bases[b] = list(ids) + _greedy(model, list(ids), PROMPT_CONTINUATION)
+        info[b] = {"source": "prompt", "length": len(bases[b]), "prompt_length": len(ids),
+                   "continuation": f"greedy, {PROMPT_CONTINUATION} tokens"}
+    return bases, info
+
+
+def _base_logits(model, ids: list[int]) -> tuple[np.ndarray, np.ndarray | None]:
+    """Full float64 logits [N, V] of a base, and its per-token router margin (min over layers) for MoE."""
+    from refimpl.model import Trace
+
+    trace = Trace()
+    logits = model.forward(ids, rows="all", trace=trace)
+    margins = [v for k, v in trace.tensors.items() if k.endswith(".router.margin")]
+    margin = np.min(np.stack(margins), axis=0) if margins else None
+    return np.ascontiguousarray(logits, dtype=np.float64), margin
+
+
+def _consistency_plan(n: int, window: int) -> list[int]:
+    """Piece lengths for the internal consistency check: a short piece, one longer than the window,
+    single tokens, a longer piece, and decode steps at the end."""
+    plan, left = [], n
+    for size in (3, window + 2, 1, 1, window + 5):
+        if left <= 3:
+            break
+        take = min(size, left - 3)
+        plan.append(take)
+        left -= take
+    return plan + [1] * left
+
+
+def _consistency(model, ids: list[int], full: np.ndarray) -> float:
+    """Max |chunked prefill + single-token decode through the KV cache - full forward| over every row."""
+    from refimpl.model import KVCache
+
+    cache, rows, at = KVCache(), [], 0
+    for size in _consistency_plan(len(ids), model.cfg.sliding_window):
+        rows.append(model.forward(ids[at:at + size], rows="all", cache=cache))
+        at += size
+    return float(np.max(np.abs(np.concatenate(rows) - full)))
+
+
+def _cross_entries(result: Any, who: str) -> list[dict]:
+    if result is None:
+        return []
+    entries = [result] if isinstance(result, dict) else list(result)
+    out = []
+    for e in entries:
+        if not (isinstance(e, dict) and isinstance(e.get("implementation"), str)
+                and isinstance(e.get("agreement"), (int, float)) and not isinstance(e.get("agreement"), bool)):
+            raise FixtureError(f"{who} must return {{'implementation': str, 'agreement': float, 'detail': str}} "
+                               f"(or a list of them, or None); got {e!r}")
+        agreement = float(e["agreement"])
+        if not math.isfinite(agreement):
+            raise FixtureError(f"{who}: agreement must be finite, got {agreement}")
+        out.append({"implementation": e["implementation"], "agreement": agreement, "detail": str(e.get("detail", ""))})
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# generation
+
+
+def _default_command() -> str:
+    argv = [Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "python", *sys.argv[1:]]
+    return shlex.join(argv)
+
+
+def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset: str | None = None, seed: int = 0,
+                 prompts=None, name: str | None = None, version: str = "1.0.0", progress: Progress | None = None,
+                 cross_check: CrossCheck | None = None, command: str | None = None) -> Path:
+    """Write a fixture set to ``out``: the only writer. Atomic (a temporary directory beside ``out``,
+    renamed at the end; a failure leaves nothing behind); refuses an existing ``out`` (an empty
+    directory is allowed).
+
+    Exactly one of ``model_dir`` (an external checkpoint: recorded by absolute path and sha256, never
+    copied) and ``preset`` (a ``refimpl synth`` preset, regenerated from ``seed`` when the set is used).
+    ``prompts``: a JSONL path or a list of entries (see ``load_prompts``) -> bases P0, P1, ...
+    ``progress(done, total, label)`` is called as work completes. ``cross_check(model_dir, bases,
+    base_logits)`` compares another implementation (entries are recorded only when it returns some).
+    ``command`` is recorded as the generator command line (default: this process's argv).
+
+    Errors: ValueError for bad arguments (PromptError, a ValueError, for bad prompts, naming the line),
+    refimpl's RefimplError when the oracle cannot load the checkpoint, FixtureError when ``out`` exists
+    or the set cannot be made (the oracle is not self-consistent, a cross check returned garbage).
+    """
+    from refimpl.model import Gemma4
+    from refimpl.synth import PRESETS, write_checkpoint
+    from refimpl.tokenizer import Tokenizer
+
+    out = Path(out)
+    if (model_dir is None) == (preset is None):
+        raise ValueError("give exactly one of a model directory (--model) and a synthetic preset (--preset)")
+    if preset is not None and preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    if not isinstance(version, str) or not SEMVER_RE.match(version):
+        raise ValueError(f"version {version!r} is not a semantic version (MAJOR.MINOR.PATCH, e.g. 1.0.0)")
+    name = name if name is not None else (preset if preset is not None else out.name)
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise ValueError(f"set name {name!r} must be letters, digits, '.', '_' or '-' (and start with a letter "
+                         "or digit)")
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        raise FixtureError(f"{out} already exists; fixture sets are never overwritten (choose another --out, or "
+                           "remove it first)")
+    entries = _prompt_entries(prompts)  # validate before any work
+    if model_dir is not None:
+        model_dir = Path(model_dir).resolve()
+        if not model_dir.is_dir():
+            raise ValueError(f"{model_dir}: not a directory")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        staged = tmp / "set"
+        staged.mkdir()
+        done = 0
+        total = 0
+
+        def step(label: str) -> None:
+            nonlocal done
+            done += 1
+            if progress is not None:
+                progress(done, total, label)
+
+        # the model
+        if preset is not None:
+            total = 1
+            src = write_checkpoint(preset, seed, tmp / "model", dtype="f32")
+            model_info = {"kind": "synthetic", "preset": preset, "seed": seed, "dtype": "f32",
+                          "sha256": _hash_files(src, SYNTHETIC_FILES)}
+        else:
+            src = model_dir
+        model = Gemma4(src)  # float64, exact sqrt(H) embedding scale; RefimplError for a bad checkpoint
+        tokenizer = Tokenizer.from_dir(src)
+        if model_dir is not None:
+            model_info = {"kind": "external", "path": str(model_dir),
+                          "sha256": _hash_files(model_dir, _model_files(model_dir))}
+        cfg = model.cfg
+        prompt_ids = [_encode_prompt(p, tokenizer, cfg.vocab_size) for p in entries]
+        n_bases = len(RANDOM_BASES) + 1 + len(prompt_ids)
+        total += 2 * n_bases + (1 if cross_check is not None else 0) + 1
+        if preset is not None:
+            step("model")
+
+        bases, base_info = _make_bases(model, tokenizer, seed, prompt_ids)
+        for k, p in enumerate(entries):
+            base_info[f"{PROMPT_PREFIX}{k}"].update(
+                {"where": p["where"], **({"id": p["id"]} if p["id"] else {}), "kind": p["kind"]})
+        logits: dict[str, np.ndarray] = {}
+        margins: dict[str, np.ndarray] = {}
+        for b, ids in bases.items():
+            logits[b], m = _base_logits(model, ids)
+            if m is not None:
+                margins[b] = m
+            step(f"base {b}")
+        # G's continuation is the greedy argmax of its own rows (checked, so a tie cannot slip through)
+        prompt_len = base_info[GENERATION_BASE]["prompt_length"]
+        g = bases[GENERATION_BASE]
+        for pos in range(prompt_len - 1, len(g) - 1):
+            if int(np.argmax(logits[GENERATION_BASE][pos])) != g[pos + 1]:
+                raise FixtureError(f"base G: the greedy continuation at position {pos + 1} is not the argmax of the "
+                                   "full forward (a tie between cached decode and the full forward)")
+
+        worst = 0.0
+        for b, ids in bases.items():
+            worst = max(worst, _consistency(model, ids, logits[b]))
+            step(f"consistency {b}")
+        if worst > CONSISTENCY_BOUND:
+            raise FixtureError(f"the oracle is not self-consistent on this checkpoint: chunked prefill through the KV "
+                               f"cache differs from the full forward by {worst:.3g} (bound {CONSISTENCY_BOUND})")
+        checks = [{"implementation": "refimpl KV cache (chunked prefill and single-token decode)",
+                   "agreement": worst,
+                   "detail": f"max abs over every row of the {len(bases)} bases ({', '.join(bases)}) against the "
+                             "full forward; each base fed as pieces of 3, W+2, 1, 1 and W+5 tokens, then "
+                             "single-token decode of the rest"}]
+        if cross_check is not None:
+            arrays = {b: np.asarray(ids, dtype=np.int64) for b, ids in bases.items()}
+            checks += _cross_entries(cross_check(Path(src), arrays, logits), "cross_check")
+            step("cross check")
+
+        cases = [annotate(c, logits, margins or None) for c in generate_cases(name, cfg, bases)]
+
+        tensors: dict[str, np.ndarray] = {}
+        for b, ids in bases.items():
+            tensors[f"base/{b}/tokens"] = np.asarray(ids, dtype=np.int64)
+            tensors[f"base/{b}/logits"] = logits[b]
+            if b in margins:
+                tensors[f"base/{b}/router_margin"] = margins[b]
+        from refimpl.safetensors_io import write_safetensors
+
+        write_safetensors(staged / EXPECTED, tensors, "F64", metadata={"schema": SCHEMA, "name": name})
+        _write_json(staged / CASES, {"cases": [c.to_json() for c in cases]})
+        versions = _versions()
+        manifest = {
+            "schema": SCHEMA,
+            "schema_version": SCHEMA_VERSION,
+            "name": name,
+            "version": version,
+            "provenance": {
+                "generator": f"conformance.fixtures.generate_set (conformance {CONFORMANCE_VERSION})",
+                "command": command if command is not None else _default_command(),
+                **{k: v for k, v in versions.items() if k != "conformance_version"},
+                "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z"),
+                "cross_checks": checks,
+            },
+            "model": model_info,
+            "oracle": {"dtype": "float64", "embed_scale": "exact"},
+            "config": {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+                       "num_hidden_layers": cfg.num_hidden_layers, "sliding_window": cfg.sliding_window},
+            "bases": base_info,
+            "cases": len(cases),
+            "files": {f: sha256_file(staged / f) for f in SET_FILES},
+        }
+        _write_json(staged / MANIFEST, manifest)
+        step("write")
+        try:
+            os.replace(staged, out)
+        except OSError as e:
+            raise FixtureError(f"{out}: cannot move the finished set into place ({e}); was it created meanwhile?") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# reading and verifying
+
+
+@dataclass
+class FixtureSet:
+    path: Path
+    manifest: dict
+    cases: list[Case]
+    warnings: list[str] = field(default_factory=list)  # e.g. a regenerated tokenizer that differs
+    _tensors: dict | None = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.manifest["name"]
+
+    @property
+    def version(self) -> str:
+        return self.manifest["version"]
+
+    def _store(self) -> dict[str, np.ndarray]:
+        if self._tensors is None:
+            from refimpl.safetensors_io import STORAGE, read_header
+
+            infos = read_header(self.path / EXPECTED)
+            data = np.memmap(self.path / EXPECTED, dtype=np.uint8, mode="r")
+            self._tensors = {
+                n: data[i.begin:i.end].view(STORAGE[i.dtype]).reshape(i.shape) for n, i in infos.items()
+            }
+        return self._tensors
+
+    def _by_base(self, leaf: str) -> dict[str, np.ndarray]:
+        out = {}
+        for n, a in self._store().items():
+            parts = n.split("/")
+            if len(parts) == 3 and parts[0] == "base" and parts[2] == leaf:
+                out[parts[1]] = a
+        return out
+
+    def bases(self) -> dict[str, np.ndarray]:
+        """Base id -> token ids (int64)."""
+        return {b: np.asarray(a, dtype=np.int64) for b, a in self._by_base("tokens").items()}
+
+    def base_logits(self) -> dict[str, np.ndarray]:
+        """Base id -> [N, V] float64 logits (read-only memory maps)."""
+        return self._by_base("logits")
+
+    def router_margins(self) -> dict[str, np.ndarray]:
+        """Base id -> [N] per-token router margin (min over layers); empty for dense models."""
+        return self._by_base("router_margin")
+
+    def model_dir(self, workdir: Path) -> Path:
+        """The checkpoint: synthetic sets regenerate it under ``workdir`` (reused if already there) and
+        check the sha256 of config.json and model.safetensors; external sets return the recorded path after
+        checking every recorded file. FixtureError when the checkpoint does not match the set."""
+        model = self.manifest["model"]
+        if model["kind"] == "external":
+            path = Path(model["path"])
+            for n, want in model["sha256"].items():
+                f = path / n
+                if not f.is_file():
+                    raise FixtureError(f"{self.path}: the set's model file {f} is missing (the checkpoint was moved or "
+                                       "deleted; the set records it by absolute path)")
+                got = sha256_file(f)
+                if got != want:
+                    raise FixtureError(f"{self.path}: the set's model file {f} changed: sha256 {got} but the set "
+                                       f"records {want}; regenerate the set for this checkpoint")
+            return path
+        from refimpl.synth import write_checkpoint
+
+        target = Path(workdir) / f"{model['preset']}-seed{model['seed']}-{model['dtype']}"
+        if not (target.is_dir() and self._synthetic_matches(target)):
+            write_checkpoint(model["preset"], model["seed"], target, dtype=model["dtype"], overwrite=True)
+        bad = [n for n in SYNTHETIC_CHECKED if sha256_file(target / n) != model["sha256"][n]]
+        if bad:
+            rec = self.manifest.get("provenance", {})
+            now = _versions()
+            recorded = ", ".join(f"{k.split('_')[0]} {rec.get(k, '?')}" for k in
+                                 ("refimpl_version", "numpy_version", "python_version"))
+            found = ", ".join(f"{k.split('_')[0]} {now[k]}" for k in ("refimpl_version", "numpy_version", "python_version"))
+            raise FixtureError(
+                f"{self.path}: the synthetic checkpoint could not be reproduced: {' and '.join(bad)} of preset "
+                f"{model['preset']!r} seed {model['seed']} differ from the sha256 the set records. Recorded with "
+                f"{recorded}; found {found}. Regenerate the set with this installation, or install the recorded "
+                "versions.")
+        tok = target / "tokenizer.model"
+        want = model["sha256"].get("tokenizer.model")
+        if want is not None and tok.is_file() and sha256_file(tok) != want:
+            msg = (f"{self.path}: the regenerated tokenizer.model differs from the recorded one (sentencepiece "
+                   "version?); cases are token ids, so grading is unaffected, only displayed pieces may differ")
+            if msg not in self.warnings:
+                self.warnings.append(msg)
+        return target
+
+    def _synthetic_matches(self, target: Path) -> bool:
+        model = self.manifest["model"]
+        try:
+            return all(sha256_file(target / n) == model["sha256"][n] for n in SYNTHETIC_CHECKED)
+        except OSError:
+            return False
+
+
+def _check_manifest(m: Any, where: str) -> list[str]:
+    from refimpl.synth import PRESETS
+
+    if not isinstance(m, dict):
+        return [f"{where}: must be a JSON object"]
+    out = []
+    if m.get("schema") != SCHEMA:
+        return [f"{where}: schema is {m.get('schema')!r}, expected {SCHEMA!r} (not a conformance fixture set)"]
+    sv = m.get("schema_version")
+    if not isinstance(sv, int) or isinstance(sv, bool):
+        return [f"{where}: schema_version must be an integer, got {sv!r}"]
+    if sv > SCHEMA_VERSION:
+        return [f"{where}: schema_version {sv} is newer than this harness reads ({SCHEMA_VERSION}); upgrade "
+                "gemma4-conformance"]
+    if sv != SCHEMA_VERSION:
+        return [f"{where}: schema_version {sv} is not supported (this harness reads {SCHEMA_VERSION})"]
+    if not isinstance(m.get("name"), str) or not NAME_RE.match(m["name"]):
+        out.append(f"{where}: name {m.get('name')!r} is missing or not a valid set name")
+    if not isinstance(m.get("version"), str) or not SEMVER_RE.match(m["version"]):
+        out.append(f"{where}: version {m.get('version')!r} is not a semantic version (MAJOR.MINOR.PATCH)")
+    if not isinstance(m.get("provenance"), dict):
+        out.append(f"{where}: provenance is missing")
+    elif not isinstance(m["provenance"].get("cross_checks", []), list):
+        out.append(f"{where}: provenance.cross_checks must be a list")
+    oracle = m.get("oracle")
+    if not isinstance(oracle, dict) or oracle.get("dtype") != "float64":
+        out.append(f"{where}: oracle.dtype must be float64, got {oracle!r}")
+    model = m.get("model")
+    if not isinstance(model, dict) or model.get("kind") not in ("synthetic", "external"):
+        out.append(f"{where}: model.kind must be 'synthetic' or 'external'")
+    else:
+        hashes = model.get("sha256")
+        if not (isinstance(hashes, dict) and all(isinstance(k, str) and isinstance(v, str) and SHA_RE.match(v)
+                                                 for k, v in hashes.items())):
+            out.append(f"{where}: model.sha256 must map file names to sha256 hex digests")
+        elif model["kind"] == "synthetic":
+            if model.get("preset") not in PRESETS:
+                out.append(f"{where}: model.preset {model.get('preset')!r} is not a preset of this refimpl "
+                           f"({', '.join(PRESETS)})")
+            if not isinstance(model.get("seed"), int) or isinstance(model.get("seed"), bool) or model["seed"] < 0:
+                out.append(f"{where}: model.seed must be a non-negative integer")
+            if model.get("dtype") not in ("f32", "bf16"):
+                out.append(f"{where}: model.dtype must be f32 or bf16")
+            missing = [n for n in SYNTHETIC_CHECKED if n not in hashes]
+            if missing:
+                out.append(f"{where}: model.sha256 lacks {missing[0]}")
+        else:
+            if not isinstance(model.get("path"), str) or not os.path.isabs(model["path"]):
+                out.append(f"{where}: model.path must be an absolute path")
+            elif "config.json" not in hashes:
+                out.append(f"{where}: model.sha256 lacks config.json")
+    files = m.get("files")
+    if not isinstance(files, dict):
+        out.append(f"{where}: files must map file names to sha256 digests")
+    else:
+        for f in SET_FILES:
+            if f not in files:
+                out.append(f"{where}: files lacks {f}")
+        for f, h in files.items():
+            if not isinstance(f, str) or Path(f).name != f or f in (".", "..", MANIFEST):
+                out.append(f"{where}: files entry {f!r} is not a file name of the set")
+            elif not isinstance(h, str) or not SHA_RE.match(h):
+                out.append(f"{where}: files[{f!r}] is not a sha256 hex digest")
+    return out
+
+
+def _verify(path: Path) -> tuple[list[str], FixtureSet | None]:
+    """All problems of a set, and the loaded set when there are none."""
+    from refimpl.errors import WeightsError
+    from refimpl.safetensors_io import read_header
+
+    path = Path(path)
+    if not path.is_dir():
+        return [f"{path}: not a directory (a fixture set is a directory with {MANIFEST})"], None
+    mpath = path / MANIFEST
+    try:
+        manifest = _read_json(mpath)
+    except FileNotFoundError:
+        return [f"{mpath}: missing; {path} is not a fixture set"], None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return [f"{mpath}: not valid JSON ({e})"], None
+    problems = _check_manifest(manifest, str(mpath))
+    if problems:
+        return problems, None
+    ok_files = set()
+    for f, want in manifest["files"].items():
+        fp = path / f
+        if not fp.is_file():
+            problems.append(f"{fp}: missing (listed in {MANIFEST})")
+            continue
+        got = sha256_file(fp)
+        if got != want:
+            problems.append(f"{fp}: sha256 mismatch: {MANIFEST} records {want}, the file has {got} (the file was "
+                            "modified, or the manifest was edited)")
+        else:
+            ok_files.add(f)
+    if not set(SET_FILES) <= ok_files:
+        return problems, None
+
+    # expected.safetensors
+    epath = path / EXPECTED
+    try:
+        infos = read_header(epath)
+    except WeightsError as e:
+        return problems + [f"{epath}: {e}"], None
+    lengths: dict[str, int] = {}
+    vocab = None
+    seen: dict[str, set] = {}
+    for n, info in infos.items():
+        parts = n.split("/")
+        if len(parts) != 3 or parts[0] != "base" or parts[2] not in ("tokens", "logits", "router_margin"):
+            problems.append(f"{epath}: unexpected tensor '{n}'")
+            continue
+        seen.setdefault(parts[1], set()).add(parts[2])
+    for b, leaves in sorted(seen.items()):
+        t, lg = infos.get(f"base/{b}/tokens"), infos.get(f"base/{b}/logits")
+        if t is None or lg is None:
+            problems.append(f"{epath}: base {b} needs both tokens and logits")
+            continue
+        if t.dtype != "I64" or len(t.shape) != 1 or t.shape[0] < 1:
+            problems.append(f"{epath}: base/{b}/tokens must be a non-empty I64 vector, got {t.dtype} {list(t.shape)}")
+            continue
+        if lg.dtype != "F64" or lg.shape[:1] != t.shape or len(lg.shape) != 2:
+            problems.append(f"{epath}: base/{b}/logits must be F64 [{t.shape[0]}, V], got {lg.dtype} {list(lg.shape)}")
+            continue
+        if vocab is None:
+            vocab = lg.shape[1]
+        elif lg.shape[1] != vocab:
+            problems.append(f"{epath}: base/{b}/logits has {lg.shape[1]} columns, other bases {vocab}")
+        rm = infos.get(f"base/{b}/router_margin")
+        if rm is not None and (rm.dtype != "F64" or rm.shape != t.shape):
+            problems.append(f"{epath}: base/{b}/router_margin must be F64 [{t.shape[0]}]")
+        lengths[b] = t.shape[0]
+    if not lengths:
+        problems.append(f"{epath}: holds no base")
+    declared = manifest.get("bases")
+    if isinstance(declared, dict):
+        for b, d in declared.items():
+            if b not in lengths:
+                problems.append(f"{epath}: base {b} of {MANIFEST} is not stored")
+            elif isinstance(d, dict) and d.get("length") not in (None, lengths[b]):
+                problems.append(f"{epath}: base {b} has {lengths[b]} tokens, {MANIFEST} says {d.get('length')}")
+    fs = FixtureSet(path=path, manifest=manifest, cases=[])
+    if not problems:
+        tokens = fs.bases()
+        for b, ids in tokens.items():
+            if vocab is not None and (ids.min() < 0 or ids.max() >= vocab):
+                problems.append(f"{epath}: base/{b}/tokens holds ids outside the vocabulary [0, {vocab})")
+        for b, a in fs.base_logits().items():
+            if not np.all(np.isfinite(a)):
+                problems.append(f"{epath}: base/{b}/logits holds non-finite values")
+    else:
+        tokens = {}
+
+    # cases.json
+    cpath = path / CASES
+    try:
+        doc = _read_json(cpath)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return problems + [f"{cpath}: not valid JSON ({e})"], None
+    if not isinstance(doc, dict) or not isinstance(doc.get("cases"), list):
+        return problems + [f"{cpath}: must be an object with a 'cases' list"], None
+    cases: list[Case] = []
+    for k, d in enumerate(doc["cases"]):
+        try:
+            cases.append(Case.from_json(d))
+        except ValueError as e:
+            problems.append(f"{cpath}: case {k}: {e}")
+    ids = [c.id for c in cases]
+    dups = sorted({i for i in ids if ids.count(i) > 1})
+    if dups:
+        problems.append(f"{cpath}: duplicate case id {dups[0]}")
+    prefix = f"{manifest['name']}/"
+    for c in cases:
+        if not c.id.startswith(prefix):
+            problems.append(f"{cpath}: case id {c.id} does not start with the set name '{prefix}'")
+        problems += [f"{cpath}: {p}" for p in check_case(c, lengths)]
+        if c.generation and tokens and not check_case(c, lengths):
+            want = tuple(int(t) for t in tokens[c.base][c.length:c.length + c.decode_len + 1])
+            if tuple(c.golden_tokens) != want:
+                problems.append(f"{cpath}: case {c.id}: golden tokens {list(c.golden_tokens)} are not "
+                                f"base {c.base}[{c.length}:{c.length + c.decode_len + 1}] = {list(want)}")
+    if isinstance(manifest.get("cases"), int) and manifest["cases"] != len(cases):
+        problems.append(f"{cpath}: holds {len(cases)} cases, {MANIFEST} says {manifest['cases']}")
+    if problems:
+        return problems, None
+    fs.cases = cases
+    return problems, fs
+
+
+def verify_set(path: str | Path, *, recompute: bool = False, workdir: str | Path | None = None) -> list[str]:
+    """Every problem of a set (empty list = ok): schema, sha256 of every file, cases against bases, tensor
+    shapes. With ``recompute`` the model is materialised (synthetic: regenerated under ``workdir`` or a
+    temporary directory) and every base's logits are recomputed with the oracle (bound RECOMPUTE_BOUND),
+    and every case's ties are re-derived. Never raises for content problems."""
+    try:
+        problems, fs = _verify(Path(path))
+    except Exception as e:  # noqa: BLE001 - verify reports, it does not raise
+        return [f"{path}: cannot be verified: {type(e).__name__}: {e}"]
+    if problems or not recompute:
+        return problems
+    with contextlib.ExitStack() as stack:
+        wd = Path(workdir) if workdir is not None else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        try:
+            model_dir = fs.model_dir(wd)
+            from refimpl.model import Gemma4
+
+            model = Gemma4(model_dir)
+        except Exception as e:  # noqa: BLE001
+            return [str(e) if isinstance(e, FixtureError) else f"{path}: the model cannot be loaded: {e}"]
+        stored = fs.base_logits()
+        fresh: dict[str, np.ndarray] = {}
+        margins: dict[str, np.ndarray] = {}
+        for b, ids in fs.bases().items():
+            fresh[b], m = _base_logits(model, [int(t) for t in ids])
+            if m is not None:
+                margins[b] = m
+            diff = float(np.max(np.abs(fresh[b] - stored[b]))) if fresh[b].shape == stored[b].shape else math.inf
+            if diff > RECOMPUTE_BOUND:
+                problems.append(f"{Path(path) / EXPECTED}: base {b}: the oracle now gives logits that differ by "
+                                f"{diff:.3g} from the stored ones (bound {RECOMPUTE_BOUND})")
+        if not problems:
+            for c in fs.cases:
+                again = annotate(c, fresh, margins or None)
+                if [t[0] for t in again.ties] != [t[0] for t in c.ties]:
+                    problems.append(f"{Path(path) / CASES}: case {c.id}: recorded ties {[t[0] for t in c.ties]}, "
+                                    f"recomputed {[t[0] for t in again.ties]}")
+    return problems
+
+
+def load_set(path: str | Path) -> FixtureSet:
+    """Load a set after verifying its schema and the sha256 of every file (FixtureError naming the file)."""
+    problems, fs = _verify(Path(path))
+    if problems:
+        more = f" (and {len(problems) - 1} more problem(s); run `conformance verify`)" if len(problems) > 1 else ""
+        raise FixtureError(problems[0] + more)
+    assert fs is not None
+    return fs
+
+
+# ----------------------------------------------------------------------------------------------
+# the bundled sets
+
+
+_BUNDLE_STACK = contextlib.ExitStack()
+
+
+def _materialise(node) -> Path:
+    """A filesystem path for an importlib.resources Traversable (extracted when in a zip)."""
+    if isinstance(node, Path):
+        return node
+    tmp = Path(_BUNDLE_STACK.enter_context(tempfile.TemporaryDirectory(prefix="gemma4-conformance-fixtures-")))
+
+    def copy(src, dst: Path) -> None:
+        dst.mkdir(parents=True, exist_ok=True)
+        for child in src.iterdir():
+            if child.is_dir():
+                copy(child, dst / child.name)
+            else:
+                (dst / child.name).write_bytes(child.read_bytes())
+
+    copy(node, tmp / "fixtures")
+    return tmp / "fixtures"
+
+
+_BUNDLE_ROOT: list[Path] = []
+
+
+def bundled_sets() -> list[Path]:
+    """The fixture sets shipped in the package (``conformance/fixtures/<name>/``), sorted by name."""
+    if not _BUNDLE_ROOT:
+        root = importlib.resources.files("conformance").joinpath("fixtures")
+        if not root.is_dir():
+            return []
+        _BUNDLE_ROOT.append(_materialise(root))
+    base = _BUNDLE_ROOT[0]
+    return sorted(p for p in base.iterdir() if p.is_dir() and (p / MANIFEST).is_file())
+
+
+def bundled_set(name: str) -> Path:
+    """The bundled set called ``name`` (FixtureError listing the names when there is none)."""
+    sets = bundled_sets()
+    for p in sets:
+        if p.name == name:
+            return p
+    raise FixtureError(f"no bundled fixture set {name!r}; bundled: {', '.join(p.name for p in sets) or 'none'}")

@@ -1,0 +1,671 @@
+"""Fixture sets (conformance/fixtures.py) and the case matrix (conformance/cases.py).
+
+The central check: every row a case expects (a row of its base's stored logits, picked by
+``row_groups``) equals what a fresh oracle computes when it is driven exactly as the case's request
+says: one forward over the prompt, the requested rows, the pieces and micro-batches through one
+``KVCache``, embeddings input, separate caches per packed sequence, then single-token decode. This
+validates the row-spec mapping independently of the generator.
+
+Also: verification, tampering (one byte, one case, one manifest hash), refusal to overwrite,
+atomicity, prompts JSONL, the bundled sets (loadable, verified, up to date with the generator), and
+the reproduction of synthetic checkpoints.
+
+Run as a script to regenerate the bundled sets (with the transformers cross-check when torch and
+transformers are installed)::
+
+    .venv/bin/python tests/test_fixtures.py --regenerate-bundled
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from conformance.backend import Response, required_capabilities  # noqa: E402
+from conformance.cases import (  # noqa: E402
+    GENERATION_STEPS, TIE_MARGIN, Case, build_request, check_case, generate_cases, response_groups, row_groups,
+    top2_margin,
+)
+from conformance.fixtures import (  # noqa: E402
+    CASES, EXPECTED, MANIFEST, FixtureError, PromptError, bundled_sets, generate_set, load_prompts, load_set,
+    sha256_file, verify_set,
+)
+from refimpl.model import Gemma4, KVCache  # noqa: E402
+from refimpl.synth import PRESETS  # noqa: E402
+
+ROW_BOUND = 1e-10  # stored row vs the oracle driven as the request says (different chunking: float64 rounding)
+REPO = Path(__file__).resolve().parent.parent
+PROMPTS_PRESET = "e4b-mini"
+PROMPT_LINES = [
+    {"text": "hello world, what is the cache?", "id": "raw"},
+    {"text": "Why does the sliding window need a cache?", "chat": True},
+    {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is a token?"}]},
+    {"tokens": [2, 100, 200, 300, 400, 101, 102, 103, 104, 105, 106, 107, 108]},
+    {"tokens": [2]},
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# the oracle, driven exactly as a request says
+
+
+def _forward(model, tokens, rows, cache, embeddings=None):
+    return model.forward(np.asarray(tokens, dtype=np.int64), rows=list(rows), cache=cache, embeddings=embeddings)
+
+
+def _decode(model, cache, tokens):
+    out = [model.forward([int(t)], rows="last", cache=cache) for t in tokens]
+    return np.concatenate(out) if out else None
+
+
+def oracle_answer(model, request) -> Response:
+    """What an exact backend answers: a fresh cache per request (per sequence for multi)."""
+    if request.kind == "multi":
+        rows, decodes = [], []
+        for k, seq in enumerate(request.sequences):
+            cache = KVCache()
+            rows.append(_forward(model, seq, [len(seq) - 1], cache))
+            decodes.append(_decode(model, cache, request.decode[k]) if request.decode else None)
+        return Response(np.concatenate(rows), decodes if request.decode else None)
+    cache = KVCache()
+    if request.kind == "full":
+        logits = _forward(model, request.tokens, range(len(request.tokens)), cache)
+    elif request.kind == "last":
+        logits = _forward(model, request.tokens, [request.last_pos], cache, request.embeddings)
+    else:
+        out = []
+        for piece in request.pieces:
+            n = len(piece.tokens)
+            step = request.ubatch or n
+            for start in range(0, n, step):  # every micro-batch its own call; some have no output row
+                local = [r - start for r in piece.rows if start <= r < start + step]
+                out.append(_forward(model, piece.tokens[start:start + step], local, cache))
+        logits = np.concatenate(out)
+    assert cache.length == sum(len(p.tokens) for p in request.pieces) if request.kind == "prefill" \
+        else cache.length == len(request.tokens)
+    return Response(logits, _decode(model, cache, request.decode) if request.decode else None)
+
+
+def expected_groups(case, base_logits):
+    return [np.stack([base_logits[r.base][r.position] for r in rows]) if rows else np.zeros((0, 0))
+            for _, rows in row_groups(case)]
+
+
+# ----------------------------------------------------------------------------------------------
+# fixtures
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(p) for p in PROMPT_LINES[:2]) + "\n\n"
+                    + "\n".join(json.dumps(p) for p in PROMPT_LINES[2:]) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def sets(tmp_path_factory, prompts_file) -> dict[str, Path]:
+    """One generated set per preset (seed 0); the PROMPTS_PRESET one with user prompts."""
+    root = tmp_path_factory.mktemp("sets")
+    return {
+        p: generate_set(root / p, preset=p, seed=0, prompts=prompts_file if p == PROMPTS_PRESET else None)
+        for p in PRESETS
+    }
+
+
+@pytest.fixture(scope="module")
+def small_set(sets) -> Path:
+    return sets["31b-mini"]
+
+
+def _copy(src: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / src.name
+    shutil.copytree(src, dst)
+    return dst
+
+
+# ----------------------------------------------------------------------------------------------
+# expected rows == the oracle driven by the request
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_expected_rows_equal_the_oracle_run_directly(sets, preset, tmp_path):
+    fs = load_set(sets[preset])
+    model = Gemma4(fs.model_dir(tmp_path))  # a fresh model, regenerated from preset and seed
+    bases, base_logits = fs.bases(), fs.base_logits()
+    kinds = set()
+    for case in fs.cases:
+        request = build_request(case, bases, model.embed)
+        got = response_groups(case, oracle_answer(model, request))
+        want = expected_groups(case, base_logits)
+        assert len(got) == len(want), case.id
+        for g, w, (name, rows) in zip(got, want, row_groups(case)):
+            assert g.shape == (len(rows), model.cfg.vocab_size), (case.id, name)
+            err = float(np.max(np.abs(g - w))) if rows else 0.0
+            assert err <= ROW_BOUND, f"{case.id} {name}: {err}"
+        kinds.add((case.kind, case.entry, len(case.pieces) > 1, case.ubatch))
+    assert {("full", "plain", False, None), ("last", "plain", False, None), ("last", "seq_id", False, None),
+            ("last", "embeddings", False, None), ("prefill", "plain", False, None), ("prefill", "plain", False, 5),
+            ("prefill", "plain", True, None), ("prefill", "plain", True, 5), ("multi", "plain", False, None)} <= kinds
+
+
+def test_cases_are_structurally_sound_and_annotated(sets):
+    for preset, path in sets.items():
+        fs = load_set(path)
+        bases, base_logits = fs.bases(), fs.base_logits()
+        lengths = {b: len(t) for b, t in bases.items()}
+        margins = fs.router_margins()
+        assert bool(margins) == PRESETS[preset].get("enable_moe_block", False)
+        for case in fs.cases:
+            assert check_case(case, lengths) == []
+            assert case.id.startswith(f"{preset}/{case.kind}/")
+            # ties: exactly the rows whose oracle top-2 margin is below TIE_MARGIN
+            labels = {r.label: top2_margin(base_logits[r.base][r.position]) for _, rows in row_groups(case)
+                      for r in rows}
+            assert [t[0] for t in case.ties] == [k for k, m in labels.items() if m < TIE_MARGIN]
+            for label, m in case.ties:
+                assert m == pytest.approx(labels[label], abs=1e-12)
+            if margins:
+                assert case.moe_min_margin is not None and case.moe_min_margin >= 0
+            else:
+                assert case.moe_min_margin is None
+            if case.generation:
+                for _, rows in row_groups(case):
+                    for r in rows:
+                        assert r.golden_token == int(bases[r.base][r.position + 1])
+                        assert r.golden_token == int(np.argmax(base_logits[r.base][r.position]))
+            # the request needs exactly the capabilities the tags say
+            req = build_request(case, bases, lambda ids: np.zeros((len(ids), 64)))
+            need = required_capabilities(req)
+            assert ("interior_rows" in need) == (case.kind == "last" and "interior" in case.features)
+            assert ("ubatch" in need) == ("ubatch" in case.features)
+            assert ("chunked_prefill" in need) == ("chunked" in case.features)
+            assert "decode" in need
+
+
+def test_case_matrix_counts_and_tags(sets):
+    fs = load_set(sets["e2b-mini"])
+    W = 8
+    by_kind: dict[str, int] = {}
+    for c in fs.cases:
+        by_kind[c.kind] = by_kind.get(c.kind, 0) + 1
+    assert by_kind == {"full": 2, "last": 25, "prefill": 20, "multi": 3}
+    lasts = [c for c in fs.cases if c.kind == "last" and not c.generation]
+    assert {(c.entry, c.length, c.last_pos) for c in lasts} == {
+        (e, T, p) for e in ("plain", "seq_id", "embeddings") for T in (W - 1, W, W + 1, 2 * W + 3)
+        for p in (T - 1, T // 2)}
+    assert {c.entry: c.base for c in lasts} == {"plain": "A", "seq_id": "B", "embeddings": "C"}
+    assert all(c.seq_id and c.seq_id > 0 for c in lasts if c.entry != "plain")
+    assert len({c.seq_id for c in lasts if c.entry != "plain"}) > 3
+    tags = {t for c in fs.cases for t in c.features}
+    assert {"plain", "seq_id", "embeddings", "interior", "window-1", "window", "window+1", "2window+3", "ubatch",
+            "no-output-ubatch", "chunked", "chunk>window", "multi", "decode", "generation", "ple", "kv-shared",
+            "double-wide", "softcap", "mqa"} <= tags
+    assert "moe" not in tags and "gqa" not in tags
+    moe_tags = {t for c in load_set(sets["26b-a4b-mini"]).cases for t in c.features}
+    assert {"moe", "k=v", "gqa", "mqa"} <= moe_tags
+    gen = [c for c in fs.cases if c.generation]
+    assert len(gen) == 1 and gen[0].decode_len == GENERATION_STEPS - 1 and len(gen[0].golden_tokens) == GENERATION_STEPS
+    multi = [c for c in fs.cases if c.kind == "multi"]
+    assert [len(c.sequences) for c in multi] == [1, 2, 3]
+    for c in multi:
+        assert len({b for b, *_ in c.sequences}) == len(c.sequences)
+        assert len({s for _, _, s, _ in c.sequences}) == len(c.sequences)
+
+
+def test_row_groups_labels_and_response_groups():
+    case = Case("s/prefill/A/T20/x", "prefill", "A", 20, pieces=((17, ()), (3, (2,))), decode_len=2)
+    groups = row_groups(case)
+    assert [(g, [(r.label, r.position) for r in rows]) for g, rows in groups] == [
+        ("logits", [("piece 1 row 2", 19)]), ("decode", [("decode 0", 20), ("decode 1", 21)])]
+    resp = Response(np.zeros((1, 4)), np.ones((2, 4)))
+    got = response_groups(case, resp)
+    assert got[0].shape == (1, 4) and got[1].shape == (2, 4)
+    assert response_groups(case, Response(np.zeros((1, 4))))[1] is None
+    multi = Case("s/multi/x", "multi", "A", 3, sequences=(("A", 3, 1, 1), ("B", 4, 2, 1)))
+    assert [g for g, _ in row_groups(multi)] == ["logits", "decode seq 0", "decode seq 1"]
+    assert [r.label for _, rows in row_groups(multi) for r in rows] == [
+        "seq 0 last", "seq 1 last", "seq 0 decode 0", "seq 1 decode 0"]
+    got = response_groups(multi, Response(np.zeros((2, 4)), [np.ones((1, 4))]))
+    assert got[1].shape == (1, 4) and got[2] is None
+    got = response_groups(multi, Response(np.zeros((2, 4)), np.ones((2, 1, 4))))
+    assert got[2].shape == (1, 4)
+
+
+def test_case_json_round_trip_and_strictness(small_set):
+    for case in load_set(small_set).cases:
+        assert Case.from_json(json.loads(json.dumps(case.to_json()))) == case
+    d = load_set(small_set).cases[0].to_json()
+    with pytest.raises(ValueError, match="unknown field 'bogus'"):
+        Case.from_json({**d, "bogus": 1})
+    with pytest.raises(ValueError, match="'length' must hold integers"):
+        Case.from_json({**d, "length": "9"})
+    with pytest.raises(ValueError, match="required field 'kind'"):
+        Case.from_json({k: v for k, v in d.items() if k != "kind"})
+
+
+def test_generate_cases_small_window(micro_factory):
+    """A window of 3 (micro config without a tokenizer, so an external model with random base G)."""
+    from helpers import micro_config
+    from refimpl.config import load_config
+
+    cfg = load_config(micro_factory(micro_config(sliding_window=3)))
+    bases = {b: [2] + [5] * 47 for b in "ABC"}
+    bases["G"] = [2, 5, 6] + [7] * GENERATION_STEPS
+    cases = generate_cases("m", cfg, bases)
+    assert len({c.id for c in cases}) == len(cases)
+    lengths = {b: len(t) for b, t in bases.items()}
+    assert all(check_case(c, lengths) == [] for c in cases)
+    with pytest.raises(ValueError, match="base A has 10 tokens"):
+        generate_cases("m", cfg, {**bases, "A": [2] * 10})
+
+
+# ----------------------------------------------------------------------------------------------
+# verification and tampering
+
+
+def test_verify_clean_and_recompute(small_set, tmp_path):
+    assert verify_set(small_set) == []
+    assert verify_set(small_set, recompute=True, workdir=tmp_path) == []
+
+
+def test_manifest_contents(sets):
+    m = json.loads((sets["e2b-mini"] / MANIFEST).read_text())
+    assert m["schema"] == "gemma4-conformance/fixtures" and m["schema_version"] == 1
+    assert m["name"] == "e2b-mini" and m["version"] == "1.0.0"
+    prov = m["provenance"]
+    assert {"command", "refimpl_version", "numpy_version", "python_version", "created", "cross_checks"} <= set(prov)
+    assert prov["created"].endswith("Z")
+    [check] = prov["cross_checks"]  # no cross_check hook given: only the oracle's own consistency check
+    assert check["implementation"].startswith("refimpl KV cache") and check["agreement"] < 1e-11
+    assert m["model"]["kind"] == "synthetic" and m["model"]["preset"] == "e2b-mini" and m["model"]["seed"] == 0
+    assert set(m["model"]["sha256"]) == {"config.json", "model.safetensors", "tokenizer.model"}
+    assert m["oracle"] == {"dtype": "float64", "embed_scale": "exact"}
+    assert set(m["files"]) == {CASES, EXPECTED}
+    assert sorted(os.listdir(sets["e2b-mini"])) == sorted([MANIFEST, CASES, EXPECTED])  # the model is not copied
+
+
+def _problems_and_error(path: Path) -> tuple[list[str], str]:
+    problems = verify_set(path)
+    with pytest.raises(FixtureError) as e:
+        load_set(path)
+    return problems, str(e.value)
+
+
+@pytest.mark.parametrize("where", ["header", "data", "last"])
+def test_one_byte_of_expected_is_detected(small_set, tmp_path, where):
+    path = _copy(small_set, tmp_path)
+    f = path / EXPECTED
+    data = bytearray(f.read_bytes())
+    at = {"header": 20, "data": len(data) // 2, "last": len(data) - 1}[where]
+    data[at] ^= 0x01
+    f.write_bytes(bytes(data))
+    problems, message = _problems_and_error(path)
+    assert problems and all(EXPECTED in p for p in problems)
+    assert EXPECTED in message and "sha256 mismatch" in message
+
+
+def test_an_edited_case_is_detected(small_set, tmp_path):
+    path = _copy(small_set, tmp_path)
+    doc = json.loads((path / CASES).read_text())
+    doc["cases"][3]["last_pos"] = 0
+    (path / CASES).write_text(json.dumps(doc, indent=1) + "\n")
+    problems, message = _problems_and_error(path)
+    assert len(problems) == 1 and CASES in problems[0] and CASES in message
+
+
+def test_an_edited_manifest_hash_is_detected(small_set, tmp_path):
+    path = _copy(small_set, tmp_path)
+    m = json.loads((path / MANIFEST).read_text())
+    m["files"][EXPECTED] = "0" * 64
+    (path / MANIFEST).write_text(json.dumps(m))
+    problems, message = _problems_and_error(path)
+    assert len(problems) == 1 and EXPECTED in message and MANIFEST in message and "0" * 64 in message
+
+
+def test_consistent_but_wrong_case_is_detected(small_set, tmp_path):
+    """A case edited and its hash updated: the structural checks still catch impossible cases."""
+    path = _copy(small_set, tmp_path)
+    doc = json.loads((path / CASES).read_text())
+    doc["cases"][3]["last_pos"] = 99
+    (path / CASES).write_text(json.dumps(doc))
+    m = json.loads((path / MANIFEST).read_text())
+    m["files"][CASES] = sha256_file(path / CASES)
+    (path / MANIFEST).write_text(json.dumps(m))
+    problems, message = _problems_and_error(path)
+    assert "last_pos 99 is outside" in message and CASES in message
+
+
+@pytest.mark.parametrize("edit, expect", [
+    (lambda m: m.update(schema_version=2), "newer than this harness reads"),
+    (lambda m: m.update(schema="something/else"), "not a conformance fixture set"),
+    (lambda m: m.update(version="1.0"), "not a semantic version"),
+    (lambda m: m["files"].update({"../evil": "0" * 64}), "not a file name of the set"),
+    (lambda m: m["model"].update(preset="nope"), "is not a preset"),
+])
+def test_manifest_schema_problems(small_set, tmp_path, edit, expect):
+    path = _copy(small_set, tmp_path)
+    m = json.loads((path / MANIFEST).read_text())
+    edit(m)
+    (path / MANIFEST).write_text(json.dumps(m))
+    problems, message = _problems_and_error(path)
+    assert expect in message and MANIFEST in message
+
+
+def test_missing_files_are_detected(small_set, tmp_path):
+    path = _copy(small_set, tmp_path)
+    (path / CASES).unlink()
+    problems, message = _problems_and_error(path)
+    assert CASES in message and "missing" in message
+    (path / MANIFEST).unlink()
+    assert "not a fixture set" in _problems_and_error(path)[1]
+    assert verify_set(tmp_path / "nowhere")[0].endswith("not a directory (a fixture set is a directory with "
+                                                        "manifest.json)")
+
+
+# ----------------------------------------------------------------------------------------------
+# writing: refusal, atomicity, prompts, external models, cross checks
+
+
+def test_refuses_to_overwrite(small_set):
+    before = {f: sha256_file(small_set / f) for f in os.listdir(small_set)}
+    with pytest.raises(FixtureError, match="already exists; fixture sets are never overwritten"):
+        generate_set(small_set, preset="31b-mini")
+    assert {f: sha256_file(small_set / f) for f in os.listdir(small_set)} == before
+
+
+def test_empty_directory_is_accepted(tmp_path):
+    out = tmp_path / "empty"
+    out.mkdir()
+    assert verify_set(generate_set(out, preset="31b-mini")) == []
+
+
+@pytest.mark.parametrize("fail_at", [1, 3, "write"])
+def test_generation_is_atomic(tmp_path, fail_at):
+    out = tmp_path / "sets" / "x"
+    seen = []
+
+    def progress(done, total, label):
+        seen.append((done, total, label))
+        if done == fail_at or label == fail_at:
+            raise KeyboardInterrupt("simulated crash")
+
+    with pytest.raises(KeyboardInterrupt):
+        generate_set(out, preset="31b-mini", progress=progress)
+    assert not out.exists()
+    assert os.listdir(tmp_path / "sets") == []  # no temporary directory left either
+    assert seen[-1][0] <= seen[-1][1]
+
+
+def test_progress_reports_every_step(tmp_path):
+    seen = []
+    generate_set(tmp_path / "x", preset="31b-mini", progress=lambda d, t, label: seen.append((d, t, label)))
+    assert [d for d, _, _ in seen] == list(range(1, len(seen) + 1))
+    assert all(t == len(seen) for _, t, _ in seen)
+    assert seen[0][2] == "model" and seen[-1][2] == "write"
+
+
+def test_prompts_jsonl(sets, prompts_file):
+    entries = load_prompts(prompts_file)
+    assert [e["kind"] for e in entries] == ["text", "text", "messages", "tokens", "tokens"]
+    fs = load_set(sets[PROMPTS_PRESET])
+    bases = fs.bases()
+    assert {f"P{k}" for k in range(len(PROMPT_LINES))} <= set(bases)
+    info = fs.manifest["bases"]
+    from refimpl.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(fs.model_dir(prompts_file.parent / "m"))
+    want = [tok.encode(PROMPT_LINES[0]["text"]), tok.encode_chat([{"role": "user", "content": PROMPT_LINES[1]["text"]}]),
+            tok.encode_chat(PROMPT_LINES[2]["messages"]), PROMPT_LINES[3]["tokens"], PROMPT_LINES[4]["tokens"]]
+    for k, ids in enumerate(want):
+        b = f"P{k}"
+        assert bases[b][:len(ids)].tolist() == ids and info[b]["prompt_length"] == len(ids)
+        assert len(bases[b]) == len(ids) + 3
+        assert "line" in info[b]["where"]
+        mine = [c for c in fs.cases if c.base == b]
+        assert all("prompt" in c.features and c.decode_len == 3 for c in mine)
+        assert len(mine) == (4 if len(ids) >= 3 else 2)  # a 1-token prompt: one last row, one prefill
+    assert info["P0"]["id"] == "raw"
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", "line 2: not valid JSON"),
+    ('["a"]', "line 2: a prompt must be a JSON object"),
+    ('{"text": "a", "tokens": [1]}', "line 2: a prompt needs exactly one of 'text', 'messages', 'tokens' (got "
+                                     "text, tokens)"),
+    ('{"prompt": "a"}', "line 2: unknown key 'prompt'"),
+    ('{"text": ""}', "line 2: 'text' must be a non-empty string"),
+    ('{"tokens": [2, -1]}', "line 2: 'tokens' must be a non-empty list of non-negative integers"),
+    ('{"messages": [{"role": "user"}]}', "line 2: message 0 must be an object with string 'role' and 'content'"),
+    ('{"tokens": [2], "chat": true}', "line 2: 'chat' only applies to 'text'"),
+])
+def test_bad_prompt_lines(tmp_path, line, message):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"text": "fine"}\n' + line + "\n")
+    with pytest.raises(PromptError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        load_prompts(f)
+    with pytest.raises(PromptError):
+        generate_set(tmp_path / "out", preset="31b-mini", prompts=f)
+    assert not (tmp_path / "out").exists()
+
+
+def test_prompt_problems_found_with_the_model(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"text": "fine"}\n\n{"tokens": [2, 512]}\n')
+    with pytest.raises(PromptError, match=r"p.jsonl line 3: token id 512 is outside the vocabulary \[0, 512\)"):
+        generate_set(tmp_path / "out", preset="31b-mini", prompts=f)
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(PromptError, match="holds no prompt"):
+        load_prompts(tmp_path / "empty.jsonl")
+    assert sorted(os.listdir(tmp_path)) == ["empty.jsonl", "p.jsonl"]
+
+
+def test_external_model_without_tokenizer(micro_factory, tmp_path):
+    from helpers import micro_config
+
+    model_dir = micro_factory(micro_config(sliding_window=3, num_hidden_layers=4))
+    with pytest.raises(PromptError, match="only 'tokens' prompts work"):
+        generate_set(tmp_path / "x", model_dir=model_dir, prompts=[{"text": "hi"}])
+    out = generate_set(tmp_path / "ext", model_dir=model_dir, prompts=[[2, 7, 9, 11]], version="2.1.0-rc.1")
+    fs = load_set(out)
+    m = fs.manifest["model"]
+    assert m["kind"] == "external" and m["path"] == str(Path(model_dir).resolve())
+    assert set(m["sha256"]) == {"config.json", "model.safetensors"}
+    assert fs.name == "ext" and fs.version == "2.1.0-rc.1" and fs.manifest["bases"]["G"]["source"] == "random"
+    assert fs.model_dir(tmp_path / "w") == Path(model_dir).resolve()
+    model = Gemma4(model_dir)
+    bases, logits = fs.bases(), fs.base_logits()
+    for case in fs.cases:
+        got = response_groups(case, oracle_answer(model, build_request(case, bases, model.embed)))
+        for g, w in zip(got, expected_groups(case, logits)):
+            assert np.max(np.abs(g - w)) <= ROW_BOUND if w.size else g.shape[0] == 0
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    (Path(model_dir) / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-5}))
+    with pytest.raises(FixtureError, match="config.json changed"):
+        fs.model_dir(tmp_path / "w")
+
+
+def test_cross_check_hook(tmp_path):
+    calls = []
+
+    def check(model_dir, bases, base_logits):
+        calls.append((model_dir, sorted(bases)))
+        assert (model_dir / "config.json").is_file()
+        return {"implementation": "twin", "agreement": 0.0, "detail": "the oracle against itself"}
+
+    fs = load_set(generate_set(tmp_path / "a", preset="31b-mini", cross_check=check, command="make fixtures"))
+    assert calls and calls[0][1] == ["A", "B", "C", "G"]
+    prov = fs.manifest["provenance"]
+    assert prov["command"] == "make fixtures"
+    assert [c["implementation"] for c in prov["cross_checks"]][1:] == ["twin"]
+    fs = load_set(generate_set(tmp_path / "b", preset="31b-mini", cross_check=lambda *a: None))
+    assert len(fs.manifest["provenance"]["cross_checks"]) == 1  # not run: not recorded
+    with pytest.raises(FixtureError, match="cross_check must return"):
+        generate_set(tmp_path / "c", preset="31b-mini", cross_check=lambda *a: {"agreement": "good"})
+    assert sorted(os.listdir(tmp_path)) == ["a", "b"]
+
+
+def test_argument_errors(tmp_path):
+    with pytest.raises(ValueError, match="exactly one of"):
+        generate_set(tmp_path / "x")
+    with pytest.raises(ValueError, match="unknown preset 'nope'"):
+        generate_set(tmp_path / "x", preset="nope")
+    with pytest.raises(ValueError, match="not a semantic version"):
+        generate_set(tmp_path / "x", preset="31b-mini", version="v1")
+    with pytest.raises(ValueError, match="set name 'a b'"):
+        generate_set(tmp_path / "x", preset="31b-mini", name="a b")
+    with pytest.raises(ValueError, match="not a directory"):
+        generate_set(tmp_path / "x", model_dir=tmp_path / "none")
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    from refimpl.errors import RefimplError
+
+    with pytest.raises(RefimplError):
+        generate_set(tmp_path / "x", model_dir=tmp_path / "ckpt")
+    assert os.listdir(tmp_path) == ["ckpt"]
+    assert not issubclass(PromptError, FixtureError) and issubclass(PromptError, ValueError)
+
+
+# ----------------------------------------------------------------------------------------------
+# synthetic checkpoints and the bundled sets
+
+
+def test_synthetic_model_is_reproduced(small_set, tmp_path):
+    fs = load_set(small_set)
+    d = fs.model_dir(tmp_path)
+    for name, want in fs.manifest["model"]["sha256"].items():
+        assert sha256_file(d / name) == want
+    assert fs.warnings == []
+    mtime = (d / "model.safetensors").stat().st_mtime_ns
+    assert fs.model_dir(tmp_path) == d and (d / "model.safetensors").stat().st_mtime_ns == mtime  # reused
+
+    path = _copy(small_set, tmp_path / "copy")
+    m = json.loads((path / MANIFEST).read_text())
+    m["model"]["sha256"]["model.safetensors"] = "f" * 64
+    (path / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(FixtureError, match=r"could not be reproduced: model.safetensors .*Recorded with refimpl "
+                                           r"0\.1\.0, numpy .*, python .*; found refimpl"):
+        load_set(path).model_dir(tmp_path / "w2")
+    m["model"]["sha256"]["model.safetensors"] = fs.manifest["model"]["sha256"]["model.safetensors"]
+    m["model"]["sha256"]["tokenizer.model"] = "e" * 64
+    (path / MANIFEST).write_text(json.dumps(m))
+    other = load_set(path)
+    other.model_dir(tmp_path / "w3")
+    assert len(other.warnings) == 1 and "tokenizer.model differs" in other.warnings[0]
+
+
+def test_bundled_sets_load_and_verify():
+    paths = bundled_sets()
+    assert [p.name for p in paths] == sorted(PRESETS)
+    total = 0
+    for p in paths:
+        assert verify_set(p) == [], p
+        fs = load_set(p)
+        assert fs.manifest["model"] == {**fs.manifest["model"], "kind": "synthetic", "preset": p.name, "seed": 0}
+        assert fs.name == p.name and len(fs.cases) >= 50
+        total += sum(os.path.getsize(p / f) for f in os.listdir(p))
+        for check in fs.manifest["provenance"]["cross_checks"]:
+            assert check["agreement"] < 2e-12, check
+    assert total < 10 * 2**20
+
+
+def test_bundled_sets_are_up_to_date(sets):
+    """The bundled sets equal what the generator writes now (same cases, logits within float64 noise)."""
+    for p in bundled_sets():
+        bundled, fresh = load_set(p), load_set(sets[p.name])
+        if p.name == PROMPTS_PRESET:  # the fresh one has user prompts on top
+            fresh.cases = [c for c in fresh.cases if "prompt" not in c.features]
+        assert [c.id for c in bundled.cases] == [c.id for c in fresh.cases], p.name
+        for a, b in zip(bundled.cases, fresh.cases):
+            assert a.to_json() | {"ties": None} == b.to_json() | {"ties": None}, a.id
+            assert [t[0] for t in a.ties] == [t[0] for t in b.ties], a.id
+        fresh_bases, fresh_logits = fresh.bases(), fresh.base_logits()
+        for b, ids in bundled.bases().items():
+            assert ids.tolist() == fresh_bases[b].tolist()
+            assert np.max(np.abs(bundled.base_logits()[b] - fresh_logits[b])) <= 1e-9
+
+
+def test_bundled_sets_from_an_installed_layout(tmp_path):
+    """bundled_sets() goes through importlib.resources: a copy of the package elsewhere finds its own sets."""
+    import subprocess
+
+    pkg = tmp_path / "site" / "conformance"
+    shutil.copytree(REPO / "conformance", pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    code = ("import conformance.fixtures as f, sys; ps = f.bundled_sets(); "
+            "assert all(str(p).startswith(sys.argv[1]) for p in ps), ps; print(len(ps))")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{REPO}"}
+    out = subprocess.run([sys.executable, "-c", code, str(pkg)], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) == len(PRESETS)
+
+
+@pytest.mark.hf
+def test_hf_cross_check(small_set, tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    fs = load_set(small_set)
+    entries = hf_cross_check(fs.model_dir(tmp_path), fs.bases(), fs.base_logits())
+    assert entries and all(e["agreement"] < 2e-12 for e in entries)
+
+
+# ----------------------------------------------------------------------------------------------
+# the transformers cross-check and the bundled-set generator
+
+
+def hf_cross_check(model_dir, bases, base_logits):
+    """transformers Gemma4ForCausalLM in float64 (tests/hf_reference.py) against the stored logits: a full
+    forward over every base, and chunked prefill + decode through transformers' cache on base A. None
+    when torch or transformers are missing."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    from hf_reference import hf_logits, hf_logits_incremental, load_hf_causal_lm
+
+    torch.set_num_threads(1)
+    model = load_hf_causal_lm(model_dir)
+    full = max(float(np.max(np.abs(hf_logits(model, ids.tolist()) - base_logits[b]))) for b, ids in bases.items())
+    ids = bases["A"].tolist()
+    W = int(model.config.sliding_window)
+    chunks = [3, W + 2, 1, 1, W + 5]
+    chunks.append(len(ids) - sum(chunks) - 3)
+    chunks += [1, 1, 1]
+    inc = float(np.max(np.abs(hf_logits_incremental(model, ids, chunks) - base_logits["A"])))
+    who = (f"transformers {transformers.__version__} Gemma4ForCausalLM (eager, float64 with the float32 spots "
+           f"made float64 by tests/hf_reference.py; torch {torch.__version__})")
+    return [
+        {"implementation": who, "agreement": full, "detail": f"full forward over every base ({', '.join(bases)}), "
+                                                               "max abs"},
+        {"implementation": who + ", DynamicCache", "agreement": inc,
+         "detail": f"chunked prefill and decode on base A, pieces {chunks}, max abs"},
+    ]
+
+
+def regenerate_bundled() -> None:
+    """Rewrite conformance/fixtures/<preset>/ for every preset (seed 0)."""
+    root = REPO / "conformance" / "fixtures"
+    for preset in PRESETS:
+        out = root / preset
+        if out.exists():
+            shutil.rmtree(out)
+        generate_set(out, preset=preset, seed=0, cross_check=hf_cross_check,
+                     command="python tests/test_fixtures.py --regenerate-bundled",
+                     progress=lambda d, t, label, p=preset: print(f"\r{p}: {d}/{t} {label:<20}", end="", flush=True))
+        print(f"\r{preset}: {len(load_set(out).cases)} cases, "
+              f"{sum(os.path.getsize(out / f) for f in os.listdir(out)) / 1e6:.2f} MB" + " " * 20)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--regenerate-bundled"]:
+        sys.exit("usage: python tests/test_fixtures.py --regenerate-bundled")
+    regenerate_bundled()
