@@ -1,9 +1,9 @@
-# Quick start: `make check` runs the oracle on the bundled default; `make test` runs the test suite.
+# Quick start: `make check` runs the gate on the bundled fixtures with the oracle as the backend;
+# `make test` runs the test suite.
 # Both create .venv and install what they need on first use.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-DEMO   := .cache/demo
 
 .PHONY: check test clean
 
@@ -20,10 +20,7 @@ $(VENV)/.test: pyproject.toml constraints/hf.txt | $(BIN)/python
 	touch $@ $(VENV)/.core
 
 check: $(VENV)/.core
-	$(BIN)/refimpl synth --preset all-features --seed 0 --out $(DEMO) --force
-	$(BIN)/refimpl inspect --model $(DEMO)
-	$(BIN)/refimpl logits --model $(DEMO) --prompt "Why is the sky blue?" --chat --rows all --out $(DEMO)-logits.safetensors
-	$(BIN)/refimpl generate --model $(DEMO) --prompt "the model" --max-new-tokens 16
+	$(BIN)/conformance check --backend refimpl --json .cache/report.json --junit-xml .cache/report.xml
 
 test: $(VENV)/.test
 	$(BIN)/python -m pytest

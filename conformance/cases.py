@@ -442,6 +442,10 @@ def generate_cases(set_name: str, cfg, bases: Mapping[str, Sequence[int]]) -> li
         for ubatch in (None, U):
             prefill(RANDOM_BASES[k % 3], [(T, sorted(set(rows)))], ubatch, f"rows-{label}")
             k += 1
+    # other micro-batch sizes: one token per micro-batch, and micro-batches wider than the window
+    for ubatch in (1, W + 1):
+        prefill(RANDOM_BASES[k % 3], [(T, sorted({T // 2, T - 1}))], ubatch, "rows-middle+last")
+        k += 1
     # lengths around the micro-batch size
     for T in dict.fromkeys((U - 1, U, U + 1, 2 * U + 1)):
         if T < 1:

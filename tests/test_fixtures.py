@@ -198,7 +198,9 @@ def test_case_matrix_counts_and_tags(sets):
     by_kind: dict[str, int] = {}
     for c in fs.cases:
         by_kind[c.kind] = by_kind.get(c.kind, 0) + 1
-    assert by_kind == {"full": 2, "last": 25, "prefill": 20, "multi": 3}
+    assert by_kind == {"full": 2, "last": 25, "prefill": 22, "multi": 3}
+    # several micro-batch sizes: none, one token per micro-batch, U, and wider than the window
+    assert {c.ubatch for c in fs.cases if c.kind == "prefill"} == {None, 1, 5, W + 1}
     lasts = [c for c in fs.cases if c.kind == "last" and not c.generation]
     assert {(c.entry, c.length, c.last_pos) for c in lasts} == {
         (e, T, p) for e in ("plain", "seq_id", "embeddings") for T in (W - 1, W, W + 1, 2 * W + 3)
