@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
-import hashlib
 import math
 import re
 import tempfile
@@ -35,6 +34,7 @@ import numpy as np
 
 from .backend import Backend, BackendError, Response, required_capabilities
 from .expectations import Expectations
+from .fixtures import sha256_file
 
 STATUSES = ("pass", "fail", "error", "not-claimed", "skipped", "xfail", "xpass")
 FAILING = ("fail", "error", "xpass")
@@ -163,14 +163,6 @@ def compile_select(select: str | re.Pattern | None) -> re.Pattern | None:
         raise ValueError(f"-k: not a valid regular expression ({e}): {select!r}") from None
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _finite(x: Any) -> Any:
     """Metrics as plain Python floats (numpy scalars converted); non-finite kept as floats."""
     if isinstance(x, (bool, np.bool_)):
@@ -296,7 +288,7 @@ def run(
         m = fs.manifest
         infos.append(SetInfo(
             name=str(m.get("name", Path(fs.path).name)), version=str(m.get("version", "")),
-            path=str(fs.path), manifest_sha256=_sha256(Path(fs.path) / "manifest.json"),
+            path=str(fs.path), manifest_sha256=sha256_file(Path(fs.path) / "manifest.json"),
             model=_model_summary(m), cases_total=len(fs.cases), cases_selected=len(chosen),
         ))
     total = sum(len(c) for _, c in plan)
