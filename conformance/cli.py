@@ -1,4 +1,4 @@
-"""``conformance``: the conformance gate's command line (check, list, generate, verify).
+"""``conformance``: the conformance gate's command line (check, list, generate, verify, selftest).
 
     conformance check --backend NAME|module:attr [--fixtures DIR ...] [--profile P]
                       [--expectations FILE] [-k REGEX] [--json FILE] [--junit-xml FILE]
@@ -7,6 +7,7 @@
     conformance generate (--model DIR | --preset NAME [--seed N]) [--prompts FILE.jsonl] --out DIR
                          [--name N] [--version V]
     conformance verify DIR ... [--recompute]
+    conformance selftest [--fixtures DIR ...] [--mutant REGEX] [-k REGEX] [--json FILE] [-q]
 
 Exit codes: 0 all selected cases pass (xfail, skipped and not-claimed allowed); 1 some case is fail,
 error or xpass; 2 usage error (bad arguments, bad expectations file, unknown profile, bad regex);
@@ -320,13 +321,113 @@ def cmd_verify(args) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
+# selftest
+
+
+class _SelftestProgress:
+    """Progress for selftest.run_selftest: the bar on a terminal, one line per backend otherwise."""
+
+    def __init__(self, enabled: bool):
+        from .report import ProgressBar, is_tty
+
+        self.bar = ProgressBar(sys.stderr, tty=is_tty(sys.stderr), enabled=enabled)
+
+    def __call__(self, done: int, total: int, label: str, result: Any) -> None:
+        from .runner import CaseResult
+        from .selftest import ControlResult, MutantResult
+
+        if result is None or isinstance(result, CaseResult):
+            if self.bar.tty:
+                self.bar(done, total, label)
+            return
+        if isinstance(result, ControlResult):
+            v = result.verdict
+            state = "ERROR" if result.error else ("pass" if result.passed else "FAILED")
+            extra = f" (first failing: {v.first_case} [{v.check}])" if v.killed else ""
+            line = (f"control {result.backend} at {result.profile}: {state}, {v.cases_run - v.failing_cases}/"
+                    f"{v.cases_run} cases pass{extra} ({result.duration:.1f}s)")
+        elif isinstance(result, MutantResult):
+            if result.error is not None:
+                state = f"ERROR {result.error}"
+            elif result.killed:
+                case, check = result.caught_by
+                mark = "" if result.matching else " (not a matching check)"
+                state = f"killed by {check}{mark} ({result.verdict.failing_cases} cases; first {case})"
+            else:
+                state = "SURVIVED"
+            line = f"mutant {result.name} [{result.bug_class}]: {state} ({result.duration:.1f}s)"
+        else:  # pragma: no cover
+            return
+        self.bar.message(line)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def cmd_selftest(args, argv: Sequence[str]) -> int:
+    from . import selftest as st
+    from .backend import BackendError
+    from .fixtures import FixtureError
+    from .runner import NoCasesSelected
+
+    pattern = _compile(args.k)
+    try:
+        mutant_pattern = re.compile(args.mutant) if args.mutant is not None else None
+    except re.error as e:
+        raise UsageError(f"--mutant: not a valid regular expression ({e}): {args.mutant!r}") from None
+
+    try:
+        from .runner import load_sets
+
+        sets = load_sets(_set_paths(args.fixtures))
+    except FixtureError as e:
+        _err(f"fixture integrity: {e}")
+        return EXIT_FIXTURE
+
+    try:
+        every = st.load_mutants()
+    except ImportError as e:
+        _err(f"the mutants (conformance.mutants) cannot be imported: {type(e).__name__}: {e}")
+        return EXIT_BACKEND
+    mutants = st.select_mutants(every, mutant_pattern)
+    equivalents = st.select_equivalents(st.load_equivalents(), mutant_pattern)
+    if not mutants and not equivalents:
+        raise UsageError(f"--mutant {args.mutant!r} matches none of the {len(every)} mutants: "
+                         + ", ".join(m.name for m in every))
+
+    bar = _SelftestProgress(enabled=not args.quiet)
+    try:
+        result = st.run_selftest(sets, mutants, select=pattern, progress=bar, equivalents=equivalents)
+    except NoCasesSelected as e:
+        bar.close()
+        _err(str(e))
+        return EXIT_EMPTY
+    except FixtureError as e:
+        bar.close()
+        _err(f"fixture integrity: {e}")
+        return EXIT_FIXTURE
+    except BackendError as e:
+        bar.close()
+        _err(str(e))
+        return EXIT_BACKEND
+    finally:
+        bar.close()
+
+    if args.json:
+        path = st.write_json(result, args.json, argv=list(argv))
+        sys.stderr.write(f"wrote JSON report {path}\n")
+    print(st.console_summary(result, breaks_width=None if args.verbose else 48))
+    return result.exit_code
+
+
+# ----------------------------------------------------------------------------------------------
 # parser and main
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="Conformance gate for Gemma 4 inference engines against the exact "
                                        "float64 refimpl oracle. See docs/conformance.md.")
-    sub = p.add_subparsers(dest="command", metavar="{check,list,generate,verify}", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", metavar="{check,list,generate,verify,selftest}", parser_class=_Parser)
     sub.required = True
 
     c = sub.add_parser("check", help="run the fixture sets' cases on a backend and grade them",
@@ -368,6 +469,24 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("dirs", nargs="+", metavar="DIR")
     v.add_argument("--recompute", action="store_true",
                    help="also recompute every base's logits with the oracle (slow for real checkpoints)")
+
+    st = sub.add_parser("selftest", help="check that the gate kills a deliberately broken engine per bug class",
+                        description="Run the harness on the unmutated numpy-engine (the control, which must pass "
+                                    "every case at exact-f64) and on its mutants (one planted bug each), graded "
+                                    "at fp32 (the verdict) and at bf16 and q8 (for information), and print which "
+                                    "mutants are killed and by which check. Exit codes: 0 every mutant killed at "
+                                    "fp32 by a check that matches its bug, 1 a survivor, a non-matching kill, a "
+                                    "broken mutant or a failing control, 2 usage, 3 fixture integrity, 4 backend, "
+                                    "5 no case selected. "
+                                    "See docs/bug-classes.md.")
+    st.add_argument("--fixtures", nargs="+", action="extend", metavar="DIR",
+                    help="fixture set directories, or directories holding sets (default: the bundled sets)")
+    st.add_argument("--mutant", metavar="REGEX", help="only the mutants whose name matches REGEX (re.search), "
+                                                     "or whose bug class is REGEX")
+    st.add_argument("-k", metavar="REGEX", help="run only the cases whose id matches REGEX (re.search)")
+    st.add_argument("--json", metavar="FILE", help="write the self-test table as JSON")
+    st.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    st.add_argument("-v", "--verbose", action="store_true", help="do not wrap the 'breaks' column")
     return p
 
 
@@ -387,6 +506,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "verify":
             return cmd_verify(args)
+        if args.command == "selftest":
+            return cmd_selftest(args, argv)
         raise UsageError(f"unknown command {args.command!r}")
     except UsageError as e:
         _err(str(e))

@@ -1,0 +1,634 @@
+"""A NumPy Gemma 4 inference engine built on the oracle's primitives, behind the backend protocol.
+
+``refimpl`` is written like the spec: one forward over one sequence. This module computes the same
+float64 numbers, but organised the way a serving engine is (llama.cpp is the model):
+
+* **Batches of tagged tokens.** A :class:`Batch` is a list of tokens, each with a sequence id, an
+  absolute position and an output flag (llama.cpp's ``llama_batch``). A single-sequence request is a
+  batch of one sequence; a ``multi`` request puts the tokens of every sequence into one batch, so the
+  attention mask keeps the sequences apart and each sequence's positions continue its own cache.
+* **Per-sequence KV caches.** A :class:`SequenceCache` holds, per KV-owning layer, the keys, values
+  and positions of one sequence. Sliding layers keep their last W - 1 entries after each micro-batch;
+  KV-shared layers own nothing and read their source layer's cache. A :class:`CacheSet` maps
+  sequence ids to caches; every request starts with a fresh one.
+* **One prefill path.** :meth:`Engine.prefill` splits a batch into micro-batches (``ubatch`` tokens,
+  or one) and runs each through :meth:`Engine.forward_micro_batch`: layers ``< K`` on every token
+  (K = the first KV-shared layer, L when nothing is shared), writing K/V into the sequences' caches;
+  then *one* index list of the micro-batch's output rows gathers the hidden states, the RoPE
+  positions, the mask rows (position and sequence of each query) and the per-layer inputs
+  (:meth:`Engine.prune`), and layers ``>= K``, the final norm, the LM head and the softcap run on
+  those rows only. A micro-batch with no output row stops after layer K - 1.
+* Chunked prefill is consecutive batches on the same caches, decode a batch of one token whose
+  output flag is set, the last-logits entry points a batch whose only output is ``last_pos``, and
+  ``full`` a batch whose every row is an output.
+
+Every step is a small method, so a known engine bug is a few-line override in a subclass
+(``conformance/mutants.py`` holds a zoo of them for the harness's self-test). The hooks:
+``Engine.next_positions``, ``prune_layer``, ``prune``, ``input_embeddings``, ``ple_table_rows``,
+``rope_positions``, ``norm``, ``rope``, ``values``, ``value_norm``, ``kv_source``, ``window``,
+``attention_mask``, ``attend``, ``route``, ``layer_scalar``, ``final_softcap``; ``Engine.cache_set_class``
+(``CacheSet.get``); and on the backend ``engine_class``, ``last_row`` and ``piece_rows``.
+
+    conformance check --backend numpy-engine            # must pass every bundled case at exact-f64
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from conformance.backend import BackendError, Capabilities, Request, Response
+from refimpl.model import (
+    Gemma4, apply_rope, attention, attention_mask, experts, gelu_tanh, linear, mlp, per_layer_inputs,
+    rms_norm, rope_cos_sin, rope_inv_freq, route, softcap,
+)
+
+__all__ = ["Batch", "CacheSet", "Engine", "KVView", "LayerKV", "MicroBatch", "NumpyEngineBackend", "Rows",
+           "SequenceCache", "PLAIN_SEQ"]
+
+HEAD_CHUNK = 16_384  # vocabulary rows projected per step of the LM head
+PLAIN_SEQ = -1  # the sequence id of the plain last-logits entry point (the engine's fallback slot)
+
+
+# ----------------------------------------------------------------------------------------------
+# KV cache
+
+
+@dataclass
+class LayerKV:
+    """K/V of one KV-owning layer for one sequence: post-k_norm, post-RoPE keys, post-v_norm values."""
+
+    k: np.ndarray  # [S, Kh, D]
+    v: np.ndarray  # [S, Kh, D]
+    pos: np.ndarray  # [S] absolute positions
+
+
+class SequenceCache:
+    """One sequence's state: per KV-owning layer its keys, values and positions, and its length."""
+
+    def __init__(self) -> None:
+        self.length = 0  # next position of this sequence (last written position + 1)
+        self.layers: dict[int, LayerKV] = {}
+
+    def read(self, layer: int) -> LayerKV | None:
+        return self.layers.get(layer)
+
+    def append(self, layer: int, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> None:
+        past = self.layers.get(layer)
+        if past is None:
+            self.layers[layer] = LayerKV(k, v, pos)
+        else:
+            self.layers[layer] = LayerKV(np.concatenate([past.k, k]), np.concatenate([past.v, v]),
+                                         np.concatenate([past.pos, pos]))
+
+    def advance(self, positions: np.ndarray) -> None:
+        """Positions were written: the sequence now continues after the largest one."""
+        if positions.size:
+            self.length = max(self.length, int(positions.max()) + 1)
+
+    def trim(self, layer: int, keep: int) -> None:
+        """Keep only the entries of the last ``keep`` positions (all a future query can see)."""
+        kv = self.layers.get(layer)
+        if kv is not None:
+            live = kv.pos >= self.length - keep
+            self.layers[layer] = LayerKV(kv.k[live], kv.v[live], kv.pos[live])
+
+    def entries(self, layer: int) -> int:
+        kv = self.layers.get(layer)
+        return 0 if kv is None else int(kv.pos.shape[0])
+
+
+class CacheSet:
+    """The caches of one request, keyed by sequence id (created on first use)."""
+
+    def __init__(self) -> None:
+        self.by_seq: dict[Any, SequenceCache] = {}
+
+    def get(self, seq: Any) -> SequenceCache:
+        if seq not in self.by_seq:
+            self.by_seq[seq] = SequenceCache()
+        return self.by_seq[seq]
+
+
+# ----------------------------------------------------------------------------------------------
+# batches
+
+
+@dataclass
+class Batch:
+    """T tokens, each tagged with (sequence id, position, output flag), like llama.cpp's llama_batch."""
+
+    ids: np.ndarray  # [T] token ids
+    seq: np.ndarray  # [T] sequence ids
+    pos: np.ndarray  # [T] absolute positions
+    output: np.ndarray  # [T] bool: return this row's logits
+    x0: np.ndarray | None = None  # [T, H] input embeddings replacing E[ids] * sqrt(H); ids still pick PLE rows
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+    @property
+    def n_outputs(self) -> int:
+        return int(np.count_nonzero(self.output))
+
+
+@dataclass
+class MicroBatch:
+    """A slice of a batch that runs as one forward through the caches."""
+
+    ids: np.ndarray  # [T]
+    pos: np.ndarray  # [T] absolute positions
+    output: np.ndarray  # [T] bool
+    x0: np.ndarray | None  # [T, H] or None
+    caches: list[SequenceCache]  # the distinct caches this micro-batch touches; slot s = caches[s]
+    slot: np.ndarray  # [T] index into caches of each token's sequence cache
+    chunk_start: np.ndarray  # [n_slots] first position of each slot's tokens in the enclosing batch
+    chunk_len: np.ndarray  # [n_slots] how many tokens each slot has in the enclosing batch
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+    @property
+    def output_index(self) -> np.ndarray:
+        return np.flatnonzero(self.output)
+
+
+@dataclass
+class Rows:
+    """The rows a micro-batch carries through the layers: every token, or the output rows after pruning.
+
+    ``pos`` are the RoPE positions (llama.cpp ``inp_pos``); ``mask_pos`` and ``slot`` say which query
+    each mask row is built for (llama.cpp ``kq_mask`` rows). All must be gathered with the same index.
+    """
+
+    x: np.ndarray  # [R, H] residual stream
+    ple: np.ndarray | None  # [R, L, P] per-layer inputs, None without PLE
+    pos: np.ndarray  # [R] RoPE positions
+    mask_pos: np.ndarray  # [R] query position of each mask row
+    slot: np.ndarray  # [R] sequence cache (index into MicroBatch.caches) of each mask row
+
+    def __len__(self) -> int:
+        return int(self.x.shape[0])
+
+    def take(self, index: np.ndarray) -> "Rows":
+        return Rows(self.x[index], None if self.ple is None else self.ple[index], self.pos[index],
+                    self.mask_pos[index], self.slot[index])
+
+
+@dataclass
+class KVView:
+    """The keys a layer attends over in one micro-batch: its source layer's caches, concatenated."""
+
+    k: np.ndarray  # [S, Kh, D]
+    v: np.ndarray  # [S, Kh, D]
+    pos: np.ndarray  # [S] absolute positions
+    slot: np.ndarray  # [S] which cache (sequence) each key belongs to
+
+
+# ----------------------------------------------------------------------------------------------
+# the engine
+
+
+class Engine:
+    """Batched, cached Gemma 4 forward on the oracle's primitives (float64, or float32)."""
+
+    cache_set_class = CacheSet
+
+    def __init__(self, model: Gemma4):
+        self.model = model
+        self.cfg = model.cfg
+        self.w = model.weights
+        self.dtype = model.dtype
+        self.eps = model.cfg.rms_norm_eps
+        self.n_layers = model.cfg.num_hidden_layers
+        self.first_shared = model.cfg.first_shared_layer  # K (== L without KV sharing)
+        self.inv_freq = [rope_inv_freq(spec.rope, spec.head_dim) for spec in model.cfg.layers]
+        self.log: list[dict[str, Any]] = []  # one record per micro-batch (what actually ran)
+
+    # -- requests build batches ---------------------------------------------------------------
+
+    def new_caches(self) -> CacheSet:
+        return self.cache_set_class()
+
+    def batch(self, caches: CacheSet, ids: Sequence[int], seq: Sequence[Any], output: Sequence[bool],
+              x0: np.ndarray | None = None) -> Batch:
+        """Tag tokens with positions that continue each sequence's cache."""
+        ids = self.model.check_ids(np.asarray(ids, dtype=np.int64))
+        seq = np.asarray(seq, dtype=object)
+        output = np.asarray(output, dtype=bool)
+        if x0 is not None:
+            x0 = np.asarray(x0, dtype=self.dtype)
+            if x0.shape != (len(ids), self.cfg.hidden_size):
+                raise ValueError(f"embeddings must have shape [{len(ids)}, {self.cfg.hidden_size}], "
+                                 f"got {list(x0.shape)}")
+        return Batch(ids, seq, self.next_positions(caches, seq), output, x0)
+
+    def next_positions(self, caches: CacheSet, seq: np.ndarray) -> np.ndarray:
+        """[T]: each token's position continues its own sequence's cache."""
+        nxt: dict[int, int] = {}
+        pos = np.empty(len(seq), dtype=np.int64)
+        for t, s in enumerate(seq):
+            cache = caches.get(s)
+            pos[t] = nxt.get(id(cache), cache.length)
+            nxt[id(cache)] = pos[t] + 1
+        return pos
+
+    # -- prefill: the one path ----------------------------------------------------------------
+
+    def prefill(self, caches: CacheSet, batch: Batch, ubatch: int | None = None) -> np.ndarray:
+        """Run a batch through the caches; logits [n_outputs, V] of its output rows in batch order."""
+        out = [self.forward_micro_batch(mb) for mb in self.split(caches, batch, ubatch)]
+        return np.concatenate(out) if out else np.empty((0, self.cfg.vocab_size), dtype=self.dtype)
+
+    def split(self, caches: CacheSet, batch: Batch, ubatch: int | None) -> list[MicroBatch]:
+        """Consecutive micro-batches of ``ubatch`` tokens (the last may be shorter), or one."""
+        T = len(batch)
+        size = ubatch or T
+        if size < 1:
+            raise ValueError(f"ubatch must be >= 1, got {ubatch}")
+        owner = [caches.get(s) for s in batch.seq]  # [T] the cache of each token
+        start: dict[int, int] = {}
+        count: dict[int, int] = {}
+        for cache, p in zip(owner, batch.pos):
+            start[id(cache)] = min(start.get(id(cache), int(p)), int(p))
+            count[id(cache)] = count.get(id(cache), 0) + 1
+        micro = []
+        for a in range(0, T, size):
+            b = min(a + size, T)
+            distinct = list({id(c): c for c in owner[a:b]}.values())
+            slot_of = {id(c): s for s, c in enumerate(distinct)}
+            micro.append(MicroBatch(
+                ids=batch.ids[a:b], pos=batch.pos[a:b], output=batch.output[a:b],
+                x0=None if batch.x0 is None else batch.x0[a:b], caches=distinct,
+                slot=np.array([slot_of[id(c)] for c in owner[a:b]], dtype=np.int64),
+                chunk_start=np.array([start[id(c)] for c in distinct], dtype=np.int64),
+                chunk_len=np.array([count[id(c)] for c in distinct], dtype=np.int64),
+            ))
+        return micro
+
+    @property
+    def prune_layer(self) -> int:
+        """Where the output rows are gathered: right before the first KV-shared layer (L: before the final norm)."""
+        return self.first_shared
+
+    def forward_micro_batch(self, mb: MicroBatch) -> np.ndarray:
+        """Layers < K on every token (writing K/V), prune to the output rows, the rest on those rows."""
+        record = {"tokens": len(mb), "sequences": len(mb.caches), "outputs": int(mb.output_index.size),
+                  "layer_rows": [], "head_rows": 0}
+        self.log.append(record)
+        K = self.prune_layer
+        rows = self.run_layers(range(0, K), self.initial_rows(mb), mb, record)  # every K/V write happens here
+        if mb.output_index.size == 0:
+            logits = np.empty((0, self.cfg.vocab_size), dtype=self.dtype)
+        else:
+            rows = self.prune(rows, mb.output_index)
+            rows = self.run_layers(range(K, self.n_layers), rows, mb, record)  # KV-shared layers read only
+            record["head_rows"] = len(rows)
+            logits = self.lm_head(rows.x)
+        self.commit(mb)  # trim after the shared layers have read this micro-batch's keys
+        return logits
+
+    def run_layers(self, layers: Iterable[int], rows: Rows, mb: MicroBatch, record: dict) -> Rows:
+        for i in layers:
+            record["layer_rows"].append(len(rows))
+            rows.x = self.layer(i, rows, mb)
+        return rows
+
+    def prune(self, rows: Rows, index: np.ndarray) -> Rows:
+        """Gather the output rows: hidden states, positions, mask rows and PLE with ONE index list."""
+        return rows.take(index)
+
+    def commit(self, mb: MicroBatch) -> None:
+        """After a micro-batch: advance each sequence and trim its sliding layers to the last W - 1."""
+        for s, cache in enumerate(mb.caches):
+            cache.advance(mb.pos[mb.slot == s])
+            for i, spec in enumerate(self.cfg.layers):
+                if spec.owns_kv and spec.is_sliding:
+                    cache.trim(i, self.window(i) - 1)
+
+    # -- inputs -------------------------------------------------------------------------------
+
+    def initial_rows(self, mb: MicroBatch) -> Rows:
+        x0 = self.input_embeddings(mb)  # [T, H]
+        ple = self.per_layer_inputs(x0, mb.ids) if self.cfg.has_ple else None  # [T, L, P]
+        return Rows(x0, ple, self.rope_positions(mb), mb.pos.copy(), mb.slot.copy())
+
+    def input_embeddings(self, mb: MicroBatch) -> np.ndarray:
+        """x0 [T, H]: the given (already scaled) embeddings, or E[ids] * sqrt(H)."""
+        return mb.x0 if mb.x0 is not None else self.model.embed(mb.ids)
+
+    def per_layer_inputs(self, x0: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """PLE [T, L, P] from the scaled embeddings and the per-layer table rows of the ids."""
+        cfg = self.cfg
+        return per_layer_inputs(x0, self.ple_table_rows(ids), self.w["per_layer_model_projection.weight"],
+                                self.w["per_layer_projection_norm.weight"], cfg.num_hidden_layers,
+                                cfg.hidden_size_per_layer_input, self.eps)
+
+    def ple_table_rows(self, ids: np.ndarray) -> np.ndarray:
+        """[T, L*P] rows of the per-layer table (ids outside it use row 0, the pad row)."""
+        inside = (ids >= 0) & (ids < self.cfg.vocab_size_per_layer_input)
+        return self.w.rows("embed_tokens_per_layer.weight", np.where(inside, ids, 0))
+
+    def rope_positions(self, mb: MicroBatch) -> np.ndarray:
+        return mb.pos.copy()
+
+    # -- one decoder layer --------------------------------------------------------------------
+
+    def layer(self, i: int, rows: Rows, mb: MicroBatch) -> np.ndarray:
+        x = rows.x
+        r = x + self.attention_block(i, rows, mb)
+        x = r + self.ffn_block(i, r)
+        if rows.ple is not None:
+            x = x + self.ple_block(i, x, rows.ple[:, i, :])
+        return x * self.layer_scalar(i)
+
+    def norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        """RMSNorm with weight w (Gemma 4: w, not 1 + w)."""
+        return rms_norm(x, weight, self.eps)
+
+    def attention_block(self, i: int, rows: Rows, mb: MicroBatch) -> np.ndarray:
+        spec, p = self.cfg.layers[i], f"layers.{i}."
+        R, N, D = len(rows), self.cfg.num_attention_heads, spec.head_dim
+        h = self.norm(rows.x, self.w[p + "input_layernorm.weight"])
+        q = linear(h, self.w[p + "self_attn.q_proj.weight"]).reshape(R, N, D)
+        q = self.rope(i, self.norm(q, self.w[p + "self_attn.q_norm.weight"]), rows.pos)  # [R, N, D]
+        if spec.owns_kv:
+            k, v = self.keys_values(i, h, rows.pos)  # [R, Kh, D] each
+            self.write_kv(i, k, v, rows, mb)
+        kv = self.read_kv(self.kv_source(i), mb)  # [S, Kh, D]
+        mask = self.attention_mask(i, rows, kv, mb)  # [R, S]
+        a = self.attend(q, kv, mask).reshape(R, N * D)
+        o = linear(a, self.w[p + "self_attn.o_proj.weight"])
+        return self.norm(o, self.w[p + "post_attention_layernorm.weight"])
+
+    def rope(self, i: int, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """x [R, heads, D] rotated (rotate-half pairs (j, j + D/2)) by this layer type's frequencies."""
+        cos, sin = rope_cos_sin(pos, self.inv_freq[i])
+        return apply_rope(x, cos.astype(self.dtype), sin.astype(self.dtype))
+
+    def keys_values(self, i: int, h: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        spec, p = self.cfg.layers[i], f"layers.{i}."
+        R, Kh, D = h.shape[0], spec.num_kv_heads, spec.head_dim
+        kr = linear(h, self.w[p + "self_attn.k_proj.weight"]).reshape(R, Kh, D)  # raw keys
+        k = self.rope(i, self.norm(kr, self.w[p + "self_attn.k_norm.weight"]), pos)
+        return k, self.values(i, h, kr, k)
+
+    def values(self, i: int, h: np.ndarray, kr: np.ndarray, k: np.ndarray) -> np.ndarray:
+        """V [R, Kh, D]: v_norm of v_proj(h), or of the RAW key projection on K=V layers."""
+        spec = self.cfg.layers[i]
+        vr = kr if spec.k_eq_v else linear(h, self.w[f"layers.{i}.self_attn.v_proj.weight"]).reshape(kr.shape)
+        return self.value_norm(vr)
+
+    def value_norm(self, v: np.ndarray) -> np.ndarray:
+        return rms_norm(v, None, self.eps)  # scale-free
+
+    def write_kv(self, i: int, k: np.ndarray, v: np.ndarray, rows: Rows, mb: MicroBatch) -> None:
+        """Append each row's K/V to its own sequence's cache of layer i."""
+        for s, cache in enumerate(mb.caches):
+            mine = rows.slot == s
+            if mine.any():
+                cache.append(i, k[mine], v[mine], rows.mask_pos[mine])
+
+    def kv_source(self, i: int) -> int:
+        """The KV-owning layer whose cache layer i attends over (itself, or the last owner of its type)."""
+        return self.cfg.layers[i].kv_source
+
+    def read_kv(self, source: int, mb: MicroBatch) -> KVView:
+        parts = [(s, kv) for s, cache in enumerate(mb.caches) if (kv := cache.read(source)) is not None]
+        if not parts:
+            raise RuntimeError(f"layer {source} has no keys in this micro-batch")
+        return KVView(k=np.concatenate([kv.k for _, kv in parts]), v=np.concatenate([kv.v for _, kv in parts]),
+                      pos=np.concatenate([kv.pos for _, kv in parts]),
+                      slot=np.concatenate([np.full(kv.pos.shape[0], s) for s, kv in parts]))
+
+    def window(self, i: int) -> int:
+        """Sliding window W: a query sees itself and W - 1 earlier keys."""
+        return self.cfg.sliding_window
+
+    def attention_mask(self, i: int, rows: Rows, kv: KVView, mb: MicroBatch) -> np.ndarray:
+        """bool [R, S]: same sequence, causal, and within the window on sliding layers."""
+        window = self.window(i) if self.cfg.layers[i].is_sliding else None
+        same_seq = rows.slot[:, None] == kv.slot[None, :]
+        return same_seq & attention_mask(rows.mask_pos, kv.pos, window)
+
+    def attend(self, q: np.ndarray, kv: KVView, mask: np.ndarray) -> np.ndarray:
+        """[R, N, D]; scale 1.0 (q and k are RMS-normed), GQA."""
+        return attention(q, kv.k, kv.v, mask)
+
+    def ffn_block(self, i: int, r: np.ndarray) -> np.ndarray:
+        """Dense GeGLU, plus the MoE branch in parallel on MoE models; post-FFN-normed [R, H]."""
+        p = f"layers.{i}."
+        u = self.norm(r, self.w[p + "pre_feedforward_layernorm.weight"])
+        m = mlp(u, self.w[p + "mlp.gate_proj.weight"], self.w[p + "mlp.up_proj.weight"],
+                self.w[p + "mlp.down_proj.weight"])
+        if self.cfg.enable_moe_block:
+            m = (self.norm(m, self.w[p + "post_feedforward_layernorm_1.weight"])
+                 + self.norm(self.moe(i, r), self.w[p + "post_feedforward_layernorm_2.weight"]))
+        return self.norm(m, self.w[p + "post_feedforward_layernorm.weight"])
+
+    def moe(self, i: int, r: np.ndarray) -> np.ndarray:
+        """The experts' weighted sum [R, H], routed on the un-normalised residual r."""
+        p = f"layers.{i}."
+        idx, weight = self.route(i, r)  # [R, k] each
+        u = self.norm(r, self.w[p + "pre_feedforward_layernorm_2.weight"])
+
+        def expert_weights(e: int) -> tuple[np.ndarray, np.ndarray]:
+            return self.w.rows(p + "experts.gate_up_proj", e), self.w.rows(p + "experts.down_proj", e)
+
+        return experts(u, idx, weight, expert_weights)
+
+    def route(self, i: int, r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        p = f"layers.{i}."
+        idx, weight, _ = route(r, self.w[p + "router.scale"], self.w[p + "router.proj.weight"],
+                               self.w[p + "router.per_expert_scale"], self.cfg.top_k_experts, self.eps)
+        return idx, weight
+
+    def ple_block(self, i: int, x: np.ndarray, ple_i: np.ndarray) -> np.ndarray:
+        """gelu(x gate^T) * ple_i -> proj -> norm: the term added after the FFN residual [R, H]."""
+        p = f"layers.{i}."
+        g = gelu_tanh(linear(x, self.w[p + "per_layer_input_gate.weight"])) * ple_i
+        return self.norm(linear(g, self.w[p + "per_layer_projection.weight"]),
+                         self.w[p + "post_per_layer_input_norm.weight"])
+
+    def layer_scalar(self, i: int) -> float:
+        return self.w[f"layers.{i}.layer_scalar"][0]
+
+    # -- head ---------------------------------------------------------------------------------
+
+    def lm_head(self, x: np.ndarray) -> np.ndarray:
+        """x [R, H] -> final norm, tied head streamed over the vocabulary, softcap -> logits [R, V]."""
+        y = self.norm(x, self.w["norm.weight"])
+        V = self.cfg.vocab_size
+        logits = np.empty((y.shape[0], V), dtype=self.dtype)
+        for a in range(0, V, HEAD_CHUNK):
+            b = min(a + HEAD_CHUNK, V)
+            logits[:, a:b] = linear(y, self.w.head_rows(a, b))
+        return self.final_softcap(logits)
+
+    def final_softcap(self, logits: np.ndarray) -> np.ndarray:
+        return softcap(logits, self.cfg.final_logit_softcapping)
+
+
+# ----------------------------------------------------------------------------------------------
+# the backend: requests -> batches
+
+
+class NumpyEngineBackend:
+    """The engine behind the backend protocol. Claims everything; float64 is exact (profile exact-f64).
+
+    Options: ``dtype`` ("float64" or "float32"), ``embed_scale`` ("exact" or "bf16").
+    Subclasses swap the engine (``engine_class``) or override a request hook (``last_row``,
+    ``piece_rows``) to plant a bug: see ``conformance/mutants.py``.
+    """
+
+    name = "numpy-engine"
+    engine_class: type[Engine] = Engine
+
+    def __init__(self, dtype: str = "float64", embed_scale: str = "exact"):
+        dt = np.dtype(dtype)
+        if dt not in (np.float64, np.float32):
+            raise ValueError(f"numpy-engine: dtype must be 'float64' or 'float32', got {dtype!r}")
+        if embed_scale not in ("exact", "bf16"):
+            raise ValueError(f"numpy-engine: embed_scale must be 'exact' or 'bf16', got {embed_scale!r}")
+        self.dtype = dt.name
+        self.embed_scale = embed_scale
+        exact = dt == np.float64 and embed_scale == "exact"
+        self.capabilities = Capabilities(
+            full_forward=True, last_plain=True, last_seq_id=True, last_embeddings=True,
+            embedding_convention="scaled", interior_rows=True, output_rows=True, ubatch=True,
+            chunked_prefill=True, multi_sequence=True, decode=True,
+            default_profile="exact-f64" if exact else "fp32",
+        )
+        self.engine: Engine | None = None
+
+    # -- protocol -------------------------------------------------------------------------------
+
+    def open(self, model_dir: Path) -> None:
+        from refimpl import RefimplError
+
+        try:
+            model = Gemma4(model_dir, dtype=self.dtype, embed_scale=self.embed_scale)
+        except (RefimplError, OSError) as exc:
+            raise BackendError(f"numpy-engine cannot open {model_dir}: {exc}") from exc
+        self.engine = self.engine_class(model)
+
+    def close(self) -> None:
+        self.engine = None
+
+    def run(self, request: Request) -> Response:
+        if self.engine is None:
+            raise RuntimeError("numpy-engine: run() called before open()")
+        self.engine.log = []
+        caches = self.engine.new_caches()  # fresh state per request
+        handler = {"full": self._full, "last": self._last, "prefill": self._prefill, "multi": self._multi}
+        return handler[request.kind](request, caches)
+
+    # -- request hooks (what a request adapter decides) -------------------------------------------
+
+    def last_row(self, T: int, last_pos: int) -> int:
+        """The row flagged as output on the last-logits entry points."""
+        return last_pos
+
+    def piece_rows(self, p: int, rows: Sequence[int]) -> list[int]:
+        """The rows flagged as output in piece p of a prefill."""
+        return [int(r) for r in rows]
+
+    # -- request kinds --------------------------------------------------------------------------
+
+    def _one_sequence(self, caches: CacheSet, seq: Any, ids: Sequence[int], rows: Iterable[int],
+                      x0: np.ndarray | None = None) -> Batch:
+        if len(ids) == 0:
+            raise ValueError("numpy-engine: a call has no tokens")
+        rows = list(rows)
+        if any(not 0 <= r < len(ids) for r in rows):
+            raise ValueError(f"numpy-engine: rows {rows} must lie within the {len(ids)} tokens of the call")
+        output = np.zeros(len(ids), dtype=bool)
+        output[rows] = True
+        return self.engine.batch(caches, ids, [seq] * len(ids), output, x0)
+
+    def _decode(self, caches: CacheSet, seq: Any, tokens: Sequence[int]) -> np.ndarray:
+        """Teacher-forced decode: one batch of one output token per step."""
+        out = [self.engine.prefill(caches, self._one_sequence(caches, seq, [int(t)], [0])) for t in tokens]
+        return np.concatenate(out) if out else np.empty((0, self.engine.cfg.vocab_size), dtype=self.dtype)
+
+    def _executed(self, path: str, n_prefill: int, **extra) -> dict[str, Any]:
+        log = self.engine.log
+        return {"path": path, "engine": "numpy-engine", "dtype": self.dtype, "embed_scale": self.embed_scale,
+                "fresh_state": True, "prune_layer": self.engine.prune_layer,
+                "ubatches": log[:n_prefill], "decode_ubatches": len(log) - n_prefill,
+                "state_len_after_prefill": extra.pop("state_len"), **extra}
+
+    def _full(self, request: Request, caches: CacheSet) -> Response:
+        T = len(request.tokens)
+        logits = self.engine.prefill(caches, self._one_sequence(caches, 0, request.tokens, range(T)))
+        n, state = len(self.engine.log), caches.get(0).length
+        decode = self._decode(caches, 0, request.decode) if request.decode else None
+        return Response(logits, decode, self._executed("full", n, state_len=state))
+
+    def _last(self, request: Request, caches: CacheSet) -> Response:
+        T = len(request.tokens)
+        if not 0 <= request.last_pos < T:
+            raise ValueError(f"numpy-engine: last_pos {request.last_pos} is outside the {T} tokens of the call")
+        x0 = None
+        if request.entry == "embeddings":
+            if request.embeddings is None:
+                raise ValueError("numpy-engine: entry 'embeddings' without embeddings")
+            x0 = np.asarray(request.embeddings)
+        seq = PLAIN_SEQ if request.entry == "plain" else request.seq_id
+        row = self.last_row(T, request.last_pos)
+        logits = self.engine.prefill(caches, self._one_sequence(caches, seq, request.tokens, [row], x0))
+        n, state = len(self.engine.log), caches.get(seq).length
+        decode = self._decode(caches, seq, request.decode) if request.decode else None
+        return Response(logits, decode, self._executed(
+            "last", n, state_len=state, entry=request.entry, seq_id=request.seq_id,
+            last_pos=request.last_pos, output_row=row))
+
+    def _prefill(self, request: Request, caches: CacheSet) -> Response:
+        if not request.pieces:
+            raise ValueError("numpy-engine: prefill request has no pieces")
+        out, pieces = [], []
+        for p, piece in enumerate(request.pieces):
+            rows = self.piece_rows(p, piece.rows)
+            batch = self._one_sequence(caches, 0, piece.tokens, rows)
+            out.append(self.engine.prefill(caches, batch, request.ubatch))
+            pieces.append({"tokens": len(piece.tokens), "rows": rows})
+        n, state = len(self.engine.log), caches.get(0).length
+        logits = np.concatenate(out)
+        decode = self._decode(caches, 0, request.decode) if request.decode else None
+        return Response(logits, decode, self._executed("prefill", n, state_len=state,
+                                                       ubatch=request.ubatch, pieces=pieces))
+
+    def _multi(self, request: Request, caches: CacheSet) -> Response:
+        """All sequences in ONE batch (tokens tagged with their sequence ids); decode steps batched too."""
+        n = len(request.sequences)
+        seq_ids = list(request.seq_ids) if request.seq_ids else list(range(n))
+        if n == 0 or len(seq_ids) != n or len(set(seq_ids)) != n:
+            raise ValueError(f"numpy-engine: multi request needs {n} distinct seq_ids, got {seq_ids}")
+        if any(len(s) == 0 for s in request.sequences):
+            raise ValueError("numpy-engine: a sequence has no tokens")
+        ids = [int(t) for s in request.sequences for t in s]
+        seq = [sid for sid, s in zip(seq_ids, request.sequences) for _ in s]
+        ends = np.cumsum([len(s) for s in request.sequences]) - 1
+        output = np.zeros(len(ids), dtype=bool)
+        output[ends] = True
+        logits = self.engine.prefill(caches, self.engine.batch(caches, ids, seq, output))
+        n_log, state = len(self.engine.log), [caches.get(s).length for s in seq_ids]
+        decode_logits = None
+        if request.decode:
+            decode = [tuple(int(t) for t in d) for d in request.decode]
+            if len(decode) != n:
+                raise ValueError(f"numpy-engine: {n} sequences but {len(decode)} decode lists")
+            V = self.engine.cfg.vocab_size
+            decode_logits = [np.empty((len(d), V), dtype=self.dtype) for d in decode]
+            for j in range(max(len(d) for d in decode)):  # one batch per step: one token per live sequence
+                live = [i for i, d in enumerate(decode) if j < len(d)]
+                step = self.engine.batch(caches, [decode[i][j] for i in live], [seq_ids[i] for i in live],
+                                         [True] * len(live))
+                for i, row in zip(live, self.engine.prefill(caches, step)):
+                    decode_logits[i][j] = row
+        return Response(logits, decode_logits, self._executed("multi", n_log, state_len=state,
+                                                              seq_ids=seq_ids))
+
