@@ -112,13 +112,36 @@ def _profiles() -> dict[str, Any]:
 # check
 
 
+def _guarded(bar, work):
+    """Run ``work()`` under a progress bar: (result, None), or (None, exit code) with one error line for
+    an empty selection, a broken fixture set or a backend that cannot be loaded."""
+    from .backend import BackendError
+    from .fixtures import FixtureError
+    from .runner import NoCasesSelected
+
+    try:
+        return work(), None
+    except (NoCasesSelected, FixtureError, BackendError) as e:
+        bar.close()
+        if isinstance(e, NoCasesSelected):
+            _err(str(e))
+            return None, EXIT_EMPTY
+        if isinstance(e, FixtureError):
+            _err(f"fixture integrity: {e}")
+            return None, EXIT_FIXTURE
+        _err(str(e))
+        return None, EXIT_BACKEND
+    finally:
+        bar.close()
+
+
 def cmd_check(args, argv: Sequence[str]) -> int:
     from .backend import BackendError
     from .expectations import ExpectationsError, load as load_expectations
     from .fixtures import FixtureError
     from .registry import load_backend
     from .report import ProgressBar, console_summary, is_tty, write_json, write_junit
-    from .runner import NoCasesSelected, run
+    from .runner import run
 
     pattern = _compile(args.k)
     options = dict(_parse_option(o) for o in args.backend_option or [])
@@ -155,22 +178,10 @@ def cmd_check(args, argv: Sequence[str]) -> int:
         _warn(f"the expectations file is for backend {expectations.backend!r}, running {backend.name!r}")
 
     bar = ProgressBar(sys.stderr, tty=is_tty(sys.stderr), enabled=not args.quiet)
-    try:
-        result = run(backend, sets, profile, expectations, pattern, bar, backend_options=options)
-    except NoCasesSelected as e:
-        bar.close()
-        _err(str(e))
-        return EXIT_EMPTY
-    except FixtureError as e:
-        bar.close()
-        _err(f"fixture integrity: {e}")
-        return EXIT_FIXTURE
-    except BackendError as e:
-        bar.close()
-        _err(str(e))
-        return EXIT_BACKEND
-    finally:
-        bar.close()
+    result, failed = _guarded(bar, lambda: run(backend, sets, profile, expectations, pattern, bar,
+                                               backend_options=options))
+    if failed is not None:
+        return failed
 
     code = result.exit_code
     if args.json:
@@ -366,9 +377,7 @@ class _SelftestProgress:
 
 def cmd_selftest(args, argv: Sequence[str]) -> int:
     from . import selftest as st
-    from .backend import BackendError
     from .fixtures import FixtureError
-    from .runner import NoCasesSelected
 
     pattern = _compile(args.k)
     try:
@@ -396,22 +405,10 @@ def cmd_selftest(args, argv: Sequence[str]) -> int:
                          + ", ".join(m.name for m in every))
 
     bar = _SelftestProgress(enabled=not args.quiet)
-    try:
-        result = st.run_selftest(sets, mutants, select=pattern, progress=bar, equivalents=equivalents)
-    except NoCasesSelected as e:
-        bar.close()
-        _err(str(e))
-        return EXIT_EMPTY
-    except FixtureError as e:
-        bar.close()
-        _err(f"fixture integrity: {e}")
-        return EXIT_FIXTURE
-    except BackendError as e:
-        bar.close()
-        _err(str(e))
-        return EXIT_BACKEND
-    finally:
-        bar.close()
+    result, failed = _guarded(bar, lambda: st.run_selftest(sets, mutants, select=pattern, progress=bar,
+                                                           equivalents=equivalents))
+    if failed is not None:
+        return failed
 
     if args.json:
         path = st.write_json(result, args.json, argv=list(argv))

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import itertools
 import sys
+
+import numpy as np
 from pathlib import Path
 
 import pytest
@@ -44,3 +46,20 @@ def micro_factory(tmp_path_factory):
         return micro_checkpoint(root / f"m{next(counter)}", config_dict, seed, **kwargs)
 
     return make
+
+
+BASE_LEN = 40  # oracle_bases: length of each base, as the fixture sets use
+
+
+@pytest.fixture(scope="session")
+def oracle_bases(preset_models) -> dict[str, list]:
+    """{preset: [(ids [BASE_LEN], full-forward logits [BASE_LEN, V]) for 3 seeded bases]}."""
+    out = {}
+    for preset, model in preset_models.items():
+        rng = np.random.default_rng(1234)
+        items = []
+        for _ in range(3):
+            ids = np.concatenate([[2], rng.integers(3, model.cfg.vocab_size, BASE_LEN - 1)]).astype(np.int64)
+            items.append((ids, model.forward(ids, rows="all")))
+        out[preset] = items
+    return out

@@ -213,3 +213,8 @@ def max_abs(a, b) -> float:
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     assert a.shape == b.shape, (a.shape, b.shape)
     return float(np.max(np.abs(a - b))) if a.size else 0.0
+
+
+def tup(a) -> tuple[int, ...]:
+    """A sequence of ids as a tuple of Python ints (what Request fields hold)."""
+    return tuple(int(x) for x in a)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import mmap
-import re
 import shutil
 import struct
 import subprocess

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import tup
 
 from conformance import cli, registry
 from conformance.backend import Capabilities, Piece, Request
@@ -33,8 +34,6 @@ def max_abs(a, b) -> float:
     return float(np.max(np.abs(a - b))) if a.size else 0.0
 
 
-def tup(a) -> tuple[int, ...]:
-    return tuple(int(x) for x in a)
 
 
 @pytest.fixture(scope="module")
@@ -50,17 +49,8 @@ def engines(preset_dirs):
 
 
 @pytest.fixture(scope="module")
-def bases(preset_models):
-    """{preset: [(ids [N], oracle full-forward logits [N, V]) for 3 seeded bases]}."""
-    out = {}
-    for preset, model in preset_models.items():
-        rng = np.random.default_rng(4321)
-        items = []
-        for _ in range(3):
-            ids = np.concatenate([[2], rng.integers(3, model.cfg.vocab_size, N - 1)]).astype(np.int64)
-            items.append((ids, model.forward(ids, rows="all")))
-        out[preset] = items
-    return out
+def bases(oracle_bases):
+    return oracle_bases
 
 
 # ----------------------------------------------------------------------------------------------

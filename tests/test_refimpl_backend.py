@@ -16,6 +16,7 @@ from importlib.metadata import EntryPoint
 
 import numpy as np
 import pytest
+from helpers import tup
 
 from conformance import registry
 from conformance.backend import Backend, BackendError, Capabilities, Piece, Request, required_capabilities
@@ -51,21 +52,10 @@ def backends(preset_dirs):
 
 
 @pytest.fixture(scope="module")
-def bases(preset_models):
-    """{preset: [(ids [N], full-forward logits [N, V]) for 3 seeded bases]}."""
-    out = {}
-    for preset, model in preset_models.items():
-        rng = np.random.default_rng(1234)
-        items = []
-        for _ in range(3):
-            ids = np.concatenate([[2], rng.integers(3, model.cfg.vocab_size, N - 1)]).astype(np.int64)
-            items.append((ids, model.forward(ids, rows="all")))
-        out[preset] = items
-    return out
+def bases(oracle_bases):
+    return oracle_bases
 
 
-def tup(a) -> tuple[int, ...]:
-    return tuple(int(x) for x in a)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ import json
 import math
 
 import numpy as np
-import pytest
 
 from refimpl.model import Gemma4, Trace
 from refimpl.safetensors_io import write_safetensors
