@@ -546,13 +546,10 @@ class FixtureSet:
 
     def _store(self) -> dict[str, np.ndarray]:
         if self._tensors is None:
-            from refimpl.safetensors_io import STORAGE, read_header
+            from refimpl.safetensors_io import TensorStore
 
-            infos = read_header(self.path / EXPECTED)
-            data = np.memmap(self.path / EXPECTED, dtype=np.uint8, mode="r")
-            self._tensors = {
-                n: data[i.begin:i.end].view(STORAGE[i.dtype]).reshape(i.shape) for n, i in infos.items()
-            }
+            store = TensorStore(self.path / EXPECTED)  # memory-mapped views, nothing copied
+            self._tensors = {n: store.raw(n) for n in store.names}
         return self._tensors
 
     def _by_base(self, leaf: str) -> dict[str, np.ndarray]:
