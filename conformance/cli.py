@@ -112,6 +112,19 @@ def _profiles() -> dict[str, Any]:
 # check
 
 
+def _load_sets(args):
+    """The fixture sets named by --fixtures (default: the bundled ones), verified; None after printing
+    the integrity error."""
+    from .fixtures import FixtureError
+    from .runner import load_sets
+
+    try:
+        return load_sets(_set_paths(args.fixtures))
+    except FixtureError as e:
+        _err(f"fixture integrity: {e}")
+        return None
+
+
 def _guarded(bar, work):
     """Run ``work()`` under a progress bar: (result, None), or (None, exit code) with one error line for
     an empty selection, a broken fixture set or a backend that cannot be loaded."""
@@ -138,7 +151,6 @@ def _guarded(bar, work):
 def cmd_check(args, argv: Sequence[str]) -> int:
     from .backend import BackendError
     from .expectations import ExpectationsError, load as load_expectations
-    from .fixtures import FixtureError
     from .registry import load_backend
     from .report import ProgressBar, console_summary, is_tty, write_json, write_junit
     from .runner import run
@@ -155,12 +167,8 @@ def cmd_check(args, argv: Sequence[str]) -> int:
         except ExpectationsError as e:
             raise UsageError(str(e)) from None
 
-    try:
-        from .runner import load_sets
-
-        sets = load_sets(_set_paths(args.fixtures))
-    except FixtureError as e:
-        _err(f"fixture integrity: {e}")
+    sets = _load_sets(args)
+    if sets is None:
         return EXIT_FIXTURE
 
     try:
@@ -377,7 +385,6 @@ class _SelftestProgress:
 
 def cmd_selftest(args, argv: Sequence[str]) -> int:
     from . import selftest as st
-    from .fixtures import FixtureError
 
     pattern = _compile(args.k)
     try:
@@ -385,12 +392,8 @@ def cmd_selftest(args, argv: Sequence[str]) -> int:
     except re.error as e:
         raise UsageError(f"--mutant: not a valid regular expression ({e}): {args.mutant!r}") from None
 
-    try:
-        from .runner import load_sets
-
-        sets = load_sets(_set_paths(args.fixtures))
-    except FixtureError as e:
-        _err(f"fixture integrity: {e}")
+    sets = _load_sets(args)
+    if sets is None:
         return EXIT_FIXTURE
 
     try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import tup
+from helpers import max_abs, tup
 
 from conformance import cli, registry
 from conformance.backend import Capabilities, Piece, Request
@@ -26,14 +26,6 @@ N = 40  # base length
 W = 8  # sliding window of every preset
 PRESET_NAMES = list(PRESETS)
 GRADING_CHECKS = CLOSENESS | {"count", "shape", "nonfinite", "identity", "top1", "topk", "generation"}
-
-
-def max_abs(a, b) -> float:
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    assert a.shape == b.shape, f"shape {a.shape} != {b.shape}"
-    return float(np.max(np.abs(a - b))) if a.size else 0.0
-
-
 
 
 @pytest.fixture(scope="module")

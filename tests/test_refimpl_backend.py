@@ -16,7 +16,7 @@ from importlib.metadata import EntryPoint
 
 import numpy as np
 import pytest
-from helpers import tup
+from helpers import max_abs, tup
 
 from conformance import registry
 from conformance.backend import Backend, BackendError, Capabilities, Piece, Request, required_capabilities
@@ -27,12 +27,6 @@ TOL = 1e-12
 N = 40  # base length, as the fixture sets use
 W = 8  # sliding window of every preset
 PRESET_NAMES = list(PRESETS)
-
-
-def max_abs(a, b) -> float:
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    assert a.shape == b.shape, f"shape {a.shape} != {b.shape}"
-    return float(np.max(np.abs(a - b))) if a.size else 0.0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -54,8 +48,6 @@ def backends(preset_dirs):
 @pytest.fixture(scope="module")
 def bases(oracle_bases):
     return oracle_bases
-
-
 
 
 # ----------------------------------------------------------------------------------------------
