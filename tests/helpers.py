@@ -218,3 +218,15 @@ def max_abs(a, b) -> float:
 def tup(a) -> tuple[int, ...]:
     """A sequence of ids as a tuple of Python ints (what Request fields hold)."""
     return tuple(int(x) for x in a)
+
+
+def open_per_preset(factory, preset_dirs):
+    """Yield {preset: backend opened on it} and close them all afterwards (for module fixtures)."""
+    opened = {}
+    for preset, path in preset_dirs.items():
+        backend = factory()
+        backend.open(path)
+        opened[preset] = backend
+    yield opened
+    for backend in opened.values():
+        backend.close()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import max_abs, tup
+from helpers import max_abs, open_per_preset, tup
 
 from conformance import cli, registry
 from conformance.backend import Capabilities, Piece, Request
@@ -30,14 +30,7 @@ GRADING_CHECKS = CLOSENESS | {"count", "shape", "nonfinite", "identity", "top1",
 
 @pytest.fixture(scope="module")
 def engines(preset_dirs):
-    opened = {}
-    for preset, path in preset_dirs.items():
-        b = NumpyEngineBackend()
-        b.open(path)
-        opened[preset] = b
-    yield opened
-    for b in opened.values():
-        b.close()
+    yield from open_per_preset(NumpyEngineBackend, preset_dirs)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from importlib.metadata import EntryPoint
 
 import numpy as np
 import pytest
-from helpers import max_abs, tup
+from helpers import max_abs, open_per_preset, tup
 
 from conformance import registry
 from conformance.backend import Backend, BackendError, Capabilities, Piece, Request, required_capabilities
@@ -35,14 +35,7 @@ PRESET_NAMES = list(PRESETS)
 
 @pytest.fixture(scope="module")
 def backends(preset_dirs):
-    opened = {}
-    for preset, path in preset_dirs.items():
-        b = RefimplBackend()
-        b.open(path)
-        opened[preset] = b
-    yield opened
-    for b in opened.values():
-        b.close()
+    yield from open_per_preset(RefimplBackend, preset_dirs)
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from conformance.backend import BackendError, Capabilities, Request, Response
+from conformance.backend import BackendError, Request, Response
+from conformance.backends.refimpl_backend import all_capabilities, check_options
 from refimpl.model import (
     Gemma4, apply_rope, attention, attention_mask, experts, gelu_tanh, linear, mlp, per_layer_inputs,
     rms_norm, rope_cos_sin, rope_inv_freq, route, softcap,
@@ -488,20 +489,9 @@ class NumpyEngineBackend:
     engine_class: type[Engine] = Engine
 
     def __init__(self, dtype: str = "float64", embed_scale: str = "exact"):
-        dt = np.dtype(dtype)
-        if dt not in (np.float64, np.float32):
-            raise ValueError(f"numpy-engine: dtype must be 'float64' or 'float32', got {dtype!r}")
-        if embed_scale not in ("exact", "bf16"):
-            raise ValueError(f"numpy-engine: embed_scale must be 'exact' or 'bf16', got {embed_scale!r}")
-        self.dtype = dt.name
-        self.embed_scale = embed_scale
-        exact = dt == np.float64 and embed_scale == "exact"
-        self.capabilities = Capabilities(
-            full_forward=True, last_plain=True, last_seq_id=True, last_embeddings=True,
-            embedding_convention="scaled", interior_rows=True, output_rows=True, ubatch=True,
-            chunked_prefill=True, multi_sequence=True, decode=True,
-            default_profile="exact-f64" if exact else "fp32",
-        )
+        self.dtype, self.embed_scale = check_options("numpy-engine", dtype, embed_scale)
+        exact = self.dtype == "float64" and embed_scale == "exact"
+        self.capabilities = all_capabilities("exact-f64" if exact else "fp32")
         self.engine: Engine | None = None
 
     # -- protocol -------------------------------------------------------------------------------

@@ -25,7 +25,18 @@ from conformance.backend import BackendError, Capabilities, Request, Response
 __all__ = ["RefimplBackend", "RefimplFloat32Backend"]
 
 
-def _all_capabilities(default_profile: str) -> Capabilities:
+def check_options(who: str, dtype: str, embed_scale: str) -> tuple[str, str]:
+    """Validate the NumPy backends' options; returns (dtype name, embed_scale)."""
+    dt = np.dtype(dtype)
+    if dt not in (np.float64, np.float32):
+        raise ValueError(f"{who}: dtype must be 'float64' or 'float32', got {dtype!r}")
+    if embed_scale not in ("exact", "bf16"):
+        raise ValueError(f"{who}: embed_scale must be 'exact' or 'bf16', got {embed_scale!r}")
+    return dt.name, embed_scale
+
+
+def all_capabilities(default_profile: str) -> Capabilities:
+    """Every capability of the protocol, with scaled embeddings (the NumPy backends claim all)."""
     return Capabilities(
         full_forward=True, last_plain=True, last_seq_id=True, last_embeddings=True,
         embedding_convention="scaled", interior_rows=True, output_rows=True, ubatch=True,
@@ -41,18 +52,12 @@ class RefimplBackend:
     """
 
     def __init__(self, dtype: str = "float64", embed_scale: str = "exact", default_profile: str | None = None):
-        dt = np.dtype(dtype)
-        if dt not in (np.float64, np.float32):
-            raise ValueError(f"refimpl backend: dtype must be 'float64' or 'float32', got {dtype!r}")
-        if embed_scale not in ("exact", "bf16"):
-            raise ValueError(f"refimpl backend: embed_scale must be 'exact' or 'bf16', got {embed_scale!r}")
-        self.dtype = dt.name
-        self.embed_scale = embed_scale
-        name = "refimpl" if dt == np.float64 else "refimpl-float32"
+        self.dtype, self.embed_scale = check_options("refimpl backend", dtype, embed_scale)
+        name = "refimpl" if self.dtype == "float64" else "refimpl-float32"
         self.name = name if embed_scale == "exact" else f"{name}-bf16-scale"
         if default_profile is None:
-            default_profile = "exact-f64" if dt == np.float64 and embed_scale == "exact" else "fp32"
-        self.capabilities = _all_capabilities(default_profile)
+            default_profile = "exact-f64" if self.dtype == "float64" and embed_scale == "exact" else "fp32"
+        self.capabilities = all_capabilities(default_profile)
         self.model = None
         self._states: dict[Any, Any] = {}
 
