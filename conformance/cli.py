@@ -9,7 +9,7 @@ scoreboard).
                          [--name N] [--version V]
     conformance verify DIR ... [--recompute]
     conformance selftest [--fixtures DIR ...] [--mutant REGEX] [-k REGEX] [--json FILE] [-q]
-    conformance scoreboard REPORT.json ... [--out FILE.md] [--title T]
+    conformance scoreboard REPORT.json ... [--out FILE.md | --into PAGE.md] [--title T]
 
 Exit codes: 0 all selected cases pass (xfail, skipped and not-claimed allowed); 1 some case is fail,
 error or xpass; 2 usage error (bad arguments, bad expectations file, unknown profile, bad regex);
@@ -440,7 +440,19 @@ def cmd_scoreboard(args) -> int:
         text = render([load_report(p) for p in args.reports], title=args.title)
     except ScoreboardError as e:
         raise UsageError(str(e)) from None
-    if args.out:
+    if args.into:
+        from .scoreboard import embed
+
+        page = Path(args.into)
+        try:
+            text = embed(page.read_text(encoding="utf-8"), text, where=str(page))
+        except OSError as e:
+            raise UsageError(f"--into {page}: cannot read it ({e.strerror or e})") from None
+        except ScoreboardError as e:
+            raise UsageError(str(e)) from None
+        page.write_text(text, encoding="utf-8")
+        sys.stderr.write(f"updated the scoreboard in {page}\n")
+    elif args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text, encoding="utf-8")
@@ -526,7 +538,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     "Markdown scoreboard: per run, per entry point and per feature, passed/graded "
                                     "with the worst max_abs and KL, then every case that deviates and why.")
     sb.add_argument("reports", nargs="+", metavar="REPORT.json")
-    sb.add_argument("--out", metavar="FILE.md", help="write to FILE.md instead of standard output")
+    where = sb.add_mutually_exclusive_group()
+    where.add_argument("--out", metavar="FILE.md", help="write to FILE.md instead of standard output")
+    where.add_argument("--into", metavar="PAGE.md", help="replace the text between the lines "
+                       "'<!-- scoreboard:begin -->' and '<!-- scoreboard:end -->' of PAGE.md")
     sb.add_argument("--title", default="Conformance scoreboard", help="the page title")
     return p
 

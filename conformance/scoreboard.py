@@ -1,6 +1,6 @@
 """A Markdown scoreboard from ``conformance check --json`` reports: one column per run.
 
-    conformance scoreboard reports/*.json [--out docs/scoreboard.md] [--title T]
+    conformance scoreboard reports/*.json [--out board.md | --into docs/backends.md] [--title T]
 
 For every run (one JSON report): the backend, its options, the profile, the counts by status and
 the command. Then, per fixture set, per entry point and per feature, ``passed/graded`` with the worst ``max_abs`` and
@@ -8,7 +8,9 @@ the worst per-row KL over the graded cases (cases not claimed or skipped are not
 every case that did not simply pass, where it deviates: the case, its status, the failing check and
 row, and the reason the expectations file gives for it.
 
-Only report files are read; nothing is re-run, so the scoreboard says exactly what the reports say.
+``--into FILE`` replaces the text between the lines ``<!-- scoreboard:begin -->`` and
+``<!-- scoreboard:end -->`` of an existing page (its title becomes a second-level heading there), so
+a hand-written page can carry a generated scoreboard. Only report files are read; nothing is re-run, so the scoreboard says exactly what the reports say.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-__all__ = ["ScoreboardError", "load_report", "render"]
+__all__ = ["ScoreboardError", "load_report", "render", "embed"]
+
+BEGIN = "<!-- scoreboard:begin -->"
+END = "<!-- scoreboard:end -->"
 
 REPORT_SCHEMA = "gemma4-conformance/report"
 GRADED = ("pass", "fail", "error", "xfail", "xpass")
@@ -124,6 +129,19 @@ def _table(header: list[str], rows: Iterable[list[str]]) -> list[str]:
     return lines
 
 
+def _command(argv: list[str]) -> list[str]:
+    """The command of a run without its output options (where the reports went is not part of it)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--json", "--junit-xml"):
+            skip = True
+        elif arg not in ("-q", "--quiet") and not arg.startswith(("--json=", "--junit-xml=")):
+            out.append(arg)
+    return out
+
+
 def _runs_table(runs: list[Run]) -> list[str]:
     rows = []
     for i, run in enumerate(runs, 1):
@@ -136,7 +154,7 @@ def _runs_table(runs: list[Run]) -> list[str]:
             str(counts.get("pass", 0)), str(counts.get("xfail", 0)), str(counts.get("fail", 0) + counts.get("xpass", 0)),
             str(counts.get("error", 0)), str(counts.get("not-claimed", 0) + counts.get("skipped", 0)),
             f"{r.get('duration', 0):.0f} s", f"exit {r.get('exit_code')}",
-            "`conformance " + " ".join(r.get("command", [])) + "`",
+            "`conformance " + " ".join(_command(r.get("command", []))) + "`",
         ])
     return _table(["run", "backend", "options", "profile", "expectations", "pass", "xfail", "fail",
                    "error", "not run", "time", "result", "command"], rows)
@@ -150,27 +168,52 @@ def _grid(runs: list[Run], attr: str, order: Iterable[str]) -> list[str]:
     return _table([{"by_set": "set", "by_entry": "entry point", "by_feature": "feature"}[attr]] + [f"R{i}" for i in range(1, len(runs) + 1)], rows)
 
 
+def _where(case: dict[str, Any]) -> str:
+    """``check at row`` of a case's first failing row (or the case-level check)."""
+    rows = [r for r in case.get("rows", []) if r.get("status") not in (None, "pass")]
+    check = case.get("check") or (rows[0].get("check") if rows else None)
+    where = f" at {rows[0].get('label')}" if rows else ""
+    return f"{check or case.get('status')}{where}"
+
+
+def _short(text: str, limit: int = 400) -> str:
+    text = _escape(text)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
 def _deviations(runs: list[Run]) -> list[str]:
+    """Per run: cases grouped by the expectations entry that explains them (its reason once), then every
+    case no entry explains, with its message."""
     lines: list[str] = []
     for i, run in enumerate(runs, 1):
-        odd = [c for c in run.report.get("cases", [])
-               if c.get("status") not in ("pass", "not-claimed", "skipped") or (c.get("expectation") or {}).get("tolerance")]
-        if not odd:
-            continue
-        lines += ["", f"**R{i} {run.label}** ({len(odd)} case{'s' if len(odd) != 1 else ''}):", ""]
-        for c in odd:
-            rows = [r for r in c.get("rows", []) if r.get("status") not in (None, "pass")]
-            where = f" at {rows[0].get('label')}" if rows else ""
-            check = f" `{c['check']}`" if c.get("check") else ""
-            text = f"- `{c['id']}`: {c['status']}{check}{where}: {_escape(c.get('message', ''))}"
+        explained: dict[tuple[str, str], list[str]] = {}
+        unexplained: list[str] = []
+        for c in run.report.get("cases", []):
             exp = c.get("expectation") or {}
-            if exp.get("tolerance"):
-                text += f" Graded with {', '.join(f'{k}={v:g}' for k, v in exp['tolerance'].items())}."
-            reasons = [exp[k]["reason"] for k in ("skip", "known_failure") if exp.get(k)]
-            reasons += exp.get("tolerance_reasons", [])
-            if reasons:
-                text += f" Expected: {_escape('; '.join(reasons))}"
-            lines.append(text)
+            status = c.get("status")
+            if status in ("pass", "not-claimed") and not exp.get("tolerance"):
+                continue
+            item = f"`{c['id']}` ({status}: {_where(c)})" if status != "pass" else f"`{c['id']}`"
+            if status in ("xfail", "skipped") and (exp.get("known_failure") or exp.get("skip")):
+                entry = exp.get("known_failure") or exp["skip"]
+                explained.setdefault((entry["action"], entry["reason"]), []).append(item)
+            elif status == "pass" and exp.get("tolerance"):
+                limits = ", ".join(f"{k}={v:g}" for k, v in exp["tolerance"].items())
+                reason = "; ".join(exp.get("tolerance_reasons", []))
+                explained.setdefault((f"tolerance ({limits})", reason), []).append(item)
+            elif status == "skipped":
+                continue  # skipped by -k-independent means without an entry cannot happen; nothing to say
+            else:
+                unexplained.append(f"- `{c['id']}`: {status} ({_where(c)}): {_short(c.get('message', ''))}")
+        if not explained and not unexplained:
+            continue
+        lines += ["", f"**R{i} {run.label}**", ""]
+        for (action, reason), items in explained.items():
+            lines.append(f"- {len(items)} case{'s' if len(items) != 1 else ''}, {action}: {_escape(reason)} "
+                         f"Cases: {', '.join(items)}.")
+        if unexplained:
+            lines += [f"- {len(unexplained)} case{'s' if len(unexplained) != 1 else ''} with no expectation:"]
+            lines += ["  " + u for u in unexplained]
     return lines or ["", "Every graded case passed in every run."]
 
 
@@ -188,3 +231,16 @@ def render(runs: list[Run], title: str = "Conformance scoreboard") -> str:
     lines += ["", "## By feature", ""] + _grid(runs, "by_feature", ())
     lines += ["", "## Deviations"] + _deviations(runs)
     return "\n".join(lines) + "\n"
+
+
+def embed(page: str, board: str, where: str = "the page") -> str:
+    """``page`` with the text between its BEGIN and END marker lines replaced by ``board``."""
+    lines = page.splitlines(keepends=True)
+    starts = [i for i, line in enumerate(lines) if line.strip() == BEGIN]
+    ends = [i for i, line in enumerate(lines) if line.strip() == END]
+    if len(starts) != 1 or len(ends) != 1 or ends[0] < starts[0]:
+        raise ScoreboardError(f"{where} must have exactly one line {BEGIN} followed by one line {END} "
+                              f"(found {len(starts)} and {len(ends)})")
+    # one heading level down: the page has its own title
+    body = "".join("#" + line if line.startswith("#") else line for line in board.splitlines(keepends=True))
+    return "".join(lines[:starts[0] + 1]) + body + "".join(lines[ends[0]:])

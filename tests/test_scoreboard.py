@@ -38,8 +38,12 @@ def reports(tmp_path_factory):
     exp = tmp / "exp.json"
     exp.write_text(json.dumps({"entries": [
         {"match": "/full/B/", "action": "known-failure", "reason": "rows shifted on purpose"}]}))
+    tol = tmp / "tol.json"
+    tol.write_text(json.dumps({"entries": [
+        {"match": "/full/", "action": "tolerance", "reason": "float32 head", "tolerance": {"max_abs": 0.01}}]}))
     paths = []
     for name, argv in [("oracle", ["--backend", "refimpl"]),
+                       ("float32", ["--backend", "refimpl-float32", "--expectations", str(tol)]),
                        ("shifted", ["--backend", f"{HERE}:ShiftedFullBackend", "--profile", "exact-f64",
                                     "--expectations", str(exp)])]:
         out = tmp / f"{name}.json"
@@ -64,10 +68,12 @@ def test_failures_are_bold_and_explained(reports, capsys):
     full_row = next(line for line in text.splitlines() if line.startswith("| full |"))
     cells = [c.strip() for c in full_row.strip("|").split("|")]
     assert cells[1].startswith("2/2 · ")
-    assert cells[2].startswith("**0/2 (+1 xfail)**")  # /full/A/ fails, /full/B/ is the known failure
-    assert "`e4b-mini/full/A/T9`: fail `identity`" in text
-    assert "Expected: rows shifted on purpose" in text
-    assert "| R2 | shifted-full |" in text
+    assert cells[3].startswith("**0/2 (+1 xfail)**")  # /full/A/ fails, /full/B/ is the known failure
+    assert "- 1 case with no expectation:\n  - `e4b-mini/full/A/T9`: fail (identity at row 0): " in text
+    assert "- 1 case, known-failure: rows shifted on purpose Cases: `e4b-mini/full/B/T19` (xfail: identity at row 0)." in text
+    assert "| R3 | shifted-full |" in text
+    assert ("- 2 cases, tolerance (max_abs=0.01): float32 head Cases: `e4b-mini/full/A/T9`, "
+            "`e4b-mini/full/B/T19`.") in text
 
 
 def test_scoreboard_writes_a_file(reports, tmp_path, capsys):
@@ -86,3 +92,16 @@ def test_bad_reports_are_usage_errors(tmp_path, capsys, content, needle):
     bad.write_text(content)
     assert main(["scoreboard", str(bad)]) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_into_replaces_only_the_marked_block(reports, tmp_path, capsys):
+    page = tmp_path / "page.md"
+    page.write_text("# Page\n\nbefore\n<!-- scoreboard:begin -->\nold table\n<!-- scoreboard:end -->\nafter\n")
+    assert main(["scoreboard", str(reports[0]), "--into", str(page), "--title", "Board"]) == 0
+    text = page.read_text()
+    assert text.startswith("# Page\n\nbefore\n<!-- scoreboard:begin -->\n## Board\n")
+    assert "old table" not in text and "### Runs" in text
+    assert text.endswith("<!-- scoreboard:end -->\nafter\n")
+    page.write_text("# no markers\n")
+    assert main(["scoreboard", str(reports[0]), "--into", str(page)]) == 2
+    assert "must have exactly one line <!-- scoreboard:begin -->" in capsys.readouterr().err
