@@ -21,7 +21,6 @@ matched no case, or every selected case is not claimed or skipped). User errors 
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from pathlib import Path
@@ -57,18 +56,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parse_option(text: str) -> tuple[str, Any]:
-    """KEY=VALUE; VALUE is read as JSON when it parses (numbers, true/false, null), else a string."""
-    key, sep, value = text.partition("=")
-    key = key.strip()
-    if not sep or not key or not key.isidentifier():
-        raise UsageError(f"--backend-option must be KEY=VALUE with KEY a Python identifier, got {text!r}")
+    from .registry import parse_option
+
     try:
-        parsed = json.loads(value)
-        if not isinstance(parsed, (int, float, bool)) and parsed is not None:
-            parsed = value
-    except ValueError:
-        parsed = value
-    return key, parsed
+        return parse_option(text)
+    except ValueError as e:
+        raise UsageError(f"--backend-option {e}") from None
 
 
 def _compile(regex: str | None) -> re.Pattern | None:

@@ -59,23 +59,13 @@ def pytest_configure(config):
 
 
 def _parse_options(pairs: list[str]) -> dict[str, Any]:
-    """KEY=VALUE pairs, read as ``conformance check --backend-option`` reads them: VALUE is a number,
-    true/false or null when it parses as one in JSON, else the string."""
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        key = key.strip()
-        if not sep or not key.isidentifier():
-            raise pytest.UsageError("--conformance-backend-option must be KEY=VALUE with KEY a Python "
-                                    f"identifier, got {pair!r}")
-        try:
-            parsed = json.loads(value)
-            if parsed is not None and not isinstance(parsed, (int, float, bool)):
-                parsed = value
-        except ValueError:
-            parsed = value
-        out[key] = parsed
-    return out
+    """KEY=VALUE pairs, read as ``conformance check --backend-option`` reads them."""
+    from .registry import parse_option
+
+    try:
+        return dict(parse_option(pair) for pair in pairs)
+    except ValueError as e:
+        raise pytest.UsageError(f"--conformance-backend-option {e}") from None
 
 
 def _set_dirs(args: list[str] | None) -> list[Path]:

@@ -34,19 +34,21 @@ while [ $# -gt 0 ]; do
 done
 command -v "$CONFORMANCE" >/dev/null || { echo "check-backends.sh: no '$CONFORMANCE' on PATH (activate the venv)" >&2; exit 2; }
 
-# name | backend | backend options (space separated KEY=VALUE)
+# name | backend | backend options (space separated KEY=VALUE). transformers runs with one torch
+# thread: on these tiny models more threads only add synchronisation, and on a busy 2-core machine
+# torch's default threads made a run 20x slower (223 s instead of 12 s).
 configs=(
   "refimpl-subprocess|refimpl-subprocess|"
-  "transformers-float32-eager|transformers|dtype=float32"
-  "transformers-float64-eager|transformers|dtype=float64"
+  "transformers-float32-eager|transformers|dtype=float32 threads=1"
+  "transformers-float64-eager|transformers|dtype=float64 threads=1"
   "mlx-lm-float32|mlx-lm|dtype=float32"
 )
 if [ "$all" = 1 ]; then
   configs+=(
-    "transformers-float32-sdpa|transformers|dtype=float32 attn=sdpa"
-    "transformers-float64-sdpa|transformers|dtype=float64 attn=sdpa"
-    "transformers-bfloat16-eager|transformers|dtype=bfloat16"
-    "transformers-bfloat16-sdpa|transformers|dtype=bfloat16 attn=sdpa"
+    "transformers-float32-sdpa|transformers|dtype=float32 attn=sdpa threads=1"
+    "transformers-float64-sdpa|transformers|dtype=float64 attn=sdpa threads=1"
+    "transformers-bfloat16-eager|transformers|dtype=bfloat16 threads=1"
+    "transformers-bfloat16-sdpa|transformers|dtype=bfloat16 attn=sdpa threads=1"
     "mlx-lm-bfloat16|mlx-lm|dtype=bfloat16"
     "mlx-lm-float16|mlx-lm|dtype=float16"
   )

@@ -118,6 +118,8 @@ from typing import Any
 import numpy as np
 
 from conformance.backend import BackendError, Capabilities, Request, Response
+from conformance.backends.serving import check_multi
+from conformance.fixtures import sha256_file
 
 __all__ = [
     "DEFAULT_SOURCE",
@@ -315,14 +317,6 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     return base / "gguf"
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 _CONVERTER_IDS: dict[Path, str] = {}
 
 
@@ -335,7 +329,7 @@ def converter_identity(source: Path) -> str:
         files += sorted(p for p in (source / sub).rglob("*.py") if "__pycache__" not in p.parts)
     h = hashlib.sha256()
     for p in files:
-        h.update(str(p.relative_to(source)).encode() + b"\0" + _sha256_file(p).encode() + b"\n")
+        h.update(str(p.relative_to(source)).encode() + b"\0" + sha256_file(p).encode() + b"\n")
     _CONVERTER_IDS[source] = h.hexdigest()
     return _CONVERTER_IDS[source]
 
@@ -364,7 +358,7 @@ def gguf_cache_key(model_dir: Path, source: Path, outtype: str) -> tuple[str, di
         raise BackendError(f"llama-cpp backend: {model_dir} has no *.safetensors weights")
     manifest: dict[str, Any] = {
         "format": GGUF_FORMAT,
-        "files": {p.name: _sha256_file(p) for p in files},
+        "files": {p.name: sha256_file(p) for p in files},
         "converter": converter_identity(source),
         "outtype": outtype,
     }
@@ -739,21 +733,10 @@ class LlamaCppEngine:
                 state_len_after_prefill=state, decode_steps=len(request.decode)))
 
     def _multi(self, request: Request) -> Response:
-        n = len(request.sequences)
-        if n == 0:
-            raise ValueError("llama-cpp backend: multi request has no sequences")
-        seq_ids = tuple(int(s) for s in request.seq_ids) if request.seq_ids else tuple(range(n))
-        if len(seq_ids) != n:
-            raise ValueError(f"llama-cpp backend: {n} sequences but {len(seq_ids)} seq_ids")
-        if len(set(seq_ids)) != n:
-            raise ValueError(f"llama-cpp backend: seq_ids {list(seq_ids)} are not distinct")
+        seq_ids, decode = check_multi(request, "llama-cpp backend")
+        seq_ids = tuple(int(s) for s in seq_ids)
         if min(seq_ids) < 0:
             raise ValueError(f"llama-cpp backend: seq_ids must be >= 0, got {list(seq_ids)}")
-        decode = tuple(tuple(d) for d in request.decode) if request.decode else ()
-        if decode and len(decode) != n:
-            raise ValueError(f"llama-cpp backend: {n} sequences but {len(decode)} decode lists")
-        for i, s in enumerate(request.sequences):
-            self._check_tokens(s, f"sequence {i}")
         lens = [len(s) for s in request.sequences]
         longest = max(L_ + (len(decode[i]) if decode else 0) for i, L_ in enumerate(lens))
         total = sum(lens) + sum(len(d) for d in decode)

@@ -7,6 +7,8 @@ is served through mlx-lm's own prompt caches (``mlx_lm.models.cache.make_prompt_
 ``KVCache`` for full-attention layers, ``RotatingKVCache(max_size=sliding_window)`` for sliding
 layers; KV-shared layers read their source layer's K/V inside the model), exactly as
 ``mlx_lm.generate`` drives them: a prompt in steps that continue the cache, then one token per call.
+The request handling (validation, micro-batches, one prompt cache per sequence id, interleaved
+decode) is ``conformance.backends.serving.CachedBackend``'s; this module supplies the mlx-lm forward.
 
 What mlx-lm does not do, and how this backend handles it:
 
@@ -57,6 +59,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
 from conformance.backend import BackendError, Capabilities, Request, Response
+from conformance.backends.serving import CachedBackend
 
 __all__ = ["MlxLmBackend", "DTYPES", "config_patch", "EXPECTATIONS_DIR"]
 
@@ -199,7 +202,7 @@ def _inv_freq_of(rope_module, head_dim: int) -> np.ndarray:
                        f"({vars(rope_module)}); this backend cannot check it against the spec")
 
 
-class MlxLmBackend:
+class MlxLmBackend(CachedBackend):
     """mlx-lm behind the backend protocol (``conformance.backend.Backend``).
 
     Options: ``dtype`` ("float32" default, "bfloat16", "float16"): the compute and weight dtype,
@@ -207,7 +210,10 @@ class MlxLmBackend:
     for float32, "bf16" for bfloat16 and float16).
     """
 
+    who = "mlx-lm backend"
+
     def __init__(self, dtype: str = "float32", default_profile: str | None = None):
+        super().__init__()
         if dtype not in DTYPES:
             hint = ""
             if dtype in ("float64", "f64"):
@@ -233,13 +239,11 @@ class MlxLmBackend:
         shipped = EXPECTATIONS_DIR / f"{self.name}.json"
         on_cpu = mx.default_device().type == mx.cpu
         self.expectations_file = shipped if (on_cpu and shipped.is_file()) else None
-        self.model = None
         self.text_config = None  # refimpl.config.TextConfig of the open checkpoint
         self.config_patch: dict[str, dict[str, Any]] = {}
         self.load_info: dict[str, Any] = {}
         self.unsupported: str | None = None
         self._prompt_cache: dict[str, int] = {}  # cache class -> layers, as make_prompt_cache(model) builds it
-        self._states: dict[Any, list] = {}
 
     # -- protocol -------------------------------------------------------------------------------
 
@@ -290,17 +294,11 @@ class MlxLmBackend:
         self._states = {}
 
     def run(self, request: Request) -> Response:
-        if self.model is None:
-            raise RuntimeError("mlx-lm backend: run() called before open()")
+        """CachedBackend's request handling (a fresh prompt cache per request), unless this checkpoint
+        cannot run at all in this dtype on this device (``unsupported``, found at open)."""
         if self.unsupported:
             raise RuntimeError(self.unsupported)
-        self._states = {}  # fresh state per request: no prompt cache survives from an earlier one
-        try:
-            handler = {"full": self._full, "last": self._last, "prefill": self._prefill,
-                       "multi": self._multi}[request.kind]
-            return handler(request)
-        finally:
-            self._states = {}
+        return super().run(request)
 
     # -- checks at open -------------------------------------------------------------------------
 
@@ -373,12 +371,25 @@ class MlxLmBackend:
                                "config.json describes (mlx-lm cannot express this configuration): "
                                + "; ".join(problems))
 
-    # -- helpers --------------------------------------------------------------------------------
+    # -- engine hooks ---------------------------------------------------------------------------
 
-    def _state(self, key: Any) -> list:
-        if key not in self._states:
-            self._states[key] = make_prompt_cache(self.model)
-        return self._states[key]
+    @property
+    def vocab_size(self) -> int:
+        return self.text_config.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text_config.hidden_size
+
+    @property
+    def out_dtype(self):
+        return np.float32
+
+    def _new_state(self) -> list:
+        return make_prompt_cache(self.model)
+
+    def _state_len(self, state: list) -> int:
+        return int(state[0].offset)
 
     def _call(self, tokens: Sequence[int], cache: list, embeddings: np.ndarray | None = None) -> mx.array:
         """One mlx-lm forward continuing ``cache``: logits of every row, [T, V]; the cache is evaluated
@@ -400,17 +411,11 @@ class MlxLmBackend:
         picked = logits[mx.array([int(r) for r in rows], dtype=mx.int32)].astype(mx.float32)
         return np.array(picked)
 
-    def _decode(self, cache: list, tokens: Sequence[int]) -> np.ndarray:
-        """Teacher-forced decode: one token per call through the prompt cache."""
-        V = self.text_config.vocab_size
-        out = np.empty((len(tokens), V), dtype=np.float32)
-        for j, tok in enumerate(tokens):
-            out[j] = self._rows(self._call([int(tok)], cache), [0])[0]
-        return out
-
-    @staticmethod
-    def _offset(cache: list) -> int:
-        return int(cache[0].offset)
+    def _forward(self, tokens: Sequence[int], rows: list[int], state: list,
+                 embeddings: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
+        """mlx-lm computes every row of the call (its K/V enter the prompt cache ``state``); the
+        requested ``rows`` are selected from its logits."""
+        return self._rows(self._call(tokens, state, embeddings), rows), {}
 
     def _executed(self, path: str, **extra) -> dict[str, Any]:
         out = {"path": path, "dtype": self.dtype, "fresh_state": True,
@@ -419,116 +424,20 @@ class MlxLmBackend:
                "config_patch": self.config_patch, **extra}
         return out
 
-    @staticmethod
-    def _check_tokens(tokens: Sequence[int], what: str) -> None:
-        if len(tokens) == 0:
-            raise ValueError(f"mlx-lm backend: {what} has no tokens")
-
-    # -- request kinds --------------------------------------------------------------------------
-
-    def _full(self, request: Request) -> Response:
-        self._check_tokens(request.tokens, "full request")
-        cache = self._state(None)
-        T = len(request.tokens)
-        logits = self._rows(self._call(request.tokens, cache), range(T))
-        state_len = self._offset(cache)
-        decode = self._decode(cache, request.decode) if request.decode else None
-        return Response(logits, decode, self._executed(
-            "full", rows_returned=T, state_len_after_prefill=state_len, decode_steps=len(request.decode)))
-
-    def _last(self, request: Request) -> Response:
-        T = len(request.tokens)
-        self._check_tokens(request.tokens, "last request")
-        if not 0 <= request.last_pos < T:
-            raise ValueError(f"mlx-lm backend: last_pos {request.last_pos} is outside the {T} tokens of the call")
-        embeddings = None
-        if request.entry == "embeddings":
-            if request.embeddings is None:
-                raise ValueError("mlx-lm backend: entry 'embeddings' without embeddings")
-            embeddings = np.asarray(request.embeddings)
-            if embeddings.shape != (T, self.text_config.hidden_size):
-                raise ValueError(f"mlx-lm backend: embeddings have shape {embeddings.shape}, expected "
-                                 f"({T}, {self.text_config.hidden_size})")
-        key = None if request.entry == "plain" else ("seq", request.seq_id)
-        cache = self._state(key)
-        logits = self._rows(self._call(request.tokens, cache, embeddings), [request.last_pos])
-        state_len = self._offset(cache)
-        decode = self._decode(cache, request.decode) if request.decode else None
-        extra = {}
-        if embeddings is not None:
-            extra["input_embeddings"] = ("raw E[ids] as Model(ids, input_embeddings=...); mlx-lm scales by "
-                                         "sqrt(H) and looks the per-layer embeddings up by the ids")
-        return Response(logits, decode, self._executed(
-            "last", entry=request.entry, seq_id=request.seq_id, last_pos=request.last_pos,
-            rows_computed=T, state_len_after_prefill=state_len, decode_steps=len(request.decode), **extra))
-
-    def _prefill(self, request: Request) -> Response:
-        if not request.pieces:
-            raise ValueError("mlx-lm backend: prefill request has no pieces")
-        if request.ubatch is not None and request.ubatch < 1:
-            raise ValueError(f"mlx-lm backend: ubatch must be >= 1, got {request.ubatch}")
-        cache = self._state(None)
-        out: list[np.ndarray] = []
-        pieces_done = []
-        for p, piece in enumerate(request.pieces):
-            T = len(piece.tokens)
-            self._check_tokens(piece.tokens, f"piece {p}")
-            rows = [int(r) for r in piece.rows]
-            if any(not 0 <= r < T for r in rows) or any(b <= a for a, b in zip(rows, rows[1:])):
-                raise ValueError(f"mlx-lm backend: piece {p} rows {rows} must be increasing within [0, {T})")
-            size = request.ubatch or T
-            ubatches = []
-            for start in range(0, T, size):
-                stop = min(start + size, T)
-                local = [r - start for r in rows if start <= r < stop]
-                # a micro-batch with no output row still runs its forward: its K/V enter the cache
-                logits = self._call(piece.tokens[start:stop], cache)
-                out.append(self._rows(logits, local))
-                ubatches.append({"tokens": stop - start, "outputs": len(local)})
-            pieces_done.append({"tokens": T, "rows": rows, "ubatches": ubatches})
-        V = self.text_config.vocab_size
-        logits = np.concatenate(out) if out else np.empty((0, V), dtype=np.float32)
-        state_len = self._offset(cache)
-        decode = self._decode(cache, request.decode) if request.decode else None
-        return Response(logits, decode, self._executed(
-            "prefill", ubatch=request.ubatch, pieces=pieces_done,
-            ubatches=[u["tokens"] for piece in pieces_done for u in piece["ubatches"]],
-            state_len_after_prefill=state_len, decode_steps=len(request.decode)))
-
-    def _multi(self, request: Request) -> Response:
-        n = len(request.sequences)
-        if n == 0:
-            raise ValueError("mlx-lm backend: multi request has no sequences")
-        seq_ids = tuple(request.seq_ids) if request.seq_ids else tuple(range(n))
-        if len(seq_ids) != n:
-            raise ValueError(f"mlx-lm backend: {n} sequences but {len(seq_ids)} seq_ids")
-        if len(set(seq_ids)) != n:
-            raise ValueError(f"mlx-lm backend: seq_ids {list(seq_ids)} are not distinct")
-        decode = tuple(tuple(d) for d in request.decode) if request.decode else ()
-        if decode and len(decode) != n:
-            raise ValueError(f"mlx-lm backend: {n} sequences but {len(decode)} decode lists")
-        caches = []
-        rows = []
-        for i, (sid, tokens) in enumerate(zip(seq_ids, request.sequences)):
-            self._check_tokens(tokens, f"sequence {i}")
-            cache = self._state(("seq", sid))
-            rows.append(self._rows(self._call(tokens, cache), [len(tokens) - 1]))
-            caches.append(cache)
-        logits = np.concatenate(rows)
-        state_lens = [self._offset(c) for c in caches]
-        decode_logits = None
-        if decode:
-            # decode steps interleaved across the sequences, as a server batches them; each
-            # sequence only ever reads its own prompt cache
-            V = self.text_config.vocab_size
-            decode_logits = [np.empty((len(d), V), dtype=np.float32) for d in decode]
-            for j in range(max(len(d) for d in decode)):
-                for i, d in enumerate(decode):
-                    if j < len(d):
-                        decode_logits[i][j] = self._rows(self._call([int(d[j])], caches[i]), [0])[0]
-        return Response(logits, decode_logits, self._executed(
-            "multi", seq_ids=list(seq_ids), state_len_after_prefill=state_lens,
-            decode_steps=[len(d) for d in decode] if decode else 0, interleaved_decode=bool(decode)))
+    def _notes(self, request: Request) -> dict[str, Any]:
+        """full: the rows returned; last: the rows computed and how embeddings went in; multi: whether
+        decode was interleaved."""
+        if request.kind == "full":
+            return {"rows_returned": len(request.tokens)}
+        if request.kind == "last":
+            notes: dict[str, Any] = {"rows_computed": len(request.tokens)}
+            if request.entry == "embeddings":
+                notes["input_embeddings"] = ("raw E[ids] as Model(ids, input_embeddings=...); mlx-lm scales by "
+                                             "sqrt(H) and looks the per-layer embeddings up by the ids")
+            return notes
+        if request.kind == "multi":
+            return {"interleaved_decode": bool(request.decode)}
+        return {}
 
 
 def _cast(params, dtype, cast_predicate):

@@ -23,6 +23,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from conformance.backend import Piece, Request
+from conformance.registry import parse_option as registry_parse_option
 
 PROTOCOL = "gemma4-conformance-subprocess"
 VERSION = 1
@@ -180,16 +181,10 @@ def serve(backend: Any, stdin: TextIO, stdout: TextIO, format: str = "raw") -> i
 
 def parse_option(text: str) -> tuple[str, Any]:
     """KEY=VALUE as the conformance CLI reads it: VALUE is a JSON number, true/false or null, else a string."""
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip().isidentifier():
-        raise SystemExit(f"protocol_server: --backend-option must be KEY=VALUE, got {text!r}")
     try:
-        parsed = json.loads(value)
-        if not isinstance(parsed, (int, float, bool)) and parsed is not None:
-            parsed = value
-    except ValueError:
-        parsed = value
-    return key.strip(), parsed
+        return registry_parse_option(text)
+    except ValueError as e:
+        raise SystemExit(f"protocol_server: --backend-option {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

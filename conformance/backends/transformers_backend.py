@@ -1,7 +1,9 @@
 """Hugging Face transformers (PyTorch) as a conformance backend.
 
 It drives ``transformers.Gemma4ForCausalLM`` the way a serving stack built on transformers does, and
-claims every capability of the protocol:
+claims every capability of the protocol. The request handling (validation, micro-batches, one cache
+per sequence id, decode) is ``conformance.backends.serving.CachedBackend``'s; this module supplies the
+forward, and with it how each request kind reaches transformers:
 
 * ``full``: one forward, ``logits_to_keep=0`` (in transformers 5.24 an integer ``k`` keeps the last
   ``k`` rows and **0 keeps all of them**).
@@ -86,7 +88,6 @@ import inspect
 import json
 import os
 from collections.abc import Sequence
-from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,7 @@ import transformers
 from transformers import DynamicCache, Gemma4ForCausalLM
 
 from conformance.backend import BackendError, Capabilities, Request, Response
+from conformance.backends.serving import CachedBackend
 
 __all__ = ["ATTN_IMPLEMENTATIONS", "DTYPES", "EXPERTS_IMPLEMENTATIONS", "TransformersBackend", "checkpoint_layout",
            "load_gemma4_causal_lm", "resolve_device", "shipped_expectations"]
@@ -237,7 +239,7 @@ def shipped_expectations(name: str, device: torch.device) -> Path | None:
 # the backend
 
 
-class TransformersBackend:
+class TransformersBackend(CachedBackend):
     """``transformers.Gemma4ForCausalLM`` behind the backend protocol (``conformance.backend.Backend``).
 
     Options: ``dtype`` ("float32", "float64", "bfloat16"), ``attn`` ("eager", "sdpa"), ``device``
@@ -245,8 +247,11 @@ class TransformersBackend:
     ``threads`` (None or an int >= 1). See the module docstring.
     """
 
+    who = "transformers backend"
+
     def __init__(self, dtype: str = "float32", attn: str = "eager", device: str = "auto",
                  experts: str = "auto", threads: int | None = None):
+        super().__init__()
         if dtype not in DTYPES:
             raise ValueError(f"transformers backend: dtype must be one of {_allowed(DTYPES)}, got {dtype!r}")
         if attn not in ATTN_IMPLEMENTATIONS:
@@ -281,7 +286,6 @@ class TransformersBackend:
         self.layout: str | None = None
         self._cache_kw = "cache"
         self._device_info: dict[str, Any] = {}
-        self._states: dict[Any, DynamicCache] = {}
 
     # -- protocol -------------------------------------------------------------------------------
 
@@ -310,27 +314,29 @@ class TransformersBackend:
             torch.cuda.empty_cache()
 
     def run(self, request: Request) -> Response:
-        if self.model is None:
-            raise RuntimeError("transformers backend: run() called before open()")
-        self._states = {}  # fresh state per request: nothing survives from an earlier one
-        try:
-            handler = {"full": self._full, "last": self._last, "prefill": self._prefill,
-                       "multi": self._multi}[request.kind]
-            with torch.inference_mode():
-                return handler(request)
-        finally:
-            self._states = {}
+        """CachedBackend's request handling, under ``torch.inference_mode()``."""
+        with torch.inference_mode():
+            return super().run(request)
 
-    # -- helpers --------------------------------------------------------------------------------
+    # -- engine hooks ---------------------------------------------------------------------------
 
     @property
     def vocab_size(self) -> int:
         return int(self.model.config.vocab_size)
 
-    def _state(self, key: Any) -> DynamicCache:
-        if key not in self._states:
-            self._states[key] = DynamicCache(config=self.model.config)
-        return self._states[key]
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.hidden_size)
+
+    @property
+    def out_dtype(self):
+        return np.float64 if self.dtype == "float64" else np.float32
+
+    def _new_state(self) -> DynamicCache:
+        return DynamicCache(config=self.model.config)
+
+    def _state_len(self, state: DynamicCache) -> int:
+        return state.get_seq_length()
 
     def _logits_to_keep(self, rows: list[int], T: int) -> tuple[int | torch.Tensor, int | list[int]]:
         """(the logits_to_keep argument, its JSON form) selecting ``rows`` of a T-token forward.
@@ -348,17 +354,18 @@ class TransformersBackend:
             out = out.float()  # bfloat16 -> float32 on the way out
         return out.cpu().numpy()
 
-    def _forward(self, tokens: Sequence[int], rows: list[int], cache: DynamicCache,
-                 embeddings: np.ndarray | None = None, logits_to_keep: Any = None) -> tuple[np.ndarray, Any]:
-        """One forward of ``tokens`` continuing ``cache``; returns (logits of ``rows`` [R, V], the
-        logits_to_keep used in JSON form)."""
+    def _forward(self, tokens: Sequence[int], rows: list[int], state: DynamicCache,
+                 embeddings: np.ndarray | None = None, logits_to_keep: Any = None) -> tuple[np.ndarray, dict]:
+        """One forward of ``tokens`` continuing the cache ``state``; returns (logits of ``rows`` [R, V],
+        ``{"logits_to_keep": the logits_to_keep used, in JSON form}``). A forward with no output row
+        still runs every layer and writes the cache (logits_to_keep = an empty index tensor)."""
         T = len(tokens)
         ids = torch.tensor([[int(t) for t in tokens]], dtype=torch.long, device=self.device)
         if logits_to_keep is None:
             logits_to_keep, shown = self._logits_to_keep(rows, T)
         else:
             shown = logits_to_keep
-        kwargs: dict[str, Any] = {self._cache_kw: cache, "use_cache": True, "logits_to_keep": logits_to_keep}
+        kwargs: dict[str, Any] = {self._cache_kw: state, "use_cache": True, "logits_to_keep": logits_to_keep}
         if embeddings is None:
             kwargs["input_ids"] = ids
         else:
@@ -366,9 +373,9 @@ class TransformersBackend:
             if self.model.config.hidden_size_per_layer_input:
                 # the token-identity part of the per-layer embeddings, looked up by id
                 kwargs["per_layer_inputs"] = self.model.model.get_per_layer_inputs(ids, None)
-        before = cache.get_seq_length()
+        before = state.get_seq_length()
         out = self.model(**kwargs)
-        after = cache.get_seq_length()
+        after = state.get_seq_length()
         if after != before + T:
             raise RuntimeError(f"transformers backend: the cache holds {after} tokens after a {T}-token forward "
                                f"from {before}")
@@ -376,15 +383,11 @@ class TransformersBackend:
         if logits.shape != (len(rows), self.vocab_size):
             raise RuntimeError(f"transformers backend: logits_to_keep={shown!r} gave logits of shape "
                                f"{tuple(logits.shape)}, expected {(len(rows), self.vocab_size)}")
-        return self._numpy(logits), shown
+        return self._numpy(logits), {"logits_to_keep": shown}
 
-    def _decode(self, cache: DynamicCache, tokens: Sequence[int]) -> np.ndarray:
-        """Teacher-forced decode: one token per forward through the cache, logits_to_keep=1."""
-        rows = [self._forward([int(tok)], [0], cache)[0] for tok in tokens]
-        return np.concatenate(rows) if rows else np.empty((0, self.vocab_size), dtype=self._out_dtype())
-
-    def _out_dtype(self):
-        return np.float64 if self.dtype == "float64" else np.float32
+    def _forward_all(self, tokens: Sequence[int], state: DynamicCache) -> tuple[np.ndarray, dict]:
+        """The full forward: ``logits_to_keep=0`` (all rows)."""
+        return self._forward(tokens, list(range(len(tokens))), state, logits_to_keep=0)
 
     def _executed(self, path: str, **extra) -> dict[str, Any]:
         return {"path": path, "engine": f"transformers {transformers.__version__}, torch {torch.__version__}",
@@ -393,115 +396,14 @@ class TransformersBackend:
                 "device": str(self.device), **self._device_info, "cache": "DynamicCache", "fresh_state": True,
                 **extra}
 
-    @staticmethod
-    def _check_tokens(tokens: Sequence[int], what: str) -> None:
-        if len(tokens) == 0:
-            raise ValueError(f"transformers backend: {what} has no tokens")
-
-    # -- request kinds --------------------------------------------------------------------------
-
-    def _full(self, request: Request) -> Response:
-        T = len(request.tokens)
-        self._check_tokens(request.tokens, "full request")
-        cache = self._state(None)
-        logits, ltk = self._forward(request.tokens, list(range(T)), cache, logits_to_keep=0)  # 0 = all rows
-        decode = self._decode(cache, request.decode) if request.decode else None
-        return Response(logits, decode, self._executed(
-            "full", rows=T, logits_to_keep=ltk, state_len_after_prefill=T, decode_steps=len(request.decode)))
-
-    def _last(self, request: Request) -> Response:
-        T = len(request.tokens)
-        self._check_tokens(request.tokens, "last request")
-        if not 0 <= request.last_pos < T:
-            raise ValueError(f"transformers backend: last_pos {request.last_pos} is outside the {T} tokens of the call")
-        embeddings = None
-        if request.entry == "embeddings":
-            if request.embeddings is None:
-                raise ValueError("transformers backend: entry 'embeddings' without embeddings")
-            embeddings = np.asarray(request.embeddings)
-            H = int(self.model.config.hidden_size)
-            if embeddings.shape != (T, H):
-                raise ValueError(f"transformers backend: embeddings have shape {embeddings.shape}, expected {(T, H)}")
-        key = None if request.entry == "plain" else ("seq", request.seq_id)
-        cache = self._state(key)
-        logits, ltk = self._forward(request.tokens, [request.last_pos], cache, embeddings=embeddings)
-        state_len = cache.get_seq_length()
-        decode = self._decode(cache, request.decode) if request.decode else None
-        extra: dict[str, Any] = {}
-        if embeddings is not None:
-            extra = {"inputs_embeds": "scaled (E[ids] * sqrt(H)), cast to the model dtype",
-                     "per_layer_inputs": ("get_per_layer_inputs(token ids)"
-                                          if self.model.config.hidden_size_per_layer_input else None)}
-        return Response(logits, decode, self._executed(
-            "last", entry=request.entry, seq_id=request.seq_id, last_pos=request.last_pos, logits_to_keep=ltk,
-            **extra, state_len_after_prefill=state_len, decode_steps=len(request.decode)))
-
-    def _prefill(self, request: Request) -> Response:
-        if not request.pieces:
-            raise ValueError("transformers backend: prefill request has no pieces")
-        if request.ubatch is not None and request.ubatch < 1:
-            raise ValueError(f"transformers backend: ubatch must be >= 1, got {request.ubatch}")
-        cache = self._state(None)
-        out: list[np.ndarray] = []
-        pieces_done = []
-        for p, piece in enumerate(request.pieces):
-            T = len(piece.tokens)
-            self._check_tokens(piece.tokens, f"piece {p}")
-            rows = [int(r) for r in piece.rows]
-            if any(not 0 <= r < T for r in rows) or any(b <= a for a, b in pairwise(rows)):
-                raise ValueError(f"transformers backend: piece {p} rows {rows} must be increasing within [0, {T})")
-            size = request.ubatch or T
-            ubatches = []
-            for start in range(0, T, size):
-                stop = min(start + size, T)
-                local = [r - start for r in rows if start <= r < stop]
-                # a micro-batch with no output row still runs every layer and writes the cache
-                # (logits_to_keep = an empty index tensor)
-                logits, ltk = self._forward(piece.tokens[start:stop], local, cache)
-                out.append(logits)
-                ubatches.append({"tokens": stop - start, "outputs": len(local), "logits_to_keep": ltk})
-            pieces_done.append({"tokens": T, "rows": rows, "ubatches": ubatches})
-        logits = np.concatenate(out) if out else np.empty((0, self.vocab_size), dtype=self._out_dtype())
-        state_len = cache.get_seq_length()
-        decode = self._decode(cache, request.decode) if request.decode else None
-        return Response(logits, decode, self._executed(
-            "prefill", ubatch=request.ubatch, pieces=pieces_done,
-            ubatches=[u["tokens"] for piece in pieces_done for u in piece["ubatches"]],
-            state_len_after_prefill=state_len, decode_steps=len(request.decode)))
-
-    def _multi(self, request: Request) -> Response:
-        n = len(request.sequences)
-        if n == 0:
-            raise ValueError("transformers backend: multi request has no sequences")
-        seq_ids = tuple(request.seq_ids) if request.seq_ids else tuple(range(n))
-        if len(seq_ids) != n:
-            raise ValueError(f"transformers backend: {n} sequences but {len(seq_ids)} seq_ids")
-        if len(set(seq_ids)) != n:
-            raise ValueError(f"transformers backend: seq_ids {list(seq_ids)} are not distinct")
-        decode = tuple(tuple(d) for d in request.decode) if request.decode else ()
-        if decode and len(decode) != n:
-            raise ValueError(f"transformers backend: {n} sequences but {len(decode)} decode lists")
-        caches = []
-        rows = []
-        ltks = []
-        for i, (sid, tokens) in enumerate(zip(seq_ids, request.sequences)):
-            self._check_tokens(tokens, f"sequence {i}")
-            cache = self._state(("seq", sid))  # one DynamicCache per sequence id
-            logits, ltk = self._forward(tokens, [len(tokens) - 1], cache)
-            rows.append(logits)
-            ltks.append(ltk)
-            caches.append(cache)
-        logits = np.concatenate(rows)
-        state_lens = [c.get_seq_length() for c in caches]
-        decode_logits = None
-        if decode:
-            # decode steps interleaved across the sequences, as a server batches them; each
-            # sequence only ever reads and writes its own cache
-            decode_logits = [np.empty((len(d), self.vocab_size), dtype=self._out_dtype()) for d in decode]
-            for j in range(max(len(d) for d in decode)):
-                for i, d in enumerate(decode):
-                    if j < len(d):
-                        decode_logits[i][j] = self._forward([int(d[j])], [0], caches[i])[0][0]
-        return Response(logits, decode_logits, self._executed(
-            "multi", seq_ids=list(seq_ids), caches="one DynamicCache per seq_id", logits_to_keep=ltks,
-            state_len_after_prefill=state_lens, decode_steps=[len(d) for d in decode] if decode else 0))
+    def _notes(self, request: Request) -> dict[str, Any]:
+        """full: the rows computed; last/embeddings: how the embeddings went in; multi: the caches."""
+        if request.kind == "full":
+            return {"rows": len(request.tokens)}
+        if request.kind == "last" and request.entry == "embeddings":
+            return {"inputs_embeds": "scaled (E[ids] * sqrt(H)), cast to the model dtype",
+                    "per_layer_inputs": ("get_per_layer_inputs(token ids)"
+                                         if self.model.config.hidden_size_per_layer_input else None)}
+        if request.kind == "multi":
+            return {"caches": "one DynamicCache per seq_id"}
+        return {}
