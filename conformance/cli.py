@@ -443,12 +443,18 @@ def cmd_scoreboard(args) -> int:
             raise UsageError(f"--into {page}: cannot read it ({e.strerror or e})") from None
         except ScoreboardError as e:
             raise UsageError(str(e)) from None
-        page.write_text(text, encoding="utf-8")
+        try:
+            page.write_text(text, encoding="utf-8")
+        except OSError as e:
+            raise UsageError(f"--into {page}: cannot write it ({e.strerror or e})") from None
         sys.stderr.write(f"updated the scoreboard in {page}\n")
     elif args.out:
         out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text, encoding="utf-8")
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text, encoding="utf-8")
+        except OSError as e:
+            raise UsageError(f"--out {out}: cannot write it ({e.strerror or e})") from None
         sys.stderr.write(f"wrote scoreboard {out}\n")
     else:
         sys.stdout.write(text)

@@ -16,6 +16,7 @@ a hand-written page can carry a generated scoreboard. Only report files are read
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -105,6 +106,12 @@ def load_report(path: str | Path) -> Run:
     if data.get("schema_version") != 1:
         raise ScoreboardError(f"{p}: report schema_version {data.get('schema_version')!r} is not supported "
                               f"(this version reads 1)")
+    problems = [k for k in ("backend", "summary", "cases") if not isinstance(data.get(k), (dict, list))]
+    if not problems and not isinstance(data["summary"].get("by_status"), dict):
+        problems.append("summary.by_status")
+    if problems:
+        raise ScoreboardError(f"{p}: the report lacks {', '.join(problems)} (is it a complete report of "
+                              f"conformance check --json?)")
     run = Run(p, data)
     for case in data.get("cases", []):
         run.by_set.setdefault(case.get("set", "?"), Tally()).add(case)
@@ -154,7 +161,7 @@ def _runs_table(runs: list[Run]) -> list[str]:
             str(counts.get("pass", 0)), str(counts.get("xfail", 0)), str(counts.get("fail", 0) + counts.get("xpass", 0)),
             str(counts.get("error", 0)), str(counts.get("not-claimed", 0) + counts.get("skipped", 0)),
             f"{r.get('duration', 0):.0f} s", f"exit {r.get('exit_code')}",
-            "`conformance " + " ".join(_command(r.get("command", []))) + "`",
+            "`conformance " + shlex.join(_command(r.get("command", []))) + "`",
         ])
     return _table(["run", "backend", "options", "profile", "expectations", "pass", "xfail", "fail",
                    "error", "not run", "time", "result", "command"], rows)

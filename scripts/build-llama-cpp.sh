@@ -14,7 +14,7 @@
 #   --no-install       build, but do not pip-install the wheel.
 #
 # Everything lives under .cache/llama-cpp/ of the repository (gitignored).
-# Recipe: docs real-backends.md §2.2 (wheel) and §2.4 (exact GELU).
+# Recipe and measured times: docs/backends.md (llama.cpp).
 # Idempotent: each step is skipped when its output already exists.
 set -euo pipefail
 
@@ -105,6 +105,9 @@ if [ "$do_exact" = 1 ]; then
   if ls "$LIBDIR"/libllama.so >/dev/null 2>&1 && ls "$LIBDIR"/libggml-cpu.so >/dev/null 2>&1; then
     say "exact-GELU libs present: $LIBDIR"
   else
+    command -v cmake >/dev/null || die "cmake not found (needed for the exact-GELU build)"
+    GENERATOR=()
+    if command -v ninja >/dev/null; then GENERATOR=(-G Ninja); fi
     say "building exact-GELU libllama/libggml in $EXACT (~2 min)"
     t0=$(date +%s)
     rm -rf "$EXACT"
@@ -113,7 +116,7 @@ if [ "$do_exact" = 1 ]; then
     grep -q '^#define GGML_GELU_FP16$' "$VEC" || die "'#define GGML_GELU_FP16' not found in $VEC"
     sed -i 's/^#define GGML_GELU_FP16$/\/\/ #define GGML_GELU_FP16 (disabled by build-llama-cpp.sh --exact-gelu)/' "$VEC"
     ! grep -q '^#define GGML_GELU_FP16$' "$VEC" || die "failed to disable GGML_GELU_FP16"
-    cmake -S "$EXACT" -B "$EXACT/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DBUILD_SHARED_LIBS=ON \
+    cmake -S "$EXACT" -B "$EXACT/build" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DBUILD_SHARED_LIBS=ON \
       -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
       -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF
     cmake --build "$EXACT/build" -j"${CMAKE_BUILD_PARALLEL_LEVEL:-2}" --target llama ggml-cpu

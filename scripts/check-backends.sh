@@ -27,7 +27,7 @@ while [ $# -gt 0 ]; do
     --llama-cpp) llama=1 ;;
     --all) all=1 ;;
     --out) shift; OUT="${1:?--out needs a directory}" ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "check-backends.sh: unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
@@ -36,7 +36,7 @@ command -v "$CONFORMANCE" >/dev/null || { echo "check-backends.sh: no '$CONFORMA
 
 # name | backend | backend options (space separated KEY=VALUE). transformers runs with one torch
 # thread: on these tiny models more threads only add synchronisation, and on a busy 2-core machine
-# torch's default threads made a run 20x slower (223 s instead of 12 s).
+# torch's default threads made a run about 20x slower (223 s instead of 12 s).
 configs=(
   "refimpl-subprocess|refimpl-subprocess|"
   "transformers-float32-eager|transformers|dtype=float32 threads=1"
@@ -70,6 +70,7 @@ for entry in "${configs[@]}"; do
   IFS='|' read -r name backend opts <<<"$entry"
   args=(check --backend "$backend" -q --json "$OUT/$name.json" --junit-xml "$OUT/$name.xml")
   for o in $opts; do args+=(--backend-option "$o"); done
+  rm -f "$OUT/$name.json" "$OUT/$name.xml" "$OUT/$name.log"   # never publish an earlier run's report
   echo "== $name: $CONFORMANCE ${args[*]}"
   start=$(date +%s)
   "$CONFORMANCE" "${args[@]}" >"$OUT/$name.log" 2>&1

@@ -85,6 +85,8 @@ def test_scoreboard_writes_a_file(reports, tmp_path, capsys):
     ("not json", "not valid JSON"),
     ('{"schema": "something-else"}', "not a conformance report"),
     ('{"schema": "gemma4-conformance/report", "schema_version": 9}', "schema_version 9 is not supported"),
+    ('{"schema": "gemma4-conformance/report", "schema_version": 1, "backend": {}, "cases": []}',
+     "the report lacks summary"),
 ])
 def test_bad_reports_are_usage_errors(tmp_path, capsys, content, needle):
     bad = tmp_path / "bad.json"
@@ -104,3 +106,17 @@ def test_into_replaces_only_the_marked_block(reports, tmp_path, capsys):
     page.write_text("# no markers\n")
     assert main(["scoreboard", str(reports[0]), "--into", str(page)]) == 2
     assert "must have exactly one line <!-- scoreboard:begin -->" in capsys.readouterr().err
+
+
+def test_unwritable_output_is_a_usage_error(reports, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["scoreboard", str(reports[0]), "--out", str(blocker / "board.md")]) == 2
+    assert "--out" in capsys.readouterr().err
+
+
+def test_commands_are_shell_quoted(reports):
+    text = render([load_report(p) for p in reports])
+    escaped = SELECT.replace("|", "\\|")  # a table cell escapes '|'; rendered, the command pastes as is
+    assert f"-k '{escaped}'" in text  # the regex is shell-quoted, the report paths are left out
+    assert "--json" not in text.split("## Runs")[1].split("## By")[0]

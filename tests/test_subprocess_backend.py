@@ -23,6 +23,7 @@ from conformance.backends.subprocess_backend import (
     PROTOCOL,
     ArrayError,
     EngineError,
+    EngineTimeout,
     RefimplSubprocessBackend,
     SubprocessBackend,
     read_array,
@@ -446,3 +447,156 @@ def test_minimal_engine_of_the_spec(e2b, backends):
         ("full/A/T9", "pass"), ("full/B/T19", "pass"), ("last/plain/A/T7/pos6", "pass"),
         ("last/plain/A/T7/pos3", "not-claimed"), ("multi/A-T9", "not-claimed")]
     assert re.fullmatch(r"needs interior_rows \(not claimed by the backend\)", result.cases[3].message)
+
+
+# ----------------------------------------------------------------------------------------------
+# multi-process engines: a death is noticed although children hold the pipes open
+
+
+def _dead(pid: int) -> bool:
+    """Gone, or a zombie nobody reaped yet."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _wait_dead(pids, seconds=5.0) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if all(_dead(p) for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_abort_is_seen_although_a_worker_child_keeps_stdout_open(e2b, tmp_path, backends):
+    """The engine aborts; its worker (same process group) keeps stdout open: the case is an EngineCrash
+    naming SIGABRT at once, not an EngineTimeout after the whole timeout; the next case passes."""
+    b = make(backends, fake("abort-run-worker", 1, tmp_path / "marker"), timeout=8)
+    result = run(b, [e2b], EXACT, select=r"e2b-mini/full/")
+    assert statuses(result) == ["error", "pass"]
+    case = result.cases[0]
+    assert case.message.startswith("EngineCrash: the engine process died during run: it was killed by signal "
+                                   "SIGABRT (6); it is restarted for the next request")
+    assert "fake engine: misbehaving (abort-run-worker) on run 1" in case.message
+    assert case.duration < 8 / 2
+    assert b.restarts == 1
+
+
+@pytest.mark.parametrize("mode, type_", [("hang-run-escape", "EngineTimeout"), ("abort-run-escape", "EngineCrash")])
+def test_a_helper_that_left_the_process_group_does_not_hang_the_harness(mode, type_, e2b, tmp_path, backends):
+    """A helper started with start_new_session survives the group kill and holds stdout and stderr open
+    for 40 s: the case still ends within a few seconds of the timeout (or at once for an abort)."""
+    marker = tmp_path / "marker"
+    helper = Path(str(marker) + ".helper")
+    try:
+        b = make(backends, fake(mode, 1, marker), timeout=2)
+        t = time.perf_counter()
+        result = run(b, [e2b], EXACT, select=r"e2b-mini/full/")
+        assert time.perf_counter() - t < 15
+        assert statuses(result) == ["error", "pass"]
+        case = result.cases[0]
+        assert case.error["type"] == type_
+        assert f"fake engine: misbehaving ({mode}) on run 1" in case.message
+        assert case.duration < 2 + 3
+        if mode == "abort-run-escape":
+            assert "SIGABRT" in case.message and case.duration < 2
+        assert not _dead(int(helper.read_text()))  # it did escape the group kill
+    finally:
+        if helper.exists():
+            try:
+                os.kill(int(helper.read_text()), 9)
+            except ProcessLookupError:
+                pass
+
+
+def test_sigterm_of_the_harness_kills_the_engine_process_group(tmp_path):
+    """Python dies of SIGTERM without running atexit: the backend's handler kills every engine process
+    group first, then the harness still dies of SIGTERM."""
+    pids = tmp_path / "pids"
+    script = tmp_path / "harness.py"
+    script.write_text(
+        "import sys, time\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from conformance.backends.subprocess_backend import SubprocessBackend\n"
+        f"b = SubprocessBackend({fake('spawn-worker', 0, pids)!r}, startup_timeout=30)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n")
+    harness = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    engine = worker = None
+    try:
+        assert harness.stdout.readline() == "ready\n"
+        engine, worker = map(int, pids.read_text().split())
+        assert not _dead(engine) and not _dead(worker)
+        harness.send_signal(15)
+        assert harness.wait(timeout=10) == -15
+        assert _wait_dead([engine, worker])
+    finally:
+        harness.kill()
+        harness.wait()
+        for pid in (engine, worker):
+            if pid is not None and not _dead(pid):
+                os.kill(pid, 9)
+
+
+# ----------------------------------------------------------------------------------------------
+# options and versioning
+
+
+def test_v1_capability_fields_are_frozen_and_newer_fields_are_optional(monkeypatch, backends):
+    from dataclasses import fields
+
+    from conformance.backend import Capabilities
+    from conformance.backends import subprocess_backend as sb
+
+    v1 = ("full_forward", "last_plain", "last_seq_id", "last_embeddings", "embedding_convention", "interior_rows",
+          "output_rows", "ubatch", "chunked_prefill", "multi_sequence", "decode", "default_profile")
+    assert sb.V1_CAPABILITY_FIELDS == v1
+    assert set(v1) <= {f.name for f in fields(Capabilities)}
+    # a field added after v1 (here: pretend decode was) is optional: absent, it takes its default
+    monkeypatch.setattr(sb, "V1_CAPABILITY_FIELDS", tuple(f for f in v1 if f != "decode"))
+    b = make(backends, fake("missing-caps"))
+    assert b.capabilities.decode is False and b.capabilities.full_forward is True
+    with pytest.raises(ValueError, match="capabilities.decode must be true or false, got 1"):
+        sb._capabilities(dict(b.capabilities.to_dict(), decode=1))
+
+
+@pytest.mark.parametrize("option, value", [("timeout", float("inf")), ("timeout", 1e400),
+                                           ("startup_timeout", float("nan")), ("open_timeout", float("inf")),
+                                           ("open_timeout", -1)])
+def test_timeouts_must_be_finite_positive_numbers(option, value):
+    with pytest.raises(BackendError, match=rf"the subprocess backend's {option} must be a positive number of "
+                                           rf"seconds, got {value!r}"):
+        SubprocessBackend(["true"], **{option: value})
+
+
+def test_stderr_log_in_a_missing_directory_is_its_own_error(tmp_path):
+    log = tmp_path / "no" / "such" / "engine.log"
+    with pytest.raises(BackendError, match=r"the subprocess backend cannot open its stderr_log file '.*engine\.log' "
+                                           r"for appending: No such file or directory"):
+        SubprocessBackend(fake("exit-at-start"), stderr_log=str(log))
+
+
+def test_stderr_log_receives_the_engines_stderr(tmp_path):
+    log = tmp_path / "engine.log"
+    with pytest.raises(BackendError, match="exited with code 3 before answering hello"):
+        SubprocessBackend(fake("exit-at-start"), stderr_log=str(log))
+    assert log.read_text() == "fatal: no CUDA device found\n"
+
+
+def test_open_timeout_applies_to_open_only(model_dir, backends):
+    b = make(backends, fake("slow-open", 1500), timeout=0.5, open_timeout=10)
+    assert (b.timeout, b.open_timeout) == (0.5, 10.0)
+    b.open(model_dir)  # 1.5 s: within open_timeout, past timeout
+    assert b._broken is None and b._alive()
+    assert b.run(Request(kind="full", tokens=(2, 3))).logits.shape == (2, 512)
+    b = make(backends, fake("slow-open", 1500), timeout=10, open_timeout=0.5)
+    b.open(model_dir)
+    with pytest.raises(EngineTimeout, match=r"the engine did not finish opening \S+ within 0\.5 s \(open_timeout\); "
+                                            r"its process group was killed"):
+        b.run(Request(kind="full", tokens=(2, 3)))

@@ -17,8 +17,8 @@ Options: those of ``LlamaCppEngine`` (``kv_type``, ``lib``, ``threads``, ``flash
 ``source``, ``cache_dir``, ``swa_full``, ``kv_unified``, ``multi_decode``, ``embeddings``,
 ``default_profile``, ``verbose``), checked here before the child starts, ``backtrace`` (default
 false: the child runs with ``GGML_NO_BACKTRACE=1`` so that a crash report quotes the ``GGML_ASSERT``
-line rather than a gdb backtrace), plus the subprocess backend's ``timeout``, ``startup_timeout`` and
-``stderr_log``. ``lib`` becomes the child's
+line rather than a gdb backtrace), plus the subprocess backend's ``timeout`` (600 s a request), ``startup_timeout``,
+``open_timeout`` (default 7200 s: ``open`` converts the checkpoint to GGUF) and ``stderr_log``. ``lib`` becomes the child's
 ``LLAMA_CPP_LIB_PATH`` (llama-cpp-python loads ``libllama.so`` from there at import): ``stock``
 (the library inside the llama_cpp package), ``exact-gelu`` (``.cache/llama-cpp/exact-gelu/build/bin``
 from ``scripts/build-llama-cpp.sh --exact-gelu``) or a directory.
@@ -72,7 +72,8 @@ class LlamaCppBackend(SubprocessBackend):
                  outtype: str = "f32", source: str | None = None, cache_dir: str | None = None,
                  swa_full: bool = True, kv_unified: bool = False, multi_decode: str = "interleaved",
                  embeddings: bool = False, default_profile: str | None = None, verbose: bool = False,
-                 backtrace: bool = False, timeout: float = 600.0, startup_timeout: float = 120.0, stderr_log: str | None = None):
+                 backtrace: bool = False, timeout: float = 600.0, startup_timeout: float = 120.0,
+                 open_timeout: float = 7200.0, stderr_log: str | None = None):
         try:
             o = check_options(kv_type, lib, threads, flash_attn, outtype, swa_full, kv_unified, multi_decode,
                               embeddings, default_profile, verbose)
@@ -105,7 +106,9 @@ class LlamaCppBackend(SubprocessBackend):
         name = config_name(o["kv_type"], lib_kind, o["flash_attn"], o["outtype"], o["swa_full"], o["kv_unified"],
                            o["embeddings"])
         self.expectations_file: Path | None = expectations_for(name)
+        # open converts the checkpoint to GGUF: minutes for a real checkpoint, hence its own limit
         super().__init__(argv, name=name, timeout=timeout, env=env, startup_timeout=startup_timeout,
+                         open_timeout=open_timeout,
                          stderr_log=stderr_log)
         want = o["default_profile"] or default_profile_for(o["kv_type"], lib_kind, o["outtype"], o["flash_attn"])
         if self.capabilities.default_profile != want:  # the child chose the same way; a mismatch is a bug

@@ -160,6 +160,7 @@ CTX_PAD = 256  # llama.cpp pads n_ctx and n_ctx_seq to a multiple of 256
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json")
 GGUF_FORMAT = 1  # bump to invalidate every cached GGUF
+CONVERT_TIMEOUT_S = 7200  # a real checkpoint's f32 conversion takes minutes; the tiny presets take seconds
 
 
 # ----------------------------------------------------------------------------------------------
@@ -416,6 +417,17 @@ def make_tokenizer_json(model_dir: Path, out_dir: Path, vocab_size: int | None =
     return out_dir
 
 
+def _pid_alive(pid: str) -> bool:
+    """Whether process ``pid`` (text from a .part file name) still runs; a conversion it owns is in use."""
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def convert_to_gguf(model_dir: Path, source: Path, outtype: str = "f32", cache_dir: Path | None = None,
                     log=None) -> tuple[Path, dict]:
     """Convert (or find in the cache) ``model_dir`` as GGUF; returns (path, info)."""
@@ -435,16 +447,20 @@ def convert_to_gguf(model_dir: Path, source: Path, outtype: str = "f32", cache_d
         if not (model_dir / "tokenizer.json").is_file():
             src = make_tokenizer_json(model_dir, Path(tmp) / "ckpt", read_text_config(model_dir).get("vocab_size"))
             info["tokenizer_json"] = manifest.get("tokenizer_json")
+        for stale in root.glob(f".{key}.*.part"):  # left by a conversion that was killed mid-way
+            if not _pid_alive(stale.name.split(".")[2]):
+                stale.unlink(missing_ok=True)
         part = root / f".{key}.{os.getpid()}.{threading.get_ident()}.part"
         cmd = [sys.executable, str(source / "convert_hf_to_gguf.py"), str(src), "--outtype", outtype,
                "--outfile", str(part)]
         if log:
             log(f"converting {model_dir} to GGUF ({outtype}): {' '.join(cmd)}")
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CONVERT_TIMEOUT_S, check=False)
         except subprocess.TimeoutExpired as e:
             part.unlink(missing_ok=True)
-            raise BackendError(f"llama-cpp backend: GGUF conversion of {model_dir} timed out after 900 s") from e
+            raise BackendError(f"llama-cpp backend: GGUF conversion of {model_dir} timed out after "
+                               f"{CONVERT_TIMEOUT_S} s") from e
         if proc.returncode != 0 or not part.is_file():
             part.unlink(missing_ok=True)
             tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-25:])

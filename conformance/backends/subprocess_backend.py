@@ -20,6 +20,13 @@ constructor (name and capabilities are known before ``open``). A crash is never 
 * an engine that cannot start, speaks another protocol version, writes something other than JSON on
   stdout or answers ``open`` with ``ok: false`` raises ``BackendError`` (exit code 4).
 
+A death is noticed from the engine process itself (it is polled while a reply is awaited), not only
+from its stdout closing: the workers of a multi-process engine may keep stdout open after the main
+process aborts. Killing is by process group; a helper that left the group (a new session) survives
+it, but never blocks the harness (stdout and stderr are only closed by their reader threads). On
+SIGTERM or SIGHUP of the harness the engine process groups are killed before it dies (see
+``_install_signal_cleanup``); at a normal exit they are shut down by ``atexit``.
+
 ``RefimplSubprocessBackend`` runs ``python -m conformance.backends.protocol_server --backend
 refimpl``: the oracle behind the protocol, which must pass every bundled case at ``exact-f64``.
 """
@@ -34,6 +41,7 @@ import queue
 import shlex
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -52,6 +60,7 @@ from conformance.backend import BackendError, Capabilities, Request, Response
 
 __all__ = [
     "PROTOCOL",
+    "V1_CAPABILITY_FIELDS",
     "VERSIONS",
     "ArrayError",
     "EngineCrash",
@@ -72,7 +81,15 @@ STDERR_LINES = 50  # the engine's last stderr lines kept for error messages
 RAW_DTYPES = {"float64": np.dtype("<f8"), "float32": np.dtype("<f4"), "float16": np.dtype("<f2"),
               "bfloat16": np.dtype("<u2")}
 ST_DTYPES = ("F64", "F32", "F16", "BF16")
-CAPABILITY_FIELDS = tuple(f.name for f in fields(Capabilities))
+CAPABILITY_FIELDS = tuple(f.name for f in fields(Capabilities))  # what the harness reads from hello
+# the capability fields of protocol version 1, frozen: a v1 engine must give each of them in hello. A
+# field added to Capabilities later is optional on the wire (absent: its default, i.e. not claimed),
+# so that a new flag never breaks a v1 engine (docs/subprocess-protocol.md, Versioning).
+V1_CAPABILITY_FIELDS = ("full_forward", "last_plain", "last_seq_id", "last_embeddings", "embedding_convention",
+                        "interior_rows", "output_rows", "ubatch", "chunked_prefill", "multi_sequence", "decode",
+                        "default_profile")
+POLL_S = 0.25  # while waiting for a reply: how often the engine process is checked for an exit
+EXIT_GRACE_S = 0.5  # after the engine process exited: how long a reply already on its way may take
 
 
 # ----------------------------------------------------------------------------------------------
@@ -131,13 +148,29 @@ def _exit_text(rc: int | None) -> str:
     return f"exited with code {rc}"
 
 
-class _Process:
-    """One engine process: its pipes, a stdout line queue, a ring buffer of its last stderr lines."""
+def _pipe_empty(fd: int) -> bool:
+    """True when the pipe ``fd`` holds no unread bytes (False when that cannot be told)."""
+    try:
+        import fcntl
+        import termios
 
-    def __init__(self, command: list[str], env: dict[str, str] | None, cwd: str | None,
-                 stderr_log: str | None):
+        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0] == 0
+    except Exception:  # noqa: BLE001 - another platform, or the fd is already closed
+        return False
+
+
+class _Process:
+    """One engine process: its pipes, a stdout line queue, a ring buffer of its last stderr lines.
+
+    The reader threads read the raw file descriptors (``os.read``) and close them themselves at end
+    of file. Nothing else ever closes stdout or stderr: a helper the engine started in another session
+    keeps them open after the engine's process group is killed, and closing a pipe while a thread
+    blocks in a read on it would wait for that helper (or race with the read). Such a reader stays
+    blocked, harmlessly, in its daemon thread until the helper exits.
+    """
+
+    def __init__(self, command: list[str], env: dict[str, str] | None, cwd: str | None, log):
         self.command = command
-        log = open(stderr_log, "a", encoding="utf-8") if stderr_log else None
         try:
             self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=subprocess.PIPE, env=env, cwd=cwd, start_new_session=True)
@@ -146,44 +179,101 @@ class _Process:
                 log.close()
             raise
         self.pgid = self.proc.pid  # start_new_session: the engine leads its own process group
+        self.owner = os.getpid()  # the harness process that started it (a fork of the harness is not)
         self.lines: queue.Queue = queue.Queue()
         self.tail: deque[str] = deque(maxlen=STDERR_LINES)
         self.stderr_count = 0
         self.next_id = 0
         self.killed = False
+        self._err_fd = self.proc.stderr.fileno()
+        self._err_waiting = False  # the stderr thread is blocked in os.read (holds no unprocessed bytes)
         self._out = threading.Thread(target=self._read_stdout, daemon=True)
         self._err = threading.Thread(target=self._read_stderr, args=(log,), daemon=True)
         self._out.start()
         self._err.start()
 
+    @staticmethod
+    def _chunks(stream, flag=None):
+        """The bytes of a pipe as they arrive, until end of file (then the stream is closed)."""
+        fd = stream.fileno()
+        try:
+            while True:
+                if flag is not None:
+                    flag(True)
+                try:
+                    chunk = os.read(fd, 65536)
+                except OSError:
+                    return
+                finally:
+                    if flag is not None:
+                        flag(False)
+                if not chunk:
+                    return
+                yield chunk
+        finally:
+            try:
+                stream.close()
+            except OSError:
+                pass
+
+    @staticmethod
+    def _lines(chunks):
+        rest = b""
+        for chunk in chunks:
+            *lines, rest = (rest + chunk).split(b"\n")
+            yield from lines
+        if rest:
+            yield rest
+
     def _read_stdout(self) -> None:
         try:
-            for raw in iter(self.proc.stdout.readline, b""):
+            for raw in self._lines(self._chunks(self.proc.stdout)):
                 self.lines.put(raw.decode("utf-8", errors="replace"))
-        except (OSError, ValueError):
-            pass
-        self.lines.put(None)  # EOF
+        finally:
+            self.lines.put(None)  # EOF
+
+    def _set_err_waiting(self, waiting: bool) -> None:
+        self._err_waiting = waiting
 
     def _read_stderr(self, log) -> None:
         try:
-            for raw in iter(self.proc.stderr.readline, b""):
-                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            for raw in self._lines(self._chunks(self.proc.stderr, self._set_err_waiting)):
+                line = raw.decode("utf-8", errors="replace").rstrip("\r")
                 self.tail.append(line)
                 self.stderr_count += 1
                 if log is not None:
-                    log.write(line + "\n")
-                    log.flush()
-        except (OSError, ValueError):
-            pass
+                    try:
+                        log.write(line + "\n")
+                        log.flush()
+                    except (OSError, ValueError):
+                        pass
         finally:
+            self._err_waiting = True
             if log is not None:
-                log.close()
+                try:
+                    log.close()
+                except OSError:
+                    pass
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def _stderr_settled(self) -> bool:
+        """After a death: every stderr byte written so far has been read (or the pipe reached EOF)."""
+        if not self._err.is_alive():
+            return True
+        return self._err_waiting and _pipe_empty(self._err_fd)
+
     def stderr_text(self) -> str:
-        self._err.join(timeout=2.0)  # after a death: let the last lines arrive
+        # after a death: let the last lines arrive. The pipe reaches EOF once the whole process group
+        # is gone; a helper in another session may hold it open, so stop as soon as it is drained.
+        deadline = time.monotonic() + 2.0
+        settled = 0
+        while time.monotonic() < deadline:
+            self._err.join(timeout=0.05)
+            settled = settled + 1 if self._stderr_settled() else 0
+            if settled >= 2:
+                break
         lines = list(self.tail)
         if not lines:
             return "\n(the engine wrote nothing on stderr)"
@@ -192,7 +282,9 @@ class _Process:
         return "\n" + head + "\n" + "\n".join("  " + line for line in lines)
 
     def kill(self) -> None:
-        """SIGKILL the whole process group (the engine and anything it started), then reap it."""
+        """SIGKILL the whole process group (the engine and anything it started), then reap it.
+
+        Only stdin is closed here; the reader threads close stdout and stderr at end of file."""
         self.killed = True
         try:
             os.killpg(self.pgid, signal.SIGKILL)
@@ -202,14 +294,13 @@ class _Process:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
-        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            try:
-                f.close()
-            except OSError:
-                pass
+        try:
+            self.proc.stdin.close()
+        except (OSError, ValueError):
+            pass
 
     def exit_text(self) -> str:
-        """After stdout reached EOF: how the process ended (reaped, group killed)."""
+        """After stdout reached EOF or the engine exited: how it ended (reaped, group killed)."""
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -220,7 +311,11 @@ class _Process:
         return _exit_text(rc)
 
     def call(self, op: str, fields_: Mapping[str, Any], timeout: float) -> dict:
-        """Send one request and wait for its reply. Raises _Died, _TimedOut or _Garbage."""
+        """Send one request and wait for its reply. Raises _Died, _TimedOut or _Garbage.
+
+        The reply is awaited in slices of POLL_S seconds; between them the engine process itself is
+        checked: once it has exited (its children may still hold stdout open), a reply already on its
+        way gets EXIT_GRACE_S seconds, then the death is reported (and the process group killed)."""
         mid = self.next_id
         self.next_id += 1
         data = (json.dumps({"id": mid, "op": op, **fields_}, separators=(",", ":")) + "\n").encode("utf-8")
@@ -230,11 +325,22 @@ class _Process:
         except (BrokenPipeError, OSError, ValueError):
             raise _Died(self.exit_text()) from None
         deadline = time.monotonic() + timeout
+        exited_at: float | None = None
         while True:
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            if exited_at is None and self.proc.poll() is not None:
+                exited_at = now
+            limit = deadline if exited_at is None else min(deadline, exited_at + EXIT_GRACE_S)
             try:
-                line = self.lines.get(timeout=max(remaining, 0.0)) if remaining > 0 else self.lines.get_nowait()
+                if limit > now:
+                    line = self.lines.get(timeout=min(limit - now, POLL_S))
+                else:
+                    line = self.lines.get_nowait()
             except queue.Empty:
+                if time.monotonic() < limit:
+                    continue
+                if exited_at is not None or self.proc.poll() is not None:
+                    raise _Died(self.exit_text()) from None
                 raise _TimedOut() from None
             if line is None:
                 raise _Died(self.exit_text())
@@ -397,24 +503,29 @@ def _vocab_size(model_dir: Path) -> int | None:
 
 
 def _capabilities(raw: Any) -> Capabilities:
-    """Capabilities from a hello reply (every v1 field required; unknown fields ignored)."""
+    """Capabilities from a hello reply: every field of V1_CAPABILITY_FIELDS required; a field added
+    after v1 takes its Capabilities default when absent; unknown fields ignored."""
+    required = V1_CAPABILITY_FIELDS
     if not isinstance(raw, dict):
-        raise ValueError(f"'capabilities' must be an object with the fields {', '.join(CAPABILITY_FIELDS)}, "
+        raise ValueError(f"'capabilities' must be an object with the fields {', '.join(required)}, "
                          f"got {_clip(repr(raw))}")
-    missing = [k for k in CAPABILITY_FIELDS if k not in raw]
+    missing = [k for k in required if k not in raw]
     if missing:
         raise ValueError(f"'capabilities' lacks {', '.join(missing)} (a v1 engine gives every field: "
-                         f"{', '.join(CAPABILITY_FIELDS)})")
+                         f"{', '.join(required)})")
     values = {}
-    for k in CAPABILITY_FIELDS:
+    for f in fields(Capabilities):
+        k = f.name
+        if k not in raw:
+            continue  # a field newer than the engine's protocol: its default (not claimed)
         v = raw[k]
-        if k in ("embedding_convention", "default_profile"):
+        if isinstance(f.default, str):
             if not isinstance(v, str):
                 raise ValueError(f"capabilities.{k} must be a string, got {v!r}")
-        elif not isinstance(v, bool):
+        elif isinstance(f.default, bool) and not isinstance(v, bool):
             raise ValueError(f"capabilities.{k} must be true or false, got {v!r}")
         values[k] = v
-    if values["embedding_convention"] not in ("scaled", "raw"):
+    if values.get("embedding_convention", "scaled") not in ("scaled", "raw"):
         raise ValueError(f"capabilities.embedding_convention must be \"scaled\" or \"raw\", "
                          f"got {values['embedding_convention']!r}")
     return Capabilities(**values)
@@ -471,6 +582,60 @@ def _shutdown_all() -> None:  # no engine process outlives the harness
             pass
 
 
+# SIGTERM / SIGHUP: Python dies of them without running atexit, which would leave every engine
+# process group running (they live in their own sessions, so a terminal's hangup does not reach
+# them either). While a signal's handler is still the default one, the first backend made in the main
+# thread installs a handler that SIGKILLs every live engine process group, then restores the default
+# and re-raises the signal: the harness still dies of it, with the same status. A handler installed by
+# the application (or SIG_IGN) is left alone. Nothing helps against SIGKILL of the harness: an engine
+# then sees end of file on its stdin, which the protocol says means "exit".
+# (PR_SET_PDEATHSIG is not used: it needs preexec_fn, which is unsafe in a process with threads,
+# fires when the starting *thread* exits, and reaches only the engine, not its helpers.)
+_FATAL_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
+_installed_in: int | None = None  # the process that installed the handler (a fork inherits it)
+
+
+def _kill_all_groups() -> None:
+    """SIGKILL the process group of every engine this process started (not those of a parent it was
+    forked from)."""
+    for backend in list(_LIVE):
+        proc = getattr(backend, "_proc", None)
+        if proc is not None and not proc.killed and proc.owner == os.getpid():
+            try:
+                os.killpg(proc.pgid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def _on_fatal_signal(signum: int, frame: Any) -> None:
+    _kill_all_groups()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)  # die of the signal, as without this handler
+
+
+def _install_signal_cleanup() -> None:
+    global _installed_in
+    if _installed_in == os.getpid() or threading.current_thread() is not threading.main_thread():
+        return
+    _installed_in = os.getpid()
+    for sig in _FATAL_SIGNALS:
+        try:
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                signal.signal(sig, _on_fatal_signal)
+        except (ValueError, OSError):
+            pass
+
+
+def _seconds(label: str, v: Any) -> float:
+    """A timeout option: a finite positive number of seconds (BackendError otherwise)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+        raise BackendError(f"the subprocess backend's {label} must be a positive number of seconds, got {v!r}")
+    if not math.isfinite(v):
+        raise BackendError(f"the subprocess backend's {label} must be a positive number of seconds, got {v!r} "
+                           "(a finite number: there is no unlimited timeout; give a large one instead)")
+    return float(v)
+
+
 class SubprocessBackend:
     """An engine in another process, spoken to with the subprocess protocol (docs/subprocess-protocol.md).
 
@@ -478,8 +643,11 @@ class SubprocessBackend:
     name the engine gives in hello. ``timeout``: seconds for one open or run (past it the process
     group is killed; the case is an error; the next run restarts the engine). ``env``: extra
     environment variables (a dict, or a JSON object as text). ``cwd``: the engine's working
-    directory. ``startup_timeout``: seconds from start to the hello reply. ``stderr_log``: a file
-    that receives the engine's whole stderr (appended), besides the last lines kept for messages.
+    directory. ``startup_timeout``: seconds from start to the hello reply. ``open_timeout``: seconds
+    for one open (None: ``timeout``; an engine that converts the checkpoint while opening may need much
+    longer than one request). ``stderr_log``: a file that receives the engine's whole stderr
+    (appended), besides the last lines kept for messages; it is opened (created) in the constructor.
+    Timeouts are finite positive numbers (BackendError otherwise).
 
     Subclasses build their own command and pass it to ``__init__``; ``self._command`` is the argv
     every (re)start uses.
@@ -487,16 +655,21 @@ class SubprocessBackend:
 
     def __init__(self, command: str | Sequence[str] | None = None, name: str | None = None,
                  timeout: float = 600.0, env: Mapping[str, str] | str | None = None,
-                 cwd: str | None = None, startup_timeout: float = 60.0, stderr_log: str | None = None):
+                 cwd: str | None = None, startup_timeout: float = 60.0, stderr_log: str | None = None,
+                 open_timeout: float | None = None):
         self._command = _command_list(command)
-        for label, v in (("timeout", timeout), ("startup_timeout", startup_timeout)):
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
-                raise BackendError(f"the subprocess backend's {label} must be a positive number of seconds, got {v!r}")
-        self.timeout = float(timeout)
-        self.startup_timeout = float(startup_timeout)
+        self.timeout = _seconds("timeout", timeout)
+        self.startup_timeout = _seconds("startup_timeout", startup_timeout)
+        self.open_timeout = None if open_timeout is None else _seconds("open_timeout", open_timeout)
         self._env = _env(env)
         self._cwd = None if cwd is None else str(cwd)
-        self._stderr_log = None if stderr_log is None else str(stderr_log)
+        self._stderr_log = None if stderr_log in (None, "") else str(stderr_log)
+        if self._stderr_log is not None:
+            try:
+                self._open_log().close()
+            except OSError as exc:
+                raise BackendError(f"the subprocess backend cannot open its stderr_log file {self._stderr_log!r} "
+                                   f"for appending: {exc.strerror or exc}") from None
         self._proc: _Process | None = None
         self._model_dir: Path | None = None
         self._vocab: int | None = None
@@ -505,6 +678,7 @@ class SubprocessBackend:
         self.version: int | None = None
         self.engine: dict[str, Any] = {}
         _LIVE.add(self)
+        _install_signal_cleanup()
         try:
             hello = self._start()
         except EngineFailure as exc:
@@ -520,6 +694,9 @@ class SubprocessBackend:
         text = shlex.join(self._command)
         return _clip(text, 200)
 
+    def _open_log(self):
+        return open(self._stderr_log, "a", encoding="utf-8")  # the stderr thread closes it
+
     def _alive(self) -> bool:
         return self._proc is not None and not self._proc.killed and self._proc.alive()
 
@@ -534,7 +711,12 @@ class SubprocessBackend:
         if self.version is not None:
             self.restarts += 1  # every start after the first (a crash, a timeout, a failed close)
         try:
-            proc = _Process(self._command, self._env, self._cwd, self._stderr_log)
+            log = None if self._stderr_log is None else self._open_log()
+        except OSError as exc:
+            raise EngineCrash(f"cannot open the stderr_log file {self._stderr_log!r} for appending: "
+                              f"{exc.strerror or exc}") from None
+        try:
+            proc = _Process(self._command, self._env, self._cwd, log)
         except OSError as exc:
             raise EngineCrash(f"cannot start the engine command [{self._label()}]: {exc.strerror or exc}") from None
         self._proc = proc
@@ -582,16 +764,18 @@ class SubprocessBackend:
         or ProtocolError; on anything but EngineError the process is gone."""
         proc = self._proc
         assert proc is not None
+        timeout, label = ((self.timeout, "timeout") if self.open_timeout is None
+                          else (self.open_timeout, "open_timeout"))
         try:
-            reply = proc.call("open", {"model_dir": str(model_dir)}, self.timeout)
+            reply = proc.call("open", {"model_dir": str(model_dir)}, timeout)
         except _Died as exc:
             self._proc = None
             raise EngineCrash(f"the engine process died while opening {model_dir}: it {exc}"
                               f"{proc.stderr_text()}") from None
         except _TimedOut:
             self._discard()
-            raise EngineTimeout(f"the engine did not finish opening {model_dir} within {self.timeout:g} s "
-                                f"(timeout); its process group was killed{proc.stderr_text()}") from None
+            raise EngineTimeout(f"the engine did not finish opening {model_dir} within {timeout:g} s "
+                                f"({label}); its process group was killed{proc.stderr_text()}") from None
         except _Garbage as exc:
             self._discard()
             raise ProtocolError(f"while opening {model_dir} the engine {exc}{proc.stderr_text()}") from None

@@ -62,13 +62,14 @@ bfloat16 / sdpa     bf16     241 pass, 19 known failure  12.1 (same)
 ==================  =======  ==========================  ===============================
 
 float64 is float32-close only, because of its float32 spots (sdpa computes the attention softmax in
-float64, one spot fewer than eager, hence its smaller error). With those spots made float64 (tests/hf_reference.py) the backend passes all 260 cases at
-``exact-f64`` (worst 1.6e-12), so its caches, index tensors and micro-batches add nothing. The bf16
-failures are MoE router near-ties and ill-conditioned per-layer-input norms that a stock bf16 forward
-over the whole base reproduces row for row; they are listed, with their causes, in the expectations
-files shipped for CPU (``conformance/expectations/transformers-bfloat16-{eager,sdpa}-cpu.json``,
-picked by :func:`shipped_expectations`). On a busy 2-core machine ``threads=1`` makes a full run 10-15x
-faster (8-13 s instead of 90-150 s with torch's default threads).
+float64, one spot fewer than eager, hence its smaller error). With those spots made float64
+(tests/hf_reference.py) the backend passes all 260 cases at ``exact-f64`` (worst 1.6e-12), so its
+caches, index tensors and micro-batches add nothing. The bf16 failures are MoE router near-ties and
+ill-conditioned per-layer-input norms that a stock bf16 forward over the whole base reproduces row for
+row; they are listed, with their causes, in expectations files per device, because bf16 rounding is
+kernel-specific (``conformance/expectations/transformers-bfloat16-{eager,sdpa}-{cpu,cuda}.json``,
+picked by :func:`shipped_expectations`; CUDA measured on an H200). On a busy 2-core machine torch's
+default threads made a full run 10-20x slower than ``threads=1`` (90-220 s instead of 8-13 s).
 
 The name shows the configuration: ``transformers-float32-eager`` (plus ``-experts-<impl>`` when
 ``experts`` is given explicitly); the device, versions and the path taken are in every case's

@@ -6,6 +6,12 @@ Modes that serve the refimpl oracle through ``protocol_server.serve`` and misbeh
   hang-run N MARKER    sleep for an hour on the Nth run (same rule)
   garbage-run N MARKER print a non-JSON line on stdout on the Nth run (same rule)
   abort-open [0 MARKER] os.abort() on every open (with MARKER: on the first one only)
+  abort-run-worker N MARKER  at start, a worker child in the engine's process group that inherits
+                       stdout and sleeps 40 s (a multi-process engine); os.abort() on the Nth run
+  hang-run-escape N MARKER   on the Nth run, a helper that leaves the process group
+                       (start_new_session) holding stdout and stderr, sleeping 40 s (its pid goes to
+                       MARKER.helper); then sleep for an hour
+  abort-run-escape N MARKER  the same helper, then os.abort()
 Hand-written protocol loops that are broken from the start:
   exit-at-start        write to stderr, exit with code 3
   garbage              a log line on stdout before the hello reply
@@ -17,10 +23,14 @@ Hand-written protocol loops that are broken from the start:
   wrong-shape          run answers logits of one row too many
   escape-path          run answers a path outside out_dir
   fail-run             run answers ok:false
+  slow-open N          open takes N milliseconds
+  spawn-worker 0 PIDS  at start, a worker child in the process group; "ENGINE_PID WORKER_PID" goes to
+                       PIDS; then serves like the modes above (a well-behaved engine)
 """
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,6 +42,11 @@ MARKER = Path(sys.argv[3]) if len(sys.argv) > 3 else None
 CAPS = {"full_forward": True, "last_plain": True, "last_seq_id": False, "last_embeddings": False,
         "embedding_convention": "scaled", "interior_rows": False, "output_rows": False, "ubatch": False,
         "chunked_prefill": False, "multi_sequence": False, "decode": False, "default_profile": "fp32"}
+
+
+def sleeper(**kw) -> subprocess.Popen:
+    """A child that inherits stdin, stdout and stderr and sleeps 40 s."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(40)"], **kw)
 
 
 def once() -> bool:
@@ -62,11 +77,14 @@ class Misbehaving:
         if self.runs == N and once():
             sys.stderr.write(f"fake engine: misbehaving ({MODE}) on run {N}\n")
             sys.stderr.flush()
-            if MODE == "abort-run":
+            if MODE in ("hang-run-escape", "abort-run-escape"):
+                helper = sleeper(start_new_session=True)
+                Path(str(MARKER) + ".helper").write_text(str(helper.pid))
+            if MODE in ("abort-run", "abort-run-worker", "abort-run-escape"):
                 os.abort()
             if MODE == "exit-run":
                 os._exit(3)
-            if MODE == "hang-run":
+            if MODE in ("hang-run", "hang-run-escape"):
                 time.sleep(3600)
             if MODE == "garbage-run":
                 sys.__stdout__.write("llama_model_load: loading tensors\n")  # the reply stream
@@ -88,6 +106,8 @@ def hand_written():
         sys.exit(3)
     if MODE == "garbage":
         print("Loading engine v0.1 ...", flush=True)
+    if MODE == "spawn-worker":
+        MARKER.write_text(f"{os.getpid()} {sleeper().pid}")
     vocab = None
     for line in sys.stdin:
         msg = json.loads(line)
@@ -102,6 +122,8 @@ def hand_written():
             if MODE == "refuse-open":
                 reply(msg, ok=False, error="unsupported architecture gemma4")
                 continue
+            if MODE == "slow-open":
+                time.sleep(N / 1000)
             cfg = json.loads((Path(msg["model_dir"]) / "config.json").read_text())
             vocab = cfg.get("text_config", cfg)["vocab_size"]
             reply(msg, ok=True)
@@ -126,9 +148,12 @@ def hand_written():
 
 
 if __name__ == "__main__":
-    if MODE in ("abort-run", "exit-run", "hang-run", "garbage-run", "abort-open"):
+    if MODE in ("abort-run", "exit-run", "hang-run", "garbage-run", "abort-open", "abort-run-worker",
+                "hang-run-escape", "abort-run-escape"):
         from conformance.backends.protocol_server import serve
 
+        if MODE == "abort-run-worker":
+            worker = sleeper()  # a multi-process engine: the worker keeps stdout open after an abort
         serve(Misbehaving(), sys.stdin, sys.stdout)
     else:
         hand_written()
