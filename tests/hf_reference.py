@@ -236,9 +236,17 @@ def float64_exact() -> Iterator[None]:
     RoPE forward multiplies by the ``inv_freq`` buffer as it is.
     """
     _check_sources()
-    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _, _, _ in _PATCHES]
+    with patched(_PATCHES):
+        yield
+
+
+@contextlib.contextmanager
+def patched(patches):
+    """Set ``owner.attr = replacement`` for each ``(owner, attr, original, replacement, sha256)`` and
+    restore whatever was there on exit."""
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, *_ in patches]
     try:
-        for owner, attr, _, replacement, _ in _PATCHES:
+        for owner, attr, _, replacement, _ in patches:
             setattr(owner, attr, replacement)
         yield
     finally:

@@ -194,15 +194,8 @@ def vision_float64_exact(torch, mg, hf_reference):
             "tests/test_vision_tower.py was written against transformers 5.24.0, but the source of "
             f"{', '.join(changed)} changed; re-read modeling_gemma4.py for float32 spots and update the copies/sha256"
         )
-    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, *_ in patches]
-    with hf_reference.float64_exact():
-        try:
-            for owner, attr, _, replacement, _ in patches:
-                setattr(owner, attr, replacement)
-            yield
-        finally:
-            for owner, attr, previous in saved:
-                setattr(owner, attr, previous)
+    with hf_reference.float64_exact(), hf_reference.patched(patches):
+        yield
 
 
 def recompute_vision_inv_freq(torch, mg, model) -> None:
