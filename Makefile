@@ -1,11 +1,19 @@
 # Quick start: `make check` runs the gate on the bundled fixtures with the oracle as the backend;
 # `make test` runs the test suite.
 # Both create .venv and install what they need on first use.
+#
+# Real engines: `make check-backends` runs the gate for transformers (float32, float64), mlx-lm and
+# the subprocess protocol's reference server and writes .cache/reports/scoreboard.md;
+# `make llama-cpp` builds llama-cpp-python from source (about 7 minutes, cached under .cache/), after
+# which `make check-backends CHECK_ARGS=--llama-cpp` adds llama.cpp. CHECK_ARGS=--all adds every
+# dtype and attention (docs/backends.md).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: check test clean
+CHECK_ARGS ?=
+
+.PHONY: check test check-backends llama-cpp clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -15,15 +23,24 @@ $(VENV)/.core: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e .
 	touch $@
 
-$(VENV)/.test: pyproject.toml constraints/hf.txt | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[test,hf]' -c constraints/hf.txt
+$(VENV)/.test: pyproject.toml constraints/engines.txt | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[test,hf,mlx]' -c constraints/engines.txt
 	touch $@ $(VENV)/.core
+
+$(VENV)/.llama-cpp: scripts/build-llama-cpp.sh | $(VENV)/.test
+	PYTHON=$(CURDIR)/$(BIN)/python scripts/build-llama-cpp.sh --exact-gelu
+	touch $@
 
 check: $(VENV)/.core
 	$(BIN)/conformance check --backend refimpl --json .cache/report.json --junit-xml .cache/report.xml
 
 test: $(VENV)/.test
 	$(BIN)/python -m pytest
+
+check-backends: $(VENV)/.test
+	PATH="$(CURDIR)/$(BIN):$$PATH" scripts/check-backends.sh $(CHECK_ARGS)
+
+llama-cpp: $(VENV)/.llama-cpp
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .hypothesis

@@ -1,13 +1,15 @@
-"""``conformance``: the conformance gate's command line (check, list, generate, verify, selftest).
+"""``conformance``: the conformance gate's command line (check, list, generate, verify, selftest,
+scoreboard).
 
     conformance check --backend NAME|module:attr [--fixtures DIR ...] [--profile P]
-                      [--expectations FILE] [-k REGEX] [--json FILE] [--junit-xml FILE]
-                      [--backend-option KEY=VALUE ...] [-q] [-v]
+                      [--expectations FILE | --no-shipped-expectations] [-k REGEX]
+                      [--json FILE] [--junit-xml FILE] [--backend-option KEY=VALUE ...] [-q] [-v]
     conformance list backends|cases|profiles [--fixtures DIR ...] [-k REGEX]
     conformance generate (--model DIR | --preset NAME [--seed N]) [--prompts FILE.jsonl] --out DIR
                          [--name N] [--version V]
     conformance verify DIR ... [--recompute]
     conformance selftest [--fixtures DIR ...] [--mutant REGEX] [-k REGEX] [--json FILE] [-q]
+    conformance scoreboard REPORT.json ... [--out FILE.md | --into PAGE.md] [--title T]
 
 Exit codes: 0 all selected cases pass (xfail, skipped and not-claimed allowed); 1 some case is fail,
 error or xpass; 2 usage error (bad arguments, bad expectations file, unknown profile, bad regex);
@@ -19,7 +21,6 @@ matched no case, or every selected case is not claimed or skipped). User errors 
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from pathlib import Path
@@ -55,18 +56,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parse_option(text: str) -> tuple[str, Any]:
-    """KEY=VALUE; VALUE is read as JSON when it parses (numbers, true/false, null), else a string."""
-    key, sep, value = text.partition("=")
-    key = key.strip()
-    if not sep or not key or not key.isidentifier():
-        raise UsageError(f"--backend-option must be KEY=VALUE with KEY a Python identifier, got {text!r}")
+    from .registry import parse_option
+
     try:
-        parsed = json.loads(value)
-        if not isinstance(parsed, (int, float, bool)) and parsed is not None:
-            parsed = value
-    except ValueError:
-        parsed = value
-    return key, parsed
+        return parse_option(text)
+    except ValueError as e:
+        raise UsageError(f"--backend-option {e}") from None
 
 
 def _compile(regex: str | None) -> re.Pattern | None:
@@ -182,6 +177,17 @@ def cmd_check(args, argv: Sequence[str]) -> int:
              f"profile ({', '.join(profiles)}); pass --profile")
         return EXIT_BACKEND
     profile = profiles[profile_name]
+    if expectations is None and not args.no_shipped_expectations:
+        shipped = getattr(backend, "expectations_file", None)
+        if shipped is not None:
+            try:
+                expectations = load_expectations(shipped)
+            except ExpectationsError as e:
+                _err(f"backend {backend.name!r} ships a broken expectations file: {e}")
+                return EXIT_BACKEND
+            if not args.quiet:
+                sys.stderr.write(f"using the expectations shipped with backend {backend.name!r}: {shipped} "
+                                 f"({len(expectations.entries)} entries; --no-shipped-expectations to ignore)\n")
     if expectations is not None and expectations.backend and expectations.backend != backend.name:
         _warn(f"the expectations file is for backend {expectations.backend!r}, running {backend.name!r}")
 
@@ -420,6 +426,41 @@ def cmd_selftest(args, argv: Sequence[str]) -> int:
     return result.exit_code
 
 
+def cmd_scoreboard(args) -> int:
+    from .scoreboard import ScoreboardError, load_report, render
+
+    try:
+        text = render([load_report(p) for p in args.reports], title=args.title)
+    except ScoreboardError as e:
+        raise UsageError(str(e)) from None
+    if args.into:
+        from .scoreboard import embed
+
+        page = Path(args.into)
+        try:
+            text = embed(page.read_text(encoding="utf-8"), text, where=str(page))
+        except OSError as e:
+            raise UsageError(f"--into {page}: cannot read it ({e.strerror or e})") from None
+        except ScoreboardError as e:
+            raise UsageError(str(e)) from None
+        try:
+            page.write_text(text, encoding="utf-8")
+        except OSError as e:
+            raise UsageError(f"--into {page}: cannot write it ({e.strerror or e})") from None
+        sys.stderr.write(f"updated the scoreboard in {page}\n")
+    elif args.out:
+        out = Path(args.out)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text, encoding="utf-8")
+        except OSError as e:
+            raise UsageError(f"--out {out}: cannot write it ({e.strerror or e})") from None
+        sys.stderr.write(f"wrote scoreboard {out}\n")
+    else:
+        sys.stdout.write(text)
+    return EXIT_OK
+
+
 # ----------------------------------------------------------------------------------------------
 # parser and main
 
@@ -427,7 +468,7 @@ def cmd_selftest(args, argv: Sequence[str]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="Conformance gate for Gemma 4 inference engines against the exact "
                                        "float64 refimpl oracle. See docs/conformance.md.")
-    sub = p.add_subparsers(dest="command", metavar="{check,list,generate,verify,selftest}", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", metavar="{check,list,generate,verify,selftest,scoreboard}", parser_class=_Parser)
     sub.required = True
 
     c = sub.add_parser("check", help="run the fixture sets' cases on a backend and grade them",
@@ -439,7 +480,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--fixtures", nargs="+", action="extend", metavar="DIR",
                    help="fixture set directories, or directories holding sets (default: the bundled sets)")
     c.add_argument("--profile", metavar="P", help="grading profile (default: the backend's default_profile)")
-    c.add_argument("--expectations", metavar="FILE", help="expectations file (JSON, or TOML for *.toml)")
+    c.add_argument("--expectations", metavar="FILE", help="expectations file (JSON, or TOML for *.toml); "
+                   "default: the file the backend ships for its configuration, if any")
+    c.add_argument("--no-shipped-expectations", action="store_true",
+                   help="grade without the expectations file the backend ships")
     c.add_argument("-k", metavar="REGEX", help="run only the cases whose id matches REGEX (re.search)")
     c.add_argument("--json", metavar="FILE", help="write the JSON report (schema v1)")
     c.add_argument("--junit-xml", metavar="FILE", help="write a JUnit XML report")
@@ -487,6 +531,17 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", metavar="FILE", help="write the self-test table as JSON")
     st.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     st.add_argument("-v", "--verbose", action="store_true", help="do not wrap the 'breaks' column")
+
+    sb = sub.add_parser("scoreboard", help="a Markdown table of several check reports, one column per run",
+                        description="Read JSON reports written by 'conformance check --json' and print a "
+                                    "Markdown scoreboard: per run, per entry point and per feature, passed/graded "
+                                    "with the worst max_abs and KL, then every case that deviates and why.")
+    sb.add_argument("reports", nargs="+", metavar="REPORT.json")
+    where = sb.add_mutually_exclusive_group()
+    where.add_argument("--out", metavar="FILE.md", help="write to FILE.md instead of standard output")
+    where.add_argument("--into", metavar="PAGE.md", help="replace the text between the lines "
+                       "'<!-- scoreboard:begin -->' and '<!-- scoreboard:end -->' of PAGE.md")
+    sb.add_argument("--title", default="Conformance scoreboard", help="the page title")
     return p
 
 
@@ -508,6 +563,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_verify(args)
         if args.command == "selftest":
             return cmd_selftest(args, argv)
+        if args.command == "scoreboard":
+            return cmd_scoreboard(args)
         raise UsageError(f"unknown command {args.command!r}")
     except UsageError as e:
         _err(str(e))

@@ -96,6 +96,7 @@ class Decision:
         if self.tolerance:
             d["tolerance"] = dict(self.tolerance)
             d["tolerance_entries"] = [e.index for e in self.tolerance_entries]
+            d["tolerance_reasons"] = [e.reason for e in self.tolerance_entries]
         return d
 
 

@@ -39,7 +39,10 @@ def pytest_addoption(parser):
     group.addoption("--conformance-profile", metavar="PROFILE", default=None,
                     help="tolerance profile (default: the backend's default_profile)")
     group.addoption("--conformance-expectations", metavar="FILE", default=None,
-                    help="expectations file: skips, known failures, tolerance overrides")
+                    help="expectations file: skips, known failures, tolerance overrides (default: the file "
+                         "the backend ships for its configuration, if any)")
+    group.addoption("--conformance-no-shipped-expectations", action="store_true", default=False,
+                    help="grade without the expectations file the backend ships")
     group.addoption("--conformance-backend-option", metavar="KEY=VALUE", action="append", default=[],
                     help="option passed to the backend's class or factory (VALUE parsed as JSON if it can be)")
     group.addoption("--conformance-only", action="store_true", default=False,
@@ -59,23 +62,13 @@ def pytest_configure(config):
 
 
 def _parse_options(pairs: list[str]) -> dict[str, Any]:
-    """KEY=VALUE pairs, read as ``conformance check --backend-option`` reads them: VALUE is a number,
-    true/false or null when it parses as one in JSON, else the string."""
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        key = key.strip()
-        if not sep or not key.isidentifier():
-            raise pytest.UsageError("--conformance-backend-option must be KEY=VALUE with KEY a Python "
-                                    f"identifier, got {pair!r}")
-        try:
-            parsed = json.loads(value)
-            if parsed is not None and not isinstance(parsed, (int, float, bool)):
-                parsed = value
-        except ValueError:
-            parsed = value
-        out[key] = parsed
-    return out
+    """KEY=VALUE pairs, read as ``conformance check --backend-option`` reads them."""
+    from .registry import parse_option
+
+    try:
+        return dict(parse_option(pair) for pair in pairs)
+    except ValueError as e:
+        raise pytest.UsageError(f"--conformance-backend-option {e}") from None
 
 
 def _set_dirs(args: list[str] | None) -> list[Path]:
@@ -116,7 +109,10 @@ class ConformanceSession:
         except BackendError as exc:
             raise pytest.UsageError(f"--conformance-backend: {exc}") from None
         self.profile = self._profile(config.getoption("--conformance-profile"))
-        self.expectations = self._expectations(config.getoption("--conformance-expectations"))
+        path = config.getoption("--conformance-expectations")
+        if path is None and not config.getoption("--conformance-no-shipped-expectations"):
+            path = getattr(self.backend, "expectations_file", None)  # as conformance check does
+        self.expectations = self._expectations(path)
         self.only = config.getoption("--conformance-only")
         self.fixture_args = config.getoption("--conformance-fixtures")
         self.claimed = self.backend.capabilities.to_dict()

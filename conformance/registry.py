@@ -12,6 +12,7 @@ and how to fix it (the command line exits with code 4).
 from __future__ import annotations
 
 import importlib
+import json
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 from typing import Any
@@ -23,9 +24,10 @@ DISTRIBUTION = "gemma4-conformance"
 PROTOCOL_MEMBERS = ("name", "capabilities", "open", "run", "close")
 
 # top-level modules that an extra of this distribution provides
-EXTRA_FOR_MODULE = {"torch": "hf", "transformers": "hf", "google.protobuf": "hf"}
+EXTRA_FOR_MODULE = {"torch": "hf", "transformers": "hf", "google.protobuf": "hf", "mlx": "mlx", "mlx_lm": "mlx",
+                    "llama_cpp": "llama-cpp"}
 
-__all__ = ["GROUP", "available_backends", "load_backend", "open_backend", "check_backend"]
+__all__ = ["GROUP", "available_backends", "load_backend", "open_backend", "check_backend", "parse_option"]
 
 
 def _entry_points() -> dict[str, EntryPoint]:
@@ -68,6 +70,22 @@ def load_backend(spec: str, **options: Any) -> Backend:
     backend = _instantiate(spec, obj, options)
     check_backend(backend, spec)
     return backend
+
+
+def parse_option(text: str) -> tuple[str, Any]:
+    """A backend option ``KEY=VALUE`` (``--backend-option``): VALUE is read as JSON when it is a number,
+    true/false or null, else kept as the string. Raises ValueError naming the problem."""
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    if not sep or not key.isidentifier():
+        raise ValueError(f"must be KEY=VALUE with KEY a Python identifier, got {text!r}")
+    try:
+        parsed = json.loads(value)
+        if parsed is not None and not isinstance(parsed, (int, float, bool)):
+            parsed = value
+    except ValueError:
+        parsed = value
+    return key, parsed
 
 
 def _install_hint(missing: str, extras: tuple[str, ...]) -> str:

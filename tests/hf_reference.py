@@ -64,8 +64,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
-import json
-import os
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
@@ -76,6 +74,8 @@ import transformers
 import transformers.models.gemma4.modeling_gemma4 as _mg
 from transformers import DynamicCache, Gemma4ForCausalLM
 from transformers.modeling_rope_utils import dynamic_rope_update
+
+from conformance.backends.transformers_backend import load_gemma4_causal_lm
 
 __all__ = [
     "load_hf_causal_lm",
@@ -236,9 +236,17 @@ def float64_exact() -> Iterator[None]:
     RoPE forward multiplies by the ``inv_freq`` buffer as it is.
     """
     _check_sources()
-    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _, _, _ in _PATCHES]
+    with patched(_PATCHES):
+        yield
+
+
+@contextlib.contextmanager
+def patched(patches):
+    """Set ``owner.attr = replacement`` for each ``(owner, attr, original, replacement, sha256)`` and
+    restore whatever was there on exit."""
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, *_ in patches]
     try:
-        for owner, attr, _, replacement, _ in _PATCHES:
+        for owner, attr, _, replacement, _ in patches:
             setattr(owner, attr, replacement)
         yield
     finally:
@@ -305,13 +313,15 @@ def recompute_float64_buffers(model: nn.Module) -> nn.Module:
 # ---------------------------------------------------------------------------
 
 def load_hf_causal_lm(model_dir, dtype: str | torch.dtype = "float64", exact: bool = True) -> Gemma4ForCausalLM:
-    """Load a Gemma 4 checkpoint directory as an eval-mode ``Gemma4ForCausalLM``.
+    """Load a Gemma 4 checkpoint directory as an eval-mode ``Gemma4ForCausalLM`` (on the CPU).
 
     Always ``attn_implementation="eager"`` and ``experts_implementation="eager"``.
     With ``exact=True`` (requires float64) the RoPE / embed-scale buffers are
     recomputed in float64 (:func:`recompute_float64_buffers`).
 
-    Two layouts are accepted:
+    The loading itself is the transformers backend's loader,
+    ``conformance.backends.transformers_backend.load_gemma4_causal_lm``, so the
+    tests and the backend read checkpoints the same way. Two layouts are accepted:
 
     * a text checkpoint (config ``Gemma4TextConfig`` / model_type ``gemma4_text``,
       tensors ``model.*``): ``Gemma4ForCausalLM.from_pretrained`` as is;
@@ -323,36 +333,15 @@ def load_hf_causal_lm(model_dir, dtype: str | torch.dtype = "float64", exact: bo
       on such a directory does NOT work: it finds no weight under its names and
       silently returns a randomly initialised model; see the missing-keys check.)
 
-    Raises if any weight of the text model is missing from the checkpoint
-    (``lm_head.weight`` is tied to ``model.embed_tokens.weight``).
+    Raises (``conformance.backend.BackendError``) if any weight of the text model is
+    missing from the checkpoint (``lm_head.weight`` is tied to ``model.embed_tokens.weight``)
+    or transformers cannot load it.
     """
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if exact and torch_dtype != _F64:
         raise ValueError("exact=True only makes sense with dtype float64")
-    model_dir = os.fspath(model_dir)
-    with open(os.path.join(model_dir, "config.json")) as f:
-        raw_config = json.load(f)
-
-    kwargs = dict(
-        dtype=torch_dtype,
-        attn_implementation="eager",
-        experts_implementation="eager",
-        output_loading_info=True,
-    )
-    if "text_config" in raw_config:  # Gemma4ForConditionalGeneration checkpoint
-        full_config = transformers.AutoConfig.from_pretrained(model_dir)
-        kwargs["config"] = full_config.get_text_config()
-        kwargs["key_mapping"] = {r"^model\.language_model\.": "model."}
-
-    model, info = Gemma4ForCausalLM.from_pretrained(model_dir, **kwargs)
-    missing = set(info["missing_keys"]) - {"lm_head.weight"}
-    if missing or info["mismatched_keys"]:
-        raise RuntimeError(
-            f"{model_dir}: weights missing {sorted(missing)} / mismatched {sorted(info['mismatched_keys'])}"
-        )
-    if model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
-        raise RuntimeError(f"{model_dir}: lm_head is not tied to embed_tokens")
-    model.eval()
+    model = load_gemma4_causal_lm(model_dir, torch_dtype, attn_implementation="eager",
+                                  experts_implementation="eager", device="cpu")
     if exact:
         recompute_float64_buffers(model)
     return model

@@ -574,3 +574,42 @@ def test_schema_rejects_malformed_reports(small_set, capsys, tmp_path):
     assert any("cases[0].status" in p for p in problems)
     assert any("summary" in p for p in problems)
     assert any("schema_version" in p for p in problems)
+
+
+# ----------------------------------------------------------------------------------------------
+# expectations a backend ships for its configuration
+
+
+class ShippedExpectationsBackend(NaNBackend):
+    """NaN rows, with an expectations file shipped by the backend (given here as an option)."""
+
+    def __init__(self, expectations_file: str):
+        super().__init__()
+        self.expectations_file = Path(expectations_file)
+
+
+def test_shipped_expectations_apply_unless_overridden(small_set, capsys, tmp_path):
+    shipped = write(tmp_path, "shipped.json", {"backend": "nan", "entries": [
+        {"match": "/full/", "action": "known-failure", "reason": "this engine writes NaN in row 0"}]})
+    argv = [*backend("ShippedExpectationsBackend"), "--backend-option", f"expectations_file={shipped}",
+            "--fixtures", str(small_set), "--profile", "exact-f64", "-k", "/full/"]
+    code, out, err, report = check_json(capsys, tmp_path, *argv)
+    assert code == 0, out + err
+    assert set(statuses(report).values()) == {"xfail"}
+    assert report["expectations"]["path"] == shipped
+    assert report["cases"][0]["expectation"]["known_failure"]["reason"] == "this engine writes NaN in row 0"
+
+    code, out, err = check(capsys, *argv, "--no-shipped-expectations", "-q")
+    assert code == 1 and "fail" in out
+    other = write(tmp_path, "other.json", {"entries": [{"match": "/full/A/", "action": "skip", "reason": "x"}]})
+    code, out, err, report = check_json(capsys, tmp_path, *argv, "--expectations", other)
+    assert report["expectations"]["path"] == other  # the user's file replaces the shipped one
+    assert {s for i, s in statuses(report).items() if "/full/A/" not in i} == {"fail"}
+
+
+def test_a_broken_shipped_expectations_file_is_a_backend_error(small_set, capsys, tmp_path):
+    broken = write(tmp_path, "broken.json", {"entries": [{"match": "/full/", "action": "skip"}]})
+    code, out, err = check(capsys, *backend("ShippedExpectationsBackend"), "--backend-option",
+                           f"expectations_file={broken}", "--fixtures", str(small_set), "-k", "/full/")
+    assert code == 4
+    assert "ships a broken expectations file" in err and "reason" in err

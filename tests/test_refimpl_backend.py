@@ -662,3 +662,19 @@ def test_plugin_backend_that_raises(tmp_path):
     assert 'raise RuntimeError("kernel launch failed")' in out  # the backend's traceback is shown
     rc, out = _pytest(tmp_path, "--conformance-backend", f"{FAKE_MODULE}:MissingMethod", env_path=str(tmp_path))
     assert rc == 4 and "does not satisfy the backend protocol (conformance.backend.Backend): missing run" in out
+
+
+def test_plugin_uses_the_expectations_a_backend_ships(tmp_path):
+    import pathlib
+
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    (tmp_path / "shipped.json").write_text(
+        '{"entries": [{"match": "/full/", "action": "known-failure", "reason": "NaN in row 0"}]}')
+    args = ["--conformance-backend", "tests.test_harness:ShippedExpectationsBackend",
+            "--conformance-backend-option", f"expectations_file={tmp_path / 'shipped.json'}",
+            "--conformance-profile", "exact-f64", "--conformance-fixtures", _bundled("e2b-mini"), "-q", "-rx",
+            "-k", "full"]
+    rc, out = _pytest(tmp_path, *args, env_path=root)
+    assert rc == 0 and "2 xfailed" in out and "NaN in row 0" in out, out
+    rc, out = _pytest(tmp_path, *args, "--conformance-no-shipped-expectations", env_path=root)
+    assert rc == 1 and "2 failed" in out, out

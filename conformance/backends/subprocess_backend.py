@@ -1,0 +1,961 @@
+"""A backend that drives an inference engine in another process through the language-neutral
+subprocess protocol ``gemma4-conformance-subprocess`` version 1 (docs/subprocess-protocol.md).
+
+The engine is any program (C++, Rust, Swift, Python, ...) that reads one JSON request per line on
+its stdin and writes one JSON reply per line on its stdout; logits travel as files (raw
+little-endian arrays or safetensors) in a directory the harness gives with each request.
+
+    conformance check --backend subprocess --backend-option command="./my-engine --serve"
+    conformance check --backend refimpl-subprocess        # the oracle behind the protocol server
+
+``SubprocessBackend`` starts the command in its own process group and says ``hello`` in the
+constructor (name and capabilities are known before ``open``). A crash is never fatal to the run:
+
+* the process dies (or hangs past ``timeout``, or breaks the protocol) during ``run``: that case is
+  an error whose message says how it died (exit code or signal name, e.g. SIGABRT) with the last
+  stderr lines; the next ``run`` restarts the process, says hello again (the same capabilities are
+  required) and re-opens the model directory;
+* the process dies (or hangs) during ``open``: every ``run`` on that model fails at once with that
+  message (no restart loop) until the next ``open``;
+* an engine that cannot start, speaks another protocol version, writes something other than JSON on
+  stdout or answers ``open`` with ``ok: false`` raises ``BackendError`` (exit code 4).
+
+A death is noticed from the engine process itself (it is polled while a reply is awaited), not only
+from its stdout closing: the workers of a multi-process engine may keep stdout open after the main
+process aborts. Killing is by process group; a helper that left the group (a new session) survives
+it, but never blocks the harness (stdout and stderr are only closed by their reader threads). On
+SIGTERM or SIGHUP of the harness the engine process groups are killed before it dies (see
+``_install_signal_cleanup``); at a normal exit they are shut down by ``atexit``.
+
+``RefimplSubprocessBackend`` runs ``python -m conformance.backends.protocol_server --backend
+refimpl``: the oracle behind the protocol, which must pass every bundled case at ``exact-f64``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import math
+import os
+import queue
+import shlex
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from conformance.backend import BackendError, Capabilities, Request, Response
+
+__all__ = [
+    "PROTOCOL",
+    "V1_CAPABILITY_FIELDS",
+    "VERSIONS",
+    "ArrayError",
+    "EngineCrash",
+    "EngineError",
+    "EngineFailure",
+    "EngineTimeout",
+    "ProtocolError",
+    "RefimplSubprocessBackend",
+    "SubprocessBackend",
+    "expected_rows",
+    "read_array",
+    "request_to_json",
+]
+
+PROTOCOL = "gemma4-conformance-subprocess"
+VERSIONS = (1,)  # the protocol versions this client speaks
+STDERR_LINES = 50  # the engine's last stderr lines kept for error messages
+RAW_DTYPES = {"float64": np.dtype("<f8"), "float32": np.dtype("<f4"), "float16": np.dtype("<f2"),
+              "bfloat16": np.dtype("<u2")}
+ST_DTYPES = ("F64", "F32", "F16", "BF16")
+CAPABILITY_FIELDS = tuple(f.name for f in fields(Capabilities))  # what the harness reads from hello
+# the capability fields of protocol version 1, frozen: a v1 engine must give each of them in hello. A
+# field added to Capabilities later is optional on the wire (absent: its default, i.e. not claimed),
+# so that a new flag never breaks a v1 engine (docs/subprocess-protocol.md, Versioning).
+V1_CAPABILITY_FIELDS = ("full_forward", "last_plain", "last_seq_id", "last_embeddings", "embedding_convention",
+                        "interior_rows", "output_rows", "ubatch", "chunked_prefill", "multi_sequence", "decode",
+                        "default_profile")
+POLL_S = 0.25  # while waiting for a reply: how often the engine process is checked for an exit
+EXIT_GRACE_S = 0.5  # after the engine process exited: how long a reply already on its way may take
+
+
+# ----------------------------------------------------------------------------------------------
+# errors (a run() error becomes status "error" for that case, with "<Type>: <message>")
+
+
+class EngineFailure(RuntimeError):
+    """Base class of what the subprocess backend raises from run()."""
+
+
+class EngineError(EngineFailure):
+    """The engine answered ``ok: false``."""
+
+
+class EngineCrash(EngineFailure):
+    """The engine process died (or could not be restarted)."""
+
+
+class EngineTimeout(EngineFailure):
+    """The engine did not answer in time; its process group was killed."""
+
+
+class ProtocolError(EngineFailure):
+    """The engine broke the protocol (not JSON on stdout, a wrong id, a missing or malformed field)."""
+
+
+class ArrayError(EngineFailure):
+    """An ARRAY in a reply cannot be read, or does not have the shape the request defines."""
+
+
+class _Died(Exception):
+    pass
+
+
+class _TimedOut(Exception):
+    pass
+
+
+class _Garbage(Exception):
+    pass
+
+
+# ----------------------------------------------------------------------------------------------
+# one engine process
+
+
+def _exit_text(rc: int | None) -> str:
+    if rc is None:
+        return "is still running"
+    if rc < 0:
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:
+            name = f"signal {-rc}"
+        return f"was killed by signal {name} ({-rc})"
+    return f"exited with code {rc}"
+
+
+def _pipe_empty(fd: int) -> bool:
+    """True when the pipe ``fd`` holds no unread bytes (False when that cannot be told)."""
+    try:
+        import fcntl
+        import termios
+
+        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0] == 0
+    except Exception:  # noqa: BLE001 - another platform, or the fd is already closed
+        return False
+
+
+class _Process:
+    """One engine process: its pipes, a stdout line queue, a ring buffer of its last stderr lines.
+
+    The reader threads read the raw file descriptors (``os.read``) and close them themselves at end
+    of file. Nothing else ever closes stdout or stderr: a helper the engine started in another session
+    keeps them open after the engine's process group is killed, and closing a pipe while a thread
+    blocks in a read on it would wait for that helper (or race with the read). Such a reader stays
+    blocked, harmlessly, in its daemon thread until the helper exits.
+    """
+
+    def __init__(self, command: list[str], env: dict[str, str] | None, cwd: str | None, log):
+        self.command = command
+        try:
+            self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, env=env, cwd=cwd, start_new_session=True)
+        except BaseException:
+            if log is not None:
+                log.close()
+            raise
+        self.pgid = self.proc.pid  # start_new_session: the engine leads its own process group
+        self.owner = os.getpid()  # the harness process that started it (a fork of the harness is not)
+        self.lines: queue.Queue = queue.Queue()
+        self.tail: deque[str] = deque(maxlen=STDERR_LINES)
+        self.stderr_count = 0
+        self.next_id = 0
+        self.killed = False
+        self._err_fd = self.proc.stderr.fileno()
+        self._err_waiting = False  # the stderr thread is blocked in os.read (holds no unprocessed bytes)
+        self._out = threading.Thread(target=self._read_stdout, daemon=True)
+        self._err = threading.Thread(target=self._read_stderr, args=(log,), daemon=True)
+        self._out.start()
+        self._err.start()
+
+    @staticmethod
+    def _chunks(stream, flag=None):
+        """The bytes of a pipe as they arrive, until end of file (then the stream is closed)."""
+        fd = stream.fileno()
+        try:
+            while True:
+                if flag is not None:
+                    flag(True)
+                try:
+                    chunk = os.read(fd, 65536)
+                except OSError:
+                    return
+                finally:
+                    if flag is not None:
+                        flag(False)
+                if not chunk:
+                    return
+                yield chunk
+        finally:
+            try:
+                stream.close()
+            except OSError:
+                pass
+
+    @staticmethod
+    def _lines(chunks):
+        rest = b""
+        for chunk in chunks:
+            *lines, rest = (rest + chunk).split(b"\n")
+            yield from lines
+        if rest:
+            yield rest
+
+    def _read_stdout(self) -> None:
+        try:
+            for raw in self._lines(self._chunks(self.proc.stdout)):
+                self.lines.put(raw.decode("utf-8", errors="replace"))
+        finally:
+            self.lines.put(None)  # EOF
+
+    def _set_err_waiting(self, waiting: bool) -> None:
+        self._err_waiting = waiting
+
+    def _read_stderr(self, log) -> None:
+        try:
+            for raw in self._lines(self._chunks(self.proc.stderr, self._set_err_waiting)):
+                line = raw.decode("utf-8", errors="replace").rstrip("\r")
+                self.tail.append(line)
+                self.stderr_count += 1
+                if log is not None:
+                    try:
+                        log.write(line + "\n")
+                        log.flush()
+                    except (OSError, ValueError):
+                        pass
+        finally:
+            self._err_waiting = True
+            if log is not None:
+                try:
+                    log.close()
+                except OSError:
+                    pass
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def _stderr_settled(self) -> bool:
+        """After a death: every stderr byte written so far has been read (or the pipe reached EOF)."""
+        if not self._err.is_alive():
+            return True
+        return self._err_waiting and _pipe_empty(self._err_fd)
+
+    def stderr_text(self) -> str:
+        # after a death: let the last lines arrive. The pipe reaches EOF once the whole process group
+        # is gone; a helper in another session may hold it open, so stop as soon as it is drained.
+        deadline = time.monotonic() + 2.0
+        settled = 0
+        while time.monotonic() < deadline:
+            self._err.join(timeout=0.05)
+            settled = settled + 1 if self._stderr_settled() else 0
+            if settled >= 2:
+                break
+        lines = list(self.tail)
+        if not lines:
+            return "\n(the engine wrote nothing on stderr)"
+        skipped = self.stderr_count - len(lines)
+        head = f"engine stderr (last {len(lines)} of {self.stderr_count} lines):" if skipped else "engine stderr:"
+        return "\n" + head + "\n" + "\n".join("  " + line for line in lines)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (the engine and anything it started), then reap it.
+
+        Only stdin is closed here; the reader threads close stdout and stderr at end of file."""
+        self.killed = True
+        try:
+            os.killpg(self.pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError, OSError):
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            self.proc.stdin.close()
+        except (OSError, ValueError):
+            pass
+
+    def exit_text(self) -> str:
+        """After stdout reached EOF or the engine exited: how it ended (reaped, group killed)."""
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return "closed its stdout (it was then killed)"
+        rc = self.proc.returncode
+        self.kill()  # anything left in its process group
+        return _exit_text(rc)
+
+    def call(self, op: str, fields_: Mapping[str, Any], timeout: float) -> dict:
+        """Send one request and wait for its reply. Raises _Died, _TimedOut or _Garbage.
+
+        The reply is awaited in slices of POLL_S seconds; between them the engine process itself is
+        checked: once it has exited (its children may still hold stdout open), a reply already on its
+        way gets EXIT_GRACE_S seconds, then the death is reported (and the process group killed)."""
+        mid = self.next_id
+        self.next_id += 1
+        data = (json.dumps({"id": mid, "op": op, **fields_}, separators=(",", ":")) + "\n").encode("utf-8")
+        try:
+            self.proc.stdin.write(data)
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            raise _Died(self.exit_text()) from None
+        deadline = time.monotonic() + timeout
+        exited_at: float | None = None
+        while True:
+            now = time.monotonic()
+            if exited_at is None and self.proc.poll() is not None:
+                exited_at = now
+            limit = deadline if exited_at is None else min(deadline, exited_at + EXIT_GRACE_S)
+            try:
+                if limit > now:
+                    line = self.lines.get(timeout=min(limit - now, POLL_S))
+                else:
+                    line = self.lines.get_nowait()
+            except queue.Empty:
+                if time.monotonic() < limit:
+                    continue
+                if exited_at is not None or self.proc.poll() is not None:
+                    raise _Died(self.exit_text()) from None
+                raise _TimedOut() from None
+            if line is None:
+                raise _Died(self.exit_text())
+            text = line.strip()
+            if not text:
+                continue
+            try:
+                reply = json.loads(text)
+            except ValueError:
+                raise _Garbage(f"wrote a line on stdout that is not JSON: {_clip(text)!r} (stdout carries "
+                               "only JSON replies, one per line; logs belong on stderr)") from None
+            if not isinstance(reply, dict):
+                raise _Garbage(f"wrote a JSON line on stdout that is not an object: {_clip(text)!r}")
+            if reply.get("id") != mid:
+                raise _Garbage(f"answered {op} (id {mid}) with a reply whose id is {reply.get('id')!r}: "
+                               f"{_clip(text)!r}")
+            if not isinstance(reply.get("ok"), bool):
+                raise _Garbage(f"answered {op} without a boolean 'ok': {_clip(text)!r}")
+            return reply
+
+
+def _clip(text: str, n: int = 300) -> str:
+    return text if len(text) <= n else text[:n] + f"... ({len(text)} characters)"
+
+
+# ----------------------------------------------------------------------------------------------
+# requests and ARRAYs
+
+
+def request_to_json(request: Request, out_dir: str | Path) -> dict[str, Any]:
+    """The wire form of a Request (every field present); embeddings are written to out_dir as raw float64."""
+    multi = request.kind == "multi"
+    d: dict[str, Any] = {
+        "kind": request.kind,
+        "tokens": [int(t) for t in request.tokens],
+        "entry": request.entry,
+        "last_pos": int(request.last_pos),
+        "seq_id": None if request.seq_id is None else int(request.seq_id),
+        "pieces": [{"tokens": [int(t) for t in p.tokens], "rows": [int(r) for r in p.rows]} for p in request.pieces],
+        "ubatch": None if request.ubatch is None else int(request.ubatch),
+        "sequences": [[int(t) for t in s] for s in request.sequences],
+        "seq_ids": [int(s) for s in request.seq_ids],
+        "decode": ([[int(t) for t in s] for s in request.decode] if multi
+                   else [int(t) for t in request.decode]),
+        "embeddings": None,
+    }
+    if request.embeddings is not None:
+        emb = np.ascontiguousarray(request.embeddings, dtype="<f8")
+        emb.tofile(Path(out_dir) / "embeddings.f64")
+        d["embeddings"] = {"path": "embeddings.f64", "format": "raw", "dtype": "float64", "shape": list(emb.shape)}
+    return d
+
+
+def expected_rows(request: Request) -> tuple[int, int | list[int] | None]:
+    """(rows of ``logits``, rows of ``decode_logits``: an int, a list per sequence for multi, or None)."""
+    if request.kind == "full":
+        rows = len(request.tokens)
+    elif request.kind == "last":
+        rows = 1
+    elif request.kind == "prefill":
+        rows = sum(len(p.rows) for p in request.pieces)
+    else:
+        rows = len(request.sequences)
+    if not request.decode:
+        return rows, None
+    if request.kind == "multi":
+        return rows, [len(d) for d in request.decode]
+    return rows, len(request.decode)
+
+
+def read_array(ref: Any, out_dir: str | Path, where: str, rows: int | None = None,
+               vocab: int | None = None) -> np.ndarray:
+    """Read and check one ARRAY reference (ArrayError naming ``where``, the file and what was expected).
+
+    ``rows`` / ``vocab``: the shape the request defines ([rows, vocab]); None = not checked.
+    Raw float16/32/64 come back in their dtype, raw or safetensors bfloat16 as float32 (exact).
+    """
+    if not isinstance(ref, dict):
+        raise ArrayError(f"{where}: expected an ARRAY object ({{\"path\", \"format\", ...}}), got {_clip(repr(ref))}")
+    path_s, fmt = ref.get("path"), ref.get("format")
+    if not isinstance(path_s, str) or not path_s:
+        raise ArrayError(f"{where}: the ARRAY has no 'path' string: {ref!r}")
+    if fmt not in ("raw", "safetensors"):
+        raise ArrayError(f"{where}: 'format' must be \"raw\" or \"safetensors\", got {fmt!r}")
+    root = Path(out_dir).resolve()
+    path = Path(path_s)
+    if not path.is_absolute():
+        path = (root / path).resolve()
+        if root != path and root not in path.parents:
+            raise ArrayError(f"{where}: relative path {path_s!r} points outside out_dir {root}")
+    if not path.is_file():
+        raise ArrayError(f"{where}: file {path} does not exist")
+    size = path.stat().st_size
+    if fmt == "raw":
+        dtype_s, shape = ref.get("dtype"), ref.get("shape")
+        if dtype_s not in RAW_DTYPES:
+            raise ArrayError(f"{where}: {path}: raw dtype must be one of {', '.join(RAW_DTYPES)}, got {dtype_s!r}")
+        _check_shape(where, path, shape, rows, vocab)
+        dt = RAW_DTYPES[dtype_s]
+        need = math.prod(shape) * dt.itemsize
+        if size != need:
+            raise ArrayError(f"{where}: {path} has {size} bytes, but shape {list(shape)} of {dtype_s} needs "
+                             f"exactly {need} bytes")
+        x = np.fromfile(path, dtype=dt).reshape(shape)
+        return _bf16(x) if dtype_s == "bfloat16" else x
+    tensor = ref.get("tensor")
+    if not isinstance(tensor, str) or not tensor:
+        raise ArrayError(f"{where}: a safetensors ARRAY needs a 'tensor' name: {ref!r}")
+    from refimpl.safetensors_io import STORAGE, read_header
+
+    try:
+        infos = read_header(path)
+    except Exception as exc:  # noqa: BLE001 - WeightsError with the file's problem
+        raise ArrayError(f"{where}: {exc}") from None
+    if tensor not in infos:
+        raise ArrayError(f"{where}: {path} has no tensor {tensor!r} (it holds: {', '.join(sorted(infos)) or 'none'})")
+    info = infos[tensor]
+    if info.dtype not in ST_DTYPES:
+        raise ArrayError(f"{where}: {path}: tensor {tensor!r} is {info.dtype}; logits must be one of "
+                         f"{', '.join(ST_DTYPES)}")
+    _check_shape(where, f"{path} tensor {tensor!r}", list(info.shape), rows, vocab)
+    with open(path, "rb") as f:
+        f.seek(info.begin)
+        blob = f.read(info.end - info.begin)
+    x = np.frombuffer(blob, dtype=STORAGE[info.dtype]).reshape(info.shape).copy()
+    return _bf16(x) if info.dtype == "BF16" else x
+
+
+def _bf16(bits: np.ndarray) -> np.ndarray:
+    from refimpl.safetensors_io import bf16_to_f32
+
+    return bf16_to_f32(bits)
+
+
+def _check_shape(where: str, what: Any, shape: Any, rows: int | None, vocab: int | None) -> None:
+    if not (isinstance(shape, list) and len(shape) == 2
+            and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)):
+        raise ArrayError(f"{where}: {what}: shape must be [rows, V] (two non-negative integers), got {shape!r}")
+    want_r = "rows" if rows is None else rows
+    want_v = "V" if vocab is None else vocab
+    if (rows is not None and shape[0] != rows) or (vocab is not None and shape[1] != vocab):
+        raise ArrayError(f"{where}: {what} has shape {shape}, but the request defines [{want_r}, {want_v}]")
+
+
+def _vocab_size(model_dir: Path) -> int | None:
+    """The checkpoint's full vocabulary (V of every logits row), or None when it cannot be read."""
+    try:
+        from refimpl.config import load_config
+
+        return int(load_config(model_dir).vocab_size)
+    except Exception:  # noqa: BLE001 - fall back to the raw config; shapes are still checked row-wise
+        pass
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+        text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+        v = text.get("vocab_size", cfg.get("vocab_size"))
+        return int(v) if isinstance(v, int) else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _capabilities(raw: Any) -> Capabilities:
+    """Capabilities from a hello reply: every field of V1_CAPABILITY_FIELDS required; a field added
+    after v1 takes its Capabilities default when absent; unknown fields ignored."""
+    required = V1_CAPABILITY_FIELDS
+    if not isinstance(raw, dict):
+        raise ValueError(f"'capabilities' must be an object with the fields {', '.join(required)}, "
+                         f"got {_clip(repr(raw))}")
+    missing = [k for k in required if k not in raw]
+    if missing:
+        raise ValueError(f"'capabilities' lacks {', '.join(missing)} (a v1 engine gives every field: "
+                         f"{', '.join(required)})")
+    values = {}
+    for f in fields(Capabilities):
+        k = f.name
+        if k not in raw:
+            continue  # a field newer than the engine's protocol: its default (not claimed)
+        v = raw[k]
+        if isinstance(f.default, str):
+            if not isinstance(v, str):
+                raise ValueError(f"capabilities.{k} must be a string, got {v!r}")
+        elif isinstance(f.default, bool) and not isinstance(v, bool):
+            raise ValueError(f"capabilities.{k} must be true or false, got {v!r}")
+        values[k] = v
+    if values.get("embedding_convention", "scaled") not in ("scaled", "raw"):
+        raise ValueError(f"capabilities.embedding_convention must be \"scaled\" or \"raw\", "
+                         f"got {values['embedding_convention']!r}")
+    return Capabilities(**values)
+
+
+def _command_list(command: Any) -> list[str]:
+    if isinstance(command, str) and command.lstrip().startswith("["):
+        try:  # a JSON array of arguments, e.g. command='["./my engine", "--serve"]'
+            command = json.loads(command)
+        except ValueError:
+            pass
+    if isinstance(command, str):
+        argv = shlex.split(command)
+    elif isinstance(command, (list, tuple)):
+        argv = [str(c) for c in command]
+    else:
+        argv = []
+    if not argv:
+        raise BackendError("the subprocess backend needs the engine's command, e.g. "
+                           "--backend-option command=\"./my-engine --serve\" (got "
+                           f"{command!r})")
+    return argv
+
+
+def _env(env: Any) -> dict[str, str] | None:
+    """Extra environment variables (a dict, or a JSON object as text) on top of the harness's own."""
+    if env is None or env == "":
+        return None
+    if isinstance(env, str):
+        try:
+            env = json.loads(env)
+        except ValueError:
+            env = None
+    if not isinstance(env, Mapping):
+        raise BackendError("the subprocess backend's env must be an object of variables, e.g. "
+                           "--backend-option env='{\"CUDA_VISIBLE_DEVICES\": \"0\"}'")
+    merged = dict(os.environ)
+    merged.update({str(k): str(v) for k, v in env.items()})
+    return merged
+
+
+# ----------------------------------------------------------------------------------------------
+# the backend
+
+_LIVE: weakref.WeakSet[SubprocessBackend] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_all() -> None:  # no engine process outlives the harness
+    for backend in list(_LIVE):
+        try:
+            backend.shutdown(timeout=2.0)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+# SIGTERM / SIGHUP: Python dies of them without running atexit, which would leave every engine
+# process group running (they live in their own sessions, so a terminal's hangup does not reach
+# them either). While a signal's handler is still the default one, the first backend made in the main
+# thread installs a handler that SIGKILLs every live engine process group, then restores the default
+# and re-raises the signal: the harness still dies of it, with the same status. A handler installed by
+# the application (or SIG_IGN) is left alone. Nothing helps against SIGKILL of the harness: an engine
+# then sees end of file on its stdin, which the protocol says means "exit".
+# (PR_SET_PDEATHSIG is not used: it needs preexec_fn, which is unsafe in a process with threads,
+# fires when the starting *thread* exits, and reaches only the engine, not its helpers.)
+_FATAL_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
+_installed_in: int | None = None  # the process that installed the handler (a fork inherits it)
+
+
+def _kill_all_groups() -> None:
+    """SIGKILL the process group of every engine this process started (not those of a parent it was
+    forked from)."""
+    for backend in list(_LIVE):
+        proc = getattr(backend, "_proc", None)
+        if proc is not None and not proc.killed and proc.owner == os.getpid():
+            try:
+                os.killpg(proc.pgid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def _on_fatal_signal(signum: int, frame: Any) -> None:
+    _kill_all_groups()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)  # die of the signal, as without this handler
+
+
+def _install_signal_cleanup() -> None:
+    global _installed_in
+    if _installed_in == os.getpid() or threading.current_thread() is not threading.main_thread():
+        return
+    _installed_in = os.getpid()
+    for sig in _FATAL_SIGNALS:
+        try:
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                signal.signal(sig, _on_fatal_signal)
+        except (ValueError, OSError):
+            pass
+
+
+def _seconds(label: str, v: Any) -> float:
+    """A timeout option: a finite positive number of seconds (BackendError otherwise)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+        raise BackendError(f"the subprocess backend's {label} must be a positive number of seconds, got {v!r}")
+    if not math.isfinite(v):
+        raise BackendError(f"the subprocess backend's {label} must be a positive number of seconds, got {v!r} "
+                           "(a finite number: there is no unlimited timeout; give a large one instead)")
+    return float(v)
+
+
+class SubprocessBackend:
+    """An engine in another process, spoken to with the subprocess protocol (docs/subprocess-protocol.md).
+
+    ``command``: the engine's argv (a list, a string split with shlex, or a JSON array as text). ``name``: overrides the
+    name the engine gives in hello. ``timeout``: seconds for one open or run (past it the process
+    group is killed; the case is an error; the next run restarts the engine). ``env``: extra
+    environment variables (a dict, or a JSON object as text). ``cwd``: the engine's working
+    directory. ``startup_timeout``: seconds from start to the hello reply. ``open_timeout``: seconds
+    for one open (None: ``timeout``; an engine that converts the checkpoint while opening may need much
+    longer than one request). ``stderr_log``: a file that receives the engine's whole stderr
+    (appended), besides the last lines kept for messages; it is opened (created) in the constructor.
+    Timeouts are finite positive numbers (BackendError otherwise).
+
+    Subclasses build their own command and pass it to ``__init__``; ``self._command`` is the argv
+    every (re)start uses.
+    """
+
+    def __init__(self, command: str | Sequence[str] | None = None, name: str | None = None,
+                 timeout: float = 600.0, env: Mapping[str, str] | str | None = None,
+                 cwd: str | None = None, startup_timeout: float = 60.0, stderr_log: str | None = None,
+                 open_timeout: float | None = None):
+        self._command = _command_list(command)
+        self.timeout = _seconds("timeout", timeout)
+        self.startup_timeout = _seconds("startup_timeout", startup_timeout)
+        self.open_timeout = None if open_timeout is None else _seconds("open_timeout", open_timeout)
+        self._env = _env(env)
+        self._cwd = None if cwd is None else str(cwd)
+        self._stderr_log = None if stderr_log in (None, "") else str(stderr_log)
+        if self._stderr_log is not None:
+            try:
+                self._open_log().close()
+            except OSError as exc:
+                raise BackendError(f"the subprocess backend cannot open its stderr_log file {self._stderr_log!r} "
+                                   f"for appending: {exc.strerror or exc}") from None
+        self._proc: _Process | None = None
+        self._model_dir: Path | None = None
+        self._vocab: int | None = None
+        self._broken: EngineFailure | None = None  # every run fails fast with it until the next open
+        self.restarts = 0
+        self.version: int | None = None
+        self.engine: dict[str, Any] = {}
+        _LIVE.add(self)
+        _install_signal_cleanup()
+        try:
+            hello = self._start()
+        except EngineFailure as exc:
+            raise BackendError(f"subprocess backend: {exc}") from None
+        self.version = hello["version"]
+        self.capabilities: Capabilities = hello["capabilities"]
+        self.engine = hello["engine"]
+        self.name: str = name if name else hello["name"]
+
+    # -- process lifecycle ----------------------------------------------------------------------
+
+    def _label(self) -> str:
+        text = shlex.join(self._command)
+        return _clip(text, 200)
+
+    def _open_log(self):
+        return open(self._stderr_log, "a", encoding="utf-8")  # the stderr thread closes it
+
+    def _alive(self) -> bool:
+        return self._proc is not None and not self._proc.killed and self._proc.alive()
+
+    def _discard(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc = None
+
+    def _start(self) -> dict[str, Any]:
+        """Start ``self._command`` and say hello; returns the checked hello fields. Raises EngineFailure."""
+        self._discard()
+        if self.version is not None:
+            self.restarts += 1  # every start after the first (a crash, a timeout, a failed close)
+        try:
+            log = None if self._stderr_log is None else self._open_log()
+        except OSError as exc:
+            raise EngineCrash(f"cannot open the stderr_log file {self._stderr_log!r} for appending: "
+                              f"{exc.strerror or exc}") from None
+        try:
+            proc = _Process(self._command, self._env, self._cwd, log)
+        except OSError as exc:
+            raise EngineCrash(f"cannot start the engine command [{self._label()}]: {exc.strerror or exc}") from None
+        self._proc = proc
+        what = f"the engine command [{self._label()}]"
+        try:
+            reply = proc.call("hello", {"protocol": PROTOCOL, "versions": list(VERSIONS)}, self.startup_timeout)
+        except _Died as exc:
+            self._proc = None
+            raise EngineCrash(f"{what} {exc} before answering hello{proc.stderr_text()}") from None
+        except _TimedOut:
+            self._discard()
+            raise EngineTimeout(f"{what} did not answer hello within {self.startup_timeout:g} s "
+                                f"(startup_timeout); it was killed{proc.stderr_text()}") from None
+        except _Garbage as exc:
+            self._discard()
+            raise ProtocolError(f"{what} {exc}{proc.stderr_text()}") from None
+        try:
+            return self._check_hello(reply)
+        except (ProtocolError, EngineError) as exc:
+            self._discard()
+            raise type(exc)(f"{what}: {exc}{proc.stderr_text()}") from None
+
+    def _check_hello(self, reply: dict) -> dict[str, Any]:
+        if not reply["ok"]:
+            raise EngineError(f"the engine refused hello: {reply.get('error', '(no error message)')}")
+        if reply.get("protocol") != PROTOCOL:
+            raise ProtocolError(f"the hello reply names protocol {reply.get('protocol')!r}, not {PROTOCOL!r}")
+        version = reply.get("version")
+        if version not in VERSIONS:
+            raise ProtocolError(f"the engine speaks protocol version {version!r}; this harness speaks "
+                                f"{', '.join(map(str, VERSIONS))} (offered in hello 'versions')")
+        name = reply.get("name")
+        if not isinstance(name, str) or not name:
+            raise ProtocolError(f"the hello reply needs a non-empty string 'name', got {name!r}")
+        try:
+            caps = _capabilities(reply.get("capabilities"))
+        except (ValueError, TypeError) as exc:
+            raise ProtocolError(f"the hello reply is malformed: {exc}") from None
+        engine = reply.get("engine", {})
+        return {"version": version, "name": name, "capabilities": caps,
+                "engine": engine if isinstance(engine, dict) else {"info": engine}}
+
+    def _open_engine(self, model_dir: Path) -> None:
+        """Send open on the current process. Raises EngineError (ok false), EngineCrash, EngineTimeout
+        or ProtocolError; on anything but EngineError the process is gone."""
+        proc = self._proc
+        assert proc is not None
+        timeout, label = ((self.timeout, "timeout") if self.open_timeout is None
+                          else (self.open_timeout, "open_timeout"))
+        try:
+            reply = proc.call("open", {"model_dir": str(model_dir)}, timeout)
+        except _Died as exc:
+            self._proc = None
+            raise EngineCrash(f"the engine process died while opening {model_dir}: it {exc}"
+                              f"{proc.stderr_text()}") from None
+        except _TimedOut:
+            self._discard()
+            raise EngineTimeout(f"the engine did not finish opening {model_dir} within {timeout:g} s "
+                                f"({label}); its process group was killed{proc.stderr_text()}") from None
+        except _Garbage as exc:
+            self._discard()
+            raise ProtocolError(f"while opening {model_dir} the engine {exc}{proc.stderr_text()}") from None
+        if not reply["ok"]:
+            raise EngineError(f"the engine could not open {model_dir}: "
+                              f"{reply.get('error', '(no error message)')}")
+
+    def _start_again(self) -> None:
+        """Start a fresh process; it must declare the same capabilities and version as the first one."""
+        hello = self._start()
+        if hello["capabilities"] != self.capabilities or hello["version"] != self.version:
+            self._discard()
+            raise ProtocolError(f"the restarted engine declares other capabilities or protocol version "
+                                f"(version {hello['version']}, {hello['capabilities'].to_dict()}) than at start "
+                                f"(version {self.version}, {self.capabilities.to_dict()})")
+
+    def _restart(self) -> None:
+        """Start a fresh process for the open model: hello (same capabilities) and open again."""
+        self._start_again()
+        assert self._model_dir is not None
+        try:
+            self._open_engine(self._model_dir)
+        except EngineError:
+            self._discard()
+            raise
+
+    # -- protocol -------------------------------------------------------------------------------
+
+    def open(self, model_dir: Path) -> None:
+        model_dir = Path(model_dir).resolve()
+        self._model_dir = model_dir
+        self._broken = None
+        self._vocab = _vocab_size(model_dir)
+        if not self._alive():
+            try:
+                self._start_again()
+            except EngineFailure as exc:
+                raise BackendError(f"subprocess backend {self.name!r}: cannot start the engine to open "
+                                   f"{model_dir}: {exc}") from None
+        try:
+            self._open_engine(model_dir)
+        except (EngineCrash, EngineTimeout) as exc:
+            # the run goes on: every request on this model fails fast with this message
+            self._broken = type(exc)(f"{exc}\n(every request on this model fails without running until "
+                                     "the next open)")
+        except (EngineError, ProtocolError) as exc:
+            raise BackendError(f"subprocess backend {self.name!r}: {exc}") from None
+
+    def run(self, request: Request) -> Response:
+        if self._broken is not None:
+            raise type(self._broken)(str(self._broken))
+        if self._model_dir is None:
+            raise RuntimeError("subprocess backend: run() called before open()")
+        if not self._alive():
+            try:
+                self._restart()
+            except EngineFailure as exc:
+                self._broken = EngineCrash(f"the engine could not be restarted after it stopped: {exc}\n"
+                                           "(every request on this model fails without running until the "
+                                           "next open)")
+                raise EngineCrash(str(self._broken)) from None
+        proc = self._proc
+        assert proc is not None
+        out_dir = tempfile.mkdtemp(prefix="gemma4-subprocess-")
+        try:
+            payload = {"request": request_to_json(request, out_dir), "out_dir": out_dir}
+            try:
+                reply = proc.call("run", payload, self.timeout)
+            except _Died as exc:
+                self._proc = None
+                raise EngineCrash(f"the engine process died during run: it {exc}; it is restarted for the "
+                                  f"next request{proc.stderr_text()}") from None
+            except _TimedOut:
+                self._discard()
+                raise EngineTimeout(f"the engine did not answer run within {self.timeout:g} s (timeout); its "
+                                    "process group was killed and it is restarted for the next request"
+                                    f"{proc.stderr_text()}") from None
+            except _Garbage as exc:
+                self._discard()
+                raise ProtocolError(f"during run the engine {exc}; it was killed and is restarted for the "
+                                    f"next request{proc.stderr_text()}") from None
+            if not reply["ok"]:
+                raise EngineError(f"the engine failed on this request: {reply.get('error', '(no error message)')}")
+            return self._response(reply, request, out_dir)
+        finally:
+            shutil.rmtree(out_dir, ignore_errors=True)
+
+    def _response(self, reply: dict, request: Request, out_dir: str) -> Response:
+        rows, decode_rows = expected_rows(request)
+        for key in ("logits", "decode_logits"):
+            if key not in reply:
+                raise ProtocolError(f"the run reply has no {key!r} field")
+        logits = read_array(reply["logits"], out_dir, "run reply 'logits'", rows, self._vocab)
+        vocab = self._vocab if self._vocab is not None else logits.shape[1]
+        dl = reply["decode_logits"]
+        decode: np.ndarray | list[np.ndarray] | None
+        if decode_rows is None:
+            if dl is not None:
+                raise ProtocolError("the run reply has 'decode_logits' but the request has no decode tokens "
+                                    "(it must be null)")
+            decode = None
+        elif isinstance(decode_rows, list):
+            if not isinstance(dl, list) or len(dl) != len(decode_rows):
+                raise ProtocolError(f"the run reply's 'decode_logits' must be a list of {len(decode_rows)} "
+                                    f"ARRAYs (one per sequence of the multi request), got {_clip(repr(dl))}")
+            decode = [read_array(a, out_dir, f"run reply 'decode_logits'[{i}]", n, vocab)
+                      for i, (a, n) in enumerate(zip(dl, decode_rows))]
+        else:
+            if dl is None:
+                raise ProtocolError(f"the run reply's 'decode_logits' is null but the request has "
+                                    f"{decode_rows} decode tokens")
+            decode = read_array(dl, out_dir, "run reply 'decode_logits'", decode_rows, vocab)
+        executed = reply.get("executed", {})
+        if executed is None:
+            executed = {}
+        if not isinstance(executed, dict):
+            raise ProtocolError(f"the run reply's 'executed' must be an object, got {_clip(repr(executed))}")
+        return Response(logits, decode, executed)
+
+    def close(self) -> None:
+        self._model_dir = None
+        self._broken = None
+        if not self._alive():
+            return
+        proc = self._proc
+        try:
+            reply = proc.call("close", {}, min(self.timeout, 60.0))
+        except _Died:
+            self._proc = None
+            return
+        except (_TimedOut, _Garbage):
+            self._discard()  # the next open starts a fresh process
+            return
+        if not reply["ok"]:
+            self._discard()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Ask the engine to exit (``shutdown``), then make sure its process group is gone."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            if proc.alive() and not proc.killed:
+                try:
+                    proc.call("shutdown", {}, timeout)
+                except (_Died, _TimedOut, _Garbage):
+                    pass
+                try:
+                    proc.proc.stdin.close()
+                except OSError:
+                    pass
+                try:
+                    proc.proc.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    pass
+        finally:
+            proc.kill()
+
+    def __del__(self):
+        proc = getattr(self, "_proc", None)
+        if proc is not None:
+            try:
+                proc.kill()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+class RefimplSubprocessBackend(SubprocessBackend):
+    """The refimpl oracle behind the protocol server: ``python -m conformance.backends.protocol_server
+    --backend refimpl --format FORMAT``. ``format``: how logits travel ("raw" or "safetensors");
+    ``dtype``: "float64" (the oracle, profile exact-f64) or "float32" (refimpl-float32, profile fp32).
+    Other keyword arguments go to SubprocessBackend (timeout, ...)."""
+
+    def __init__(self, format: str = "raw", dtype: str = "float64", **kwargs: Any):
+        if format not in ("raw", "safetensors"):
+            raise BackendError(f"refimpl-subprocess: format must be 'raw' or 'safetensors', got {format!r}")
+        if dtype not in ("float64", "float32"):
+            raise BackendError(f"refimpl-subprocess: dtype must be 'float64' or 'float32', got {dtype!r}")
+        inner = "refimpl" if dtype == "float64" else "refimpl-float32"
+        command = [sys.executable, "-m", "conformance.backends.protocol_server", "--backend", inner,
+                   "--format", format]
+        kwargs.setdefault("name", f"{inner}-subprocess")
+        super().__init__(command, **kwargs)

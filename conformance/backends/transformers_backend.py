@@ -1,0 +1,410 @@
+"""Hugging Face transformers (PyTorch) as a conformance backend.
+
+It drives ``transformers.Gemma4ForCausalLM`` the way a serving stack built on transformers does, and
+claims every capability of the protocol. The request handling (validation, micro-batches, one cache
+per sequence id, decode) is ``conformance.backends.serving.CachedBackend``'s; this module supplies the
+forward, and with it how each request kind reaches transformers:
+
+* ``full``: one forward, ``logits_to_keep=0`` (in transformers 5.24 an integer ``k`` keeps the last
+  ``k`` rows and **0 keeps all of them**).
+* ``last`` (plain, seq_id, embeddings): one forward through a fresh ``DynamicCache``, with the row
+  chosen by ``logits_to_keep``: the integer ``1`` for the last row (what ``generate`` passes; it also
+  lets transformers drop every other row before the KV-shared layers,
+  ``Gemma4TextModel._maybe_slice_kv_shared_inputs``), a 1-D index tensor ``[last_pos]`` for an
+  interior row (``modeling_utils.slice_logits_to_keep`` gathers those positions; transformers does
+  not prune the KV-shared layers for a tensor). The state keeps all ``T`` tokens either way.
+* ``prefill``: every piece, and with ``ubatch`` every micro-batch of a piece, is one forward that
+  continues the same ``DynamicCache`` (positions and masks come from the cache length, as in
+  ``generate``). Output rows go through ``logits_to_keep`` per forward: an integer ``k`` when they
+  are the last ``k`` rows of the forward, else a 1-D index tensor. A forward with **no** output row
+  passes an *empty* index tensor (``logits_to_keep=0`` would mean "all rows"): the forward runs every
+  layer, writes the cache, and returns ``[1, 0, V]``.
+* ``last/embeddings``: ``inputs_embeds`` replace ``embed_tokens(input_ids)``, whose output already
+  carries the ``sqrt(H)`` scale, so the convention is ``"scaled"``. Gemma 4's per-layer embeddings
+  are looked up by token id: the backend passes ``per_layer_inputs =
+  model.model.get_per_layer_inputs(ids)`` (the token-identity part; transformers adds the
+  projection of ``inputs_embeds`` itself). Without it transformers would try to recover the ids by
+  comparing ``inputs_embeds`` bit-for-bit with its own scaled table, which the harness's float64
+  embeddings do not match after rounding.
+* ``multi``: one ``DynamicCache`` per sequence id, each sequence prefilled on its own; decode steps
+  are interleaved across the sequences, as a server batches them.
+* decode: one token per forward through the cache the prefill left, ``logits_to_keep=1``.
+
+Options (``--backend-option KEY=VALUE``):
+
+``dtype``   ``"float32"`` (default), ``"float64"``, ``"bfloat16"``. transformers' float64 is not a
+            pure float64 model: RMSNorm, the attention softmax (eager), the RoPE angles and the MoE
+            router softmax stay float32 (see tests/hf_reference.py), so float64 is graded with the
+            ``fp32`` profile like float32; bfloat16 with ``bf16``. Logits come back as float32
+            (float64 for the float64 model).
+``attn``    ``"eager"`` (default) or ``"sdpa"`` (``attn_implementation``).
+``device``  ``"auto"`` (default: CUDA when ``torch.cuda.is_available()``, else CPU), ``"cpu"``,
+            ``"cuda"`` or ``"cuda:N"``.
+``experts`` ``"auto"`` (default: ``"eager"`` for float64, which ``grouped_mm`` refuses, and for
+            float32 on CUDA, where torch's grouped GEMM takes bfloat16 only; transformers' default,
+            ``grouped_mm``, otherwise), ``"eager"``, ``"grouped_mm"``, ``"batched_mm"``
+            (``experts_implementation`` of the MoE blocks).
+``threads`` ``None`` (default: leave torch's thread count alone) or an int for
+            ``torch.set_num_threads`` (process-wide; 1 is fastest for the tiny synthetic sets).
+
+Measured on the bundled sets (260 cases, CPU, torch 2.13.0+cpu, transformers 5.24.0; worst row
+max_abs against the float64 oracle):
+
+==================  =======  ==========================  ===============================
+dtype / attn        profile  result                      worst max_abs
+==================  =======  ==========================  ===============================
+float32 / eager     fp32     260 pass                    3.1e-4 (e2b-mini full/B/T19 r11)
+float32 / sdpa      fp32     260 pass                    3.5e-4 (same row)
+float64 / eager     fp32     260 pass                    2.6e-4 (e4b-mini full/B/T19 r15)
+float64 / sdpa      fp32     260 pass                    9.6e-5 (same row)
+bfloat16 / eager    bf16     231 pass, 29 known failure  12.1 (26b-a4b-mini, router flip)
+bfloat16 / sdpa     bf16     241 pass, 19 known failure  12.1 (same)
+==================  =======  ==========================  ===============================
+
+float64 is float32-close only, because of its float32 spots (sdpa computes the attention softmax in
+float64, one spot fewer than eager, hence its smaller error). With those spots made float64
+(tests/hf_reference.py) the backend passes all 260 cases at ``exact-f64`` (worst 1.6e-12), so its
+caches, index tensors and micro-batches add nothing. The bf16 failures are MoE router near-ties and
+ill-conditioned per-layer-input norms that a stock bf16 forward over the whole base reproduces row for
+row; they are listed, with their causes, in expectations files per device, because bf16 rounding is
+kernel-specific (``conformance/expectations/transformers-bfloat16-{eager,sdpa}-{cpu,cuda}.json``,
+picked by :func:`shipped_expectations`; CUDA measured on an H200). On a busy 2-core machine torch's
+default threads made a full run 10-20x slower than ``threads=1`` (90-220 s instead of 8-13 s).
+
+The name shows the configuration: ``transformers-float32-eager`` (plus ``-experts-<impl>`` when
+``experts`` is given explicitly); the device, versions and the path taken are in every case's
+``executed`` record. Both checkpoint layouts load: ``Gemma4ForCausalLM`` (tensors ``model.*``) and
+``Gemma4ForConditionalGeneration`` (config under ``text_config``, tensors ``model.language_model.*``;
+only the text model is built). :func:`load_gemma4_causal_lm` is the loader (tests/hf_reference.py
+uses it too).
+
+    conformance check --backend transformers
+    conformance check --backend transformers --backend-option dtype=bfloat16 --backend-option attn=sdpa
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+from transformers import DynamicCache, Gemma4ForCausalLM
+
+from conformance.backend import BackendError, Capabilities, Request, Response
+from conformance.backends.serving import CachedBackend
+
+__all__ = ["ATTN_IMPLEMENTATIONS", "DTYPES", "EXPERTS_IMPLEMENTATIONS", "TransformersBackend", "checkpoint_layout",
+           "load_gemma4_causal_lm", "resolve_device", "shipped_expectations"]
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
+EXPERTS_IMPLEMENTATIONS = ("auto", "eager", "grouped_mm", "batched_mm")
+DEVICES = ("auto", "cpu", "cuda")
+CONDITIONAL_KEY_MAPPING = {r"^model\.language_model\.": "model."}
+EXPECTATIONS_DIR = Path(__file__).resolve().parent.parent / "expectations"
+
+
+def _allowed(values: Sequence[str]) -> str:
+    return ", ".join(repr(v) for v in values)
+
+
+# ----------------------------------------------------------------------------------------------
+# loading
+
+
+def checkpoint_layout(model_dir: str | os.PathLike) -> tuple[str, dict]:
+    """("causal" | "conditional", raw config.json) of a Gemma 4 checkpoint directory.
+
+    "conditional" is the published ``Gemma4ForConditionalGeneration`` form (text config under
+    ``text_config``, text tensors under ``model.language_model.``); "causal" is ``Gemma4ForCausalLM``.
+    Raises BackendError when there is no readable config.json or it is not a Gemma 4 config.
+    """
+    path = Path(model_dir) / "config.json"
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise BackendError(f"{model_dir}: cannot read config.json: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise BackendError(f"{model_dir}: config.json is not a JSON object")
+    if "text_config" in raw:
+        text = raw["text_config"] if isinstance(raw["text_config"], dict) else {}
+        layout, types = "conditional", (raw.get("model_type"), text.get("model_type"))
+    else:
+        layout, types = "causal", (raw.get("model_type"),)
+    if not all(t in ("gemma4", "gemma4_text", None) for t in types) or not any(types):
+        raise BackendError(f"{model_dir}: config.json is not a Gemma 4 config (model_type {raw.get('model_type')!r})")
+    return layout, raw
+
+
+@contextlib.contextmanager
+def _quiet_progress_bar():
+    """Hide transformers' "Loading weights" progress bar for one load; restore the setting after."""
+    logging = transformers.utils.logging
+    enabled = logging.is_progress_bar_enabled()
+    if enabled:
+        logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            logging.enable_progress_bar()
+
+
+def load_gemma4_causal_lm(model_dir: str | os.PathLike, dtype: str | torch.dtype = "float32", *,
+                          attn_implementation: str = "eager", experts_implementation: str | None = None,
+                          device: str | torch.device = "cpu") -> Gemma4ForCausalLM:
+    """Load a Gemma 4 checkpoint directory as an eval-mode ``Gemma4ForCausalLM`` on ``device``.
+
+    Both layouts (:func:`checkpoint_layout`): a causal checkpoint goes through
+    ``Gemma4ForCausalLM.from_pretrained`` as it is; for a conditional one only the text model is
+    built, from ``config.text_config``, and the tensors are renamed with from_pretrained's
+    ``key_mapping={"^model.language_model.": "model."}`` (vision / audio tensors stay unused).
+    Plain ``from_pretrained`` on a conditional directory would find none of its weights and silently
+    return a randomly initialised model, so every weight of the text model must come from the
+    checkpoint (``lm_head.weight`` is tied to ``model.embed_tokens.weight``) and no shape may
+    mismatch. ``experts_implementation=None`` keeps transformers' default (``grouped_mm``, which
+    refuses float64: pass ``"eager"`` there).
+
+    Every failure is a BackendError that names the directory and the reason.
+    """
+    torch_dtype = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if torch_dtype is None:
+        raise ValueError(f"dtype must be one of {_allowed(DTYPES)}, got {dtype!r}")
+    layout, _ = checkpoint_layout(model_dir)
+    kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": attn_implementation,
+                              "output_loading_info": True}
+    if experts_implementation is not None:
+        kwargs["experts_implementation"] = experts_implementation
+    try:
+        with _quiet_progress_bar():
+            if layout == "conditional":
+                kwargs["config"] = transformers.AutoConfig.from_pretrained(os.fspath(model_dir)).get_text_config()
+                kwargs["key_mapping"] = CONDITIONAL_KEY_MAPPING
+            model, info = Gemma4ForCausalLM.from_pretrained(os.fspath(model_dir), **kwargs)
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raises, the checkpoint cannot be served
+        raise BackendError(f"transformers {transformers.__version__} cannot load {model_dir} ({layout} layout): "
+                           f"{type(exc).__name__}: {exc}") from exc
+    missing = set(info["missing_keys"]) - {"lm_head.weight"}
+    if missing or info["mismatched_keys"]:
+        raise BackendError(f"transformers cannot load {model_dir} ({layout} layout): weights missing "
+                           f"{sorted(missing)} / mismatched {sorted(map(str, info['mismatched_keys']))}")
+    if model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
+        raise BackendError(f"transformers cannot load {model_dir}: lm_head is not tied to embed_tokens")
+    model.eval()
+    return model.to(device)
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"`` -> CUDA when available, else CPU; ``"cpu"``; ``"cuda"`` / ``"cuda:N"`` (must exist)."""
+    if not isinstance(device, str) or not (device in DEVICES or device.startswith("cuda:")):
+        raise ValueError(f"transformers backend: device must be one of {_allowed(DEVICES)} (or 'cuda:N'), "
+                         f"got {device!r}")
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"transformers backend: device must be one of {_allowed(DEVICES)} (or 'cuda:N'), "
+                         f"got {device!r}") from exc
+    if not torch.cuda.is_available():
+        raise BackendError(f"transformers backend: device {device!r} was requested but CUDA is not available "
+                           f"(torch {torch.__version__}: torch.cuda.is_available() is False); "
+                           f"use device='cpu' or device='auto'")
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise BackendError(f"transformers backend: device {device!r} was requested but only {count} CUDA "
+                           f"device(s) are visible")
+    return dev
+
+
+def shipped_expectations(name: str, device: torch.device) -> Path | None:
+    """The expectations file shipped for a configuration: ``<name>-<device type>.json`` (reduced-precision
+    rounding is kernel-specific, so e.g. the bf16 known failures measured on CPU apply to CPU only), else
+    ``<name>.json``, else None."""
+    for candidate in (EXPECTATIONS_DIR / f"{name}-{device.type}.json", EXPECTATIONS_DIR / f"{name}.json"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# the backend
+
+
+class TransformersBackend(CachedBackend):
+    """``transformers.Gemma4ForCausalLM`` behind the backend protocol (``conformance.backend.Backend``).
+
+    Options: ``dtype`` ("float32", "float64", "bfloat16"), ``attn`` ("eager", "sdpa"), ``device``
+    ("auto", "cpu", "cuda", "cuda:N"), ``experts`` ("auto", "eager", "grouped_mm", "batched_mm"),
+    ``threads`` (None or an int >= 1). See the module docstring.
+    """
+
+    who = "transformers backend"
+
+    def __init__(self, dtype: str = "float32", attn: str = "eager", device: str = "auto",
+                 experts: str = "auto", threads: int | None = None):
+        super().__init__()
+        if dtype not in DTYPES:
+            raise ValueError(f"transformers backend: dtype must be one of {_allowed(DTYPES)}, got {dtype!r}")
+        if attn not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(f"transformers backend: attn must be one of {_allowed(ATTN_IMPLEMENTATIONS)}, "
+                             f"got {attn!r}")
+        if experts not in EXPERTS_IMPLEMENTATIONS:
+            raise ValueError(f"transformers backend: experts must be one of {_allowed(EXPERTS_IMPLEMENTATIONS)}, "
+                             f"got {experts!r}")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"transformers backend: threads must be None or an integer >= 1, got {threads!r}")
+        self.dtype = dtype
+        self.torch_dtype = DTYPES[dtype]
+        self.attn = attn
+        self.device = resolve_device(device)
+        if experts == "auto":
+            # grouped_mm refuses float64 everywhere, and on CUDA takes bfloat16 only (torch's
+            # _grouped_mm_cuda checks); None keeps transformers' default (grouped_mm)
+            cuda_f32 = dtype == "float32" and self.device.type == "cuda"
+            self.experts = "eager" if dtype == "float64" or cuda_f32 else None
+        else:
+            self.experts = experts
+        self.threads = threads
+        self.name = f"transformers-{dtype}-{attn}" + ("" if experts == "auto" else f"-experts-{experts}")
+        self.capabilities = Capabilities(
+            full_forward=True, last_plain=True, last_seq_id=True, last_embeddings=True,
+            embedding_convention="scaled", interior_rows=True, output_rows=True, ubatch=True,
+            chunked_prefill=True, multi_sequence=True, decode=True,
+            default_profile="bf16" if dtype == "bfloat16" else "fp32",
+        )
+        self.expectations_file = shipped_expectations(self.name, self.device)
+        self.model: Gemma4ForCausalLM | None = None
+        self.layout: str | None = None
+        self._cache_kw = "cache"
+        self._device_info: dict[str, Any] = {}
+
+    # -- protocol -------------------------------------------------------------------------------
+
+    def open(self, model_dir: Path) -> None:
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+        self.layout, _ = checkpoint_layout(model_dir)
+        try:
+            self.model = load_gemma4_causal_lm(model_dir, self.torch_dtype, attn_implementation=self.attn,
+                                               experts_implementation=self.experts, device=self.device)
+        except torch.cuda.OutOfMemoryError as exc:  # pragma: no cover - needs a GPU
+            raise BackendError(f"transformers backend: {model_dir} does not fit on {self.device}: {exc}") from exc
+        params = inspect.signature(type(self.model).forward).parameters
+        # transformers 5.24 renamed past_key_values -> cache (the old name is deprecated until 5.40)
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._device_info = {}
+        if self.device.type == "cuda":  # pragma: no cover - needs a GPU
+            self._device_info = {"gpu": torch.cuda.get_device_name(self.device),
+                                 "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32)}
+
+    def close(self) -> None:
+        self.model = None
+        self.layout = None
+        self._states = {}
+        if self.device.type == "cuda":  # pragma: no cover - needs a GPU
+            torch.cuda.empty_cache()
+
+    def run(self, request: Request) -> Response:
+        """CachedBackend's request handling, under ``torch.inference_mode()``."""
+        with torch.inference_mode():
+            return super().run(request)
+
+    # -- engine hooks ---------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.hidden_size)
+
+    @property
+    def out_dtype(self):
+        return np.float64 if self.dtype == "float64" else np.float32
+
+    def _new_state(self) -> DynamicCache:
+        return DynamicCache(config=self.model.config)
+
+    def _state_len(self, state: DynamicCache) -> int:
+        return state.get_seq_length()
+
+    def _logits_to_keep(self, rows: list[int], T: int) -> tuple[int | torch.Tensor, int | list[int]]:
+        """(the logits_to_keep argument, its JSON form) selecting ``rows`` of a T-token forward.
+
+        The last k rows -> the integer k; anything else -> a 1-D LongTensor of the positions; no row
+        -> an empty LongTensor (never 0, which transformers reads as "all rows").
+        """
+        if rows and rows == list(range(T - len(rows), T)):
+            return len(rows), len(rows)
+        return torch.tensor(rows, dtype=torch.long, device=self.device), list(rows)
+
+    def _numpy(self, logits: torch.Tensor) -> np.ndarray:
+        out = logits.detach()
+        if out.dtype not in (torch.float32, torch.float64):
+            out = out.float()  # bfloat16 -> float32 on the way out
+        return out.cpu().numpy()
+
+    def _forward(self, tokens: Sequence[int], rows: list[int], state: DynamicCache,
+                 embeddings: np.ndarray | None = None, logits_to_keep: Any = None) -> tuple[np.ndarray, dict]:
+        """One forward of ``tokens`` continuing the cache ``state``; returns (logits of ``rows`` [R, V],
+        ``{"logits_to_keep": the logits_to_keep used, in JSON form}``). A forward with no output row
+        still runs every layer and writes the cache (logits_to_keep = an empty index tensor)."""
+        T = len(tokens)
+        ids = torch.tensor([[int(t) for t in tokens]], dtype=torch.long, device=self.device)
+        if logits_to_keep is None:
+            logits_to_keep, shown = self._logits_to_keep(rows, T)
+        else:
+            shown = logits_to_keep
+        kwargs: dict[str, Any] = {self._cache_kw: state, "use_cache": True, "logits_to_keep": logits_to_keep}
+        if embeddings is None:
+            kwargs["input_ids"] = ids
+        else:
+            kwargs["inputs_embeds"] = torch.as_tensor(np.asarray(embeddings)[None]).to(self.device, self.torch_dtype)
+            if self.model.config.hidden_size_per_layer_input:
+                # the token-identity part of the per-layer embeddings, looked up by id
+                kwargs["per_layer_inputs"] = self.model.model.get_per_layer_inputs(ids, None)
+        before = state.get_seq_length()
+        out = self.model(**kwargs)
+        after = state.get_seq_length()
+        if after != before + T:
+            raise RuntimeError(f"transformers backend: the cache holds {after} tokens after a {T}-token forward "
+                               f"from {before}")
+        logits = out.logits[0]
+        if logits.shape != (len(rows), self.vocab_size):
+            raise RuntimeError(f"transformers backend: logits_to_keep={shown!r} gave logits of shape "
+                               f"{tuple(logits.shape)}, expected {(len(rows), self.vocab_size)}")
+        return self._numpy(logits), {"logits_to_keep": shown}
+
+    def _forward_all(self, tokens: Sequence[int], state: DynamicCache) -> tuple[np.ndarray, dict]:
+        """The full forward: ``logits_to_keep=0`` (all rows)."""
+        return self._forward(tokens, list(range(len(tokens))), state, logits_to_keep=0)
+
+    def _executed(self, path: str, **extra) -> dict[str, Any]:
+        return {"path": path, "engine": f"transformers {transformers.__version__}, torch {torch.__version__}",
+                "model": "Gemma4ForCausalLM", "layout": self.layout, "dtype": self.dtype,
+                "attn_implementation": self.attn, "experts_implementation": self.model.config._experts_implementation,
+                "device": str(self.device), **self._device_info, "cache": "DynamicCache", "fresh_state": True,
+                **extra}
+
+    def _notes(self, request: Request) -> dict[str, Any]:
+        """full: the rows computed; last/embeddings: how the embeddings went in; multi: the caches."""
+        if request.kind == "full":
+            return {"rows": len(request.tokens)}
+        if request.kind == "last" and request.entry == "embeddings":
+            return {"inputs_embeds": "scaled (E[ids] * sqrt(H)), cast to the model dtype",
+                    "per_layer_inputs": ("get_per_layer_inputs(token ids)"
+                                         if self.model.config.hidden_size_per_layer_input else None)}
+        if request.kind == "multi":
+            return {"caches": "one DynamicCache per seq_id"}
+        return {}

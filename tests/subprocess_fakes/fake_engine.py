@@ -1,0 +1,159 @@
+"""Misbehaving engines for tests/test_subprocess_backend.py: ``python fake_engine.py MODE [N] [MARKER]``.
+
+Modes that serve the refimpl oracle through ``protocol_server.serve`` and misbehave once:
+  abort-run N MARKER   os.abort() on the Nth run (only if MARKER does not exist; it is created first)
+  exit-run N MARKER    exit with code 3 on the Nth run (same rule)
+  hang-run N MARKER    sleep for an hour on the Nth run (same rule)
+  garbage-run N MARKER print a non-JSON line on stdout on the Nth run (same rule)
+  abort-open [0 MARKER] os.abort() on every open (with MARKER: on the first one only)
+  abort-run-worker N MARKER  at start, a worker child in the engine's process group that inherits
+                       stdout and sleeps 40 s (a multi-process engine); os.abort() on the Nth run
+  hang-run-escape N MARKER   on the Nth run, a helper that leaves the process group
+                       (start_new_session) holding stdout and stderr, sleeping 40 s (its pid goes to
+                       MARKER.helper); then sleep for an hour
+  abort-run-escape N MARKER  the same helper, then os.abort()
+Hand-written protocol loops that are broken from the start:
+  exit-at-start        write to stderr, exit with code 3
+  garbage              a log line on stdout before the hello reply
+  bad-version          hello answers version 2
+  bad-protocol         hello answers another protocol name
+  missing-caps         hello without capabilities.decode
+  refuse-open          open answers ok:false
+  wrong-size           run answers a logits file one float short
+  wrong-shape          run answers logits of one row too many
+  escape-path          run answers a path outside out_dir
+  fail-run             run answers ok:false
+  slow-open N          open takes N milliseconds
+  spawn-worker 0 PIDS  at start, a worker child in the process group; "ENGINE_PID WORKER_PID" goes to
+                       PIDS; then serves like the modes above (a well-behaved engine)
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MODE = sys.argv[1]
+N = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+MARKER = Path(sys.argv[3]) if len(sys.argv) > 3 else None
+
+CAPS = {"full_forward": True, "last_plain": True, "last_seq_id": False, "last_embeddings": False,
+        "embedding_convention": "scaled", "interior_rows": False, "output_rows": False, "ubatch": False,
+        "chunked_prefill": False, "multi_sequence": False, "decode": False, "default_profile": "fp32"}
+
+
+def sleeper(**kw) -> subprocess.Popen:
+    """A child that inherits stdin, stdout and stderr and sleeps 40 s."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(40)"], **kw)
+
+
+def once() -> bool:
+    """True the first time (in any process of this test): creates MARKER."""
+    if MARKER is None or MARKER.exists():
+        return False
+    MARKER.write_text("done")
+    return True
+
+
+class Misbehaving:
+    def __init__(self):
+        from conformance.backends.refimpl_backend import RefimplBackend
+
+        self.inner = RefimplBackend()
+        self.name, self.capabilities = "fake-" + MODE, self.inner.capabilities
+        self.runs = 0
+
+    def open(self, model_dir):
+        if MODE == "abort-open" and (MARKER is None or once()):
+            sys.stderr.write("fake engine: GGML_ASSERT(n_tokens > 0) failed\n")
+            sys.stderr.flush()
+            os.abort()
+        self.inner.open(model_dir)
+
+    def run(self, request):
+        self.runs += 1
+        if self.runs == N and once():
+            sys.stderr.write(f"fake engine: misbehaving ({MODE}) on run {N}\n")
+            sys.stderr.flush()
+            if MODE in ("hang-run-escape", "abort-run-escape"):
+                helper = sleeper(start_new_session=True)
+                Path(str(MARKER) + ".helper").write_text(str(helper.pid))
+            if MODE in ("abort-run", "abort-run-worker", "abort-run-escape"):
+                os.abort()
+            if MODE == "exit-run":
+                os._exit(3)
+            if MODE in ("hang-run", "hang-run-escape"):
+                time.sleep(3600)
+            if MODE == "garbage-run":
+                sys.__stdout__.write("llama_model_load: loading tensors\n")  # the reply stream
+                sys.__stdout__.flush()
+        return self.inner.run(request)
+
+    def close(self):
+        self.inner.close()
+
+
+def reply(msg, **fields):
+    sys.stdout.write(json.dumps({"id": msg["id"], **fields}) + "\n")
+    sys.stdout.flush()
+
+
+def hand_written():
+    if MODE == "exit-at-start":
+        sys.stderr.write("fatal: no CUDA device found\n")
+        sys.exit(3)
+    if MODE == "garbage":
+        print("Loading engine v0.1 ...", flush=True)
+    if MODE == "spawn-worker":
+        MARKER.write_text(f"{os.getpid()} {sleeper().pid}")
+    vocab = None
+    for line in sys.stdin:
+        msg = json.loads(line)
+        op = msg["op"]
+        if op == "hello":
+            caps = dict(CAPS)
+            if MODE == "missing-caps":
+                del caps["decode"]
+            reply(msg, ok=True, protocol="other-protocol" if MODE == "bad-protocol" else msg["protocol"],
+                  version=2 if MODE == "bad-version" else 1, name="fake", capabilities=caps, engine={})
+        elif op == "open":
+            if MODE == "refuse-open":
+                reply(msg, ok=False, error="unsupported architecture gemma4")
+                continue
+            if MODE == "slow-open":
+                time.sleep(N / 1000)
+            cfg = json.loads((Path(msg["model_dir"]) / "config.json").read_text())
+            vocab = cfg.get("text_config", cfg)["vocab_size"]
+            reply(msg, ok=True)
+        elif op == "run":
+            if MODE == "fail-run":
+                reply(msg, ok=False, error="RuntimeError: out of memory")
+                continue
+            req = msg["request"]
+            rows = len(req["tokens"]) if req["kind"] == "full" else 1
+            if MODE == "wrong-shape":
+                rows += 1
+            out = Path(msg["out_dir"])
+            n = rows * vocab - (1 if MODE == "wrong-size" else 0)
+            path = "../elsewhere.bin" if MODE == "escape-path" else "logits.bin"
+            (out / "logits.bin").write_bytes(b"\0" * (4 * n))
+            reply(msg, ok=True, logits={"path": path, "format": "raw", "dtype": "float32",
+                                        "shape": [rows, vocab]}, decode_logits=None, executed={})
+        else:
+            reply(msg, ok=True)
+            if op == "shutdown":
+                return
+
+
+if __name__ == "__main__":
+    if MODE in ("abort-run", "exit-run", "hang-run", "garbage-run", "abort-open", "abort-run-worker",
+                "hang-run-escape", "abort-run-escape"):
+        from conformance.backends.protocol_server import serve
+
+        if MODE == "abort-run-worker":
+            worker = sleeper()  # a multi-process engine: the worker keeps stdout open after an abort
+        serve(Misbehaving(), sys.stdin, sys.stdout)
+    else:
+        hand_written()

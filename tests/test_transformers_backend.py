@@ -1,0 +1,359 @@
+"""The transformers backend (``conformance.backends.transformers_backend``).
+
+* Through the harness, on a representative subset of the bundled cases (every request kind and entry
+  point: full; last plain / seq_id / embeddings at the last and an interior row; output-row prefill
+  with micro-batches, some without an output row; "none, then the last in the next call"; chunked
+  prefill with pieces longer than the window; three sequences with interleaved decode) on a dense PLE /
+  KV-sharing preset (e2b-mini) and a MoE preset (26b-a4b-mini), and all-features for float32:
+  every case passes the ``fp32`` profile in float32 and float64, and the float64 rows stay within
+  ``F64_BOUND`` of the oracle.
+* With tests/hf_reference.py's float64 patches (transformers' float32 spots made float64) the same
+  backend passes the same cases at ``exact-f64``: the backend's own plumbing (caches, logits_to_keep
+  indices, micro-batches, per-layer inputs of the embeddings entry) adds nothing.
+* Directly: an interior ``logits_to_keep`` row is the full forward's row; a micro-batch without an
+  output row writes the cache; transformers' ``logits_to_keep=0`` means "all rows" (why the backend
+  never passes it for a forward without output rows); the embeddings convention is "scaled"; both
+  checkpoint layouts give the same logits; option and open errors give their exact messages.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import hf_reference as H  # noqa: E402  (needs torch + transformers)
+from helpers import max_abs, tup  # noqa: E402
+
+from conformance import registry  # noqa: E402
+from conformance.backend import Backend, BackendError, Piece, Request  # noqa: E402
+from conformance.backends.transformers_backend import (  # noqa: E402
+    EXPECTATIONS_DIR,
+    TransformersBackend,
+    load_gemma4_causal_lm,
+)
+from conformance.expectations import load as load_expectations  # noqa: E402
+from conformance.fixtures import bundled_set  # noqa: E402
+from conformance.profiles import PROFILES  # noqa: E402
+from conformance.runner import run as run_cases  # noqa: E402
+from refimpl.synth import write_checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.hf
+
+# transformers float64 (float32 RMSNorm, attention softmax, RoPE angles, router softmax) against the
+# float64 oracle. Measured over all 260 bundled cases: worst row max_abs 2.6e-4 with eager attention
+# (e4b-mini full/B/T19 row 15, an ill-conditioned per-layer-input norm), 9.6e-5 with sdpa; 3.7e-5 on
+# the subset below. float32: 3.1e-4 (eager) / 3.5e-4 (sdpa). The bound is twice the worst measured.
+F64_BOUND = 5e-4
+# the same backend with the float32 spots patched to float64: measured worst 1.6e-12 (all 260 cases)
+EXACT_BOUND = 1e-11
+
+SUBSET = (
+    r"^(e2b-mini|26b-a4b-mini|all-features)/("
+    r"full/A/T9"
+    r"|last/(plain/A|seq_id/B|embeddings/C)/T9/pos(8|4)"
+    r"|prefill/A/T19/rows-middle/ub5"
+    r"|prefill/B/T20/none-then-last-17\+3"
+    r"|prefill/C/T20/none-then-last-17\+3/ub5"
+    r"|prefill/A/T21/chunks-11\+10"
+    r"|prefill/C/T19/rows-all"
+    r"|multi/A-T3\+B-T8\+C-T13"
+    r")$"
+)
+SUBSET_SETS = ("e2b-mini", "26b-a4b-mini", "all-features")
+ENTRIES = {"full", "last:plain", "last:seq_id", "last:embeddings", "prefill", "multi"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: one thread is ~5x faster than the default on a 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def run_subset(backend, profile: str, tmp_path, select: str = SUBSET, sets=SUBSET_SETS):
+    result = run_cases(backend, [bundled_set(s) for s in sets], PROFILES[profile], select=select, workdir=tmp_path)
+    assert result.cases, "the subset selected no case"
+    return result
+
+
+def worst(result) -> float:
+    return max(row["metrics"]["max_abs"] for case in result.cases for row in case.rows)
+
+
+def failures(result) -> list[str]:
+    return [f"{c.id}: {c.status} {c.message}" for c in result.cases if c.status != "pass"]
+
+
+# ----------------------------------------------------------------------------------------------
+# through the harness
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_subset_passes_fp32(dtype, tmp_path):
+    backend = TransformersBackend(dtype=dtype)
+    result = run_subset(backend, "fp32", tmp_path)
+    assert not failures(result), failures(result)
+    assert {c.entry for c in result.cases} == ENTRIES
+    assert {c.set for c in result.cases} == set(SUBSET_SETS)
+    assert len(result.cases) == 13 * len(SUBSET_SETS)
+    if dtype == "float64":
+        assert worst(result) < F64_BOUND
+    by_id = {c.id.split("/", 1)[1]: c.executed for c in result.cases if c.set == "26b-a4b-mini"}
+    common = {"dtype": dtype, "attn_implementation": "eager", "device": "cpu", "layout": "causal",
+              "experts_implementation": "eager" if dtype == "float64" else "grouped_mm"}
+    for executed in by_id.values():
+        assert {k: executed[k] for k in common} == common
+    # the row each forward kept, as logits_to_keep said
+    assert by_id["full/A/T9"]["logits_to_keep"] == 0  # 0 = all rows
+    assert by_id["last/plain/A/T9/pos8"]["logits_to_keep"] == 1
+    assert by_id["last/seq_id/B/T9/pos4"]["logits_to_keep"] == [4]
+    assert by_id["last/embeddings/C/T9/pos4"]["per_layer_inputs"] is None  # 26b-a4b-mini has no PLE
+    e2b = {c.id: c.executed for c in result.cases if c.set == "e2b-mini"}
+    assert e2b["e2b-mini/last/embeddings/C/T9/pos4"]["per_layer_inputs"] == "get_per_layer_inputs(token ids)"
+    ub = by_id["prefill/A/T19/rows-middle/ub5"]
+    assert [(u["tokens"], u["logits_to_keep"]) for u in ub["pieces"][0]["ubatches"]] == [
+        (5, []), (5, 1), (5, []), (4, [])]  # row 9 closes its micro-batch: the integer form
+    assert ub["state_len_after_prefill"] == 19
+    none_then_last = by_id["prefill/B/T20/none-then-last-17+3"]["pieces"]
+    assert [p["ubatches"][0]["logits_to_keep"] for p in none_then_last] == [[], 1]
+    multi = by_id["multi/A-T3+B-T8+C-T13"]
+    assert multi["state_len_after_prefill"] == [3, 8, 13]
+    assert multi["caches"] == "one DynamicCache per seq_id"
+
+
+class ExactFloat64(TransformersBackend):
+    """The float64 backend with transformers' float32 spots made float64 (tests/hf_reference.py)."""
+
+    def __init__(self, **options):
+        super().__init__(dtype="float64", **options)
+
+    def open(self, model_dir):
+        super().open(model_dir)
+        H.recompute_float64_buffers(self.model)
+
+    def run(self, request):
+        with H.float64_exact():
+            return super().run(request)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_plumbing_is_exact_with_float64_patches(attn, tmp_path):
+    """With the float32 spots patched, the backend's caches, indices and micro-batches are exact."""
+    result = run_subset(ExactFloat64(attn=attn), "exact-f64", tmp_path)
+    assert not failures(result), failures(result)
+    assert worst(result) < EXACT_BOUND
+
+
+def test_sdpa_and_bfloat16(tmp_path):
+    result = run_subset(TransformersBackend(attn="sdpa"), "fp32", tmp_path, sets=("e2b-mini",))
+    assert not failures(result), failures(result)
+    # bfloat16 on the dense preset without ill-conditioned rows (31b-mini: worst max_abs 0.65 < 8)
+    bf16 = TransformersBackend(dtype="bfloat16")
+    assert bf16.capabilities.default_profile == "bf16"
+    result = run_subset(bf16, "bf16", tmp_path, select=SUBSET.replace("e2b-mini|", "31b-mini|"), sets=("31b-mini",))
+    assert not failures(result), failures(result)
+    assert all(c.executed["dtype"] == "bfloat16" for c in result.cases)
+
+
+# ----------------------------------------------------------------------------------------------
+# direct
+
+
+@pytest.fixture(scope="module")
+def f64(preset_dirs):
+    backend = TransformersBackend(dtype="float64")
+    backend.open(preset_dirs["e2b-mini"])  # PLE + KV sharing: logits_to_keep=1 prunes the shared layers
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def exact64(preset_dirs):
+    backend = ExactFloat64()
+    backend.open(preset_dirs["e2b-mini"])
+    yield backend
+    backend.close()
+
+
+IDS = (2,) + tuple(range(40, 59))  # 20 tokens, more than two sliding windows (8)
+
+
+def test_interior_row_is_the_full_forward_row(f64):
+    full = f64.run(Request("full", tokens=IDS)).logits
+    for pos in (0, 7, 13):
+        res = f64.run(Request("last", tokens=IDS, entry="seq_id", seq_id=3, last_pos=pos))
+        assert res.executed["logits_to_keep"] == [pos]
+        assert res.executed["state_len_after_prefill"] == len(IDS)  # every token went into the cache
+        assert res.logits.shape == (1, full.shape[1])
+        assert max_abs(res.logits[0], full[pos]) < 1e-12
+        assert max_abs(res.logits[0], full[pos + 1]) > 1.0  # not a neighbour
+    last = f64.run(Request("last", tokens=IDS, last_pos=len(IDS) - 1))
+    assert last.executed["logits_to_keep"] == 1  # generate's form; prunes rows before the shared layers
+    assert max_abs(last.logits[0], full[-1]) < 1e-9
+
+
+def test_no_output_micro_batch_writes_the_cache(exact64):
+    """A forward with no output row still runs and writes the cache: the next piece's row is right.
+
+    (Exact float64, since stock float64 rounds differently per chunking at its float32 spots: 1.5e-5.)
+    """
+    full = exact64.run(Request("full", tokens=IDS)).logits
+    for ubatch in (None, 3, 4):
+        res = exact64.run(Request("prefill", pieces=(Piece(IDS[:14], ()), Piece(IDS[14:], (5,))), ubatch=ubatch,
+                              decode=(7, 9)))
+        kept = [u["logits_to_keep"] for p in res.executed["pieces"] for u in p["ubatches"]]
+        assert kept[:-1] == [[]] * (len(kept) - 1)  # every forward but the last has no output row
+        assert res.executed["state_len_after_prefill"] == len(IDS)
+        assert res.logits.shape == (1, full.shape[1])
+        assert max_abs(res.logits[0], full[-1]) < EXACT_BOUND, ubatch
+    # without the first piece's keys and values the row would be far off
+    alone = exact64.run(Request("last", tokens=IDS[14:], last_pos=5)).logits[0]
+    assert max_abs(alone, full[-1]) > 1.0
+
+
+def test_transformers_logits_to_keep_zero_means_all_rows(f64):
+    """Why the backend passes an empty index tensor, never 0, for a forward without output rows."""
+    ids = torch.tensor([list(IDS)])
+    with torch.inference_mode():
+        assert f64.model(input_ids=ids, logits_to_keep=0).logits.shape[1] == len(IDS)
+        assert f64.model(input_ids=ids, logits_to_keep=torch.tensor([], dtype=torch.long)).logits.shape[1] == 0
+        assert f64.model(input_ids=ids, logits_to_keep=torch.tensor([3, 11])).logits.shape[1] == 2
+
+
+def test_embeddings_convention_is_scaled(f64):
+    table = f64.model.model.embed_tokens.weight.detach().numpy()
+    raw = table[list(IDS)]
+    scaled = raw * np.sqrt(f64.model.config.hidden_size)
+    want = f64.run(Request("last", tokens=IDS, last_pos=9)).logits
+    got = f64.run(Request("last", tokens=IDS, entry="embeddings", seq_id=1, last_pos=9, embeddings=scaled))
+    assert f64.capabilities.embedding_convention == "scaled"
+    assert max_abs(got.logits, want) < 1e-9
+    wrong = f64.run(Request("last", tokens=IDS, entry="embeddings", seq_id=1, last_pos=9, embeddings=raw)).logits
+    assert max_abs(wrong, want) > 1.0
+
+
+def test_both_checkpoint_layouts(tmp_path):
+    ids = IDS[:12]
+    out = {}
+    for layout in ("causal", "conditional"):
+        path = write_checkpoint("26b-a4b-mini", 0, tmp_path / layout, layout=layout)
+        backend = TransformersBackend()
+        backend.open(path)
+        res = backend.run(Request("full", tokens=ids, decode=(5,)))
+        assert res.executed["layout"] == layout
+        out[layout] = (res.logits, res.decode_logits)
+        backend.close()
+    assert np.array_equal(out["causal"][0], out["conditional"][0])
+    assert np.array_equal(out["causal"][1], out["conditional"][1])
+    assert out["causal"][0].dtype == np.float32
+
+
+def test_multi_sequences_keep_their_own_caches(f64):
+    a, b = IDS[:9], IDS[5:17]
+    res = f64.run(Request("multi", sequences=(a, b), seq_ids=(4, 9), decode=((11, 12), (13,))))
+    alone_a = f64.run(Request("last", tokens=a, last_pos=len(a) - 1, decode=(11, 12)))
+    alone_b = f64.run(Request("last", tokens=b, last_pos=len(b) - 1, decode=(13,)))
+    assert max_abs(res.logits, np.concatenate([alone_a.logits, alone_b.logits])) < 1e-12
+    assert max_abs(res.decode_logits[0], alone_a.decode_logits) < 1e-12
+    assert max_abs(res.decode_logits[1], alone_b.decode_logits) < 1e-12
+    assert res.executed["state_len_after_prefill"] == [len(a), len(b)]
+
+
+# ----------------------------------------------------------------------------------------------
+# identity, options and errors
+
+
+def test_identity_and_capabilities():
+    b = TransformersBackend()
+    assert isinstance(b, Backend)
+    assert (b.name, b.dtype, b.attn, str(b.device)) == ("transformers-float32-eager", "float32", "eager", "cpu")
+    claimed = b.capabilities.to_dict()
+    assert claimed.pop("embedding_convention") == "scaled"
+    assert claimed.pop("default_profile") == "fp32"
+    assert all(v is True for v in claimed.values()), claimed
+    assert TransformersBackend(dtype="float64").capabilities.default_profile == "fp32"
+    assert TransformersBackend(dtype="float64", attn="sdpa").name == "transformers-float64-sdpa"
+    assert TransformersBackend(experts="batched_mm").name == "transformers-float32-eager-experts-batched_mm"
+    assert b.expectations_file is None
+    for attn in ("eager", "sdpa"):  # bf16 known failures, measured on CPU
+        bf16 = TransformersBackend(dtype="bfloat16", attn=attn, device="cpu")
+        assert bf16.expectations_file == EXPECTATIONS_DIR / f"transformers-bfloat16-{attn}-cpu.json"
+        exp = load_expectations(bf16.expectations_file)
+        assert exp.backend == bf16.name and exp.entries
+        assert all(e.action == "known-failure" and e.reason for e in exp.entries)
+    loaded = registry.load_backend("transformers", dtype="float64", attn="sdpa")
+    assert isinstance(loaded, TransformersBackend) and loaded.name == "transformers-float64-sdpa"
+
+
+def test_bad_options():
+    cases = [
+        ({"dtype": "float16"},
+         "transformers backend: dtype must be one of 'float32', 'float64', 'bfloat16', got 'float16'"),
+        ({"attn": "flash_attention_2"},
+         "transformers backend: attn must be one of 'eager', 'sdpa', got 'flash_attention_2'"),
+        ({"device": "tpu"},
+         "transformers backend: device must be one of 'auto', 'cpu', 'cuda' (or 'cuda:N'), got 'tpu'"),
+        ({"experts": "fast"},
+         "transformers backend: experts must be one of 'auto', 'eager', 'grouped_mm', 'batched_mm', got 'fast'"),
+        ({"threads": 0}, "transformers backend: threads must be None or an integer >= 1, got 0"),
+    ]
+    for options, message in cases:
+        with pytest.raises(ValueError) as info:
+            TransformersBackend(**options)
+        assert str(info.value) == message
+        with pytest.raises(BackendError) as info:
+            registry.load_backend("transformers", **options)
+        assert str(info.value) == f"backend 'transformers': the class raised ValueError: {message}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_cuda_unavailable():
+    assert str(TransformersBackend(device="auto").device) == "cpu"
+    for device in ("cuda", "cuda:1"):
+        with pytest.raises(BackendError) as info:
+            TransformersBackend(device=device)
+        assert str(info.value) == (
+            f"transformers backend: device {device!r} was requested but CUDA is not available "
+            f"(torch {torch.__version__}: torch.cuda.is_available() is False); use device='cpu' or device='auto'")
+
+
+def test_open_errors(tmp_path):
+    b = TransformersBackend()
+    with pytest.raises(RuntimeError, match=r"run\(\) called before open\(\)"):
+        b.run(Request("full", tokens=(2, 3)))
+    with pytest.raises(BackendError, match=f"^{tmp_path}: cannot read config.json: "):
+        b.open(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(BackendError, match=f"^{tmp_path}: config.json is not a Gemma 4 config "
+                                           r"\(model_type 'llama'\)$"):
+        b.open(tmp_path)
+    # a conditional-layout checkpoint (tensors model.language_model.*) whose config.json was replaced by
+    # the causal text config: Gemma4ForCausalLM finds none of its weights under its own names
+    bad = write_checkpoint("e2b-mini", 0, tmp_path / "relabelled", layout="conditional")
+    text = json.loads((bad / "config.json").read_text())["text_config"]
+    (bad / "config.json").write_text(json.dumps(text))
+    with pytest.raises(BackendError, match=rf"^transformers cannot load {bad} \(causal layout\): weights "
+                                           r"missing \['model\.embed_tokens\.weight', "):
+        b.open(bad)
+    # no weights at all
+    (bad / "model.safetensors").unlink()
+    with pytest.raises(BackendError, match=rf"^transformers 5\.\S+ cannot load {bad} \(causal layout\): OSError: "):
+        load_gemma4_causal_lm(bad)
+
+
+def test_tokens_and_rows_are_checked(f64):
+    with pytest.raises(ValueError, match="last_pos 5 is outside the 3 tokens of the call"):
+        f64.run(Request("last", tokens=(2, 3, 4), last_pos=5))
+    with pytest.raises(ValueError, match=r"piece 0 rows \[2, 1\] must be increasing within \[0, 3\)"):
+        f64.run(Request("prefill", pieces=(Piece((2, 3, 4), (2, 1)),)))
+    with pytest.raises(ValueError, match=r"embeddings have shape \(2, 64\), expected \(3, 64\)"):
+        f64.run(Request("last", tokens=(2, 3, 4), entry="embeddings", seq_id=0, last_pos=2,
+                        embeddings=np.zeros((2, 64))))
+    assert tup(f64.run(Request("prefill", pieces=(Piece((2, 3), ()),))).logits.shape) == (0, 512)

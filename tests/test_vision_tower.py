@@ -1,0 +1,422 @@
+"""refimpl.vision (the Gemma 4 vision tower + embed_vision) against Hugging Face transformers.
+
+A tiny random ``Gemma4ForConditionalGeneration`` (vision: hidden 32, 2 layers, 2 heads, head_dim 16,
+patch 4, pooling 3, table 64) is written by transformers; its image inputs come from transformers'
+own ``Gemma4ImageProcessorPil`` (patch 4, pooling 3, max_soft_tokens 70, so every image is padded to
+630 patches) for three image sizes processed as one batch. Each image's soft tokens from
+``model.model.get_image_features`` (vision tower + embed_vision, eager attention) are compared with
+``refimpl.vision.vision_tower`` on the same (padded) patches, for five towers: plain,
+``standardize=True`` (26B/31B style), ``use_clipped_linears=True`` (E2B/E4B style, with finite
+random bounds that do clip), head_dim 24 with grouped KV heads, and the 26B/31B head_dim 72 with
+both features.
+
+transformers in float64 still computes parts of the vision path in float32. Found in 5.24.0:
+
+* ``Gemma4RMSNorm.forward`` ``.float()`` (every vision norm, the q/k/v norms and embed_vision's
+  pre-projection norm)                              -> hf_reference.float64_exact()
+* ``eager_attention_forward`` softmax ``dtype=torch.float32`` (the vision attention's eager
+  path)                                             -> hf_reference.float64_exact()
+* ``Gemma4VisionRotaryEmbedding.inv_freq`` / ``original_inv_freq`` buffers built with a float32
+  ``arange`` and stay float32 in a float64 model    -> recomputed here in float64
+* ``Gemma4VisionRotaryEmbedding.forward``: ``position_ids.float() * inv_freq.float()``
+                                                    -> patched here
+* ``Gemma4VisionPooler._avg_pool_by_positions``: one-hot weights ``.float()`` and
+  ``hidden_states.float()`` (a float32 matmul)     -> patched here
+* ``Gemma4VisionPooler.forward``: ``hidden_states.float() * root_hidden_size`` (returns float32)
+                                                    -> patched here
+* ``Gemma4VisionModel.forward`` standardize: ``std_bias.float()``, ``std_scale.float()``. Left
+  alone: it is exact whenever the stored values are float32-representable (F32/BF16 checkpoints;
+  asserted below), and the pooled input is float64 once the pooler is patched.
+* ``Gemma4VisionPatchEmbedder.forward`` computes ``2 * (pixel_values - 0.5)`` in the dtype of the
+  pixels it is given; the processor returns float32, so the test hands float64 pixels to transformers
+  (the same values refimpl gets).
+Also checked: SDPA (the vision default) is replaced by eager (SDPA in float64 measured the same,
+7e-15); the bidirectional padding mask is built in the embeddings' dtype; GELUTanh and the clippable
+linears compute in the input dtype. Measured effect of each float32 spot alone (the others patched):
+RoPE angles 6e-7, RMSNorm + softmax 1e-6, pooling matmul 1e-7, pooler scale 8e-8, inv_freq buffer
+1e-7, float32 pixels 1.5e-7.
+
+Needs torch, transformers and pillow (the PIL image processor); those tests skip without them.
+
+The replaced functions are copies of transformers 5.24.0 with float32 -> float64 only, pinned by the
+sha256 of their source (like tests/hf_reference.py); the audited-but-unpatched ones are pinned too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import hashlib
+import inspect
+import json
+
+import numpy as np
+import pytest
+
+from refimpl.errors import ConfigError, InputError, WeightsError
+from refimpl.model import Trace
+from refimpl.safetensors_io import write_safetensors
+from refimpl.vision import (VisionWeights, expected_vision_tensors, load_vision_config, load_vision_tower,
+                            parse_vision_config, vision_tower, vision_tower_batch)
+
+# float64 rounding through 2 layers, pooling and the projection (soft tokens up to ~2.5 in size).
+# Measured worst case over the 3 images x 5 towers below: 3.8e-14 (hd72_all), 7.9e-15 (hd24_gqa),
+# 9.2e-15 (clipped), 6.7e-15 (plain), 5.3e-15 (standardize). A looser bound would hide real bugs.
+EXACT_BOUND = 2e-13
+# transformers as shipped (float32 norms, softmax, RoPE angles, pooling inside a float64 model) vs the
+# float64 oracle: measured 0.9e-6 to 2.4e-6. Each float32 spot alone is visible (1e-7 to 1e-6).
+SHIPPED_BOUND = 2e-5
+
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=3, position_embedding_size=64)
+TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=16, global_head_dim=32, sliding_window=8, hidden_size_per_layer_input=0,
+            layer_types=["sliding_attention", "full_attention"])
+TOKEN_IDS = dict(image_token_id=500, boi_token_id=501, eoi_token_id=502, audio_token_id=503, boa_token_id=504,
+                 eoa_token_index=505, video_token_id=506)
+VARIANTS = {
+    "plain": {},
+    "standardize": {"standardize": True},
+    "clipped": {"use_clipped_linears": True},
+    # head_dim 24 (6 RoPE frequencies per axis) with 3 query heads sharing 1 KV head
+    "hd24_gqa": {"head_dim": 24, "num_attention_heads": 3, "num_key_value_heads": 1},
+    # the 26B/31B head_dim 72 (18 frequencies per axis) with both features on
+    "hd72_all": {"head_dim": 72, "standardize": True, "use_clipped_linears": True},
+}
+VARIANT_FLAG = {"standardize": "standardize", "clipped": "use_clipped_linears"}
+# (height, width) of the random RGB images. The processor resizes (PIL bicubic) to multiples of
+# 12 px within 630 patches: 84x108 px (21x27 patches, 63 soft tokens, wide), 96x96 (24x24, 64,
+# upscaled square), 156x60 (39x15, 65, tall); all three padded to 630 patches in one batch.
+IMAGE_SIZES = [(40, 56), (30, 30), (90, 36)]
+
+
+# ----------------------------------------------------------------------------------------------
+# transformers, float64 throughout (needs torch, transformers, pillow)
+
+
+def _hf():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("PIL")
+    import hf_reference
+    import transformers.models.gemma4.modeling_gemma4 as mg
+    return torch, mg, hf_reference
+
+
+def _vision_patches(torch, mg):
+    """(owner, attribute, original, float64 replacement, sha256 of the original in transformers 5.24.0)."""
+    F64 = torch.float64
+    F = torch.nn.functional
+    orig_rotary = mg.Gemma4VisionRotaryEmbedding.forward
+    orig_pool = mg.Gemma4VisionPooler._avg_pool_by_positions
+    orig_pooler = mg.Gemma4VisionPooler.forward
+
+    def rotary_forward_f64(self, x, position_ids):
+        # Original: position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        if x.dtype != F64:
+            return orig_rotary(self, x, position_ids)
+        freqs = position_ids[..., None].to(F64) * self.inv_freq.to(device=x.device, dtype=F64)
+        cos = freqs.cos() * self.attention_scaling
+        sin = freqs.sin() * self.attention_scaling
+
+        cos = self.recomposition_frequencies(cos)
+        sin = self.recomposition_frequencies(sin)
+        return cos.to(x.dtype), sin.to(x.dtype)
+
+    def avg_pool_f64(self, hidden_states, pixel_position_ids, length):
+        # Original: F.one_hot(...).float() / k_squared; weights.transpose(1, 2) @ hidden_states.float()
+        if hidden_states.dtype != F64:
+            return orig_pool(self, hidden_states, pixel_position_ids, length)
+        input_seq_len = hidden_states.shape[1]
+        k = int((input_seq_len // length) ** 0.5)
+        k_squared = k**2
+        if k_squared * length != input_seq_len:
+            raise ValueError(
+                f"Cannot pool {hidden_states.shape} to {length}: {k=}^2 times {length=} must be {input_seq_len}."
+            )
+        clamped_positions = pixel_position_ids.clamp(min=0)
+        max_x = clamped_positions[..., 0].max(dim=-1, keepdim=True)[0] + 1
+        kernel_idxs = torch.div(clamped_positions, k, rounding_mode="floor")
+        kernel_idxs = kernel_idxs[..., 0] + (max_x // k) * kernel_idxs[..., 1]
+        weights = F.one_hot(kernel_idxs.long(), length).to(F64) / k_squared
+        output = weights.transpose(1, 2) @ hidden_states
+        mask = torch.logical_not((weights == 0).all(dim=1))
+        return output.to(hidden_states.dtype), mask
+
+    def pooler_forward_f64(self, hidden_states, pixel_position_ids, padding_positions, output_length=None):
+        # Original: hidden_states = hidden_states.float() * self.root_hidden_size
+        if hidden_states.dtype != F64:
+            return orig_pooler(self, hidden_states, pixel_position_ids, padding_positions, output_length)
+        if output_length > hidden_states.shape[1]:
+            raise ValueError(
+                f"Cannot output more soft tokens (requested {output_length}) than there are patches"
+                f" ({hidden_states.shape[1]}). Change the value of `num_soft_tokens` when processing."
+            )
+        hidden_states = hidden_states.masked_fill(padding_positions.unsqueeze(-1), 0.0)
+        if hidden_states.shape[1] != output_length:
+            hidden_states, padding_positions = self._avg_pool_by_positions(
+                hidden_states, pixel_position_ids, output_length
+            )
+        hidden_states = hidden_states * self.root_hidden_size
+        return hidden_states, padding_positions
+
+    return [
+        (mg.Gemma4VisionRotaryEmbedding, "forward", orig_rotary, rotary_forward_f64,
+         "ea8611d2000fe659053baabf4cbe3f275e1517b7b41d6a80b8b1028e4f306ca8"),
+        (mg.Gemma4VisionPooler, "_avg_pool_by_positions", orig_pool, avg_pool_f64,
+         "a6c52ab4852ff629691463bb13732e1cf1d1ea6eb9dc6d97814b293dd0a098bc"),
+        (mg.Gemma4VisionPooler, "forward", orig_pooler, pooler_forward_f64,
+         "ebb31c87df3a3adc0d7fe2a6e78753662b1e466b3d3883647786ca8685fbecfd"),
+    ]
+
+
+def _audited(mg):
+    """Read for float32 spots and left alone (see the module docstring); pinned so a change is noticed."""
+    return [
+        (mg.Gemma4VisionModel.forward, "9f5cdc4ae1af27b6fb12cf3b3564994aaf22fa9668be93ed201dbd127448ff25"),
+        (mg.Gemma4VisionPatchEmbedder.forward, "c85821fe0650e3d45a3e3e42f0397eb679cf3c06577b8e9e5fe129abab28fb42"),
+    ]
+
+
+def _sha(fn) -> str:
+    return hashlib.sha256(inspect.getsource(inspect.unwrap(fn)).encode()).hexdigest()
+
+
+@contextlib.contextmanager
+def vision_float64_exact(torch, mg, hf_reference):
+    """hf_reference.float64_exact() (RMSNorm, eager softmax) plus the vision rotary and pooler copies."""
+    patches = _vision_patches(torch, mg)
+    changed = [f"{owner.__name__}.{attr}" for owner, attr, orig, _, sha in patches if _sha(orig) != sha]
+    changed += [fn.__qualname__ for fn, sha in _audited(mg) if _sha(fn) != sha]
+    if changed:
+        raise RuntimeError(
+            "tests/test_vision_tower.py was written against transformers 5.24.0, but the source of "
+            f"{', '.join(changed)} changed; re-read modeling_gemma4.py for float32 spots and update the copies/sha256"
+        )
+    with hf_reference.float64_exact(), hf_reference.patched(patches):
+        yield
+
+
+def recompute_vision_inv_freq(torch, mg, model) -> None:
+    """Gemma4VisionRotaryEmbedding's inv_freq buffers, same formula, in float64 (checked against the old)."""
+    for name, module in model.named_modules():
+        if isinstance(module, mg.Gemma4VisionRotaryEmbedding):
+            cfg = module.config
+            spatial_dim = cfg.head_dim // 2
+            base = float(cfg.rope_parameters["rope_theta"])
+            new = 1.0 / (base ** (torch.arange(0, spatial_dim, 2, dtype=torch.float64) / spatial_dim))
+            for attr in ("inv_freq", "original_inv_freq"):
+                old = getattr(module, attr)
+                if old.shape != new.shape or not torch.allclose(old.to(torch.float64), new, rtol=1e-6, atol=0):
+                    raise RuntimeError(f"{name}.{attr}: float64 recomputation disagrees with transformers")
+                setattr(module, attr, new)
+
+
+def _randomise(torch, model, seed: int) -> None:
+    """Random vision weights: norms and std_scale around 1, clip bounds finite and biting, the rest N(0, 0.1^2)."""
+    g = torch.Generator().manual_seed(seed)
+    named = list(model.named_parameters()) + list(model.named_buffers())
+    with torch.no_grad():
+        for name, t in named:
+            if "inv_freq" in name or not t.is_floating_point():
+                continue
+            last = name.split(".")[-1]
+            if last == "weight" and "norm" in name.split(".")[-2] or last in ("std_scale", "layer_scalar"):
+                t.copy_(1.0 + 0.2 * torch.randn(t.shape, generator=g))
+            elif last == "std_bias":
+                t.copy_(2.0 * torch.randn(t.shape, generator=g))
+            elif last == "position_embedding_table":
+                t.copy_(0.5 * torch.randn(t.shape, generator=g))
+            elif last in ("input_min", "output_min"):
+                t.copy_(-(0.6 + 0.6 * torch.rand((), generator=g)))
+            elif last in ("input_max", "output_max"):
+                t.copy_(0.6 + 0.6 * torch.rand((), generator=g))
+            elif name.endswith("embed_scale"):
+                continue
+            else:
+                t.copy_(0.1 * torch.randn(t.shape, generator=g))
+
+
+@pytest.fixture(scope="module")
+def torch_one_thread():
+    torch, mg, hf_reference = _hf()
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny model: threads only add overhead on a busy 2-core box
+    yield torch, mg, hf_reference
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def processed(torch_one_thread):
+    """The processor's batch for IMAGE_SIZES: pixel_values [3, 630, 48] f32, image_position_ids [3, 630, 2]."""
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    proc = Gemma4ImageProcessorPil(patch_size=4, pooling_kernel_size=3, max_soft_tokens=70)
+    rng = np.random.default_rng(5)
+    images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in IMAGE_SIZES]
+    out = proc(images=images, return_tensors="np")
+    return (np.asarray(out["pixel_values"]), np.asarray(out["image_position_ids"]),
+            [int(n) for n in out["num_soft_tokens_per_image"]])
+
+
+@pytest.fixture(scope="module")
+def checkpoints(torch_one_thread, tmp_path_factory):
+    """{variant: (checkpoint dir, float64 HF model with float64 buffers)}."""
+    torch, mg, _ = torch_one_thread
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    out = {}
+    for seed, (variant, extra) in enumerate(VARIANTS.items()):
+        cfg = Gemma4Config(text_config=dict(TEXT), vision_config={**VISION, **extra}, audio_config=None, **TOKEN_IDS)
+        model = Gemma4ForConditionalGeneration(cfg)
+        _randomise(torch, model, seed)
+        path = tmp_path_factory.mktemp(f"vision_{variant}")
+        model.save_pretrained(path)
+        hf = Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float64, attn_implementation="eager")
+        hf.eval()
+        assert hf.config.vision_config._attn_implementation == "eager"
+        recompute_vision_inv_freq(torch, mg, hf)
+        out[variant] = (path, hf)
+    return out
+
+
+def hf_soft_tokens(torch_one_thread, hf, pixel_values, positions, exact=True) -> list[np.ndarray]:
+    """get_image_features' per-image embed_vision output, float64 pixels in."""
+    torch, mg, hf_reference = torch_one_thread
+    ctx = vision_float64_exact(torch, mg, hf_reference) if exact else contextlib.nullcontext()
+    with torch.no_grad(), ctx:
+        out = hf.model.get_image_features(torch.from_numpy(pixel_values.astype(np.float64)),
+                                          torch.from_numpy(positions.astype(np.int64)))
+    return [t.numpy().astype(np.float64) for t in out.pooler_output]
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_vision_tower_equals_transformers_in_float64(variant, checkpoints, processed, torch_one_thread):
+    path, hf = checkpoints[variant]
+    pixel_values, positions, n_soft = processed
+    weights, cfg = load_vision_tower(path)
+    extra = VARIANTS[variant]
+    assert cfg.standardize == extra.get("standardize", False)
+    assert cfg.use_clipped_linears == extra.get("use_clipped_linears", False)
+    if cfg.standardize:  # the unpatched .float() on these buffers is exact only for float32 values
+        for name in ("model.vision_tower.std_bias", "model.vision_tower.std_scale"):
+            assert np.array_equal(weights[name], weights[name].astype(np.float32))
+    theirs = hf_soft_tokens(torch_one_thread, hf, pixel_values, positions)
+    ours = vision_tower_batch(pixel_values, positions, weights, cfg)
+    diffs = []
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert a.shape == b.shape == (n_soft[i], TEXT["hidden_size"])
+        diffs.append(float(np.abs(a - b).max()))
+    print(f"\n{variant}: max |refimpl - transformers| per image {IMAGE_SIZES}: " + ", ".join(f"{d:.2e}" for d in diffs))
+    assert max(diffs) < EXACT_BOUND, f"{variant}: max |refimpl - transformers| per image = {diffs}"
+    assert n_soft == [63, 64, 65]  # the grids named at IMAGE_SIZES
+    if variant in VARIANT_FLAG:  # the feature changes the result (the bounds do clip; std is not ~identity)
+        cfg_off = dataclasses.replace(cfg, **{VARIANT_FLAG[variant]: False})
+        weights_off = copy.copy(weights)
+        weights_off.cfg = cfg_off
+        without = vision_tower(pixel_values[0], positions[0], weights_off, cfg_off)
+        assert np.abs(without - theirs[0]).max() > 0.1
+
+
+@pytest.mark.hf
+def test_transformers_as_shipped_is_only_float32_close(checkpoints, processed, torch_one_thread):
+    """Without the float64 patches transformers is visibly worse: proof the patches are in effect."""
+    path, hf = checkpoints["standardize"]
+    pixel_values, positions, _ = processed
+    ours = vision_tower_batch(pixel_values, positions, *load_vision_tower(path))
+    stock = hf_soft_tokens(torch_one_thread, hf, pixel_values, positions, exact=False)
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(ours, stock))
+    print(f"\nstock transformers (float64 model, float32 spots) vs refimpl: {diff:.2e}")
+    assert 1e3 * EXACT_BOUND < diff < SHIPPED_BOUND
+
+
+@pytest.mark.hf
+def test_float32_refimpl_is_float32_close(checkpoints, processed):
+    path, _ = checkpoints["plain"]
+    pixel_values, positions, _ = processed
+    exact = vision_tower(pixel_values[0], positions[0], *load_vision_tower(path))
+    low = vision_tower(pixel_values[0], positions[0], *load_vision_tower(path, "float32"))
+    assert low.dtype == np.float32
+    assert np.abs(exact - low).max() < 1e-4
+
+
+# ----------------------------------------------------------------------------------------------
+# without transformers: a synthetic checkpoint written by refimpl
+
+
+def _config(**vision) -> dict:
+    return {"architectures": ["Gemma4ForConditionalGeneration"], "text_config": {"hidden_size": 24},
+            "vision_config": {**VISION, **vision}}
+
+
+def _write(path, raw: dict, seed: int = 0, drop: str | None = None):
+    cfg = parse_vision_config(raw)
+    rng = np.random.default_rng(seed)
+    tensors = {name: rng.normal(0.0, 0.3, shape)
+               for name, shape in expected_vision_tensors(cfg).items() if name != drop}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(raw))
+    write_safetensors(path / "model.safetensors", tensors, dtype="F64")
+    return path
+
+
+def _grid(ph: int, pw: int, pad: int = 0, seed: int = 1):
+    rng = np.random.default_rng(seed)
+    xs, ys = np.meshgrid(np.arange(pw), np.arange(ph), indexing="xy")
+    pos = np.stack([xs, ys], axis=-1).reshape(-1, 2)
+    pix = rng.random((ph * pw, 48))
+    return np.concatenate([pix, np.zeros((pad, 48))]), np.concatenate([pos, -np.ones((pad, 2), dtype=np.int64)])
+
+
+def test_padding_and_patch_order_do_not_change_the_soft_tokens(tmp_path):
+    weights, cfg = load_vision_tower(_write(tmp_path / "c", _config(standardize=True)))
+    pix, pos = _grid(6, 9)
+    trace = Trace()
+    base = vision_tower(pix, pos, weights, cfg, trace=trace)
+    assert base.shape == (6, 24) and trace.tensors["pooled"].shape == (6, 32)
+    padded_pix, padded_pos = _grid(6, 9, pad=27)
+    assert np.array_equal(vision_tower(padded_pix, padded_pos, weights, cfg), base)
+    perm = np.random.default_rng(3).permutation(len(pos))  # attention and pooling by position are order-free
+    assert np.abs(vision_tower(pix[perm], pos[perm], weights, cfg) - base).max() < 1e-13
+
+
+def test_bad_inputs_are_clear_errors(tmp_path):
+    weights, cfg = load_vision_tower(_write(tmp_path / "c", _config()))
+    pix, pos = _grid(3, 6)
+    with pytest.raises(InputError, match=r"\[N, 48\]"):
+        vision_tower(pix[:, :47], pos, weights, cfg)
+    bad = pos.copy()
+    bad[4] = (-1, 2)
+    with pytest.raises(InputError, match="only \\(-1, -1\\) marks a padding patch"):
+        vision_tower(pix, bad, weights, cfg)
+    with pytest.raises(InputError, match="exactly once"):
+        vision_tower(pix[:-1], pos[:-1], weights, cfg)
+    pix4, pos4 = _grid(3, 4)
+    with pytest.raises(InputError, match="multiples of the pooling kernel 3"):
+        vision_tower(pix4, pos4, weights, cfg)
+    with pytest.raises(InputError, match="every patch is padding"):
+        vision_tower(pix, -np.ones_like(pos), weights, cfg)
+
+
+def test_config_and_weight_errors(tmp_path):
+    with pytest.raises(ConfigError, match="no 'vision_config'"):
+        parse_vision_config({"text_config": {"hidden_size": 8}})
+    with pytest.raises(ConfigError, match="'head_dim' 18 is not a multiple of 4"):
+        parse_vision_config(_config(head_dim=18))
+    with pytest.raises(ConfigError, match="rope_type"):
+        parse_vision_config(_config(rope_parameters={"rope_type": "yarn", "rope_theta": 100.0}))
+    raw = _config()
+    del raw["vision_config"]["patch_size"]
+    with pytest.raises(ConfigError, match="'patch_size' is missing"):
+        parse_vision_config(raw)
+    old = parse_vision_config(_config(rope_parameters={"rope_type": "default", "rope_theta": 100.0}))
+    assert old.rope_theta == 100.0 and old == parse_vision_config(_config())
+    path = _write(tmp_path / "m", _config(), drop="model.vision_tower.encoder.layers.1.self_attn.k_norm.weight")
+    with pytest.raises(WeightsError, match="missing tensor 'model.vision_tower.encoder.layers.1.self_attn.k_norm"):
+        VisionWeights(path, load_vision_config(path))
+    path = _write(tmp_path / "s", _config(standardize=True))
+    (path / "config.json").write_text(json.dumps(_config()))
+    with pytest.raises(WeightsError, match="standardize buffers"):
+        load_vision_tower(path)
