@@ -91,6 +91,16 @@ def attention_mask(q_pos: np.ndarray, k_pos: np.ndarray, window: int | None) -> 
     return allowed
 
 
+def vision_block_mask(q_pos: np.ndarray, k_pos: np.ndarray, window: int, q_blocks: np.ndarray,
+                      k_blocks: np.ndarray) -> np.ndarray:
+    """bool [T, S] of a sliding layer with vision blocks (multimodal spec 7.2):
+    (q - k <= W - 1) and (k <= q or b(q) = b(k) >= 0). The window bounds only the past side: a token of
+    an image block sees every later token of its own block. Blocks are ids >= 0; -1 is outside."""
+    delta = q_pos[:, None] - k_pos[None, :]
+    same_block = (q_blocks[:, None] == k_blocks[None, :]) & (q_blocks[:, None] >= 0)
+    return (delta < window) & ((delta >= 0) | same_block)
+
+
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """q [T, N, D], k/v [S, K, D], mask [T, S] -> [T, N, D]. Scale 1.0, no softcap, GQA head j -> j // G."""
     T, N, D = q.shape
@@ -235,6 +245,21 @@ class Gemma4:
             raise InputError(f"token id {int(bad[0])} is outside the vocabulary [0, {self.cfg.vocab_size})")
         return ids.astype(np.int64)
 
+    def check_vision_blocks(self, blocks, T: int) -> np.ndarray | None:
+        if blocks is None:
+            return None
+        if self.cfg.use_bidirectional_attention != "vision":
+            raise InputError(
+                f"vision_blocks given, but this checkpoint's use_bidirectional_attention is "
+                f"{self.cfg.use_bidirectional_attention!r}: its image tokens are causal in every layer (only "
+                "'vision' checkpoints open vision blocks)"
+            )
+        b = np.asarray(blocks)
+        if b.shape != (T,) or not np.issubdtype(b.dtype, np.integer) or (b < -1).any():
+            raise InputError(f"vision_blocks must be {T} integers (block id >= 0, or -1 outside a block), "
+                             f"got {b.dtype} {list(b.shape)}")
+        return b.astype(np.int64)
+
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """x0 [T, H] = E[ids] * sqrt(H) (exact, or bf16-rounded on request); rows read from the memory map."""
         return self.weights.rows("embed_tokens.weight", ids) * self.dtype.type(self.embed_scale)
@@ -252,8 +277,11 @@ class Gemma4:
     # -- one layer ----------------------------------------------------------------------------
 
     def attention_block(self, i: int, x: np.ndarray, positions: np.ndarray, cache: KVCache,
-                        call_kv: dict[int, LayerKV]) -> np.ndarray:
-        """Pre-norm attention with q/k/v norms and RoPE; returns the post-attention-normed output [T, H]."""
+                        call_kv: dict[int, LayerKV], blocks: np.ndarray | None = None) -> np.ndarray:
+        """Pre-norm attention with q/k/v norms and RoPE; returns the post-attention-normed output [T, H].
+
+        ``blocks`` [T] (vision block id of each new token, -1 outside) opens same-block keys on sliding
+        layers (``vision_block_mask``); full layers stay causal."""
         cfg, layer, w = self.cfg, self.cfg.layers[i], self.weights
         p = f"layers.{i}."
         T, N, D, eps = x.shape[0], cfg.num_attention_heads, layer.head_dim, cfg.rms_norm_eps
@@ -279,7 +307,13 @@ class Gemma4:
         else:
             kv = call_kv[layer.kv_source]  # post-norm, post-RoPE K/V of the source layer
 
-        mask = attention_mask(positions, kv.pos, cfg.sliding_window if layer.is_sliding else None)
+        if blocks is not None and layer.is_sliding:
+            # keys from the cache precede every new token, so only the new keys can be ahead of a query
+            new = kv.pos >= positions[0]
+            k_blocks = np.where(new, blocks[np.where(new, kv.pos - positions[0], 0)], -1)
+            mask = vision_block_mask(positions, kv.pos, cfg.sliding_window, blocks, k_blocks)
+        else:
+            mask = attention_mask(positions, kv.pos, cfg.sliding_window if layer.is_sliding else None)
         a = attention(q, kv.k, kv.v, mask).reshape(T, N * D)
         o = linear(a, w[p + "self_attn.o_proj.weight"])
         return rms_norm(o, w[p + "post_attention_layernorm.weight"], eps)
@@ -314,9 +348,9 @@ class Gemma4:
         return rms_norm(g, w[p + "post_per_layer_input_norm.weight"], self.cfg.rms_norm_eps)
 
     def layer(self, i: int, x: np.ndarray, ple_i: np.ndarray | None, positions: np.ndarray, cache: KVCache,
-              call_kv: dict[int, LayerKV], trace: Trace | None) -> np.ndarray:
+              call_kv: dict[int, LayerKV], trace: Trace | None, blocks: np.ndarray | None = None) -> np.ndarray:
         p = f"layers.{i}."
-        a = self.attention_block(i, x, positions, cache, call_kv)
+        a = self.attention_block(i, x, positions, cache, call_kv, blocks)
         r = x + a
         m = self.ffn_block(i, r, trace)
         x = r + m
@@ -335,17 +369,22 @@ class Gemma4:
     # -- whole model --------------------------------------------------------------------------
 
     def hidden_states(self, ids: Sequence[int] | np.ndarray, *, cache: KVCache | None = None,
-                      embeddings: np.ndarray | None = None, trace: Trace | None = None) -> np.ndarray:
+                      embeddings: np.ndarray | None = None, vision_blocks: Sequence[int] | np.ndarray | None = None,
+                      trace: Trace | None = None) -> np.ndarray:
         """Run every layer over the new tokens; returns the residual stream [T, H] before the final norm.
 
         ``embeddings`` [T, H], when given, replaces E[ids] * sqrt(H) as the input (it must already be
         scaled); ``ids`` then only select the per-layer-embedding rows (use the pad id 0 for soft tokens).
-        ``cache`` is advanced in place; positions continue from ``cache.length``.
+        ``vision_blocks`` [T], only for ``use_bidirectional_attention == "vision"`` checkpoints: the
+        vision block id of each new token (0, 1, ... per image, -1 outside); sliding layers then let
+        tokens of one block see each other (``vision_block_mask``). A block must not be split across
+        calls. ``cache`` is advanced in place; positions continue from ``cache.length``.
         """
         cfg = self.cfg
         ids = self.check_ids(ids)
         cache = cache if cache is not None else KVCache()
         T = ids.shape[0]
+        blocks = self.check_vision_blocks(vision_blocks, T)
         if embeddings is None:
             x = self.embed(ids)
         else:
@@ -361,7 +400,7 @@ class Gemma4:
 
         call_kv: dict[int, LayerKV] = {}
         for i in range(cfg.num_hidden_layers):
-            x = self.layer(i, x, None if ple is None else ple[:, i, :], positions, cache, call_kv, trace)
+            x = self.layer(i, x, None if ple is None else ple[:, i, :], positions, cache, call_kv, trace, blocks)
 
         # keep what future tokens can attend to: sliding layers their last W - 1 keys, full layers all
         end = cache.length + T
@@ -385,11 +424,12 @@ class Gemma4:
 
     def forward(self, ids: Sequence[int] | np.ndarray, *, rows: str | Sequence[int] = "all",
                 cache: KVCache | None = None, embeddings: np.ndarray | None = None,
-                trace: Trace | None = None) -> np.ndarray:
-        """Logits [R, V] for the requested rows of this call: "last", "all", or a list of indices."""
+                vision_blocks: Sequence[int] | np.ndarray | None = None, trace: Trace | None = None) -> np.ndarray:
+        """Logits [R, V] for the requested rows of this call: "last", "all", or a list of indices.
+        ``embeddings`` and ``vision_blocks`` as in ``hidden_states``."""
         ids = self.check_ids(ids)
         index = resolve_rows(rows, len(ids))
-        x = self.hidden_states(ids, cache=cache, embeddings=embeddings, trace=trace)
+        x = self.hidden_states(ids, cache=cache, embeddings=embeddings, vision_blocks=vision_blocks, trace=trace)
         return self.head(x[index])
 
 
