@@ -705,6 +705,24 @@ class SubprocessBackend:
             self._proc.kill()
             self._proc = None
 
+    def _call(self, op: str, fields: dict[str, Any], timeout: float, *, died, timed_out: str, garbage) -> dict:
+        """One request on the current process, its reply. A death, a timeout or a garbled reply becomes
+        EngineCrash ``died(exc)``, EngineTimeout ``timed_out`` or ProtocolError ``garbage(exc)``, each
+        followed by the engine's stderr tail; the process is gone afterwards (killed if it still ran)."""
+        proc = self._proc
+        assert proc is not None
+        try:
+            return proc.call(op, fields, timeout)
+        except _Died as exc:
+            self._proc = None
+            raise EngineCrash(died(exc) + proc.stderr_text()) from None
+        except _TimedOut:
+            self._discard()
+            raise EngineTimeout(timed_out + proc.stderr_text()) from None
+        except _Garbage as exc:
+            self._discard()
+            raise ProtocolError(garbage(exc) + proc.stderr_text()) from None
+
     def _start(self) -> dict[str, Any]:
         """Start ``self._command`` and say hello; returns the checked hello fields. Raises EngineFailure."""
         self._discard()
@@ -721,18 +739,11 @@ class SubprocessBackend:
             raise EngineCrash(f"cannot start the engine command [{self._label()}]: {exc.strerror or exc}") from None
         self._proc = proc
         what = f"the engine command [{self._label()}]"
-        try:
-            reply = proc.call("hello", {"protocol": PROTOCOL, "versions": list(VERSIONS)}, self.startup_timeout)
-        except _Died as exc:
-            self._proc = None
-            raise EngineCrash(f"{what} {exc} before answering hello{proc.stderr_text()}") from None
-        except _TimedOut:
-            self._discard()
-            raise EngineTimeout(f"{what} did not answer hello within {self.startup_timeout:g} s "
-                                f"(startup_timeout); it was killed{proc.stderr_text()}") from None
-        except _Garbage as exc:
-            self._discard()
-            raise ProtocolError(f"{what} {exc}{proc.stderr_text()}") from None
+        reply = self._call(
+            "hello", {"protocol": PROTOCOL, "versions": list(VERSIONS)}, self.startup_timeout,
+            died=lambda exc: f"{what} {exc} before answering hello",
+            timed_out=f"{what} did not answer hello within {self.startup_timeout:g} s (startup_timeout); it was killed",
+            garbage=lambda exc: f"{what} {exc}")
         try:
             return self._check_hello(reply)
         except (ProtocolError, EngineError) as exc:
@@ -762,23 +773,14 @@ class SubprocessBackend:
     def _open_engine(self, model_dir: Path) -> None:
         """Send open on the current process. Raises EngineError (ok false), EngineCrash, EngineTimeout
         or ProtocolError; on anything but EngineError the process is gone."""
-        proc = self._proc
-        assert proc is not None
         timeout, label = ((self.timeout, "timeout") if self.open_timeout is None
                           else (self.open_timeout, "open_timeout"))
-        try:
-            reply = proc.call("open", {"model_dir": str(model_dir)}, timeout)
-        except _Died as exc:
-            self._proc = None
-            raise EngineCrash(f"the engine process died while opening {model_dir}: it {exc}"
-                              f"{proc.stderr_text()}") from None
-        except _TimedOut:
-            self._discard()
-            raise EngineTimeout(f"the engine did not finish opening {model_dir} within {timeout:g} s "
-                                f"({label}); its process group was killed{proc.stderr_text()}") from None
-        except _Garbage as exc:
-            self._discard()
-            raise ProtocolError(f"while opening {model_dir} the engine {exc}{proc.stderr_text()}") from None
+        reply = self._call(
+            "open", {"model_dir": str(model_dir)}, timeout,
+            died=lambda exc: f"the engine process died while opening {model_dir}: it {exc}",
+            timed_out=(f"the engine did not finish opening {model_dir} within {timeout:g} s ({label}); "
+                       "its process group was killed"),
+            garbage=lambda exc: f"while opening {model_dir} the engine {exc}")
         if not reply["ok"]:
             raise EngineError(f"the engine could not open {model_dir}: "
                               f"{reply.get('error', '(no error message)')}")
@@ -837,26 +839,15 @@ class SubprocessBackend:
                                            "(every request on this model fails without running until the "
                                            "next open)")
                 raise EngineCrash(str(self._broken)) from None
-        proc = self._proc
-        assert proc is not None
         out_dir = tempfile.mkdtemp(prefix="gemma4-subprocess-")
         try:
             payload = {"request": request_to_json(request, out_dir), "out_dir": out_dir}
-            try:
-                reply = proc.call("run", payload, self.timeout)
-            except _Died as exc:
-                self._proc = None
-                raise EngineCrash(f"the engine process died during run: it {exc}; it is restarted for the "
-                                  f"next request{proc.stderr_text()}") from None
-            except _TimedOut:
-                self._discard()
-                raise EngineTimeout(f"the engine did not answer run within {self.timeout:g} s (timeout); its "
-                                    "process group was killed and it is restarted for the next request"
-                                    f"{proc.stderr_text()}") from None
-            except _Garbage as exc:
-                self._discard()
-                raise ProtocolError(f"during run the engine {exc}; it was killed and is restarted for the "
-                                    f"next request{proc.stderr_text()}") from None
+            reply = self._call(
+                "run", payload, self.timeout,
+                died=lambda exc: f"the engine process died during run: it {exc}; it is restarted for the next request",
+                timed_out=(f"the engine did not answer run within {self.timeout:g} s (timeout); its process group "
+                           "was killed and it is restarted for the next request"),
+                garbage=lambda exc: f"during run the engine {exc}; it was killed and is restarted for the next request")
             if not reply["ok"]:
                 raise EngineError(f"the engine failed on this request: {reply.get('error', '(no error message)')}")
             return self._response(reply, request, out_dir)
