@@ -23,6 +23,19 @@ A request is one of five kinds (``Request.kind``):
                 with no rows.
 ``multi``       several sequences prefilled together (``sequences``, with ``seq_ids``); answer the
                 last row of each sequence, ``[n, V]``, in the order given.
+**Image prompts** (``Request.images`` non-empty; only ``last`` with entry ``embeddings`` and
+``prefill``; needs the ``image_prompts`` capability): ``tokens`` are the processor's ids, each image a
+block ``boi + image_token_id x M + eoi``; ``images`` lists ``(first position, M)`` of every block of
+image tokens, positions counted over the whole prompt (all pieces). The input embeddings carry the
+image: ``embeddings`` (``last``) or every piece's ``Piece.embeddings`` (``prefill``) hold E[id] * sqrt(H)
+at text rows and the image's soft tokens, NOT scaled, at image rows (convention ``raw``: all divided
+by sqrt(H)). The engine must take the per-layer inputs' token part from the pad row at image
+positions (not the image token's own row) and their context part from the given embeddings, and on
+checkpoints with ``use_bidirectional_attention == "vision"`` let tokens of one image block see each
+other on sliding layers (any later token of the block; earlier ones within the window), full layers
+staying causal. A block never straddles two pieces, image requests carry no ``ubatch``, and decode
+tokens are text.
+
 Every kind may carry ``decode``: after the prefill, feed these tokens one at a time through the
 state the prefill left (teacher forcing: the harness gives the tokens), and answer the logits after
 each step (``decode_logits`` ``[len(decode), V]``; for ``multi``, ``decode`` and ``decode_logits``
@@ -59,6 +72,7 @@ class Capabilities:
     chunked_prefill: bool = False  # several pieces continuing one state
     multi_sequence: bool = False  # several sequences prefilled together
     decode: bool = False  # single-token decode steps after a prefill
+    image_prompts: bool = False  # prompts with image blocks (soft tokens in the embeddings; see the module doc)
     default_profile: str = "fp32"
 
     def __post_init__(self):
@@ -73,6 +87,7 @@ class Capabilities:
 class Piece:
     tokens: tuple[int, ...]
     rows: tuple[int, ...]  # output rows within this piece, increasing
+    embeddings: np.ndarray | None = field(default=None, compare=False)  # image prompts: [len(tokens), H]
 
 
 @dataclass(frozen=True)
@@ -88,6 +103,7 @@ class Request:
     sequences: tuple[tuple[int, ...], ...] = ()  # multi
     seq_ids: tuple[int, ...] = ()  # multi
     decode: tuple = ()  # tokens after the prefill; for multi a tuple of tuples, one per sequence
+    images: tuple[tuple[int, int], ...] = ()  # image prompts: (first position, soft tokens) of each block
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -142,4 +158,6 @@ def required_capabilities(request: Request) -> list[str]:
         need.append("multi_sequence")
     if request.decode:
         need.append("decode")
+    if request.images:
+        need.append("image_prompts")
     return need

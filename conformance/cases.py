@@ -9,10 +9,12 @@ matrix and docs/harness-contract.md for the interfaces.
 Public API:
 
 ``Case``, ``RowSpec``            the frozen records (``Case.to_json`` / ``Case.from_json``)
+``BaseMedia``                    an image base's merged input embeddings and image blocks
 ``row_groups(case)``             the rows a backend must return, grouped as the response is
-``build_request(case, bases, embed)``   the ``conformance.backend.Request`` for a case
+``build_request(case, bases, embed, media)``   the ``conformance.backend.Request`` for a case
 ``response_groups(case, response)``     the ``Response`` split to match ``row_groups``
-``generate_cases(set_name, cfg, bases)`` the matrix for one model
+``generate_cases(set_name, cfg, bases)`` the text matrix for one model
+``generate_image_cases(set_name, cfg, bases, images)`` the image matrix (image bases I0, I1, ...)
 ``annotate(case, base_logits, router_margins)``  fill ``ties`` and ``moe_min_margin`` from the oracle
 ``check_case(case, base_lengths)`` structural problems of a case (empty list = fine)
 ``model_features(cfg)``          the model feature tags of a config
@@ -37,6 +39,7 @@ MIN_RANDOM_BASE = 48  # length of the random bases A, B, C (at least; see random
 RANDOM_BASES = ("A", "B", "C")
 GENERATION_BASE = "G"
 PROMPT_PREFIX = "P"
+IMAGE_PREFIX = "I"  # image bases I0, I1, ...: prompts with image blocks (see generate_image_cases)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -165,6 +168,15 @@ class RowSpec:
     golden_token: int | None = None  # generation cases: the golden next token (base[position + 1])
 
 
+@dataclass(frozen=True)
+class BaseMedia:
+    """What an image base adds to its token ids: the input embeddings every request on it sends."""
+
+    embeddings: np.ndarray  # [N, H] in the backend's convention: E[id] * sqrt(H) at text rows, soft tokens
+    #                         (unscaled) at image rows ("scaled"); all divided by sqrt(H) for "raw"
+    images: tuple[tuple[int, int], ...]  # (first position, soft-token count) of each image block
+
+
 # ----------------------------------------------------------------------------------------------
 # rows, requests, responses
 
@@ -219,9 +231,18 @@ def _ids(x) -> tuple[int, ...]:
     return tuple(int(t) for t in x)
 
 
-def build_request(case: Case, bases: Mapping[str, np.ndarray], embed: Callable[[np.ndarray], np.ndarray]) -> Request:
+def _images_within(images: Sequence[tuple[int, int]], T: int) -> tuple[tuple[int, int], ...]:
+    """The image blocks that start within the first T positions (a case never cuts one)."""
+    return tuple((int(s), int(n)) for s, n in images if s < T)
+
+
+def build_request(case: Case, bases: Mapping[str, np.ndarray], embed: Callable[[np.ndarray], np.ndarray],
+                  media: Mapping[str, BaseMedia] | None = None) -> Request:
     """The backend request. bases maps base id -> token ids (np int64). embed(ids) -> [T, H] float64
-    embeddings in the backend's convention (scaled or raw); only called for entry 'embeddings'."""
+    embeddings in the backend's convention (scaled or raw); only called for entry 'embeddings' on text
+    bases. ``media`` maps each image base to its ``BaseMedia`` (embeddings already in the backend's
+    convention): a case on an image base sends those rows and the image blocks it contains."""
+    m = (media or {}).get(case.base) if case.kind != "multi" else None
     if case.kind == "multi":
         return Request(
             kind="multi",
@@ -235,19 +256,24 @@ def build_request(case: Case, bases: Mapping[str, np.ndarray], embed: Callable[[
     decode = _ids(base[T:T + case.decode_len])
     if case.kind == "full":
         return Request(kind="full", tokens=_ids(base[:T]), decode=decode)
+    images = _images_within(m.images, T) if m is not None else ()
     if case.kind == "last":
         tokens = _ids(base[:T])
         embeddings = None
-        if case.entry == "embeddings":
+        if m is not None:
+            embeddings = np.asarray(m.embeddings[:T], dtype=np.float64)
+        elif case.entry == "embeddings":
             embeddings = np.asarray(embed(np.asarray(tokens, dtype=np.int64)), dtype=np.float64)
         return Request(kind="last", tokens=tokens, entry=case.entry, last_pos=case.last_pos, seq_id=case.seq_id,
-                       embeddings=embeddings, decode=decode)
+                       embeddings=embeddings, decode=decode, images=images)
     if case.kind == "prefill":
         pieces, offset = [], 0
         for n, rows in case.pieces:
-            pieces.append(Piece(tokens=_ids(base[offset:offset + n]), rows=tuple(int(r) for r in rows)))
+            rows_embeddings = None if m is None else np.asarray(m.embeddings[offset:offset + n], dtype=np.float64)
+            pieces.append(Piece(tokens=_ids(base[offset:offset + n]), rows=tuple(int(r) for r in rows),
+                                embeddings=rows_embeddings))
             offset += n
-        return Request(kind="prefill", pieces=tuple(pieces), ubatch=case.ubatch, decode=decode)
+        return Request(kind="prefill", pieces=tuple(pieces), ubatch=case.ubatch, decode=decode, images=images)
     raise ValueError(f"case {case.id}: unknown kind {case.kind!r}")
 
 
@@ -505,6 +531,115 @@ def generate_cases(set_name: str, cfg, bases: Mapping[str, Sequence[int]]) -> li
     return cases
 
 
+def image_bases(bases: Mapping[str, Sequence[int]]) -> list[str]:
+    ids = [b for b in bases if b.startswith(IMAGE_PREFIX) and b[len(IMAGE_PREFIX):].isdigit()]
+    return sorted(ids, key=lambda b: int(b[len(IMAGE_PREFIX):]))
+
+
+def generate_image_cases(set_name: str, cfg, bases: Mapping[str, Sequence[int]],
+                         images: Mapping[str, Sequence[tuple[int, int]]]) -> list[Case]:
+    """The image matrix (docs/fixtures.md): for every image base ``I<k>`` (a prompt of text and image
+    blocks ``boi + image x M + eoi``, then at least DECODE_STEPS text tokens), with ``images[I<k>]``
+    its blocks ``(first position, M)``:
+
+    * the embeddings entry (with a sequence id) at two prompt lengths, the block's eoi (the prompt
+      ends right after the image) and the full prompt, at the last row and at interior rows: boi, the
+      first, middle and last image token, eoi, the first text token after it;
+    * output-row prefill of the full prompt: rows inside and right after every block plus the last,
+      and every row;
+    * chunked prefill split right after a block's eoi and right before a boi (never inside a block),
+      and "no output row, then the last" split after the first block.
+
+    Every case decodes DECODE_STEPS text tokens after its prompt. Prompts never cut a block, so
+    every row's expected logits are the base's (the bidirectional block is whole in both).
+    """
+    W, D = cfg.sliding_window, DECODE_STEPS
+    model = model_features(cfg)
+    bidirectional = getattr(cfg, "use_bidirectional_attention", None) == "vision"
+    lengths = {b: len(t) for b, t in bases.items()}
+    seq = _SeqIds()
+    cases: list[Case] = []
+    p = f"{set_name}/"
+
+    def add(case: Case, extra: Sequence[str]) -> None:
+        tags = [case.kind] + ([case.entry] if case.kind == "last" else ["embeddings"]) + ["image"] + list(extra)
+        if bidirectional:
+            tags.append("vision-blocks")
+        if case.decode_len > 0:
+            tags.append("decode")
+        case = replace(case, features=_unique(tags + list(model)))
+        problems = check_case(case, lengths, {b: images[b] for b in images})
+        if problems:
+            raise ValueError(problems[0])
+        cases.append(case)
+
+    for base in image_bases(bases):
+        blocks = [(int(a), int(n)) for a, n in images[base]]
+        if not blocks:
+            raise ValueError(f"image base {base} has no image block")
+        N = lengths[base]
+        T_full = N - D
+        first, last_block = blocks[0], blocks[-1]
+        if T_full <= last_block[0] + last_block[1] + 1:
+            raise ValueError(f"image base {base} needs text after its last image block and {D} decode tokens")
+
+        def row_tags(r: int, T: int) -> list[str]:
+            tags = []
+            for a, n in blocks:
+                if r == a - 1:
+                    tags.append("boi")
+                elif a <= r < a + n:
+                    tags.append("inside-image")
+                elif r == a + n:
+                    tags.append("after-image")
+            if r < T - 1:
+                tags.append("interior")
+            return tags
+
+        def last(T: int, pos: int) -> None:
+            add(Case(f"{p}last/embeddings/{base}/T{T}/pos{pos}", "last", base, T, entry="embeddings", last_pos=pos,
+                     seq_id=seq.next(), decode_len=D), row_tags(pos, T))
+
+        # 1. the embeddings entry, the prompt ending right after the first block, then the full prompt
+        a, n = first
+        T_eoi = a + n + 1
+        for pos in dict.fromkeys((T_eoi - 1, a - 1, a, a + n // 2, a + n - 1)):
+            last(T_eoi, pos)
+        a, n = last_block
+        for pos in dict.fromkeys((T_full - 1, a + n + 1, a + n, a + n // 2, a)):
+            last(T_full, pos)
+
+        def prefill(pieces, label: str, extra=()) -> None:
+            pieces = tuple((k, tuple(rows)) for k, rows in pieces)
+            T = sum(k for k, _ in pieces)
+            add(Case(f"{p}prefill/{base}/T{T}/{label}", "prefill", base, T, entry="embeddings", pieces=pieces,
+                     decode_len=D), list(extra) + _prefill_tags(pieces, None, W))
+
+        # 2. output-row prefill: inside and right after every block, and the last row; every row
+        rows = sorted({r for a, n in blocks for r in (a, a + n // 2, a + n - 1, a + n)} | {T_full - 1})
+        prefill([(T_full, rows)], "rows-image+last", ["inside-image", "after-image"])
+        prefill([(T_full, range(T_full))], "rows-all", ["inside-image", "after-image"])
+
+        # 3. chunks split at block boundaries (right after an eoi, right before a boi), and no output row
+        #    in the first call
+        a, n = first
+        cut = a + n + 1
+        prefill([(cut, (cut - 1,)), (T_full - cut, (T_full - cut - 1,))], f"chunks-{cut}+{T_full - cut}",
+                ["after-image"])
+        prefill([(cut, ()), (T_full - cut, (T_full - cut - 1,))], f"none-then-last-{cut}+{T_full - cut}")
+        a, n = last_block
+        cut = a - 1  # the boi starts the second piece
+        if cut > 0:
+            prefill([(cut, (cut - 1,)), (T_full - cut, (0, n // 2 + 1, T_full - cut - 1))],
+                    f"chunks-{cut}+{T_full - cut}", ["inside-image"])
+
+    ids = [c.id for c in cases]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise ValueError(f"duplicate case id {dup}")
+    return cases
+
+
 # ----------------------------------------------------------------------------------------------
 # oracle annotations and structural checks
 
@@ -542,10 +677,31 @@ def annotate(case: Case, base_logits: Mapping[str, np.ndarray],
     return replace(case, ties=tuple(ties), moe_min_margin=moe)
 
 
-def check_case(case: Case, base_lengths: Mapping[str, int]) -> list[str]:
-    """Structural problems of a case against the bases' lengths (empty list = fine)."""
+def _check_image_case(case: Case, blocks: Sequence[tuple[int, int]], where: str) -> list[str]:
+    """A case on an image base: embeddings entry, no cut block, no micro-batches, text decode tokens."""
+    if case.kind not in ("last", "prefill") or case.entry != "embeddings":
+        return [f"{where}: a case on an image base must be a 'last' or 'prefill' case with entry 'embeddings'"]
+    if case.ubatch is not None:
+        return [f"{where}: an image case cannot split its prompt into micro-batches (ubatch)"]
+    out = []
+    T = _prompt_length(case)
+    cuts = [T] + list(np.cumsum([n for n, _ in case.pieces])[:-1]) if case.kind == "prefill" else [T]
+    for a, n in blocks:
+        if any(a < c < a + n for c in cuts):
+            out.append(f"{where}: the image block at {a} ({n} tokens) is cut by the prompt's end or a piece boundary")
+        if T <= a < T + case.decode_len:
+            out.append(f"{where}: its decode tokens run into the image block at {a}; decode tokens must be text")
+    return out
+
+
+def check_case(case: Case, base_lengths: Mapping[str, int],
+               base_images: Mapping[str, Sequence[tuple[int, int]]] | None = None) -> list[str]:
+    """Structural problems of a case against the bases' lengths and image blocks (empty list = fine)."""
     where = f"case {case.id}"
     out: list[str] = []
+    blocks = (base_images or {}).get(case.base)
+    if blocks is not None:
+        out += _check_image_case(case, blocks, where)
     if case.kind not in KINDS:
         return [f"{where}: unknown kind {case.kind!r}"]
     if case.entry not in ENTRIES:

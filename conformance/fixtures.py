@@ -6,17 +6,22 @@ A set is a directory (docs/fixtures.md has the full format)::
     <set>/cases.json            {"cases": [Case.to_json(), ...]}
     <set>/expected.safetensors  base/<id>/tokens [N] I64, base/<id>/logits [N, V] F64,
                                 base/<id>/router_margin [N] F64 (MoE models: min over layers per token)
+                                image bases I<k> also: base/<id>/embeddings [N, H] F64 (the merged input
+                                embeddings), base/<id>/images [n, 2] I64 (first position, soft tokens),
+                                and per image j: image/<id>/<j>/pixels [h, w, 3] U8 (the image),
+                                .../pixel_values [P, 3p^2] F64, .../positions [P, 2] I64, .../soft_tokens [M, H] F64
 
 Public API::
 
     generate_set(out, *, model_dir=None, preset=None, seed=0, prompts=None, name=None, version="1.0.0",
-                 progress=None, cross_check=None, command=None) -> Path
+                 progress=None, cross_check=None, command=None, cases="auto", images=None) -> Path
     load_set(path) -> FixtureSet          # verifies schema and every sha256 first (FixtureError)
     verify_set(path, *, recompute=False, workdir=None) -> list[str]   # problems; never raises for content
     bundled_sets() -> list[Path]          # the sets shipped in the package, one per synthetic preset
     load_prompts(path) -> list[dict]      # a prompts JSONL file, validated (PromptError with the line)
     bundled_set(name) -> Path
-    FixtureSet.bases() / base_logits() / router_margins() / model_dir(workdir) / warnings
+    FixtureSet.bases() / base_logits() / router_margins() / image_blocks() / media(convention) /
+               image_inputs() / model_dir(workdir) / warnings
     FixtureError (integrity/schema: exit 3), PromptError (a ValueError: a usage error)
 """
 
@@ -43,8 +48,8 @@ import numpy as np
 
 from . import __version__ as CONFORMANCE_VERSION
 from .cases import (
-    GENERATION_BASE, GENERATION_STEPS, PROMPT_CONTINUATION, PROMPT_PREFIX, RANDOM_BASES, Case, annotate,
-    check_case, generate_cases, random_base_length,
+    DECODE_STEPS, GENERATION_BASE, GENERATION_STEPS, PROMPT_CONTINUATION, PROMPT_PREFIX, RANDOM_BASES,
+    BaseMedia, Case, annotate, check_case, generate_cases, generate_image_cases, random_base_length,
 )
 
 SCHEMA = "gemma4-conformance/fixtures"
@@ -66,6 +71,12 @@ SEMVER_RE = re.compile(
     r"(?:\+([0-9a-zA-Z-]+(?:\.[0-9a-zA-Z-]+)*))?$"
 )
 SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+CASE_KINDS = ("auto", "text", "images", "all")  # generate_set(cases=...): auto = all with a vision tower
+# the synthetic images of an image set (h, w): upscaled by the resize rule, downscaled, and a square
+SYNTHETIC_IMAGE_SIZES = ((50, 70), (200, 120), (36, 36))
+IMAGE_LEAVES = ("pixels", "pixel_values", "positions", "soft_tokens")  # image/<base>/<j>/<leaf>
+BASE_LEAVES = ("tokens", "logits", "router_margin", "embeddings", "images")  # base/<base>/<leaf>
+IMAGE_TEXT = {"I0": (4, 6), "I1": (3, 3, 5)}  # text tokens before, between and after the image blocks
 
 Progress = Callable[[int, int, str], None]
 # cross_check(model_dir, bases, base_logits) -> {"implementation", "agreement", "detail"} | [...] | None
@@ -305,12 +316,161 @@ def _make_bases(model, tokenizer, seed: int, prompt_ids: list[list[int]]) -> tup
     return bases, info
 
 
-def _base_logits(model, ids: list[int]) -> tuple[np.ndarray, np.ndarray | None]:
-    """Full float64 logits [N, V] of a base, and its per-token router margin (min over layers) for MoE."""
+# ----------------------------------------------------------------------------------------------
+# image bases
+
+
+def has_vision_tower(model_dir: str | Path) -> bool:
+    """Whether config.json declares a vision tower (a Gemma4ForConditionalGeneration with vision_config)."""
+    try:
+        raw = _read_json(Path(model_dir) / "config.json")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False  # the oracle's own loader reports a bad config.json
+    return isinstance(raw, dict) and isinstance(raw.get("vision_config"), dict)
+
+
+def synthetic_image(seed: int, k: int, height: int, width: int) -> np.ndarray:
+    """A deterministic RGB test image [height, width, 3] uint8: colour gradients, four discs and noise,
+    so that resizing, patches and pooling all see structure."""
+    rng = np.random.default_rng([seed, 100 + k])
+    y, x = np.mgrid[0:height, 0:width] / max(height, width)  # [h, w] each, in [0, 1)
+    img = np.stack([x, y, 1.0 - (x + y) / 2.0], axis=-1) * rng.uniform(0.4, 1.0, 3)  # [h, w, 3]
+    for cy, cx, r in rng.uniform(0.0, 1.0, (4, 3)):
+        img[(y - cy) ** 2 + (x - cx) ** 2 < (0.05 + 0.2 * r) ** 2] = rng.uniform(0.0, 1.0, 3)
+    img = img + rng.normal(0.0, 0.05, img.shape)
+    return np.round(np.clip(img, 0.0, 1.0) * 255.0).astype(np.uint8)
+
+
+@dataclass
+class ImageBase:
+    """One image base: the prompt ids (placeholders in), the oracle's inputs and every intermediate."""
+
+    ids: list[int]  # [N] prompt ids: text, boi, image_token_id x M, eoi, ...
+    inputs: Any  # refimpl.multimodal.MultimodalInputs: llm ids, merged embeddings [N, H], vision blocks
+    spans: list[tuple[int, int]]  # (first position, M) of each image block
+    originals: list[np.ndarray]  # the images, uint8 [h, w, 3]
+    processed: list[Any]  # refimpl.image.ProcessedImage per image (resized pixels, pixel_values, positions)
+    soft: list[np.ndarray]  # soft tokens [M, H] per image
+    info: dict  # the manifest's description
+
+
+class _Vision:
+    """The image side of a checkpoint: vision tower, image processor settings, placeholder ids."""
+
+    def __init__(self, model_dir: Path):
+        from refimpl.image import load_image_processor_settings
+        from refimpl.multimodal import load_multimodal_tokens
+        from refimpl.vision import load_vision_tower
+
+        self.weights, self.cfg = load_vision_tower(model_dir)
+        self.settings = load_image_processor_settings(model_dir, self.cfg)
+        self.tokens = load_multimodal_tokens(model_dir)
+
+    def soft_tokens(self, image: np.ndarray) -> tuple[Any, np.ndarray]:
+        """(ProcessedImage, soft tokens [M, H]) of one uint8 image."""
+        from refimpl.image import preprocess_image
+        from refimpl.vision import vision_tower
+
+        st = self.settings
+        processed = preprocess_image(image, st.patch_size, st.pooling_kernel_size, st.max_soft_tokens)
+        return processed, vision_tower(processed.pixel_values, processed.positions, self.weights, self.cfg)
+
+    def manifest(self, bidirectional: bool) -> dict:
+        t, st = self.tokens, self.settings
+        return {"token_ids": {"image_token_id": t.image_token_id, "boi_token_id": t.boi_token_id,
+                              "eoi_token_id": t.eoi_token_id},
+                "processor": {"patch_size": st.patch_size, "pooling_kernel_size": st.pooling_kernel_size,
+                              "max_soft_tokens": st.max_soft_tokens},
+                "vision_blocks": bidirectional}
+
+
+def _image_sources(images, seed: int) -> list[tuple[np.ndarray, dict]]:
+    """(uint8 image, manifest description) for each image: the given files or arrays, else synthetic ones."""
+    if images is None:
+        return [(synthetic_image(seed, k, h, w), {"source": "synthetic", "rng": f"numpy default_rng([{seed}, {100 + k}])"})
+                for k, (h, w) in enumerate(SYNTHETIC_IMAGE_SIZES)]
+    from refimpl.image import read_image
+
+    out = []
+    for k, item in enumerate(images):
+        if isinstance(item, (str, Path)):
+            out.append((read_image(item), {"source": "file", "name": Path(item).name, "sha256": sha256_file(Path(item))}))
+        else:
+            arr = np.asarray(item)
+            if arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[2] != 3:
+                raise ValueError(f"image {k} must be a file path or a uint8 array [h, w, 3], got {arr.dtype} "
+                                 f"{list(arr.shape)}")
+            out.append((arr, {"source": "array"}))
+    if not out:
+        raise ValueError("images is an empty list; give at least one image (or none for the synthetic ones)")
+    return out
+
+
+def _make_image_bases(model, vision: _Vision, pool: np.ndarray, bos: int, seed: int,
+                      sources: list[tuple[np.ndarray, dict]]) -> dict[str, ImageBase]:
+    """I0: text + one image + text; I1: text + image + text + image + text; each followed by DECODE_STEPS
+    text tokens (teacher-forced decode after the prompt)."""
+    from refimpl.multimodal import multimodal_inputs
+
+    t = vision.tokens
+    pool = pool[~np.isin(pool, (t.image_token_id, t.boi_token_id, t.eoi_token_id, t.video_token_id,
+                                t.audio_token_id))]
+    done: dict[int, tuple[Any, np.ndarray]] = {}
+    out: dict[str, ImageBase] = {}
+    for b_index, (base, texts) in enumerate(IMAGE_TEXT.items()):
+        rng = np.random.default_rng([seed, 10 + b_index])
+        which = [(b_index + j) % len(sources) if b_index else 0 for j in range(len(texts) - 1)]
+        ids, spans, soft, processed, described = [bos], [], [], [], []
+        for j, n_text in enumerate(texts):
+            ids += [int(x) for x in rng.choice(pool, n_text + (DECODE_STEPS if j == len(texts) - 1 else 0))]
+            if j == len(texts) - 1:
+                break
+            k = which[j]
+            if k not in done:
+                done[k] = vision.soft_tokens(sources[k][0])
+            pr, st = done[k]
+            M = st.shape[0]
+            ids += [t.boi_token_id]
+            spans.append((len(ids), M))
+            ids += [t.image_token_id] * M + [t.eoi_token_id]
+            soft.append(st)
+            processed.append(pr)
+            described.append({**sources[k][1], "index": k, "size": list(sources[k][0].shape[:2]),
+                              "resized": list(pr.pixels.shape[:2]), "soft_tokens": M, "start": spans[-1][0]})
+        info = {"source": "images", "length": len(ids), "rng": f"numpy default_rng([{seed}, {10 + b_index}])",
+                "text": list(texts), "images": described}
+        out[base] = ImageBase(ids, multimodal_inputs(model, ids, soft, t), spans,
+                              [sources[k][0] for k in which], processed, soft, info)
+    return out
+
+
+def _image_consistency(model, base: ImageBase, full: np.ndarray) -> float:
+    """Max |prefill through the KV cache - full forward| for an image base fed in pieces cut before every
+    boi and after every eoi (never inside a block), then the decode tokens one at a time."""
+    from refimpl.model import KVCache
+
+    m, N = base.inputs, len(base.ids)
+    cuts = {a - 1 for a, _ in base.spans} | {a + n + 1 for a, n in base.spans} | set(range(N - DECODE_STEPS, N))
+    bounds = [0] + sorted(c for c in cuts if 0 < c < N) + [N]
+    cache, rows = KVCache(), []
+    for a, b in zip(bounds, bounds[1:]):
+        blocks = None if m.vision_blocks is None else m.vision_blocks[a:b]
+        rows.append(model.forward(m.ids[a:b], rows="all", cache=cache, embeddings=m.embeddings[a:b],
+                                  vision_blocks=blocks))
+    return float(np.max(np.abs(np.concatenate(rows) - full)))
+
+
+def _base_logits(model, ids: list[int], inputs=None) -> tuple[np.ndarray, np.ndarray | None]:
+    """Full float64 logits [N, V] of a base, and its per-token router margin (min over layers) for MoE.
+    ``inputs`` (refimpl.multimodal.MultimodalInputs) for an image base."""
     from refimpl.model import Trace
 
     trace = Trace()
-    logits = model.forward(ids, rows="all", trace=trace)
+    if inputs is None:
+        logits = model.forward(ids, rows="all", trace=trace)
+    else:
+        logits = model.forward(inputs.ids, rows="all", embeddings=inputs.embeddings,
+                               vision_blocks=inputs.vision_blocks, trace=trace)
     margins = [v for k, v in trace.tensors.items() if k.endswith(".router.margin")]
     margin = np.min(np.stack(margins), axis=0) if margins else None
     return np.ascontiguousarray(logits, dtype=np.float64), margin
@@ -368,7 +528,8 @@ def _default_command() -> str:
 
 def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset: str | None = None, seed: int = 0,
                  prompts=None, name: str | None = None, version: str = "1.0.0", progress: Progress | None = None,
-                 cross_check: CrossCheck | None = None, command: str | None = None) -> Path:
+                 cross_check: CrossCheck | None = None, command: str | None = None, cases: str = "auto",
+                 images=None) -> Path:
     """Write a fixture set to ``out``: the only writer. Atomic (a temporary directory beside ``out``,
     renamed at the end; a failure leaves nothing behind); refuses an existing ``out`` (an empty
     directory is allowed).
@@ -379,6 +540,10 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
     ``progress(done, total, label)`` is called as work completes. ``cross_check(model_dir, bases,
     base_logits)`` compares another implementation (entries are recorded only when it returns some).
     ``command`` is recorded as the generator command line (default: this process's argv).
+    ``cases``: "text" (the text matrix), "images" (the image matrix only: image bases I0, I1), "all",
+    or "auto" (all when the checkpoint has a vision tower, else text). ``images``: the images of the
+    image bases (file paths or uint8 [h, w, 3] arrays; default: synthetic images from ``seed``). With
+    image bases, ``cross_check`` is also given ``images={base: [ProcessedImage, ...]}``.
 
     Errors: ValueError for bad arguments (PromptError, a ValueError, for bad prompts, naming the line),
     refimpl's RefimplError when the oracle cannot load the checkpoint, FixtureError when ``out`` exists
@@ -405,10 +570,16 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
         raise FixtureError(f"{out} already exists; fixture sets are never overwritten (choose another --out, or "
                            "remove it first)")
     entries = _prompt_entries(prompts)  # validate before any work
+    if cases not in CASE_KINDS:
+        raise ValueError(f"cases must be one of {', '.join(CASE_KINDS)}, got {cases!r}")
     if model_dir is not None:
         model_dir = Path(model_dir).resolve()
         if not model_dir.is_dir():
             raise ValueError(f"{model_dir}: not a directory")
+    if cases == "images" and entries:
+        raise ValueError("prompts make text bases, but cases='images' writes the image matrix only; use cases='all'")
+    if images is not None and cases == "text":
+        raise ValueError("images were given, but cases='text' writes no image base; use cases='all' or 'images'")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -438,34 +609,55 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
             model_info = {"kind": "external", "path": str(model_dir),
                           "sha256": _hash_files(model_dir, _model_files(model_dir))}
         cfg = model.cfg
+        vision_tower = has_vision_tower(src)
+        mode = ("all" if vision_tower else "text") if cases == "auto" else cases
+        if mode in ("images", "all") and not vision_tower:
+            raise ValueError(f"cases={cases!r} needs image bases, but {src} has no vision tower (config.json has no "
+                             "vision_config); use cases='text'")
+        with_text, with_images = mode in ("text", "all"), mode in ("images", "all")
         prompt_ids = [_encode_prompt(p, tokenizer, cfg.vocab_size) for p in entries]
-        n_bases = len(RANDOM_BASES) + 1 + len(prompt_ids)
+        n_bases = (len(RANDOM_BASES) + 1 + len(prompt_ids) if with_text else 0) + (len(IMAGE_TEXT) if with_images else 0)
         total += 2 * n_bases + (1 if cross_check is not None else 0) + 1
         if preset is not None:
             step("model")
 
-        bases, base_info = _make_bases(model, tokenizer, seed, prompt_ids)
-        for k, p in enumerate(entries):
-            base_info[f"{PROMPT_PREFIX}{k}"].update(
-                {"where": p["where"], **({"id": p["id"]} if p["id"] else {}), "kind": p["kind"]})
+        bases: dict[str, list[int]] = {}
+        base_info: dict[str, dict] = {}
+        if with_text:
+            bases, base_info = _make_bases(model, tokenizer, seed, prompt_ids)
+            for k, p in enumerate(entries):
+                base_info[f"{PROMPT_PREFIX}{k}"].update(
+                    {"where": p["where"], **({"id": p["id"]} if p["id"] else {}), "kind": p["kind"]})
+        image_bases: dict[str, ImageBase] = {}
+        vision = None
+        if with_images:
+            vision = _Vision(src)
+            image_bases = _make_image_bases(model, vision, _ordinary_ids(tokenizer, cfg.vocab_size),
+                                            _bos(cfg, tokenizer), seed, _image_sources(images, seed))
+            for b, ib in image_bases.items():
+                bases[b], base_info[b] = ib.ids, ib.info
         logits: dict[str, np.ndarray] = {}
         margins: dict[str, np.ndarray] = {}
         for b, ids in bases.items():
-            logits[b], m = _base_logits(model, ids)
+            logits[b], m = _base_logits(model, ids, image_bases[b].inputs if b in image_bases else None)
             if m is not None:
                 margins[b] = m
             step(f"base {b}")
         # G's continuation is the greedy argmax of its own rows (checked, so a tie cannot slip through)
-        prompt_len = base_info[GENERATION_BASE]["prompt_length"]
-        g = bases[GENERATION_BASE]
-        for pos in range(prompt_len - 1, len(g) - 1):
-            if int(np.argmax(logits[GENERATION_BASE][pos])) != g[pos + 1]:
-                raise FixtureError(f"base G: the greedy continuation at position {pos + 1} is not the argmax of the "
-                                   "full forward (a tie between cached decode and the full forward)")
+        if GENERATION_BASE in bases:
+            prompt_len = base_info[GENERATION_BASE]["prompt_length"]
+            g = bases[GENERATION_BASE]
+            for pos in range(prompt_len - 1, len(g) - 1):
+                if int(np.argmax(logits[GENERATION_BASE][pos])) != g[pos + 1]:
+                    raise FixtureError(f"base G: the greedy continuation at position {pos + 1} is not the argmax of "
+                                       "the full forward (a tie between cached decode and the full forward)")
 
         worst = 0.0
         for b, ids in bases.items():
-            worst = max(worst, _consistency(model, ids, logits[b]))
+            if b in image_bases:
+                worst = max(worst, _image_consistency(model, image_bases[b], logits[b]))
+            else:
+                worst = max(worst, _consistency(model, ids, logits[b]))
             step(f"consistency {b}")
         if worst > CONSISTENCY_BOUND:
             raise FixtureError(f"the oracle is not self-consistent on this checkpoint: chunked prefill through the KV "
@@ -473,14 +665,21 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
         checks = [{"implementation": "refimpl KV cache (chunked prefill and single-token decode)",
                    "agreement": worst,
                    "detail": f"max abs over every row of the {len(bases)} bases ({', '.join(bases)}) against the "
-                             "full forward; each base fed as pieces of 3, W+2, 1, 1 and W+5 tokens, then "
-                             "single-token decode of the rest"}]
+                             "full forward; " + ("each text base fed as pieces of 3, W+2, 1, 1 and W+5 tokens, "
+                                                 "then single-token decode of the rest" if with_text else "")
+                             + ("; " if with_text and with_images else "")
+                             + ("each image base cut before every boi and after every eoi, then single-token "
+                                "decode" if with_images else "")}]
         if cross_check is not None:
             arrays = {b: np.asarray(ids, dtype=np.int64) for b, ids in bases.items()}
-            checks += _cross_entries(cross_check(Path(src), arrays, logits), "cross_check")
+            extra = {"images": {b: ib.processed for b, ib in image_bases.items()}} if image_bases else {}
+            checks += _cross_entries(cross_check(Path(src), arrays, logits, **extra), "cross_check")
             step("cross check")
 
-        cases = [annotate(c, logits, margins or None) for c in generate_cases(name, cfg, bases)]
+        spans = {b: ib.spans for b, ib in image_bases.items()}
+        matrix = (generate_cases(name, cfg, bases) if with_text else []) + \
+            (generate_image_cases(name, cfg, bases, spans) if with_images else [])
+        cases = [annotate(c, logits, margins or None) for c in matrix]
 
         tensors: dict[str, np.ndarray] = {}
         for b, ids in bases.items():
@@ -488,6 +687,14 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
             tensors[f"base/{b}/logits"] = logits[b]
             if b in margins:
                 tensors[f"base/{b}/router_margin"] = margins[b]
+        for b, ib in image_bases.items():
+            tensors[f"base/{b}/embeddings"] = np.asarray(ib.inputs.embeddings, dtype=np.float64)
+            tensors[f"base/{b}/images"] = np.asarray(ib.spans, dtype=np.int64)
+            for j, (img, pr, st) in enumerate(zip(ib.originals, ib.processed, ib.soft)):
+                tensors[f"image/{b}/{j}/pixels"] = np.asarray(img, dtype=np.uint8)
+                tensors[f"image/{b}/{j}/pixel_values"] = pr.pixel_values
+                tensors[f"image/{b}/{j}/positions"] = np.asarray(pr.positions, dtype=np.int64)
+                tensors[f"image/{b}/{j}/soft_tokens"] = st
         from refimpl.safetensors_io import write_safetensors
 
         write_safetensors(staged / EXPECTED, tensors, "F64", metadata={"schema": SCHEMA, "name": name})
@@ -510,6 +717,7 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
             "config": {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
                        "num_hidden_layers": cfg.num_hidden_layers, "sliding_window": cfg.sliding_window},
             "bases": base_info,
+            **({"images": vision.manifest(cfg.use_bidirectional_attention == "vision")} if vision else {}),
             "cases": len(cases),
             "files": {f: sha256_file(staged / f) for f in SET_FILES},
         }
@@ -571,6 +779,32 @@ class FixtureSet:
     def router_margins(self) -> dict[str, np.ndarray]:
         """Base id -> [N] per-token router margin (min over layers); empty for dense models."""
         return self._by_base("router_margin")
+
+    def image_blocks(self) -> dict[str, list[tuple[int, int]]]:
+        """Image base id -> its image blocks [(first position, soft tokens), ...]; empty for text sets."""
+        return {b: [(int(a), int(n)) for a, n in np.asarray(x)] for b, x in self._by_base("images").items()}
+
+    def media(self, convention: str = "scaled") -> dict[str, BaseMedia]:
+        """Image base id -> ``BaseMedia``: the stored merged embeddings in ``convention`` ("scaled" as
+        stored; "raw" divided by the exact sqrt(H), so a backend's own sqrt(H) restores the text rows and
+        leaves the soft tokens as they were) and the image blocks."""
+        out = {}
+        blocks = self.image_blocks()
+        for b, x in self._by_base("embeddings").items():
+            x = np.asarray(x, dtype=np.float64)
+            if convention == "raw":
+                x = x / math.sqrt(x.shape[1])
+            out[b] = BaseMedia(embeddings=x, images=tuple(blocks.get(b, ())))
+        return out
+
+    def image_inputs(self, base: str) -> list[dict[str, np.ndarray]]:
+        """The stored images of an image base, in prompt order: dicts with pixels, pixel_values,
+        positions and soft_tokens."""
+        store, out = self._store(), []
+        while f"image/{base}/{len(out)}/pixels" in store:
+            j = len(out)
+            out.append({leaf: store[f"image/{base}/{j}/{leaf}"] for leaf in IMAGE_LEAVES})
+        return out
 
     def model_dir(self, workdir: Path) -> Path:
         """The checkpoint: synthetic sets regenerate it under ``workdir`` (reused if already there) and
@@ -689,6 +923,63 @@ def _check_manifest(m: Any, where: str) -> list[str]:
     return out
 
 
+def _check_image_tensors(infos: Mapping[str, Any], b: str, N: int, where: str) -> list[str]:
+    """Shapes and dtypes of an image base's tensors (none of them for a text base)."""
+    emb, im = infos.get(f"base/{b}/embeddings"), infos.get(f"base/{b}/images")
+    n_images = 0
+    while f"image/{b}/{n_images}/pixels" in infos:
+        n_images += 1
+    if emb is None and im is None and n_images == 0:
+        return []
+    if emb is None or im is None:
+        return [f"{where}: image base {b} needs both base/{b}/embeddings and base/{b}/images"]
+    out = []
+    if emb.dtype != "F64" or len(emb.shape) != 2 or emb.shape[0] != N:
+        out.append(f"{where}: base/{b}/embeddings must be F64 [{N}, H], got {emb.dtype} {list(emb.shape)}")
+    if im.dtype != "I64" or len(im.shape) != 2 or im.shape[1] != 2 or im.shape[0] < 1:
+        return out + [f"{where}: base/{b}/images must be I64 [n, 2] (first position, soft tokens), got {im.dtype} "
+                      f"{list(im.shape)}"]
+    if n_images != im.shape[0]:
+        out.append(f"{where}: base {b} has {im.shape[0]} image blocks but {n_images} stored images")
+    for j in range(n_images):
+        p = f"image/{b}/{j}/"
+        got = {leaf: infos.get(p + leaf) for leaf in IMAGE_LEAVES}
+        missing = [leaf for leaf, info in got.items() if info is None]
+        if missing:
+            out.append(f"{where}: {p}{missing[0]} is missing")
+            continue
+        px, pv, pos, st = (got[leaf] for leaf in IMAGE_LEAVES)
+        if px.dtype != "U8" or len(px.shape) != 3 or px.shape[2] != 3:
+            out.append(f"{where}: {p}pixels must be U8 [h, w, 3], got {px.dtype} {list(px.shape)}")
+        if pv.dtype != "F64" or len(pv.shape) != 2 or pos.dtype != "I64" or pos.shape != (pv.shape[0], 2):
+            out.append(f"{where}: {p}pixel_values must be F64 [P, C] and {p}positions I64 [P, 2]")
+        if st.dtype != "F64" or len(st.shape) != 2 or (emb.shape and st.shape[1] != emb.shape[-1]):
+            out.append(f"{where}: {p}soft_tokens must be F64 [M, H]")
+    return out
+
+
+def _check_image_blocks(fs: "FixtureSet", blocks: Mapping[str, list[tuple[int, int]]],
+                        tokens: Mapping[str, np.ndarray], manifest: dict, where: str) -> list[str]:
+    """Each image block lies in its base, holds only the manifest's image token, and has as many rows
+    as its stored soft tokens."""
+    out = []
+    image_token = ((manifest.get("images") or {}).get("token_ids") or {}).get("image_token_id")
+    if blocks and not isinstance(image_token, int):
+        return [f"{where}: the set has image bases but the manifest records no images.token_ids.image_token_id"]
+    for b, spans in blocks.items():
+        ids, stored = tokens[b], fs.image_inputs(b)
+        for j, (a, n) in enumerate(spans):
+            if n < 1 or a < 1 or a + n >= len(ids):
+                out.append(f"{where}: base {b} image block {j} ({a}, {n}) does not lie inside its {len(ids)} tokens")
+            elif not np.all(ids[a:a + n] == image_token):
+                out.append(f"{where}: base {b} image block {j} ({a}, {n}) holds tokens other than the image token "
+                           f"{image_token}")
+            elif j < len(stored) and stored[j]["soft_tokens"].shape[0] != n:
+                out.append(f"{where}: base {b} image block {j} has {n} tokens but its image "
+                           f"{stored[j]['soft_tokens'].shape[0]} soft tokens")
+    return out
+
+
 def _verify(path: Path) -> tuple[list[str], FixtureSet | None]:
     """All problems of a set, and the loaded set when there are none."""
     from refimpl.errors import WeightsError
@@ -733,7 +1024,9 @@ def _verify(path: Path) -> tuple[list[str], FixtureSet | None]:
     seen: dict[str, set] = {}
     for n, info in infos.items():
         parts = n.split("/")
-        if len(parts) != 3 or parts[0] != "base" or parts[2] not in ("tokens", "logits", "router_margin"):
+        if len(parts) == 4 and parts[0] == "image" and parts[2].isdigit() and parts[3] in IMAGE_LEAVES:
+            continue  # checked with its base below
+        if len(parts) != 3 or parts[0] != "base" or parts[2] not in BASE_LEAVES:
             problems.append(f"{epath}: unexpected tensor '{n}'")
             continue
         seen.setdefault(parts[1], set()).add(parts[2])
@@ -755,6 +1048,7 @@ def _verify(path: Path) -> tuple[list[str], FixtureSet | None]:
         rm = infos.get(f"base/{b}/router_margin")
         if rm is not None and (rm.dtype != "F64" or rm.shape != t.shape):
             problems.append(f"{epath}: base/{b}/router_margin must be F64 [{t.shape[0]}]")
+        problems += _check_image_tensors(infos, b, t.shape[0], str(epath))
         lengths[b] = t.shape[0]
     if not lengths:
         problems.append(f"{epath}: holds no base")
@@ -766,11 +1060,14 @@ def _verify(path: Path) -> tuple[list[str], FixtureSet | None]:
             elif isinstance(d, dict) and d.get("length") not in (None, lengths[b]):
                 problems.append(f"{epath}: base {b} has {lengths[b]} tokens, {MANIFEST} says {d.get('length')}")
     fs = FixtureSet(path=path, manifest=manifest, cases=[])
+    blocks: dict[str, list[tuple[int, int]]] = {}
     if not problems:
         tokens = fs.bases()
         for b, ids in tokens.items():
             if vocab is not None and (ids.min() < 0 or ids.max() >= vocab):
                 problems.append(f"{epath}: base/{b}/tokens holds ids outside the vocabulary [0, {vocab})")
+        blocks = fs.image_blocks()
+        problems += _check_image_blocks(fs, blocks, tokens, manifest, str(epath))
         for b, a in fs.base_logits().items():
             if not np.all(np.isfinite(a)):
                 problems.append(f"{epath}: base/{b}/logits holds non-finite values")
@@ -799,8 +1096,8 @@ def _verify(path: Path) -> tuple[list[str], FixtureSet | None]:
     for c in cases:
         if not c.id.startswith(prefix):
             problems.append(f"{cpath}: case id {c.id} does not start with the set name '{prefix}'")
-        problems += [f"{cpath}: {p}" for p in check_case(c, lengths)]
-        if c.generation and tokens and not check_case(c, lengths):
+        problems += [f"{cpath}: {p}" for p in check_case(c, lengths, blocks)]
+        if c.generation and tokens and not check_case(c, lengths, blocks):
             want = tuple(int(t) for t in tokens[c.base][c.length:c.length + c.decode_len + 1])
             if tuple(c.golden_tokens) != want:
                 problems.append(f"{cpath}: case {c.id}: golden tokens {list(c.golden_tokens)} are not "
@@ -836,8 +1133,13 @@ def verify_set(path: str | Path, *, recompute: bool = False, workdir: str | Path
         stored = fs.base_logits()
         fresh: dict[str, np.ndarray] = {}
         margins: dict[str, np.ndarray] = {}
+        blocks = fs.image_blocks()
         for b, ids in fs.bases().items():
-            fresh[b], m = _base_logits(model, [int(t) for t in ids])
+            inputs = None
+            if b in blocks:
+                inputs, chain = _recompute_image_inputs(model, fs, b, model_dir)
+                problems += [f"{Path(path) / EXPECTED}: base {b}: {msg}" for msg in chain]
+            fresh[b], m = _base_logits(model, [int(t) for t in ids], inputs)
             if m is not None:
                 margins[b] = m
             diff = float(np.max(np.abs(fresh[b] - stored[b]))) if fresh[b].shape == stored[b].shape else math.inf
@@ -851,6 +1153,30 @@ def verify_set(path: str | Path, *, recompute: bool = False, workdir: str | Path
                     problems.append(f"{Path(path) / CASES}: case {c.id}: recorded ties {[t[0] for t in c.ties]}, "
                                     f"recomputed {[t[0] for t in again.ties]}")
     return problems
+
+
+def _recompute_image_inputs(model, fs: FixtureSet, b: str, model_dir: Path) -> tuple[Any, list[str]]:
+    """The oracle's inputs for image base ``b`` recomputed from its stored images (preprocessing, vision
+    tower, merge), and every step that differs from what the set stores."""
+    from refimpl.multimodal import multimodal_inputs
+
+    vision = _Vision(model_dir)
+    problems, soft = [], []
+    for j, img in enumerate(fs.image_inputs(b)):
+        processed, st = vision.soft_tokens(np.asarray(img["pixels"]))
+        if processed.pixel_values.shape != img["pixel_values"].shape or \
+                not np.array_equal(processed.pixel_values, img["pixel_values"]) or \
+                not np.array_equal(processed.positions, img["positions"]):
+            problems.append(f"image {j}: preprocessing the stored image no longer gives the stored patches")
+        elif float(np.max(np.abs(st - img["soft_tokens"]))) > RECOMPUTE_BOUND:
+            problems.append(f"image {j}: the vision tower now gives soft tokens that differ by "
+                            f"{float(np.max(np.abs(st - img['soft_tokens']))):.3g} (bound {RECOMPUTE_BOUND})")
+        soft.append(st)
+    inputs = multimodal_inputs(model, fs.bases()[b], soft, vision.tokens)
+    stored = fs.media()[b].embeddings
+    if inputs.embeddings.shape != stored.shape or float(np.max(np.abs(inputs.embeddings - stored))) > RECOMPUTE_BOUND:
+        problems.append("the merged input embeddings differ from the stored ones")
+    return inputs, problems
 
 
 def load_set(path: str | Path) -> FixtureSet:

@@ -6,7 +6,10 @@ set (``Engine.cache_set_class``), or a request hook of the backend (``last_row``
 The bugs are those of ``conformance-semantics.md`` section 3 (B1-B12) and the traps of
 ``gemma4-text-spec.md`` section 12. Every one of them must be caught by the bundled fixture sets at the
 ``fp32`` profile; ``expected_checks`` names the grading checks that count as catching it for the right
-reason (None: any failing check).
+reason (None: any failing check). ``kill_sets`` names the bundled sets that can kill a mutant when only
+some can (the image mutants: only the image sets hold image prompts, and the vision-block mutants need
+a ``use_bidirectional_attention == "vision"`` checkpoint); empty: every mutant is killed on
+``all-features``.
 
 Run one by hand (every mutant backend is a module-level class, listed in ``BACKENDS``):
 
@@ -31,7 +34,8 @@ from conformance.backends.numpy_engine import (
 )
 from refimpl.model import apply_rope, linear, rms_norm, rope_cos_sin, softmax
 
-__all__ = ["BACKENDS", "CLOSENESS", "EQUIVALENT", "MUTANTS", "Mutant", "mutant"]
+__all__ = ["BACKENDS", "CLOSENESS", "EQUIVALENT", "IMAGE_SET_BIDIRECTIONAL", "IMAGE_SET_PLE", "MUTANTS", "Mutant",
+           "mutant"]
 
 CLOSENESS = frozenset({"max_abs", "max_rel", "nmse", "cosine", "kl", "kl_mean", "delta_p"})
 IDENTITY = frozenset({"identity"})
@@ -246,6 +250,63 @@ class EmbeddingsScaledTwice(NumpyEngineBackend):
     engine_class = _EmbeddingsScaledTwiceEngine
 
 
+class _SoftTokensScaledEngine(Engine):
+    def input_embeddings(self, mb: MicroBatch) -> np.ndarray:
+        x0 = super().input_embeddings(mb)
+        if not mb.image.any():
+            return x0
+        x0 = np.array(x0, copy=True)
+        x0[mb.image] *= self.dtype.type(self.model.embed_scale)  # as if the soft tokens were token embeddings
+        return x0
+
+
+class SoftTokensScaled(NumpyEngineBackend):
+    """Image prompts: the soft tokens (image rows of the given embeddings) are multiplied by sqrt(H)."""
+
+    name = "mutant/soft-tokens-scaled"
+    engine_class = _SoftTokensScaledEngine
+
+
+# ----------------------------------------------------------------------------------------------
+# trap 17: multimodal per-layer inputs and vision masking (gemma4-multimodal-spec.md sections 6, 7)
+
+
+class _PlePlaceholderRowEngine(Engine):
+    def ple_ids(self, mb: MicroBatch) -> np.ndarray:
+        return mb.ids  # the image token's own row of the per-layer table, not the pad row
+
+
+class PlePlaceholderRow(NumpyEngineBackend):
+    """Image prompts: per-layer inputs at image positions take the image token's own table row, not the pad row."""
+
+    name = "mutant/ple-placeholder-row"
+    engine_class = _PlePlaceholderRowEngine
+
+
+class _VisionBlocksOnFullLayersEngine(Engine):
+    def opens_vision_blocks(self, i: int) -> bool:
+        return self.cfg.use_bidirectional_attention == "vision"  # every layer, as Gemma 3 did
+
+
+class VisionBlocksOnFullLayers(NumpyEngineBackend):
+    """Vision-bidirectional checkpoints: image blocks are opened on full layers too (Gemma 3 style)."""
+
+    name = "mutant/vision-blocks-on-full-layers"
+    engine_class = _VisionBlocksOnFullLayersEngine
+
+
+class _VisionBlocksMissingEngine(Engine):
+    def opens_vision_blocks(self, i: int) -> bool:
+        return False
+
+
+class VisionBlocksMissing(NumpyEngineBackend):
+    """Vision-bidirectional checkpoints: image blocks are never opened (image tokens causal on every layer)."""
+
+    name = "mutant/vision-blocks-missing"
+    engine_class = _VisionBlocksMissingEngine
+
+
 # ----------------------------------------------------------------------------------------------
 # the spec's traps (gemma4-text-spec.md section 12)
 
@@ -410,15 +471,21 @@ class Mutant:
     bug_class: str  # "B1".."B12" (conformance-semantics.md section 3) or "trap N" (gemma4-text-spec.md section 12)
     expected_checks: frozenset[str] | None  # grading checks that count as "caught by the matching check"; None = any
     backend_class: type = field(repr=False, compare=False, default=NumpyEngineBackend)
+    kill_sets: tuple[str, ...] = ()  # the bundled sets that can kill it, when only some can; () = any (all-features)
 
     def backend(self) -> Backend:
         """A fresh mutated numpy-engine (float64), not yet opened."""
         return self.backend_class()
 
 
-def _m(cls: type, bug_class: str, expected: frozenset[str] | None = None) -> Mutant:
+def _m(cls: type, bug_class: str, expected: frozenset[str] | None = None, kill_sets: tuple[str, ...] = ()) -> Mutant:
     name = cls.name.removeprefix("mutant/")
-    return Mutant(name, cls.__doc__.strip().splitlines()[0], bug_class, expected, cls)
+    return Mutant(name, cls.__doc__.strip().splitlines()[0], bug_class, expected, cls, tuple(kill_sets))
+
+
+#: the bundled image sets: PLE with image tokens causal (E-series), and bidirectional vision blocks (31B)
+IMAGE_SET_PLE = "e2b-vision-mini"
+IMAGE_SET_BIDIRECTIONAL = "31b-vision-mini"
 
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -436,6 +503,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(ChunkLocalMask, "B4"),
     _m(ChunkLocalPositions, "B4"),
     _m(EmbeddingsScaledTwice, "B10"),
+    _m(SoftTokensScaled, "B10", kill_sets=(IMAGE_SET_PLE, IMAGE_SET_BIDIRECTIONAL)),
     _m(NormOnePlusW, "trap 1"),
     _m(AttentionScaleRsqrtD, "trap 2"),
     _m(RopeOrdinaryPartial, "trap 3"),
@@ -446,6 +514,9 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(PleMissingSqrtP, "trap 10"),
     _m(LayerScalarSkipped, "trap 11"),
     _m(MoeRouterNormedInput, "trap 12"),
+    _m(PlePlaceholderRow, "trap 17", kill_sets=(IMAGE_SET_PLE,)),
+    _m(VisionBlocksOnFullLayers, "trap 17", kill_sets=(IMAGE_SET_BIDIRECTIONAL,)),
+    _m(VisionBlocksMissing, "trap 17", kill_sets=(IMAGE_SET_BIDIRECTIONAL,)),
 )
 
 BACKENDS: dict[str, type] = {m.name: m.backend_class for m in MUTANTS}

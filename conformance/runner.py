@@ -308,6 +308,16 @@ def run(
         with tempfile.TemporaryDirectory(prefix="gemma4-conformance-", dir=workdir) as tmp:
             model_dir = fs.model_dir(Path(tmp))
             info.warnings = [str(w) for w in getattr(fs, "warnings", [])]
+            ctx = SetContext(fs, Path(model_dir), caps.embedding_convention)
+            if not any(_claimable(ctx, case, claimed) for case in chosen):
+                # nothing here for this backend (e.g. an image set for a text-only engine): every case is
+                # reported as not claimed, and the backend is not made to load a checkpoint it cannot use
+                for case in chosen:
+                    results.append(run_case(backend, claimed, ctx, case, profile, expectations))
+                    done += 1
+                    if progress is not None:
+                        progress(done, total, case.id, results[-1])
+                continue
             try:
                 backend.open(Path(model_dir))
             except BackendError:
@@ -317,7 +327,6 @@ def run(
                                    f"{fs.manifest.get('name', fs.path)} ({model_dir}): "
                                    f"{type(exc).__name__}: {exc}") from exc
             try:
-                ctx = SetContext(fs, Path(model_dir), caps.embedding_convention)
                 for case in chosen:
                     if progress is not None:
                         progress(done, total, case.id, None)
@@ -363,6 +372,7 @@ class SetContext:
         self.bases = fs.bases()
         self.base_logits = fs.base_logits()
         self.embed = _Embedder(model_dir, convention)
+        self.media = fs.media(convention) if hasattr(fs, "media") else {}
         self.pieces = _make_pieces(model_dir)
 
 
@@ -383,7 +393,7 @@ def run_case(backend: Backend, claimed: dict, ctx: SetContext, case, profile,
     res.expectation = decision.to_json()
 
     try:
-        request = build_request(case, ctx.bases, ctx.embed)
+        request = build_request(case, ctx.bases, ctx.embed, ctx.media)
     except Exception as exc:  # noqa: BLE001 - a harness bug must not stop the run either
         res.status, res.check = "error", "harness"
         res.message = f"the harness could not build the request: {type(exc).__name__}: {exc}"
@@ -395,7 +405,7 @@ def run_case(backend: Backend, claimed: dict, ctx: SetContext, case, profile,
         # a backend without decode still has its prefill rows graded; the decode steps are reported as
         # not claimed (in `missing`) rather than dropping the whole case
         case = _without_decode(case)
-        request = build_request(case, ctx.bases, ctx.embed)
+        request = build_request(case, ctx.bases, ctx.embed, ctx.media)
     elif res.missing:
         res.status = "not-claimed"
         res.message = "needs " + ", ".join(res.missing) + " (not claimed by the backend)"
@@ -442,6 +452,18 @@ def run_case(backend: Backend, claimed: dict, ctx: SetContext, case, profile,
     res.summary = {k: _finite(v) for k, v in (grade.summary or {}).items()}
     res.first_divergence = None if grade.first_divergence is None else int(grade.first_divergence)
     return _apply_known_failure(res, decision)
+
+
+def _claimable(ctx: SetContext, case, claimed: dict) -> bool:
+    """Whether the backend claims what ``case`` needs (decode aside, which is dropped when unclaimed).
+    A case whose request cannot be built counts as claimable: running it reports the harness error."""
+    from .cases import build_request
+
+    try:
+        need = required_capabilities(build_request(case, ctx.bases, ctx.embed, ctx.media))
+    except Exception:  # noqa: BLE001
+        return True
+    return all(claimed.get(n, False) for n in need if n != "decode")
 
 
 def _without_decode(case):

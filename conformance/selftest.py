@@ -21,7 +21,9 @@ opened, makes it fail (1). Survivors at the looser profiles are reported, not fa
 a looser profile gives up.
 
 The mutants are duck-typed: anything with ``name``, ``breaks``, ``bug_class``, ``expected_checks``
-and ``backend()`` (a fresh, unopened backend) will do.
+and ``backend()`` (a fresh, unopened backend) will do. An optional ``kill_sets`` (names of fixture sets)
+says that only those sets can kill the mutant (the image mutants: only the image sets hold image
+prompts); it changes no verdict, but a survivor none of whose kill sets had a case selected is told so.
 """
 
 from __future__ import annotations
@@ -154,6 +156,8 @@ class MutantResult:
     run_calls: int = 0  # backend.run calls made (one per case that ran)
     error: str | None = None  # the mutant could not be built or opened
     equivalent: str | None = None  # why no float profile can see this bug (graded at exact-f64 too)
+    kill_sets: tuple[str, ...] = ()  # the only fixture sets that can kill it (empty: any)
+    sets_run: tuple[str, ...] = ()  # the fixture sets it ran cases of
 
     # -- the primary profile -------------------------------------------------------------------
 
@@ -200,8 +204,12 @@ class MutantResult:
         if v.cases_run == 0:
             return f"mutant {self.name!r} ran no case (every selected case not claimed or skipped)"
         if not v.killed:
+            why = ""
+            if self.kill_sets and not set(self.kill_sets) & set(self.sets_run):
+                why = (f"; only the fixture set(s) {', '.join(self.kill_sets)} can kill it, and none of their cases "
+                       "was selected")
             return (f"mutant {self.name!r} ({self.bug_class}: {self.breaks}) SURVIVED at {self.primary}: all "
-                    f"{v.cases_run} case(s) passed")
+                    f"{v.cases_run} case(s) passed{why}")
         if not self.matching:
             want = ", ".join(sorted(self.expected_checks or ()))
             got = ", ".join(f"{k} ({n})" for k, n in v.checks.items())
@@ -225,7 +233,7 @@ class MutantResult:
             "survives": {p: self.survives(p) for p in self.verdicts},
             "profiles": {p: vv.to_json() for p, vv in self.verdicts.items()},
             "run_calls": self.run_calls, "duration": self.duration, "error": self.error,
-            "equivalent": self.equivalent, "problem": self.problem(),
+            "equivalent": self.equivalent, "kill_sets": list(self.kill_sets), "problem": self.problem(),
         }
 
 
@@ -505,6 +513,7 @@ def run_selftest(
             progress(count.done, count.total, cname, cres)
 
         results: list[MutantResult] = []
+        sets_run = tuple(s["name"] for s in plan.info() if s["cases_selected"])
         if cres.passed:
             planned = [(m, None, profs) for m in mutants]
             with_exact = profs + ([] if cprof.name in {p.name for p in profs} else [cprof])
@@ -512,7 +521,8 @@ def run_selftest(
             for m, reason, mprofs in planned:
                 exp = None if m.expected_checks is None else frozenset(m.expected_checks)
                 mres = MutantResult(m.name, str(m.breaks), str(m.bug_class), exp,
-                                    {p.name: Verdict(p.name) for p in mprofs}, profs[0].name, equivalent=reason)
+                                    {p.name: Verdict(p.name) for p in mprofs}, profs[0].name, equivalent=reason,
+                                    kill_sets=tuple(getattr(m, "kill_sets", ()) or ()), sets_run=sets_run)
                 t = time.perf_counter()
                 try:
                     backend = m.backend()

@@ -1,4 +1,5 @@
-"""``refimpl``: the oracle's command line (synth, inspect, logits, generate).
+"""``refimpl``: the oracle's command line (synth, inspect, logits, generate; logits and generate take
+images with ``--image``).
 
 Bad input prints one ``error:`` line and exits 2; no traceback.
 """
@@ -8,17 +9,23 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from .config import load_config
 from .errors import InputError, RefimplError, TokenizerError
-from .generate import greedy_generate
+from .generate import greedy_generate, greedy_generate_multimodal
+from .image import (SUPPORTED_SOFT_TOKENS, check_soft_token_budget, load_image_processor_settings,
+                    preprocess_image, read_image)
 from .model import Gemma4, resolve_rows
+from .multimodal import (MultimodalTokens, expand_image_placeholders, image_spans, load_multimodal_tokens,
+                         multimodal_logits)
 from .safetensors_io import write_safetensors
 from .synth import PRESETS, write_checkpoint
 from .tokenizer import Tokenizer
+from .vision import load_vision_config, load_vision_tower, vision_tower
 from .weights import Gemma4Weights
 
 EXIT_USAGE = 2
@@ -38,21 +45,123 @@ def _parse_ints(text: str, what: str) -> list[int]:
     return values
 
 
-def _prompt_ids(args, model_dir: Path) -> tuple[list[int], Tokenizer | None]:
+def _prompt_ids(args, model_dir: Path, images: int = 0, mm: MultimodalTokens | None = None,
+                bos: int | None = None) -> tuple[list[int], Tokenizer | None]:
+    """The prompt's ids. With ``images`` > 0 and no image placeholder in the prompt, one placeholder per
+    image is put in front of the text: after <bos> (for --tokens, when the ids start with it), or at the
+    start of the user turn's content with --chat, as the Gemma 4 chat template places image items."""
     tok = Tokenizer.from_dir(model_dir)
     if args.tokens is not None:
         if args.chat:
             raise InputError("--chat applies to --prompt, not to --tokens")
-        return _parse_ints(args.tokens, "--tokens"), tok
+        ids = _parse_ints(args.tokens, "--tokens")
+        if images and mm.image_token_id not in ids:
+            at = 1 if ids[0] == bos else 0
+            ids = ids[:at] + [mm.image_token_id] * images + ids[at:]
+        return ids, tok
     if tok is None:
         raise TokenizerError(f"{model_dir} has no tokenizer.model; pass token ids with --tokens instead of --prompt")
-    if args.chat:
-        return tok.encode_chat([{"role": "user", "content": args.prompt}]), tok
-    return tok.encode(args.prompt), tok
+    text = args.prompt
+    if images:
+        text = _image_prompt_text(tok, text, images, mm)
+    ids = tok.encode_chat([{"role": "user", "content": text}]) if args.chat else tok.encode(text)
+    if images:
+        placeholder = tok.piece(mm.image_token_id)
+        if ids.count(mm.image_token_id) != text.count(placeholder):
+            raise TokenizerError(
+                f"the tokenizer does not encode {placeholder!r} as the single image token {mm.image_token_id}; "
+                "pass the token ids with --tokens instead of --prompt"
+            )
+    return ids, tok
+
+
+_MARKERS_GIVEN = ("the prompt already holds begin/end-of-image markers ({boi} / {eoi}); write one bare {image} "
+                  "where each image goes and refimpl expands it to {boi} + {image} x M + {eoi}")
+
+
+def _image_prompt_text(tok: Tokenizer, text: str, images: int, mm: MultimodalTokens) -> str:
+    """--prompt text with the images' placeholders: refuses begin/end-of-image markers; adds one
+    placeholder per image in front when the text has none."""
+    boi, eoi, placeholder = (tok.piece(i) for i in (mm.boi_token_id, mm.eoi_token_id, mm.image_token_id))
+    if boi in text or eoi in text:
+        raise InputError(_MARKERS_GIVEN.format(boi=boi, eoi=eoi, image=placeholder))
+    return text if placeholder in text else placeholder * images + text
 
 
 def _piece(tok: Tokenizer | None, i: int) -> str:
     return json.dumps(tok.piece(i), ensure_ascii=False) if tok is not None else "-"
+
+
+@dataclass
+class ImagePrompt:
+    """A prompt with its images: ``ids`` expanded (``boi + image_token x M_i + eoi`` per image)."""
+
+    ids: list[int]
+    tok: Tokenizer | None
+    tokens: MultimodalTokens
+    processed: list = field(default_factory=list)  # refimpl.image.ProcessedImage per image
+    info: list[dict] = field(default_factory=list)  # per image: file, size, resized, soft_tokens, rows
+
+    @property
+    def summary(self) -> str:
+        n = len(self.info)
+        return f"{sum(i['soft_tokens'] for i in self.info)} soft tokens of {n} image{'s' if n > 1 else ''}"
+
+    def lines(self) -> list[str]:
+        return [f"  image {n} {i['file']}: {i['size'][0]}x{i['size'][1]} (HxW) resized to {i['resized'][0]}x"
+                f"{i['resized'][1]}, {i['soft_tokens']} soft tokens at rows {i['rows'][0]}-{i['rows'][1]}"
+                for n, i in enumerate(self.info)]
+
+
+def _vision_config(model_dir: Path):
+    """The checkpoint's vision config; a clear InputError when it has no vision tower at all."""
+    try:
+        raw = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        raw = {"vision_config": {}}  # let load_vision_config report it
+    if isinstance(raw, dict) and raw.get("vision_config") is None:
+        raise InputError(f"{model_dir} has no vision tower (config.json has no vision_config); --image needs an "
+                         "image-text checkpoint (Gemma4ForConditionalGeneration with its vision weights)")
+    return load_vision_config(model_dir)
+
+
+def _image_prompt(args, model_dir: Path, model: Gemma4) -> ImagePrompt:
+    """Prompt ids expanded for ``args.image`` (placeholder rule of ``_prompt_ids``), the images read and
+    preprocessed as the checkpoint's processor does; the vision tower is not run yet."""
+    vision_cfg = _vision_config(model_dir)
+    mm = load_multimodal_tokens(model_dir)
+    ids, tok = _prompt_ids(args, model_dir, len(args.image), mm, model.cfg.bos_token_id)
+    if mm.boi_token_id in ids or mm.eoi_token_id in ids:
+        names = (lambda i: tok.piece(i) if tok is not None else str(i))
+        raise InputError(_MARKERS_GIVEN.format(boi=names(mm.boi_token_id), eoi=names(mm.eoi_token_id),
+                                               image=names(mm.image_token_id)))
+    if mm.video_token_id in ids or mm.audio_token_id in ids:
+        raise InputError("video and audio placeholders are not supported yet (images only)")
+    expand_image_placeholders(ids, [1] * len(args.image), mm)  # placeholder count, before any image work
+    settings = load_image_processor_settings(model_dir, vision_cfg)
+    budget = check_soft_token_budget(args.max_soft_tokens if args.max_soft_tokens is not None
+                                     else settings.max_soft_tokens)
+    prompt = ImagePrompt(ids, tok, mm)
+    for path in args.image:
+        pixels = read_image(path)
+        pre = preprocess_image(pixels, settings.patch_size, settings.pooling_kernel_size, budget)
+        prompt.processed.append(pre)
+        prompt.info.append({"file": str(path), "size": list(pixels.shape[:2]), "resized": list(pre.pixels.shape[:2]),
+                            "soft_tokens": pre.num_soft_tokens})
+    prompt.ids = expand_image_placeholders(ids, [p.num_soft_tokens for p in prompt.processed], mm).tolist()
+    for info, (start, length) in zip(prompt.info, image_spans(prompt.ids, mm)):
+        info["rows"] = [start, start + length - 1]
+    return prompt
+
+
+def _soft_tokens(model_dir: Path, prompt: ImagePrompt, dtype: str) -> list[np.ndarray]:
+    weights, cfg = load_vision_tower(model_dir, dtype)
+    return [vision_tower(p.pixel_values, p.positions, weights, cfg) for p in prompt.processed]
+
+
+def _check_image_args(args) -> None:
+    if args.max_soft_tokens is not None and not args.image:
+        raise InputError("--max-soft-tokens applies to --image")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -120,16 +229,30 @@ def cmd_inspect(args) -> int:
 def cmd_logits(args) -> int:
     if args.top_k < 1:
         raise InputError(f"--top-k must be at least 1, got {args.top_k}")
+    _check_image_args(args)
     model_dir = Path(args.model)
-    ids, tok = _prompt_ids(args, model_dir)
-    model = Gemma4(model_dir, args.dtype, args.embed_scale)
+    if args.image:
+        model = Gemma4(model_dir, args.dtype, args.embed_scale)
+        prompt = _image_prompt(args, model_dir, model)
+        ids, tok = prompt.ids, prompt.tok
+    else:
+        ids, tok = _prompt_ids(args, model_dir)
+        model = Gemma4(model_dir, args.dtype, args.embed_scale)
     rows = args.rows if args.rows in ("last", "all") else _parse_ints(args.rows, "--rows")
     index = resolve_rows(rows, len(ids))
-    logits = model.forward(ids, rows=rows)
+    metadata = {"model": str(model_dir), "dtype": str(model.dtype), "embed_scale": args.embed_scale}
+    if args.image:
+        soft = _soft_tokens(model_dir, prompt, args.dtype)
+        logits = multimodal_logits(model, ids, soft, prompt.tokens, rows=rows)
+        metadata["images"] = json.dumps(prompt.info)
+    else:
+        logits = model.forward(ids, rows=rows)
     write_safetensors(args.out, {"logits": logits, "rows": index, "tokens": np.asarray(ids)},
-                      "F64" if model.dtype == np.float64 else "F32",
-                      metadata={"model": str(model_dir), "dtype": str(model.dtype), "embed_scale": args.embed_scale})
-    print(f"{len(ids)} tokens, {len(index)} rows of {logits.shape[1]} logits ({model.dtype}) -> {args.out}")
+                      "F64" if model.dtype == np.float64 else "F32", metadata=metadata)
+    images = f" ({prompt.summary})" if args.image else ""
+    print(f"{len(ids)} tokens{images}, {len(index)} rows of {logits.shape[1]} logits ({model.dtype}) -> {args.out}")
+    if args.image:
+        print("\n".join(prompt.lines()))
     for r, row in zip(index, logits):
         top = np.argsort(-row, kind="stable")[: args.top_k]
         shown = ", ".join(f"{int(t)} {_piece(tok, t)} {row[t]:.4f}" for t in top)
@@ -138,9 +261,19 @@ def cmd_logits(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    _check_image_args(args)
     model_dir = Path(args.model)
-    ids, tok = _prompt_ids(args, model_dir)
-    model = Gemma4(model_dir, args.dtype, args.embed_scale)
+    if args.image:
+        if args.max_new_tokens < 0:
+            raise InputError(f"max_new_tokens must be >= 0, got {args.max_new_tokens}")
+        model = Gemma4(model_dir, args.dtype, args.embed_scale)
+        prompt = _image_prompt(args, model_dir, model)
+        ids, tok = prompt.ids, prompt.tok
+        soft = _soft_tokens(model_dir, prompt, args.dtype)
+        print("\n".join(prompt.lines()), file=sys.stderr)
+    else:
+        ids, tok = _prompt_ids(args, model_dir)
+        model = Gemma4(model_dir, args.dtype, args.embed_scale)
 
     new_tokens: list[int] = []
     shown = ""
@@ -159,11 +292,15 @@ def cmd_generate(args) -> int:
             shown = text
         sys.stdout.flush()
 
-    result = greedy_generate(model, ids, args.max_new_tokens, on_token=show)
+    if args.image:
+        result = greedy_generate_multimodal(model, ids, soft, prompt.tokens, args.max_new_tokens, on_token=show)
+    else:
+        result = greedy_generate(model, ids, args.max_new_tokens, on_token=show)
     if tok is not None:
         sys.stdout.write(tok.decode(new_tokens)[len(shown):])
     print()
-    print(f"[{len(ids)} prompt tokens, {len(result.tokens)} new: {','.join(map(str, result.tokens))}; "
+    images = f" ({prompt.summary})" if args.image else ""
+    print(f"[{len(ids)} prompt tokens{images}, {len(result.tokens)} new: {','.join(map(str, result.tokens))}; "
           f"{'stopped on a stop id' if result.stopped else 'reached --max-new-tokens'}]", file=sys.stderr)
     return 0
 
@@ -181,10 +318,17 @@ def _add_prompt(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float64", "float32"], default="float64")
     p.add_argument("--embed-scale", choices=["exact", "bf16"], default="exact",
                    help="sqrt(hidden_size) exactly (default, as HF float32) or rounded to bfloat16 (HF bf16, JAX)")
+    p.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="an image (PNG, PPM/PGM; other formats through Pillow); repeat for more. Each goes where the "
+                        "prompt has an <|image|> placeholder, in order; with no placeholder the images go in front "
+                        "of the text (after <bos>; with --chat, at the start of the user turn)")
+    p.add_argument("--max-soft-tokens", type=int, choices=list(SUPPORTED_SOFT_TOKENS), default=None,
+                   help="soft-token budget per image (default: the checkpoint's processor config, else 280)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="refimpl", description="Exact NumPy reference for the Gemma 4 text decoder.")
+    parser = argparse.ArgumentParser(prog="refimpl", description="Exact NumPy reference for Gemma 4 (text decoder, "
+                                     "image prompts).")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("synth", help="write a synthetic checkpoint directory")

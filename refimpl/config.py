@@ -432,20 +432,27 @@ def parse_config(raw: dict, where: str = "config.json", extra_eos: tuple[int, ..
 def load_config(model_dir: str | Path) -> TextConfig:
     """Read ``config.json`` (and ``generation_config.json`` stop ids, if present) from a checkpoint directory."""
     model_dir = Path(model_dir)
+    path, raw = read_config_json(model_dir)
+    extra_eos: tuple[int, ...] = ()
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        extra_eos = _token_ids(read_json(gen).get("eos_token_id"), "eos_token_id", str(gen))
+    return parse_config(raw, str(path), extra_eos)
+
+
+def read_config_json(model_dir: str | Path) -> tuple[Path, Any]:
+    """(path, parsed content) of a checkpoint directory's config.json; ConfigError naming the problem."""
+    model_dir = Path(model_dir)
     path = model_dir / "config.json"
     if not model_dir.is_dir():
         raise ConfigError(f"{model_dir}: not a directory; pass a checkpoint directory holding config.json")
     if not path.is_file():
         raise ConfigError(f"{path}: not found; a checkpoint directory must hold config.json")
-    raw = _read_json(path)
-    extra_eos: tuple[int, ...] = ()
-    gen = model_dir / "generation_config.json"
-    if gen.is_file():
-        extra_eos = _token_ids(_read_json(gen).get("eos_token_id"), "eos_token_id", str(gen))
-    return parse_config(raw, str(path), extra_eos)
+    return path, read_json(path)
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> Any:
+    """A JSON file's content; ConfigError naming the file for unreadable or invalid JSON."""
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)

@@ -1,4 +1,5 @@
-"""Greedy generation through the KV cache, and teacher-forced scoring of a given continuation."""
+"""Greedy generation through the KV cache (text or image prompts), and teacher-forced scoring of a given
+continuation."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 
 from .errors import InputError
 from .model import Gemma4, KVCache
+from .multimodal import MultimodalTokens, multimodal_inputs
 
 
 @dataclass
@@ -27,13 +29,50 @@ def greedy_generate(model: Gemma4, prompt: Sequence[int], max_new_tokens: int,
     """
     if max_new_tokens < 0:
         raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    stop = set(model.cfg.eos_token_ids if stop_ids is None else stop_ids)
+    if max_new_tokens == 0:
+        return Generation([], False, [])
     cache = KVCache()
+    logits = model.forward(prompt, rows="last", cache=cache)[0]
+    return _decode_greedily(model, cache, logits, max_new_tokens, stop_ids, on_token)
+
+
+def greedy_generate_multimodal(model: Gemma4, ids: Sequence[int] | np.ndarray, soft_tokens: Sequence[np.ndarray],
+                               tokens: MultimodalTokens, max_new_tokens: int,
+                               stop_ids: Sequence[int] | None = None,
+                               on_token: Callable[[int], None] | None = None) -> Generation:
+    """``greedy_generate`` after an image prompt.
+
+    ``ids`` is the expanded prompt (``boi + image_token x M_i + eoi`` for image i, e.g. from
+    ``refimpl.multimodal.expand_image_placeholders``) and ``soft_tokens`` the [M_i, H] soft tokens of
+    each image in prompt order (``refimpl.vision.vision_tower``). The whole prompt, images included, is
+    prefilled in one cached call (an image block is never split: on bidirectional checkpoints its
+    tokens see each other), built by ``multimodal_inputs`` (pad-row PLE, unscaled soft tokens, vision
+    block ids); the new tokens are then decoded as text through the cache. A generated placeholder id
+    (image, video or audio token) is fed back as ``pad_token_id``, as transformers' forward does with
+    any placeholder it gets no features for. Inputs are checked even when ``max_new_tokens`` is 0.
+    """
+    if max_new_tokens < 0:
+        raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    m = multimodal_inputs(model, ids, soft_tokens, tokens)
+    if max_new_tokens == 0:
+        return Generation([], False, [])
+    cache = KVCache()
+    logits = model.forward(m.ids, rows="last", cache=cache, embeddings=m.embeddings,
+                           vision_blocks=m.vision_blocks)[0]
+    pad = model.cfg.pad_token_id if model.cfg.pad_token_id is not None else 0
+    placeholders = set(tokens.placeholders)
+    return _decode_greedily(model, cache, logits, max_new_tokens, stop_ids, on_token,
+                            feed=lambda t: pad if t in placeholders else t)
+
+
+def _decode_greedily(model: Gemma4, cache: KVCache, logits: np.ndarray, max_new_tokens: int,
+                     stop_ids: Sequence[int] | None, on_token: Callable[[int], None] | None,
+                     feed: Callable[[int], int] = int) -> Generation:
+    """The decode loop after a prefill whose last-row logits are ``logits`` [V] (max_new_tokens >= 1);
+    ``feed(token)`` is the id passed to the next step."""
+    stop = set(model.cfg.eos_token_ids if stop_ids is None else stop_ids)
     tokens: list[int] = []
     margins: list[float] = []
-    if max_new_tokens == 0:
-        return Generation(tokens, False, margins)
-    logits = model.forward(prompt, rows="last", cache=cache)[0]
     while True:
         top2 = np.sort(logits)[-2:]
         token = int(np.argmax(logits))
@@ -45,7 +84,7 @@ def greedy_generate(model: Gemma4, prompt: Sequence[int], max_new_tokens: int,
             return Generation(tokens, True, margins)
         if len(tokens) == max_new_tokens:
             return Generation(tokens, False, margins)
-        logits = model.forward([token], rows="last", cache=cache)[0]
+        logits = model.forward([feed(token)], rows="last", cache=cache)[0]
 
 
 @dataclass

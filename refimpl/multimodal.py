@@ -19,13 +19,13 @@ come from ``refimpl.vision.vision_tower`` (or anything else that yields [M_i, H]
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
+from .config import read_config_json
 from .errors import ConfigError, InputError
 from .model import Gemma4, KVCache, Trace
 
@@ -62,13 +62,7 @@ def parse_multimodal_tokens(raw: dict, where: str = "config.json") -> Multimodal
 
 
 def load_multimodal_tokens(model_dir: str | Path) -> MultimodalTokens:
-    path = Path(model_dir) / "config.json"
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: not found; a checkpoint directory must hold config.json") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: cannot be read ({e})") from None
+    path, raw = read_config_json(model_dir)
     return parse_multimodal_tokens(raw, str(path))
 
 
@@ -140,6 +134,38 @@ def multimodal_inputs(model: Gemma4, ids: Sequence[int] | np.ndarray, soft_token
     return MultimodalInputs(llm_ids, x, blocks)
 
 
+def expand_image_placeholders(ids: Sequence[int] | np.ndarray, counts: Sequence[int],
+                              tokens: MultimodalTokens) -> np.ndarray:
+    """What the processor does to a prompt: each image token of ``ids`` (one per image, in order)
+    becomes ``boi + image_token x M_i + eoi`` (multimodal spec 2).
+
+    ``ids`` must hold exactly ``len(counts)`` image tokens, none of them already inside a
+    ``boi ... eoi`` run (InputError otherwise)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    at = np.flatnonzero(ids == tokens.image_token_id)
+    if at.size != len(counts):
+        raise InputError(
+            f"the prompt holds {at.size} image placeholder(s) ({tokens.image_token_id}, the <|image|> token) but "
+            f"{len(counts)} image(s) were given; put one placeholder where each image goes, in order"
+        )
+    if np.isin(ids, (tokens.boi_token_id, tokens.eoi_token_id)).any():
+        raise InputError("the prompt already holds begin/end-of-image tokens; give one bare image placeholder per "
+                         "image and let the processor expand it")
+    out, start = [], 0
+    for a, m in zip(at, counts):
+        out += [ids[start:a], [tokens.boi_token_id], [tokens.image_token_id] * int(m), [tokens.eoi_token_id]]
+        start = a + 1
+    out.append(ids[start:])
+    return np.concatenate([np.asarray(x, dtype=np.int64) for x in out])
+
+
+def image_spans(ids: Sequence[int] | np.ndarray, tokens: MultimodalTokens) -> list[tuple[int, int]]:
+    """(first position, length) of every maximal run of image tokens in ``ids``."""
+    blocks = vision_block_ids(np.asarray(ids) == tokens.image_token_id)
+    return [(int(np.flatnonzero(blocks == b)[0]), int(np.count_nonzero(blocks == b)))
+            for b in range(int(blocks.max()) + 1)] if blocks.size else []
+
+
 def multimodal_logits(model: Gemma4, ids: Sequence[int] | np.ndarray, soft_tokens: Sequence[np.ndarray],
                       tokens: MultimodalTokens, *, rows: str | Sequence[int] = "all", cache: KVCache | None = None,
                       trace: Trace | None = None) -> np.ndarray:
@@ -153,5 +179,5 @@ def multimodal_logits(model: Gemma4, ids: Sequence[int] | np.ndarray, soft_token
 __all__: Sequence[str] = [
     "MultimodalTokens", "MultimodalInputs", "parse_multimodal_tokens", "load_multimodal_tokens",
     "vision_block_ids", "llm_input_ids", "merge_soft_tokens", "check_image_runs", "multimodal_inputs",
-    "multimodal_logits",
+    "multimodal_logits", "expand_image_placeholders", "image_spans",
 ]

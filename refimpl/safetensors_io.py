@@ -22,6 +22,7 @@ from .errors import WeightsError
 
 # safetensors dtype -> (storage dtype, bytes per element)
 STORAGE = {
+    "U8": np.dtype("u1"),
     "I64": np.dtype("<i8"),
     "F64": np.dtype("<f8"),
     "F32": np.dtype("<f4"),
@@ -218,7 +219,7 @@ class TensorStore:
 def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], dtype: str = "F32",
                       metadata: dict[str, str] | None = None) -> None:
     """Write tensors in name order, deterministically. Float tensors are stored as ``dtype`` (F64, F32,
-    F16 or BF16, rounded to nearest even); integer tensors are always stored as I64."""
+    F16 or BF16, rounded to nearest even); uint8 tensors (images) as U8, other integer tensors as I64."""
     if dtype not in ("F64", "F32", "F16", "BF16"):
         raise ValueError(f"unsupported dtype {dtype!r}")
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
@@ -226,7 +227,7 @@ def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], dtype: s
     offset = 0
     for name in sorted(tensors):
         x = np.asarray(tensors[name])
-        kind = "I64" if np.issubdtype(x.dtype, np.integer) else dtype
+        kind = ("U8" if x.dtype == np.uint8 else "I64") if np.issubdtype(x.dtype, np.integer) else dtype
         if kind == "BF16":
             data = f32_to_bf16(x.astype(np.float32)).astype("<u2").tobytes()
         else:

@@ -10,6 +10,13 @@ lie in [0.5, 1.5] (so a ``1 + w`` norm or a skipped scalar shows), the final nor
 logits reach the non-linear part of the softcap, and router projections are wide enough to give
 clear expert margins. Every preset ends its KV-owning prefix with (sliding, full), so the HF rule
 and the llama.cpp / JAX positional rule pick the same KV source.
+
+Presets with a ``vision`` entry are image-text models: they are always written in the published
+Gemma4ForConditionalGeneration layout (``text_config``, ``vision_config`` and the placeholder token ids
+at the top level; tensors under ``model.language_model.``, ``model.vision_tower.`` and
+``model.embed_vision.``) with a tiny vision tower (patch 4, pooling 3: an image of up to 70 soft
+tokens is at most 84 x 84 pixels) and a ``processor_config.json`` (max_soft_tokens 70). The
+placeholder ids are the tokenizer's own ``<|image>``, ``<image|>``, ``<|image|>``, ... pieces.
 """
 
 from __future__ import annotations
@@ -83,11 +90,41 @@ PRESETS: dict[str, dict] = {
 }
 
 
+# tiny vision towers: the E-series one (clipped linears) and the 26B/31B one (standardize), patch 4, pooling 3
+_VISION_COMMON = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+    head_dim=16, patch_size=4, pooling_kernel_size=3, position_embedding_size=64, rms_norm_eps=1e-6,
+    hidden_activation="gelu_pytorch_tanh", rope_parameters={"rope_type": "default", "rope_theta": 100.0},
+    model_type="gemma4_vision",
+)
+PRESETS["e2b-vision-mini"] = dict(
+    PRESETS["e2b-mini"],
+    description="E2B in miniature with a tiny E-series vision tower (clipped linears); image tokens causal",
+    vision=dict(_VISION_COMMON, use_clipped_linears=True, standardize=False),
+)
+PRESETS["31b-vision-mini"] = dict(
+    PRESETS["31b-mini"],
+    description="31B in miniature with a tiny 26B/31B vision tower (standardize); bidirectional image blocks "
+                "on sliding layers",
+    vision=dict(_VISION_COMMON, use_clipped_linears=False, standardize=True),
+)
+IMAGE_SOFT_TOKENS = 70  # processor_config.json max_soft_tokens of the vision presets
+# config.json placeholder keys -> tokenizer pieces (transformers' Gemma4Config names; eoa is "eoa_token_index")
+MULTIMODAL_PIECES = dict(boi_token_id="<|image>", eoi_token_id="<image|>", image_token_id="<|image|>",
+                         boa_token_id="<|audio>", eoa_token_index="<audio|>", audio_token_id="<|audio|>",
+                         video_token_id="<|video|>")
+
+
+def piece_id(piece: str) -> int:
+    """The id of one of SPECIAL_PIECES in the synthetic tokenizer (user-defined pieces follow the 4 core ids)."""
+    return SPECIAL_PIECES.index(piece) + 4
+
+
 def preset_config(preset: str, turn_end_id: int) -> dict:
     """The config.json (legacy serialisation, Gemma4ForCausalLM) of a preset."""
     if preset not in PRESETS:
         raise InputError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    fields = {k: v for k, v in PRESETS[preset].items() if k != "description"}
+    fields = {k: v for k, v in PRESETS[preset].items() if k not in ("description", "vision")}
     cfg = {
         "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "dtype": "float32",
         **_COMMON, **fields, "eos_token_id": [1, turn_end_id],
@@ -120,6 +157,32 @@ def make_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
     cfg = parse_config(config)
     rng = np.random.default_rng(seed)
     return {name: _draw(name, shape, rng) for name, shape in sorted(expected_tensors(cfg).items())}
+
+
+def _draw_vision(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """One vision tensor: norms and std_scale in [0.5, 1.5], std_bias of a few units (so the pooler's
+    sqrt(D) and the standardization both show), clip bounds that bite, projections ~ N(0, 1/fan_in)."""
+    leaf = name.rsplit(".", 1)[-1]
+    if ("norm" in name and leaf == "weight") or leaf == "std_scale":
+        return rng.uniform(0.5, 1.5, shape)
+    if leaf == "std_bias":
+        return rng.normal(0.0, 2.0, shape)
+    if leaf == "position_embedding_table":
+        return rng.normal(0.0, 0.5, shape)
+    if leaf in ("input_min", "output_min"):
+        return -rng.uniform(0.6, 1.2, shape)
+    if leaf in ("input_max", "output_max"):
+        return rng.uniform(0.6, 1.2, shape)
+    return rng.normal(0.0, shape[-1] ** -0.5, shape)
+
+
+def make_vision_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
+    """The vision tower and projector tensors (full checkpoint names) of a conditional config."""
+    from .vision import expected_vision_tensors, parse_vision_config
+
+    rng = np.random.default_rng([seed, 1])
+    return {name: _draw_vision(name, shape, rng)
+            for name, shape in sorted(expected_vision_tensors(parse_vision_config(config)).items())}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -184,6 +247,9 @@ def write_checkpoint(preset: str, seed: int, out: str | Path, dtype: str = "f32"
     weights = make_weights(config, seed)
     config["dtype"] = "bfloat16" if dtype == "bf16" else "float32"
     prefix = "model."
+    vision = PRESETS[preset].get("vision")
+    if vision is not None:
+        layout = "conditional"  # image-text models exist only in this layout
     if layout == "conditional":
         prefix = "model.language_model."
         text = {k: v for k, v in config.items() if k not in ("architectures",)}
@@ -194,6 +260,15 @@ def write_checkpoint(preset: str, seed: int, out: str | Path, dtype: str = "f32"
             "tie_word_embeddings": True, "dtype": text["dtype"],
         }
     tensors = {prefix + name: value for name, value in weights.items()}
+    processor = None
+    if vision is not None:
+        config["vision_config"] = dict(vision)
+        config.update({key: piece_id(piece) for key, piece in MULTIMODAL_PIECES.items()})
+        tensors.update(make_vision_weights(config, seed))
+        processor = {"image_processor": {"image_processor_type": "Gemma4ImageProcessor",
+                                         "patch_size": vision["patch_size"],
+                                         "pooling_kernel_size": vision["pooling_kernel_size"],
+                                         "max_soft_tokens": IMAGE_SOFT_TOKENS}}
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -202,6 +277,9 @@ def write_checkpoint(preset: str, seed: int, out: str | Path, dtype: str = "f32"
         write_safetensors(tmp / "model.safetensors", tensors, "BF16" if dtype == "bf16" else "F32",
                           metadata={"format": "pt", "preset": preset, "seed": str(seed)})
         (tmp / "tokenizer.model").write_bytes(tokenizer)
+        if processor is not None:
+            (tmp / "processor_config.json").write_text(json.dumps(processor, indent=2, sort_keys=True) + "\n",
+                                                       encoding="utf-8")
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

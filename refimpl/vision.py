@@ -38,17 +38,17 @@ are computed in float64 and cast, as in ``refimpl.model``.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-from .config import _get, _positive, _positive_float
+from .config import _get, _positive, _positive_float, read_config_json
 from .errors import ConfigError, InputError, WeightsError
 from .model import Trace, apply_rope, attention, gelu_tanh, linear, rms_norm
 from .safetensors_io import TensorStore
+from .weights import FLOAT_DTYPES
 
 TOWER = "model.vision_tower."
 EMBED = "model.embed_vision."
@@ -166,16 +166,7 @@ def _vision_rope_theta(vision: dict, where: str) -> float:
 
 def load_vision_config(model_dir: str | Path) -> VisionConfig:
     """Read the vision part of ``config.json`` from a checkpoint directory."""
-    model_dir = Path(model_dir)
-    path = model_dir / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{path}: not found; a checkpoint directory must hold config.json")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot be read ({e})") from None
+    path, raw = read_config_json(model_dir)
     return parse_vision_config(raw, str(path))
 
 
@@ -239,6 +230,10 @@ class VisionWeights:
                 problems.append(
                     f"{info.path.name}: tensor '{name}' has shape {list(info.shape)}, expected {list(shape)}"
                 )
+            elif self.store.infos[name].dtype not in FLOAT_DTYPES:
+                info = self.store.infos[name]
+                problems.append(f"{info.path.name}: tensor '{name}' is stored as {info.dtype}; the oracle reads "
+                                f"float weights ({', '.join(FLOAT_DTYPES)}), not quantized ones")
         for name in self.store.names:
             if name.startswith((TOWER, EMBED)) and name not in expected:
                 hint = (" (clip bounds, but the config sets use_clipped_linears to false)"

@@ -17,6 +17,7 @@ from .errors import WeightsError
 from .safetensors_io import TensorStore
 
 TEXT_PREFIXES = ("model.language_model.", "model.")
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # weight storage the oracle decodes exactly
 # multimodal towers of Gemma4ForConditionalGeneration; the text oracle does not read them
 MULTIMODAL_PREFIXES = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
 STALE_ON_SHARED = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_norm.weight")
@@ -100,6 +101,9 @@ class Gemma4Weights:
             elif self.store.infos[full].shape != shape:
                 found = list(self.store.infos[full].shape)
                 problems.append(f"{self._file(full)}: tensor '{full}' has shape {found}, expected {list(shape)}")
+            elif self.store.infos[full].dtype not in FLOAT_DTYPES:
+                problems.append(f"{self._file(full)}: tensor '{full}' is stored as {self.store.infos[full].dtype}; "
+                                f"the oracle reads float weights ({', '.join(FLOAT_DTYPES)}), not quantized ones")
         shared = {layer.index for layer in self.cfg.layers if not layer.owns_kv}
         for full in self.store.names:
             if full.startswith(MULTIMODAL_PREFIXES):

@@ -443,6 +443,17 @@ def test_error_misshaped_tensor(ckpts, tmp_path):
         d, "model.safetensors: tensor 'model.layers.4.self_attn.q_proj.weight' has shape [64, 64], expected [128, 64]")
 
 
+def test_error_integer_weights(ckpts, tmp_path):
+    """Quantized (integer) storage is refused, not decoded as if the integers were the weights."""
+    d = copy_ckpt(ckpts["e2b"], tmp_path / "q")
+    tensors = read_all(d)
+    tensors["model.layers.2.mlp.up_proj.weight"] = np.zeros((128, 64), np.uint8)
+    rewrite(d, tensors)
+    assert err(Gemma4, d) == mismatch(
+        d, "model.safetensors: tensor 'model.layers.2.mlp.up_proj.weight' is stored as U8; the oracle reads float "
+           "weights (F32, BF16, F16, F64), not quantized ones")
+
+
 def test_error_misshaped_tensor_in_shard_names_the_shard(ckpts, tmp_path):
     d = tmp_path / "sh"
     weight_map = make_sharded(ckpts["e2b"], d)
@@ -529,7 +540,7 @@ def test_error_unsupported_dtype(tmp_path):
     path = tmp_path / "model.safetensors"
     path.write_bytes(raw_file({"x": {"dtype": "I8", "shape": [4], "data_offsets": [0, 4]}}, b"\0" * 4))
     assert err(TensorStore, tmp_path) == (
-        f"{path}: tensor 'x': dtype 'I8' is not supported (use one of I64, F64, F32, F16, BF16)"
+        f"{path}: tensor 'x': dtype 'I8' is not supported (use one of U8, I64, F64, F32, F16, BF16)"
     )
 
 

@@ -177,3 +177,202 @@ def test_console_entry_point_runs_as_a_module():
     assert done.returncode == 2
     assert "invalid choice: 'nope'" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# image prompts: --image on logits and generate
+
+from refimpl.generate import greedy_generate_multimodal  # noqa: E402
+from refimpl.image import load_image_processor_settings, preprocess_image, read_image  # noqa: E402
+from refimpl.multimodal import expand_image_placeholders, load_multimodal_tokens, multimodal_logits  # noqa: E402
+from refimpl.vision import load_vision_tower, vision_tower  # noqa: E402
+
+
+def write_png(path, pixels):
+    """An 8-bit RGB PNG (filter 0 on every row) from uint8 [h, w, 3], with numpy + zlib only."""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    h, w, _ = pixels.shape
+    raw = b"".join(b"\x00" + pixels[y].tobytes() for y in range(h))
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+                     + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+    return path
+
+
+def image_metadata(path):
+    """The "images" entry of a safetensors file's __metadata__ (a JSON string)."""
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(json.loads(data[8 : 8 + n])["__metadata__"]["images"])
+
+
+@pytest.fixture(scope="module")
+def pngs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("images")
+    rng = np.random.default_rng(5)
+    return [write_png(root / "wide.png", rng.integers(0, 256, (30, 50, 3), dtype=np.uint8)),
+            write_png(root / "tall.png", rng.integers(0, 256, (40, 20, 3), dtype=np.uint8))]
+
+
+def preprocessed(model_dir, paths, max_soft_tokens=None):
+    """read_image -> preprocess_image with the checkpoint's processor settings."""
+    _, cfg = load_vision_tower(model_dir)
+    s = load_image_processor_settings(model_dir, cfg)
+    return [preprocess_image(read_image(p), s.patch_size, s.pooling_kernel_size, max_soft_tokens or s.max_soft_tokens)
+            for p in paths]
+
+
+def direct_soft_tokens(model_dir, paths):
+    """read_image -> preprocess_image -> vision_tower, without the command line."""
+    weights, cfg = load_vision_tower(model_dir)
+    pre = preprocessed(model_dir, paths)
+    return [vision_tower(p.pixel_values, p.positions, weights, cfg) for p in pre], pre
+
+
+@pytest.mark.parametrize("preset, n_images", [("e2b-vision-mini", 1), ("e2b-vision-mini", 2), ("31b-vision-mini", 2)])
+def test_logits_with_images_equal_multimodal_logits(tmp_path, preset_dirs, pngs, capsys, preset, n_images):
+    model_dir = preset_dirs[preset]
+    prompt = "look <|image|> and <|image|> now" if n_images == 2 else "what is <|image|>?"
+    paths = pngs[:n_images]
+    out_file = tmp_path / "img.safetensors"
+    images = [a for p in paths for a in ("--image", str(p))]
+    code, out, err = run(capsys, "logits", "--model", str(model_dir), "--prompt", prompt, *images,
+                         "--rows", "all", "--out", str(out_file), "--top-k", "1")
+    assert code == 0, err
+    mm = load_multimodal_tokens(model_dir)
+    ids = Tokenizer.from_dir(model_dir).encode(prompt)
+    assert ids.count(mm.image_token_id) == n_images
+    soft, pre = direct_soft_tokens(model_dir, paths)
+    expanded = expand_image_placeholders(ids, [p.num_soft_tokens for p in pre], mm)
+    expected = multimodal_logits(Gemma4(model_dir), expanded, soft, mm, rows="all")
+    store = TensorStore(out_file)
+    assert np.array_equal(store.get("logits"), expected)  # bit for bit
+    assert store.raw("tokens").tolist() == expanded.tolist()
+    assert store.raw("rows").tolist() == list(range(len(expanded)))
+    info = image_metadata(out_file)
+    starts = np.flatnonzero(expanded == mm.boi_token_id) + 1
+    assert [i["soft_tokens"] for i in info] == [p.num_soft_tokens for p in pre] == [s.shape[0] for s in soft]
+    assert [i["rows"] for i in info] == [[int(a), int(a) + p.num_soft_tokens - 1] for a, p in zip(starts, pre)]
+    lines = out.splitlines()
+    total = sum(p.num_soft_tokens for p in pre)
+    assert lines[0].startswith(f"{len(expanded)} tokens ({total} soft tokens of {n_images} image")
+    assert lines[1] == (f"  image 0 {paths[0]}: 30x50 (HxW) resized to {pre[0].pixels.shape[0]}x{pre[0].pixels.shape[1]}, "
+                        f"{pre[0].num_soft_tokens} soft tokens at rows {starts[0]}-{starts[0] + pre[0].num_soft_tokens - 1}")
+    assert sum(line.startswith("  row ") for line in lines) == len(expanded)
+
+
+def test_images_without_a_placeholder_go_in_front_of_the_text(tmp_path, preset_dirs, pngs, capsys):
+    model_dir = preset_dirs["e2b-vision-mini"]
+    tok, mm = Tokenizer.from_dir(model_dir), load_multimodal_tokens(model_dir)
+    m0, m1 = (p.num_soft_tokens for p in preprocessed(model_dir, pngs))
+    one = [mm.boi_token_id] + [mm.image_token_id] * m0 + [mm.eoi_token_id]
+    two = one + [mm.boi_token_id] + [mm.image_token_id] * m1 + [mm.eoi_token_id]
+
+    def tokens_of(*argv, images=pngs):
+        out_file = tmp_path / "t.safetensors"
+        code, _, err = run(capsys, "logits", "--model", str(model_dir), *argv,
+                           *[a for p in images for a in ("--image", str(p))], "--out", str(out_file))
+        assert code == 0, err
+        store = TensorStore(out_file)
+        return store.raw("tokens").tolist(), store.get("logits")
+
+    # plain text: right after <bos>, the same prompt as writing the placeholders there
+    ids, logits = tokens_of("--prompt", "describe")
+    assert ids == [tok.bos_id] + two + tok.encode("describe", add_bos=False)
+    ids2, logits2 = tokens_of("--prompt", "<|image|><|image|>describe")
+    assert ids2 == ids and np.array_equal(logits2, logits)
+    # chat: at the start of the user turn's content, as the chat template places image items
+    ids, _ = tokens_of("--prompt", "describe", "--chat", images=pngs[:1])
+    chat = tok.encode_chat([{"role": "user", "content": "<|image|>describe"}])
+    assert ids == expand_image_placeholders(chat, [m0], mm).tolist()
+    first = chat.index(mm.image_token_id)  # <bos><|turn>user\n, then the image, then the text
+    assert chat[:first] == [tok.bos_id, tok.piece_id("<|turn>")] + tok.encode("user\n", add_bos=False)
+    text = tok.encode("describe", add_bos=False)
+    assert chat[first + 1 : first + 1 + len(text)] == text
+    # token ids: after a leading <bos>, else at the very front
+    ids, _ = tokens_of("--tokens", f"{tok.bos_id},50,60", images=pngs[:1])
+    assert ids == [tok.bos_id] + one + [50, 60]
+    ids, _ = tokens_of("--tokens", "50,60", images=pngs[:1])
+    assert ids == one + [50, 60]
+
+
+@pytest.mark.parametrize("preset", ["e2b-vision-mini", "31b-vision-mini"])
+def test_generate_with_an_image_equals_argmax_of_full_forwards(preset_dirs, pngs, capsys, preset):
+    model_dir = preset_dirs[preset]
+    model, mm = Gemma4(model_dir), load_multimodal_tokens(model_dir)
+    soft, pre = direct_soft_tokens(model_dir, pngs)
+    ids = expand_image_placeholders([2, 9, 40, 9, 41], [p.num_soft_tokens for p in pre], mm).tolist()
+    result = greedy_generate_multimodal(model, ids, soft, mm, 5, stop_ids=())
+    # independent path: no cache, one full forward over the growing sequence per step
+    grown = list(ids)
+    for _ in range(5):
+        grown.append(int(np.argmax(multimodal_logits(model, grown, soft, mm, rows="last")[0])))
+    assert result.tokens == grown[len(ids):] and not result.stopped
+    assert not set(result.tokens) & set(mm.placeholders)
+
+    code, _, err = run(capsys, "generate", "--model", str(model_dir), "--tokens", "2,9,40,9,41",
+                       "--image", str(pngs[0]), "--image", str(pngs[1]), "--max-new-tokens", "5")
+    assert code == 0
+    stops = [i for i, t in enumerate(result.tokens) if t in model.cfg.eos_token_ids]
+    expected = result if not stops else type(result)(result.tokens[: stops[0] + 1], True, [])
+    total = sum(p.num_soft_tokens for p in pre)
+    assert err.splitlines()[-1].startswith(
+        f"[{len(ids)} prompt tokens ({total} soft tokens of 2 images), {len(expected.tokens)} new: "
+        f"{','.join(map(str, expected.tokens))}; ")
+    assert err.splitlines()[0].startswith(f"  image 0 {pngs[0]}: 30x50 (HxW) resized to ")
+
+
+def test_max_soft_tokens_sets_the_image_budget(tmp_path, preset_dirs, pngs, capsys):
+    model_dir = preset_dirs["e2b-vision-mini"]
+    out_file = tmp_path / "b.safetensors"
+    code, _, _ = run(capsys, "logits", "--model", str(model_dir), "--prompt", "x", "--image", str(pngs[1]),
+                     "--max-soft-tokens", "140", "--out", str(out_file))
+    assert code == 0
+    pre = preprocessed(model_dir, pngs[1:], max_soft_tokens=140)
+    info = image_metadata(out_file)
+    assert info[0]["soft_tokens"] == pre[0].num_soft_tokens > 70
+    assert info[0]["resized"] == list(pre[0].pixels.shape[:2])
+
+
+@pytest.mark.parametrize("preset, argv, message", [
+    ("e2b-mini", ["--prompt", "hi", "--image", "{a}"],
+     "error: {model} has no vision tower (config.json has no vision_config); --image needs an image-text checkpoint "
+     "(Gemma4ForConditionalGeneration with its vision weights)\n"),
+    ("e2b-vision-mini", ["--prompt", "hi", "--image", "{tmp}/missing.png"],
+     "error: image file {tmp}/missing.png does not exist; check the path\n"),
+    ("e2b-vision-mini", ["--prompt", "hi", "--image", "{tmp}"],
+     "error: image path {tmp} is a directory; pass the path of an image file\n"),
+    ("e2b-vision-mini", ["--prompt", "hi", "--image", "{tmp}/notes.txt"],
+     "error: {tmp}/notes.txt is not a recognised image (it starts with b'hello th'); pass a PNG, PPM/PGM, JPEG, "
+     "WebP or another format Pillow can open\n"),
+    ("e2b-vision-mini", ["--prompt", "<|image|> vs <|image|>", "--image", "{a}"],
+     "error: the prompt holds 2 image placeholder(s) (9, the <|image|> token) but 1 image(s) were given; put one "
+     "placeholder where each image goes, in order\n"),
+    ("e2b-vision-mini", ["--tokens", "2,9,50", "--image", "{a}", "--image", "{b}"],
+     "error: the prompt holds 1 image placeholder(s) (9, the <|image|> token) but 2 image(s) were given; put one "
+     "placeholder where each image goes, in order\n"),
+    ("e2b-vision-mini", ["--prompt", "<|image><|image|><image|>", "--image", "{a}"],
+     "error: the prompt already holds begin/end-of-image markers (<|image> / <image|>); write one bare <|image|> "
+     "where each image goes and refimpl expands it to <|image> + <|image|> x M + <image|>\n"),
+    ("e2b-vision-mini", ["--tokens", "2,9,8", "--image", "{a}"],
+     "error: the prompt already holds begin/end-of-image markers (<|image> / <image|>); write one bare <|image|> "
+     "where each image goes and refimpl expands it to <|image> + <|image|> x M + <image|>\n"),
+    ("e2b-vision-mini", ["--tokens", "2,9,13", "--image", "{a}"],
+     "error: video and audio placeholders are not supported yet (images only)\n"),
+    ("e2b-vision-mini", ["--tokens", "2,9", "--max-soft-tokens", "140"],
+     "error: --max-soft-tokens applies to --image\n"),
+])
+@pytest.mark.parametrize("command", ["logits", "generate"])
+def test_bad_image_input_is_one_error_line_and_exit_2(tmp_path, preset_dirs, pngs, capsys, command, preset, argv,
+                                                     message):
+    (tmp_path / "notes.txt").write_text("hello there")
+    fill = dict(a=pngs[0], b=pngs[1], tmp=tmp_path, model=preset_dirs[preset])
+    extra = ["--out", str(tmp_path / "o.safetensors")] if command == "logits" else []
+    code, out, err = run(capsys, command, "--model", str(preset_dirs[preset]), *[a.format(**fill) for a in argv],
+                         *extra)
+    assert (code, err) == (2, message.format(**fill))
+    assert not (tmp_path / "o.safetensors").exists()

@@ -78,6 +78,7 @@ def test_identity_capabilities_and_options():
     claimed = b.capabilities.to_dict()
     assert claimed.pop("embedding_convention") == "raw"
     claimed.pop("default_profile")
+    assert claimed.pop("image_prompts") is False  # mlx-lm is text only (images are mlx-vlm's)
     assert all(v is True for v in claimed.values()), claimed
     assert b.expectations_file is None
     for dtype in ("bfloat16", "float16"):

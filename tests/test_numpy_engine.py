@@ -7,24 +7,36 @@ micro-batches, some without an output row; chunked prefill with pieces longer th
 three sequences in one batch; decode after each. The cache must keep W - 1 entries on sliding layers,
 the layers >= K must really run on the output rows only, and the engine must pass the bundled sets
 at exact-f64. Every mutant must differ from the engine on a few representative requests.
+
+Image prompts (the two vision presets, two images, one block longer than W): last rows before, at,
+inside and right after each block, output-row and chunked prefill split at block boundaries, decode
+after, the vision block ids in the cache (and through pruning on a KV-shared micro model), and the
+image mutants, each on the preset that exposes it (and a no-op on the other).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import max_abs, open_per_preset, tup
+from helpers import image_prompt, max_abs, micro_config, open_per_preset, tup
 
 from conformance import cli, registry
 from conformance.backend import Capabilities, Piece, Request
-from conformance.backends.numpy_engine import NumpyEngineBackend
-from conformance.mutants import BACKENDS, CLOSENESS, EQUIVALENT, MUTANTS, Mutant, mutant
+from conformance.backends.numpy_engine import NO_BLOCK, Engine, NumpyEngineBackend
+from conformance.backends.refimpl_backend import RefimplBackend
+from conformance.mutants import (
+    BACKENDS, CLOSENESS, EQUIVALENT, IMAGE_SET_BIDIRECTIONAL, IMAGE_SET_PLE, MUTANTS, Mutant, mutant,
+)
+from refimpl.model import Gemma4
 from refimpl.synth import PRESETS
 
 TOL = 1e-12
 N = 40  # base length
 W = 8  # sliding window of every preset
 PRESET_NAMES = list(PRESETS)
+VISION_PRESETS = [p for p in PRESETS if "vision" in PRESETS[p]]
+TEXT_MUTANTS = [m for m in MUTANTS if not m.kill_sets]  # killed on all-features
+IMAGE_MUTANTS = [m for m in MUTANTS if m.kill_sets]  # need image prompts
 GRADING_CHECKS = CLOSENESS | {"count", "shape", "nonfinite", "identity", "top1", "topk", "generation"}
 
 
@@ -209,8 +221,12 @@ def test_layers_from_k_run_on_output_rows_only(engines, bases, preset):
 
 
 def test_bundled_sets_pass_at_exact_f64(capsys):
+    from conformance.fixtures import bundled_sets, load_set
+
+    n = sum(len(load_set(p).cases) for p in bundled_sets())  # 260 text cases, and the image sets' cases
+    assert n >= 260
     assert cli.main(["check", "--backend", "numpy-engine", "-q"]) == 0
-    assert "260 pass" in capsys.readouterr().out
+    assert f"{n} pass" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -230,6 +246,13 @@ def test_mutant_catalogue():
         cls = BACKENDS[m.name]
         assert isinstance(registry.load_backend(f"conformance.mutants:{cls.__name__}"), cls)
     assert mutant("softcap-twice").expected_checks == CLOSENESS
+    assert {m.name: m.kill_sets for m in IMAGE_MUTANTS} == {
+        "soft-tokens-scaled": (IMAGE_SET_PLE, IMAGE_SET_BIDIRECTIONAL),
+        "ple-placeholder-row": (IMAGE_SET_PLE,),
+        "vision-blocks-on-full-layers": (IMAGE_SET_BIDIRECTIONAL,),
+        "vision-blocks-missing": (IMAGE_SET_BIDIRECTIONAL,),
+    }
+    assert set(VISION_PRESETS) == {IMAGE_SET_PLE, IMAGE_SET_BIDIRECTIONAL}
     assert "moe-no-renormalise" in EQUIVALENT and "moe-no-renormalise" not in BACKENDS
 
 
@@ -267,7 +290,7 @@ def zoo_reference(engines, preset_models, bases):
     return requests, _answers(engines["all-features"], requests)
 
 
-@pytest.mark.parametrize("m", MUTANTS, ids=lambda m: m.name)
+@pytest.mark.parametrize("m", TEXT_MUTANTS, ids=lambda m: m.name)
 def test_mutant_differs_from_engine(m, zoo_reference, preset_dirs):
     requests, expected = zoo_reference
     b = m.backend()
@@ -287,3 +310,186 @@ def test_equivalent_mutant_is_below_float_tolerance(zoo_reference, preset_dirs):
     b.open(preset_dirs["all-features"])
     diff = _largest_difference(_answers(b, requests), expected)
     assert 0 < diff < 1e-3
+
+
+# ----------------------------------------------------------------------------------------------
+# image prompts
+#
+# Measured worst case over every exactness test below (numpy-engine vs the oracle, float64, logits up to
+# ~30 under the softcap): 3.4e-13 (chunked prefill), 1.1e-13 (last rows), 2e-14 against the refimpl
+# backend, 0 on the pruned micro model; bound TOL = 1e-12.
+
+
+@pytest.fixture(scope="module")
+def prompts(preset_dirs):
+    """{vision preset: image_prompt}: bos + 4 text + [boi, 12 image, eoi] + 6 text + [boi, 4 image, eoi] + 6
+    text (T = 37): blocks (6, 12) and (26, 4); the first is longer than the window W = 8."""
+    return {p: image_prompt(preset_dirs[p], grids=((9, 12), (6, 6))) for p in VISION_PRESETS}
+
+
+def _image_last(pr, T: int, last_pos: int, decode: int = 0) -> Request:
+    ids, emb = pr["ids"], pr["embeddings"]
+    return Request("last", tokens=tup(ids[:T]), entry="embeddings", seq_id=3, last_pos=last_pos,
+                   embeddings=emb[:T], images=tuple(pr["images"]), decode=tup(ids[T:T + decode]))
+
+
+def _image_prefill(pr, cuts, rows, decode: int = 0, images=None) -> tuple[Request, list[int]]:
+    """Pieces [cuts[j], cuts[j+1]) with their rows (within the piece); returns the request and the rows
+    of the prompt it answers."""
+    ids, emb = pr["ids"], pr["embeddings"]
+    pieces, expect = [], []
+    for (a, b), r in zip(zip(cuts, cuts[1:]), rows):
+        pieces.append(Piece(tup(ids[a:b]), tuple(r), emb[a:b]))
+        expect += [a + x for x in r]
+    end = cuts[-1]
+    req = Request("prefill", pieces=tuple(pieces), images=tuple(pr["images"] if images is None else images),
+                  decode=tup(ids[end:end + decode]))
+    return req, expect
+
+
+def test_image_prompt_layout(prompts):
+    for pr in prompts.values():
+        assert pr["images"] == [(6, 12), (26, 4)] and len(pr["ids"]) == 37
+
+
+@pytest.mark.parametrize("preset", VISION_PRESETS)
+def test_image_last_rows(engines, prompts, preset):
+    pr = prompts[preset]
+    ref, T = pr["logits"], len(pr["ids"])
+    (s0, n0), (s1, n1) = pr["images"]
+    rows = [s0 - 1, s0, s0 + 3, s0 + n0 - 2, s0 + n0 - 1, s0 + n0, s0 + n0 + 1, s1 + 1, s1 + n1, T - 1]
+    for last_pos in rows:  # boi, first / inside / last image token, eoi, text after, the last row
+        r = engines[preset].run(_image_last(pr, T, last_pos))
+        assert max_abs(r.logits, ref[last_pos:last_pos + 1]) < TOL, last_pos
+        assert r.executed["images"] == pr["images"]
+    # decode (text) after a prompt that ends after the second image
+    T2 = s1 + n1 + 2
+    r = engines[preset].run(_image_last(pr, T2, T2 - 1, decode=3))
+    assert max_abs(r.logits, ref[T2 - 1:T2]) < TOL and max_abs(r.decode_logits, ref[T2:T2 + 3]) < TOL
+
+
+@pytest.mark.parametrize("preset", VISION_PRESETS)
+def test_image_prefill_rows_and_chunks(engines, prompts, preset):
+    pr = prompts[preset]
+    ref, T = pr["logits"], len(pr["ids"])
+    (s0, n0), (s1, n1) = pr["images"]
+    plans = [
+        # one piece: rows inside, at the end of and right after the blocks, and the last; decode after
+        ([0, T - 3], [(s0 + 1, s0 + 7, s0 + n0 - 1, s0 + n0 + 1, s1, s1 + n1, T - 4)]),
+        # the first piece ends right after eoi; the second holds the other image
+        ([0, s0 + n0 + 1, T - 3], [(s0 + 2, s0 + n0), (0, s1 + 1 - (s0 + n0 + 1), T - 4 - (s0 + n0 + 1))]),
+        # split at every block boundary: ... boi | image | eoi ... boi | image + eoi + text
+        ([0, s0, s0 + n0, s1, T - 3], [(s0 - 1,), (0, 5, n0 - 1), (), (1, n1, T - 4 - s1)]),
+    ]
+    for cuts, rows in plans:
+        req, expect = _image_prefill(pr, cuts, rows, decode=3)
+        r = engines[preset].run(req)
+        assert max_abs(r.logits, ref[expect]) < TOL, cuts
+        assert max_abs(r.decode_logits, ref[T - 3:T]) < TOL, cuts
+        assert r.executed["state_len_after_prefill"] == T - 3
+
+
+@pytest.mark.parametrize("preset", VISION_PRESETS)
+def test_image_engine_agrees_with_refimpl_backend(engines, prompts, preset_dirs, preset):
+    """The same chunked request through the refimpl backend (the oracle's own cached forward)."""
+    pr = prompts[preset]
+    (s0, n0), _ = pr["images"]
+    req, _ = _image_prefill(pr, [0, s0 + n0 + 1, 34], [(s0 + 4, s0 + n0), (0, 5, 32 - (s0 + n0))], decode=3)
+    oracle = RefimplBackend()
+    oracle.open(preset_dirs[preset])
+    want = oracle.run(req)
+    got = engines[preset].run(req)
+    assert max_abs(got.logits, want.logits) < TOL and max_abs(got.decode_logits, want.decode_logits) < TOL
+
+
+@pytest.mark.parametrize("preset", VISION_PRESETS)
+def test_cache_stores_vision_block_ids(engines, prompts, preset):
+    """Each key's block id (the position of its block's first token) sits next to its position, for
+    every layer; a text piece after the image piece then equals the full forward."""
+    engine, pr = engines[preset].engine, prompts[preset]
+    ids, emb, ref = pr["ids"], pr["embeddings"], pr["logits"]
+    (s0, n0), _ = pr["images"]
+    cut = s0 + n0 + 1  # right after eoi
+    caches = engine.new_caches()
+    engine.prefill(caches, engine.batch(caches, ids[:cut], [0] * cut, [False] * cut, emb[:cut], [(s0, n0)]))
+    cache = caches.get(0)
+    expect = np.where((np.arange(cut) >= s0) & (np.arange(cut) < s0 + n0), s0, NO_BLOCK)
+    for i, spec in enumerate(engine.cfg.layers):
+        if spec.owns_kv:
+            kv = cache.layers[i]
+            assert kv.block.tolist() == expect[kv.pos].tolist(), i
+    text = ids[cut:cut + 5]
+    out = engine.prefill(caches, engine.batch(caches, text, [0] * 5, [True] * 5))  # no embeddings: text
+    assert max_abs(out, ref[cut:cut + 5]) < TOL
+
+
+def test_pruned_rows_keep_their_block_ids(micro_factory):
+    """A KV-shared, vision-bidirectional micro model with PLE: output rows inside a block are pruned
+    before the KV-shared layers, whose mask must see the rest of the block through the source layer's
+    cache; equal to the oracle's forward."""
+    S, F = "sliding_attention", "full_attention"
+    cfg = micro_config(num_hidden_layers=6, layer_types=[S, S, F, S, S, F], num_kv_shared_layers=3,
+                       hidden_size_per_layer_input=4, use_bidirectional_attention="vision")
+    model = Gemma4(micro_factory(cfg, 5))
+    engine = Engine(model)
+    rng = np.random.default_rng(0)
+    T, (s, n), image_id = 16, (4, 7), 5  # block of 7 > W = 3
+    ids = rng.integers(6, 64, T)
+    ids[s:s + n] = image_id
+    x = model.embed(ids)
+    x[s:s + n] = rng.normal(0.0, 1.0, (n, cfg["hidden_size"]))  # soft tokens
+    llm_ids = np.where(ids == image_id, 0, ids)
+    blocks = np.where(ids == image_id, 0, -1)
+    rows = [s + 1, s + 3, T - 1]
+    want = model.forward(llm_ids, rows=rows, embeddings=x, vision_blocks=blocks)
+    caches = engine.new_caches()
+    output = np.isin(np.arange(T), rows)
+    got = engine.prefill(caches, engine.batch(caches, ids, [0] * T, output, x, [(s, n)]))
+    assert engine.log[0]["layer_rows"] == [T] * 3 + [len(rows)] * 3  # really pruned before layer 3
+    assert max_abs(got, want) < TOL
+
+
+@pytest.mark.parametrize("preset", VISION_PRESETS)
+def test_image_requests_refused(engines, prompts, preset):
+    pr = prompts[preset]
+    b = engines[preset]
+    (s0, n0), _ = pr["images"]
+    req, _ = _image_prefill(pr, [0, s0 + 5, 30], [(), (3,)])
+    with pytest.raises(ValueError, match="straddles pieces 0 and 1"):
+        b.run(req)
+    req, _ = _image_prefill(pr, [0, 30], [(29,)])
+    with pytest.raises(ValueError, match="ubatch"):
+        b.run(Request("prefill", pieces=req.pieces, images=req.images, ubatch=8))
+    with pytest.raises(ValueError, match="holds tokens other than the image token"):
+        b.run(_image_prefill(pr, [0, 30], [(29,)], images=[(s0 - 1, n0)])[0])
+    with pytest.raises(ValueError, match="needs entry 'embeddings'"):
+        b.run(Request("last", tokens=tup(pr["ids"]), entry="seq_id", seq_id=1, last_pos=3, images=tuple(pr["images"])))
+    with pytest.raises(ValueError, match="not on 'full'"):
+        b.run(Request("full", tokens=tup(pr["ids"]), images=tuple(pr["images"])))
+    with pytest.raises(ValueError, match="piece 1 of an image prompt has no embeddings"):
+        b.run(Request("prefill", pieces=(req.pieces[0], Piece((2,), (0,))), images=req.images))
+
+
+def _image_mutant_difference(m: Mutant, preset_dirs, prompts, preset: str) -> float:
+    """The largest |logit| difference from the oracle over every row of the image prompt (one prefill)."""
+    pr = prompts[preset]
+    T = len(pr["ids"])
+    req, expect = _image_prefill(pr, [0, T], [range(T)])
+    b = m.backend()
+    b.open(preset_dirs[preset])
+    try:
+        return max_abs(b.run(req).logits, pr["logits"][expect])
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("m", IMAGE_MUTANTS, ids=lambda m: m.name)
+@pytest.mark.parametrize("preset", VISION_PRESETS)
+def test_image_mutants_differ_where_their_set_applies(m, preset, preset_dirs, prompts):
+    diff = _image_mutant_difference(m, preset_dirs, prompts, preset)
+    if preset in m.kill_sets:
+        assert diff > 1.0, (m.name, preset, diff)  # measured: 4.7 (blocks on full layers) to 43
+    else:
+        # e2b-vision-mini is causal over images, so the block-mask mutants change nothing there; 31b has
+        # no PLE, so the placeholder row is never read: each needs its own set
+        assert diff == 0.0, (m.name, preset, diff)

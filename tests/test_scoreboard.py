@@ -11,7 +11,7 @@ from conformance.backends.refimpl_backend import RefimplBackend
 from conformance.cli import main
 from conformance.scoreboard import load_report, render
 
-HERE = "tests.test_scoreboard"
+HERE = __name__  # importable by this name: pytest put tests/ on sys.path
 SELECT = "^e4b-mini/(full/|last/plain/A/T7/|prefill/A/T19/chunks)"
 
 

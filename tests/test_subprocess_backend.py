@@ -77,11 +77,20 @@ def statuses(result) -> list[str]:
 # the oracle through the protocol
 
 
-@pytest.mark.parametrize("fmt, select, n", [("raw", [], 260), ("safetensors", ["-k", "^all-features/"], 52)])
+def _bundled_count() -> int:
+    """How many cases the bundled sets hold (text and image sets alike)."""
+    from conformance.fixtures import bundled_sets
+
+    return sum(len(json.loads((s / "cases.json").read_text())["cases"]) for s in bundled_sets())
+
+
+@pytest.mark.parametrize("fmt, select, n", [("raw", [], None), ("safetensors", ["-k", "^all-features/"], 52)])
 def test_refimpl_subprocess_passes_the_bundled_cases(fmt, select, n, tmp_path, capsys):
-    """Every bundled case through raw files; the set with every feature through safetensors (the whole
-    bundle passes that way too: `conformance check --backend refimpl-subprocess --backend-option
-    format=safetensors`, left out here for time)."""
+    """Every bundled case through raw files (image cases included: images and per-piece embeddings
+    through the protocol); the set with every feature through safetensors (the whole bundle passes that
+    way too: `conformance check --backend refimpl-subprocess --backend-option format=safetensors`, left
+    out here for time)."""
+    n = n or _bundled_count()
     report = tmp_path / "report.json"
     code = cli_main(["check", "--backend", "refimpl-subprocess", "--backend-option", f"format={fmt}",
                      "--json", str(report), "-q", *select])
@@ -600,3 +609,113 @@ def test_open_timeout_applies_to_open_only(model_dir, backends):
     with pytest.raises(EngineTimeout, match=r"the engine did not finish opening \S+ within 0\.5 s \(open_timeout\); "
                                             r"its process group was killed"):
         b.run(Request(kind="full", tokens=(2, 3)))
+
+
+# ----------------------------------------------------------------------------------------------
+# image prompts (fields added after v1: the image_prompts capability, images, per-piece embeddings)
+
+
+@pytest.fixture(scope="module")
+def vision(tmp_path_factory):
+    """(a vision checkpoint with bidirectional image blocks, an image prompt on it)."""
+    from helpers import image_prompt
+
+    from refimpl.synth import write_checkpoint
+
+    path = write_checkpoint("31b-vision-mini", 0, tmp_path_factory.mktemp("vision") / "m")
+    return path, image_prompt(path, grids=((9, 12), (6, 6)))
+
+
+def image_requests(p) -> list[Request]:
+    from conformance.backend import Piece
+
+    ids, E, images = tuple(int(t) for t in p["ids"]), p["embeddings"], tuple(tuple(b) for b in p["images"])
+    (s0, n0), (s1, _) = images
+    cut = s0 + n0 + 1  # after the first eoi
+    return [Request(kind="last", tokens=ids, entry="embeddings", last_pos=s0 + 2, seq_id=3, embeddings=E,
+                    images=images),
+            Request(kind="last", tokens=ids, entry="embeddings", last_pos=len(ids) - 1, seq_id=3, embeddings=E,
+                    images=images, decode=(30, 31)),
+            Request(kind="prefill", pieces=(Piece(ids[:cut], (s0, cut - 1), embeddings=E[:cut]),
+                                            Piece(ids[cut:], (s1 - cut, len(ids) - cut - 1), embeddings=E[cut:])),
+                    images=images, decode=(30,))]
+
+
+def test_image_requests_equal_the_in_process_backend(vision, backends):
+    """refimpl-subprocess serves image prompts (last/embeddings and a chunked prefill, with decode) bit for
+    bit like the in-process refimpl backend: images and every piece's embeddings reach the backend."""
+    path, p = vision
+    ref = RefimplBackend()
+    ref.open(path)
+    b = RefimplSubprocessBackend(timeout=60)
+    backends.append(b)
+    assert b.capabilities.image_prompts
+    b.open(path)
+    for req in image_requests(p):
+        want, got = ref.run(req), b.run(req)
+        np.testing.assert_array_equal(got.logits, want.logits)
+        np.testing.assert_array_equal(got.decode_logits, want.decode_logits)
+        assert got.executed["path"] == want.executed["path"]
+    # the images matter: the same request without them (a text prompt over the same embeddings) differs
+    req = image_requests(p)[0]
+    from dataclasses import replace
+
+    assert np.abs(ref.run(replace(req, images=())).logits - ref.run(req).logits).max() > 0.1
+    # a piece's embeddings matter: wrong ones give other logits
+    req = image_requests(p)[2]
+    bad = replace(req, pieces=(req.pieces[0], replace(req.pieces[1], embeddings=req.pieces[1].embeddings * 0.5)))
+    assert np.abs(b.run(bad).logits[-1] - ref.run(req).logits[-1]).max() > 0.1
+    b.close()
+
+
+def test_wire_form_of_an_image_request(vision, tmp_path):
+    from conformance.backends.protocol_server import request_from_json
+    from conformance.backends.subprocess_backend import request_to_json
+
+    _, p = vision
+    req = image_requests(p)[2]
+    d = request_to_json(req, tmp_path)
+    assert d["images"] == [list(b) for b in p["images"]]
+    assert d["embeddings"] is None
+    assert [piece["embeddings"] for piece in d["pieces"]] == [
+        {"path": f"piece{i}.embeddings.f64", "format": "raw", "dtype": "float64",
+         "shape": [len(piece.tokens), p["embeddings"].shape[1]]} for i, piece in enumerate(req.pieces)]
+    back = request_from_json(json.loads(json.dumps(d)), tmp_path)
+    assert back == req  # Piece/Request equality leaves the arrays out: compare them on their own
+    for a, b in zip(back.pieces, req.pieces):
+        np.testing.assert_array_equal(a.embeddings, b.embeddings)
+    # a text request: images [], no piece embeddings
+    text = request_to_json(Request(kind="prefill", pieces=(req.pieces[0].__class__((2, 3), (1,)),)), tmp_path)
+    assert text["images"] == [] and text["pieces"] == [{"tokens": [2, 3], "rows": [1], "embeddings": None}]
+    # an older client that sends neither field: a text request, as before
+    old = {k: v for k, v in text.items() if k != "images"}
+    old["pieces"] = [{"tokens": [2, 3], "rows": [1]}]
+    assert request_from_json(old, tmp_path) == Request(kind="prefill", pieces=(req.pieces[0].__class__((2, 3), (1,)),))
+
+
+def test_a_v1_engine_without_image_prompts_gets_no_image_request(vision, tmp_path, backends):
+    """An engine whose hello has no image_prompts field (a v1 engine) does not claim it: the harness never
+    sends it an image request (required_capabilities), nor does the client; its text requests still work
+    (the new request fields are ignored)."""
+    from conformance.backend import required_capabilities
+    from conformance.backends import subprocess_backend as sb
+
+    path, p = vision
+    log = tmp_path / "requests.jsonl"
+    b = make(backends, fake("v1-record", 0, log), timeout=60)
+    assert b.capabilities.image_prompts is False
+    b.open(path)
+    assert b.run(Request(kind="full", tokens=(2, 3, 4))).logits.shape == (3, 512)
+    for req in image_requests(p):
+        assert "image_prompts" in required_capabilities(req)
+        with pytest.raises(ValueError, match="the engine does not claim image_prompts; an image request is not "
+                                             "sent to it"):
+            b.run(req)
+    sent = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["kind"] for r in sent] == ["full"] and sent[0]["images"] == []
+    # hello replies: the v1 fields alone parse with image_prompts False; the field, when given, is read
+    v1 = {k: v for k, v in all_capabilities("fp32").to_dict().items() if k != "image_prompts"}
+    assert sb._capabilities(v1).image_prompts is False
+    assert sb._capabilities(dict(v1, image_prompts=True)).image_prompts is True
+    with pytest.raises(ValueError, match="capabilities.image_prompts must be true or false, got 'yes'"):
+        sb._capabilities(dict(v1, image_prompts="yes"))

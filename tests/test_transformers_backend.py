@@ -14,6 +14,11 @@
   output row writes the cache; transformers' ``logits_to_keep=0`` means "all rows" (why the backend
   never passes it for a forward without output rows); the embeddings convention is "scaled"; both
   checkpoint layouts give the same logits; option and open errors give their exact messages.
+* Image prompts (vision checkpoints e2b-vision-mini, 31b-vision-mini, as Gemma4ForConditionalGeneration):
+  last rows inside / right after the image blocks, an output-row prefill and chunks split after the
+  eoi, each with decode, equal the oracle within ``EXACT_BOUND`` with the float64 patches and pass
+  ``fp32`` as shipped; the mask comes from transformers' ``create_masks_for_vision_model`` and each
+  rule (mm_token_type_ids, from the sequence's start, the pad row of the per-layer inputs) matters.
 """
 
 from __future__ import annotations
@@ -357,3 +362,215 @@ def test_tokens_and_rows_are_checked(f64):
         f64.run(Request("last", tokens=(2, 3, 4), entry="embeddings", seq_id=0, last_pos=2,
                         embeddings=np.zeros((2, 64))))
     assert tup(f64.run(Request("prefill", pieces=(Piece((2, 3), ()),))).logits.shape) == (0, 512)
+
+
+# ----------------------------------------------------------------------------------------------
+# image prompts
+#
+# Vision checkpoints load as Gemma4ForConditionalGeneration; an image request goes in as inputs_embeds
+# (soft tokens unscaled at image rows), per_layer_inputs looked up at pad_token_id in the image blocks,
+# and mm_token_type_ids from the sequence's start, from which Gemma4Model.forward builds the masks
+# (create_masks_for_vision_model on use_bidirectional_attention == "vision" checkpoints). Measured
+# against the oracle (two images, 12 and 4 soft tokens, T=37; every row of image_requests): exact
+# float64 (tests/hf_reference.py patches) worst 1.0e-12 eager / 1.6e-12 sdpa (e2b-vision-mini),
+# 2.4e-13 / 2.2e-13 (31b-vision-mini); float32 as shipped 3.7e-4 / 2.2e-4 (e2b-vision-mini),
+# 8.8e-5 / 7.4e-5 (31b-vision-mini), every row passing the fp32 profile.
+
+VISION_PRESETS = ("e2b-vision-mini", "31b-vision-mini")
+DECODE = (30, 31, 32)
+
+
+@pytest.fixture(scope="module")
+def image_prompts(preset_dirs):
+    """{preset: (prompt, oracle logits of the prompt followed by DECODE [T + 3, V])}."""
+    from helpers import image_prompt
+
+    from conformance.backends.refimpl_backend import RefimplBackend
+
+    out = {}
+    for preset in VISION_PRESETS:
+        p = image_prompt(preset_dirs[preset], grids=((9, 12), (6, 6)))
+        ref = RefimplBackend()
+        ref.open(preset_dirs[preset])
+        T = len(p["ids"])
+        dec = ref.run(Request("last", tokens=tup(p["ids"]), entry="embeddings", seq_id=0, last_pos=T - 1,
+                              embeddings=p["embeddings"], images=tuple(p["images"]), decode=DECODE)).decode_logits
+        ref.close()
+        out[preset] = (p, np.concatenate([p["logits"], dec]))
+    return out
+
+
+def image_requests(p):
+    """(name, request, oracle positions of its rows: logits then decode) over one image prompt: last rows
+    inside a block, at its last token, at the eoi right after it, the next text token and the last (with
+    decode); one prefill with output rows; chunks split after the first eoi and inside the text after
+    the second image, with decode."""
+    ids, E, images = tup(p["ids"]), p["embeddings"], tuple(tuple(b) for b in p["images"])
+    T = len(ids)
+    (s0, n0), (s1, n1) = images
+    dec = list(range(T, T + len(DECODE)))
+    out = []
+    for pos in (s0 + 3, s0 + n0 - 1, s0 + n0, s0 + n0 + 1, s1, T - 1):
+        decode = DECODE if pos == T - 1 else ()
+        out.append((f"last/pos{pos}", Request("last", tokens=ids, entry="embeddings", seq_id=0, last_pos=pos,
+                                              embeddings=E, images=images, decode=decode),
+                    [pos] + (dec if decode else [])))
+    rows = (2, s0, s0 + 5, s0 + n0, s1 + 1, T - 1)
+    out.append(("prefill/rows", Request("prefill", pieces=(Piece(ids, rows, embeddings=E),), images=images,
+                                        decode=DECODE), list(rows) + dec))
+    cut, cut2 = s0 + n0 + 1, s1 + n1 + 2
+    pieces = (Piece(ids[:cut], (s0 + 1, cut - 1), embeddings=E[:cut]),
+              Piece(ids[cut:cut2], (0, s1 - cut, cut2 - cut - 1), embeddings=E[cut:cut2]),
+              Piece(ids[cut2:], (T - cut2 - 1,), embeddings=E[cut2:]))
+    out.append(("prefill/chunks", Request("prefill", pieces=pieces, images=images, decode=DECODE),
+                [s0 + 1, cut - 1, cut, s1, cut2 - 1, T - 1] + dec))
+    return out
+
+
+def all_rows(res):
+    return res.logits if res.decode_logits is None else np.concatenate([res.logits, res.decode_logits])
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("preset", VISION_PRESETS)
+def test_image_prompts_are_exact_with_float64_patches(preset, attn, preset_dirs, image_prompts):
+    p, oracle = image_prompts[preset]
+    backend = ExactFloat64(attn=attn)
+    backend.open(preset_dirs[preset])
+    bidirectional = preset == "31b-vision-mini"
+    worst = 0.0
+    for name, request, positions in image_requests(p):
+        res = backend.run(request)
+        diff = max_abs(all_rows(res), oracle[positions])
+        worst = max(worst, diff)
+        assert diff < EXACT_BOUND, (name, diff)
+        ex = res.executed
+        assert ex["model"] == "Gemma4ForConditionalGeneration" and ex["layout"] == "conditional"
+        assert ex["images"] == [list(b) for b in request.images]
+        assert ex["per_layer_inputs"] == ("get_per_layer_inputs(token ids, pad_token_id 0 at image positions)"
+                                          if preset == "e2b-vision-mini" else None)
+        assert ex["image_mask"].startswith("mm_token_type_ids" if bidirectional else "causal")
+        forwards = [u for piece in ex["pieces"] for u in piece["ubatches"]] if "pieces" in ex else [ex]
+        function = "create_masks_for_vision_model" if bidirectional else "create_masks_for_generate"
+        assert all(f["mask_function"] == function for f in forwards), forwards
+        if name == "prefill/chunks":  # the types from the sequence's start: every token the cache holds
+            assert [f["mm_token_type_ids"] for f in forwards] == [p["images"][0][0] + p["images"][0][1] + 1,
+                                                                   p["images"][1][0] + p["images"][1][1] + 2,
+                                                                   len(p["ids"])]
+    print(f"\n{preset} {attn}: worst |transformers (float64 patched) - oracle| = {worst:.2e}")
+    # a text request on the image-text model: input_ids through Gemma4ForConditionalGeneration
+    text = tup(p["ids"][:6])
+    from refimpl import Gemma4
+
+    assert max_abs(backend.run(Request("full", tokens=text)).logits, Gemma4(preset_dirs[preset]).forward(
+        np.asarray(text))) < EXACT_BOUND
+    backend.close()
+
+
+def grade_fp32(got: np.ndarray, positions: list[int], oracle: np.ndarray):
+    """Grade rows with the harness's own grader and the fp32 profile (base: the oracle rows)."""
+    from types import SimpleNamespace
+
+    from conformance.cases import RowSpec
+    from conformance.grading import grade_case
+
+    specs = [RowSpec(label=f"row {i}", base="b", position=pos) for i, pos in enumerate(positions)]
+    case = SimpleNamespace(generation=None, moe_min_margin=None)
+    return grade_case(case, [("rows", specs)], [got], {"b": oracle}, PROFILES["fp32"])
+
+
+@pytest.mark.parametrize("preset", VISION_PRESETS)
+def test_image_prompts_pass_fp32_as_shipped(preset, preset_dirs, image_prompts):
+    p, oracle = image_prompts[preset]
+    for attn in ("eager", "sdpa"):
+        backend = TransformersBackend(attn=attn)
+        backend.open(preset_dirs[preset])
+        worst = 0.0
+        for name, request, positions in image_requests(p):
+            res = backend.run(request)
+            assert res.logits.dtype == np.float32
+            grade = grade_fp32(all_rows(res), positions, oracle)
+            bad = [f"{r.label}: {r.check} {r.message}" for r in grade.rows if r.status != "pass"]
+            assert not bad, (name, bad)
+            worst = max(worst, max_abs(all_rows(res), oracle[positions]))
+        print(f"\n{preset} float32 {attn}: worst |transformers - oracle| = {worst:.2e}")
+        assert worst < F64_BOUND
+        backend.close()
+
+
+def test_each_image_rule_matters(preset_dirs, image_prompts, monkeypatch):
+    """The mask transformers builds from mm_token_type_ids, the types from the sequence's start and the
+    pad row of the per-layer inputs each matter: without one, rows are far off."""
+    import transformers.models.gemma4.modeling_gemma4 as mg
+
+    from conformance.backends.transformers_backend import SequenceState
+
+    # 31b-vision-mini: transformers' own create_masks_for_vision_model builds the sliding mask
+    p, oracle = image_prompts["31b-vision-mini"]
+    backend = ExactFloat64()
+    backend.open(preset_dirs["31b-vision-mini"])
+    requests = {name: (r, pos) for name, r, pos in image_requests(p)}
+    calls = []
+    original = mg.create_masks_for_vision_model
+    monkeypatch.setattr(mg, "create_masks_for_vision_model",
+                        lambda **kw: calls.append(kw["block_sequence_ids"].tolist()) or original(**kw))
+    request, positions = requests["prefill/chunks"]
+    assert max_abs(all_rows(backend.run(request)), oracle[positions]) < EXACT_BOUND
+    (s0, n0), (s1, n1) = p["images"]
+    assert [len(c[0]) for c in calls] == [s0 + n0 + 1, s1 + n1 + 2, len(p["ids"])]  # decode steps: no call
+    assert calls[-1][0][s0:s0 + n0] == [0] * n0 and calls[-1][0][s1:s1 + n1] == [1] * n1
+    monkeypatch.setattr(mg, "create_masks_for_vision_model", original)
+
+    wrong = {}
+    # no mm_token_type_ids: transformers is causal over the images
+    forward = backend.model.forward
+    monkeypatch.setattr(backend.model, "forward", lambda **kw: forward(**{**kw, "mm_token_type_ids": None}))
+    wrong["no mm_token_type_ids"] = max_abs(all_rows(backend.run(request)), oracle[positions])
+    monkeypatch.undo()
+
+    # only the current forward's types: the blocks of a later piece are read at the wrong positions
+    class Forgetful(SequenceState):
+        token_types = property(lambda self: [], lambda self, value: None)
+
+    monkeypatch.setattr(backend, "_new_state", lambda: Forgetful(torch_cache(backend)))
+    wrong["types of the current piece only"] = max_abs(all_rows(backend.run(request)), oracle[positions])
+    monkeypatch.undo()
+    backend.close()
+
+    # e2b-vision-mini: the per-layer inputs' token part from the pad row
+    p, oracle = image_prompts["e2b-vision-mini"]
+    backend = ExactFloat64()
+    backend.open(preset_dirs["e2b-vision-mini"])
+    request, positions = {name: (r, pos) for name, r, pos in image_requests(p)}["prefill/rows"]
+    monkeypatch.setattr(type(backend), "pad_token_id", property(lambda self: self.image_token_id))
+    wrong["PLE row of the image token"] = max_abs(all_rows(backend.run(request)), oracle[positions])
+    monkeypatch.undo()
+    backend.close()
+    print("\nwrong variants:", {k: f"{v:.2e}" for k, v in wrong.items()})
+    assert all(v > 0.1 for v in wrong.values()), wrong
+
+
+def torch_cache(backend):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=backend.model.config)
+
+
+def test_image_prompt_errors(preset_dirs, image_prompts, f64):
+    p, _ = image_prompts["e2b-vision-mini"]
+    ids, E = tup(p["ids"]), p["embeddings"]
+    (s0, n0), _ = p["images"]
+    request = Request("last", tokens=ids, entry="embeddings", seq_id=0, last_pos=len(ids) - 1, embeddings=E,
+                      images=((s0 - 1, n0),))
+    backend = TransformersBackend(dtype="float64")
+    backend.open(preset_dirs["e2b-vision-mini"])
+    with pytest.raises(ValueError, match=rf"^transformers backend: the image block \({s0 - 1}, {n0}\) holds tokens "
+                                         rf"other than the image token {backend.image_token_id}$"):
+        backend.run(request)
+    backend.close()
+    # f64 is open on the text-only e2b-mini (the same text model, no vision tower)
+    assert f64.capabilities.image_prompts
+    with pytest.raises(ValueError, match=r"has no vision_config \(a text-only checkpoint\); it cannot serve image "
+                                         r"prompts$"):
+        f64.run(Request("last", tokens=ids, entry="embeddings", seq_id=0, last_pos=len(ids) - 1, embeddings=E,
+                        images=tuple(p["images"])))

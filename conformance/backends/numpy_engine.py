@@ -21,12 +21,25 @@ float64 numbers, but organised the way a serving engine is (llama.cpp is the mod
 * Chunked prefill is consecutive batches on the same caches, decode a batch of one token whose
   output flag is set, the last-logits entry points a batch whose only output is ``last_pos``, and
   ``full`` a batch whose every row is an output.
+* **Image prompts** (``Request.images``; see ``conformance.backend``). The batch's given embeddings
+  (``x0``) already hold the soft tokens, unscaled; the batch also tags every token with a **vision
+  block id** (``Batch.block``: the absolute position of the first token of its image block, unique
+  within a sequence; -1 for text). The per-layer inputs take their table part from the pad row at
+  image positions (:meth:`Engine.ple_ids`). The block ids travel like positions: the mask rows carry
+  them (``Rows.block``, gathered by pruning with the same index), and every cache entry stores its
+  key's block id next to its position (``LayerKV.block``), so the mask of a KV-shared layer over a
+  pruned row still sees the keys of its own block. On checkpoints with
+  ``use_bidirectional_attention == "vision"`` the sliding layers open same-block keys
+  (:meth:`Engine.opens_vision_blocks`: ``(k > q - W) and (k <= q or same block)``); full layers stay
+  causal. An image block runs in one micro-batch (image requests refuse ``ubatch`` and blocks that
+  straddle two pieces).
 
 Every step is a small method, so a known engine bug is a few-line override in a subclass
 (``conformance/mutants.py`` holds a zoo of them for the harness's self-test). The hooks:
-``Engine.next_positions``, ``prune_layer``, ``prune``, ``input_embeddings``, ``ple_table_rows``,
+``Engine.next_positions``, ``prune_layer``, ``prune``, ``input_embeddings``, ``ple_ids``, ``ple_table_rows``,
 ``rope_positions``, ``norm``, ``rope``, ``values``, ``value_norm``, ``kv_source``, ``window``,
-``attention_mask``, ``attend``, ``route``, ``layer_scalar``, ``final_softcap``; ``Engine.cache_set_class``
+``attention_mask``, ``opens_vision_blocks``, ``vision_overlay``, ``attend``, ``route``, ``layer_scalar``,
+``final_softcap``; ``Engine.cache_set_class``
 (``CacheSet.get``); and on the backend ``engine_class``, ``last_row`` and ``piece_rows``.
 
     conformance check --backend numpy-engine            # must pass every bundled case at exact-f64
@@ -52,6 +65,11 @@ __all__ = ["Batch", "CacheSet", "Engine", "KVView", "LayerKV", "MicroBatch", "Nu
 
 HEAD_CHUNK = 16_384  # vocabulary rows projected per step of the LM head
 PLAIN_SEQ = -1  # the sequence id of the plain last-logits entry point (the engine's fallback slot)
+NO_BLOCK = -1  # the vision block id of a text token (and of every key written by one)
+
+
+def _no_blocks(n: int) -> np.ndarray:
+    return np.full(n, NO_BLOCK, dtype=np.int64)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -65,10 +83,15 @@ class LayerKV:
     k: np.ndarray  # [S, Kh, D]
     v: np.ndarray  # [S, Kh, D]
     pos: np.ndarray  # [S] absolute positions
+    block: np.ndarray  # [S] vision block id of each key (-1: a text token)
+
+    def take(self, index: np.ndarray) -> "LayerKV":
+        return LayerKV(self.k[index], self.v[index], self.pos[index], self.block[index])
 
 
 class SequenceCache:
-    """One sequence's state: per KV-owning layer its keys, values and positions, and its length."""
+    """One sequence's state: per KV-owning layer its keys, values, positions and vision block ids, and
+    its length."""
 
     def __init__(self) -> None:
         self.length = 0  # next position of this sequence (last written position + 1)
@@ -77,13 +100,15 @@ class SequenceCache:
     def read(self, layer: int) -> LayerKV | None:
         return self.layers.get(layer)
 
-    def append(self, layer: int, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> None:
+    def append(self, layer: int, k: np.ndarray, v: np.ndarray, pos: np.ndarray,
+               block: np.ndarray | None = None) -> None:
+        block = _no_blocks(pos.shape[0]) if block is None else np.asarray(block, dtype=np.int64)
         past = self.layers.get(layer)
         if past is None:
-            self.layers[layer] = LayerKV(k, v, pos)
+            self.layers[layer] = LayerKV(k, v, pos, block)
         else:
             self.layers[layer] = LayerKV(np.concatenate([past.k, k]), np.concatenate([past.v, v]),
-                                         np.concatenate([past.pos, pos]))
+                                         np.concatenate([past.pos, pos]), np.concatenate([past.block, block]))
 
     def advance(self, positions: np.ndarray) -> None:
         """Positions were written: the sequence now continues after the largest one."""
@@ -94,8 +119,7 @@ class SequenceCache:
         """Keep only the entries of the last ``keep`` positions (all a future query can see)."""
         kv = self.layers.get(layer)
         if kv is not None:
-            live = kv.pos >= self.length - keep
-            self.layers[layer] = LayerKV(kv.k[live], kv.v[live], kv.pos[live])
+            self.layers[layer] = kv.take(kv.pos >= self.length - keep)
 
     def entries(self, layer: int) -> int:
         kv = self.layers.get(layer)
@@ -120,13 +144,19 @@ class CacheSet:
 
 @dataclass
 class Batch:
-    """T tokens, each tagged with (sequence id, position, output flag), like llama.cpp's llama_batch."""
+    """T tokens, each tagged with (sequence id, position, output flag, vision block), like llama.cpp's
+    llama_batch."""
 
     ids: np.ndarray  # [T] token ids
     seq: np.ndarray  # [T] sequence ids
     pos: np.ndarray  # [T] absolute positions
     output: np.ndarray  # [T] bool: return this row's logits
     x0: np.ndarray | None = None  # [T, H] input embeddings replacing E[ids] * sqrt(H); ids still pick PLE rows
+    block: np.ndarray | None = None  # [T] vision block id (position of the block's first token; -1: text)
+
+    def __post_init__(self) -> None:
+        if self.block is None:
+            self.block = _no_blocks(len(self))
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
@@ -148,6 +178,7 @@ class MicroBatch:
     slot: np.ndarray  # [T] index into caches of each token's sequence cache
     chunk_start: np.ndarray  # [n_slots] first position of each slot's tokens in the enclosing batch
     chunk_len: np.ndarray  # [n_slots] how many tokens each slot has in the enclosing batch
+    block: np.ndarray  # [T] vision block ids (-1: text)
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
@@ -156,13 +187,18 @@ class MicroBatch:
     def output_index(self) -> np.ndarray:
         return np.flatnonzero(self.output)
 
+    @property
+    def image(self) -> np.ndarray:
+        """[T] bool: the token is an image placeholder (its x0 row is a soft token)."""
+        return self.block != NO_BLOCK
+
 
 @dataclass
 class Rows:
     """The rows a micro-batch carries through the layers: every token, or the output rows after pruning.
 
-    ``pos`` are the RoPE positions (llama.cpp ``inp_pos``); ``mask_pos`` and ``slot`` say which query
-    each mask row is built for (llama.cpp ``kq_mask`` rows). All must be gathered with the same index.
+    ``pos`` are the RoPE positions (llama.cpp ``inp_pos``); ``mask_pos``, ``slot`` and ``block`` say which
+    query each mask row is built for (llama.cpp ``kq_mask`` rows). All must be gathered with the same index.
     """
 
     x: np.ndarray  # [R, H] residual stream
@@ -170,13 +206,14 @@ class Rows:
     pos: np.ndarray  # [R] RoPE positions
     mask_pos: np.ndarray  # [R] query position of each mask row
     slot: np.ndarray  # [R] sequence cache (index into MicroBatch.caches) of each mask row
+    block: np.ndarray  # [R] vision block id of each mask row (-1: text)
 
     def __len__(self) -> int:
         return int(self.x.shape[0])
 
     def take(self, index: np.ndarray) -> "Rows":
         return Rows(self.x[index], None if self.ple is None else self.ple[index], self.pos[index],
-                    self.mask_pos[index], self.slot[index])
+                    self.mask_pos[index], self.slot[index], self.block[index])
 
 
 @dataclass
@@ -187,6 +224,7 @@ class KVView:
     v: np.ndarray  # [S, Kh, D]
     pos: np.ndarray  # [S] absolute positions
     slot: np.ndarray  # [S] which cache (sequence) each key belongs to
+    block: np.ndarray  # [S] vision block id of each key (-1: text)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -215,8 +253,11 @@ class Engine:
         return self.cache_set_class()
 
     def batch(self, caches: CacheSet, ids: Sequence[int], seq: Sequence[Any], output: Sequence[bool],
-              x0: np.ndarray | None = None) -> Batch:
-        """Tag tokens with positions that continue each sequence's cache."""
+              x0: np.ndarray | None = None, images: Sequence[tuple[int, int]] = ()) -> Batch:
+        """Tag tokens with positions that continue each sequence's cache, and with vision block ids.
+
+        ``images``: ``(start, length)`` of each image block within ``ids`` (the tokens of one sequence);
+        its rows of ``x0`` are soft tokens. Each block's id is the position of its first token."""
         ids = self.model.check_ids(np.asarray(ids, dtype=np.int64))
         seq = np.asarray(seq, dtype=object)
         output = np.asarray(output, dtype=bool)
@@ -225,7 +266,19 @@ class Engine:
             if x0.shape != (len(ids), self.cfg.hidden_size):
                 raise ValueError(f"embeddings must have shape [{len(ids)}, {self.cfg.hidden_size}], "
                                  f"got {list(x0.shape)}")
-        return Batch(ids, seq, self.next_positions(caches, seq), output, x0)
+        pos = self.next_positions(caches, seq)
+        block = _no_blocks(len(ids))
+        for start, n in images:
+            if x0 is None:
+                raise ValueError("image blocks need input embeddings (their rows are the soft tokens)")
+            if n < 1 or start < 0 or start + n > len(ids):
+                raise ValueError(f"image block ({start}, {n}) is outside the {len(ids)} tokens of the batch")
+            if len(set(seq[start:start + n].tolist())) != 1:
+                raise ValueError(f"image block ({start}, {n}) spans several sequences")
+            if (block[start:start + n] != NO_BLOCK).any():
+                raise ValueError(f"image block ({start}, {n}) overlaps another block")
+            block[start:start + n] = pos[start]
+        return Batch(ids, seq, pos, output, x0, block)
 
     def next_positions(self, caches: CacheSet, seq: np.ndarray) -> np.ndarray:
         """[T]: each token's position continues its own sequence's cache."""
@@ -267,6 +320,7 @@ class Engine:
                 slot=np.array([slot_of[id(c)] for c in owner[a:b]], dtype=np.int64),
                 chunk_start=np.array([start[id(c)] for c in distinct], dtype=np.int64),
                 chunk_len=np.array([count[id(c)] for c in distinct], dtype=np.int64),
+                block=batch.block[a:b],
             ))
         return micro
 
@@ -314,12 +368,18 @@ class Engine:
 
     def initial_rows(self, mb: MicroBatch) -> Rows:
         x0 = self.input_embeddings(mb)  # [T, H]
-        ple = self.per_layer_inputs(x0, mb.ids) if self.cfg.has_ple else None  # [T, L, P]
-        return Rows(x0, ple, self.rope_positions(mb), mb.pos.copy(), mb.slot.copy())
+        ple = self.per_layer_inputs(x0, self.ple_ids(mb)) if self.cfg.has_ple else None  # [T, L, P]
+        return Rows(x0, ple, self.rope_positions(mb), mb.pos.copy(), mb.slot.copy(), mb.block.copy())
 
     def input_embeddings(self, mb: MicroBatch) -> np.ndarray:
-        """x0 [T, H]: the given (already scaled) embeddings, or E[ids] * sqrt(H)."""
+        """x0 [T, H]: the given embeddings (text rows already scaled, image rows unscaled soft tokens,
+        used as given), or E[ids] * sqrt(H)."""
         return mb.x0 if mb.x0 is not None else self.model.embed(mb.ids)
+
+    def ple_ids(self, mb: MicroBatch) -> np.ndarray:
+        """[T] ids whose per-layer table rows the tokens take: the pad row at image positions."""
+        pad = self.cfg.pad_token_id if self.cfg.pad_token_id is not None else 0
+        return np.where(mb.image, pad, mb.ids)
 
     def per_layer_inputs(self, x0: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """PLE [T, L, P] from the scaled embeddings and the per-layer table rows of the ids."""
@@ -391,7 +451,7 @@ class Engine:
         for s, cache in enumerate(mb.caches):
             mine = rows.slot == s
             if mine.any():
-                cache.append(i, k[mine], v[mine], rows.mask_pos[mine])
+                cache.append(i, k[mine], v[mine], rows.mask_pos[mine], rows.block[mine])
 
     def kv_source(self, i: int) -> int:
         """The KV-owning layer whose cache layer i attends over (itself, or the last owner of its type)."""
@@ -403,17 +463,35 @@ class Engine:
             raise RuntimeError(f"layer {source} has no keys in this micro-batch")
         return KVView(k=np.concatenate([kv.k for _, kv in parts]), v=np.concatenate([kv.v for _, kv in parts]),
                       pos=np.concatenate([kv.pos for _, kv in parts]),
-                      slot=np.concatenate([np.full(kv.pos.shape[0], s) for s, kv in parts]))
+                      slot=np.concatenate([np.full(kv.pos.shape[0], s) for s, kv in parts]),
+                      block=np.concatenate([kv.block for _, kv in parts]))
 
     def window(self, i: int) -> int:
         """Sliding window W: a query sees itself and W - 1 earlier keys."""
         return self.cfg.sliding_window
 
     def attention_mask(self, i: int, rows: Rows, kv: KVView, mb: MicroBatch) -> np.ndarray:
-        """bool [R, S]: same sequence, causal, and within the window on sliding layers."""
+        """bool [R, S]: same sequence, causal, and within the window on sliding layers; plus the keys of
+        the query's own image block on the layers that open vision blocks."""
         window = self.window(i) if self.cfg.layers[i].is_sliding else None
         same_seq = rows.slot[:, None] == kv.slot[None, :]
-        return same_seq & attention_mask(rows.mask_pos, kv.pos, window)
+        allowed = attention_mask(rows.mask_pos, kv.pos, window)
+        if self.opens_vision_blocks(i):
+            allowed = allowed | self.vision_overlay(rows, kv, window)
+        return same_seq & allowed
+
+    def opens_vision_blocks(self, i: int) -> bool:
+        """Whether layer i lets image tokens see their whole block: sliding layers of
+        ``use_bidirectional_attention == "vision"`` checkpoints (full layers stay causal)."""
+        return self.cfg.use_bidirectional_attention == "vision" and self.cfg.layers[i].is_sliding
+
+    def vision_overlay(self, rows: Rows, kv: KVView, window: int | None) -> np.ndarray:
+        """bool [R, S]: key in the query's own image block and (with a window) not W or more positions
+        back; the window bounds only the past side, later keys of the block are all visible."""
+        same_block = (rows.block[:, None] == kv.block[None, :]) & (rows.block[:, None] != NO_BLOCK)
+        if window is not None:
+            same_block &= (rows.mask_pos[:, None] - kv.pos[None, :]) < window
+        return same_block
 
     def attend(self, q: np.ndarray, kv: KVView, mask: np.ndarray) -> np.ndarray:
         """[R, N, D]; scale 1.0 (q and k are RMS-normed), GQA."""
@@ -483,6 +561,11 @@ class NumpyEngineBackend:
     Options: ``dtype`` ("float64" or "float32"), ``embed_scale`` ("exact" or "bf16").
     Subclasses swap the engine (``engine_class``) or override a request hook (``last_row``,
     ``piece_rows``) to plant a bug: see ``conformance/mutants.py``.
+
+    Image prompts: ``last`` (entry ``embeddings``) and ``prefill`` (every piece with embeddings); the
+    image blocks of each call go into its batch (``Engine.batch(images=...)``). Refused with a
+    ValueError: images on ``full``/``multi`` or another ``last`` entry, with ``ubatch``, a block that
+    straddles two pieces or holds other tokens than the image token.
     """
 
     name = "numpy-engine"
@@ -493,20 +576,24 @@ class NumpyEngineBackend:
         exact = self.dtype == "float64" and embed_scale == "exact"
         self.capabilities = all_capabilities("exact-f64" if exact else "fp32")
         self.engine: Engine | None = None
+        self.image_token_id: int | None = None
 
     # -- protocol -------------------------------------------------------------------------------
 
     def open(self, model_dir: Path) -> None:
         from refimpl import RefimplError
+        from refimpl.multimodal import load_multimodal_tokens
 
         try:
             model = Gemma4(model_dir, dtype=self.dtype, embed_scale=self.embed_scale)
+            self.image_token_id = load_multimodal_tokens(model_dir).image_token_id
         except (RefimplError, OSError) as exc:
             raise BackendError(f"numpy-engine cannot open {model_dir}: {exc}") from exc
         self.engine = self.engine_class(model)
 
     def close(self) -> None:
         self.engine = None
+        self.image_token_id = None
 
     def run(self, request: Request) -> Response:
         if self.engine is None:
@@ -529,7 +616,7 @@ class NumpyEngineBackend:
     # -- request kinds --------------------------------------------------------------------------
 
     def _one_sequence(self, caches: CacheSet, seq: Any, ids: Sequence[int], rows: Iterable[int],
-                      x0: np.ndarray | None = None) -> Batch:
+                      x0: np.ndarray | None = None, images: Sequence[tuple[int, int]] = ()) -> Batch:
         if len(ids) == 0:
             raise ValueError("numpy-engine: a call has no tokens")
         rows = list(rows)
@@ -537,7 +624,42 @@ class NumpyEngineBackend:
             raise ValueError(f"numpy-engine: rows {rows} must lie within the {len(ids)} tokens of the call")
         output = np.zeros(len(ids), dtype=bool)
         output[rows] = True
-        return self.engine.batch(caches, ids, [seq] * len(ids), output, x0)
+        return self.engine.batch(caches, ids, [seq] * len(ids), output, x0, images)
+
+    def _check_image_tokens(self, ids: Sequence[int], images: Sequence[tuple[int, int]]) -> None:
+        """Every block (start, n) within the call's ids, filled with the image token."""
+        T = len(ids)
+        for s, n in images:
+            if n < 1 or s < 0 or s + n > T:
+                raise ValueError(f"numpy-engine: image block ({s}, {n}) is outside the {T} tokens of the call")
+            if any(int(t) != self.image_token_id for t in ids[s:s + n]):
+                raise ValueError(f"numpy-engine: the image block ({s}, {n}) holds tokens other than the image "
+                                 f"token {self.image_token_id}")
+
+    def _piece_images(self, request: Request) -> list[list[tuple[int, int]]]:
+        """The image blocks of each prefill piece as (start, n) within the piece; a block must lie in one
+        piece and image prompts run without micro-batches (a block is one forward)."""
+        if not request.images:
+            return [[] for _ in request.pieces]
+        if request.ubatch is not None:
+            raise ValueError(f"numpy-engine: image prompts cannot be split into micro-batches (ubatch "
+                             f"{request.ubatch}); an image block must run in one forward")
+        total = sum(len(p.tokens) for p in request.pieces)
+        for s, n in request.images:
+            if n < 1 or s < 0 or s + n > total:
+                raise ValueError(f"numpy-engine: image block ({s}, {n}) is outside the {total} prompt tokens")
+        out, lo = [], 0
+        for p, piece in enumerate(request.pieces):
+            hi = lo + len(piece.tokens)
+            mine = [(s - lo, n) for s, n in request.images if lo <= s < hi]
+            for s, n in mine:
+                if s + n > len(piece.tokens):
+                    raise ValueError(f"numpy-engine: the image block at position {s + lo} ({n} tokens) straddles "
+                                     f"pieces {p} and {p + 1}; a block must lie in one piece")
+            self._check_image_tokens(piece.tokens, mine)
+            out.append(mine)
+            lo = hi
+        return out
 
     def _decode(self, caches: CacheSet, seq: Any, tokens: Sequence[int]) -> np.ndarray:
         """Teacher-forced decode: one batch of one output token per step."""
@@ -551,7 +673,13 @@ class NumpyEngineBackend:
                 "ubatches": log[:n_prefill], "decode_ubatches": len(log) - n_prefill,
                 "state_len_after_prefill": extra.pop("state_len"), **extra}
 
+    def _no_images(self, request: Request) -> None:
+        if request.images:
+            raise ValueError(f"numpy-engine: image prompts are served on 'last' (entry 'embeddings') and "
+                             f"'prefill' only, not on {request.kind!r}")
+
     def _full(self, request: Request, caches: CacheSet) -> Response:
+        self._no_images(request)
         T = len(request.tokens)
         logits = self.engine.prefill(caches, self._one_sequence(caches, 0, request.tokens, range(T)))
         n, state = len(self.engine.log), caches.get(0).length
@@ -567,24 +695,37 @@ class NumpyEngineBackend:
             if request.embeddings is None:
                 raise ValueError("numpy-engine: entry 'embeddings' without embeddings")
             x0 = np.asarray(request.embeddings)
+        elif request.images:
+            raise ValueError(f"numpy-engine: an image prompt needs entry 'embeddings', got {request.entry!r}")
+        self._check_image_tokens(request.tokens, request.images)
         seq = PLAIN_SEQ if request.entry == "plain" else request.seq_id
         row = self.last_row(T, request.last_pos)
-        logits = self.engine.prefill(caches, self._one_sequence(caches, seq, request.tokens, [row], x0))
+        batch = self._one_sequence(caches, seq, request.tokens, [row], x0, request.images)
+        logits = self.engine.prefill(caches, batch)
         n, state = len(self.engine.log), caches.get(seq).length
         decode = self._decode(caches, seq, request.decode) if request.decode else None
         return Response(logits, decode, self._executed(
             "last", n, state_len=state, entry=request.entry, seq_id=request.seq_id,
-            last_pos=request.last_pos, output_row=row))
+            last_pos=request.last_pos, output_row=row, **({"images": list(request.images)} if request.images else {})))
 
     def _prefill(self, request: Request, caches: CacheSet) -> Response:
         if not request.pieces:
             raise ValueError("numpy-engine: prefill request has no pieces")
+        piece_images = self._piece_images(request)
         out, pieces = [], []
         for p, piece in enumerate(request.pieces):
             rows = self.piece_rows(p, piece.rows)
-            batch = self._one_sequence(caches, 0, piece.tokens, rows)
+            x0 = None
+            if request.images:  # image prompts: every piece carries its input embeddings
+                if piece.embeddings is None:
+                    raise ValueError(f"numpy-engine: piece {p} of an image prompt has no embeddings")
+                x0 = np.asarray(piece.embeddings)
+            elif piece.embeddings is not None:
+                raise ValueError(f"numpy-engine: piece {p} carries embeddings but the request has no images")
+            batch = self._one_sequence(caches, 0, piece.tokens, rows, x0, piece_images[p])
             out.append(self.engine.prefill(caches, batch, request.ubatch))
-            pieces.append({"tokens": len(piece.tokens), "rows": rows})
+            pieces.append({"tokens": len(piece.tokens), "rows": rows,
+                           **({"images": piece_images[p]} if request.images else {})})
         n, state = len(self.engine.log), caches.get(0).length
         logits = np.concatenate(out)
         decode = self._decode(caches, 0, request.decode) if request.decode else None
@@ -593,6 +734,7 @@ class NumpyEngineBackend:
 
     def _multi(self, request: Request, caches: CacheSet) -> Response:
         """All sequences in ONE batch (tokens tagged with their sequence ids); decode steps batched too."""
+        self._no_images(request)
         n = len(request.sequences)
         seq_ids = list(request.seq_ids) if request.seq_ids else list(range(n))
         if n == 0 or len(seq_ids) != n or len(set(seq_ids)) != n:

@@ -36,7 +36,7 @@ ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "
 
 
 def read_raw(ref: dict, out_dir: Path) -> np.ndarray:
-    """An ARRAY the client wrote (embeddings): raw little-endian, C order."""
+    """An ARRAY the client wrote (the ``last`` request's or a piece's embeddings): raw little-endian, C order."""
     if ref.get("format") != "raw":
         raise ValueError(f"only raw input arrays are supported, got format {ref.get('format')!r}")
     path = Path(out_dir) / ref["path"]  # an absolute path stays absolute
@@ -54,6 +54,12 @@ def request_from_json(d: dict, out_dir: Path) -> Request:
     else:
         decode = tuple(int(t) for t in decode)
     embeddings = read_raw(d["embeddings"], out_dir) if d.get("embeddings") else None
+    # image prompts (fields added after v1, absent from older clients): each piece's embeddings, and
+    # the image blocks as [first position, soft tokens]
+    pieces = tuple(Piece(tuple(int(t) for t in p["tokens"]), tuple(int(r) for r in p["rows"]),
+                         embeddings=read_raw(p["embeddings"], out_dir) if p.get("embeddings") else None)
+                   for p in d.get("pieces") or ())
+    images = tuple((int(start), int(n)) for start, n in d.get("images") or ())
     return Request(
         kind=kind,
         tokens=tuple(int(t) for t in d.get("tokens") or ()),
@@ -61,12 +67,12 @@ def request_from_json(d: dict, out_dir: Path) -> Request:
         last_pos=int(d.get("last_pos", -1)),
         seq_id=d.get("seq_id"),
         embeddings=embeddings,
-        pieces=tuple(Piece(tuple(int(t) for t in p["tokens"]), tuple(int(r) for r in p["rows"]))
-                     for p in d.get("pieces") or ()),
+        pieces=pieces,
         ubatch=d.get("ubatch"),
         sequences=tuple(tuple(int(t) for t in s) for s in d.get("sequences") or ()),
         seq_ids=tuple(int(s) for s in d.get("seq_ids") or ()),
         decode=decode,
+        images=images,
     )
 
 

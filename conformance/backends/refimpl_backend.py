@@ -43,7 +43,7 @@ def all_capabilities(default_profile: str) -> Capabilities:
     return Capabilities(
         full_forward=True, last_plain=True, last_seq_id=True, last_embeddings=True,
         embedding_convention="scaled", interior_rows=True, output_rows=True, ubatch=True,
-        chunked_prefill=True, multi_sequence=True, decode=True, default_profile=default_profile,
+        chunked_prefill=True, multi_sequence=True, decode=True, image_prompts=True, default_profile=default_profile,
     )
 
 
@@ -70,13 +70,17 @@ class RefimplBackend(CachedBackend):
     def open(self, model_dir: Path) -> None:
         from refimpl import Gemma4, RefimplError
 
+        from refimpl.multimodal import load_multimodal_tokens
+
         try:
             self.model = Gemma4(model_dir, dtype=self.dtype, embed_scale=self.embed_scale)
+            self.tokens = load_multimodal_tokens(model_dir)
         except (RefimplError, OSError) as exc:
             raise BackendError(f"refimpl backend cannot open {model_dir}: {exc}") from exc
 
     def close(self) -> None:
         self.model = None
+        self.tokens = None
         self._states = {}
 
     def embed(self, ids: Sequence[int]) -> np.ndarray:
@@ -107,11 +111,30 @@ class RefimplBackend(CachedBackend):
     def _state_len(self, state) -> int:
         return state.length
 
-    def _forward(self, tokens: Sequence[int], rows: list[int], state, embeddings=None) -> tuple[np.ndarray, dict]:
+    def _forward(self, tokens: Sequence[int], rows: list[int], state, embeddings=None,
+                 images: Sequence[tuple[int, int]] = ()) -> tuple[np.ndarray, dict]:
         """The oracle's forward continuing the KV cache ``state``: only ``rows`` go through the LM
-        head; a forward with no row (``rows=[]``) still writes K/V for all its tokens."""
-        logits = self.model.forward(np.asarray(tokens, dtype=np.int64), rows=rows, cache=state,
-                                    embeddings=embeddings)
+        head; a forward with no row (``rows=[]``) still writes K/V for all its tokens. Image blocks:
+        their per-layer-input rows come from the pad id, and on ``use_bidirectional_attention ==
+        "vision"`` checkpoints they are the forward's vision blocks."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        blocks = None
+        if images:
+            from refimpl.multimodal import llm_input_ids
+
+            placeholder = np.zeros(ids.shape[0], dtype=bool)
+            block_ids = np.full(ids.shape[0], -1, dtype=np.int64)
+            for b, (start, n) in enumerate(images):
+                if not np.all(ids[start:start + n] == self.tokens.image_token_id):
+                    raise ValueError(f"{self.who}: the image block ({start}, {n}) holds tokens other than the image "
+                                     f"token {self.tokens.image_token_id}")
+                placeholder[start:start + n] = True
+                block_ids[start:start + n] = b
+            pad = self.model.cfg.pad_token_id if self.model.cfg.pad_token_id is not None else 0
+            ids = llm_input_ids(ids, placeholder, pad)
+            if self.model.cfg.use_bidirectional_attention == "vision":
+                blocks = block_ids
+        logits = self.model.forward(ids, rows=rows, cache=state, embeddings=embeddings, vision_blocks=blocks)
         return logits, {}
 
     def _executed(self, path: str, **extra) -> dict[str, Any]:

@@ -27,6 +27,10 @@ it, but never blocks the harness (stdout and stderr are only closed by their rea
 SIGTERM or SIGHUP of the harness the engine process groups are killed before it dies (see
 ``_install_signal_cleanup``); at a normal exit they are shut down by ``atexit``.
 
+Image prompts travel as fields added after v1 (``images`` on the request, ``embeddings`` on each
+piece, the ``image_prompts`` capability, read as not claimed when a v1 engine's hello leaves it out);
+an image request is never sent to an engine that does not claim ``image_prompts``.
+
 ``RefimplSubprocessBackend`` runs ``python -m conformance.backends.protocol_server --backend
 refimpl``: the oracle behind the protocol, which must pass every bundled case at ``exact-f64``.
 """
@@ -83,8 +87,8 @@ RAW_DTYPES = {"float64": np.dtype("<f8"), "float32": np.dtype("<f4"), "float16":
 ST_DTYPES = ("F64", "F32", "F16", "BF16")
 CAPABILITY_FIELDS = tuple(f.name for f in fields(Capabilities))  # what the harness reads from hello
 # the capability fields of protocol version 1, frozen: a v1 engine must give each of them in hello. A
-# field added to Capabilities later is optional on the wire (absent: its default, i.e. not claimed),
-# so that a new flag never breaks a v1 engine (docs/subprocess-protocol.md, Versioning).
+# field added to Capabilities later (image_prompts) is optional on the wire (absent: its default, i.e.
+# not claimed), so that a new flag never breaks a v1 engine (docs/subprocess-protocol.md, Versioning).
 V1_CAPABILITY_FIELDS = ("full_forward", "last_plain", "last_seq_id", "last_embeddings", "embedding_convention",
                         "interior_rows", "output_rows", "ubatch", "chunked_prefill", "multi_sequence", "decode",
                         "default_profile")
@@ -370,8 +374,17 @@ def _clip(text: str, n: int = 300) -> str:
 # requests and ARRAYs
 
 
+def _embeddings_json(embeddings: Any, out_dir: str | Path, name: str) -> dict[str, Any]:
+    """Input embeddings written into out_dir as raw float64; returns their ARRAY reference."""
+    emb = np.ascontiguousarray(embeddings, dtype="<f8")
+    emb.tofile(Path(out_dir) / name)
+    return {"path": name, "format": "raw", "dtype": "float64", "shape": list(emb.shape)}
+
+
 def request_to_json(request: Request, out_dir: str | Path) -> dict[str, Any]:
-    """The wire form of a Request (every field present); embeddings are written to out_dir as raw float64."""
+    """The wire form of a Request (every field present); embeddings (the ``last`` request's and, for
+    image prompts, each piece's) are written to out_dir as raw float64 (``embeddings.f64``,
+    ``piece<i>.embeddings.f64``)."""
     multi = request.kind == "multi"
     d: dict[str, Any] = {
         "kind": request.kind,
@@ -379,18 +392,20 @@ def request_to_json(request: Request, out_dir: str | Path) -> dict[str, Any]:
         "entry": request.entry,
         "last_pos": int(request.last_pos),
         "seq_id": None if request.seq_id is None else int(request.seq_id),
-        "pieces": [{"tokens": [int(t) for t in p.tokens], "rows": [int(r) for r in p.rows]} for p in request.pieces],
+        "pieces": [{"tokens": [int(t) for t in p.tokens], "rows": [int(r) for r in p.rows],
+                    "embeddings": (None if p.embeddings is None
+                                   else _embeddings_json(p.embeddings, out_dir, f"piece{i}.embeddings.f64"))}
+                   for i, p in enumerate(request.pieces)],
         "ubatch": None if request.ubatch is None else int(request.ubatch),
         "sequences": [[int(t) for t in s] for s in request.sequences],
         "seq_ids": [int(s) for s in request.seq_ids],
         "decode": ([[int(t) for t in s] for s in request.decode] if multi
                    else [int(t) for t in request.decode]),
         "embeddings": None,
+        "images": [[int(start), int(n)] for start, n in request.images],
     }
     if request.embeddings is not None:
-        emb = np.ascontiguousarray(request.embeddings, dtype="<f8")
-        emb.tofile(Path(out_dir) / "embeddings.f64")
-        d["embeddings"] = {"path": "embeddings.f64", "format": "raw", "dtype": "float64", "shape": list(emb.shape)}
+        d["embeddings"] = _embeddings_json(request.embeddings, out_dir, "embeddings.f64")
     return d
 
 
@@ -831,6 +846,11 @@ class SubprocessBackend:
             raise type(self._broken)(str(self._broken))
         if self._model_dir is None:
             raise RuntimeError("subprocess backend: run() called before open()")
+        if request.images and not self.capabilities.image_prompts:
+            # the harness never sends one (required_capabilities); a v1 engine would ignore the images
+            # and piece embeddings and answer a text prompt, so refuse here rather than grade that
+            raise ValueError(f"subprocess backend {self.name!r}: the engine does not claim image_prompts; an "
+                             f"image request is not sent to it")
         if not self._alive():
             try:
                 self._restart()

@@ -1,7 +1,8 @@
 """Hugging Face transformers (PyTorch) as a conformance backend.
 
-It drives ``transformers.Gemma4ForCausalLM`` the way a serving stack built on transformers does, and
-claims every capability of the protocol. The request handling (validation, micro-batches, one cache
+It drives ``transformers.Gemma4ForCausalLM`` (``Gemma4ForConditionalGeneration`` for an image-text
+checkpoint) the way a serving stack built on transformers does, and claims every capability of the
+protocol, image prompts included. The request handling (validation, micro-batches, one cache
 per sequence id, decode) is ``conformance.backends.serving.CachedBackend``'s; this module supplies the
 forward, and with it how each request kind reaches transformers:
 
@@ -26,6 +27,23 @@ forward, and with it how each request kind reaches transformers:
   projection of ``inputs_embeds`` itself). Without it transformers would try to recover the ids by
   comparing ``inputs_embeds`` bit-for-bit with its own scaled table, which the harness's float64
   embeddings do not match after rounding.
+* image prompts (``request.images``; image-text checkpoints only, i.e. a ``vision_config``, which
+  load as ``Gemma4ForConditionalGeneration``: the whole published model, by plain
+  ``from_pretrained``): the ``last`` forward, or each prefill piece, goes to
+  ``Gemma4ForConditionalGeneration.forward`` as ``inputs_embeds`` (E[id] * sqrt(H) at text rows, the
+  soft tokens unscaled at image rows), ``per_layer_inputs = get_per_layer_inputs(ids)`` with
+  ``pad_token_id`` at the image positions (what ``Gemma4Model.forward`` does with ``llm_input_ids``;
+  transformers adds the context part from ``inputs_embeds``) and ``mm_token_type_ids`` (1 at image
+  tokens) **from the sequence's start**, kept beside the cache: transformers' block overlay reads them
+  by absolute key position, and a sliding cache layer's keys start at ``kv_offset`` > 0 (this is what
+  ``prepare_inputs_for_generation`` passes a prefill chunk). ``Gemma4Model.forward`` then builds the
+  masks itself: on ``use_bidirectional_attention == "vision"`` checkpoints
+  ``create_masks_for_vision_model`` (sliding layers AND(window, OR(causal, same block)), full layers
+  causal), else ``create_masks_for_generate``. Decode steps pass ids and no ``mm_token_type_ids``, as
+  ``generate`` does after the first step. Rows are chosen by ``logits_to_keep`` as for text. Measured
+  on the 60 image cases of the bundled sets e2b-vision-mini and 31b-vision-mini (CPU): all pass
+  ``exact-f64`` with the float64 patches of tests/hf_reference.py (worst max_abs 2.9e-12) and ``fp32``
+  in float32 eager (worst 2.4e-3).
 * ``multi``: one ``DynamicCache`` per sequence id, each sequence prefilled on its own; decode steps
   are interleaved across the sequences, as a server batches them.
 * decode: one token per forward through the cache the prefill left, ``logits_to_keep=1``.
@@ -75,8 +93,9 @@ The name shows the configuration: ``transformers-float32-eager`` (plus ``-expert
 ``experts`` is given explicitly); the device, versions and the path taken are in every case's
 ``executed`` record. Both checkpoint layouts load: ``Gemma4ForCausalLM`` (tensors ``model.*``) and
 ``Gemma4ForConditionalGeneration`` (config under ``text_config``, tensors ``model.language_model.*``;
-only the text model is built). :func:`load_gemma4_causal_lm` is the loader (tests/hf_reference.py
-uses it too).
+without a ``vision_config`` only the text model is built, with one the whole image-text model).
+:func:`load_gemma4_causal_lm` (tests/hf_reference.py uses it too) and
+:func:`load_gemma4_conditional_generation` are the loaders; ``executed["model"]`` names the class.
 
     conformance check --backend transformers
     conformance check --backend transformers --backend-option dtype=bfloat16 --backend-option attn=sdpa
@@ -95,13 +114,14 @@ from typing import Any
 import numpy as np
 import torch
 import transformers
-from transformers import DynamicCache, Gemma4ForCausalLM
+from transformers import DynamicCache, Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 
 from conformance.backend import BackendError, Capabilities, Request, Response
 from conformance.backends.serving import CachedBackend
 
 __all__ = ["ATTN_IMPLEMENTATIONS", "DTYPES", "EXPERTS_IMPLEMENTATIONS", "TransformersBackend", "checkpoint_layout",
-           "load_gemma4_causal_lm", "resolve_device", "shipped_expectations"]
+           "has_vision", "load_gemma4_causal_lm", "load_gemma4_conditional_generation", "resolve_device",
+           "shipped_expectations"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
@@ -174,14 +194,8 @@ def load_gemma4_causal_lm(model_dir: str | os.PathLike, dtype: str | torch.dtype
 
     Every failure is a BackendError that names the directory and the reason.
     """
-    torch_dtype = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
-    if torch_dtype is None:
-        raise ValueError(f"dtype must be one of {_allowed(DTYPES)}, got {dtype!r}")
+    kwargs = _load_kwargs(dtype, attn_implementation, experts_implementation)
     layout, _ = checkpoint_layout(model_dir)
-    kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": attn_implementation,
-                              "output_loading_info": True}
-    if experts_implementation is not None:
-        kwargs["experts_implementation"] = experts_implementation
     try:
         with _quiet_progress_bar():
             if layout == "conditional":
@@ -191,14 +205,64 @@ def load_gemma4_causal_lm(model_dir: str | os.PathLike, dtype: str | torch.dtype
     except Exception as exc:  # noqa: BLE001 - whatever transformers raises, the checkpoint cannot be served
         raise BackendError(f"transformers {transformers.__version__} cannot load {model_dir} ({layout} layout): "
                            f"{type(exc).__name__}: {exc}") from exc
+    return _checked(model, info, model.model.embed_tokens, f"{model_dir} ({layout} layout)", device)
+
+
+def _checked(model, info: dict, embed_tokens, what: str, device: str | torch.device):
+    """The loaded model in eval mode on ``device``, after checking that every weight came from the
+    checkpoint (``lm_head.weight`` aside: it is tied), none mismatched, and the head is tied."""
     missing = set(info["missing_keys"]) - {"lm_head.weight"}
     if missing or info["mismatched_keys"]:
-        raise BackendError(f"transformers cannot load {model_dir} ({layout} layout): weights missing "
-                           f"{sorted(missing)} / mismatched {sorted(map(str, info['mismatched_keys']))}")
-    if model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
-        raise BackendError(f"transformers cannot load {model_dir}: lm_head is not tied to embed_tokens")
+        raise BackendError(f"transformers cannot load {what}: weights missing {sorted(missing)} / mismatched "
+                           f"{sorted(map(str, info['mismatched_keys']))}")
+    if model.lm_head.weight.data_ptr() != embed_tokens.weight.data_ptr():
+        raise BackendError(f"transformers cannot load {what}: lm_head is not tied to embed_tokens")
     model.eval()
     return model.to(device)
+
+
+def has_vision(raw_config: dict) -> bool:
+    """Whether a checkpoint's raw config.json (:func:`checkpoint_layout`) has a vision tower (a
+    non-null top-level ``vision_config``): an image-text ``Gemma4ForConditionalGeneration``."""
+    return isinstance(raw_config.get("vision_config"), dict)
+
+
+def _load_kwargs(dtype: str | torch.dtype, attn_implementation: str,
+                 experts_implementation: str | None) -> dict[str, Any]:
+    torch_dtype = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if torch_dtype is None:
+        raise ValueError(f"dtype must be one of {_allowed(DTYPES)}, got {dtype!r}")
+    kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": attn_implementation,
+                              "output_loading_info": True}
+    if experts_implementation is not None:
+        kwargs["experts_implementation"] = experts_implementation
+    return kwargs
+
+
+def load_gemma4_conditional_generation(model_dir: str | os.PathLike, dtype: str | torch.dtype = "float32", *,
+                                       attn_implementation: str = "eager",
+                                       experts_implementation: str | None = None,
+                                       device: str | torch.device = "cpu") -> Gemma4ForConditionalGeneration:
+    """Load an image-text Gemma 4 checkpoint (conditional layout with a ``vision_config``) as an eval-mode
+    ``Gemma4ForConditionalGeneration`` on ``device``: the whole model as published (text model, vision
+    tower, ``embed_vision``), by plain ``from_pretrained``. Every weight must come from the checkpoint
+    (``lm_head.weight`` is tied to ``model.language_model.embed_tokens.weight``) and no shape may mismatch.
+
+    Every failure is a BackendError that names the directory and the reason.
+    """
+    kwargs = _load_kwargs(dtype, attn_implementation, experts_implementation)
+    layout, raw = checkpoint_layout(model_dir)
+    if layout != "conditional" or not has_vision(raw):
+        raise BackendError(f"{model_dir}: not an image-text checkpoint (no vision_config); "
+                           f"load it with load_gemma4_causal_lm")
+    try:
+        with _quiet_progress_bar():
+            model, info = Gemma4ForConditionalGeneration.from_pretrained(os.fspath(model_dir), **kwargs)
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raises, the checkpoint cannot be served
+        raise BackendError(f"transformers {transformers.__version__} cannot load {model_dir} (conditional layout, "
+                           f"vision): {type(exc).__name__}: {exc}") from exc
+    return _checked(model, info, model.model.language_model.embed_tokens,
+                    f"{model_dir} (conditional layout, vision)", device)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -240,8 +304,23 @@ def shipped_expectations(name: str, device: torch.device) -> Path | None:
 # the backend
 
 
+class SequenceState:
+    """One sequence's state: its ``DynamicCache`` and the ``mm_token_type_ids`` of every token the cache
+    holds (1 at image tokens, 0 elsewhere). transformers' vision mask reads the block ids by absolute
+    position (``blockwise_overlay`` indexes them with the kv position, and a sliding cache layer's keys
+    start at ``kv_offset`` > 0), so a forward continuing the cache passes them from the sequence's start,
+    as ``Gemma4ForConditionalGeneration.prepare_inputs_for_generation`` does for a prefill chunk."""
+
+    __slots__ = ("cache", "token_types")
+
+    def __init__(self, cache: DynamicCache):
+        self.cache = cache
+        self.token_types: list[int] = []
+
+
 class TransformersBackend(CachedBackend):
-    """``transformers.Gemma4ForCausalLM`` behind the backend protocol (``conformance.backend.Backend``).
+    """``transformers.Gemma4ForCausalLM`` (``Gemma4ForConditionalGeneration`` for image-text checkpoints)
+    behind the backend protocol (``conformance.backend.Backend``).
 
     Options: ``dtype`` ("float32", "float64", "bfloat16"), ``attn`` ("eager", "sdpa"), ``device``
     ("auto", "cpu", "cuda", "cuda:N"), ``experts`` ("auto", "eager", "grouped_mm", "batched_mm"),
@@ -279,12 +358,17 @@ class TransformersBackend(CachedBackend):
         self.capabilities = Capabilities(
             full_forward=True, last_plain=True, last_seq_id=True, last_embeddings=True,
             embedding_convention="scaled", interior_rows=True, output_rows=True, ubatch=True,
-            chunked_prefill=True, multi_sequence=True, decode=True,
+            chunked_prefill=True, multi_sequence=True, decode=True, image_prompts=True,
             default_profile="bf16" if dtype == "bfloat16" else "fp32",
         )
         self.expectations_file = shipped_expectations(self.name, self.device)
-        self.model: Gemma4ForCausalLM | None = None
+        self.model: Gemma4ForCausalLM | Gemma4ForConditionalGeneration | None = None
         self.layout: str | None = None
+        self.vision = False  # the checkpoint has a vision tower: Gemma4ForConditionalGeneration
+        self.text_config: Any = None
+        self.text_model: Any = None  # the Gemma4TextModel (per-layer inputs)
+        self.image_token_id: int | None = None
+        self._model_dir: Path | None = None
         self._cache_kw = "cache"
         self._device_info: dict[str, Any] = {}
 
@@ -293,12 +377,18 @@ class TransformersBackend(CachedBackend):
     def open(self, model_dir: Path) -> None:
         if self.threads is not None:
             torch.set_num_threads(self.threads)
-        self.layout, _ = checkpoint_layout(model_dir)
+        self.layout, raw = checkpoint_layout(model_dir)
+        self.vision = has_vision(raw)
+        loader = load_gemma4_conditional_generation if self.vision else load_gemma4_causal_lm
         try:
-            self.model = load_gemma4_causal_lm(model_dir, self.torch_dtype, attn_implementation=self.attn,
-                                               experts_implementation=self.experts, device=self.device)
+            self.model = loader(model_dir, self.torch_dtype, attn_implementation=self.attn,
+                                experts_implementation=self.experts, device=self.device)
         except torch.cuda.OutOfMemoryError as exc:  # pragma: no cover - needs a GPU
             raise BackendError(f"transformers backend: {model_dir} does not fit on {self.device}: {exc}") from exc
+        self._model_dir = Path(model_dir)
+        self.text_config = self.model.config.get_text_config()
+        self.text_model = self.model.model.language_model if self.vision else self.model.model
+        self.image_token_id = int(self.model.config.image_token_id) if self.vision else None
         params = inspect.signature(type(self.model).forward).parameters
         # transformers 5.24 renamed past_key_values -> cache (the old name is deprecated until 5.40)
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -310,6 +400,8 @@ class TransformersBackend(CachedBackend):
     def close(self) -> None:
         self.model = None
         self.layout = None
+        self.vision = False
+        self.text_config = self.text_model = self.image_token_id = self._model_dir = None
         self._states = {}
         if self.device.type == "cuda":  # pragma: no cover - needs a GPU
             torch.cuda.empty_cache()
@@ -323,21 +415,35 @@ class TransformersBackend(CachedBackend):
 
     @property
     def vocab_size(self) -> int:
-        return int(self.model.config.vocab_size)
+        return int(self.text_config.vocab_size)
 
     @property
     def hidden_size(self) -> int:
-        return int(self.model.config.hidden_size)
+        return int(self.text_config.hidden_size)
 
     @property
     def out_dtype(self):
         return np.float64 if self.dtype == "float64" else np.float32
 
-    def _new_state(self) -> DynamicCache:
-        return DynamicCache(config=self.model.config)
+    @property
+    def vision_masks(self) -> bool:
+        """Whether transformers builds image-block masks on this checkpoint: an image-text model whose text
+        config says ``use_bidirectional_attention == "vision"`` (``Gemma4Model.forward`` then calls
+        ``create_masks_for_vision_model`` when given ``mm_token_type_ids``)."""
+        return self.vision and self.text_config.use_bidirectional_attention == "vision"
 
-    def _state_len(self, state: DynamicCache) -> int:
-        return state.get_seq_length()
+    @property
+    def pad_token_id(self) -> int:
+        """The id whose per-layer-input row image positions take (``text_config.pad_token_id``, as in
+        ``Gemma4Model.forward``; 0 when the config has none)."""
+        pad = self.text_config.pad_token_id
+        return 0 if pad is None else int(pad)
+
+    def _new_state(self) -> SequenceState:
+        return SequenceState(DynamicCache(config=self.model.config))
+
+    def _state_len(self, state: SequenceState) -> int:
+        return state.cache.get_seq_length()
 
     def _logits_to_keep(self, rows: list[int], T: int) -> tuple[int | torch.Tensor, int | list[int]]:
         """(the logits_to_keep argument, its JSON form) selecting ``rows`` of a T-token forward.
@@ -355,56 +461,106 @@ class TransformersBackend(CachedBackend):
             out = out.float()  # bfloat16 -> float32 on the way out
         return out.cpu().numpy()
 
-    def _forward(self, tokens: Sequence[int], rows: list[int], state: DynamicCache,
-                 embeddings: np.ndarray | None = None, logits_to_keep: Any = None) -> tuple[np.ndarray, dict]:
-        """One forward of ``tokens`` continuing the cache ``state``; returns (logits of ``rows`` [R, V],
-        ``{"logits_to_keep": the logits_to_keep used, in JSON form}``). A forward with no output row
-        still runs every layer and writes the cache (logits_to_keep = an empty index tensor)."""
+    def _token_types(self, ids: list[int], images: Sequence[tuple[int, int]]) -> list[int]:
+        """``mm_token_type_ids`` of one forward's tokens (1 in the image blocks), checked: an image
+        request needs an image-text checkpoint, and every block holds only the image token."""
+        types = [0] * len(ids)
+        if not images:
+            return types
+        if not self.vision:
+            raise ValueError(f"{self.who}: {self._model_dir} has no vision_config (a text-only checkpoint); "
+                             f"it cannot serve image prompts")
+        for start, n in images:
+            if any(t != self.image_token_id for t in ids[start:start + n]):
+                raise ValueError(f"{self.who}: the image block ({start}, {n}) holds tokens other than the image "
+                                 f"token {self.image_token_id}")
+            types[start:start + n] = [1] * n
+        return types
+
+    def _forward(self, tokens: Sequence[int], rows: list[int], state: SequenceState,
+                 embeddings: np.ndarray | None = None, images: Sequence[tuple[int, int]] = (),
+                 logits_to_keep: Any = None) -> tuple[np.ndarray, dict]:
+        """One forward of ``tokens`` continuing the cache of ``state``; returns (logits of ``rows``
+        [R, V], notes: ``{"logits_to_keep": the logits_to_keep used, in JSON form}``, plus
+        ``mm_token_type_ids`` (how many were passed) and ``mask_function`` (the one ``Gemma4Model.forward``
+        picks with them) when they were passed). A forward with no output row still runs every layer and writes the cache
+        (logits_to_keep = an empty index tensor).
+
+        Image blocks (``images``, with ``embeddings``): the per-layer inputs' token part is looked up at
+        ``pad_token_id`` in the blocks; on an image-text model every embeddings forward of a sequence
+        that holds an image token passes ``mm_token_type_ids`` from the sequence's start (decode steps,
+        which come without embeddings, pass none, as ``generate`` does)."""
         T = len(tokens)
-        ids = torch.tensor([[int(t) for t in tokens]], dtype=torch.long, device=self.device)
+        id_list = [int(t) for t in tokens]
+        types = self._token_types(id_list, images)
+        ids = torch.tensor([id_list], dtype=torch.long, device=self.device)
         if logits_to_keep is None:
             logits_to_keep, shown = self._logits_to_keep(rows, T)
         else:
             shown = logits_to_keep
-        kwargs: dict[str, Any] = {self._cache_kw: state, "use_cache": True, "logits_to_keep": logits_to_keep}
+        notes: dict[str, Any] = {"logits_to_keep": shown}
+        kwargs: dict[str, Any] = {self._cache_kw: state.cache, "use_cache": True, "logits_to_keep": logits_to_keep}
+        token_types = state.token_types + types
         if embeddings is None:
             kwargs["input_ids"] = ids
         else:
-            kwargs["inputs_embeds"] = torch.as_tensor(np.asarray(embeddings)[None]).to(self.device, self.torch_dtype)
-            if self.model.config.hidden_size_per_layer_input:
-                # the token-identity part of the per-layer embeddings, looked up by id
-                kwargs["per_layer_inputs"] = self.model.model.get_per_layer_inputs(ids, None)
-        before = state.get_seq_length()
+            kwargs["inputs_embeds"] = torch.tensor(np.asarray(embeddings)[None]).to(self.device, self.torch_dtype)
+            if self.text_config.hidden_size_per_layer_input:
+                # the token-identity part of the per-layer embeddings, looked up by id; at image
+                # positions the pad row (Gemma4Model.forward's llm_input_ids)
+                ple_ids = ids
+                if any(types):
+                    is_image = torch.tensor([types], dtype=torch.bool, device=self.device)
+                    ple_ids = torch.where(is_image, self.pad_token_id, ids)
+                kwargs["per_layer_inputs"] = self.text_model.get_per_layer_inputs(ple_ids, None)
+            if self.vision and any(token_types):
+                kwargs["mm_token_type_ids"] = torch.tensor([token_types], dtype=torch.long, device=self.device)
+                notes["mm_token_type_ids"] = len(token_types)
+                notes["mask_function"] = ("create_masks_for_vision_model" if self.vision_masks
+                                          else "create_masks_for_generate")
+        before = state.cache.get_seq_length()
         out = self.model(**kwargs)
-        after = state.get_seq_length()
+        after = state.cache.get_seq_length()
         if after != before + T:
             raise RuntimeError(f"transformers backend: the cache holds {after} tokens after a {T}-token forward "
                                f"from {before}")
+        state.token_types = token_types
         logits = out.logits[0]
         if logits.shape != (len(rows), self.vocab_size):
             raise RuntimeError(f"transformers backend: logits_to_keep={shown!r} gave logits of shape "
                                f"{tuple(logits.shape)}, expected {(len(rows), self.vocab_size)}")
-        return self._numpy(logits), {"logits_to_keep": shown}
+        return self._numpy(logits), notes
 
-    def _forward_all(self, tokens: Sequence[int], state: DynamicCache) -> tuple[np.ndarray, dict]:
+    def _forward_all(self, tokens: Sequence[int], state: SequenceState) -> tuple[np.ndarray, dict]:
         """The full forward: ``logits_to_keep=0`` (all rows)."""
         return self._forward(tokens, list(range(len(tokens))), state, logits_to_keep=0)
 
     def _executed(self, path: str, **extra) -> dict[str, Any]:
         return {"path": path, "engine": f"transformers {transformers.__version__}, torch {torch.__version__}",
-                "model": "Gemma4ForCausalLM", "layout": self.layout, "dtype": self.dtype,
+                "model": type(self.model).__name__, "layout": self.layout, "dtype": self.dtype,
                 "attn_implementation": self.attn, "experts_implementation": self.model.config._experts_implementation,
                 "device": str(self.device), **self._device_info, "cache": "DynamicCache", "fresh_state": True,
                 **extra}
 
     def _notes(self, request: Request) -> dict[str, Any]:
-        """full: the rows computed; last/embeddings: how the embeddings went in; multi: the caches."""
+        """full: the rows computed; last/embeddings and image prompts: how the embeddings, per-layer
+        inputs and masks went in; multi: the caches."""
         if request.kind == "full":
             return {"rows": len(request.tokens)}
+        ple = bool(self.text_config.hidden_size_per_layer_input)
+        if request.images:
+            return {"images": [list(b) for b in request.images],
+                    "inputs_embeds": "scaled (E[ids] * sqrt(H) at text rows, soft tokens unscaled at image rows), "
+                                     "cast to the model dtype",
+                    "per_layer_inputs": (f"get_per_layer_inputs(token ids, pad_token_id {self.pad_token_id} at "
+                                         f"image positions)" if ple else None),
+                    "image_mask": ("mm_token_type_ids (1 at image tokens, from the sequence's start; decode steps "
+                                   "none) -> create_masks_for_vision_model: sliding AND(window, OR(causal, same "
+                                   "block)), full causal" if self.vision_masks else
+                                   "causal (use_bidirectional_attention is not 'vision')")}
         if request.kind == "last" and request.entry == "embeddings":
             return {"inputs_embeds": "scaled (E[ids] * sqrt(H)), cast to the model dtype",
-                    "per_layer_inputs": ("get_per_layer_inputs(token ids)"
-                                         if self.model.config.hidden_size_per_layer_input else None)}
+                    "per_layer_inputs": "get_per_layer_inputs(token ids)" if ple else None}
         if request.kind == "multi":
             return {"caches": "one DynamicCache per seq_id"}
         return {}

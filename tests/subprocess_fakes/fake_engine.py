@@ -24,6 +24,8 @@ Hand-written protocol loops that are broken from the start:
   escape-path          run answers a path outside out_dir
   fail-run             run answers ok:false
   slow-open N          open takes N milliseconds
+  v1-record 0 LOG      a v1 engine that knows nothing of image prompts (no image_prompts in hello,
+                       request fields it does not know ignored); appends every run request to LOG
   spawn-worker 0 PIDS  at start, a worker child in the process group; "ENGINE_PID WORKER_PID" goes to
                        PIDS; then serves like the modes above (a well-behaved engine)
 """
@@ -132,6 +134,9 @@ def hand_written():
                 reply(msg, ok=False, error="RuntimeError: out of memory")
                 continue
             req = msg["request"]
+            if MODE == "v1-record":
+                with open(MARKER, "a") as log:
+                    log.write(json.dumps(req) + "\n")
             rows = len(req["tokens"]) if req["kind"] == "full" else 1
             if MODE == "wrong-shape":
                 rows += 1
