@@ -657,9 +657,7 @@ class NumpyEngineBackend:
     def __init__(self, dtype: str = "float64", embed_scale: str = "exact"):
         self.dtype, self.embed_scale = check_options("numpy-engine", dtype, embed_scale)
         exact = self.dtype == "float64" and embed_scale == "exact"
-        # audio prompts with the engine's own audio tower, whatever all_capabilities says
-        self.capabilities = dataclasses.replace(all_capabilities("exact-f64" if exact else "fp32"),
-                                                audio_prompts=True, audio_tower=True)
+        self.capabilities = all_capabilities("exact-f64" if exact else "fp32")  # audio_tower included
         self.engine: Engine | None = None
         self.tokens: MultimodalTokens | None = None
 
