@@ -36,6 +36,15 @@ other on sliding layers (any later token of the block; earlier ones within the w
 staying causal. A block never straddles two pieces, image requests carry no ``ubatch``, and decode
 tokens are text.
 
+**Audio prompts** (``Request.audio`` non-empty; same entry points; needs ``audio_prompts``): each
+clip is a block ``boa + audio_token_id x M + eoa``; ``audio`` lists ``(first position, M)`` per block;
+the embeddings hold the clip's soft tokens, unscaled, at its rows. The engine takes the per-layer
+inputs' token part from the pad row there and keeps audio tokens causal on every layer (an audio
+block is never a vision block). ``audio_inputs`` carries each clip's log-mel ``features`` [T, F] and
+frame ``mask`` [T], in prompt order: an engine that claims ``audio_tower`` computes the soft tokens
+itself from them (the embeddings' audio rows are then only a reference) instead of trusting the
+given rows.
+
 Every kind may carry ``decode``: after the prefill, feed these tokens one at a time through the
 state the prefill left (teacher forcing: the harness gives the tokens), and answer the logits after
 each step (``decode_logits`` ``[len(decode), V]``; for ``multi``, ``decode`` and ``decode_logits``
@@ -73,6 +82,8 @@ class Capabilities:
     multi_sequence: bool = False  # several sequences prefilled together
     decode: bool = False  # single-token decode steps after a prefill
     image_prompts: bool = False  # prompts with image blocks (soft tokens in the embeddings; see the module doc)
+    audio_prompts: bool = False  # prompts with audio blocks (soft tokens in the embeddings)
+    audio_tower: bool = False  # with audio_prompts: computes audio soft tokens itself from request.audio_inputs
     default_profile: str = "fp32"
 
     def __post_init__(self):
@@ -81,6 +92,14 @@ class Capabilities:
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class AudioInput:
+    """One audio clip of an audio prompt, as the feature extractor gives it to the audio tower."""
+
+    features: np.ndarray  # [T, F] log-mel features (float64)
+    mask: np.ndarray  # [T] bool: valid frames
 
 
 @dataclass(frozen=True)
@@ -104,6 +123,8 @@ class Request:
     seq_ids: tuple[int, ...] = ()  # multi
     decode: tuple = ()  # tokens after the prefill; for multi a tuple of tuples, one per sequence
     images: tuple[tuple[int, int], ...] = ()  # image prompts: (first position, soft tokens) of each block
+    audio: tuple[tuple[int, int], ...] = ()  # audio prompts: (first position, soft tokens) of each block
+    audio_inputs: tuple[AudioInput, ...] = field(default=(), compare=False)  # per audio block, in order
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -160,4 +181,6 @@ def required_capabilities(request: Request) -> list[str]:
         need.append("decode")
     if request.images:
         need.append("image_prompts")
+    if request.audio:
+        need.append("audio_prompts")
     return need

@@ -14,7 +14,7 @@ Public API:
 ``build_request(case, bases, embed, media)``   the ``conformance.backend.Request`` for a case
 ``response_groups(case, response)``     the ``Response`` split to match ``row_groups``
 ``generate_cases(set_name, cfg, bases)`` the text matrix for one model
-``generate_image_cases(set_name, cfg, bases, images)`` the image matrix (image bases I0, I1, ...)
+``generate_image_cases(set_name, cfg, bases, images, kind)`` the image (or audio) matrix (bases I0, I1 / S0, S1)
 ``annotate(case, base_logits, router_margins)``  fill ``ties`` and ``moe_min_margin`` from the oracle
 ``check_case(case, base_lengths)`` structural problems of a case (empty list = fine)
 ``model_features(cfg)``          the model feature tags of a config
@@ -40,6 +40,9 @@ RANDOM_BASES = ("A", "B", "C")
 GENERATION_BASE = "G"
 PROMPT_PREFIX = "P"
 IMAGE_PREFIX = "I"  # image bases I0, I1, ...: prompts with image blocks (see generate_image_cases)
+AUDIO_PREFIX = "S"  # audio (sound) bases S0, S1, ...: prompts with audio blocks
+MEDIA_PREFIX = {"image": IMAGE_PREFIX, "audio": AUDIO_PREFIX}
+MEDIA_OPEN = {"image": "boi", "audio": "boa"}  # the tag of the row before a block
 
 
 # ----------------------------------------------------------------------------------------------
@@ -173,8 +176,10 @@ class BaseMedia:
     """What an image base adds to its token ids: the input embeddings every request on it sends."""
 
     embeddings: np.ndarray  # [N, H] in the backend's convention: E[id] * sqrt(H) at text rows, soft tokens
-    #                         (unscaled) at image rows ("scaled"); all divided by sqrt(H) for "raw"
-    images: tuple[tuple[int, int], ...]  # (first position, soft-token count) of each image block
+    #                         (unscaled) at image/audio rows ("scaled"); all divided by sqrt(H) for "raw"
+    images: tuple[tuple[int, int], ...] = ()  # (first position, soft-token count) of each image block
+    audio: tuple[tuple[int, int], ...] = ()  # (first position, soft-token count) of each audio block
+    audio_inputs: tuple = ()  # conformance.backend.AudioInput per audio block (features, mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -257,6 +262,8 @@ def build_request(case: Case, bases: Mapping[str, np.ndarray], embed: Callable[[
     if case.kind == "full":
         return Request(kind="full", tokens=_ids(base[:T]), decode=decode)
     images = _images_within(m.images, T) if m is not None else ()
+    audio = _images_within(m.audio, T) if m is not None else ()
+    audio_inputs = tuple(m.audio_inputs[:len(audio)]) if m is not None else ()
     if case.kind == "last":
         tokens = _ids(base[:T])
         embeddings = None
@@ -265,7 +272,7 @@ def build_request(case: Case, bases: Mapping[str, np.ndarray], embed: Callable[[
         elif case.entry == "embeddings":
             embeddings = np.asarray(embed(np.asarray(tokens, dtype=np.int64)), dtype=np.float64)
         return Request(kind="last", tokens=tokens, entry=case.entry, last_pos=case.last_pos, seq_id=case.seq_id,
-                       embeddings=embeddings, decode=decode, images=images)
+                       embeddings=embeddings, decode=decode, images=images, audio=audio, audio_inputs=audio_inputs)
     if case.kind == "prefill":
         pieces, offset = [], 0
         for n, rows in case.pieces:
@@ -273,7 +280,8 @@ def build_request(case: Case, bases: Mapping[str, np.ndarray], embed: Callable[[
             pieces.append(Piece(tokens=_ids(base[offset:offset + n]), rows=tuple(int(r) for r in rows),
                                 embeddings=rows_embeddings))
             offset += n
-        return Request(kind="prefill", pieces=tuple(pieces), ubatch=case.ubatch, decode=decode, images=images)
+        return Request(kind="prefill", pieces=tuple(pieces), ubatch=case.ubatch, decode=decode, images=images,
+                       audio=audio, audio_inputs=audio_inputs)
     raise ValueError(f"case {case.id}: unknown kind {case.kind!r}")
 
 
@@ -531,16 +539,18 @@ def generate_cases(set_name: str, cfg, bases: Mapping[str, Sequence[int]]) -> li
     return cases
 
 
-def image_bases(bases: Mapping[str, Sequence[int]]) -> list[str]:
-    ids = [b for b in bases if b.startswith(IMAGE_PREFIX) and b[len(IMAGE_PREFIX):].isdigit()]
-    return sorted(ids, key=lambda b: int(b[len(IMAGE_PREFIX):]))
+def media_bases(bases: Mapping[str, Sequence[int]], kind: str = "image") -> list[str]:
+    prefix = MEDIA_PREFIX[kind]
+    ids = [b for b in bases if b.startswith(prefix) and b[len(prefix):].isdigit()]
+    return sorted(ids, key=lambda b: int(b[len(prefix):]))
 
 
 def generate_image_cases(set_name: str, cfg, bases: Mapping[str, Sequence[int]],
-                         images: Mapping[str, Sequence[tuple[int, int]]]) -> list[Case]:
+                         images: Mapping[str, Sequence[tuple[int, int]]], kind: str = "image") -> list[Case]:
     """The image matrix (docs/fixtures.md): for every image base ``I<k>`` (a prompt of text and image
     blocks ``boi + image x M + eoi``, then at least DECODE_STEPS text tokens), with ``images[I<k>]``
-    its blocks ``(first position, M)``:
+    its blocks ``(first position, M)``; with ``kind="audio"`` the same matrix over the audio bases
+    ``S<k>`` (blocks ``boa + audio x M + eoa``; tags ``audio``, ``inside-audio``, ``after-audio``, ``boa``):
 
     * the embeddings entry (with a sequence id) at two prompt lengths, the block's eoi (the prompt
       ends right after the image) and the full prompt, at the last row and at interior rows: boi, the
@@ -555,14 +565,14 @@ def generate_image_cases(set_name: str, cfg, bases: Mapping[str, Sequence[int]],
     """
     W, D = cfg.sliding_window, DECODE_STEPS
     model = model_features(cfg)
-    bidirectional = getattr(cfg, "use_bidirectional_attention", None) == "vision"
+    bidirectional = kind == "image" and getattr(cfg, "use_bidirectional_attention", None) == "vision"
     lengths = {b: len(t) for b, t in bases.items()}
     seq = _SeqIds()
     cases: list[Case] = []
     p = f"{set_name}/"
 
     def add(case: Case, extra: Sequence[str]) -> None:
-        tags = [case.kind] + ([case.entry] if case.kind == "last" else ["embeddings"]) + ["image"] + list(extra)
+        tags = [case.kind] + ([case.entry] if case.kind == "last" else ["embeddings"]) + [kind] + list(extra)
         if bidirectional:
             tags.append("vision-blocks")
         if case.decode_len > 0:
@@ -573,25 +583,26 @@ def generate_image_cases(set_name: str, cfg, bases: Mapping[str, Sequence[int]],
             raise ValueError(problems[0])
         cases.append(case)
 
-    for base in image_bases(bases):
+    inside, after = f"inside-{kind}", f"after-{kind}"
+    for base in media_bases(bases, kind):
         blocks = [(int(a), int(n)) for a, n in images[base]]
         if not blocks:
-            raise ValueError(f"image base {base} has no image block")
+            raise ValueError(f"{kind} base {base} has no {kind} block")
         N = lengths[base]
         T_full = N - D
         first, last_block = blocks[0], blocks[-1]
         if T_full <= last_block[0] + last_block[1] + 1:
-            raise ValueError(f"image base {base} needs text after its last image block and {D} decode tokens")
+            raise ValueError(f"{kind} base {base} needs text after its last {kind} block and {D} decode tokens")
 
         def row_tags(r: int, T: int) -> list[str]:
             tags = []
             for a, n in blocks:
                 if r == a - 1:
-                    tags.append("boi")
+                    tags.append(MEDIA_OPEN[kind])
                 elif a <= r < a + n:
-                    tags.append("inside-image")
+                    tags.append(inside)
                 elif r == a + n:
-                    tags.append("after-image")
+                    tags.append(after)
             if r < T - 1:
                 tags.append("interior")
             return tags
@@ -617,21 +628,21 @@ def generate_image_cases(set_name: str, cfg, bases: Mapping[str, Sequence[int]],
 
         # 2. output-row prefill: inside and right after every block, and the last row; every row
         rows = sorted({r for a, n in blocks for r in (a, a + n // 2, a + n - 1, a + n)} | {T_full - 1})
-        prefill([(T_full, rows)], "rows-image+last", ["inside-image", "after-image"])
-        prefill([(T_full, range(T_full))], "rows-all", ["inside-image", "after-image"])
+        prefill([(T_full, rows)], f"rows-{kind}+last", [inside, after])
+        prefill([(T_full, range(T_full))], "rows-all", [inside, after])
 
         # 3. chunks split at block boundaries (right after an eoi, right before a boi), and no output row
         #    in the first call
         a, n = first
         cut = a + n + 1
         prefill([(cut, (cut - 1,)), (T_full - cut, (T_full - cut - 1,))], f"chunks-{cut}+{T_full - cut}",
-                ["after-image"])
+                [after])
         prefill([(cut, ()), (T_full - cut, (T_full - cut - 1,))], f"none-then-last-{cut}+{T_full - cut}")
         a, n = last_block
         cut = a - 1  # the boi starts the second piece
         if cut > 0:
             prefill([(cut, (cut - 1,)), (T_full - cut, (0, n // 2 + 1, T_full - cut - 1))],
-                    f"chunks-{cut}+{T_full - cut}", ["inside-image"])
+                    f"chunks-{cut}+{T_full - cut}", [inside])
 
     ids = [c.id for c in cases]
     if len(set(ids)) != len(ids):
@@ -678,19 +689,23 @@ def annotate(case: Case, base_logits: Mapping[str, np.ndarray],
 
 
 def _check_image_case(case: Case, blocks: Sequence[tuple[int, int]], where: str) -> list[str]:
-    """A case on an image base: embeddings entry, no cut block, no micro-batches, text decode tokens."""
+    """A case on an image or audio base: embeddings entry, no cut block, no micro-batches, text decode
+    tokens."""
+    kind = "an audio" if case.base.startswith(AUDIO_PREFIX) else "an image"
     if case.kind not in ("last", "prefill") or case.entry != "embeddings":
-        return [f"{where}: a case on an image base must be a 'last' or 'prefill' case with entry 'embeddings'"]
+        return [f"{where}: a case on {kind} base must be a 'last' or 'prefill' case with entry 'embeddings'"]
     if case.ubatch is not None:
-        return [f"{where}: an image case cannot split its prompt into micro-batches (ubatch)"]
+        return [f"{where}: {kind} case cannot split its prompt into micro-batches (ubatch)"]
     out = []
     T = _prompt_length(case)
     cuts = [T] + list(np.cumsum([n for n, _ in case.pieces])[:-1]) if case.kind == "prefill" else [T]
     for a, n in blocks:
         if any(a < c < a + n for c in cuts):
-            out.append(f"{where}: the image block at {a} ({n} tokens) is cut by the prompt's end or a piece boundary")
+            out.append(f"{where}: the {kind[kind.index(' ') + 1:]} block at {a} ({n} tokens) is cut by the prompt's end "
+                       "or a piece boundary")
         if T <= a < T + case.decode_len:
-            out.append(f"{where}: its decode tokens run into the image block at {a}; decode tokens must be text")
+            out.append(f"{where}: its decode tokens run into the {kind[kind.index(' ') + 1:]} block at {a}; decode "
+                       "tokens must be text")
     return out
 
 

@@ -6,7 +6,8 @@ scoreboard).
                       [--json FILE] [--junit-xml FILE] [--backend-option KEY=VALUE ...] [-q] [-v]
     conformance list backends|cases|profiles [--fixtures DIR ...] [-k REGEX]
     conformance generate (--model DIR | --preset NAME [--seed N]) [--prompts FILE.jsonl] --out DIR
-                         [--name N] [--version V] [--cases auto|text|images|all] [--image FILE ...]
+                         [--name N] [--version V] [--cases auto|text|images|audio|all] [--image FILE ...]
+                         [--audio FILE.wav ...]
     conformance verify DIR ... [--recompute]
     conformance selftest [--fixtures DIR ...] [--mutant REGEX] [-k REGEX] [--json FILE] [-q]
     conformance scoreboard REPORT.json ... [--out FILE.md | --into PAGE.md] [--title T]
@@ -293,9 +294,10 @@ def cmd_generate(args) -> int:
         raise UsageError(f"--prompts: no such file: {args.prompts}")
     if args.model is not None and not Path(args.model).is_dir():
         raise UsageError(f"--model: no such directory: {args.model}")
-    for image in args.image or ():
-        if not Path(image).is_file():
-            raise UsageError(f"--image: no such file: {image}")
+    for flag, paths in (("--image", args.image), ("--audio", args.audio)):
+        for path in paths or ():
+            if not Path(path).is_file():
+                raise UsageError(f"{flag}: no such file: {path}")
     out_path = Path(args.out)
     if out_path.exists() and not (out_path.is_dir() and not any(out_path.iterdir())):
         raise UsageError(f"--out: {args.out} already exists; a fixture set is never overwritten "
@@ -303,7 +305,7 @@ def cmd_generate(args) -> int:
     progress = _GenerateProgress(enabled=not args.quiet)
     kw: dict[str, Any] = {"model_dir": args.model, "preset": args.preset, "seed": args.seed or 0,
                           "prompts": args.prompts, "name": args.name, "progress": progress,
-                          "cases": args.cases, "images": args.image or None}
+                          "cases": args.cases, "images": args.image or None, "audio": args.audio or None}
     if args.version is not None:
         kw["version"] = args.version
     try:
@@ -508,12 +510,14 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--preset", metavar="NAME", help="a refimpl synthetic preset (see 'refimpl synth')")
     g.add_argument("--seed", type=int, default=None, help="weights seed for --preset (default 0)")
     g.add_argument("--prompts", metavar="FILE.jsonl", help="extra bases from your prompts (one JSON object a line)")
-    g.add_argument("--cases", choices=("auto", "text", "images", "all"), default="auto",
-                   help="which case matrix: text, images (image prompts: bases I0, I1), or all; auto (default): all "
-                        "when the checkpoint has a vision tower, else text")
+    g.add_argument("--cases", choices=("auto", "text", "images", "audio", "all"), default="auto",
+                   help="which case matrix: text, images (image prompts: bases I0, I1), audio (audio prompts: bases "
+                        "S0, S1), or all (text plus what the checkpoint's towers allow; auto, the default, is the same)")
     g.add_argument("--image", action="append", metavar="FILE",
                    help="an image for the image bases (repeat for more; PNG/PPM natively, other formats with "
                         "pillow); default: synthetic images")
+    g.add_argument("--audio", action="append", metavar="FILE.wav",
+                   help="a 16 kHz WAV clip for the audio bases (repeat for more); default: synthetic clips")
     g.add_argument("--out", required=True, metavar="DIR", help="the new set's directory (must not exist)")
     g.add_argument("--name", metavar="N", help="set name (default: the preset or model directory name)")
     g.add_argument("--version", metavar="V", help="set version, semver (default 1.0.0)")

@@ -71,12 +71,16 @@ SEMVER_RE = re.compile(
     r"(?:\+([0-9a-zA-Z-]+(?:\.[0-9a-zA-Z-]+)*))?$"
 )
 SHA_RE = re.compile(r"^[0-9a-f]{64}$")
-CASE_KINDS = ("auto", "text", "images", "all")  # generate_set(cases=...): auto = all with a vision tower
+CASE_KINDS = ("auto", "text", "images", "audio", "all")  # generate_set(cases=...); auto = all
 # the synthetic images of an image set (h, w): upscaled by the resize rule, downscaled, and a square
 SYNTHETIC_IMAGE_SIZES = ((50, 70), (200, 120), (36, 36))
 IMAGE_LEAVES = ("pixels", "pixel_values", "positions", "soft_tokens")  # image/<base>/<j>/<leaf>
-BASE_LEAVES = ("tokens", "logits", "router_margin", "embeddings", "images")  # base/<base>/<leaf>
+AUDIO_LEAVES = ("waveform", "features", "mask", "soft_tokens")  # audio/<base>/<j>/<leaf>
+BASE_LEAVES = ("tokens", "logits", "router_margin", "embeddings", "images", "audio")  # base/<base>/<leaf>
+MEDIA_LEAVES = {("image", leaf) for leaf in IMAGE_LEAVES} | {("audio", leaf) for leaf in AUDIO_LEAVES}
 IMAGE_TEXT = {"I0": (4, 6), "I1": (3, 3, 5)}  # text tokens before, between and after the image blocks
+AUDIO_TEXT = {"S0": (4, 6), "S1": (3, 3, 5)}  # the same for the audio blocks
+SYNTHETIC_AUDIO_SECONDS = (0.5, 0.8, 0.3)  # the synthetic clips (16 kHz): 13, 20 and 8 soft tokens
 
 Progress = Callable[[int, int, str], None]
 # cross_check(model_dir, bases, base_logits) -> {"implementation", "agreement", "detail"} | [...] | None
@@ -406,6 +410,34 @@ def _image_sources(images, seed: int) -> list[tuple[np.ndarray, dict]]:
     return out
 
 
+def _text_pool(pool: np.ndarray, t) -> np.ndarray:
+    """The ordinary ids of ``pool`` minus every multimodal placeholder and marker of ``t``
+    (refimpl.multimodal.MultimodalTokens)."""
+    return pool[~np.isin(pool, (t.image_token_id, t.boi_token_id, t.eoi_token_id, t.video_token_id,
+                                t.audio_token_id, t.boa_token_id, t.eoa_token_id))]
+
+
+def _media_order(b_index: int, n_blocks: int, n_sources: int) -> list[int]:
+    """Which source fills each block of media base ``b_index``: base 0 the first, base 1 the next ones
+    (wrapping around)."""
+    return [(b_index + j) % n_sources if b_index else 0 for j in range(n_blocks)]
+
+
+def _media_prompt(rng: np.random.Generator, pool: np.ndarray, bos: int, texts: tuple[int, ...],
+                  blocks: list[tuple[int, int, int, int]]) -> tuple[list[int], list[tuple[int, int]]]:
+    """``bos``, then ``texts[0]`` random ids, block 0, ``texts[1]`` ids, block 1, ..., the last text run and
+    DECODE_STEPS more ids. A block (open id, placeholder id, close id, M) is ``open + placeholder x M +
+    close``. Returns the ids and the blocks' (first position, M)."""
+    ids, spans = [bos], []
+    for j, n_text in enumerate(texts):
+        ids += [int(x) for x in rng.choice(pool, n_text + (DECODE_STEPS if j == len(texts) - 1 else 0))]
+        if j < len(blocks):
+            open_id, token, close_id, M = blocks[j]
+            spans.append((len(ids) + 1, M))
+            ids += [open_id] + [token] * M + [close_id]
+    return ids, spans
+
+
 def _make_image_bases(model, vision: _Vision, pool: np.ndarray, bos: int, seed: int,
                       sources: list[tuple[np.ndarray, dict]]) -> dict[str, ImageBase]:
     """I0: text + one image + text; I1: text + image + text + image + text; each followed by DECODE_STEPS
@@ -413,30 +445,20 @@ def _make_image_bases(model, vision: _Vision, pool: np.ndarray, bos: int, seed: 
     from refimpl.multimodal import multimodal_inputs
 
     t = vision.tokens
-    pool = pool[~np.isin(pool, (t.image_token_id, t.boi_token_id, t.eoi_token_id, t.video_token_id,
-                                t.audio_token_id))]
+    pool = _text_pool(pool, t)
     done: dict[int, tuple[Any, np.ndarray]] = {}
     out: dict[str, ImageBase] = {}
     for b_index, (base, texts) in enumerate(IMAGE_TEXT.items()):
-        rng = np.random.default_rng([seed, 10 + b_index])
-        which = [(b_index + j) % len(sources) if b_index else 0 for j in range(len(texts) - 1)]
-        ids, spans, soft, processed, described = [bos], [], [], [], []
-        for j, n_text in enumerate(texts):
-            ids += [int(x) for x in rng.choice(pool, n_text + (DECODE_STEPS if j == len(texts) - 1 else 0))]
-            if j == len(texts) - 1:
-                break
-            k = which[j]
+        which = _media_order(b_index, len(texts) - 1, len(sources))
+        for k in which:
             if k not in done:
                 done[k] = vision.soft_tokens(sources[k][0])
-            pr, st = done[k]
-            M = st.shape[0]
-            ids += [t.boi_token_id]
-            spans.append((len(ids), M))
-            ids += [t.image_token_id] * M + [t.eoi_token_id]
-            soft.append(st)
-            processed.append(pr)
-            described.append({**sources[k][1], "index": k, "size": list(sources[k][0].shape[:2]),
-                              "resized": list(pr.pixels.shape[:2]), "soft_tokens": M, "start": spans[-1][0]})
+        processed, soft = [done[k][0] for k in which], [done[k][1] for k in which]
+        ids, spans = _media_prompt(np.random.default_rng([seed, 10 + b_index]), pool, bos, texts,
+                                   [(t.boi_token_id, t.image_token_id, t.eoi_token_id, st.shape[0]) for st in soft])
+        described = [{**sources[k][1], "index": k, "size": list(sources[k][0].shape[:2]),
+                      "resized": list(pr.pixels.shape[:2]), "soft_tokens": M, "start": a}
+                     for k, pr, (a, M) in zip(which, processed, spans)]
         info = {"source": "images", "length": len(ids), "rng": f"numpy default_rng([{seed}, {10 + b_index}])",
                 "text": list(texts), "images": described}
         out[base] = ImageBase(ids, multimodal_inputs(model, ids, soft, t), spans,
@@ -444,9 +466,10 @@ def _make_image_bases(model, vision: _Vision, pool: np.ndarray, bos: int, seed: 
     return out
 
 
-def _image_consistency(model, base: ImageBase, full: np.ndarray) -> float:
-    """Max |prefill through the KV cache - full forward| for an image base fed in pieces cut before every
-    boi and after every eoi (never inside a block), then the decode tokens one at a time."""
+def _image_consistency(model, base: "ImageBase | AudioBase", full: np.ndarray) -> float:
+    """Max |prefill through the KV cache - full forward| for an image or audio base fed in pieces cut
+    before every block's opening marker and after its closing one (never inside a block), then the
+    decode tokens one at a time."""
     from refimpl.model import KVCache
 
     m, N = base.inputs, len(base.ids)
@@ -458,6 +481,124 @@ def _image_consistency(model, base: ImageBase, full: np.ndarray) -> float:
         rows.append(model.forward(m.ids[a:b], rows="all", cache=cache, embeddings=m.embeddings[a:b],
                                   vision_blocks=blocks))
     return float(np.max(np.abs(np.concatenate(rows) - full)))
+
+
+def has_audio_tower(model_dir: str | Path) -> bool:
+    """Whether config.json declares an audio tower (an ``audio_config``)."""
+    try:
+        raw = _read_json(Path(model_dir) / "config.json")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(raw, dict) and isinstance(raw.get("audio_config"), dict)
+
+
+def synthetic_waveform(seed: int, k: int, seconds: float, rate: int = 16_000) -> np.ndarray:
+    """A deterministic test clip [n] float64 in [-1, 1]: a rising chirp, two harmonics, a pause and noise,
+    so the mel bins, the valid-frame mask and the tower's local attention all see structure."""
+    rng = np.random.default_rng([seed, 200 + k])
+    t = np.arange(int(round(seconds * rate))) / rate  # [n] seconds
+    f0 = rng.uniform(150.0, 400.0) + rng.uniform(200.0, 1200.0) * t / max(seconds, 1e-9)
+    phase = 2.0 * np.pi * np.cumsum(f0) / rate
+    wave = 0.3 * np.sin(phase) + 0.15 * np.sin(2.0 * phase) + 0.08 * np.sin(3.0 * phase + rng.uniform(0, np.pi))
+    wave[(t > 0.4 * seconds) & (t < 0.5 * seconds)] *= 0.05  # a near-silent gap
+    return np.clip(wave + rng.normal(0.0, 0.02, t.shape), -1.0, 1.0)
+
+
+@dataclass
+class AudioBase:
+    """One audio base: the prompt ids (placeholders in), the oracle's inputs and every intermediate."""
+
+    ids: list[int]  # [N] prompt ids: text, boa, audio_token_id x M, eoa, ...
+    inputs: Any  # refimpl.multimodal.MultimodalInputs
+    spans: list[tuple[int, int]]  # (first position, M) of each audio block
+    waveforms: list[np.ndarray]  # [n] float64 per clip
+    features: list[Any]  # refimpl.audio_features.AudioFeatures per clip (features [T, F], mask [T])
+    soft: list[np.ndarray]  # soft tokens [M, H] per clip
+    info: dict
+
+
+class _Audio:
+    """The audio side of a checkpoint: audio tower, feature extractor settings, placeholder ids."""
+
+    def __init__(self, model_dir: Path):
+        from refimpl.audio import load_audio_tower
+        from refimpl.audio_features import load_audio_feature_settings
+        from refimpl.multimodal import load_multimodal_tokens
+
+        self.weights, self.cfg = load_audio_tower(model_dir)
+        self.settings = load_audio_feature_settings(model_dir)
+        self.tokens = load_multimodal_tokens(model_dir)
+
+    def soft_tokens(self, wave: np.ndarray, rate: int) -> tuple[Any, np.ndarray]:
+        """(AudioFeatures, soft tokens [M, H]) of one clip."""
+        from refimpl.audio import audio_tower
+        from refimpl.audio_features import audio_features
+
+        feats = audio_features(wave, rate, self.settings)
+        return feats, audio_tower(feats.features, feats.mask, self.weights, self.cfg)
+
+    def manifest(self) -> dict:
+        t = self.tokens
+        return {"token_ids": {"audio_token_id": t.audio_token_id, "boa_token_id": t.boa_token_id,
+                              "eoa_token_id": t.eoa_token_id},
+                "feature_extractor": {"sampling_rate": self.settings.sampling_rate,
+                                      "feature_size": self.settings.feature_size},
+                "tower": {"attention_chunk_size": self.cfg.attention_chunk_size,
+                          "attention_context_left": self.cfg.attention_context_left,
+                          "attention_logit_cap": self.cfg.attention_logit_cap}}
+
+
+def _audio_sources(audio, seed: int, rate: int) -> list[tuple[np.ndarray, int, dict]]:
+    """(waveform, sample rate, manifest description) per clip: the given WAV files or arrays, else synthetic."""
+    if audio is None:
+        return [(synthetic_waveform(seed, k, sec, rate), rate, {"source": "synthetic", "seconds": sec,
+                                                                 "rng": f"numpy default_rng([{seed}, {200 + k}])"})
+                for k, sec in enumerate(SYNTHETIC_AUDIO_SECONDS)]
+    from refimpl.audio_features import read_wav
+
+    out = []
+    for k, item in enumerate(audio):
+        if isinstance(item, (str, Path)):
+            wave, r = read_wav(item)
+            out.append((wave, r, {"source": "file", "name": Path(item).name, "sha256": sha256_file(Path(item))}))
+        else:
+            arr = np.asarray(item)
+            if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.floating):
+                raise ValueError(f"audio clip {k} must be a WAV path or a float array [n] (16 kHz), got {arr.dtype} "
+                                 f"{list(arr.shape)}")
+            out.append((arr.astype(np.float64), rate, {"source": "array"}))
+    if not out:
+        raise ValueError("audio is an empty list; give at least one clip (or none for the synthetic ones)")
+    return out
+
+
+def _make_audio_bases(model, audio: _Audio, pool: np.ndarray, bos: int, seed: int,
+                      sources: list[tuple[np.ndarray, int, dict]]) -> dict[str, AudioBase]:
+    """S0: text + one clip + text; S1: text + clip + text + clip + text; then DECODE_STEPS text tokens."""
+    from refimpl.multimodal import multimodal_inputs
+
+    t = audio.tokens
+    pool = _text_pool(pool, t)
+    done: dict[int, tuple[Any, np.ndarray]] = {}
+    out: dict[str, AudioBase] = {}
+    for b_index, (base, texts) in enumerate(AUDIO_TEXT.items()):
+        which = _media_order(b_index, len(texts) - 1, len(sources))
+        for k in which:
+            if k not in done:
+                done[k] = audio.soft_tokens(sources[k][0], sources[k][1])
+                if done[k][1].shape[0] == 0:
+                    raise ValueError(f"audio clip {k} is too short to give one soft token")
+        feats, soft = [done[k][0] for k in which], [done[k][1] for k in which]
+        ids, spans = _media_prompt(np.random.default_rng([seed, 20 + b_index]), pool, bos, texts,
+                                   [(t.boa_token_id, t.audio_token_id, t.eoa_token_id, st.shape[0]) for st in soft])
+        described = [{**sources[k][2], "index": k, "samples": int(sources[k][0].shape[0]),
+                      "frames": int(f.mask.shape[0]), "valid_frames": int(f.mask.sum()), "soft_tokens": M, "start": a}
+                     for k, f, (a, M) in zip(which, feats, spans)]
+        info = {"source": "audio", "length": len(ids), "rng": f"numpy default_rng([{seed}, {20 + b_index}])",
+                "text": list(texts), "audio": described}
+        inputs = multimodal_inputs(model, ids, [], t, audio_soft_tokens=soft)
+        out[base] = AudioBase(ids, inputs, spans, [sources[k][0] for k in which], feats, soft, info)
+    return out
 
 
 def _base_logits(model, ids: list[int], inputs=None) -> tuple[np.ndarray, np.ndarray | None]:
@@ -529,7 +670,7 @@ def _default_command() -> str:
 def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset: str | None = None, seed: int = 0,
                  prompts=None, name: str | None = None, version: str = "1.0.0", progress: Progress | None = None,
                  cross_check: CrossCheck | None = None, command: str | None = None, cases: str = "auto",
-                 images=None) -> Path:
+                 images=None, audio=None) -> Path:
     """Write a fixture set to ``out``: the only writer. Atomic (a temporary directory beside ``out``,
     renamed at the end; a failure leaves nothing behind); refuses an existing ``out`` (an empty
     directory is allowed).
@@ -540,10 +681,13 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
     ``progress(done, total, label)`` is called as work completes. ``cross_check(model_dir, bases,
     base_logits)`` compares another implementation (entries are recorded only when it returns some).
     ``command`` is recorded as the generator command line (default: this process's argv).
-    ``cases``: "text" (the text matrix), "images" (the image matrix only: image bases I0, I1), "all",
-    or "auto" (all when the checkpoint has a vision tower, else text). ``images``: the images of the
-    image bases (file paths or uint8 [h, w, 3] arrays; default: synthetic images from ``seed``). With
-    image bases, ``cross_check`` is also given ``images={base: [ProcessedImage, ...]}``.
+    ``cases``: "text" (the text matrix), "images" (the image matrix only: image bases I0, I1), "audio"
+    (the audio matrix only: audio bases S0, S1), "all" or "auto" (the text matrix plus the image and
+    audio matrices the checkpoint's towers allow). ``images``: the images of the image bases (file
+    paths or uint8 [h, w, 3] arrays; default: synthetic images from ``seed``); ``audio``: the clips
+    of the audio bases (WAV paths or float arrays at 16 kHz; default: synthetic clips). With image or
+    audio bases, ``cross_check`` is also given ``images={base: [ProcessedImage, ...]}`` and/or
+    ``audio={base: [AudioFeatures, ...]}``.
 
     Errors: ValueError for bad arguments (PromptError, a ValueError, for bad prompts, naming the line),
     refimpl's RefimplError when the oracle cannot load the checkpoint, FixtureError when ``out`` exists
@@ -578,8 +722,12 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
             raise ValueError(f"{model_dir}: not a directory")
     if cases == "images" and entries:
         raise ValueError("prompts make text bases, but cases='images' writes the image matrix only; use cases='all'")
-    if images is not None and cases == "text":
-        raise ValueError("images were given, but cases='text' writes no image base; use cases='all' or 'images'")
+    if images is not None and cases in ("text", "audio"):
+        raise ValueError(f"images were given, but cases={cases!r} writes no image base; use cases='all' or 'images'")
+    if audio is not None and cases in ("text", "images"):
+        raise ValueError(f"audio was given, but cases={cases!r} writes no audio base; use cases='all' or 'audio'")
+    if cases == "audio" and entries:
+        raise ValueError("prompts make text bases, but cases='audio' writes the audio matrix only; use cases='all'")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -609,14 +757,23 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
             model_info = {"kind": "external", "path": str(model_dir),
                           "sha256": _hash_files(model_dir, _model_files(model_dir))}
         cfg = model.cfg
-        vision_tower = has_vision_tower(src)
-        mode = ("all" if vision_tower else "text") if cases == "auto" else cases
-        if mode in ("images", "all") and not vision_tower:
+        vision_tower, audio_tower = has_vision_tower(src), has_audio_tower(src)
+        if cases == "images" and not vision_tower:
             raise ValueError(f"cases={cases!r} needs image bases, but {src} has no vision tower (config.json has no "
                              "vision_config); use cases='text'")
-        with_text, with_images = mode in ("text", "all"), mode in ("images", "all")
+        if cases == "audio" and not audio_tower:
+            raise ValueError(f"cases={cases!r} needs audio bases, but {src} has no audio tower (config.json has no "
+                             "audio_config); use cases='text'")
+        if images is not None and not vision_tower:
+            raise ValueError(f"images were given, but {src} has no vision tower (config.json has no vision_config)")
+        if audio is not None and not audio_tower:
+            raise ValueError(f"audio was given, but {src} has no audio tower (config.json has no audio_config)")
+        with_text = cases in ("text", "all", "auto")
+        with_images = cases == "images" or (cases in ("all", "auto") and vision_tower)
+        with_audio = cases == "audio" or (cases in ("all", "auto") and audio_tower)
         prompt_ids = [_encode_prompt(p, tokenizer, cfg.vocab_size) for p in entries]
-        n_bases = (len(RANDOM_BASES) + 1 + len(prompt_ids) if with_text else 0) + (len(IMAGE_TEXT) if with_images else 0)
+        n_bases = ((len(RANDOM_BASES) + 1 + len(prompt_ids) if with_text else 0) + (len(IMAGE_TEXT) if with_images else 0)
+                   + (len(AUDIO_TEXT) if with_audio else 0))
         total += 2 * n_bases + (1 if cross_check is not None else 0) + 1
         if preset is not None:
             step("model")
@@ -636,10 +793,20 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
                                             _bos(cfg, tokenizer), seed, _image_sources(images, seed))
             for b, ib in image_bases.items():
                 bases[b], base_info[b] = ib.ids, ib.info
+        audio_bases: dict[str, AudioBase] = {}
+        audio_side = None
+        if with_audio:
+            audio_side = _Audio(src)
+            audio_bases = _make_audio_bases(model, audio_side, _ordinary_ids(tokenizer, cfg.vocab_size),
+                                            _bos(cfg, tokenizer), seed,
+                                            _audio_sources(audio, seed, audio_side.settings.sampling_rate))
+            for b, ab in audio_bases.items():
+                bases[b], base_info[b] = ab.ids, ab.info
+        media_bases: dict[str, Any] = {**image_bases, **audio_bases}
         logits: dict[str, np.ndarray] = {}
         margins: dict[str, np.ndarray] = {}
         for b, ids in bases.items():
-            logits[b], m = _base_logits(model, ids, image_bases[b].inputs if b in image_bases else None)
+            logits[b], m = _base_logits(model, ids, media_bases[b].inputs if b in media_bases else None)
             if m is not None:
                 margins[b] = m
             step(f"base {b}")
@@ -654,8 +821,8 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
 
         worst = 0.0
         for b, ids in bases.items():
-            if b in image_bases:
-                worst = max(worst, _image_consistency(model, image_bases[b], logits[b]))
+            if b in media_bases:
+                worst = max(worst, _image_consistency(model, media_bases[b], logits[b]))
             else:
                 worst = max(worst, _consistency(model, ids, logits[b]))
             step(f"consistency {b}")
@@ -667,18 +834,22 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
                    "detail": f"max abs over every row of the {len(bases)} bases ({', '.join(bases)}) against the "
                              "full forward; " + ("each text base fed as pieces of 3, W+2, 1, 1 and W+5 tokens, "
                                                  "then single-token decode of the rest" if with_text else "")
-                             + ("; " if with_text and with_images else "")
-                             + ("each image base cut before every boi and after every eoi, then single-token "
-                                "decode" if with_images else "")}]
+                             + ("; " if with_text and media_bases else "")
+                             + ("each image or audio base cut before every opening marker (boi, boa) and after "
+                                "every closing one, then single-token decode" if media_bases else "")}]
         if cross_check is not None:
             arrays = {b: np.asarray(ids, dtype=np.int64) for b, ids in bases.items()}
             extra = {"images": {b: ib.processed for b, ib in image_bases.items()}} if image_bases else {}
+            if audio_bases:
+                extra["audio"] = {b: ab.features for b, ab in audio_bases.items()}
             checks += _cross_entries(cross_check(Path(src), arrays, logits, **extra), "cross_check")
             step("cross check")
 
         spans = {b: ib.spans for b, ib in image_bases.items()}
+        audio_spans = {b: ab.spans for b, ab in audio_bases.items()}
         matrix = (generate_cases(name, cfg, bases) if with_text else []) + \
-            (generate_image_cases(name, cfg, bases, spans) if with_images else [])
+            (generate_image_cases(name, cfg, bases, spans) if with_images else []) + \
+            (generate_image_cases(name, cfg, bases, audio_spans, kind="audio") if with_audio else [])
         cases = [annotate(c, logits, margins or None) for c in matrix]
 
         tensors: dict[str, np.ndarray] = {}
@@ -695,6 +866,14 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
                 tensors[f"image/{b}/{j}/pixel_values"] = pr.pixel_values
                 tensors[f"image/{b}/{j}/positions"] = np.asarray(pr.positions, dtype=np.int64)
                 tensors[f"image/{b}/{j}/soft_tokens"] = st
+        for b, ab in audio_bases.items():
+            tensors[f"base/{b}/embeddings"] = np.asarray(ab.inputs.embeddings, dtype=np.float64)
+            tensors[f"base/{b}/audio"] = np.asarray(ab.spans, dtype=np.int64)
+            for j, (wave, f, st) in enumerate(zip(ab.waveforms, ab.features, ab.soft)):
+                tensors[f"audio/{b}/{j}/waveform"] = np.asarray(wave, dtype=np.float64)
+                tensors[f"audio/{b}/{j}/features"] = np.asarray(f.features, dtype=np.float64)
+                tensors[f"audio/{b}/{j}/mask"] = np.asarray(f.mask, dtype=np.uint8)
+                tensors[f"audio/{b}/{j}/soft_tokens"] = st
         from refimpl.safetensors_io import write_safetensors
 
         write_safetensors(staged / EXPECTED, tensors, "F64", metadata={"schema": SCHEMA, "name": name})
@@ -718,6 +897,7 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
                        "num_hidden_layers": cfg.num_hidden_layers, "sliding_window": cfg.sliding_window},
             "bases": base_info,
             **({"images": vision.manifest(cfg.use_bidirectional_attention == "vision")} if vision else {}),
+            **({"audio": audio_side.manifest()} if audio_side else {}),
             "cases": len(cases),
             "files": {f: sha256_file(staged / f) for f in SET_FILES},
         }
@@ -784,17 +964,36 @@ class FixtureSet:
         """Image base id -> its image blocks [(first position, soft tokens), ...]; empty for text sets."""
         return {b: [(int(a), int(n)) for a, n in np.asarray(x)] for b, x in self._by_base("images").items()}
 
+    def audio_blocks(self) -> dict[str, list[tuple[int, int]]]:
+        """Audio base id -> its audio blocks [(first position, soft tokens), ...]."""
+        return {b: [(int(a), int(n)) for a, n in np.asarray(x)] for b, x in self._by_base("audio").items()}
+
     def media(self, convention: str = "scaled") -> dict[str, BaseMedia]:
-        """Image base id -> ``BaseMedia``: the stored merged embeddings in ``convention`` ("scaled" as
-        stored; "raw" divided by the exact sqrt(H), so a backend's own sqrt(H) restores the text rows and
-        leaves the soft tokens as they were) and the image blocks."""
+        """Image/audio base id -> ``BaseMedia``: the stored merged embeddings in ``convention`` ("scaled"
+        as stored; "raw" divided by the exact sqrt(H), so a backend's own sqrt(H) restores the text rows
+        and leaves the soft tokens as they were), the image and audio blocks, and each audio block's
+        features and mask."""
+        from .backend import AudioInput
+
         out = {}
-        blocks = self.image_blocks()
+        blocks, audio = self.image_blocks(), self.audio_blocks()
         for b, x in self._by_base("embeddings").items():
             x = np.asarray(x, dtype=np.float64)
             if convention == "raw":
                 x = x / math.sqrt(x.shape[1])
-            out[b] = BaseMedia(embeddings=x, images=tuple(blocks.get(b, ())))
+            clips = tuple(AudioInput(np.asarray(c["features"], dtype=np.float64), np.asarray(c["mask"]).astype(bool))
+                          for c in self.audio_inputs(b))
+            out[b] = BaseMedia(embeddings=x, images=tuple(blocks.get(b, ())), audio=tuple(audio.get(b, ())),
+                               audio_inputs=clips)
+        return out
+
+    def audio_inputs(self, base: str) -> list[dict[str, np.ndarray]]:
+        """The stored clips of an audio base, in prompt order: dicts with waveform, features, mask and
+        soft_tokens."""
+        store, out = self._store(), []
+        while f"audio/{base}/{len(out)}/waveform" in store:
+            j = len(out)
+            out.append({leaf: store[f"audio/{base}/{j}/{leaf}"] for leaf in AUDIO_LEAVES})
         return out
 
     def image_inputs(self, base: str) -> list[dict[str, np.ndarray]]:
@@ -923,8 +1122,41 @@ def _check_manifest(m: Any, where: str) -> list[str]:
     return out
 
 
+def _check_audio_tensors(infos: Mapping[str, Any], b: str, N: int, where: str) -> list[str]:
+    """Shapes and dtypes of an audio base's tensors."""
+    emb, au = infos.get(f"base/{b}/embeddings"), infos[f"base/{b}/audio"]
+    out = []
+    if emb is None or emb.dtype != "F64" or len(emb.shape) != 2 or emb.shape[0] != N:
+        out.append(f"{where}: audio base {b} needs base/{b}/embeddings as F64 [{N}, H]")
+    if au.dtype != "I64" or len(au.shape) != 2 or au.shape[1] != 2 or au.shape[0] < 1:
+        return out + [f"{where}: base/{b}/audio must be I64 [n, 2] (first position, soft tokens), got {au.dtype} "
+                      f"{list(au.shape)}"]
+    n_clips = 0
+    while f"audio/{b}/{n_clips}/waveform" in infos:
+        n_clips += 1
+    if n_clips != au.shape[0]:
+        out.append(f"{where}: base {b} has {au.shape[0]} audio blocks but {n_clips} stored clips")
+    for j in range(n_clips):
+        p = f"audio/{b}/{j}/"
+        got = {leaf: infos.get(p + leaf) for leaf in AUDIO_LEAVES}
+        missing = [leaf for leaf, info in got.items() if info is None]
+        if missing:
+            out.append(f"{where}: {p}{missing[0]} is missing")
+            continue
+        wave, feats, mask, st = (got[leaf] for leaf in AUDIO_LEAVES)
+        if wave.dtype != "F64" or len(wave.shape) != 1:
+            out.append(f"{where}: {p}waveform must be F64 [n]")
+        if feats.dtype != "F64" or len(feats.shape) != 2 or mask.dtype != "U8" or mask.shape != feats.shape[:1]:
+            out.append(f"{where}: {p}features must be F64 [T, F] and {p}mask U8 [T]")
+        if st.dtype != "F64" or len(st.shape) != 2 or (emb is not None and st.shape[1] != emb.shape[-1]):
+            out.append(f"{where}: {p}soft_tokens must be F64 [M, H]")
+    return out
+
+
 def _check_image_tensors(infos: Mapping[str, Any], b: str, N: int, where: str) -> list[str]:
     """Shapes and dtypes of an image base's tensors (none of them for a text base)."""
+    if f"base/{b}/audio" in infos:
+        return _check_audio_tensors(infos, b, N, where)
     emb, im = infos.get(f"base/{b}/embeddings"), infos.get(f"base/{b}/images")
     n_images = 0
     while f"image/{b}/{n_images}/pixels" in infos:
@@ -959,23 +1191,26 @@ def _check_image_tensors(infos: Mapping[str, Any], b: str, N: int, where: str) -
 
 
 def _check_image_blocks(fs: "FixtureSet", blocks: Mapping[str, list[tuple[int, int]]],
-                        tokens: Mapping[str, np.ndarray], manifest: dict, where: str) -> list[str]:
-    """Each image block lies in its base, holds only the manifest's image token, and has as many rows
-    as its stored soft tokens."""
+                        tokens: Mapping[str, np.ndarray], manifest: dict, where: str,
+                        what: str = "image") -> list[str]:
+    """Each image (audio) block lies in its base, holds only the manifest's image (audio) token, and has
+    as many rows as its stored soft tokens."""
     out = []
-    image_token = ((manifest.get("images") or {}).get("token_ids") or {}).get("image_token_id")
-    if blocks and not isinstance(image_token, int):
-        return [f"{where}: the set has image bases but the manifest records no images.token_ids.image_token_id"]
+    section, key = ("images", "image_token_id") if what == "image" else ("audio", "audio_token_id")
+    token = ((manifest.get(section) or {}).get("token_ids") or {}).get(key)
+    if blocks and not isinstance(token, int):
+        return [f"{where}: the set has {what} bases but the manifest records no {section}.token_ids.{key}"]
     for b, spans in blocks.items():
-        ids, stored = tokens[b], fs.image_inputs(b)
+        ids = tokens[b]
+        stored = fs.image_inputs(b) if what == "image" else fs.audio_inputs(b)
         for j, (a, n) in enumerate(spans):
             if n < 1 or a < 1 or a + n >= len(ids):
-                out.append(f"{where}: base {b} image block {j} ({a}, {n}) does not lie inside its {len(ids)} tokens")
-            elif not np.all(ids[a:a + n] == image_token):
-                out.append(f"{where}: base {b} image block {j} ({a}, {n}) holds tokens other than the image token "
-                           f"{image_token}")
+                out.append(f"{where}: base {b} {what} block {j} ({a}, {n}) does not lie inside its {len(ids)} tokens")
+            elif not np.all(ids[a:a + n] == token):
+                out.append(f"{where}: base {b} {what} block {j} ({a}, {n}) holds tokens other than the {what} token "
+                           f"{token}")
             elif j < len(stored) and stored[j]["soft_tokens"].shape[0] != n:
-                out.append(f"{where}: base {b} image block {j} has {n} tokens but its image "
+                out.append(f"{where}: base {b} {what} block {j} has {n} tokens but its {what} "
                            f"{stored[j]['soft_tokens'].shape[0]} soft tokens")
     return out
 
@@ -1024,7 +1259,7 @@ def _verify(path: Path) -> tuple[list[str], FixtureSet | None]:
     seen: dict[str, set] = {}
     for n, info in infos.items():
         parts = n.split("/")
-        if len(parts) == 4 and parts[0] == "image" and parts[2].isdigit() and parts[3] in IMAGE_LEAVES:
+        if len(parts) == 4 and parts[2].isdigit() and (parts[0], parts[3]) in MEDIA_LEAVES:
             continue  # checked with its base below
         if len(parts) != 3 or parts[0] != "base" or parts[2] not in BASE_LEAVES:
             problems.append(f"{epath}: unexpected tensor '{n}'")
@@ -1068,6 +1303,9 @@ def _verify(path: Path) -> tuple[list[str], FixtureSet | None]:
                 problems.append(f"{epath}: base/{b}/tokens holds ids outside the vocabulary [0, {vocab})")
         blocks = fs.image_blocks()
         problems += _check_image_blocks(fs, blocks, tokens, manifest, str(epath))
+        audio_blocks = fs.audio_blocks()
+        problems += _check_image_blocks(fs, audio_blocks, tokens, manifest, str(epath), "audio")
+        blocks = {**blocks, **audio_blocks}
         for b, a in fs.base_logits().items():
             if not np.all(np.isfinite(a)):
                 problems.append(f"{epath}: base/{b}/logits holds non-finite values")
@@ -1133,11 +1371,12 @@ def verify_set(path: str | Path, *, recompute: bool = False, workdir: str | Path
         stored = fs.base_logits()
         fresh: dict[str, np.ndarray] = {}
         margins: dict[str, np.ndarray] = {}
-        blocks = fs.image_blocks()
+        blocks, audio_blocks = fs.image_blocks(), fs.audio_blocks()
         for b, ids in fs.bases().items():
             inputs = None
-            if b in blocks:
-                inputs, chain = _recompute_image_inputs(model, fs, b, model_dir)
+            if b in blocks or b in audio_blocks:
+                recompute = _recompute_image_inputs if b in blocks else _recompute_audio_inputs
+                inputs, chain = recompute(model, fs, b, model_dir)
                 problems += [f"{Path(path) / EXPECTED}: base {b}: {msg}" for msg in chain]
             fresh[b], m = _base_logits(model, [int(t) for t in ids], inputs)
             if m is not None:
@@ -1173,6 +1412,29 @@ def _recompute_image_inputs(model, fs: FixtureSet, b: str, model_dir: Path) -> t
                             f"{float(np.max(np.abs(st - img['soft_tokens']))):.3g} (bound {RECOMPUTE_BOUND})")
         soft.append(st)
     inputs = multimodal_inputs(model, fs.bases()[b], soft, vision.tokens)
+    stored = fs.media()[b].embeddings
+    if inputs.embeddings.shape != stored.shape or float(np.max(np.abs(inputs.embeddings - stored))) > RECOMPUTE_BOUND:
+        problems.append("the merged input embeddings differ from the stored ones")
+    return inputs, problems
+
+
+def _recompute_audio_inputs(model, fs: FixtureSet, b: str, model_dir: Path) -> tuple[Any, list[str]]:
+    """The oracle's inputs for audio base ``b`` recomputed from its stored waveforms (features, audio
+    tower, merge), and every step that differs from what the set stores."""
+    from refimpl.multimodal import multimodal_inputs
+
+    audio = _Audio(model_dir)
+    problems, soft = [], []
+    for j, clip in enumerate(fs.audio_inputs(b)):
+        feats, st = audio.soft_tokens(np.asarray(clip["waveform"], dtype=np.float64), audio.settings.sampling_rate)
+        if feats.features.shape != clip["features"].shape or \
+                float(np.max(np.abs(feats.features - clip["features"]))) > RECOMPUTE_BOUND or \
+                not np.array_equal(feats.mask, np.asarray(clip["mask"]).astype(bool)):
+            problems.append(f"audio {j}: feature extraction of the stored waveform no longer gives the stored features")
+        elif st.shape != clip["soft_tokens"].shape or float(np.max(np.abs(st - clip["soft_tokens"]))) > RECOMPUTE_BOUND:
+            problems.append(f"audio {j}: the audio tower now gives other soft tokens (bound {RECOMPUTE_BOUND})")
+        soft.append(st)
+    inputs = multimodal_inputs(model, fs.bases()[b], [], audio.tokens, audio_soft_tokens=soft)
     stored = fs.media()[b].embeddings
     if inputs.embeddings.shape != stored.shape or float(np.max(np.abs(inputs.embeddings - stored))) > RECOMPUTE_BOUND:
         problems.append("the merged input embeddings differ from the stored ones")

@@ -8,8 +8,15 @@ The bugs are those of ``conformance-semantics.md`` section 3 (B1-B12) and the tr
 ``fp32`` profile; ``expected_checks`` names the grading checks that count as catching it for the right
 reason (None: any failing check). ``kill_sets`` names the bundled sets that can kill a mutant when only
 some can (the image mutants: only the image sets hold image prompts, and the vision-block mutants need
-a ``use_bidirectional_attention == "vision"`` checkpoint); empty: every mutant is killed on
-``all-features``.
+a ``use_bidirectional_attention == "vision"`` checkpoint; the audio mutants: only ``e2b-audio-mini``
+holds audio prompts, and its audio cases run the engine's own audio tower); empty: every mutant is
+killed on ``all-features``.
+
+The audio mutants (``gemma4-multimodal-spec.md`` section 9, traps 22-24) override the audio hooks of
+``Engine``: ``audio_context`` (the local attention's chunk context), ``audio_logit_cap``,
+``audio_soft_tokens`` and ``ple_ids``. A chunk size off by one (W + 1) is not among them: on the
+miniature tower (W = 4, 4 past keys) it is an equivalent mutant, since the mask is a distance rule
+and the relative-position rows stay the distances while ``(W + L + R) // 2 == L`` (measured: 2e-15).
 
 Run one by hand (every mutant backend is a module-level class, listed in ``BACKENDS``):
 
@@ -34,8 +41,8 @@ from conformance.backends.numpy_engine import (
 )
 from refimpl.model import apply_rope, linear, rms_norm, rope_cos_sin, softmax
 
-__all__ = ["BACKENDS", "CLOSENESS", "EQUIVALENT", "IMAGE_SET_BIDIRECTIONAL", "IMAGE_SET_PLE", "MUTANTS", "Mutant",
-           "mutant"]
+__all__ = ["AUDIO_SET", "BACKENDS", "CLOSENESS", "EQUIVALENT", "IMAGE_SETS", "IMAGE_SET_BIDIRECTIONAL", "IMAGE_SET_PLE",
+           "MUTANTS", "Mutant", "mutant"]
 
 CLOSENESS = frozenset({"max_abs", "max_rel", "nmse", "cosine", "kl", "kl_mean", "delta_p"})
 IDENTITY = frozenset({"identity"})
@@ -308,6 +315,61 @@ class VisionBlocksMissing(NumpyEngineBackend):
 
 
 # ----------------------------------------------------------------------------------------------
+# audio prompts: the engine's own audio tower and the audio rows of the decoder
+# (gemma4-multimodal-spec.md section 9 and its traps 22-24; text-spec trap 17 for the PLE row)
+
+
+class _AudioChunkingWrongEngine(Engine):
+    def audio_context(self) -> tuple[int, int]:
+        past, future = super().audio_context()
+        return past + 1, future  # context_left past keys in each chunk's context, all of them admitted
+
+
+class AudioChunkingWrong(NumpyEngineBackend):
+    """Audio tower: the local attention admits attention_context_left keys (self + context_left - 1 past), one too many (trap 24)."""
+
+    name = "mutant/audio-chunking-wrong"
+    engine_class = _AudioChunkingWrongEngine
+
+
+class _AudioLogitCapMissingEngine(Engine):
+    def audio_logit_cap(self) -> float | None:
+        return None
+
+
+class AudioLogitCapMissing(NumpyEngineBackend):
+    """Audio tower: the local attention's logit soft cap (attention_logit_cap) is not applied."""
+
+    name = "mutant/audio-logit-cap-missing"
+    engine_class = _AudioLogitCapMissingEngine
+
+
+class _AudioSoftTokensScaledEngine(Engine):
+    def audio_soft_tokens(self, features: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        return super().audio_soft_tokens(features, mask) * self.dtype.type(self.model.embed_scale)
+
+
+class AudioSoftTokensScaled(NumpyEngineBackend):
+    """Audio prompts: the audio soft tokens are multiplied by sqrt(H) as if they were token embeddings."""
+
+    name = "mutant/audio-soft-tokens-scaled"
+    engine_class = _AudioSoftTokensScaledEngine
+
+
+class _AudioPlePlaceholderRowEngine(Engine):
+    def ple_ids(self, mb: MicroBatch) -> np.ndarray:
+        pad = self.cfg.pad_token_id if self.cfg.pad_token_id is not None else 0
+        return np.where(mb.image, pad, mb.ids)  # the pad row at image positions only: audio keep their own row
+
+
+class AudioPlePlaceholderRow(NumpyEngineBackend):
+    """Audio prompts: per-layer inputs at audio positions take the audio token's own table row, not the pad row."""
+
+    name = "mutant/audio-ple-placeholder-row"
+    engine_class = _AudioPlePlaceholderRowEngine
+
+
+# ----------------------------------------------------------------------------------------------
 # the spec's traps (gemma4-text-spec.md section 12)
 
 
@@ -486,6 +548,9 @@ def _m(cls: type, bug_class: str, expected: frozenset[str] | None = None, kill_s
 #: the bundled image sets: PLE with image tokens causal (E-series), and bidirectional vision blocks (31B)
 IMAGE_SET_PLE = "e2b-vision-mini"
 IMAGE_SET_BIDIRECTIONAL = "31b-vision-mini"
+IMAGE_SETS = (IMAGE_SET_PLE, IMAGE_SET_BIDIRECTIONAL)
+#: the bundled audio set: E2B miniature with PLE and a tiny audio tower (audio bases S0, S1)
+AUDIO_SET = "e2b-audio-mini"
 
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -517,6 +582,10 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(PlePlaceholderRow, "trap 17", kill_sets=(IMAGE_SET_PLE,)),
     _m(VisionBlocksOnFullLayers, "trap 17", kill_sets=(IMAGE_SET_BIDIRECTIONAL,)),
     _m(VisionBlocksMissing, "trap 17", kill_sets=(IMAGE_SET_BIDIRECTIONAL,)),
+    _m(AudioChunkingWrong, "mm trap 24", kill_sets=(AUDIO_SET,)),
+    _m(AudioLogitCapMissing, "mm §9", kill_sets=(AUDIO_SET,)),
+    _m(AudioSoftTokensScaled, "B10", kill_sets=(AUDIO_SET,)),
+    _m(AudioPlePlaceholderRow, "trap 17", kill_sets=(AUDIO_SET,)),
 )
 
 BACKENDS: dict[str, type] = {m.name: m.backend_class for m in MUTANTS}

@@ -23,7 +23,8 @@ a looser profile gives up.
 The mutants are duck-typed: anything with ``name``, ``breaks``, ``bug_class``, ``expected_checks``
 and ``backend()`` (a fresh, unopened backend) will do. An optional ``kill_sets`` (names of fixture sets)
 says that only those sets can kill the mutant (the image mutants: only the image sets hold image
-prompts); it changes no verdict, but a survivor none of whose kill sets had a case selected is told so.
+prompts; the audio mutants: only ``e2b-audio-mini`` holds audio prompts); it changes no verdict, but a
+survivor none of whose kill sets had a case selected is told so.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """``refimpl``: the oracle's command line (synth, inspect, logits, generate; logits and generate take
-images with ``--image``).
+images with ``--image`` and 16 kHz WAV audio clips with ``--audio``).
 
 Bad input prints one ``error:`` line and exits 2; no traceback.
 """
@@ -14,14 +14,17 @@ from pathlib import Path
 
 import numpy as np
 
+from .audio import audio_tower, load_audio_tower
+from .audio_features import (RESAMPLE_HINT, audio_features, audio_soft_token_count, load_audio_feature_settings,
+                             read_wav)
 from .config import load_config
 from .errors import InputError, RefimplError, TokenizerError
 from .generate import greedy_generate, greedy_generate_multimodal
 from .image import (SUPPORTED_SOFT_TOKENS, check_soft_token_budget, load_image_processor_settings,
                     preprocess_image, read_image)
 from .model import Gemma4, resolve_rows
-from .multimodal import (MultimodalTokens, expand_image_placeholders, image_spans, load_multimodal_tokens,
-                         multimodal_logits)
+from .multimodal import (MultimodalTokens, audio_spans, expand_audio_placeholders, expand_image_placeholders,
+                         image_spans, load_multimodal_tokens, multimodal_logits)
 from .safetensors_io import write_safetensors
 from .synth import PRESETS, write_checkpoint
 from .tokenizer import Tokenizer
@@ -46,30 +49,39 @@ def _parse_ints(text: str, what: str) -> list[int]:
 
 
 def _prompt_ids(args, model_dir: Path, images: int = 0, mm: MultimodalTokens | None = None,
-                bos: int | None = None) -> tuple[list[int], Tokenizer | None]:
+                bos: int | None = None, clips: int = 0) -> tuple[list[int], Tokenizer | None]:
     """The prompt's ids. With ``images`` > 0 and no image placeholder in the prompt, one placeholder per
     image is put in front of the text: after <bos> (for --tokens, when the ids start with it), or at the
-    start of the user turn's content with --chat, as the Gemma 4 chat template places image items."""
+    start of the user turn's content with --chat, as the Gemma 4 chat template places image items.
+    Audio clips (``clips`` > 0) follow the same rule with the audio placeholder; when both kinds go in
+    front, the images come first, then the clips (the chat template's order of image and audio items)."""
     tok = Tokenizer.from_dir(model_dir)
     if args.tokens is not None:
         if args.chat:
             raise InputError("--chat applies to --prompt, not to --tokens")
         ids = _parse_ints(args.tokens, "--tokens")
+        front = []
         if images and mm.image_token_id not in ids:
+            front += [mm.image_token_id] * images
+        if clips and mm.audio_token_id not in ids:
+            front += [mm.audio_token_id] * clips
+        if front:
             at = 1 if ids[0] == bos else 0
-            ids = ids[:at] + [mm.image_token_id] * images + ids[at:]
+            ids = ids[:at] + front + ids[at:]
         return ids, tok
     if tok is None:
         raise TokenizerError(f"{model_dir} has no tokenizer.model; pass token ids with --tokens instead of --prompt")
     text = args.prompt
-    if images:
-        text = _image_prompt_text(tok, text, images, mm)
+    kinds = [] if mm is None else [k for k in (
+        (images, "image", mm.image_token_id, mm.boi_token_id, mm.eoi_token_id),
+        (clips, "audio", mm.audio_token_id, mm.boa_token_id, mm.eoa_token_id)) if k[0]]
+    text = "".join(_placeholders_in_front(tok, text, *k) for k in kinds) + text
     ids = tok.encode_chat([{"role": "user", "content": text}]) if args.chat else tok.encode(text)
-    if images:
-        placeholder = tok.piece(mm.image_token_id)
-        if ids.count(mm.image_token_id) != text.count(placeholder):
+    for n, what, token, _, _ in kinds:
+        placeholder = tok.piece(token)
+        if ids.count(token) != text.count(placeholder):
             raise TokenizerError(
-                f"the tokenizer does not encode {placeholder!r} as the single image token {mm.image_token_id}; "
+                f"the tokenizer does not encode {placeholder!r} as the single {what} token {token}; "
                 "pass the token ids with --tokens instead of --prompt"
             )
     return ids, tok
@@ -77,15 +89,18 @@ def _prompt_ids(args, model_dir: Path, images: int = 0, mm: MultimodalTokens | N
 
 _MARKERS_GIVEN = ("the prompt already holds begin/end-of-image markers ({boi} / {eoi}); write one bare {image} "
                   "where each image goes and refimpl expands it to {boi} + {image} x M + {eoi}")
+_AUDIO_MARKERS_GIVEN = ("the prompt already holds begin/end-of-audio markers ({boi} / {eoi}); write one bare {image} "
+                        "where each clip goes and refimpl expands it to {boi} + {image} x M + {eoi}")
 
 
-def _image_prompt_text(tok: Tokenizer, text: str, images: int, mm: MultimodalTokens) -> str:
-    """--prompt text with the images' placeholders: refuses begin/end-of-image markers; adds one
-    placeholder per image in front when the text has none."""
-    boi, eoi, placeholder = (tok.piece(i) for i in (mm.boi_token_id, mm.eoi_token_id, mm.image_token_id))
-    if boi in text or eoi in text:
-        raise InputError(_MARKERS_GIVEN.format(boi=boi, eoi=eoi, image=placeholder))
-    return text if placeholder in text else placeholder * images + text
+def _placeholders_in_front(tok: Tokenizer, text: str, n: int, what: str, token: int, begin: int, end: int) -> str:
+    """What goes in front of the --prompt text for ``n`` images / clips: refuses begin/end markers; one
+    placeholder per item when the text has none, else nothing."""
+    b, e, placeholder = (tok.piece(i) for i in (begin, end, token))
+    if b in text or e in text:
+        raise InputError((_MARKERS_GIVEN if what == "image" else _AUDIO_MARKERS_GIVEN).format(
+            boi=b, eoi=e, image=placeholder))
+    return "" if placeholder in text else placeholder * n
 
 
 def _piece(tok: Tokenizer | None, i: int) -> str:
@@ -94,23 +109,34 @@ def _piece(tok: Tokenizer | None, i: int) -> str:
 
 @dataclass
 class ImagePrompt:
-    """A prompt with its images: ``ids`` expanded (``boi + image_token x M_i + eoi`` per image)."""
+    """A prompt with its images and audio clips: ``ids`` expanded (``boi + image_token x M_i + eoi`` per
+    image, ``boa + audio_token x A_j + eoa`` per clip)."""
 
     ids: list[int]
     tok: Tokenizer | None
     tokens: MultimodalTokens
     processed: list = field(default_factory=list)  # refimpl.image.ProcessedImage per image
     info: list[dict] = field(default_factory=list)  # per image: file, size, resized, soft_tokens, rows
+    audio: list = field(default_factory=list)  # refimpl.audio_features.AudioFeatures per clip
+    audio_info: list[dict] = field(default_factory=list)  # per clip: file, duration_s, frames, valid_frames,
+    #                                                       soft_tokens, rows
 
     @property
     def summary(self) -> str:
-        n = len(self.info)
-        return f"{sum(i['soft_tokens'] for i in self.info)} soft tokens of {n} image{'s' if n > 1 else ''}"
+        parts = []
+        for items, noun in ((self.info, "image"), (self.audio_info, "audio clip")):
+            n = len(items)
+            if n:
+                parts.append(f"{sum(i['soft_tokens'] for i in items)} soft tokens of {n} {noun}{'s' if n > 1 else ''}")
+        return ", ".join(parts)
 
     def lines(self) -> list[str]:
         return [f"  image {n} {i['file']}: {i['size'][0]}x{i['size'][1]} (HxW) resized to {i['resized'][0]}x"
                 f"{i['resized'][1]}, {i['soft_tokens']} soft tokens at rows {i['rows'][0]}-{i['rows'][1]}"
-                for n, i in enumerate(self.info)]
+                for n, i in enumerate(self.info)] + [
+                f"  audio {n} {i['file']}: {i['duration_s']:.3f} s, {i['frames']} mel frames ({i['valid_frames']} "
+                f"valid), {i['soft_tokens']} soft tokens at rows {i['rows'][0]}-{i['rows'][1]}"
+                for n, i in enumerate(self.audio_info)]
 
 
 def _vision_config(model_dir: Path):
@@ -125,43 +151,108 @@ def _vision_config(model_dir: Path):
     return load_vision_config(model_dir)
 
 
+def _audio_config_present(model_dir: Path) -> None:
+    """A clear InputError when the checkpoint has no audio tower at all."""
+    try:
+        raw = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return  # let load_audio_tower report it
+    if isinstance(raw, dict) and raw.get("audio_config") is None:
+        raise InputError(f"{model_dir} has no audio tower (config.json has no audio_config); --audio needs an "
+                         "audio-text checkpoint (Gemma4ForConditionalGeneration with its audio weights)")
+
+
+def _check_markers(ids: list[int], tok: Tokenizer | None, mm: MultimodalTokens) -> None:
+    """Begin/end markers in the (token-id) prompt are refused; so are video placeholders."""
+    names = (lambda i: tok.piece(i) if tok is not None else str(i))
+    for template, begin, end, token in ((_MARKERS_GIVEN, mm.boi_token_id, mm.eoi_token_id, mm.image_token_id),
+                                        (_AUDIO_MARKERS_GIVEN, mm.boa_token_id, mm.eoa_token_id, mm.audio_token_id)):
+        if begin in ids or end in ids:
+            raise InputError(template.format(boi=names(begin), eoi=names(end), image=names(token)))
+    if mm.video_token_id in ids:
+        raise InputError("video placeholders are not supported yet (images and audio only)")
+
+
 def _image_prompt(args, model_dir: Path, model: Gemma4) -> ImagePrompt:
-    """Prompt ids expanded for ``args.image`` (placeholder rule of ``_prompt_ids``), the images read and
-    preprocessed as the checkpoint's processor does; the vision tower is not run yet."""
-    vision_cfg = _vision_config(model_dir)
+    """Prompt ids expanded for ``args.image`` and ``args.audio`` (placeholder rule of ``_prompt_ids``),
+    the images read and preprocessed as the checkpoint's processor does, the clips read and turned into
+    log-mel features with the checkpoint's feature-extractor settings; no tower is run yet."""
+    images, clips = list(args.image), list(args.audio)
+    vision_cfg = _vision_config(model_dir) if images else None
+    if clips:
+        _audio_config_present(model_dir)
     mm = load_multimodal_tokens(model_dir)
-    ids, tok = _prompt_ids(args, model_dir, len(args.image), mm, model.cfg.bos_token_id)
-    if mm.boi_token_id in ids or mm.eoi_token_id in ids:
-        names = (lambda i: tok.piece(i) if tok is not None else str(i))
-        raise InputError(_MARKERS_GIVEN.format(boi=names(mm.boi_token_id), eoi=names(mm.eoi_token_id),
-                                               image=names(mm.image_token_id)))
-    if mm.video_token_id in ids or mm.audio_token_id in ids:
-        raise InputError("video and audio placeholders are not supported yet (images only)")
-    expand_image_placeholders(ids, [1] * len(args.image), mm)  # placeholder count, before any image work
-    settings = load_image_processor_settings(model_dir, vision_cfg)
-    budget = check_soft_token_budget(args.max_soft_tokens if args.max_soft_tokens is not None
-                                     else settings.max_soft_tokens)
+    ids, tok = _prompt_ids(args, model_dir, len(images), mm, model.cfg.bos_token_id, len(clips))
+    _check_markers(ids, tok, mm)
+    # placeholder counts, before any image or audio work
+    expand_audio_placeholders(expand_image_placeholders(ids, [1] * len(images), mm), [1] * len(clips), mm)
     prompt = ImagePrompt(ids, tok, mm)
-    for path in args.image:
-        pixels = read_image(path)
-        pre = preprocess_image(pixels, settings.patch_size, settings.pooling_kernel_size, budget)
-        prompt.processed.append(pre)
-        prompt.info.append({"file": str(path), "size": list(pixels.shape[:2]), "resized": list(pre.pixels.shape[:2]),
-                            "soft_tokens": pre.num_soft_tokens})
-    prompt.ids = expand_image_placeholders(ids, [p.num_soft_tokens for p in prompt.processed], mm).tolist()
+    if images:
+        settings = load_image_processor_settings(model_dir, vision_cfg)
+        budget = check_soft_token_budget(args.max_soft_tokens if args.max_soft_tokens is not None
+                                         else settings.max_soft_tokens)
+        for path in images:
+            pixels = read_image(path)
+            pre = preprocess_image(pixels, settings.patch_size, settings.pooling_kernel_size, budget)
+            prompt.processed.append(pre)
+            prompt.info.append({"file": str(path), "size": list(pixels.shape[:2]),
+                                "resized": list(pre.pixels.shape[:2]), "soft_tokens": pre.num_soft_tokens})
+    if clips:
+        _read_clips(model_dir, clips, prompt)
+    expanded = expand_image_placeholders(ids, [p.num_soft_tokens for p in prompt.processed], mm)
+    prompt.ids = expand_audio_placeholders(expanded, [i["soft_tokens"] for i in prompt.audio_info], mm).tolist()
     for info, (start, length) in zip(prompt.info, image_spans(prompt.ids, mm)):
+        info["rows"] = [start, start + length - 1]
+    for info, (start, length) in zip(prompt.audio_info, audio_spans(prompt.ids, mm)):
         info["rows"] = [start, start + length - 1]
     return prompt
 
 
+def _read_clips(model_dir: Path, paths: list, prompt: ImagePrompt) -> None:
+    """Each --audio file: read_wav, the sample-rate check, audio_features with the checkpoint's settings."""
+    settings = load_audio_feature_settings(model_dir)
+    for path in paths:
+        samples, rate = read_wav(path)
+        if rate != settings.sampling_rate:
+            raise InputError(f"audio file {path} is sampled at {rate} Hz but the checkpoint's feature extractor needs "
+                             f"{settings.sampling_rate} Hz ({settings.sampling_rate / 1000:g} kHz); {RESAMPLE_HINT}")
+        feats = audio_features(samples, rate, settings)
+        count = audio_soft_token_count(feats.mask, settings.audio_seq_length)
+        if count == 0:
+            raise InputError(f"audio file {path} is too short ({len(samples)} samples): it gives no soft token; "
+                             "pass at least 40 ms of audio")
+        prompt.audio.append(feats)
+        prompt.audio_info.append({"file": str(path), "duration_s": len(samples) / rate,
+                                  "frames": int(feats.mask.size), "valid_frames": int(feats.mask.sum()),
+                                  "soft_tokens": count})
+
+
 def _soft_tokens(model_dir: Path, prompt: ImagePrompt, dtype: str) -> list[np.ndarray]:
+    if not prompt.processed:
+        return []
     weights, cfg = load_vision_tower(model_dir, dtype)
     return [vision_tower(p.pixel_values, p.positions, weights, cfg) for p in prompt.processed]
+
+
+def _audio_soft_tokens(model_dir: Path, prompt: ImagePrompt, dtype: str) -> list[np.ndarray]:
+    if not prompt.audio:
+        return []
+    weights, cfg = load_audio_tower(model_dir, dtype)
+    soft = [audio_tower(a.features, a.mask, weights, cfg) for a in prompt.audio]
+    for s, info in zip(soft, prompt.audio_info):
+        if s.shape[0] != info["soft_tokens"]:  # only past the processor's audio_seq_length cap
+            raise InputError(f"audio file {info['file']} gives {s.shape[0]} soft tokens, more than the processor's "
+                             f"cap of {info['soft_tokens']}; pass a shorter clip")
+    return soft
 
 
 def _check_image_args(args) -> None:
     if args.max_soft_tokens is not None and not args.image:
         raise InputError("--max-soft-tokens applies to --image")
+
+
+def _media(args) -> bool:
+    return bool(args.image or args.audio)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,7 +322,7 @@ def cmd_logits(args) -> int:
         raise InputError(f"--top-k must be at least 1, got {args.top_k}")
     _check_image_args(args)
     model_dir = Path(args.model)
-    if args.image:
+    if _media(args):
         model = Gemma4(model_dir, args.dtype, args.embed_scale)
         prompt = _image_prompt(args, model_dir, model)
         ids, tok = prompt.ids, prompt.tok
@@ -241,17 +332,21 @@ def cmd_logits(args) -> int:
     rows = args.rows if args.rows in ("last", "all") else _parse_ints(args.rows, "--rows")
     index = resolve_rows(rows, len(ids))
     metadata = {"model": str(model_dir), "dtype": str(model.dtype), "embed_scale": args.embed_scale}
-    if args.image:
+    if _media(args):
         soft = _soft_tokens(model_dir, prompt, args.dtype)
-        logits = multimodal_logits(model, ids, soft, prompt.tokens, rows=rows)
-        metadata["images"] = json.dumps(prompt.info)
+        audio = _audio_soft_tokens(model_dir, prompt, args.dtype)
+        logits = multimodal_logits(model, ids, soft, prompt.tokens, rows=rows, audio_soft_tokens=audio)
+        if args.image:
+            metadata["images"] = json.dumps(prompt.info)
+        if args.audio:
+            metadata["audio"] = json.dumps(prompt.audio_info)
     else:
         logits = model.forward(ids, rows=rows)
     write_safetensors(args.out, {"logits": logits, "rows": index, "tokens": np.asarray(ids)},
                       "F64" if model.dtype == np.float64 else "F32", metadata=metadata)
-    images = f" ({prompt.summary})" if args.image else ""
+    images = f" ({prompt.summary})" if _media(args) else ""
     print(f"{len(ids)} tokens{images}, {len(index)} rows of {logits.shape[1]} logits ({model.dtype}) -> {args.out}")
-    if args.image:
+    if _media(args):
         print("\n".join(prompt.lines()))
     for r, row in zip(index, logits):
         top = np.argsort(-row, kind="stable")[: args.top_k]
@@ -263,13 +358,14 @@ def cmd_logits(args) -> int:
 def cmd_generate(args) -> int:
     _check_image_args(args)
     model_dir = Path(args.model)
-    if args.image:
+    if _media(args):
         if args.max_new_tokens < 0:
             raise InputError(f"max_new_tokens must be >= 0, got {args.max_new_tokens}")
         model = Gemma4(model_dir, args.dtype, args.embed_scale)
         prompt = _image_prompt(args, model_dir, model)
         ids, tok = prompt.ids, prompt.tok
         soft = _soft_tokens(model_dir, prompt, args.dtype)
+        audio = _audio_soft_tokens(model_dir, prompt, args.dtype)
         print("\n".join(prompt.lines()), file=sys.stderr)
     else:
         ids, tok = _prompt_ids(args, model_dir)
@@ -292,14 +388,15 @@ def cmd_generate(args) -> int:
             shown = text
         sys.stdout.flush()
 
-    if args.image:
-        result = greedy_generate_multimodal(model, ids, soft, prompt.tokens, args.max_new_tokens, on_token=show)
+    if _media(args):
+        result = greedy_generate_multimodal(model, ids, soft, prompt.tokens, args.max_new_tokens, on_token=show,
+                                            audio_soft_tokens=audio)
     else:
         result = greedy_generate(model, ids, args.max_new_tokens, on_token=show)
     if tok is not None:
         sys.stdout.write(tok.decode(new_tokens)[len(shown):])
     print()
-    images = f" ({prompt.summary})" if args.image else ""
+    images = f" ({prompt.summary})" if _media(args) else ""
     print(f"[{len(ids)} prompt tokens{images}, {len(result.tokens)} new: {','.join(map(str, result.tokens))}; "
           f"{'stopped on a stop id' if result.stopped else 'reached --max-new-tokens'}]", file=sys.stderr)
     return 0
@@ -322,13 +419,17 @@ def _add_prompt(p: argparse.ArgumentParser) -> None:
                    help="an image (PNG, PPM/PGM; other formats through Pillow); repeat for more. Each goes where the "
                         "prompt has an <|image|> placeholder, in order; with no placeholder the images go in front "
                         "of the text (after <bos>; with --chat, at the start of the user turn)")
+    p.add_argument("--audio", action="append", default=[], metavar="FILE.wav",
+                   help="an audio clip (16 kHz WAV; other rates are refused, not resampled); repeat for more. Each "
+                        "goes where the prompt has an <|audio|> placeholder, in order; with no placeholder the clips "
+                        "go in front of the text (after the images when --image puts those in front too)")
     p.add_argument("--max-soft-tokens", type=int, choices=list(SUPPORTED_SOFT_TOKENS), default=None,
                    help="soft-token budget per image (default: the checkpoint's processor config, else 280)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="refimpl", description="Exact NumPy reference for Gemma 4 (text decoder, "
-                                     "image prompts).")
+                                     "image and audio prompts).")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("synth", help="write a synthetic checkpoint directory")

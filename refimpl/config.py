@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, InputError
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -440,6 +440,25 @@ def load_config(model_dir: str | Path) -> TextConfig:
     return parse_config(raw, str(path), extra_eos)
 
 
+def tower_section(raw: Any, key: str, embedder: str, missing: str, where: str) -> tuple[dict, int, str]:
+    """(the ``key`` section, e.g. ``vision_config``, of a Gemma4ForConditionalGeneration config.json; the
+    text hidden_size, the width of the tower's ``embedder`` projection; the section's name for
+    messages). ConfigError naming the problem; ``missing`` says why a checkpoint may lack the section."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a JSON object at the top level")
+    section = raw.get(key)
+    if section is None:
+        raise ConfigError(f"{where}: no '{key}'; this checkpoint has no {missing}")
+    if not isinstance(section, dict):
+        raise ConfigError(f"{where}: '{key}' must be an object")
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"{where}: 'text_config' must be an object holding the text hidden_size ({embedder}'s width)")
+    text_hidden = _positive(_get(text, "hidden_size", int, where=f"{where} text_config"), "hidden_size",
+                            f"{where} text_config")
+    return section, text_hidden, f"{where} {key}"
+
+
 def read_config_json(model_dir: str | Path) -> tuple[Path, Any]:
     """(path, parsed content) of a checkpoint directory's config.json; ConfigError naming the problem."""
     model_dir = Path(model_dir)
@@ -449,6 +468,20 @@ def read_config_json(model_dir: str | Path) -> tuple[Path, Any]:
     if not path.is_file():
         raise ConfigError(f"{path}: not found; a checkpoint directory must hold config.json")
     return path, read_json(path)
+
+
+def read_media_file(path: str | Path, what: str, kind: str) -> bytes:
+    """The bytes of a user-given media file; InputError for a missing path, a directory or a read error.
+    ``what``: "image" or "audio"; ``kind``: what to pass instead ("an image file", "a .wav file")."""
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"{what} file {path} does not exist; check the path")
+    if path.is_dir():
+        raise InputError(f"{what} path {path} is a directory; pass the path of {kind}")
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise InputError(f"{what} file {path} cannot be read ({e.strerror or e})") from None
 
 
 def read_json(path: Path) -> Any:

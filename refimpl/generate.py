@@ -1,4 +1,4 @@
-"""Greedy generation through the KV cache (text or image prompts), and teacher-forced scoring of a given
+"""Greedy generation through the KV cache (text, image or audio prompts), and teacher-forced scoring of a given
 continuation."""
 
 from __future__ import annotations
@@ -39,21 +39,24 @@ def greedy_generate(model: Gemma4, prompt: Sequence[int], max_new_tokens: int,
 def greedy_generate_multimodal(model: Gemma4, ids: Sequence[int] | np.ndarray, soft_tokens: Sequence[np.ndarray],
                                tokens: MultimodalTokens, max_new_tokens: int,
                                stop_ids: Sequence[int] | None = None,
-                               on_token: Callable[[int], None] | None = None) -> Generation:
-    """``greedy_generate`` after an image prompt.
+                               on_token: Callable[[int], None] | None = None, *,
+                               audio_soft_tokens: Sequence[np.ndarray] = ()) -> Generation:
+    """``greedy_generate`` after an image and/or audio prompt.
 
     ``ids`` is the expanded prompt (``boi + image_token x M_i + eoi`` for image i, e.g. from
     ``refimpl.multimodal.expand_image_placeholders``) and ``soft_tokens`` the [M_i, H] soft tokens of
     each image in prompt order (``refimpl.vision.vision_tower``). The whole prompt, images included, is
     prefilled in one cached call (an image block is never split: on bidirectional checkpoints its
     tokens see each other), built by ``multimodal_inputs`` (pad-row PLE, unscaled soft tokens, vision
-    block ids); the new tokens are then decoded as text through the cache. A generated placeholder id
-    (image, video or audio token) is fed back as ``pad_token_id``, as transformers' forward does with
-    any placeholder it gets no features for. Inputs are checked even when ``max_new_tokens`` is 0.
+    block ids); the new tokens are then decoded as text through the cache. Audio clips work the same
+    way: ``ids`` holds ``boa + audio_token x A_j + eoa`` for clip j and ``audio_soft_tokens`` their
+    [A_j, H] soft tokens in prompt order (``refimpl.audio.audio_tower``); they are causal. A generated
+    placeholder id (image, video or audio token) is fed back as ``pad_token_id``, as transformers'
+    forward does with any placeholder it gets no features for. Inputs are checked even when ``max_new_tokens`` is 0.
     """
     if max_new_tokens < 0:
         raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    m = multimodal_inputs(model, ids, soft_tokens, tokens)
+    m = multimodal_inputs(model, ids, soft_tokens, tokens, audio_soft_tokens=audio_soft_tokens)
     if max_new_tokens == 0:
         return Generation([], False, [])
     cache = KVCache()

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .config import read_json
+from .config import read_json, read_media_file
 from .errors import ConfigError, InputError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -76,14 +76,7 @@ NATIVE_HINT = "PNG and binary PPM/PGM (P6/P5) are read natively; `pip install pi
 def read_image(path: str | Path) -> np.ndarray:
     """The image at ``path`` as RGB uint8 [h, w, 3], transparency composited onto white."""
     path = Path(path)
-    if not path.exists():
-        raise InputError(f"image file {path} does not exist; check the path")
-    if path.is_dir():
-        raise InputError(f"image path {path} is a directory; pass the path of an image file")
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise InputError(f"image file {path} cannot be read ({e.strerror or e})") from None
+    data = read_media_file(path, "image", "an image file")
     if data.startswith(PNG_SIGNATURE):
         return rgba_to_rgb(decode_png(data, str(path)))
     if data[:2] in (b"P5", b"P6"):

@@ -1,20 +1,25 @@
-"""Image prompts: merging soft tokens into the text stream, per-layer inputs at image positions and the
-vision block ids of the decoder mask (gemma4-multimodal-spec.md sections 2, 5, 6, 7), one small pure
-function per step.
+"""Image and audio prompts: merging soft tokens into the text stream, per-layer inputs at image/audio
+positions and the vision block ids of the decoder mask (gemma4-multimodal-spec.md sections 2, 5, 6, 7,
+9), one small pure function per step.
 
-    ids  = text + boi + image_token x M_0 + eoi + text + boi + image_token x M_1 + eoi + ...
+    ids  = text + boi + image_token x M_0 + eoi + text + boa + audio_token x A_0 + eoa + ...
     llm_ids    = ids with every placeholder (image, video, audio token) replaced by pad_token_id
     x          = E[llm_ids] * sqrt(H)                      (text rows; scaled, exact)
     x[image]   = concat(soft tokens of image 0, 1, ...)   (NOT scaled by sqrt(H))
+    x[audio]   = concat(soft tokens of clip 0, 1, ...)    (NOT scaled by sqrt(H))
     PLE        = (table[llm_ids] * sqrt(P)  +  RMSNorm(x W_plmp^T H^-1/2)) / sqrt(2)
                  i.e. the pad row's token part and the context part of the MERGED embedding
-    blocks     = 0, 1, ... for each maximal run of image/video tokens, -1 elsewhere (boi/eoi are -1);
+                 (image and audio positions alike)
+    blocks     = 0, 1, ... for each maximal run of image/video tokens, -1 elsewhere (boi/eoi, boa/eoa and
+                 the audio tokens are -1: audio, token type 3, is always causal);
                  used only when use_bidirectional_attention == "vision": sliding layers then allow
                  (k > q - W) and (k <= q or same block); full layers stay causal
 
 ``Gemma4.forward(llm_ids, embeddings=x, vision_blocks=blocks)`` does the PLE and the mask; this module
-builds its three inputs (``multimodal_inputs``) and runs it (``multimodal_logits``). The soft tokens
-come from ``refimpl.vision.vision_tower`` (or anything else that yields [M_i, H] per image).
+builds its three inputs (``multimodal_inputs``) and runs it (``multimodal_logits``). The image soft
+tokens come from ``refimpl.vision.vision_tower``, the audio ones from ``refimpl.audio.audio_tower`` (one
+call per clip), or anything else that yields [M_i, H] per image / clip. Image i fills the i-th run of
+image tokens and clip j the j-th run of audio tokens; video placeholders are refused.
 """
 
 from __future__ import annotations
@@ -36,13 +41,16 @@ DEFAULT_TOKEN_IDS = dict(image_token_id=258880, boi_token_id=255999, eoi_token_i
 
 @dataclass(frozen=True)
 class MultimodalTokens:
-    """The placeholder ids of a Gemma4ForConditionalGeneration config.json (top level)."""
+    """The placeholder ids of a Gemma4ForConditionalGeneration config.json (top level). The end-of-audio
+    id is read from the key ``eoa_token_index`` (transformers' name; there is no ``eoa_token_id``)."""
 
     image_token_id: int
     boi_token_id: int
     eoi_token_id: int
     video_token_id: int
     audio_token_id: int
+    boa_token_id: int = DEFAULT_TOKEN_IDS["boa_token_id"]
+    eoa_token_id: int = DEFAULT_TOKEN_IDS["eoa_token_index"]
 
     @property
     def placeholders(self) -> tuple[int, int, int]:
@@ -53,11 +61,11 @@ def parse_multimodal_tokens(raw: dict, where: str = "config.json") -> Multimodal
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a JSON object at the top level")
     values = {}
-    for key in ("image_token_id", "boi_token_id", "eoi_token_id", "video_token_id", "audio_token_id"):
-        v = raw.get(key, DEFAULT_TOKEN_IDS[key])
+    for key, default in DEFAULT_TOKEN_IDS.items():
+        v = raw.get(key, default)
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ConfigError(f"{where}: '{key}' must be a non-negative integer token id, got {v!r}")
-        values[key] = v
+        values["eoa_token_id" if key == "eoa_token_index" else key] = v
     return MultimodalTokens(**values)
 
 
@@ -76,6 +84,18 @@ def vision_block_ids(is_vision: np.ndarray) -> np.ndarray:
     return np.where(is_vision, np.cumsum(starts) - 1, -1)
 
 
+def run_lengths(mask: np.ndarray) -> list[int]:
+    """[T] bool -> the lengths of its maximal runs of True, in order."""
+    blocks = vision_block_ids(np.asarray(mask, dtype=bool))
+    return [int(n) for n in np.bincount(blocks[blocks >= 0])] if (blocks >= 0).any() else []
+
+
+def vision_token_mask(ids: np.ndarray, tokens: MultimodalTokens) -> np.ndarray:
+    """[T] bool: the positions that can form a vision block (image and video tokens). Audio tokens never
+    do (token type 3; transformers' block ids look at types 1 and 2 only)."""
+    return (ids == tokens.image_token_id) | (ids == tokens.video_token_id)
+
+
 def llm_input_ids(ids: np.ndarray, placeholder: np.ndarray, pad_token_id: int) -> np.ndarray:
     """ids with every placeholder position replaced by the pad id (its embedding row is overwritten,
     its per-layer-embedding row is the pad row)."""
@@ -89,23 +109,51 @@ def merge_soft_tokens(x: np.ndarray, image_mask: np.ndarray, soft_tokens: np.nda
     return out
 
 
-def check_image_runs(ids: np.ndarray, tokens: MultimodalTokens, counts: Sequence[int]) -> None:
-    """Image i must fill exactly the i-th maximal run of image tokens (``boi + image x M_i + eoi``)."""
-    is_image = ids == tokens.image_token_id
-    blocks = vision_block_ids(is_image)
-    runs = [int(n) for n in np.bincount(blocks[blocks >= 0])] if is_image.any() else []
+def check_image_runs(ids: np.ndarray, tokens: MultimodalTokens, counts: Sequence[int],
+                     audio_counts: Sequence[int] = ()) -> None:
+    """Image i must fill exactly the i-th maximal run of image tokens (``boi + image x M_i + eoi``).
+    Video placeholders are refused; audio placeholders only pass with audio soft tokens
+    (``audio_counts``, checked by ``check_audio_runs``)."""
+    runs = run_lengths(ids == tokens.image_token_id)
     if runs != list(counts):
         raise InputError(
             f"the prompt's image-token runs have lengths {runs}, but the images have {list(counts)} soft tokens; "
             f"each image needs its own run boi + {tokens.image_token_id} x M + eoi with M its soft-token count"
         )
-    if (ids == tokens.video_token_id).any() or (ids == tokens.audio_token_id).any():
-        raise InputError("video and audio placeholders are not supported yet (images only)")
+    if (ids == tokens.video_token_id).any():
+        raise InputError(f"video placeholders ({tokens.video_token_id}) are not supported yet (images and audio only)")
+    n_audio = int(np.count_nonzero(ids == tokens.audio_token_id))
+    if n_audio and not len(audio_counts):
+        raise InputError(
+            f"the prompt holds {n_audio} audio placeholder(s) ({tokens.audio_token_id}) but no audio soft tokens "
+            "were given; pass audio_soft_tokens (one [M, H] array per clip, from refimpl.audio.audio_tower)"
+        )
+    if len(audio_counts):
+        check_audio_runs(ids, tokens, audio_counts)
+
+
+def check_audio_runs(ids: np.ndarray, tokens: MultimodalTokens, counts: Sequence[int]) -> None:
+    """Clip j must fill exactly the j-th maximal run of audio tokens (``boa + audio x A_j + eoa``)."""
+    runs = run_lengths(ids == tokens.audio_token_id)
+    if runs != list(counts):
+        raise InputError(
+            f"the prompt's audio-token runs have lengths {runs}, but the audio clips have {list(counts)} soft "
+            f"tokens; each clip needs its own run boa + {tokens.audio_token_id} x M + eoa with M its soft-token count"
+        )
+
+
+def check_soft_tokens(soft_tokens: Sequence[np.ndarray], H: int, what: str) -> list[np.ndarray]:
+    """Each entry as an array [M, H] with M >= 1 (InputError naming ``what`` i otherwise)."""
+    soft = [np.asarray(s) for s in soft_tokens]
+    for i, s in enumerate(soft):
+        if s.ndim != 2 or s.shape[1] != H or s.shape[0] == 0:
+            raise InputError(f"soft tokens of {what} {i} must be [M, {H}] (M >= 1), got {list(s.shape)}")
+    return soft
 
 
 @dataclass
 class MultimodalInputs:
-    """What ``Gemma4.forward`` takes for an image prompt."""
+    """What ``Gemma4.forward`` takes for an image / audio prompt."""
 
     ids: np.ndarray  # [T] llm ids: placeholders replaced by pad_token_id (select the PLE rows)
     embeddings: np.ndarray  # [T, H] E[ids] * sqrt(H) with the soft tokens scattered in
@@ -113,23 +161,23 @@ class MultimodalInputs:
 
 
 def multimodal_inputs(model: Gemma4, ids: Sequence[int] | np.ndarray, soft_tokens: Sequence[np.ndarray],
-                      tokens: MultimodalTokens) -> MultimodalInputs:
-    """Merge the soft tokens of each image ([M_i, H], in prompt order) into the prompt ``ids``."""
+                      tokens: MultimodalTokens, *, audio_soft_tokens: Sequence[np.ndarray] = ()) -> MultimodalInputs:
+    """Merge the soft tokens of each image ([M_i, H], in prompt order) and of each audio clip
+    (``audio_soft_tokens``, [A_j, H], in prompt order) into the prompt ``ids``."""
     ids = model.check_ids(ids)
     H = model.cfg.hidden_size
-    soft = [np.asarray(s) for s in soft_tokens]
-    for i, s in enumerate(soft):
-        if s.ndim != 2 or s.shape[1] != H or s.shape[0] == 0:
-            raise InputError(f"soft tokens of image {i} must be [M, {H}] (M >= 1), got {list(s.shape)}")
-    check_image_runs(ids, tokens, [s.shape[0] for s in soft])
+    soft = check_soft_tokens(soft_tokens, H, "image")
+    audio = check_soft_tokens(audio_soft_tokens, H, "audio clip")
+    check_image_runs(ids, tokens, [s.shape[0] for s in soft], [a.shape[0] for a in audio])
     pad = model.cfg.pad_token_id if model.cfg.pad_token_id is not None else 0
     placeholder = np.isin(ids, tokens.placeholders)
     llm_ids = llm_input_ids(ids, placeholder, pad)
     x = model.embed(llm_ids)
-    image_mask = ids == tokens.image_token_id
     if soft:
-        x = merge_soft_tokens(x, image_mask, np.concatenate(soft).astype(model.dtype))
-    vision = (ids == tokens.image_token_id) | (ids == tokens.video_token_id)
+        x = merge_soft_tokens(x, ids == tokens.image_token_id, np.concatenate(soft).astype(model.dtype))
+    if audio:
+        x = merge_soft_tokens(x, ids == tokens.audio_token_id, np.concatenate(audio).astype(model.dtype))
+    vision = vision_token_mask(ids, tokens)
     blocks = vision_block_ids(vision) if model.cfg.use_bidirectional_attention == "vision" else None
     return MultimodalInputs(llm_ids, x, blocks)
 
@@ -141,43 +189,72 @@ def expand_image_placeholders(ids: Sequence[int] | np.ndarray, counts: Sequence[
 
     ``ids`` must hold exactly ``len(counts)`` image tokens, none of them already inside a
     ``boi ... eoi`` run (InputError otherwise)."""
+    return _expand(ids, counts, tokens.image_token_id, tokens.boi_token_id, tokens.eoi_token_id, "image",
+                   "image", "image(s)", "<|image|>")
+
+
+def expand_audio_placeholders(ids: Sequence[int] | np.ndarray, counts: Sequence[int],
+                              tokens: MultimodalTokens) -> np.ndarray:
+    """What the processor does to a prompt with audio: each audio token of ``ids`` (one per clip, in
+    order) becomes ``boa + audio_token x A_j + eoa`` (multimodal spec 2).
+
+    ``ids`` must hold exactly ``len(counts)`` audio tokens and no begin/end-of-audio token (InputError
+    otherwise). Image placeholders are left alone (expand them with ``expand_image_placeholders``)."""
+    return _expand(ids, counts, tokens.audio_token_id, tokens.boa_token_id, tokens.eoa_token_id, "audio",
+                   "clip", "audio clip(s)", "<|audio|>")
+
+
+def _expand(ids, counts: Sequence[int], placeholder: int, begin: int, end: int, what: str, item: str,
+            items: str, piece: str) -> np.ndarray:
+    """Each ``placeholder`` of ``ids`` (one per item, in order) -> ``begin + placeholder x count + end``."""
     ids = np.asarray(ids, dtype=np.int64)
-    at = np.flatnonzero(ids == tokens.image_token_id)
+    at = np.flatnonzero(ids == placeholder)
     if at.size != len(counts):
         raise InputError(
-            f"the prompt holds {at.size} image placeholder(s) ({tokens.image_token_id}, the <|image|> token) but "
-            f"{len(counts)} image(s) were given; put one placeholder where each image goes, in order"
+            f"the prompt holds {at.size} {what} placeholder(s) ({placeholder}, the {piece} token) but "
+            f"{len(counts)} {items} were given; put one placeholder where each {item} goes, in order"
         )
-    if np.isin(ids, (tokens.boi_token_id, tokens.eoi_token_id)).any():
-        raise InputError("the prompt already holds begin/end-of-image tokens; give one bare image placeholder per "
-                         "image and let the processor expand it")
+    if np.isin(ids, (begin, end)).any():
+        raise InputError(f"the prompt already holds begin/end-of-{what} tokens; give one bare {what} placeholder "
+                         f"per {item} and let the processor expand it")
     out, start = [], 0
     for a, m in zip(at, counts):
-        out += [ids[start:a], [tokens.boi_token_id], [tokens.image_token_id] * int(m), [tokens.eoi_token_id]]
+        out += [ids[start:a], [begin], [placeholder] * int(m), [end]]
         start = a + 1
     out.append(ids[start:])
     return np.concatenate([np.asarray(x, dtype=np.int64) for x in out])
 
 
-def image_spans(ids: Sequence[int] | np.ndarray, tokens: MultimodalTokens) -> list[tuple[int, int]]:
-    """(first position, length) of every maximal run of image tokens in ``ids``."""
-    blocks = vision_block_ids(np.asarray(ids) == tokens.image_token_id)
+def _spans(is_token: np.ndarray) -> list[tuple[int, int]]:
+    blocks = vision_block_ids(is_token)
     return [(int(np.flatnonzero(blocks == b)[0]), int(np.count_nonzero(blocks == b)))
             for b in range(int(blocks.max()) + 1)] if blocks.size else []
 
 
+def image_spans(ids: Sequence[int] | np.ndarray, tokens: MultimodalTokens) -> list[tuple[int, int]]:
+    """(first position, length) of every maximal run of image tokens in ``ids``."""
+    return _spans(np.asarray(ids) == tokens.image_token_id)
+
+
+def audio_spans(ids: Sequence[int] | np.ndarray, tokens: MultimodalTokens) -> list[tuple[int, int]]:
+    """(first position, length) of every maximal run of audio tokens in ``ids``."""
+    return _spans(np.asarray(ids) == tokens.audio_token_id)
+
+
 def multimodal_logits(model: Gemma4, ids: Sequence[int] | np.ndarray, soft_tokens: Sequence[np.ndarray],
                       tokens: MultimodalTokens, *, rows: str | Sequence[int] = "all", cache: KVCache | None = None,
-                      trace: Trace | None = None) -> np.ndarray:
-    """Logits [R, V] of an image prompt: ``multimodal_inputs`` then ``Gemma4.forward``. With a cache, the
-    images must lie in this call (a block is never split across calls; later calls are text only)."""
-    m = multimodal_inputs(model, ids, soft_tokens, tokens)
+                      trace: Trace | None = None, audio_soft_tokens: Sequence[np.ndarray] = ()) -> np.ndarray:
+    """Logits [R, V] of an image / audio prompt: ``multimodal_inputs`` then ``Gemma4.forward``. With a
+    cache, each image and clip must lie whole in the call that holds it (a block is never split across
+    calls; the runs are checked per call); calls without placeholders can be plain ``Gemma4.forward``."""
+    m = multimodal_inputs(model, ids, soft_tokens, tokens, audio_soft_tokens=audio_soft_tokens)
     return model.forward(m.ids, rows=rows, cache=cache, embeddings=m.embeddings, vision_blocks=m.vision_blocks,
                          trace=trace)
 
 
 __all__: Sequence[str] = [
     "MultimodalTokens", "MultimodalInputs", "parse_multimodal_tokens", "load_multimodal_tokens",
-    "vision_block_ids", "llm_input_ids", "merge_soft_tokens", "check_image_runs", "multimodal_inputs",
-    "multimodal_logits", "expand_image_placeholders", "image_spans",
+    "vision_block_ids", "run_lengths", "vision_token_mask", "llm_input_ids", "merge_soft_tokens", "check_image_runs",
+    "check_audio_runs", "check_soft_tokens", "multimodal_inputs", "multimodal_logits", "expand_image_placeholders",
+    "expand_audio_placeholders", "image_spans", "audio_spans",
 ]

@@ -11,12 +11,14 @@ logits reach the non-linear part of the softcap, and router projections are wide
 clear expert margins. Every preset ends its KV-owning prefix with (sliding, full), so the HF rule
 and the llama.cpp / JAX positional rule pick the same KV source.
 
-Presets with a ``vision`` entry are image-text models: they are always written in the published
+Presets with a ``vision`` (or ``audio``) entry are image-text (audio-text) models: they are always written in the published
 Gemma4ForConditionalGeneration layout (``text_config``, ``vision_config`` and the placeholder token ids
 at the top level; tensors under ``model.language_model.``, ``model.vision_tower.`` and
 ``model.embed_vision.``) with a tiny vision tower (patch 4, pooling 3: an image of up to 70 soft
-tokens is at most 84 x 84 pixels) and a ``processor_config.json`` (max_soft_tokens 70). The
-placeholder ids are the tokenizer's own ``<|image>``, ``<image|>``, ``<|image|>``, ... pieces.
+tokens is at most 84 x 84 pixels) and a ``processor_config.json`` (max_soft_tokens 70). The audio
+preset adds a tiny conformer tower (``model.audio_tower.``, ``model.embed_audio.``) for the standard
+128-bin log-mel front end (``feature_extractor`` in processor_config.json). The placeholder ids are
+the tokenizer's own ``<|image>``, ``<image|>``, ``<|image|>``, ``<|audio>``, ... pieces.
 """
 
 from __future__ import annotations
@@ -108,6 +110,16 @@ PRESETS["31b-vision-mini"] = dict(
                 "on sliding layers",
     vision=dict(_VISION_COMMON, use_clipped_linears=False, standardize=True),
 )
+PRESETS["e2b-audio-mini"] = dict(
+    PRESETS["e2b-mini"],
+    description="E2B in miniature with a tiny conformer audio tower (128 mel bins, chunk 4, left context 5, "
+                "logit cap 50, clipped linears); audio tokens causal",
+    audio=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, subsampling_conv_channels=[128, 8],
+               conv_kernel_size=5, attention_chunk_size=4, attention_context_left=5, attention_context_right=0,
+               attention_logit_cap=50.0, attention_invalid_logits_value=-1.0e9, output_proj_dims=48,
+               use_clipped_linears=True, rms_norm_eps=1e-6, residual_weight=0.5, gradient_clipping=1e10,
+               hidden_act="silu", model_type="gemma4_audio"),
+)
 IMAGE_SOFT_TOKENS = 70  # processor_config.json max_soft_tokens of the vision presets
 # config.json placeholder keys -> tokenizer pieces (transformers' Gemma4Config names; eoa is "eoa_token_index")
 MULTIMODAL_PIECES = dict(boi_token_id="<|image>", eoi_token_id="<image|>", image_token_id="<|image|>",
@@ -124,7 +136,7 @@ def preset_config(preset: str, turn_end_id: int) -> dict:
     """The config.json (legacy serialisation, Gemma4ForCausalLM) of a preset."""
     if preset not in PRESETS:
         raise InputError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    fields = {k: v for k, v in PRESETS[preset].items() if k not in ("description", "vision")}
+    fields = {k: v for k, v in PRESETS[preset].items() if k not in ("description", "vision", "audio")}
     cfg = {
         "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "dtype": "float32",
         **_COMMON, **fields, "eos_token_id": [1, turn_end_id],
@@ -174,6 +186,35 @@ def _draw_vision(name: str, shape: tuple[int, ...], rng: np.random.Generator) ->
     if leaf in ("input_max", "output_max"):
         return rng.uniform(0.6, 1.2, shape)
     return rng.normal(0.0, shape[-1] ** -0.5, shape)
+
+
+def _draw_audio(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """One audio tensor: norm weights in [0.5, 1.5], per-dim scales in [10, 14] (softplus of them scales
+    the queries, so attention logits reach the cap of 50 and the cap changes the soft tokens by ~0.1;
+    below torch's softplus threshold of 20), clip bounds that bite, biases small, the rest
+    ~ N(0, 1/fan_in) over the kernel's fan-in."""
+    leaf = name.rsplit(".", 1)[-1]
+    if ("norm" in name and leaf == "weight") or leaf == "weight" and len(shape) == 1 and "conv" not in name:
+        return rng.uniform(0.5, 1.5, shape)
+    if leaf == "per_dim_scale":
+        return rng.uniform(10.0, 14.0, shape)
+    if leaf in ("input_min", "output_min"):
+        return -rng.uniform(1.0, 2.0, shape)
+    if leaf in ("input_max", "output_max"):
+        return rng.uniform(1.0, 2.0, shape)
+    if leaf == "bias":
+        return rng.normal(0.0, 0.1, shape)
+    fan_in = int(np.prod(shape[1:])) if len(shape) > 1 else shape[0]
+    return rng.normal(0.0, fan_in ** -0.5, shape)
+
+
+def make_audio_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
+    """The audio tower and projector tensors (full checkpoint names) of a conditional config."""
+    from .audio import expected_audio_tensors, parse_audio_config
+
+    rng = np.random.default_rng([seed, 2])
+    return {name: _draw_audio(name, shape, rng)
+            for name, shape in sorted(expected_audio_tensors(parse_audio_config(config)).items())}
 
 
 def make_vision_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
@@ -247,9 +288,9 @@ def write_checkpoint(preset: str, seed: int, out: str | Path, dtype: str = "f32"
     weights = make_weights(config, seed)
     config["dtype"] = "bfloat16" if dtype == "bf16" else "float32"
     prefix = "model."
-    vision = PRESETS[preset].get("vision")
-    if vision is not None:
-        layout = "conditional"  # image-text models exist only in this layout
+    vision, audio = PRESETS[preset].get("vision"), PRESETS[preset].get("audio")
+    if vision is not None or audio is not None:
+        layout = "conditional"  # image/audio-text models exist only in this layout
     if layout == "conditional":
         prefix = "model.language_model."
         text = {k: v for k, v in config.items() if k not in ("architectures",)}
@@ -269,6 +310,13 @@ def write_checkpoint(preset: str, seed: int, out: str | Path, dtype: str = "f32"
                                          "patch_size": vision["patch_size"],
                                          "pooling_kernel_size": vision["pooling_kernel_size"],
                                          "max_soft_tokens": IMAGE_SOFT_TOKENS}}
+    if audio is not None:
+        config["audio_config"] = dict(audio)
+        config.update({key: piece_id(piece) for key, piece in MULTIMODAL_PIECES.items()})
+        tensors.update(make_audio_weights(config, seed))
+        processor = {**(processor or {}), "audio_seq_length": 750,
+                     "feature_extractor": {"feature_extractor_type": "Gemma4AudioFeatureExtractor",
+                                           "feature_size": 128, "sampling_rate": 16000}}
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))

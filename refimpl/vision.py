@@ -44,11 +44,11 @@ from typing import Sequence
 
 import numpy as np
 
-from .config import _get, _positive, _positive_float, read_config_json
-from .errors import ConfigError, InputError, WeightsError
+from .config import _get, _positive, _positive_float, read_config_json, tower_section
+from .errors import ConfigError, InputError
 from .model import Trace, apply_rope, attention, gelu_tanh, linear, rms_norm
 from .safetensors_io import TensorStore
-from .weights import FLOAT_DTYPES
+from .weights import check_tower_tensors
 
 TOWER = "model.vision_tower."
 EMBED = "model.embed_vision."
@@ -93,24 +93,9 @@ def parse_vision_config(raw: dict, where: str = "config.json") -> VisionConfig:
     The geometry fields (sizes, layers, heads, head_dim, patch and pooling sizes, table size) are
     required; the rest default as in transformers' ``Gemma4VisionConfig``.
     """
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a JSON object at the top level")
-    vision = raw.get("vision_config")
-    if vision is None:
-        raise ConfigError(
-            f"{where}: no 'vision_config'; this checkpoint has no vision tower (a text-only Gemma4ForCausalLM "
-            "or a Gemma4ForConditionalGeneration saved without vision)"
-        )
-    if not isinstance(vision, dict):
-        raise ConfigError(f"{where}: 'vision_config' must be an object")
-    text = raw.get("text_config")
-    if not isinstance(text, dict):
-        raise ConfigError(
-            f"{where}: 'text_config' must be an object holding the text hidden_size (embed_vision's width)"
-        )
-    text_hidden = _positive(_get(text, "hidden_size", int, where=f"{where} text_config"), "hidden_size",
-                            f"{where} text_config")
-    w = f"{where} vision_config"
+    vision, text_hidden, w = tower_section(
+        raw, "vision_config", "embed_vision", "vision tower (a text-only Gemma4ForCausalLM or a "
+        "Gemma4ForConditionalGeneration saved without vision)", where)
 
     def required(key: str) -> int:
         return _positive(_get(vision, key, int, where=w), key, w)
@@ -220,32 +205,11 @@ class VisionWeights:
         self._validate()
 
     def _validate(self) -> None:
-        expected = expected_vision_tensors(self.cfg)
-        problems = []
-        for name, shape in expected.items():
-            if name not in self.store:
-                problems.append(f"missing tensor '{name}' (expected shape {list(shape)})")
-            elif self.store.infos[name].shape != shape:
-                info = self.store.infos[name]
-                problems.append(
-                    f"{info.path.name}: tensor '{name}' has shape {list(info.shape)}, expected {list(shape)}"
-                )
-            elif self.store.infos[name].dtype not in FLOAT_DTYPES:
-                info = self.store.infos[name]
-                problems.append(f"{info.path.name}: tensor '{name}' is stored as {info.dtype}; the oracle reads "
-                                f"float weights ({', '.join(FLOAT_DTYPES)}), not quantized ones")
-        for name in self.store.names:
-            if name.startswith((TOWER, EMBED)) and name not in expected:
-                hint = (" (clip bounds, but the config sets use_clipped_linears to false)"
-                        if name.endswith(CLIP_BOUNDS) else
-                        " (standardize buffers, but the config sets standardize to false)"
-                        if name in (TOWER + "std_bias", TOWER + "std_scale") else "")
-                problems.append(f"unexpected tensor '{name}'{hint}")
-        if problems:
-            shown = problems[:8] + ([f"... and {len(problems) - 8} more"] if len(problems) > 8 else [])
-            raise WeightsError(
-                f"{self.store.model_dir}: the vision weights do not match config.json:\n  " + "\n  ".join(shown)
-            )
+        check_tower_tensors(self.store, expected_vision_tensors(self.cfg), (TOWER, EMBED), "vision",
+                            lambda name: " (clip bounds, but the config sets use_clipped_linears to false)"
+                            if name.endswith(CLIP_BOUNDS) else
+                            " (standardize buffers, but the config sets standardize to false)"
+                            if name in (TOWER + "std_bias", TOWER + "std_scale") else "")
 
     def __getitem__(self, name: str) -> np.ndarray:
         """A whole tensor by its full checkpoint name, decoded to the compute dtype."""

@@ -174,3 +174,25 @@ def _is_stale_shared(name: str, shared: set[int]) -> bool:
     parts = name.split(".", 2)
     return (len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) in shared
             and parts[2] in STALE_ON_SHARED)
+
+
+def check_tower_tensors(store, expected: dict[str, tuple[int, ...]], prefixes: tuple[str, ...], what: str,
+                        hint=lambda name: "") -> None:
+    """One WeightsError listing every missing, mis-shaped, non-float and unexpected tensor of a tower
+    (the tensors under ``prefixes``) against ``expected`` (full name -> shape); ``hint(name)`` explains an
+    unexpected one. ``what`` names the tower in the message ("vision", "audio")."""
+    problems = []
+    for name, shape in expected.items():
+        info = store.infos.get(name)
+        if info is None:
+            problems.append(f"missing tensor '{name}' (expected shape {list(shape)})")
+        elif info.shape != shape:
+            problems.append(f"{info.path.name}: tensor '{name}' has shape {list(info.shape)}, expected {list(shape)}")
+        elif info.dtype not in FLOAT_DTYPES:
+            problems.append(f"{info.path.name}: tensor '{name}' is stored as {info.dtype}; the oracle reads "
+                            f"float weights ({', '.join(FLOAT_DTYPES)}), not quantized ones")
+    problems += [f"unexpected tensor '{name}'{hint(name)}" for name in store.names
+                 if name.startswith(prefixes) and name not in expected]
+    if problems:
+        shown = problems[:8] + ([f"... and {len(problems) - 8} more"] if len(problems) > 8 else [])
+        raise WeightsError(f"{store.model_dir}: the {what} weights do not match config.json:\n  " + "\n  ".join(shown))

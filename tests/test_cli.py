@@ -362,7 +362,10 @@ def test_max_soft_tokens_sets_the_image_budget(tmp_path, preset_dirs, pngs, caps
      "error: the prompt already holds begin/end-of-image markers (<|image> / <image|>); write one bare <|image|> "
      "where each image goes and refimpl expands it to <|image> + <|image|> x M + <image|>\n"),
     ("e2b-vision-mini", ["--tokens", "2,9,13", "--image", "{a}"],
-     "error: video and audio placeholders are not supported yet (images only)\n"),
+     "error: video placeholders are not supported yet (images and audio only)\n"),
+    ("e2b-vision-mini", ["--tokens", "2,9,12", "--image", "{a}"],
+     "error: the prompt holds 1 audio placeholder(s) (12, the <|audio|> token) but 0 audio clip(s) were given; put "
+     "one placeholder where each clip goes, in order\n"),
     ("e2b-vision-mini", ["--tokens", "2,9", "--max-soft-tokens", "140"],
      "error: --max-soft-tokens applies to --image\n"),
 ])
@@ -371,6 +374,183 @@ def test_bad_image_input_is_one_error_line_and_exit_2(tmp_path, preset_dirs, png
                                                      message):
     (tmp_path / "notes.txt").write_text("hello there")
     fill = dict(a=pngs[0], b=pngs[1], tmp=tmp_path, model=preset_dirs[preset])
+    extra = ["--out", str(tmp_path / "o.safetensors")] if command == "logits" else []
+    code, out, err = run(capsys, command, "--model", str(preset_dirs[preset]), *[a.format(**fill) for a in argv],
+                         *extra)
+    assert (code, err) == (2, message.format(**fill))
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# audio prompts: --audio on logits and generate (the e2b-audio-mini preset: boa 10, eoa 11, audio 12)
+
+import wave  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+from refimpl.audio import audio_tower, load_audio_tower  # noqa: E402
+from refimpl.audio_features import audio_features, load_audio_feature_settings, read_wav  # noqa: E402
+from refimpl.cli import _prompt_ids  # noqa: E402
+from refimpl.multimodal import expand_audio_placeholders  # noqa: E402
+
+
+def write_wav(path, seconds, rate=16_000, seed=0):
+    """A 16-bit mono WAV (a tone plus noise) written by the standard library's ``wave`` module."""
+    n = int(round(seconds * rate))
+    t = np.arange(n) / rate
+    x = 0.3 * np.sin(2 * np.pi * 440 * t) + np.random.default_rng(seed).normal(0, 0.05, n)
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(np.clip(np.round(x * 32767), -32768, 32767).astype("<i2").tobytes())
+    return path
+
+
+@pytest.fixture(scope="module")
+def wavs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("audio")
+    return [write_wav(root / "half.wav", 0.5, seed=1), write_wav(root / "short.wav", 0.3, seed=2),
+            write_wav(root / "eight_k.wav", 0.5, rate=8000, seed=3)]
+
+
+def direct_audio_soft_tokens(model_dir, paths):
+    """read_wav -> audio_features (checkpoint settings) -> audio_tower, without the command line."""
+    settings = load_audio_feature_settings(model_dir)
+    weights, cfg = load_audio_tower(model_dir)
+    feats = [audio_features(*read_wav(p), settings) for p in paths]
+    return [audio_tower(f.features, f.mask, weights, cfg) for f in feats], feats
+
+
+def audio_metadata(path):
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(json.loads(data[8 : 8 + n])["__metadata__"]["audio"])
+
+
+@pytest.mark.parametrize("n_clips", [1, 2])
+def test_logits_with_audio_equal_multimodal_logits(tmp_path, preset_dirs, wavs, capsys, n_clips):
+    model_dir = preset_dirs["e2b-audio-mini"]
+    prompt = "hear <|audio|> then <|audio|> now" if n_clips == 2 else "what is <|audio|>?"
+    paths = wavs[:n_clips]
+    out_file = tmp_path / "aud.safetensors"
+    code, out, err = run(capsys, "logits", "--model", str(model_dir), "--prompt", prompt,
+                         *[a for p in paths for a in ("--audio", str(p))], "--rows", "all", "--out", str(out_file),
+                         "--top-k", "1")
+    assert code == 0, err
+    mm = load_multimodal_tokens(model_dir)
+    assert (mm.boa_token_id, mm.eoa_token_id, mm.audio_token_id) == (10, 11, 12)
+    ids = Tokenizer.from_dir(model_dir).encode(prompt)
+    assert ids.count(mm.audio_token_id) == n_clips
+    soft, feats = direct_audio_soft_tokens(model_dir, paths)
+    counts = [s.shape[0] for s in soft]
+    expanded = expand_audio_placeholders(ids, counts, mm)
+    expected = multimodal_logits(Gemma4(model_dir), expanded, [], mm, rows="all", audio_soft_tokens=soft)
+    store = TensorStore(out_file)
+    assert np.array_equal(store.get("logits"), expected)  # bit for bit
+    assert store.raw("tokens").tolist() == expanded.tolist()
+    info = audio_metadata(out_file)
+    starts = np.flatnonzero(expanded == mm.boa_token_id) + 1
+    assert [i["soft_tokens"] for i in info] == counts == [13, 8][:n_clips]
+    assert [i["rows"] for i in info] == [[int(a), int(a) + m - 1] for a, m in zip(starts, counts)]
+    assert [i["frames"] for i in info] == [f.mask.size for f in feats]
+    lines = out.splitlines()
+    assert lines[0].startswith(f"{len(expanded)} tokens ({sum(counts)} soft tokens of {n_clips} audio clip")
+    assert lines[1] == (f"  audio 0 {paths[0]}: 0.500 s, {feats[0].mask.size} mel frames ({int(feats[0].mask.sum())} "
+                        f"valid), {counts[0]} soft tokens at rows {starts[0]}-{starts[0] + counts[0] - 1}")
+    assert sum(line.startswith("  row ") for line in lines) == len(expanded)
+
+
+def test_audio_without_a_placeholder_goes_in_front_of_the_text(tmp_path, preset_dirs, wavs, capsys):
+    model_dir = preset_dirs["e2b-audio-mini"]
+    tok, mm = Tokenizer.from_dir(model_dir), load_multimodal_tokens(model_dir)
+    clip = [mm.boa_token_id] + [mm.audio_token_id] * 13 + [mm.eoa_token_id]
+
+    def tokens_of(*argv):
+        out_file = tmp_path / "t.safetensors"
+        code, _, err = run(capsys, "logits", "--model", str(model_dir), *argv, "--audio", str(wavs[0]),
+                           "--out", str(out_file))
+        assert code == 0, err
+        store = TensorStore(out_file)
+        return store.raw("tokens").tolist(), store.get("logits")
+
+    ids, logits = tokens_of("--prompt", "describe")
+    assert ids == [tok.bos_id] + clip + tok.encode("describe", add_bos=False)
+    ids2, logits2 = tokens_of("--prompt", "<|audio|>describe")
+    assert ids2 == ids and np.array_equal(logits2, logits)
+    ids, _ = tokens_of("--prompt", "describe", "--chat")
+    assert ids == expand_audio_placeholders(tok.encode_chat([{"role": "user", "content": "<|audio|>describe"}]),
+                                            [13], mm).tolist()
+    ids, _ = tokens_of("--tokens", f"{tok.bos_id},50,60")
+    assert ids == [tok.bos_id] + clip + [50, 60]
+    # with images too, the images come first, then the clips (each kind only when it has no placeholder)
+    args = SimpleNamespace(tokens=f"{tok.bos_id},50", prompt=None, chat=False)
+    assert _prompt_ids(args, model_dir, 1, mm, tok.bos_id, 2)[0] == [tok.bos_id, 9, 12, 12, 50]
+    args.tokens = f"{tok.bos_id},50,9"
+    assert _prompt_ids(args, model_dir, 1, mm, tok.bos_id, 1)[0] == [tok.bos_id, 12, 50, 9]
+    args = SimpleNamespace(tokens=None, prompt="x", chat=False)
+    assert _prompt_ids(args, model_dir, 1, mm, tok.bos_id, 1)[0] == tok.encode("<|image|><|audio|>x")
+
+
+def test_generate_with_audio_equals_argmax_of_full_forwards(preset_dirs, wavs, capsys):
+    model_dir = preset_dirs["e2b-audio-mini"]
+    model, mm = Gemma4(model_dir), load_multimodal_tokens(model_dir)
+    soft, _ = direct_audio_soft_tokens(model_dir, wavs[:2])
+    ids = expand_audio_placeholders([2, 12, 40, 12, 41], [s.shape[0] for s in soft], mm).tolist()
+    result = greedy_generate_multimodal(model, ids, [], mm, 5, stop_ids=(), audio_soft_tokens=soft)
+    grown = list(ids)
+    for _ in range(5):  # independent path: no cache, one full forward over the growing sequence per step
+        grown.append(int(np.argmax(multimodal_logits(model, grown, [], mm, rows="last", audio_soft_tokens=soft)[0])))
+    assert result.tokens == grown[len(ids):] and not result.stopped
+
+    code, _, err = run(capsys, "generate", "--model", str(model_dir), "--tokens", "2,12,40,12,41",
+                       "--audio", str(wavs[0]), "--audio", str(wavs[1]), "--max-new-tokens", "5")
+    assert code == 0, err
+    stops = [i for i, t in enumerate(result.tokens) if t in model.cfg.eos_token_ids]
+    expected = result.tokens if not stops else result.tokens[: stops[0] + 1]
+    assert err.splitlines()[-1].startswith(
+        f"[{len(ids)} prompt tokens (21 soft tokens of 2 audio clips), {len(expected)} new: "
+        f"{','.join(map(str, expected))}; ")
+    assert err.splitlines()[0].startswith(f"  audio 0 {wavs[0]}: 0.500 s, ")
+
+
+@pytest.mark.parametrize("preset, argv, message", [
+    ("e2b-mini", ["--prompt", "hi", "--audio", "{a}"],
+     "error: {model} has no audio tower (config.json has no audio_config); --audio needs an audio-text checkpoint "
+     "(Gemma4ForConditionalGeneration with its audio weights)\n"),
+    ("e2b-audio-mini", ["--prompt", "hi", "--audio", "{tmp}/missing.wav"],
+     "error: audio file {tmp}/missing.wav does not exist; check the path\n"),
+    ("e2b-audio-mini", ["--prompt", "hi", "--audio", "{tmp}/notes.txt"],
+     "error: {tmp}/notes.txt is not a WAV file (it does not start with 'RIFF....WAVE'); only RIFF/WAVE is read "
+     "natively: convert it, e.g. `ffmpeg -i notes.txt -ar 16000 -ac 1 out.wav`\n"),
+    ("e2b-audio-mini", ["--prompt", "hi", "--audio", "{c}"],
+     "error: audio file {c} is sampled at 8000 Hz but the checkpoint's feature extractor needs 16000 Hz (16 kHz); "
+     "resample it to 16 kHz mono first, e.g. `ffmpeg -i in.wav -ar 16000 -ac 1 out.wav`\n"),
+    ("e2b-audio-mini", ["--prompt", "<|audio|> vs <|audio|>", "--audio", "{a}"],
+     "error: the prompt holds 2 audio placeholder(s) (12, the <|audio|> token) but 1 audio clip(s) were given; put "
+     "one placeholder where each clip goes, in order\n"),
+    ("e2b-audio-mini", ["--tokens", "2,12,50", "--audio", "{a}", "--audio", "{b}"],
+     "error: the prompt holds 1 audio placeholder(s) (12, the <|audio|> token) but 2 audio clip(s) were given; put "
+     "one placeholder where each clip goes, in order\n"),
+    ("e2b-audio-mini", ["--prompt", "<|audio><|audio|><audio|>", "--audio", "{a}"],
+     "error: the prompt already holds begin/end-of-audio markers (<|audio> / <audio|>); write one bare <|audio|> "
+     "where each clip goes and refimpl expands it to <|audio> + <|audio|> x M + <audio|>\n"),
+    ("e2b-audio-mini", ["--tokens", "2,12,11", "--audio", "{a}"],
+     "error: the prompt already holds begin/end-of-audio markers (<|audio> / <audio|>); write one bare <|audio|> "
+     "where each clip goes and refimpl expands it to <|audio> + <|audio|> x M + <audio|>\n"),
+    ("e2b-audio-mini", ["--tokens", "2,12,13", "--audio", "{a}"],
+     "error: video placeholders are not supported yet (images and audio only)\n"),
+    ("e2b-audio-mini", ["--prompt", "hi", "--audio", "{a}", "--image", "{a}"],
+     "error: {model} has no vision tower (config.json has no vision_config); --image needs an image-text checkpoint "
+     "(Gemma4ForConditionalGeneration with its vision weights)\n"),
+    ("e2b-audio-mini", ["--prompt", "hi", "--audio", "{tiny}"],
+     "error: audio file {tiny} is too short (100 samples): it gives no soft token; pass at least 40 ms of audio\n"),
+])
+@pytest.mark.parametrize("command", ["logits", "generate"])
+def test_bad_audio_input_is_one_error_line_and_exit_2(tmp_path, preset_dirs, wavs, capsys, command, preset, argv,
+                                                     message):
+    (tmp_path / "notes.txt").write_text("hello there")
+    tiny = write_wav(tmp_path / "tiny.wav", 100 / 16_000)
+    fill = dict(a=wavs[0], b=wavs[1], c=wavs[2], tmp=tmp_path, tiny=tiny, model=preset_dirs[preset])
     extra = ["--out", str(tmp_path / "o.safetensors")] if command == "logits" else []
     code, out, err = run(capsys, command, "--model", str(preset_dirs[preset]), *[a.format(**fill) for a in argv],
                          *extra)

@@ -42,6 +42,8 @@ from conformance.fixtures import (  # noqa: E402
 from refimpl.model import Gemma4, KVCache  # noqa: E402
 from refimpl.synth import PRESETS  # noqa: E402
 
+BUNDLED = list(PRESETS)  # one bundled set per preset
+
 ROW_BOUND = 1e-10  # stored row vs the oracle driven as the request says (different chunking: float64 rounding)
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS_PRESET = "e4b-mini"
@@ -58,16 +60,18 @@ PROMPT_LINES = [
 # the oracle, driven exactly as a request says
 
 
-def _forward(model, tokens, rows, cache, embeddings=None, images=(), offset=0):
-    """One call. ``images``: the request's image blocks (prompt positions); ``offset``: the call's first
-    prompt position. Image positions take the pad id (PLE) and, on vision-bidirectional checkpoints, a
-    block id each."""
+def _forward(model, tokens, rows, cache, embeddings=None, images=(), offset=0, audio=()):
+    """One call. ``images``/``audio``: the request's image/audio blocks (prompt positions); ``offset``:
+    the call's first prompt position. Image and audio positions take the pad id (PLE); image positions
+    on vision-bidirectional checkpoints also a block id each (audio stays causal)."""
     ids = np.asarray(tokens, dtype=np.int64)
     blocks = np.full(len(ids), -1)
     for b, (a, n) in enumerate(images):
         inside = slice(max(a - offset, 0), max(min(a + n - offset, len(ids)), 0))
         ids[inside] = model.cfg.pad_token_id
         blocks[inside] = b
+    for a, n in audio:
+        ids[max(a - offset, 0):max(min(a + n - offset, len(ids)), 0)] = model.cfg.pad_token_id
     bidirectional = model.cfg.use_bidirectional_attention == "vision" and bool(images)
     return model.forward(ids, rows=list(rows), cache=cache, embeddings=embeddings,
                          vision_blocks=blocks if bidirectional else None)
@@ -91,7 +95,8 @@ def oracle_answer(model, request) -> Response:
     if request.kind == "full":
         logits = _forward(model, request.tokens, range(len(request.tokens)), cache)
     elif request.kind == "last":
-        logits = _forward(model, request.tokens, [request.last_pos], cache, request.embeddings, request.images)
+        logits = _forward(model, request.tokens, [request.last_pos], cache, request.embeddings, request.images,
+                          audio=request.audio)
     else:
         out, offset = [], 0
         for piece in request.pieces:
@@ -101,7 +106,7 @@ def oracle_answer(model, request) -> Response:
                 local = [r - start for r in piece.rows if start <= r < start + step]
                 emb = None if piece.embeddings is None else piece.embeddings[start:start + step]
                 out.append(_forward(model, piece.tokens[start:start + step], local, cache, emb, request.images,
-                                    offset + start))
+                                    offset + start, request.audio))
             offset += n
         logits = np.concatenate(out)
     assert cache.length == sum(len(p.tokens) for p in request.pieces) if request.kind == "prefill" \
@@ -133,7 +138,7 @@ def sets(tmp_path_factory, prompts_file) -> dict[str, Path]:
     return {
         p: generate_set(root / p, preset=p, seed=0, prompts=prompts_file if p == PROMPTS_PRESET else None,
                         cases=bundled_cases(p))
-        for p in PRESETS
+        for p in BUNDLED
     }
 
 
@@ -143,7 +148,10 @@ def small_set(sets) -> Path:
 
 
 def bundled_cases(preset: str) -> str:
-    """The bundled set of a vision preset holds the image matrix only (its text model is a text preset's)."""
+    """The bundled set of a vision (audio) preset holds the image (audio) matrix only (its text model is a
+    text preset's)."""
+    if PRESETS[preset].get("audio"):
+        return "audio"
     return "images" if PRESETS[preset].get("vision") else "text"
 
 
@@ -157,7 +165,7 @@ def _copy(src: Path, tmp_path: Path) -> Path:
 # expected rows == the oracle driven by the request
 
 
-@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("preset", BUNDLED)
 def test_expected_rows_equal_the_oracle_run_directly(sets, preset, tmp_path):
     fs = load_set(sets[preset])
     model = Gemma4(fs.model_dir(tmp_path))  # a fresh model, regenerated from preset and seed
@@ -173,7 +181,7 @@ def test_expected_rows_equal_the_oracle_run_directly(sets, preset, tmp_path):
             err = float(np.max(np.abs(g - w))) if rows else 0.0
             assert err <= ROW_BOUND, f"{case.id} {name}: {err}"
         kinds.add((case.kind, case.entry, len(case.pieces) > 1, case.ubatch))
-    if bundled_cases(preset) == "images":
+    if bundled_cases(preset) in ("images", "audio"):
         assert kinds == {("last", "embeddings", False, None), ("prefill", "embeddings", False, None),
                          ("prefill", "embeddings", True, None)}
         return
@@ -190,7 +198,7 @@ def test_cases_are_structurally_sound_and_annotated(sets):
         margins = fs.router_margins()
         assert bool(margins) == PRESETS[preset].get("enable_moe_block", False)
         for case in fs.cases:
-            assert check_case(case, lengths, fs.image_blocks()) == []
+            assert check_case(case, lengths, {**fs.image_blocks(), **fs.audio_blocks()}) == []
             assert case.id.startswith(f"{preset}/{case.kind}/")
             # ties: exactly the rows whose oracle top-2 margin is below TIE_MARGIN
             labels = {r.label: top2_margin(base_logits[r.base][r.position]) for _, rows in row_groups(case)
@@ -591,20 +599,23 @@ def test_synthetic_model_is_reproduced(small_set, tmp_path):
 
 def test_bundled_sets_load_and_verify():
     paths = bundled_sets()
-    assert [p.name for p in paths] == sorted(PRESETS)
+    assert [p.name for p in paths] == sorted(BUNDLED)
     total = 0
     for p in paths:
         assert verify_set(p) == [], p
         fs = load_set(p)
         assert fs.manifest["model"] == {**fs.manifest["model"], "kind": "synthetic", "preset": p.name, "seed": 0}
-        image_set = bundled_cases(p.name) == "images"
-        assert fs.name == p.name and len(fs.cases) >= (25 if image_set else 50)
-        assert all(("image" in c.features) == image_set for c in fs.cases)
+        kind = bundled_cases(p.name)  # "text", "images" or "audio"
+        media_set = kind != "text"
+        assert fs.name == p.name and len(fs.cases) >= (25 if media_set else 50)
+        assert all(("image" in c.features) == (kind == "images") for c in fs.cases)
+        assert all(("audio" in c.features) == (kind == "audio") for c in fs.cases)
         total += sum(os.path.getsize(p / f) for f in os.listdir(p))
         for check in fs.manifest["provenance"]["cross_checks"]:
-            # image bases of e2b-vision-mini are ill-conditioned: a 1-ulp change of the soft tokens moves its
-            # logits by up to 3.7e-12 (measured), and transformers agrees to 1.1e-11 there; elsewhere 1e-12
-            assert check["agreement"] < (3e-11 if image_set else 2e-12), check
+            # the image and audio bases of the e2b-mini text model are ill-conditioned: a 1-ulp change of the
+            # soft tokens moves its logits by up to 3.7e-12 (measured), and transformers agrees to 1.1e-11
+            # (images) and 5.8e-12 (audio) there; elsewhere 1e-12
+            assert check["agreement"] < (3e-11 if media_set else 2e-12), check
     assert total < 10 * 2**20
 
 
@@ -635,7 +646,7 @@ def test_bundled_sets_from_an_installed_layout(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{REPO}"}
     out = subprocess.run([sys.executable, "-c", code, str(pkg)], env=env, capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert int(out.stdout) == len(PRESETS)
+    assert int(out.stdout) == len(BUNDLED)
 
 
 @pytest.mark.hf
@@ -651,7 +662,7 @@ def test_hf_cross_check(small_set, tmp_path):
 # the transformers cross-check and the bundled-set generator
 
 
-def hf_cross_check(model_dir, bases, base_logits, images=None):
+def hf_cross_check(model_dir, bases, base_logits, images=None, audio=None):
     """transformers Gemma4ForCausalLM in float64 (tests/hf_reference.py) against the stored logits: a full
     forward over every base, and chunked prefill + decode through transformers' cache on base A. Image
     bases (``images``): Gemma4ForConditionalGeneration from the stored preprocessed images (see
@@ -661,9 +672,52 @@ def hf_cross_check(model_dir, bases, base_logits, images=None):
         import transformers  # noqa: F401
     except ImportError:
         return None
-    text = {b: ids for b, ids in bases.items() if b not in (images or {})}
+    text = {b: ids for b, ids in bases.items() if b not in (images or {}) and b not in (audio or {})}
     return (hf_text_cross_check(model_dir, text, base_logits) if text else []) + \
-        (hf_image_cross_check(model_dir, bases, base_logits, images) if images else [])
+        (hf_image_cross_check(model_dir, bases, base_logits, images) if images else []) + \
+        (hf_audio_cross_check(model_dir, bases, base_logits, audio) if audio else [])
+
+
+def hf_audio_cross_check(model_dir, bases, base_logits, audio):
+    """transformers Gemma4ForConditionalGeneration in float64 with its float32 spots patched (text and
+    audio tower), fed the audio bases' ids, the stored log-mel features of every clip (padded to the
+    longest, with input_features_mask) and mm_token_type_ids (3 at audio tokens): every row against the
+    stored logits. transformers runs its own audio tower, so this checks the soft tokens too."""
+    import torch
+    import transformers
+    import transformers.models.gemma4.modeling_gemma4 as mg
+    from hf_reference import recompute_float64_buffers
+    from test_audio_tower import audio_float64_exact, recompute_audio_buffers
+
+    import hf_reference
+
+    torch.set_num_threads(1)
+    hf = transformers.Gemma4ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float64,
+                                                                     attn_implementation="eager")
+    hf.eval()
+    recompute_audio_buffers(torch, mg, hf)
+    recompute_float64_buffers(hf)
+    audio_token = hf.config.audio_token_id
+    worst = 0.0
+    for b, clips in audio.items():
+        T = max(c.features.shape[0] for c in clips)
+        x = np.zeros((len(clips), T, clips[0].features.shape[1]))
+        mask = np.zeros((len(clips), T), dtype=bool)
+        for j, c in enumerate(clips):
+            x[j, :c.features.shape[0]] = c.features
+            mask[j, :c.mask.shape[0]] = c.mask
+        ids = np.asarray(bases[b], dtype=np.int64)
+        with torch.no_grad(), audio_float64_exact(torch, mg, hf_reference):
+            out = hf(input_ids=torch.from_numpy(ids[None]), input_features=torch.from_numpy(x),
+                     input_features_mask=torch.from_numpy(mask),
+                     mm_token_type_ids=torch.from_numpy(np.where(ids == audio_token, 3, 0)[None]), use_cache=False)
+        worst = max(worst, float(np.max(np.abs(out.logits[0].numpy() - base_logits[b]))))
+    who = (f"transformers {transformers.__version__} Gemma4ForConditionalGeneration (eager, float64 with the "
+           "float32 spots of the text path and the audio tower made float64 by tests/hf_reference.py and "
+           f"tests/test_audio_tower.py; torch {torch.__version__})")
+    return [{"implementation": who, "agreement": worst,
+             "detail": f"every row of the audio bases ({', '.join(audio)}) from the stored log-mel features and "
+                       "masks (transformers' own audio tower), with mm_token_type_ids, max abs"}]
 
 
 def hf_image_cross_check(model_dir, bases, base_logits, images):
@@ -738,7 +792,7 @@ def hf_text_cross_check(model_dir, bases, base_logits):
 def regenerate_bundled(presets=()) -> None:
     """Rewrite conformance/fixtures/<preset>/ for the given presets, or every preset (seed 0)."""
     root = REPO / "conformance" / "fixtures"
-    for preset in presets or PRESETS:
+    for preset in presets or BUNDLED:
         out = root / preset
         if out.exists():
             shutil.rmtree(out)
@@ -750,6 +804,6 @@ def regenerate_bundled(presets=()) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] != ["--regenerate-bundled"] or any(p not in PRESETS for p in sys.argv[2:]):
-        sys.exit(f"usage: python tests/test_fixtures.py --regenerate-bundled [PRESET ...] (presets: {', '.join(PRESETS)})")
+    if sys.argv[1:2] != ["--regenerate-bundled"] or any(p not in BUNDLED for p in sys.argv[2:]):
+        sys.exit(f"usage: python tests/test_fixtures.py --regenerate-bundled [PRESET ...] (presets: {', '.join(BUNDLED)})")
     regenerate_bundled(sys.argv[2:])

@@ -78,7 +78,8 @@ def test_identity_capabilities_and_options():
     claimed = b.capabilities.to_dict()
     assert claimed.pop("embedding_convention") == "raw"
     claimed.pop("default_profile")
-    assert claimed.pop("image_prompts") is False  # mlx-lm is text only (images are mlx-vlm's)
+    for media in ("image_prompts", "audio_prompts", "audio_tower"):  # mlx-lm is text only (media are mlx-vlm's)
+        assert claimed.pop(media) is False
     assert all(v is True for v in claimed.values()), claimed
     assert b.expectations_file is None
     for dtype in ("bfloat16", "float16"):

@@ -12,6 +12,12 @@ Image prompts (the two vision presets, two images, one block longer than W): las
 inside and right after each block, output-row and chunked prefill split at block boundaries, decode
 after, the vision block ids in the cache (and through pruning on a KV-shared micro model), and the
 image mutants, each on the preset that exposes it (and a no-op on the other).
+
+Audio prompts (preset e2b-audio-mini, two clips of synthetic audio through the feature extractor): the
+engine's own soft tokens equal the oracle's audio tower, last rows inside and right after each block,
+output-row and chunked prefill split at block boundaries, decode after, all equal to the oracle's
+``multimodal_logits``; wrong audio rows in the given embeddings change nothing (the engine runs its own
+tower); refusals; each audio mutant far from the engine, and a no-op on an image prompt.
 """
 
 from __future__ import annotations
@@ -21,11 +27,12 @@ import pytest
 from helpers import image_prompt, max_abs, micro_config, open_per_preset, tup
 
 from conformance import cli, registry
-from conformance.backend import Capabilities, Piece, Request
+from conformance.backend import AudioInput, Capabilities, Piece, Request
 from conformance.backends.numpy_engine import NO_BLOCK, Engine, NumpyEngineBackend
 from conformance.backends.refimpl_backend import RefimplBackend
 from conformance.mutants import (
-    BACKENDS, CLOSENESS, EQUIVALENT, IMAGE_SET_BIDIRECTIONAL, IMAGE_SET_PLE, MUTANTS, Mutant, mutant,
+    AUDIO_SET, BACKENDS, CLOSENESS, EQUIVALENT, IMAGE_SET_BIDIRECTIONAL, IMAGE_SET_PLE, IMAGE_SETS, MUTANTS, Mutant,
+    mutant,
 )
 from refimpl.model import Gemma4
 from refimpl.synth import PRESETS
@@ -36,7 +43,9 @@ W = 8  # sliding window of every preset
 PRESET_NAMES = list(PRESETS)
 VISION_PRESETS = [p for p in PRESETS if "vision" in PRESETS[p]]
 TEXT_MUTANTS = [m for m in MUTANTS if not m.kill_sets]  # killed on all-features
-IMAGE_MUTANTS = [m for m in MUTANTS if m.kill_sets]  # need image prompts
+IMAGE_MUTANTS = [m for m in MUTANTS if set(m.kill_sets) & set(IMAGE_SETS)]  # need image prompts
+AUDIO_MUTANTS = [m for m in MUTANTS if AUDIO_SET in m.kill_sets]  # need audio prompts
+AUDIO_PRESET = "e2b-audio-mini"
 GRADING_CHECKS = CLOSENESS | {"count", "shape", "nonfinite", "identity", "top1", "topk", "generation"}
 
 
@@ -239,7 +248,8 @@ def test_mutant_catalogue():
     assert list(BACKENDS) == names
     for m in MUTANTS:
         assert isinstance(m, Mutant) and m.breaks and "\n" not in m.breaks
-        assert m.bug_class in {f"B{i}" for i in range(1, 13)} | {f"trap {i}" for i in range(1, 18)}
+        assert m.bug_class in {f"B{i}" for i in range(1, 13)} | {f"trap {i}" for i in range(1, 18)} | {
+            "mm trap 24", "mm §9"}
         assert m.expected_checks is None or m.expected_checks <= GRADING_CHECKS
         b = m.backend()
         assert isinstance(b, NumpyEngineBackend) and b.dtype == "float64" and b.name.endswith(m.name)
@@ -253,6 +263,11 @@ def test_mutant_catalogue():
         "vision-blocks-missing": (IMAGE_SET_BIDIRECTIONAL,),
     }
     assert set(VISION_PRESETS) == {IMAGE_SET_PLE, IMAGE_SET_BIDIRECTIONAL}
+    assert {m.name: m.kill_sets for m in AUDIO_MUTANTS} == {
+        name: (AUDIO_SET,) for name in ("audio-chunking-wrong", "audio-logit-cap-missing", "audio-soft-tokens-scaled",
+                                        "audio-ple-placeholder-row")}
+    assert AUDIO_SET == AUDIO_PRESET and "audio" in PRESETS[AUDIO_PRESET]
+    assert len(MUTANTS) == len(TEXT_MUTANTS) + len(IMAGE_MUTANTS) + len(AUDIO_MUTANTS)
     assert "moe-no-renormalise" in EQUIVALENT and "moe-no-renormalise" not in BACKENDS
 
 
@@ -493,3 +508,164 @@ def test_image_mutants_differ_where_their_set_applies(m, preset, preset_dirs, pr
         # e2b-vision-mini is causal over images, so the block-mask mutants change nothing there; 31b has
         # no PLE, so the placeholder row is never read: each needs its own set
         assert diff == 0.0, (m.name, preset, diff)
+
+
+# ----------------------------------------------------------------------------------------------
+# audio prompts
+#
+# Measured (numpy-engine vs the oracle's full multimodal_logits, float64, logits up to ~27 under the
+# softcap): 7.2e-14 over every last row of the prompt, 0 for a one-piece prefill, 3.9e-13 for two pieces;
+# bound TOL = 1e-12. Splitting at all six block boundaries with every row reaches 1.09e-12, exactly the
+# oracle's own chunked (KVCache) forward against its full forward: the engine equals the oracle's chunked
+# forward bit for bit there, the rest is float64 rounding of the chunking. The engine's soft tokens equal
+# the oracle's audio tower bit for bit (the same code).
+
+
+def _audio_prompt(model_dir, durations=(0.7, 0.5), seed: int = 0, text=(4, 6)) -> dict:
+    """bos + text + (boa + audio x M + eoa + text) per clip; each clip a chirp plus noise at 16 kHz through
+    refimpl's feature extractor and audio tower. Returns ids, embeddings (scaled convention, the oracle's
+    soft tokens at audio rows), audio [(start, M)], inputs (AudioInput per clip), soft, logits [T, V]."""
+    from refimpl.audio import audio_tower, load_audio_tower
+    from refimpl.audio_features import audio_features, load_audio_feature_settings
+    from refimpl.multimodal import audio_spans, load_multimodal_tokens, multimodal_inputs, multimodal_logits
+
+    model = Gemma4(model_dir)
+    weights, acfg = load_audio_tower(model_dir)
+    tokens = load_multimodal_tokens(model_dir)
+    settings = load_audio_feature_settings(model_dir)
+    rng = np.random.default_rng(seed)
+    inputs = []
+    for k, dur in enumerate(durations):
+        t = np.arange(int(dur * 16000)) / 16000
+        wave = 0.5 * np.sin(2 * np.pi * ((200 + 400 * k) * t + 1500 * t * t)) + 0.05 * rng.normal(size=t.size)
+        f = audio_features(wave, 16000, settings)
+        inputs.append(AudioInput(f.features, f.mask))
+    soft = [audio_tower(a.features, a.mask, weights, acfg) for a in inputs]
+    words = lambda n: [int(x) for x in rng.integers(20, 400, n)]  # noqa: E731
+    ids = [2] + words(text[0])
+    for e in soft:
+        ids += [tokens.boa_token_id] + [tokens.audio_token_id] * e.shape[0] + [tokens.eoa_token_id] + words(text[1])
+    m = multimodal_inputs(model, ids, [], tokens, audio_soft_tokens=soft)
+    logits = multimodal_logits(model, ids, [], tokens, audio_soft_tokens=soft)
+    return {"ids": np.asarray(ids, dtype=np.int64), "embeddings": m.embeddings, "audio": audio_spans(ids, tokens),
+            "inputs": tuple(inputs), "soft": soft, "logits": logits, "tokens": tokens, "weights": (weights, acfg)}
+
+
+@pytest.fixture(scope="module")
+def audio(preset_dirs):
+    """Blocks (6, 18) and (32, 13), T = 52: both longer than the window W = 8."""
+    return _audio_prompt(preset_dirs[AUDIO_PRESET])
+
+
+def _audio_last(pr, T: int, last_pos: int, decode: int = 0, embeddings=None) -> Request:
+    ids = pr["ids"]
+    emb = pr["embeddings"] if embeddings is None else embeddings
+    blocks = tuple((s, n) for s, n in pr["audio"] if s + n <= T)
+    return Request("last", tokens=tup(ids[:T]), entry="embeddings", seq_id=5, last_pos=last_pos,
+                   embeddings=emb[:T], audio=blocks, audio_inputs=pr["inputs"][:len(blocks)],
+                   decode=tup(ids[T:T + decode]))
+
+
+def _audio_prefill(pr, cuts, rows, decode: int = 0, embeddings=None, **change) -> tuple[Request, list[int]]:
+    ids = pr["ids"]
+    emb = pr["embeddings"] if embeddings is None else embeddings
+    pieces, expect = [], []
+    for (a, b), r in zip(zip(cuts, cuts[1:]), rows):
+        pieces.append(Piece(tup(ids[a:b]), tuple(r), emb[a:b]))
+        expect += [a + x for x in r]
+    end = cuts[-1]
+    req = Request("prefill", pieces=tuple(pieces), audio=tuple(change.pop("audio", pr["audio"])),
+                  audio_inputs=tuple(change.pop("audio_inputs", pr["inputs"])), decode=tup(ids[end:end + decode]),
+                  **change)
+    return req, expect
+
+
+def test_audio_prompt_layout_and_tower(engines, audio, preset_dirs):
+    assert audio["audio"] == [(6, 18), (32, 13)] and len(audio["ids"]) == 52
+    engine = engines[AUDIO_PRESET].engine
+    assert engine.audio_cfg is not None and engines["e2b-mini"].engine.audio_weights is None  # loaded only with audio_config
+    for a, want in zip(audio["inputs"], audio["soft"]):
+        got = engine.audio_soft_tokens(a.features, a.mask)
+        assert got.shape == want.shape and np.array_equal(got, want)
+    assert engine.audio_config() == audio["weights"][1]  # the hooks give the checkpoint's own geometry and cap
+
+
+def test_audio_last_rows(engines, audio):
+    ref, T = audio["logits"], len(audio["ids"])
+    (s0, n0), (s1, n1) = audio["audio"]
+    rows = [s0 - 1, s0, s0 + 5, s0 + n0 - 1, s0 + n0, s0 + n0 + 1, s1 + 2, s1 + n1, T - 1]
+    for last_pos in rows:  # boa, first / inside / last audio token, eoa, text after, the last row
+        r = engines[AUDIO_PRESET].run(_audio_last(audio, T, last_pos))
+        assert max_abs(r.logits, ref[last_pos:last_pos + 1]) < TOL, last_pos
+        assert r.executed["audio"] == audio["audio"]
+    T2 = s0 + n0 + 3  # only the first clip, then text decode
+    r = engines[AUDIO_PRESET].run(_audio_last(audio, T2, T2 - 1, decode=3))
+    assert r.executed["audio"] == [(s0, n0)]
+    assert max_abs(r.logits, ref[T2 - 1:T2]) < TOL and max_abs(r.decode_logits, ref[T2:T2 + 3]) < TOL
+
+
+def test_audio_prefill_rows_and_chunks(engines, audio):
+    ref, T = audio["logits"], len(audio["ids"])
+    (s0, n0), (s1, n1) = audio["audio"]
+    plans = [
+        ([0, T - 3], [(s0 + 1, s0 + 9, s0 + n0 - 1, s0 + n0 + 1, s1, s1 + n1, T - 4)]),
+        ([0, s0 + n0 + 1, T - 3], [(s0 + 2, s0 + n0), (0, s1 + 1 - (s0 + n0 + 1), T - 4 - (s0 + n0 + 1))]),
+        ([0, s0, s0 + n0, s1, T - 3], [(s0 - 1,), (0, 7, n0 - 1), (), (1, n1, T - 4 - s1)]),  # at every boundary
+    ]
+    for cuts, rows in plans:
+        req, expect = _audio_prefill(audio, cuts, rows, decode=3)
+        r = engines[AUDIO_PRESET].run(req)
+        assert max_abs(r.logits, ref[expect]) < TOL, cuts
+        assert max_abs(r.decode_logits, ref[T - 3:T]) < TOL, cuts
+        assert r.executed["state_len_after_prefill"] == T - 3
+
+
+def test_audio_given_rows_are_ignored(engines, audio):
+    """The engine runs its own audio tower: garbage at the audio rows of the given embeddings changes nothing,
+    and the request's arrays are not written to."""
+    T = len(audio["ids"])
+    wrong = audio["embeddings"].copy()
+    wrong[audio["ids"] == audio["tokens"].audio_token_id] = 7.0
+    kept = wrong.copy()
+    b = engines[AUDIO_PRESET]
+    right = b.run(_audio_prefill(audio, [0, 25, T], [(5, 19), (3, T - 26)])[0])
+    got = b.run(_audio_prefill(audio, [0, 25, T], [(5, 19), (3, T - 26)], embeddings=wrong)[0])
+    assert np.array_equal(got.logits, right.logits) and np.array_equal(wrong, kept)
+    last = b.run(_audio_last(audio, T, T - 1, embeddings=wrong))
+    assert np.array_equal(last.logits, b.run(_audio_last(audio, T, T - 1)).logits)
+
+
+def test_audio_requests_refused(engines, audio):
+    b, T = engines[AUDIO_PRESET], len(audio["ids"])
+    (s0, n0), (s1, n1) = audio["audio"]
+    with pytest.raises(ValueError, match="audio block at position 6 .* straddles pieces 0 and 1"):
+        b.run(_audio_prefill(audio, [0, s0 + 5, T], [(), (3,)])[0])
+    with pytest.raises(ValueError, match="audio prompts cannot be split into micro-batches"):
+        b.run(_audio_prefill(audio, [0, T], [(T - 1,)], ubatch=8)[0])
+    with pytest.raises(ValueError, match="holds tokens other than the audio token"):
+        b.run(_audio_prefill(audio, [0, T], [(T - 1,)], audio=[(s0 - 1, n0), (s1, n1)])[0])
+    with pytest.raises(ValueError, match="2 audio block\\(s\\) but 1 audio input"):
+        b.run(_audio_prefill(audio, [0, T], [(T - 1,)], audio_inputs=audio["inputs"][:1])[0])
+    with pytest.raises(ValueError, match="audio clip 0 gives 13 soft tokens but its block at position 6 holds 18"):
+        b.run(_audio_prefill(audio, [0, T], [(T - 1,)], audio_inputs=audio["inputs"][::-1])[0])
+    with pytest.raises(ValueError, match="an audio prompt needs entry 'embeddings'"):
+        b.run(Request("last", tokens=tup(audio["ids"]), entry="seq_id", seq_id=1, last_pos=3, audio=((s0, n0),)))
+    with pytest.raises(ValueError, match="audio prompts are served .* not on 'full'"):
+        b.run(Request("full", tokens=tup(audio["ids"]), audio=tuple(audio["audio"])))
+    with pytest.raises(ValueError, match="no audio tower"):  # a checkpoint without audio_config
+        engines["e2b-mini"].engine.audio_soft_tokens(audio["inputs"][0].features, audio["inputs"][0].mask)
+
+
+@pytest.mark.parametrize("m", AUDIO_MUTANTS, ids=lambda m: m.name)
+def test_audio_mutants_differ_on_an_audio_prompt(m, preset_dirs, audio, prompts):
+    T = len(audio["ids"])
+    req, expect = _audio_prefill(audio, [0, T], [range(T)])
+    b = m.backend()
+    b.open(preset_dirs[AUDIO_PRESET])
+    try:
+        diff = max_abs(b.run(req).logits, audio["logits"][expect])
+    finally:
+        b.close()
+    assert diff > 1.0, (m.name, diff)  # measured: 17.6 (logit cap missing) to 46
+    # and a no-op on an image prompt (no audio token there)
+    assert _image_mutant_difference(m, preset_dirs, prompts, IMAGE_SET_PLE) < TOL

@@ -150,9 +150,11 @@ def test_oracle_matches_naive(micro_factory, cfg, seed, ids):
 @pytest.mark.parametrize("preset", PRESET_NAMES)
 def test_preset_tensors_follow_spec_table(preset_dirs, preset):
     weights = read_weights(preset_dirs[preset])
-    text = {k: v.shape for k, v in weights.items() if not k.startswith(("vision_tower.", "embed_vision."))}
+    towers = ("vision_tower.", "embed_vision.", "audio_tower.", "embed_audio.")
+    text = {k: v.shape for k, v in weights.items() if not k.startswith(towers)}
     assert text == spec_tensor_shapes(read_config(preset_dirs[preset]))
-    assert (len(text) < len(weights)) == (preset.endswith("-vision-mini"))  # the vision tower: tests/test_vision_tower.py
+    # the towers: tests/test_vision_tower.py, tests/test_audio_tower.py
+    assert (len(text) < len(weights)) == preset.endswith(("-vision-mini", "-audio-mini"))
 
 
 # ----------------------------------------------------------------------------------------------

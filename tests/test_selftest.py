@@ -434,10 +434,18 @@ def test_equivalent_mutant_is_caught_at_exact_f64_and_reported(sets):
     assert "equivalent*" in st.format_table(result)
 
 
-def _missing_kill_sets(mutants_mod) -> set[str]:
-    """The kill sets the mutants declare that are not bundled (yet)."""
+def _missing_kill_sets(mutants_mod, mutants=None) -> set[str]:
+    """The kill sets the mutants (default: all) declare that are not bundled (yet)."""
     bundled = {p.name for p in bundled_sets()}
-    return {s for m in mutants_mod.MUTANTS for s in m.kill_sets} - bundled
+    return {s for m in (mutants_mod.MUTANTS if mutants is None else mutants) for s in m.kill_sets} - bundled
+
+
+def _image_mutants(mutants_mod) -> list:
+    return [m for m in mutants_mod.MUTANTS if set(m.kill_sets) & set(mutants_mod.IMAGE_SETS)]
+
+
+def _audio_mutants(mutants_mod) -> list:
+    return [m for m in mutants_mod.MUTANTS if mutants_mod.AUDIO_SET in m.kill_sets]
 
 
 def test_real_mutants_full_selftest(tmp_path, capsys):
@@ -466,7 +474,7 @@ def test_real_mutants_full_selftest(tmp_path, capsys):
 
 def test_image_mutants_declare_the_sets_that_kill_them():
     mutants_mod = pytest.importorskip("conformance.mutants")
-    image = {m.name: m for m in mutants_mod.MUTANTS if m.kill_sets}
+    image = {m.name: m for m in _image_mutants(mutants_mod)}
     assert image["soft-tokens-scaled"].kill_sets == ("e2b-vision-mini", "31b-vision-mini")
     assert image["ple-placeholder-row"].kill_sets == ("e2b-vision-mini",)
     assert image["vision-blocks-on-full-layers"].kill_sets == ("31b-vision-mini",)
@@ -497,10 +505,10 @@ IMAGE_SUBSET = r"^(e2b|31b)-vision-mini/(last/embeddings/I0/T70/pos(6|37)|prefil
 def test_image_mutants_are_killed_by_their_bundled_sets(sets):
     """Each image mutant on the image cases of the bundled image sets (skipped until they exist)."""
     mutants_mod = pytest.importorskip("conformance.mutants")
-    missing = _missing_kill_sets(mutants_mod)
+    image = _image_mutants(mutants_mod)
+    missing = _missing_kill_sets(mutants_mod, image)
     if missing:
         pytest.skip(f"bundled image sets not there yet: {', '.join(sorted(missing))}")
-    image = [m for m in mutants_mod.MUTANTS if m.kill_sets]
     result = st.run_selftest(sets, image, profiles=("fp32",), select=IMAGE_SUBSET)
     assert result.cases == 6
     _assert_every_mutant_killed_by_a_matching_check(result, image)
@@ -508,3 +516,35 @@ def test_image_mutants_are_killed_by_their_bundled_sets(sets):
         killed_on = {case.split("/")[0] for case, _ in m.verdict.failing}
         assert killed_on == set(m.kill_sets), (m.name, killed_on)
         assert m.verdict.failing_cases >= 2 * len(m.kill_sets), m.name
+
+
+# ----------------------------------------------------------------------------------------------
+# the audio mutants: only the bundled audio set can kill them
+
+# an audio row inside the first clip, a row inside the second clip (both last:embeddings, with decode),
+# and a chunked prefill split at a block boundary; a full run of the 30 audio cases kills each of the four
+# audio mutants in 30/30 (the missing logit cap: 24 at bf16, 6 at q8)
+AUDIO_SUBSET = r"^e2b-audio-mini/(last/embeddings/S0/T26/pos12|last/embeddings/S1/T44/pos34|prefill/S1/T44/chunks-29\+15)$"
+
+
+def test_audio_mutants_declare_the_set_that_kills_them():
+    mutants_mod = pytest.importorskip("conformance.mutants")
+    audio = {m.name: m for m in _audio_mutants(mutants_mod)}
+    assert set(audio) == {"audio-chunking-wrong", "audio-logit-cap-missing", "audio-soft-tokens-scaled",
+                          "audio-ple-placeholder-row"}
+    assert all(m.kill_sets == ("e2b-audio-mini",) for m in audio.values())
+    assert audio["audio-chunking-wrong"].bug_class == "mm trap 24"
+
+
+def test_audio_mutants_are_killed_by_the_bundled_audio_set(sets):
+    """Each audio mutant on three audio cases of e2b-audio-mini (skipped until the set exists)."""
+    mutants_mod = pytest.importorskip("conformance.mutants")
+    audio = _audio_mutants(mutants_mod)
+    missing = _missing_kill_sets(mutants_mod, audio)
+    if missing:
+        pytest.skip(f"bundled audio set not there yet: {', '.join(sorted(missing))}")
+    result = st.run_selftest(sets, audio, profiles=("fp32",), select=AUDIO_SUBSET)
+    assert result.cases == 3
+    _assert_every_mutant_killed_by_a_matching_check(result, audio)
+    for m in result.mutants:
+        assert m.verdict.failing_cases == 3, (m.name, m.verdict.failing)

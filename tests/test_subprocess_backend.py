@@ -719,3 +719,164 @@ def test_a_v1_engine_without_image_prompts_gets_no_image_request(vision, tmp_pat
     assert sb._capabilities(dict(v1, image_prompts=True)).image_prompts is True
     with pytest.raises(ValueError, match="capabilities.image_prompts must be true or false, got 'yes'"):
         sb._capabilities(dict(v1, image_prompts="yes"))
+
+
+# ----------------------------------------------------------------------------------------------
+# audio prompts (fields added after v1: the audio_prompts and audio_tower capabilities, audio,
+# audio_inputs; the embeddings travel as for images)
+
+
+def audio_prompt(model_dir, clips=((41, 41), (37, 26)), seed: int = 0, text=(4, 5)) -> dict:
+    """An audio prompt for an audio checkpoint (``refimpl.synth`` preset ``e2b-audio-mini``), made with
+    refimpl: per clip ``(T, valid)``, T random log-mel frames of which the first ``valid`` are real (the
+    rest masked padding, as the feature extractor pads a batch), through the oracle's audio tower, merged
+    into ``bos + text + (boa + audio x M + eoa + text)``.
+
+    Returns ``ids``, ``embeddings`` [T, H] (scaled convention: E[id] * sqrt(H) at text rows, soft tokens
+    unscaled at audio rows), ``audio`` [(start, M), ...], ``audio_inputs`` (``AudioInput`` per clip),
+    ``soft`` (per clip) and ``logits`` [T, V] (the oracle's full forward, float64)."""
+    from conformance.backend import AudioInput
+    from refimpl import Gemma4
+    from refimpl.audio import audio_tower, load_audio_tower
+    from refimpl.multimodal import audio_spans, load_multimodal_tokens, multimodal_inputs
+
+    model = Gemma4(model_dir)
+    weights, cfg = load_audio_tower(model_dir)
+    tokens = load_multimodal_tokens(model_dir)
+    rng = np.random.default_rng(seed)
+    inputs, soft = [], []
+    for T, valid in clips:
+        mask = np.arange(T) < valid
+        n_mels = 4 * cfg.freq_out  # what input_proj_linear takes: ceil(F / 4) == C0 // 4
+        inputs.append(AudioInput(rng.normal(0.0, 1.0, (T, n_mels)), mask))
+        soft.append(audio_tower(inputs[-1].features, mask, weights, cfg))
+    words = lambda n: [int(t) for t in rng.integers(20, 400, n)]  # noqa: E731 - ordinary pieces of the tiny vocab
+    ids = [2] + words(text[0])
+    for s in soft:
+        ids += [tokens.boa_token_id] + [tokens.audio_token_id] * s.shape[0] + [tokens.eoa_token_id] + words(text[1])
+    m = multimodal_inputs(model, ids, [], tokens, audio_soft_tokens=soft)
+    logits = model.forward(m.ids, embeddings=m.embeddings, vision_blocks=m.vision_blocks)
+    return {"ids": np.asarray(ids, dtype=np.int64), "embeddings": m.embeddings, "soft": soft,
+            "audio": audio_spans(ids, tokens), "audio_inputs": tuple(inputs), "logits": logits, "tokens": tokens}
+
+
+@pytest.fixture(scope="module")
+def audio(tmp_path_factory):
+    """(an audio checkpoint, an audio prompt on it: two clips, one with masked padding frames)."""
+    from refimpl.synth import write_checkpoint
+
+    path = write_checkpoint("e2b-audio-mini", 0, tmp_path_factory.mktemp("audio") / "m")
+    return path, audio_prompt(path)
+
+
+def audio_requests(p) -> list[Request]:
+    from conformance.backend import Piece
+
+    ids, E, spans = tuple(int(t) for t in p["ids"]), p["embeddings"], tuple(tuple(b) for b in p["audio"])
+    (s0, n0), (s1, _) = spans
+    cut = s0 + n0 + 1  # after the first eoa
+    return [Request(kind="last", tokens=ids, entry="embeddings", last_pos=s0 + 2, seq_id=3, embeddings=E,
+                    audio=spans, audio_inputs=p["audio_inputs"]),
+            Request(kind="last", tokens=ids, entry="embeddings", last_pos=len(ids) - 1, seq_id=3, embeddings=E,
+                    audio=spans, audio_inputs=p["audio_inputs"], decode=(30, 31)),
+            Request(kind="prefill", pieces=(Piece(ids[:cut], (s0, cut - 1), embeddings=E[:cut]),
+                                            Piece(ids[cut:], (s1 - cut, len(ids) - cut - 1), embeddings=E[cut:])),
+                    audio=spans, audio_inputs=p["audio_inputs"], decode=(30,))]
+
+
+def test_audio_requests_equal_the_in_process_backend(audio, backends):
+    """refimpl-subprocess serves audio prompts (last/embeddings and a chunked prefill, with decode) bit for
+    bit like the in-process refimpl backend: the audio blocks, every clip's features and mask and every
+    piece's embeddings reach the backend (which computes the soft tokens with its own audio tower)."""
+    from dataclasses import replace
+
+    from conformance.backend import AudioInput
+
+    path, p = audio
+    ref = RefimplBackend()
+    ref.open(path)
+    b = RefimplSubprocessBackend(timeout=60)
+    backends.append(b)
+    assert b.capabilities.audio_prompts and b.capabilities.audio_tower
+    b.open(path)
+    for req in audio_requests(p):
+        want, got = ref.run(req), b.run(req)
+        np.testing.assert_array_equal(got.logits, want.logits)
+        np.testing.assert_array_equal(got.decode_logits, want.decode_logits)
+        assert got.executed["path"] == want.executed["path"]
+    # and equal to the oracle's own forward of the merged prompt
+    T = len(p["ids"])
+    assert np.abs(b.run(audio_requests(p)[1]).logits[0] - p["logits"][T - 1]).max() < 1e-12
+    # the features and the mask reach the engine: other ones give other logits
+    req = audio_requests(p)[1]
+    clip = p["audio_inputs"][0]
+    other = replace(req, audio_inputs=(AudioInput(clip.features[::-1], clip.mask), p["audio_inputs"][1]))
+    assert np.abs(b.run(other).logits - ref.run(req).logits).max() > 1e-2
+    hole = clip.mask.copy()
+    hole[9:14] = False  # frames 9..13: soft token 3 (frame 12) dropped, so the clip gives one token too few
+    with pytest.raises(EngineError, match=r"the audio block \(\d+, 11\) has 11 tokens but its clip gives 10 soft "
+                                          r"tokens"):
+        b.run(replace(req, audio_inputs=(AudioInput(clip.features, hole), p["audio_inputs"][1])))
+    b.close()
+
+
+def test_wire_form_of_an_audio_request(audio, tmp_path):
+    from conformance.backends.protocol_server import request_from_json
+    from conformance.backends.subprocess_backend import request_to_json
+
+    _, p = audio
+    req = audio_requests(p)[2]
+    d = request_to_json(req, tmp_path)
+    assert d["audio"] == [list(b) for b in p["audio"]] and d["images"] == []
+    assert d["audio_inputs"] == [
+        {"features": {"path": f"audio{k}.features.f64", "format": "raw", "dtype": "float64",
+                      "shape": list(clip.features.shape)},
+         "mask": {"path": f"audio{k}.mask.f64", "format": "raw", "dtype": "float64", "shape": [len(clip.mask)]}}
+        for k, clip in enumerate(p["audio_inputs"])]
+    assert np.fromfile(tmp_path / "audio1.mask.f64", dtype="<f8").tolist() == [
+        float(v) for v in p["audio_inputs"][1].mask]
+    back = request_from_json(json.loads(json.dumps(d)), tmp_path)
+    assert back == req  # the arrays are left out of the equality: compare them on their own
+    assert len(back.audio_inputs) == len(req.audio_inputs)
+    for a, b in zip(back.audio_inputs, req.audio_inputs):
+        np.testing.assert_array_equal(a.features, b.features)
+        assert a.mask.dtype == np.bool_
+        np.testing.assert_array_equal(a.mask, b.mask)
+    for a, b in zip(back.pieces, req.pieces):
+        np.testing.assert_array_equal(a.embeddings, b.embeddings)
+    # a text request: audio [] and audio_inputs []; an older client that sends neither: a text request
+    text = request_to_json(Request(kind="full", tokens=(2, 3)), tmp_path)
+    assert text["audio"] == [] and text["audio_inputs"] == []
+    old = {k: v for k, v in text.items() if k not in ("audio", "audio_inputs", "images")}
+    assert request_from_json(old, tmp_path) == Request(kind="full", tokens=(2, 3))
+
+
+def test_a_v1_engine_without_audio_prompts_gets_no_audio_request(audio, tmp_path, backends):
+    """An engine whose hello has no audio_prompts / audio_tower fields (a v1 engine, or one from before audio
+    prompts) claims neither: the harness never sends it an audio request, nor does the client."""
+    from conformance.backend import required_capabilities
+    from conformance.backends import subprocess_backend as sb
+
+    path, p = audio
+    log = tmp_path / "requests.jsonl"
+    b = make(backends, fake("v1-record", 0, log), timeout=60)
+    assert b.capabilities.audio_prompts is False and b.capabilities.audio_tower is False
+    b.open(path)
+    assert b.run(Request(kind="full", tokens=(2, 3, 4))).logits.shape == (3, 512)
+    for req in audio_requests(p):
+        assert "audio_prompts" in required_capabilities(req)
+        with pytest.raises(ValueError, match="the engine does not claim audio_prompts; an audio request is not "
+                                             "sent to it"):
+            b.run(req)
+    sent = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["kind"] for r in sent] == ["full"] and sent[0]["audio"] == [] and sent[0]["audio_inputs"] == []
+    # hello replies: without the fields (an image-era hello too) both parse as False; given, they are read
+    caps = all_capabilities("fp32").to_dict()
+    image_era = {k: v for k, v in caps.items() if k not in ("audio_prompts", "audio_tower")}
+    parsed = sb._capabilities(image_era)
+    assert (parsed.image_prompts, parsed.audio_prompts, parsed.audio_tower) == (True, False, False)
+    parsed = sb._capabilities(dict(image_era, audio_prompts=True))
+    assert (parsed.audio_prompts, parsed.audio_tower) == (True, False)
+    assert sb._capabilities(dict(image_era, audio_prompts=True, audio_tower=True)).audio_tower is True
+    with pytest.raises(ValueError, match="capabilities.audio_tower must be true or false, got 1"):
+        sb._capabilities(dict(image_era, audio_tower=1))

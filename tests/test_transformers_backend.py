@@ -19,6 +19,11 @@
   eoi, each with decode, equal the oracle within ``EXACT_BOUND`` with the float64 patches and pass
   ``fp32`` as shipped; the mask comes from transformers' ``create_masks_for_vision_model`` and each
   rule (mm_token_type_ids, from the sequence's start, the pad row of the per-layer inputs) matters.
+* Audio prompts (e2b-audio-mini, as Gemma4ForConditionalGeneration): the same kinds of requests over two
+  clips, the soft tokens computed by transformers' own audio tower from the clips' features, equal the
+  oracle within ``EXACT_BOUND`` with the float64 patches (tests/test_audio_tower.py's audio ones too) and
+  pass ``fp32`` as shipped; the tower's output is used (zeroed given rows change nothing), the pad row
+  matters, and float64 as shipped (whose audio tower does not run) takes the given rows.
 """
 
 from __future__ import annotations
@@ -308,6 +313,7 @@ def test_bad_options():
         ({"experts": "fast"},
          "transformers backend: experts must be one of 'auto', 'eager', 'grouped_mm', 'batched_mm', got 'fast'"),
         ({"threads": 0}, "transformers backend: threads must be None or an integer >= 1, got 0"),
+        ({"audio_tower": True}, "transformers backend: audio_tower must be one of 'auto', 'on', 'off', got True"),
     ]
     for options, message in cases:
         with pytest.raises(ValueError) as info:
@@ -574,3 +580,234 @@ def test_image_prompt_errors(preset_dirs, image_prompts, f64):
                                          r"prompts$"):
         f64.run(Request("last", tokens=ids, entry="embeddings", seq_id=0, last_pos=len(ids) - 1, embeddings=E,
                         images=tuple(p["images"])))
+
+
+# ----------------------------------------------------------------------------------------------
+# audio prompts
+#
+# Audio checkpoints (e2b-audio-mini) load as Gemma4ForConditionalGeneration. An audio request goes in as
+# inputs_embeds whose audio rows are replaced by transformers' own audio tower (get_audio_features on the
+# request's audio_inputs, pooler_output[attention_mask]), per_layer_inputs at pad_token_id in the audio
+# blocks and mm_token_type_ids 3 there (never a vision block). Measured against the oracle (two clips,
+# 11 and 7 soft tokens, one with masked padding frames, T=37; every row of audio_requests):
+# exact float64 (hf_reference + test_audio_tower patches) worst 5.7e-12 eager / 5.8e-12 sdpa (the audio
+# tower always eager: transformers' Gemma4AudioModel takes no other), the tower's soft tokens within 4.0e-14
+# of the oracle's; float32 as shipped worst 1.2e-3 eager / 1.3e-3 sdpa (soft tokens 5.9e-6), every row
+# passing fp32.
+
+AUDIO_PRESET = "e2b-audio-mini"
+
+
+@pytest.fixture(scope="module")
+def audio_prompts(preset_dirs):
+    """(prompt, oracle logits of the prompt followed by DECODE [T + 3, V]) on e2b-audio-mini."""
+    from test_subprocess_backend import audio_prompt
+
+    from conformance.backends.refimpl_backend import RefimplBackend
+
+    p = audio_prompt(preset_dirs[AUDIO_PRESET])
+    ref = RefimplBackend()
+    ref.open(preset_dirs[AUDIO_PRESET])
+    T = len(p["ids"])
+    dec = ref.run(Request("last", tokens=tup(p["ids"]), entry="embeddings", seq_id=0, last_pos=T - 1,
+                          embeddings=p["embeddings"], audio=tuple(p["audio"]), audio_inputs=p["audio_inputs"],
+                          decode=DECODE)).decode_logits
+    ref.close()
+    return p, np.concatenate([p["logits"], dec])
+
+
+def audio_requests(p, embeddings=None):
+    """(name, request, oracle positions of its rows) over the audio prompt: last rows inside a clip, at its
+    last token, at the eoa, the next text token and the last (with decode); one prefill with output rows;
+    chunks split after the first eoa and inside the text after the second clip, with decode."""
+    ids, spans, clips = tup(p["ids"]), tuple(tuple(b) for b in p["audio"]), p["audio_inputs"]
+    E = p["embeddings"] if embeddings is None else embeddings
+    T = len(ids)
+    (s0, n0), (s1, n1) = spans
+    dec = list(range(T, T + len(DECODE)))
+    out = []
+    for pos in (s0 + 3, s0 + n0 - 1, s0 + n0, s0 + n0 + 1, s1, T - 1):
+        decode = DECODE if pos == T - 1 else ()
+        out.append((f"last/pos{pos}", Request("last", tokens=ids, entry="embeddings", seq_id=0, last_pos=pos,
+                                              embeddings=E, audio=spans, audio_inputs=clips, decode=decode),
+                    [pos] + (dec if decode else [])))
+    rows = (2, s0, s0 + 5, s0 + n0, s1 + 1, T - 1)
+    out.append(("prefill/rows", Request("prefill", pieces=(Piece(ids, rows, embeddings=E),), audio=spans,
+                                        audio_inputs=clips, decode=DECODE), list(rows) + dec))
+    cut, cut2 = s0 + n0 + 1, s1 + n1 + 2
+    pieces = (Piece(ids[:cut], (s0 + 1, cut - 1), embeddings=E[:cut]),
+              Piece(ids[cut:cut2], (0, s1 - cut, cut2 - cut - 1), embeddings=E[cut:cut2]),
+              Piece(ids[cut2:], (T - cut2 - 1,), embeddings=E[cut2:]))
+    out.append(("prefill/chunks", Request("prefill", pieces=pieces, audio=spans, audio_inputs=clips, decode=DECODE),
+                [s0 + 1, cut - 1, cut, s1, cut2 - 1, T - 1] + dec))
+    return out
+
+
+class ExactAudioFloat64(ExactFloat64):
+    """ExactFloat64 plus tests/test_audio_tower.py's float64 audio patches and buffers, with transformers'
+    audio tower on (unpatched, transformers 5.24's audio tower does not run in float64)."""
+
+    def __init__(self, **options):
+        super().__init__(audio_tower="on", **options)
+
+    def open(self, model_dir):
+        import transformers.models.gemma4.modeling_gemma4 as mg
+        from test_audio_tower import recompute_audio_buffers
+
+        super().open(model_dir)
+        recompute_audio_buffers(torch, mg, self.model)
+
+    def run(self, request):
+        import transformers.models.gemma4.modeling_gemma4 as mg
+        from test_audio_tower import audio_float64_exact
+
+        with audio_float64_exact(torch, mg, H):
+            return TransformersBackend.run(self, request)
+
+
+def audio_forwards(ex) -> list[dict]:
+    """The per-forward notes of an executed record (the last forward, or every prefill micro-batch)."""
+    return [u for piece in ex["pieces"] for u in piece["ubatches"]] if "pieces" in ex else [ex]
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_audio_prompts_are_exact_with_float64_patches(attn, preset_dirs, audio_prompts):
+    p, oracle = audio_prompts
+    backend = ExactAudioFloat64(attn=attn)
+    assert backend.capabilities.audio_prompts and backend.capabilities.audio_tower
+    backend.open(preset_dirs[AUDIO_PRESET])
+    assert (backend.vision, backend.audio) == (False, True)
+    worst = tower = 0.0
+    for name, request, positions in audio_requests(p):
+        res = backend.run(request)
+        diff = max_abs(all_rows(res), oracle[positions])
+        worst = max(worst, diff)
+        assert diff < EXACT_BOUND, (name, diff)
+        ex = res.executed
+        assert ex["model"] == "Gemma4ForConditionalGeneration" and ex["layout"] == "conditional"
+        assert ex["audio"] == [list(b) for b in request.audio]
+        assert ex["per_layer_inputs"] == "get_per_layer_inputs(token ids, pad_token_id 0 at audio and image positions)"
+        assert ex["audio_tower"].startswith("transformers 5.") and "get_audio_features" in ex["audio_tower"]
+        forwards = audio_forwards(ex)
+        assert all(f["mask_function"] == "create_masks_for_generate" for f in forwards), forwards
+        with_audio = [f for f in forwards if "audio_soft_tokens" in f]
+        assert len(with_audio) == (1 if name.startswith("last") or name == "prefill/rows" else 2)
+        assert all(f["audio_soft_tokens"].startswith("transformers audio tower") for f in with_audio)
+        tower = max([tower] + [f["audio_rows_max_abs"] for f in with_audio])
+        if name == "prefill/chunks":  # the types from the sequence's start; the middle piece has no clip
+            assert [f["mm_token_type_ids"] for f in forwards] == [p["audio"][0][0] + p["audio"][0][1] + 1,
+                                                                   p["audio"][1][0] + p["audio"][1][1] + 2,
+                                                                   len(p["ids"])]
+    print(f"\n{AUDIO_PRESET} {attn}: worst |transformers (float64 patched) - oracle| = {worst:.2e}; "
+          f"soft tokens of transformers' audio tower vs the oracle's: {tower:.2e}")
+    assert tower < 1e-13
+    backend.close()
+
+
+def test_audio_prompts_pass_fp32_as_shipped(preset_dirs, audio_prompts):
+    p, oracle = audio_prompts
+    for attn in ("eager", "sdpa"):
+        backend = TransformersBackend(attn=attn)
+        backend.open(preset_dirs[AUDIO_PRESET])
+        worst = tower = 0.0
+        for name, request, positions in audio_requests(p):
+            res = backend.run(request)
+            assert res.logits.dtype == np.float32
+            grade = grade_fp32(all_rows(res), positions, oracle)
+            bad = [f"{r.label}: {r.check} {r.message}" for r in grade.rows if r.status != "pass"]
+            assert not bad, (name, bad)
+            worst = max(worst, max_abs(all_rows(res), oracle[positions]))
+            tower = max([tower] + [f["audio_rows_max_abs"] for f in audio_forwards(res.executed)
+                                   if "audio_rows_max_abs" in f])
+        print(f"\n{AUDIO_PRESET} float32 {attn}: worst |transformers - oracle| = {worst:.2e}; soft tokens of "
+              f"transformers' audio tower vs the oracle's: {tower:.2e}")
+        assert worst < 5e-3 and tower < 1e-4
+        backend.close()
+
+
+def test_audio_soft_tokens_come_from_transformers_tower(preset_dirs, audio_prompts, monkeypatch):
+    """The backend's soft tokens are its own: with the request's audio rows zeroed the tower still gives the
+    oracle's logits, while audio_tower='off' (the rows as given) is then far off; and the pad row of the
+    per-layer inputs matters."""
+    p, oracle = audio_prompts
+    zeroed = p["embeddings"].copy()
+    for s, n in p["audio"]:
+        zeroed[s:s + n] = 0.0
+    backend = ExactAudioFloat64()
+    backend.open(preset_dirs[AUDIO_PRESET])
+    requests = {name: (r, pos) for name, r, pos in audio_requests(p, embeddings=zeroed)}
+    request, positions = requests["prefill/chunks"]
+    res = backend.run(request)
+    assert max_abs(all_rows(res), oracle[positions]) < EXACT_BOUND
+    assert min(f["audio_rows_max_abs"] for f in audio_forwards(res.executed) if "audio_rows_max_abs" in f) > 0.1
+    wrong = {}
+    monkeypatch.setattr(type(backend), "pad_token_id", property(lambda self: self.audio_token_id))
+    wrong["PLE row of the audio token"] = max_abs(all_rows(backend.run(request)), oracle[positions])
+    monkeypatch.undo()
+    backend.close()
+
+    given = ExactFloat64(audio_tower="off")
+    assert given.capabilities.audio_prompts and not given.capabilities.audio_tower
+    given.open(preset_dirs[AUDIO_PRESET])
+    res = given.run(request)
+    assert all(f["audio_soft_tokens"] == "given (the request's embeddings)"
+               for f in audio_forwards(res.executed) if "audio_soft_tokens" in f)
+    assert res.executed["audio_tower"] == "none: the request's soft tokens are used as given"
+    wrong["audio_tower off, zeroed rows"] = max_abs(all_rows(res), oracle[positions])
+    # with the right rows, the given soft tokens are served exactly too
+    request, positions = {name: (r, pos) for name, r, pos in audio_requests(p)}["prefill/chunks"]
+    assert max_abs(all_rows(given.run(request)), oracle[positions]) < EXACT_BOUND
+    given.close()
+    print("\nwrong variants:", {k: f"{v:.2e}" for k, v in wrong.items()})
+    assert all(v > 0.1 for v in wrong.values()), wrong
+
+
+def test_audio_prompt_errors(preset_dirs, audio_prompts, f64):
+    from dataclasses import replace
+
+    from conformance.backend import AudioInput
+
+    p, _ = audio_prompts
+    ids, E = tup(p["ids"]), p["embeddings"]
+    (s0, n0), (s1, n1) = p["audio"]
+    request = Request("last", tokens=ids, entry="embeddings", seq_id=0, last_pos=len(ids) - 1, embeddings=E,
+                      audio=tuple(p["audio"]), audio_inputs=p["audio_inputs"])
+    # float64 as shipped: transformers' audio tower does not run, so by default the given rows are used
+    assert f64.capabilities.audio_prompts and not f64.capabilities.audio_tower
+    assert TransformersBackend().capabilities.audio_tower
+    assert TransformersBackend(dtype="float64", audio_tower="on").name == "transformers-float64-eager-audio-tower-on"
+    backend = TransformersBackend(dtype="float64", audio_tower="on")
+    backend.open(preset_dirs[AUDIO_PRESET])
+    with pytest.raises(RuntimeError, match=r"^transformers backend: transformers 5\.\S+'s audio tower does not run in "
+                                           r"float64 \(.*\); use audio_tower='off' \(the request's soft tokens\) or "
+                                           r"float32$"):
+        backend.run(request)
+    backend.close()
+    backend = TransformersBackend()
+    backend.open(preset_dirs[AUDIO_PRESET])
+    with pytest.raises(ValueError, match=rf"^transformers backend: the audio block \({s0 - 1}, {n0}\) holds tokens "
+                                         rf"other than the audio token {backend.audio_token_id}$"):
+        backend.run(replace(request, audio=((s0 - 1, n0), (s1, n1))))
+    clip = p["audio_inputs"][1]
+    short = AudioInput(clip.features, clip.mask & (np.arange(len(clip.mask)) < 20))  # 5 soft tokens, not 7
+    with pytest.raises(ValueError, match=rf"^transformers backend: the audio block \({s1}, {n1}\) has {n1} tokens but "
+                                         r"transformers' audio tower gives 5 soft tokens for its clip$"):
+        backend.run(replace(request, audio_inputs=(p["audio_inputs"][0], short)))
+    with pytest.raises(ValueError, match=r"2 audio blocks but 1 audio_inputs"):
+        backend.run(replace(request, audio_inputs=p["audio_inputs"][:1]))
+    # an image request on the audio-text checkpoint
+    with pytest.raises(ValueError, match=r"has no vision_config \(an audio-text checkpoint\); it cannot serve image "
+                                         r"prompts$"):
+        backend.run(replace(request, audio=(), audio_inputs=(), images=tuple(p["audio"])))
+    backend.close()
+    # f64 is open on the text-only e2b-mini (the same text model, no towers)
+    with pytest.raises(ValueError, match=r"has no audio_config \(a text-only checkpoint\); it cannot serve audio "
+                                         r"prompts$"):
+        f64.run(request)
+    # an image-text checkpoint has no audio tower either
+    vision = TransformersBackend()
+    vision.open(preset_dirs["e2b-vision-mini"])
+    with pytest.raises(ValueError, match=r"has no audio_config \(an image-text checkpoint\); it cannot serve audio "
+                                         r"prompts$"):
+        vision.run(request)
+    vision.close()

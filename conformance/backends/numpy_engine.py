@@ -33,13 +33,25 @@ float64 numbers, but organised the way a serving engine is (llama.cpp is the mod
   (:meth:`Engine.opens_vision_blocks`: ``(k > q - W) and (k <= q or same block)``); full layers stay
   causal. An image block runs in one micro-batch (image requests refuse ``ubatch`` and blocks that
   straddle two pieces).
+* **Audio prompts** (``Request.audio``). Audio tokens are flagged in the batch (``Batch.audio``,
+  ``MicroBatch.audio``): :meth:`Engine.ple_ids` takes the pad row there too, and they keep block id -1,
+  so they are causal on every layer (an audio block is never a vision block). The engine has its own
+  audio encoder: the backend loads the checkpoint's audio tower at ``open`` (only when config.json has
+  an ``audio_config``) and computes every clip's soft tokens from ``Request.audio_inputs`` with
+  :meth:`Engine.audio_soft_tokens` (the oracle's conformer, ``refimpl.audio.audio_tower``, run with the
+  config of :meth:`Engine.audio_config`, whose local-attention geometry and logit cap come from the
+  hooks ``audio_chunk_size``, ``audio_context`` and ``audio_logit_cap``); it writes them into a copy of
+  the given embeddings at the block's rows. The given audio rows are ignored (see the backend). Same
+  rules as images otherwise: ``last`` (entry ``embeddings``) and ``prefill`` only, no ``ubatch``, a
+  block within one piece.
 
 Every step is a small method, so a known engine bug is a few-line override in a subclass
 (``conformance/mutants.py`` holds a zoo of them for the harness's self-test). The hooks:
 ``Engine.next_positions``, ``prune_layer``, ``prune``, ``input_embeddings``, ``ple_ids``, ``ple_table_rows``,
 ``rope_positions``, ``norm``, ``rope``, ``values``, ``value_norm``, ``kv_source``, ``window``,
 ``attention_mask``, ``opens_vision_blocks``, ``vision_overlay``, ``attend``, ``route``, ``layer_scalar``,
-``final_softcap``; ``Engine.cache_set_class``
+``final_softcap``, ``audio_soft_tokens``, ``audio_tower``, ``audio_config``, ``audio_chunk_size``,
+``audio_context``, ``audio_logit_cap``; ``Engine.cache_set_class``
 (``CacheSet.get``); and on the backend ``engine_class``, ``last_row`` and ``piece_rows``.
 
     conformance check --backend numpy-engine            # must pass every bundled case at exact-f64
@@ -47,6 +59,7 @@ Every step is a small method, so a known engine bug is a few-line override in a 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -55,10 +68,13 @@ import numpy as np
 
 from conformance.backend import BackendError, Request, Response
 from conformance.backends.refimpl_backend import all_capabilities, check_options
+from refimpl.audio import AudioConfig, AudioWeights
+from refimpl.audio import audio_tower as refimpl_audio_tower
 from refimpl.model import (
     Gemma4, apply_rope, attention, attention_mask, experts, gelu_tanh, linear, mlp, per_layer_inputs,
     rms_norm, rope_cos_sin, rope_inv_freq, route, softcap,
 )
+from refimpl.multimodal import MultimodalTokens
 
 __all__ = ["Batch", "CacheSet", "Engine", "KVView", "LayerKV", "MicroBatch", "NumpyEngineBackend", "Rows",
            "SequenceCache", "PLAIN_SEQ"]
@@ -153,10 +169,13 @@ class Batch:
     output: np.ndarray  # [T] bool: return this row's logits
     x0: np.ndarray | None = None  # [T, H] input embeddings replacing E[ids] * sqrt(H); ids still pick PLE rows
     block: np.ndarray | None = None  # [T] vision block id (position of the block's first token; -1: text)
+    audio: np.ndarray | None = None  # [T] bool: an audio token (its x0 row is an audio soft token)
 
     def __post_init__(self) -> None:
         if self.block is None:
             self.block = _no_blocks(len(self))
+        if self.audio is None:
+            self.audio = np.zeros(len(self), dtype=bool)
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
@@ -179,6 +198,11 @@ class MicroBatch:
     chunk_start: np.ndarray  # [n_slots] first position of each slot's tokens in the enclosing batch
     chunk_len: np.ndarray  # [n_slots] how many tokens each slot has in the enclosing batch
     block: np.ndarray  # [T] vision block ids (-1: text)
+    audio: np.ndarray | None = None  # [T] bool: audio tokens (never in a vision block)
+
+    def __post_init__(self) -> None:
+        if self.audio is None:
+            self.audio = np.zeros(len(self), dtype=bool)
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
@@ -236,8 +260,10 @@ class Engine:
 
     cache_set_class = CacheSet
 
-    def __init__(self, model: Gemma4):
+    def __init__(self, model: Gemma4, audio: tuple[AudioWeights, AudioConfig] | None = None):
+        """``audio``: the checkpoint's audio tower (``refimpl.audio.load_audio_tower``), None without one."""
         self.model = model
+        self.audio_weights, self.audio_cfg = audio if audio is not None else (None, None)
         self.cfg = model.cfg
         self.w = model.weights
         self.dtype = model.dtype
@@ -253,11 +279,15 @@ class Engine:
         return self.cache_set_class()
 
     def batch(self, caches: CacheSet, ids: Sequence[int], seq: Sequence[Any], output: Sequence[bool],
-              x0: np.ndarray | None = None, images: Sequence[tuple[int, int]] = ()) -> Batch:
-        """Tag tokens with positions that continue each sequence's cache, and with vision block ids.
+              x0: np.ndarray | None = None, images: Sequence[tuple[int, int]] = (),
+              audio: Sequence[tuple[int, int]] = ()) -> Batch:
+        """Tag tokens with positions that continue each sequence's cache, with vision block ids, and
+        with the audio flag.
 
         ``images``: ``(start, length)`` of each image block within ``ids`` (the tokens of one sequence);
-        its rows of ``x0`` are soft tokens. Each block's id is the position of its first token."""
+        its rows of ``x0`` are soft tokens. Each block's id is the position of its first token.
+        ``audio``: the same for each audio block; its tokens are flagged (``Batch.audio``) and keep
+        block id -1 (an audio block is never a vision block)."""
         ids = self.model.check_ids(np.asarray(ids, dtype=np.int64))
         seq = np.asarray(seq, dtype=object)
         output = np.asarray(output, dtype=bool)
@@ -278,7 +308,18 @@ class Engine:
             if (block[start:start + n] != NO_BLOCK).any():
                 raise ValueError(f"image block ({start}, {n}) overlaps another block")
             block[start:start + n] = pos[start]
-        return Batch(ids, seq, pos, output, x0, block)
+        is_audio = np.zeros(len(ids), dtype=bool)
+        for start, n in audio:
+            if x0 is None:
+                raise ValueError("audio blocks need input embeddings (their rows are the soft tokens)")
+            if n < 1 or start < 0 or start + n > len(ids):
+                raise ValueError(f"audio block ({start}, {n}) is outside the {len(ids)} tokens of the batch")
+            if len(set(seq[start:start + n].tolist())) != 1:
+                raise ValueError(f"audio block ({start}, {n}) spans several sequences")
+            if (block[start:start + n] != NO_BLOCK).any() or is_audio[start:start + n].any():
+                raise ValueError(f"audio block ({start}, {n}) overlaps another block")
+            is_audio[start:start + n] = True
+        return Batch(ids, seq, pos, output, x0, block, is_audio)
 
     def next_positions(self, caches: CacheSet, seq: np.ndarray) -> np.ndarray:
         """[T]: each token's position continues its own sequence's cache."""
@@ -289,6 +330,39 @@ class Engine:
             pos[t] = nxt.get(id(cache), cache.length)
             nxt[id(cache)] = pos[t] + 1
         return pos
+
+    # -- the audio tower ------------------------------------------------------------------------
+
+    def audio_soft_tokens(self, features: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """One clip's soft tokens [M, H] (text width, unscaled) from its log-mel features [T, F] and frame
+        mask [T]: the oracle's conformer (``refimpl.audio.audio_tower``) run with ``audio_config()``."""
+        if self.audio_weights is None:
+            raise ValueError("this checkpoint has no audio tower (no 'audio_config' in config.json)")
+        return self.audio_tower(features, mask, self.audio_config())
+
+    def audio_tower(self, features: np.ndarray, mask: np.ndarray, cfg: AudioConfig) -> np.ndarray:
+        return refimpl_audio_tower(features, mask, self.audio_weights, cfg)
+
+    def audio_config(self) -> AudioConfig:
+        """The tower's config with the local attention's geometry and cap taken from the hooks below."""
+        past, future = self.audio_context()
+        return dataclasses.replace(self.audio_cfg, attention_chunk_size=self.audio_chunk_size(),
+                                   attention_context_left=past + 1, attention_context_right=future,
+                                   attention_logit_cap=self.audio_logit_cap())
+
+    def audio_chunk_size(self) -> int:
+        """W: queries per block of the local attention."""
+        return self.audio_cfg.attention_chunk_size
+
+    def audio_context(self) -> tuple[int, int]:
+        """(past, future) keys of each block's context: L = attention_context_left - 1 and
+        attention_context_right. The mask admits ``0 <= q - k < L`` (trap 24: only context_left - 1 keys,
+        self + context_left - 2 past) or ``0 < k - q < R``."""
+        return self.audio_cfg.max_past, self.audio_cfg.attention_context_right
+
+    def audio_logit_cap(self) -> float | None:
+        """cap of the local attention's logit soft cap ``cap * tanh(x / cap)``."""
+        return self.audio_cfg.attention_logit_cap
 
     # -- prefill: the one path ----------------------------------------------------------------
 
@@ -320,7 +394,7 @@ class Engine:
                 slot=np.array([slot_of[id(c)] for c in owner[a:b]], dtype=np.int64),
                 chunk_start=np.array([start[id(c)] for c in distinct], dtype=np.int64),
                 chunk_len=np.array([count[id(c)] for c in distinct], dtype=np.int64),
-                block=batch.block[a:b],
+                block=batch.block[a:b], audio=batch.audio[a:b],
             ))
         return micro
 
@@ -372,14 +446,15 @@ class Engine:
         return Rows(x0, ple, self.rope_positions(mb), mb.pos.copy(), mb.slot.copy(), mb.block.copy())
 
     def input_embeddings(self, mb: MicroBatch) -> np.ndarray:
-        """x0 [T, H]: the given embeddings (text rows already scaled, image rows unscaled soft tokens,
-        used as given), or E[ids] * sqrt(H)."""
+        """x0 [T, H]: the given embeddings (text rows already scaled, image and audio rows unscaled soft
+        tokens, used as given; the backend has already written its own audio soft tokens there), or
+        E[ids] * sqrt(H)."""
         return mb.x0 if mb.x0 is not None else self.model.embed(mb.ids)
 
     def ple_ids(self, mb: MicroBatch) -> np.ndarray:
-        """[T] ids whose per-layer table rows the tokens take: the pad row at image positions."""
+        """[T] ids whose per-layer table rows the tokens take: the pad row at image and audio positions."""
         pad = self.cfg.pad_token_id if self.cfg.pad_token_id is not None else 0
-        return np.where(mb.image, pad, mb.ids)
+        return np.where(mb.image | mb.audio, pad, mb.ids)
 
     def per_layer_inputs(self, x0: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """PLE [T, L, P] from the scaled embeddings and the per-layer table rows of the ids."""
@@ -562,10 +637,18 @@ class NumpyEngineBackend:
     Subclasses swap the engine (``engine_class``) or override a request hook (``last_row``,
     ``piece_rows``) to plant a bug: see ``conformance/mutants.py``.
 
-    Image prompts: ``last`` (entry ``embeddings``) and ``prefill`` (every piece with embeddings); the
-    image blocks of each call go into its batch (``Engine.batch(images=...)``). Refused with a
-    ValueError: images on ``full``/``multi`` or another ``last`` entry, with ``ubatch``, a block that
-    straddles two pieces or holds other tokens than the image token.
+    Image and audio prompts: ``last`` (entry ``embeddings``) and ``prefill`` (every piece with
+    embeddings); the image and audio blocks of each call go into its batch (``Engine.batch(images=...,
+    audio=...)``). Refused with a ValueError: media on ``full``/``multi`` or another ``last`` entry, with
+    ``ubatch``, a block that straddles two pieces or holds other tokens than its placeholder.
+
+    Audio: the backend claims ``audio_tower``. At ``open`` it loads the checkpoint's audio tower when
+    config.json has an ``audio_config``; for every audio request it computes each clip's soft tokens
+    itself from ``request.audio_inputs`` (``Engine.audio_soft_tokens``: the oracle's conformer), checks
+    their count against the block and writes them into a copy of the given embeddings at the block's rows.
+    The audio rows of the given embeddings are therefore **ignored**: they are only the harness's
+    reference (a request whose rows are wrong gets the same answer), so the engine's own audio tower is
+    what the audio cases grade. An audio request without one ``AudioInput`` per block is refused.
     """
 
     name = "numpy-engine"
@@ -574,26 +657,38 @@ class NumpyEngineBackend:
     def __init__(self, dtype: str = "float64", embed_scale: str = "exact"):
         self.dtype, self.embed_scale = check_options("numpy-engine", dtype, embed_scale)
         exact = self.dtype == "float64" and embed_scale == "exact"
-        self.capabilities = all_capabilities("exact-f64" if exact else "fp32")
+        self.capabilities = all_capabilities("exact-f64" if exact else "fp32")  # audio_tower included
         self.engine: Engine | None = None
-        self.image_token_id: int | None = None
+        self.tokens: MultimodalTokens | None = None
 
     # -- protocol -------------------------------------------------------------------------------
 
     def open(self, model_dir: Path) -> None:
         from refimpl import RefimplError
+        from refimpl.audio import load_audio_tower
+        from refimpl.config import read_config_json
         from refimpl.multimodal import load_multimodal_tokens
 
         try:
             model = Gemma4(model_dir, dtype=self.dtype, embed_scale=self.embed_scale)
-            self.image_token_id = load_multimodal_tokens(model_dir).image_token_id
+            self.tokens = load_multimodal_tokens(model_dir)
+            _, raw = read_config_json(model_dir)
+            audio = load_audio_tower(model_dir, self.dtype) if raw.get("audio_config") is not None else None
         except (RefimplError, OSError) as exc:
             raise BackendError(f"numpy-engine cannot open {model_dir}: {exc}") from exc
-        self.engine = self.engine_class(model)
+        self.engine = self.engine_class(model, audio)
 
     def close(self) -> None:
         self.engine = None
-        self.image_token_id = None
+        self.tokens = None
+
+    @property
+    def image_token_id(self) -> int | None:
+        return None if self.tokens is None else self.tokens.image_token_id
+
+    @property
+    def audio_token_id(self) -> int | None:
+        return None if self.tokens is None else self.tokens.audio_token_id
 
     def run(self, request: Request) -> Response:
         if self.engine is None:
@@ -616,7 +711,8 @@ class NumpyEngineBackend:
     # -- request kinds --------------------------------------------------------------------------
 
     def _one_sequence(self, caches: CacheSet, seq: Any, ids: Sequence[int], rows: Iterable[int],
-                      x0: np.ndarray | None = None, images: Sequence[tuple[int, int]] = ()) -> Batch:
+                      x0: np.ndarray | None = None, images: Sequence[tuple[int, int]] = (),
+                      audio: Sequence[tuple[int, int]] = ()) -> Batch:
         if len(ids) == 0:
             raise ValueError("numpy-engine: a call has no tokens")
         rows = list(rows)
@@ -624,42 +720,84 @@ class NumpyEngineBackend:
             raise ValueError(f"numpy-engine: rows {rows} must lie within the {len(ids)} tokens of the call")
         output = np.zeros(len(ids), dtype=bool)
         output[rows] = True
-        return self.engine.batch(caches, ids, [seq] * len(ids), output, x0, images)
+        return self.engine.batch(caches, ids, [seq] * len(ids), output, x0, images, audio)
 
-    def _check_image_tokens(self, ids: Sequence[int], images: Sequence[tuple[int, int]]) -> None:
-        """Every block (start, n) within the call's ids, filled with the image token."""
+    @staticmethod
+    def _media(request: Request) -> bool:
+        return bool(request.images or request.audio)
+
+    def _check_block_tokens(self, ids: Sequence[int], blocks: Sequence[tuple[int, int]], what: str,
+                            token: int) -> None:
+        """Every block (start, n) within the call's ids, filled with its placeholder token."""
         T = len(ids)
-        for s, n in images:
+        for s, n in blocks:
             if n < 1 or s < 0 or s + n > T:
-                raise ValueError(f"numpy-engine: image block ({s}, {n}) is outside the {T} tokens of the call")
-            if any(int(t) != self.image_token_id for t in ids[s:s + n]):
-                raise ValueError(f"numpy-engine: the image block ({s}, {n}) holds tokens other than the image "
-                                 f"token {self.image_token_id}")
+                raise ValueError(f"numpy-engine: {what} block ({s}, {n}) is outside the {T} tokens of the call")
+            if any(int(t) != token for t in ids[s:s + n]):
+                raise ValueError(f"numpy-engine: the {what} block ({s}, {n}) holds tokens other than the {what} "
+                                 f"token {token}")
 
-    def _piece_images(self, request: Request) -> list[list[tuple[int, int]]]:
-        """The image blocks of each prefill piece as (start, n) within the piece; a block must lie in one
-        piece and image prompts run without micro-batches (a block is one forward)."""
-        if not request.images:
-            return [[] for _ in request.pieces]
-        if request.ubatch is not None:
-            raise ValueError(f"numpy-engine: image prompts cannot be split into micro-batches (ubatch "
-                             f"{request.ubatch}); an image block must run in one forward")
+    def _check_media_tokens(self, ids: Sequence[int], images: Sequence[tuple[int, int]],
+                            audio: Sequence[tuple[int, int]]) -> None:
+        self._check_block_tokens(ids, images, "image", self.image_token_id)
+        self._check_block_tokens(ids, audio, "audio", self.audio_token_id)
+
+    def _piece_blocks(self, request: Request, blocks: Sequence[tuple[int, int]], what: str
+                      ) -> list[list[tuple[int, int]]]:
+        """The blocks of each prefill piece as (start, n) within the piece; a block must lie in one piece."""
         total = sum(len(p.tokens) for p in request.pieces)
-        for s, n in request.images:
+        for s, n in blocks:
             if n < 1 or s < 0 or s + n > total:
-                raise ValueError(f"numpy-engine: image block ({s}, {n}) is outside the {total} prompt tokens")
+                raise ValueError(f"numpy-engine: {what} block ({s}, {n}) is outside the {total} prompt tokens")
         out, lo = [], 0
         for p, piece in enumerate(request.pieces):
             hi = lo + len(piece.tokens)
-            mine = [(s - lo, n) for s, n in request.images if lo <= s < hi]
+            mine = [(s - lo, n) for s, n in blocks if lo <= s < hi]
             for s, n in mine:
                 if s + n > len(piece.tokens):
-                    raise ValueError(f"numpy-engine: the image block at position {s + lo} ({n} tokens) straddles "
+                    raise ValueError(f"numpy-engine: the {what} block at position {s + lo} ({n} tokens) straddles "
                                      f"pieces {p} and {p + 1}; a block must lie in one piece")
-            self._check_image_tokens(piece.tokens, mine)
             out.append(mine)
             lo = hi
         return out
+
+    def _piece_media(self, request: Request) -> tuple[list[list[tuple[int, int]]], list[list[tuple[int, int]]]]:
+        """(image blocks, audio blocks) of each prefill piece, within the piece. Media prompts run without
+        micro-batches (a block is one forward)."""
+        if self._media(request) and request.ubatch is not None:
+            what = "image" if request.images else "audio"
+            raise ValueError(f"numpy-engine: {what} prompts cannot be split into micro-batches (ubatch "
+                             f"{request.ubatch}); an {what} block must run in one forward")
+        images = self._piece_blocks(request, request.images, "image")
+        audio = self._piece_blocks(request, request.audio, "audio")
+        for piece, im, au in zip(request.pieces, images, audio):
+            self._check_media_tokens(piece.tokens, im, au)
+        return images, audio
+
+    def _audio_soft_tokens(self, request: Request) -> list[np.ndarray]:
+        """Each audio block's soft tokens [M, H], computed by the engine's own audio tower from
+        ``request.audio_inputs`` (one per block, in prompt order); M must equal the block's length."""
+        if not request.audio:
+            return []
+        if len(request.audio_inputs) != len(request.audio):
+            raise ValueError(f"numpy-engine: {len(request.audio)} audio block(s) but {len(request.audio_inputs)} "
+                             "audio input(s); the engine computes the soft tokens itself from one AudioInput per block")
+        out = []
+        for j, ((s, n), clip) in enumerate(zip(request.audio, request.audio_inputs)):
+            soft = self.engine.audio_soft_tokens(np.asarray(clip.features), np.asarray(clip.mask))
+            if soft.shape[0] != n:
+                raise ValueError(f"numpy-engine: audio clip {j} gives {soft.shape[0]} soft tokens but its block at "
+                                 f"position {s} holds {n} audio tokens")
+            out.append(soft)
+        return out
+
+    @staticmethod
+    def _with_audio(x0: np.ndarray, blocks: Sequence[tuple[int, int]], soft: Sequence[np.ndarray]) -> np.ndarray:
+        """A copy of the call's embeddings with each audio block's rows replaced by its soft tokens."""
+        x0 = np.array(x0, dtype=np.float64, copy=True)  # never write into the request's array
+        for (s, n), e in zip(blocks, soft):
+            x0[s:s + n] = e
+        return x0
 
     def _decode(self, caches: CacheSet, seq: Any, tokens: Sequence[int]) -> np.ndarray:
         """Teacher-forced decode: one batch of one output token per step."""
@@ -673,13 +811,24 @@ class NumpyEngineBackend:
                 "ubatches": log[:n_prefill], "decode_ubatches": len(log) - n_prefill,
                 "state_len_after_prefill": extra.pop("state_len"), **extra}
 
-    def _no_images(self, request: Request) -> None:
+    @staticmethod
+    def _media_record(request: Request) -> dict[str, Any]:
+        out: dict[str, Any] = {}
         if request.images:
-            raise ValueError(f"numpy-engine: image prompts are served on 'last' (entry 'embeddings') and "
+            out["images"] = list(request.images)
+        if request.audio:
+            out["audio"] = list(request.audio)
+            out["audio_soft_tokens"] = "own audio tower (the embeddings' audio rows are not read)"
+        return out
+
+    def _no_media(self, request: Request) -> None:
+        if self._media(request):
+            what = "image" if request.images else "audio"
+            raise ValueError(f"numpy-engine: {what} prompts are served on 'last' (entry 'embeddings') and "
                              f"'prefill' only, not on {request.kind!r}")
 
     def _full(self, request: Request, caches: CacheSet) -> Response:
-        self._no_images(request)
+        self._no_media(request)
         T = len(request.tokens)
         logits = self.engine.prefill(caches, self._one_sequence(caches, 0, request.tokens, range(T)))
         n, state = len(self.engine.log), caches.get(0).length
@@ -695,46 +844,56 @@ class NumpyEngineBackend:
             if request.embeddings is None:
                 raise ValueError("numpy-engine: entry 'embeddings' without embeddings")
             x0 = np.asarray(request.embeddings)
-        elif request.images:
-            raise ValueError(f"numpy-engine: an image prompt needs entry 'embeddings', got {request.entry!r}")
-        self._check_image_tokens(request.tokens, request.images)
+        elif self._media(request):
+            what = "an image" if request.images else "an audio"
+            raise ValueError(f"numpy-engine: {what} prompt needs entry 'embeddings', got {request.entry!r}")
+        self._check_media_tokens(request.tokens, request.images, request.audio)
+        if request.audio:
+            x0 = self._with_audio(x0, request.audio, self._audio_soft_tokens(request))
         seq = PLAIN_SEQ if request.entry == "plain" else request.seq_id
         row = self.last_row(T, request.last_pos)
-        batch = self._one_sequence(caches, seq, request.tokens, [row], x0, request.images)
+        batch = self._one_sequence(caches, seq, request.tokens, [row], x0, request.images, request.audio)
         logits = self.engine.prefill(caches, batch)
         n, state = len(self.engine.log), caches.get(seq).length
         decode = self._decode(caches, seq, request.decode) if request.decode else None
         return Response(logits, decode, self._executed(
             "last", n, state_len=state, entry=request.entry, seq_id=request.seq_id,
-            last_pos=request.last_pos, output_row=row, **({"images": list(request.images)} if request.images else {})))
+            last_pos=request.last_pos, output_row=row, **self._media_record(request)))
 
     def _prefill(self, request: Request, caches: CacheSet) -> Response:
         if not request.pieces:
             raise ValueError("numpy-engine: prefill request has no pieces")
-        piece_images = self._piece_images(request)
-        out, pieces = [], []
+        piece_images, piece_audio = self._piece_media(request)
+        soft = self._audio_soft_tokens(request)
+        media = self._media(request)
+        out, pieces, clip = [], [], 0
         for p, piece in enumerate(request.pieces):
             rows = self.piece_rows(p, piece.rows)
             x0 = None
-            if request.images:  # image prompts: every piece carries its input embeddings
+            if media:  # image / audio prompts: every piece carries its input embeddings
                 if piece.embeddings is None:
-                    raise ValueError(f"numpy-engine: piece {p} of an image prompt has no embeddings")
+                    what = "an image" if request.images else "an audio"
+                    raise ValueError(f"numpy-engine: piece {p} of {what} prompt has no embeddings")
                 x0 = np.asarray(piece.embeddings)
             elif piece.embeddings is not None:
-                raise ValueError(f"numpy-engine: piece {p} carries embeddings but the request has no images")
-            batch = self._one_sequence(caches, 0, piece.tokens, rows, x0, piece_images[p])
+                raise ValueError(f"numpy-engine: piece {p} carries embeddings but the request has no images or audio")
+            if piece_audio[p]:
+                x0 = self._with_audio(x0, piece_audio[p], soft[clip:clip + len(piece_audio[p])])
+                clip += len(piece_audio[p])
+            batch = self._one_sequence(caches, 0, piece.tokens, rows, x0, piece_images[p], piece_audio[p])
             out.append(self.engine.prefill(caches, batch, request.ubatch))
             pieces.append({"tokens": len(piece.tokens), "rows": rows,
-                           **({"images": piece_images[p]} if request.images else {})})
+                           **({"images": piece_images[p]} if request.images else {}),
+                           **({"audio": piece_audio[p]} if request.audio else {})})
         n, state = len(self.engine.log), caches.get(0).length
         logits = np.concatenate(out)
         decode = self._decode(caches, 0, request.decode) if request.decode else None
-        return Response(logits, decode, self._executed("prefill", n, state_len=state,
-                                                       ubatch=request.ubatch, pieces=pieces))
+        return Response(logits, decode, self._executed("prefill", n, state_len=state, ubatch=request.ubatch,
+                                                       pieces=pieces, **self._media_record(request)))
 
     def _multi(self, request: Request, caches: CacheSet) -> Response:
         """All sequences in ONE batch (tokens tagged with their sequence ids); decode steps batched too."""
-        self._no_images(request)
+        self._no_media(request)
         n = len(request.sequences)
         seq_ids = list(request.seq_ids) if request.seq_ids else list(range(n))
         if n == 0 or len(seq_ids) != n or len(set(seq_ids)) != n:

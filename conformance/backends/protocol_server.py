@@ -22,7 +22,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from conformance.backend import Piece, Request
+from conformance.backend import AudioInput, Piece, Request
 from conformance.registry import parse_option as registry_parse_option
 
 PROTOCOL = "gemma4-conformance-subprocess"
@@ -36,7 +36,8 @@ ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "
 
 
 def read_raw(ref: dict, out_dir: Path) -> np.ndarray:
-    """An ARRAY the client wrote (the ``last`` request's or a piece's embeddings): raw little-endian, C order."""
+    """An ARRAY the client wrote (the ``last`` request's or a piece's embeddings, an audio clip's features or
+    mask): raw little-endian, C order."""
     if ref.get("format") != "raw":
         raise ValueError(f"only raw input arrays are supported, got format {ref.get('format')!r}")
     path = Path(out_dir) / ref["path"]  # an absolute path stays absolute
@@ -60,6 +61,10 @@ def request_from_json(d: dict, out_dir: Path) -> Request:
                          embeddings=read_raw(p["embeddings"], out_dir) if p.get("embeddings") else None)
                    for p in d.get("pieces") or ())
     images = tuple((int(start), int(n)) for start, n in d.get("images") or ())
+    # audio prompts (likewise after v1): the audio blocks, and each clip's features and frame mask
+    audio = tuple((int(start), int(n)) for start, n in d.get("audio") or ())
+    audio_inputs = tuple(AudioInput(read_raw(a["features"], out_dir), read_raw(a["mask"], out_dir) != 0)
+                         for a in d.get("audio_inputs") or ())
     return Request(
         kind=kind,
         tokens=tuple(int(t) for t in d.get("tokens") or ()),
@@ -73,6 +78,8 @@ def request_from_json(d: dict, out_dir: Path) -> Request:
         seq_ids=tuple(int(s) for s in d.get("seq_ids") or ()),
         decode=decode,
         images=images,
+        audio=audio,
+        audio_inputs=audio_inputs,
     )
 
 

@@ -43,7 +43,8 @@ def all_capabilities(default_profile: str) -> Capabilities:
     return Capabilities(
         full_forward=True, last_plain=True, last_seq_id=True, last_embeddings=True,
         embedding_convention="scaled", interior_rows=True, output_rows=True, ubatch=True,
-        chunked_prefill=True, multi_sequence=True, decode=True, image_prompts=True, default_profile=default_profile,
+        chunked_prefill=True, multi_sequence=True, decode=True, image_prompts=True, audio_prompts=True,
+        audio_tower=True, default_profile=default_profile,
     )
 
 
@@ -70,17 +71,22 @@ class RefimplBackend(CachedBackend):
     def open(self, model_dir: Path) -> None:
         from refimpl import Gemma4, RefimplError
 
+        from refimpl.audio import load_audio_tower
+        from refimpl.config import read_config_json
         from refimpl.multimodal import load_multimodal_tokens
 
         try:
             self.model = Gemma4(model_dir, dtype=self.dtype, embed_scale=self.embed_scale)
             self.tokens = load_multimodal_tokens(model_dir)
+            _, raw = read_config_json(model_dir)
+            self.audio = load_audio_tower(model_dir, self.dtype) if isinstance(raw.get("audio_config"), dict) else None
         except (RefimplError, OSError) as exc:
             raise BackendError(f"refimpl backend cannot open {model_dir}: {exc}") from exc
 
     def close(self) -> None:
         self.model = None
         self.tokens = None
+        self.audio = None
         self._states = {}
 
     def embed(self, ids: Sequence[int]) -> np.ndarray:
@@ -112,30 +118,54 @@ class RefimplBackend(CachedBackend):
         return state.length
 
     def _forward(self, tokens: Sequence[int], rows: list[int], state, embeddings=None,
-                 images: Sequence[tuple[int, int]] = ()) -> tuple[np.ndarray, dict]:
+                 images: Sequence[tuple[int, int]] = (), audio: Sequence[tuple[int, int]] = (),
+                 audio_inputs: Sequence = ()) -> tuple[np.ndarray, dict]:
         """The oracle's forward continuing the KV cache ``state``: only ``rows`` go through the LM
-        head; a forward with no row (``rows=[]``) still writes K/V for all its tokens. Image blocks:
-        their per-layer-input rows come from the pad id, and on ``use_bidirectional_attention ==
-        "vision"`` checkpoints they are the forward's vision blocks."""
-        ids = np.asarray(tokens, dtype=np.int64)
-        blocks = None
-        if images:
-            from refimpl.multimodal import llm_input_ids
+        head; a forward with no row (``rows=[]``) still writes K/V for all its tokens. Image and audio
+        blocks: their per-layer-input rows come from the pad id; on ``use_bidirectional_attention ==
+        "vision"`` checkpoints the image blocks are the forward's vision blocks (audio stays causal).
+        Audio soft tokens are computed here with the oracle's audio tower from ``audio_inputs`` (the
+        given embeddings' audio rows are replaced), so the stored soft tokens are checked too."""
+        from refimpl.multimodal import llm_input_ids
 
-            placeholder = np.zeros(ids.shape[0], dtype=bool)
-            block_ids = np.full(ids.shape[0], -1, dtype=np.int64)
-            for b, (start, n) in enumerate(images):
-                if not np.all(ids[start:start + n] == self.tokens.image_token_id):
-                    raise ValueError(f"{self.who}: the image block ({start}, {n}) holds tokens other than the image "
-                                     f"token {self.tokens.image_token_id}")
+        ids = np.asarray(tokens, dtype=np.int64)
+        placeholder = np.zeros(ids.shape[0], dtype=bool)
+        blocks, notes = None, {}
+        for what, spans, token in (("image", images, self.tokens.image_token_id),
+                                   ("audio", audio, self.tokens.audio_token_id)):
+            for start, n in spans:
+                if not np.all(ids[start:start + n] == token):
+                    raise ValueError(f"{self.who}: the {what} block ({start}, {n}) holds tokens other than the "
+                                     f"{what} token {token}")
                 placeholder[start:start + n] = True
-                block_ids[start:start + n] = b
+        if images and self.model.cfg.use_bidirectional_attention == "vision":
+            blocks = np.full(ids.shape[0], -1, dtype=np.int64)
+            for b, (start, n) in enumerate(images):
+                blocks[start:start + n] = b
+        if audio:
+            embeddings = self._with_audio(np.array(embeddings, dtype=np.float64), audio, audio_inputs)
+            notes["audio_soft_tokens"] = "refimpl audio tower"
+        if placeholder.any():
             pad = self.model.cfg.pad_token_id if self.model.cfg.pad_token_id is not None else 0
             ids = llm_input_ids(ids, placeholder, pad)
-            if self.model.cfg.use_bidirectional_attention == "vision":
-                blocks = block_ids
         logits = self.model.forward(ids, rows=rows, cache=state, embeddings=embeddings, vision_blocks=blocks)
-        return logits, {}
+        return logits, notes
+
+    def _with_audio(self, embeddings: np.ndarray, audio, audio_inputs) -> np.ndarray:
+        """``embeddings`` with each audio block's rows replaced by the oracle's soft tokens of its clip."""
+        from refimpl.audio import audio_tower
+
+        if self.audio is None:
+            raise ValueError(f"{self.who}: an audio prompt, but the checkpoint has no audio tower (audio_config)")
+        weights, cfg = self.audio
+        for (start, n), clip in zip(audio, audio_inputs):
+            soft = audio_tower(np.asarray(clip.features, dtype=np.float64), np.asarray(clip.mask, dtype=bool),
+                               weights, cfg)
+            if soft.shape[0] != n:
+                raise ValueError(f"{self.who}: the audio block ({start}, {n}) has {n} tokens but its clip gives "
+                                 f"{soft.shape[0]} soft tokens")
+            embeddings[start:start + n] = soft
+        return embeddings
 
     def _executed(self, path: str, **extra) -> dict[str, Any]:
         return {"path": path, "dtype": self.dtype, "embed_scale": self.embed_scale, "fresh_state": True, **extra}

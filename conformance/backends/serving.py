@@ -13,9 +13,10 @@
   decode steps are interleaved across the sequences, as a server batches them, and each sequence
   only ever reads and writes its own cache.
 * decode (any kind): teacher-forced, one token per forward through the cache the prefill left.
-* image prompts (``request.images``): the ``last`` forward, or each prefill piece's forward, gets its
-  embeddings and the image blocks that fall in it (``images``: ``(start, length)`` within the
-  forward's tokens); a block that straddles two pieces, or images with ``ubatch``, are refused.
+* image and audio prompts (``request.images``, ``request.audio``): the ``last`` forward, or each
+  prefill piece's forward, gets its embeddings and the blocks that fall in it (``images`` and
+  ``audio``: ``(start, length)`` within the forward's tokens; ``audio_inputs``: the features of those
+  audio blocks); a block that straddles two pieces, or media with ``ubatch``, are refused.
 
 Every request starts from no state at all and leaves none behind. The requests are validated here
 (errors name the backend: ``f"{who}: ..."``) and the shared part of each ``executed`` record is
@@ -133,13 +134,15 @@ class CachedBackend:
 
     def _forward(self, tokens: Sequence[int], rows: list[int], state: Any,
                  embeddings: np.ndarray | None = None,
-                 images: Sequence[tuple[int, int]] = ()) -> tuple[np.ndarray, dict[str, Any]]:
+                 images: Sequence[tuple[int, int]] = (), audio: Sequence[tuple[int, int]] = (),
+                 audio_inputs: Sequence[Any] = ()) -> tuple[np.ndarray, dict[str, Any]]:
         """One forward of ``tokens`` continuing ``state`` (every token enters it, whatever ``rows``).
 
         ``rows`` are positions within ``tokens`` (increasing; may be empty); ``embeddings`` [T, H],
         when given, replace the token lookups. ``images``: the image blocks of this forward as
         ``(start, length)`` within ``tokens`` (their embeddings rows are soft tokens; see
-        ``conformance.backend``); only ever non-empty together with ``embeddings``. Returns (the logits of ``rows``, ``[len(rows), V]``,
+        ``conformance.backend``); ``audio`` likewise for audio blocks, with ``audio_inputs`` their
+        ``AudioInput`` (features, mask) in order; only ever non-empty together with ``embeddings``. Returns (the logits of ``rows``, ``[len(rows), V]``,
         the engine's notes on this forward for the ``executed`` record: a dict, often empty).
         """
         raise NotImplementedError
@@ -177,8 +180,9 @@ class CachedBackend:
     def _embeddings(self, request: Request) -> np.ndarray | None:
         """A ``last`` request's input embeddings as an array ``[T, H]`` (None for the other entries)."""
         if request.entry != "embeddings":
-            if request.images:
-                raise ValueError(f"{self.who}: an image prompt needs entry 'embeddings', got {request.entry!r}")
+            if request.images or request.audio:
+                raise ValueError(f"{self.who}: an image or audio prompt needs entry 'embeddings', got "
+                                 f"{request.entry!r}")
             return None
         if request.embeddings is None:
             raise ValueError(f"{self.who}: entry 'embeddings' without embeddings")
@@ -191,29 +195,44 @@ class CachedBackend:
             raise ValueError(f"{self.who}: {what} have shape {embeddings.shape}, expected {expected}")
         return embeddings
 
-    def _piece_images(self, request: Request) -> list[list[tuple[int, int]]]:
-        """The image blocks of each prefill piece, ``(start, length)`` within the piece; checked: every
-        block inside one piece, no ``ubatch``, every piece with embeddings."""
-        if not request.images:
+    def _piece_blocks(self, request: Request, spans: Sequence[tuple[int, int]],
+                      what: str) -> list[list[tuple[int, int, int]]]:
+        """The ``what`` blocks of each prefill piece as ``(start within the piece, length, block index)``;
+        checked: every block inside one piece, no ``ubatch``."""
+        if not spans:
             return [[] for _ in request.pieces]
         if request.ubatch is not None:
-            raise ValueError(f"{self.who}: image prompts cannot be split into micro-batches (ubatch "
-                             f"{request.ubatch}); an image block must run in one forward")
+            raise ValueError(f"{self.who}: {what} prompts cannot be split into micro-batches (ubatch "
+                             f"{request.ubatch}); an {what} block must run in one forward")
         out, lo = [], 0  # lo: the piece's first position in the prompt
         for a, piece in enumerate(request.pieces):
             hi = lo + len(piece.tokens)
-            out.append([(s - lo, n) for s, n in request.images if lo <= s < hi])
-            for s, n in out[-1]:
+            out.append([(s - lo, n, k) for k, (s, n) in enumerate(spans) if lo <= s < hi])
+            for s, n, _ in out[-1]:
                 if s + n > len(piece.tokens):
-                    raise ValueError(f"{self.who}: the image block at position {s + lo} ({n} tokens) straddles "
+                    raise ValueError(f"{self.who}: the {what} block at position {s + lo} ({n} tokens) straddles "
                                      f"pieces {a} and {a + 1}; a block must lie in one piece")
             lo = hi
         return out
 
-    def _check_images(self, images: Sequence[tuple[int, int]], T: int) -> None:
-        for s, n in images:
-            if n < 1 or s < 0 or s + n > T:
-                raise ValueError(f"{self.who}: image block ({s}, {n}) is outside the {T} prompt tokens")
+    def _check_blocks(self, request: Request, T: int) -> None:
+        for what, spans in (("image", request.images), ("audio", request.audio)):
+            for s, n in spans:
+                if n < 1 or s < 0 or s + n > T:
+                    raise ValueError(f"{self.who}: {what} block ({s}, {n}) is outside the {T} prompt tokens")
+        if request.audio and len(request.audio_inputs) != len(request.audio):
+            raise ValueError(f"{self.who}: {len(request.audio)} audio blocks but {len(request.audio_inputs)} "
+                             "audio_inputs")
+
+    @staticmethod
+    def _media_kwargs(images, audio, audio_inputs) -> dict[str, Any]:
+        """The ``_forward`` keywords of a forward's media blocks (none for text)."""
+        out: dict[str, Any] = {}
+        if images:
+            out["images"] = tuple(images)
+        if audio:
+            out["audio"], out["audio_inputs"] = tuple(audio), tuple(audio_inputs)
+        return out
 
     def _check_prefill(self, request: Request) -> None:
         if not request.pieces:
@@ -274,9 +293,9 @@ class CachedBackend:
     def _last(self, request: Request) -> Response:
         self._check_last(request)
         embeddings = self._embeddings(request)
-        self._check_images(request.images, len(request.tokens))
+        self._check_blocks(request, len(request.tokens))
         state = self._state(None if request.entry == "plain" else ("seq", request.seq_id))
-        extra = {"images": tuple(request.images)} if request.images else {}
+        extra = self._media_kwargs(request.images, request.audio, request.audio_inputs)
         logits, notes = self._forward(request.tokens, [request.last_pos], state, embeddings=embeddings, **extra)
         state_len = self._state_len(state)
         decode = self._decode(state, request.decode)
@@ -286,24 +305,27 @@ class CachedBackend:
 
     def _prefill(self, request: Request) -> Response:
         self._check_prefill(request)
-        self._check_images(request.images, sum(len(p.tokens) for p in request.pieces))
-        piece_images = self._piece_images(request)
+        self._check_blocks(request, sum(len(p.tokens) for p in request.pieces))
+        piece_images = self._piece_blocks(request, request.images, "image")
+        piece_audio = self._piece_blocks(request, request.audio, "audio")
+        media = bool(request.images or request.audio)
         state = self._state(None)
         out: list[np.ndarray] = []
         pieces_done = []
         for p, piece in enumerate(request.pieces):
             rows = self._piece_rows(p, piece.tokens, piece.rows)
             extra = {}
-            if request.images:  # image prompts: every piece carries its embeddings
+            if media:  # image and audio prompts: every piece carries its embeddings
                 if piece.embeddings is None:
-                    raise ValueError(f"{self.who}: piece {p} of an image prompt has no embeddings (every piece "
-                                     "carries its rows of the merged input embeddings)")
+                    raise ValueError(f"{self.who}: piece {p} of an image or audio prompt has no embeddings (every "
+                                     "piece carries its rows of the merged input embeddings)")
                 extra["embeddings"] = self._checked_embeddings(piece.embeddings, len(piece.tokens),
                                                                f"piece {p} embeddings")
-                if piece_images[p]:
-                    extra["images"] = tuple(piece_images[p])
+                extra.update(self._media_kwargs(
+                    [(s, n) for s, n, _ in piece_images[p]], [(s, n) for s, n, _ in piece_audio[p]],
+                    [request.audio_inputs[k] for _, _, k in piece_audio[p]]))
             elif piece.embeddings is not None:
-                raise ValueError(f"{self.who}: piece {p} carries embeddings but the request has no images")
+                raise ValueError(f"{self.who}: piece {p} carries embeddings but the request has no images or audio")
             ubatches = []
             for start, stop, local in micro_batches(len(piece.tokens), rows, request.ubatch):
                 logits, notes = self._forward(piece.tokens[start:stop], local, state, **extra)

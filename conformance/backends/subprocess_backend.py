@@ -29,7 +29,10 @@ SIGTERM or SIGHUP of the harness the engine process groups are killed before it 
 
 Image prompts travel as fields added after v1 (``images`` on the request, ``embeddings`` on each
 piece, the ``image_prompts`` capability, read as not claimed when a v1 engine's hello leaves it out);
-an image request is never sent to an engine that does not claim ``image_prompts``.
+an image request is never sent to an engine that does not claim ``image_prompts``. Audio prompts
+likewise (``audio`` and ``audio_inputs`` on the request, each clip's features and frame mask written
+as raw float64 files; the ``audio_prompts`` and ``audio_tower`` capabilities); an audio request is
+never sent to an engine that does not claim ``audio_prompts``.
 
 ``RefimplSubprocessBackend`` runs ``python -m conformance.backends.protocol_server --backend
 refimpl``: the oracle behind the protocol, which must pass every bundled case at ``exact-f64``.
@@ -87,7 +90,7 @@ RAW_DTYPES = {"float64": np.dtype("<f8"), "float32": np.dtype("<f4"), "float16":
 ST_DTYPES = ("F64", "F32", "F16", "BF16")
 CAPABILITY_FIELDS = tuple(f.name for f in fields(Capabilities))  # what the harness reads from hello
 # the capability fields of protocol version 1, frozen: a v1 engine must give each of them in hello. A
-# field added to Capabilities later (image_prompts) is optional on the wire (absent: its default, i.e.
+# field added to Capabilities later (image_prompts, audio_prompts, audio_tower) is optional on the wire (absent: its default, i.e.
 # not claimed), so that a new flag never breaks a v1 engine (docs/subprocess-protocol.md, Versioning).
 V1_CAPABILITY_FIELDS = ("full_forward", "last_plain", "last_seq_id", "last_embeddings", "embedding_convention",
                         "interior_rows", "output_rows", "ubatch", "chunked_prefill", "multi_sequence", "decode",
@@ -381,10 +384,22 @@ def _embeddings_json(embeddings: Any, out_dir: str | Path, name: str) -> dict[st
     return {"path": name, "format": "raw", "dtype": "float64", "shape": list(emb.shape)}
 
 
+def _audio_input_json(clip: Any, out_dir: str | Path, k: int) -> dict[str, Any]:
+    """One audio clip's ``features`` [T, F] and frame ``mask`` [T] (1.0 = real frame, 0.0 = padding)
+    written into out_dir as raw float64 (``audio<k>.features.f64``, ``audio<k>.mask.f64``)."""
+    features = np.asarray(clip.features)
+    mask = np.asarray(clip.mask)
+    if features.ndim != 2 or mask.shape != features.shape[:1]:
+        raise ValueError(f"audio_inputs[{k}]: features {features.shape} and mask {mask.shape} must be [T, F] and [T]")
+    return {"features": _embeddings_json(features, out_dir, f"audio{k}.features.f64"),
+            "mask": _embeddings_json(mask.astype(bool).astype("<f8"), out_dir, f"audio{k}.mask.f64")}
+
+
 def request_to_json(request: Request, out_dir: str | Path) -> dict[str, Any]:
     """The wire form of a Request (every field present); embeddings (the ``last`` request's and, for
-    image prompts, each piece's) are written to out_dir as raw float64 (``embeddings.f64``,
-    ``piece<i>.embeddings.f64``)."""
+    image and audio prompts, each piece's) are written to out_dir as raw float64 (``embeddings.f64``,
+    ``piece<i>.embeddings.f64``), and so are the audio clips' features and masks
+    (``audio<k>.features.f64``, ``audio<k>.mask.f64``)."""
     multi = request.kind == "multi"
     d: dict[str, Any] = {
         "kind": request.kind,
@@ -403,6 +418,8 @@ def request_to_json(request: Request, out_dir: str | Path) -> dict[str, Any]:
                    else [int(t) for t in request.decode]),
         "embeddings": None,
         "images": [[int(start), int(n)] for start, n in request.images],
+        "audio": [[int(start), int(n)] for start, n in request.audio],
+        "audio_inputs": [_audio_input_json(clip, out_dir, k) for k, clip in enumerate(request.audio_inputs)],
     }
     if request.embeddings is not None:
         d["embeddings"] = _embeddings_json(request.embeddings, out_dir, "embeddings.f64")
@@ -851,6 +868,10 @@ class SubprocessBackend:
             # and piece embeddings and answer a text prompt, so refuse here rather than grade that
             raise ValueError(f"subprocess backend {self.name!r}: the engine does not claim image_prompts; an "
                              f"image request is not sent to it")
+        if request.audio and not self.capabilities.audio_prompts:
+            # likewise: an engine without audio_prompts would answer the prompt as text
+            raise ValueError(f"subprocess backend {self.name!r}: the engine does not claim audio_prompts; an "
+                             f"audio request is not sent to it")
         if not self._alive():
             try:
                 self._restart()

@@ -1,8 +1,8 @@
 """Hugging Face transformers (PyTorch) as a conformance backend.
 
-It drives ``transformers.Gemma4ForCausalLM`` (``Gemma4ForConditionalGeneration`` for an image-text
-checkpoint) the way a serving stack built on transformers does, and claims every capability of the
-protocol, image prompts included. The request handling (validation, micro-batches, one cache
+It drives ``transformers.Gemma4ForCausalLM`` (``Gemma4ForConditionalGeneration`` for an image-text or
+audio-text checkpoint) the way a serving stack built on transformers does, and claims every capability
+of the protocol, image and audio prompts included (``audio_tower`` too, except in float64: see below). The request handling (validation, micro-batches, one cache
 per sequence id, decode) is ``conformance.backends.serving.CachedBackend``'s; this module supplies the
 forward, and with it how each request kind reaches transformers:
 
@@ -44,6 +44,28 @@ forward, and with it how each request kind reaches transformers:
   on the 60 image cases of the bundled sets e2b-vision-mini and 31b-vision-mini (CPU): all pass
   ``exact-f64`` with the float64 patches of tests/hf_reference.py (worst max_abs 2.9e-12) and ``fp32``
   in float32 eager (worst 2.4e-3).
+* audio prompts (``request.audio``; audio-text checkpoints only, i.e. an ``audio_config``, which load as
+  ``Gemma4ForConditionalGeneration`` like image-text ones): as for images, with ``pad_token_id`` at the
+  audio positions of the per-layer inputs and ``mm_token_type_ids`` 3 at audio tokens, from the
+  sequence's start (``get_block_sequence_ids_for_mask`` makes blocks of types 1 and 2 only, so audio
+  stays causal on every layer). The soft tokens are transformers' own: the clips of the forward
+  (``request.audio_inputs``) go as one batch, padded at the end with masked frames, through
+  ``Gemma4Model.get_audio_features(input_features, input_features_mask)``, and
+  ``pooler_output[attention_mask]`` (the valid tokens, clip by clip: exactly what
+  ``Gemma4Model.forward`` scatters) replaces the audio rows of ``inputs_embeds``; each forward's
+  ``executed`` notes say so (``audio_soft_tokens``) and give ``audio_rows_max_abs``, the largest
+  difference from the rows the request carried. (``Gemma4Model.forward`` cannot merge audio into given
+  ``inputs_embeds`` itself: it finds the audio positions by comparing ``inputs_embeds`` with the audio
+  token's embedding.) transformers 5.24's audio tower runs only with eager attention, so with
+  ``attn="sdpa"`` the text model takes sdpa and the audio tower eager (``executed
+  ["audio_attn_implementation"]``), and it does not run in float64 (``Gemma4AudioAttention`` computes
+  q/k/v in float32, then meets float64 parameters: "expected scalar type Float but found Double"), so a
+  float64 backend does not claim ``audio_tower`` and takes the request's soft tokens as given (option
+  ``audio_tower``). Measured on a two-clip prompt of e2b-audio-mini (11 and 7 soft tokens, one clip with
+  masked padding frames; last rows, output-row and chunked prefill, decode): with the float64 patches of
+  tests/hf_reference.py and tests/test_audio_tower.py (tower on) worst 5.8e-12 against the oracle, the
+  tower's soft tokens within 4.0e-14 of the oracle's; float32 as shipped worst 1.3e-3 (soft tokens
+  5.9e-6), passing ``fp32``.
 * ``multi``: one ``DynamicCache`` per sequence id, each sequence prefilled on its own; decode steps
   are interleaved across the sequences, as a server batches them.
 * decode: one token per forward through the cache the prefill left, ``logits_to_keep=1``.
@@ -64,6 +86,10 @@ Options (``--backend-option KEY=VALUE``):
             (``experts_implementation`` of the MoE blocks).
 ``threads`` ``None`` (default: leave torch's thread count alone) or an int for
             ``torch.set_num_threads`` (process-wide; 1 is fastest for the tiny synthetic sets).
+``audio_tower`` ``"auto"`` (default: ``"on"`` except for float64, where transformers' audio tower does not
+            run), ``"on"`` (compute the audio soft tokens with transformers' audio tower from
+            ``request.audio_inputs``; claims ``audio_tower``), ``"off"`` (use the soft tokens the
+            request's embeddings carry). Named in the backend's name when not ``"auto"``.
 
 Measured on the bundled sets (260 cases, CPU, torch 2.13.0+cpu, transformers 5.24.0; worst row
 max_abs against the float64 oracle):
@@ -93,7 +119,8 @@ The name shows the configuration: ``transformers-float32-eager`` (plus ``-expert
 ``experts`` is given explicitly); the device, versions and the path taken are in every case's
 ``executed`` record. Both checkpoint layouts load: ``Gemma4ForCausalLM`` (tensors ``model.*``) and
 ``Gemma4ForConditionalGeneration`` (config under ``text_config``, tensors ``model.language_model.*``;
-without a ``vision_config`` only the text model is built, with one the whole image-text model).
+without a ``vision_config`` or ``audio_config`` only the text model is built, with one the whole
+image-text / audio-text model).
 :func:`load_gemma4_causal_lm` (tests/hf_reference.py uses it too) and
 :func:`load_gemma4_conditional_generation` are the loaders; ``executed["model"]`` names the class.
 
@@ -119,14 +146,19 @@ from transformers import DynamicCache, Gemma4ForCausalLM, Gemma4ForConditionalGe
 from conformance.backend import BackendError, Capabilities, Request, Response
 from conformance.backends.serving import CachedBackend
 
-__all__ = ["ATTN_IMPLEMENTATIONS", "DTYPES", "EXPERTS_IMPLEMENTATIONS", "TransformersBackend", "checkpoint_layout",
-           "has_vision", "load_gemma4_causal_lm", "load_gemma4_conditional_generation", "resolve_device",
+__all__ = ["ATTN_IMPLEMENTATIONS", "AUDIO_TOWER_OPTIONS", "DTYPES", "EXPERTS_IMPLEMENTATIONS", "TransformersBackend", "checkpoint_layout",
+           "has_audio", "has_vision", "load_gemma4_causal_lm", "load_gemma4_conditional_generation", "resolve_device",
            "shipped_expectations"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
 EXPERTS_IMPLEMENTATIONS = ("auto", "eager", "grouped_mm", "batched_mm")
 DEVICES = ("auto", "cpu", "cuda")
+AUDIO_TOWER_OPTIONS = ("auto", "on", "off")
+# CUDA TF32: "off" (default) turns it off for matmuls and cuDNN convolutions (the audio tower's
+# subsampling Conv2d), so float32 means float32; "torch" keeps torch's defaults (matmuls off,
+# convolutions on: on an H200 that moves the audio soft tokens by ~0.1 and fails the fp32 profile)
+TF32_OPTIONS = ("off", "torch")
 CONDITIONAL_KEY_MAPPING = {r"^model\.language_model\.": "model."}
 EXPECTATIONS_DIR = Path(__file__).resolve().parent.parent / "expectations"
 
@@ -227,6 +259,12 @@ def has_vision(raw_config: dict) -> bool:
     return isinstance(raw_config.get("vision_config"), dict)
 
 
+def has_audio(raw_config: dict) -> bool:
+    """Whether a checkpoint's raw config.json has an audio tower (a non-null top-level ``audio_config``):
+    an audio-text ``Gemma4ForConditionalGeneration``."""
+    return isinstance(raw_config.get("audio_config"), dict)
+
+
 def _load_kwargs(dtype: str | torch.dtype, attn_implementation: str,
                  experts_implementation: str | None) -> dict[str, Any]:
     torch_dtype = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
@@ -243,26 +281,34 @@ def load_gemma4_conditional_generation(model_dir: str | os.PathLike, dtype: str 
                                        attn_implementation: str = "eager",
                                        experts_implementation: str | None = None,
                                        device: str | torch.device = "cpu") -> Gemma4ForConditionalGeneration:
-    """Load an image-text Gemma 4 checkpoint (conditional layout with a ``vision_config``) as an eval-mode
-    ``Gemma4ForConditionalGeneration`` on ``device``: the whole model as published (text model, vision
-    tower, ``embed_vision``), by plain ``from_pretrained``. Every weight must come from the checkpoint
+    """Load an image-text or audio-text Gemma 4 checkpoint (conditional layout with a ``vision_config``
+    and/or an ``audio_config``) as an eval-mode ``Gemma4ForConditionalGeneration`` on ``device``: the
+    whole model as published (text model, vision tower and ``embed_vision``, audio tower and
+    ``embed_audio``, whichever the config has), by plain ``from_pretrained``. Every weight must come from the checkpoint
     (``lm_head.weight`` is tied to ``model.language_model.embed_tokens.weight``) and no shape may mismatch.
 
     Every failure is a BackendError that names the directory and the reason.
     """
     kwargs = _load_kwargs(dtype, attn_implementation, experts_implementation)
     layout, raw = checkpoint_layout(model_dir)
-    if layout != "conditional" or not has_vision(raw):
-        raise BackendError(f"{model_dir}: not an image-text checkpoint (no vision_config); "
-                           f"load it with load_gemma4_causal_lm")
+    if layout != "conditional" or not (has_vision(raw) or has_audio(raw)):
+        raise BackendError(f"{model_dir}: not an image-text or audio-text checkpoint (no vision_config or "
+                           f"audio_config); load it with load_gemma4_causal_lm")
+    what = "conditional layout, " + "+".join(m for m, on in (("vision", has_vision(raw)), ("audio", has_audio(raw)))
+                                             if on)
+    if has_audio(raw) and attn_implementation != "eager":
+        # Gemma4AudioModel refuses any attention but eager ("does not support an attention implementation
+        # through torch.nn.functional.scaled_dot_product_attention yet"): the text (and vision) model
+        # takes the one asked for, the audio tower eager
+        kwargs["attn_implementation"] = {"text_config": attn_implementation, "audio_config": "eager",
+                                         **({"vision_config": attn_implementation} if has_vision(raw) else {})}
     try:
         with _quiet_progress_bar():
             model, info = Gemma4ForConditionalGeneration.from_pretrained(os.fspath(model_dir), **kwargs)
     except Exception as exc:  # noqa: BLE001 - whatever transformers raises, the checkpoint cannot be served
-        raise BackendError(f"transformers {transformers.__version__} cannot load {model_dir} (conditional layout, "
-                           f"vision): {type(exc).__name__}: {exc}") from exc
-    return _checked(model, info, model.model.language_model.embed_tokens,
-                    f"{model_dir} (conditional layout, vision)", device)
+        raise BackendError(f"transformers {transformers.__version__} cannot load {model_dir} ({what}): "
+                           f"{type(exc).__name__}: {exc}") from exc
+    return _checked(model, info, model.model.language_model.embed_tokens, f"{model_dir} ({what})", device)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -306,7 +352,7 @@ def shipped_expectations(name: str, device: torch.device) -> Path | None:
 
 class SequenceState:
     """One sequence's state: its ``DynamicCache`` and the ``mm_token_type_ids`` of every token the cache
-    holds (1 at image tokens, 0 elsewhere). transformers' vision mask reads the block ids by absolute
+    holds (1 at image tokens, 3 at audio tokens, 0 elsewhere). transformers' vision mask reads the block ids by absolute
     position (``blockwise_overlay`` indexes them with the kv position, and a sliding cache layer's keys
     start at ``kv_offset`` > 0), so a forward continuing the cache passes them from the sequence's start,
     as ``Gemma4ForConditionalGeneration.prepare_inputs_for_generation`` does for a prefill chunk."""
@@ -319,18 +365,19 @@ class SequenceState:
 
 
 class TransformersBackend(CachedBackend):
-    """``transformers.Gemma4ForCausalLM`` (``Gemma4ForConditionalGeneration`` for image-text checkpoints)
-    behind the backend protocol (``conformance.backend.Backend``).
+    """``transformers.Gemma4ForCausalLM`` (``Gemma4ForConditionalGeneration`` for image-text and audio-text
+    checkpoints) behind the backend protocol (``conformance.backend.Backend``).
 
     Options: ``dtype`` ("float32", "float64", "bfloat16"), ``attn`` ("eager", "sdpa"), ``device``
     ("auto", "cpu", "cuda", "cuda:N"), ``experts`` ("auto", "eager", "grouped_mm", "batched_mm"),
-    ``threads`` (None or an int >= 1). See the module docstring.
+    ``threads`` (None or an int >= 1), ``audio_tower`` ("auto", "on", "off"), ``tf32`` ("off", "torch";
+    CUDA only). See the module docstring.
     """
 
     who = "transformers backend"
 
     def __init__(self, dtype: str = "float32", attn: str = "eager", device: str = "auto",
-                 experts: str = "auto", threads: int | None = None):
+                 experts: str = "auto", threads: int | None = None, audio_tower: str = "auto", tf32: str = "off"):
         super().__init__()
         if dtype not in DTYPES:
             raise ValueError(f"transformers backend: dtype must be one of {_allowed(DTYPES)}, got {dtype!r}")
@@ -342,6 +389,12 @@ class TransformersBackend(CachedBackend):
                              f"got {experts!r}")
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"transformers backend: threads must be None or an integer >= 1, got {threads!r}")
+        if audio_tower not in AUDIO_TOWER_OPTIONS:
+            raise ValueError(f"transformers backend: audio_tower must be one of {_allowed(AUDIO_TOWER_OPTIONS)}, "
+                             f"got {audio_tower!r}")
+        if tf32 not in TF32_OPTIONS:
+            raise ValueError(f"transformers backend: tf32 must be one of {_allowed(TF32_OPTIONS)}, got {tf32!r}")
+        self.tf32 = tf32
         self.dtype = dtype
         self.torch_dtype = DTYPES[dtype]
         self.attn = attn
@@ -354,20 +407,28 @@ class TransformersBackend(CachedBackend):
         else:
             self.experts = experts
         self.threads = threads
-        self.name = f"transformers-{dtype}-{attn}" + ("" if experts == "auto" else f"-experts-{experts}")
+        # transformers 5.24's audio tower does not run in float64 (Gemma4AudioAttention computes q/k/v in
+        # float32, then multiplies by float64 parameters: "expected scalar type Float but found Double"),
+        # so a float64 model takes the soft tokens the request gives unless told otherwise
+        self.audio_tower = audio_tower == "on" or (audio_tower == "auto" and dtype != "float64")
+        self.name = (f"transformers-{dtype}-{attn}" + ("" if experts == "auto" else f"-experts-{experts}")
+                     + ("" if audio_tower == "auto" else f"-audio-tower-{audio_tower}")
+                     + ("" if tf32 == "off" else f"-tf32-{tf32}"))
         self.capabilities = Capabilities(
             full_forward=True, last_plain=True, last_seq_id=True, last_embeddings=True,
             embedding_convention="scaled", interior_rows=True, output_rows=True, ubatch=True,
-            chunked_prefill=True, multi_sequence=True, decode=True, image_prompts=True,
-            default_profile="bf16" if dtype == "bfloat16" else "fp32",
+            chunked_prefill=True, multi_sequence=True, decode=True, image_prompts=True, audio_prompts=True,
+            audio_tower=self.audio_tower, default_profile="bf16" if dtype == "bfloat16" else "fp32",
         )
         self.expectations_file = shipped_expectations(self.name, self.device)
         self.model: Gemma4ForCausalLM | Gemma4ForConditionalGeneration | None = None
         self.layout: str | None = None
         self.vision = False  # the checkpoint has a vision tower: Gemma4ForConditionalGeneration
+        self.audio = False  # the checkpoint has an audio tower: Gemma4ForConditionalGeneration
         self.text_config: Any = None
         self.text_model: Any = None  # the Gemma4TextModel (per-layer inputs)
         self.image_token_id: int | None = None
+        self.audio_token_id: int | None = None
         self._model_dir: Path | None = None
         self._cache_kw = "cache"
         self._device_info: dict[str, Any] = {}
@@ -378,8 +439,8 @@ class TransformersBackend(CachedBackend):
         if self.threads is not None:
             torch.set_num_threads(self.threads)
         self.layout, raw = checkpoint_layout(model_dir)
-        self.vision = has_vision(raw)
-        loader = load_gemma4_conditional_generation if self.vision else load_gemma4_causal_lm
+        self.vision, self.audio = has_vision(raw), has_audio(raw)
+        loader = load_gemma4_conditional_generation if self.conditional else load_gemma4_causal_lm
         try:
             self.model = loader(model_dir, self.torch_dtype, attn_implementation=self.attn,
                                 experts_implementation=self.experts, device=self.device)
@@ -387,21 +448,26 @@ class TransformersBackend(CachedBackend):
             raise BackendError(f"transformers backend: {model_dir} does not fit on {self.device}: {exc}") from exc
         self._model_dir = Path(model_dir)
         self.text_config = self.model.config.get_text_config()
-        self.text_model = self.model.model.language_model if self.vision else self.model.model
+        self.text_model = self.model.model.language_model if self.conditional else self.model.model
         self.image_token_id = int(self.model.config.image_token_id) if self.vision else None
+        self.audio_token_id = int(self.model.config.audio_token_id) if self.audio else None
         params = inspect.signature(type(self.model).forward).parameters
         # transformers 5.24 renamed past_key_values -> cache (the old name is deprecated until 5.40)
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._device_info = {}
         if self.device.type == "cuda":  # pragma: no cover - needs a GPU
+            if self.tf32 == "off":
+                torch.backends.cuda.matmul.allow_tf32 = False
+                torch.backends.cudnn.allow_tf32 = False
             self._device_info = {"gpu": torch.cuda.get_device_name(self.device),
-                                 "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32)}
+                                 "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
+                                 "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32)}
 
     def close(self) -> None:
         self.model = None
         self.layout = None
-        self.vision = False
-        self.text_config = self.text_model = self.image_token_id = self._model_dir = None
+        self.vision = self.audio = False
+        self.text_config = self.text_model = self.image_token_id = self.audio_token_id = self._model_dir = None
         self._states = {}
         if self.device.type == "cuda":  # pragma: no cover - needs a GPU
             torch.cuda.empty_cache()
@@ -426,15 +492,21 @@ class TransformersBackend(CachedBackend):
         return np.float64 if self.dtype == "float64" else np.float32
 
     @property
+    def conditional(self) -> bool:
+        """Whether the open checkpoint runs as ``Gemma4ForConditionalGeneration`` (a vision or audio tower)."""
+        return self.vision or self.audio
+
+    @property
     def vision_masks(self) -> bool:
-        """Whether transformers builds image-block masks on this checkpoint: an image-text model whose text
-        config says ``use_bidirectional_attention == "vision"`` (``Gemma4Model.forward`` then calls
-        ``create_masks_for_vision_model`` when given ``mm_token_type_ids``)."""
-        return self.vision and self.text_config.use_bidirectional_attention == "vision"
+        """Whether transformers builds block masks on this checkpoint: a ``Gemma4ForConditionalGeneration``
+        whose text config says ``use_bidirectional_attention == "vision"`` (``Gemma4Model.forward`` then
+        calls ``create_masks_for_vision_model`` when given ``mm_token_type_ids``; only types 1 and 2 form
+        blocks, so audio tokens, type 3, stay causal)."""
+        return self.conditional and self.text_config.use_bidirectional_attention == "vision"
 
     @property
     def pad_token_id(self) -> int:
-        """The id whose per-layer-input row image positions take (``text_config.pad_token_id``, as in
+        """The id whose per-layer-input row image and audio positions take (``text_config.pad_token_id``, as in
         ``Gemma4Model.forward``; 0 when the config has none)."""
         pad = self.text_config.pad_token_id
         return 0 if pad is None else int(pad)
@@ -461,24 +533,72 @@ class TransformersBackend(CachedBackend):
             out = out.float()  # bfloat16 -> float32 on the way out
         return out.cpu().numpy()
 
-    def _token_types(self, ids: list[int], images: Sequence[tuple[int, int]]) -> list[int]:
-        """``mm_token_type_ids`` of one forward's tokens (1 in the image blocks), checked: an image
-        request needs an image-text checkpoint, and every block holds only the image token."""
+    def _token_types(self, ids: list[int], images: Sequence[tuple[int, int]],
+                     audio: Sequence[tuple[int, int]] = ()) -> list[int]:
+        """``mm_token_type_ids`` of one forward's tokens (1 in the image blocks, 3 in the audio blocks, as
+        the Gemma 4 processor makes them), checked: an image (audio) request needs a checkpoint with a
+        vision (audio) tower, and every block holds only the image (audio) token."""
         types = [0] * len(ids)
-        if not images:
-            return types
-        if not self.vision:
-            raise ValueError(f"{self.who}: {self._model_dir} has no vision_config (a text-only checkpoint); "
-                             f"it cannot serve image prompts")
-        for start, n in images:
-            if any(t != self.image_token_id for t in ids[start:start + n]):
-                raise ValueError(f"{self.who}: the image block ({start}, {n}) holds tokens other than the image "
-                                 f"token {self.image_token_id}")
-            types[start:start + n] = [1] * n
+        kind = "an audio-text" if self.audio else "an image-text" if self.vision else "a text-only"
+        for what, spans, have, token, type_id in (("image", images, self.vision, self.image_token_id, 1),
+                                                  ("audio", audio, self.audio, self.audio_token_id, 3)):
+            if not spans:
+                continue
+            if not have:
+                raise ValueError(f"{self.who}: {self._model_dir} has no {'vision' if what == 'image' else what}"
+                                 f"_config ({kind} checkpoint); it cannot serve {what} prompts")
+            for start, n in spans:
+                if any(t != token for t in ids[start:start + n]):
+                    raise ValueError(f"{self.who}: the {what} block ({start}, {n}) holds tokens other than the "
+                                     f"{what} token {token}")
+                types[start:start + n] = [type_id] * n
         return types
+
+    def _audio_soft_tokens(self, audio: Sequence[tuple[int, int]], audio_inputs: Sequence) -> torch.Tensor:
+        """The soft tokens of a forward's audio blocks, ``[sum of lengths, H]`` in the model dtype, from
+        transformers' own audio tower: the clips as one batch (padded at the end to the longest clip with
+        masked zero frames, as the feature extractor pads a batch) through
+        ``Gemma4Model.get_audio_features``, then ``pooler_output[attention_mask]`` (the valid soft tokens,
+        clip by clip: what ``Gemma4Model.forward`` scatters into the audio positions). Each clip must give
+        as many soft tokens as its block has."""
+        if len(audio_inputs) != len(audio):
+            raise ValueError(f"{self.who}: {len(audio)} audio blocks but {len(audio_inputs)} audio_inputs")
+        feats, masks = [], []
+        for k, clip in enumerate(audio_inputs):
+            f, m = np.asarray(clip.features), np.asarray(clip.mask, dtype=bool)
+            if f.ndim != 2 or m.shape != (f.shape[0],) or f.shape[0] < 1:
+                raise ValueError(f"{self.who}: audio clip {k}: features {f.shape} and mask {m.shape} must be "
+                                 f"[T, F] and [T] (T >= 1)")
+            feats.append(f)
+            masks.append(m)
+        T = max(f.shape[0] for f in feats)
+        F = {f.shape[1] for f in feats}
+        if len(F) != 1:
+            raise ValueError(f"{self.who}: the audio clips have different feature widths {sorted(F)}")
+        x = np.zeros((len(feats), T, F.pop()), dtype=np.float64)
+        mask = np.zeros((len(feats), T), dtype=bool)
+        for b, (f, m) in enumerate(zip(feats, masks)):
+            x[b, :f.shape[0]], mask[b, :m.shape[0]] = f, m
+        try:
+            out = self.model.model.get_audio_features(torch.from_numpy(x).to(self.device, self.torch_dtype),
+                                                      torch.from_numpy(mask).to(self.device), return_dict=True)
+        except RuntimeError as exc:
+            if self.torch_dtype == torch.float64:
+                raise RuntimeError(f"{self.who}: transformers {transformers.__version__}'s audio tower does not run "
+                                   f"in float64 ({exc}); use audio_tower='off' (the request's soft tokens) or "
+                                   f"float32") from exc
+            raise
+        keep = out.attention_mask.to(torch.bool)
+        counts = keep.sum(-1).tolist()
+        for (start, n), c in zip(audio, counts):
+            if c != n:
+                raise ValueError(f"{self.who}: the audio block ({start}, {n}) has {n} tokens but transformers' "
+                                 f"audio tower gives {c} soft tokens for its clip")
+        return out.pooler_output[keep]
 
     def _forward(self, tokens: Sequence[int], rows: list[int], state: SequenceState,
                  embeddings: np.ndarray | None = None, images: Sequence[tuple[int, int]] = (),
+                 audio: Sequence[tuple[int, int]] = (), audio_inputs: Sequence = (),
                  logits_to_keep: Any = None) -> tuple[np.ndarray, dict]:
         """One forward of ``tokens`` continuing the cache of ``state``; returns (logits of ``rows``
         [R, V], notes: ``{"logits_to_keep": the logits_to_keep used, in JSON form}``, plus
@@ -489,10 +609,15 @@ class TransformersBackend(CachedBackend):
         Image blocks (``images``, with ``embeddings``): the per-layer inputs' token part is looked up at
         ``pad_token_id`` in the blocks; on an image-text model every embeddings forward of a sequence
         that holds an image token passes ``mm_token_type_ids`` from the sequence's start (decode steps,
-        which come without embeddings, pass none, as ``generate`` does)."""
+        which come without embeddings, pass none, as ``generate`` does).
+
+        Audio blocks (``audio``, with ``embeddings`` and ``audio_inputs``): likewise (type 3, pad row),
+        and with ``audio_tower`` on, the blocks' rows of ``inputs_embeds`` are replaced by the soft tokens
+        of transformers' own audio tower (:meth:`_audio_soft_tokens`); notes ``audio_soft_tokens`` (where
+        they came from) and ``audio_rows_max_abs`` (max |tower - given rows|)."""
         T = len(tokens)
         id_list = [int(t) for t in tokens]
-        types = self._token_types(id_list, images)
+        types = self._token_types(id_list, images, audio)
         ids = torch.tensor([id_list], dtype=torch.long, device=self.device)
         if logits_to_keep is None:
             logits_to_keep, shown = self._logits_to_keep(rows, T)
@@ -504,16 +629,28 @@ class TransformersBackend(CachedBackend):
         if embeddings is None:
             kwargs["input_ids"] = ids
         else:
-            kwargs["inputs_embeds"] = torch.tensor(np.asarray(embeddings)[None]).to(self.device, self.torch_dtype)
+            inputs_embeds = torch.tensor(np.asarray(embeddings)[None]).to(self.device, self.torch_dtype)
+            if audio:
+                at = [start + i for start, n in audio for i in range(n)]
+                if self.audio_tower:
+                    soft = self._audio_soft_tokens(audio, audio_inputs)
+                    given = np.asarray(embeddings, dtype=np.float64)[at]
+                    notes["audio_soft_tokens"] = ("transformers audio tower (Gemma4Model.get_audio_features, "
+                                                  "pooler_output[attention_mask])")
+                    notes["audio_rows_max_abs"] = float(np.abs(soft.double().cpu().numpy() - given).max())
+                    inputs_embeds[0, at] = soft.to(inputs_embeds.dtype)  # Gemma4Model.forward's masked_scatter
+                else:
+                    notes["audio_soft_tokens"] = "given (the request's embeddings)"
+            kwargs["inputs_embeds"] = inputs_embeds
             if self.text_config.hidden_size_per_layer_input:
-                # the token-identity part of the per-layer embeddings, looked up by id; at image
-                # positions the pad row (Gemma4Model.forward's llm_input_ids)
+                # the token-identity part of the per-layer embeddings, looked up by id; at image and
+                # audio positions the pad row (Gemma4Model.forward's llm_input_ids)
                 ple_ids = ids
                 if any(types):
-                    is_image = torch.tensor([types], dtype=torch.bool, device=self.device)
-                    ple_ids = torch.where(is_image, self.pad_token_id, ids)
+                    is_media = torch.tensor([types], dtype=torch.bool, device=self.device)
+                    ple_ids = torch.where(is_media, self.pad_token_id, ids)
                 kwargs["per_layer_inputs"] = self.text_model.get_per_layer_inputs(ple_ids, None)
-            if self.vision and any(token_types):
+            if self.conditional and any(token_types):
                 kwargs["mm_token_type_ids"] = torch.tensor([token_types], dtype=torch.long, device=self.device)
                 notes["mm_token_type_ids"] = len(token_types)
                 notes["mask_function"] = ("create_masks_for_vision_model" if self.vision_masks
@@ -539,17 +676,32 @@ class TransformersBackend(CachedBackend):
         return {"path": path, "engine": f"transformers {transformers.__version__}, torch {torch.__version__}",
                 "model": type(self.model).__name__, "layout": self.layout, "dtype": self.dtype,
                 "attn_implementation": self.attn, "experts_implementation": self.model.config._experts_implementation,
+                **({"audio_attn_implementation": self.model.config.audio_config._attn_implementation}
+                   if self.audio else {}),
                 "device": str(self.device), **self._device_info, "cache": "DynamicCache", "fresh_state": True,
                 **extra}
 
     def _notes(self, request: Request) -> dict[str, Any]:
-        """full: the rows computed; last/embeddings and image prompts: how the embeddings, per-layer
-        inputs and masks went in; multi: the caches."""
+        """full: the rows computed; last/embeddings, image and audio prompts: how the embeddings (and
+        audio soft tokens), per-layer inputs and masks went in; multi: the caches."""
         if request.kind == "full":
             return {"rows": len(request.tokens)}
         ple = bool(self.text_config.hidden_size_per_layer_input)
+        out: dict[str, Any] = {}
+        if request.audio:
+            out = {"audio": [list(b) for b in request.audio],
+                   "audio_tower": (f"transformers {transformers.__version__} Gemma4Model.get_audio_features on "
+                                   "request.audio_inputs (the clips of each forward as one batch), "
+                                   "pooler_output[attention_mask] scattered into the audio rows of inputs_embeds"
+                                   if self.audio_tower else "none: the request's soft tokens are used as given"),
+                   "audio_mask": ("mm_token_type_ids 3 at audio tokens (from the sequence's start): never a "
+                                  "vision block, causal on every layer"),
+                   "inputs_embeds": "scaled (E[ids] * sqrt(H) at text rows, soft tokens unscaled at audio and "
+                                    "image rows), cast to the model dtype",
+                   "per_layer_inputs": (f"get_per_layer_inputs(token ids, pad_token_id {self.pad_token_id} at "
+                                        f"audio and image positions)" if ple else None)}
         if request.images:
-            return {"images": [list(b) for b in request.images],
+            return {**out, "images": [list(b) for b in request.images],
                     "inputs_embeds": "scaled (E[ids] * sqrt(H) at text rows, soft tokens unscaled at image rows), "
                                      "cast to the model dtype",
                     "per_layer_inputs": (f"get_per_layer_inputs(token ids, pad_token_id {self.pad_token_id} at "
@@ -557,7 +709,10 @@ class TransformersBackend(CachedBackend):
                     "image_mask": ("mm_token_type_ids (1 at image tokens, from the sequence's start; decode steps "
                                    "none) -> create_masks_for_vision_model: sliding AND(window, OR(causal, same "
                                    "block)), full causal" if self.vision_masks else
-                                   "causal (use_bidirectional_attention is not 'vision')")}
+                                   "causal (use_bidirectional_attention is not 'vision')"),
+                    **({k: out[k] for k in ("inputs_embeds", "per_layer_inputs")} if out else {})}
+        if out:
+            return out
         if request.kind == "last" and request.entry == "embeddings":
             return {"inputs_embeds": "scaled (E[ids] * sqrt(H)), cast to the model dtype",
                     "per_layer_inputs": "get_per_layer_inputs(token ids)" if ple else None}
