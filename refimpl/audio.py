@@ -68,13 +68,11 @@ import numpy as np
 from .config import _get, _positive, _positive_float, read_config_json, tower_section
 from .errors import ConfigError, InputError
 from .model import Trace, linear, rms_norm, softcap, softmax
-from .safetensors_io import TensorStore
-from .weights import check_tower_tensors
+from .weights import CLIP_BOUNDS, TowerWeights
 
 TOWER = "model.audio_tower."
 EMBED = "model.embed_audio."
 SUB = TOWER + "subsample_conv_projection."
-CLIP_BOUNDS = ("input_min", "input_max", "output_min", "output_max")
 FIXED_NORM_EPS = 1e-6  # Gemma4RMSNorm's default, used by the FF and layer norms whatever rms_norm_eps says
 HF_DEFAULTS = dict(hidden_act="silu", conv_kernel_size=5, residual_weight=0.5, attention_chunk_size=12,
                    attention_context_left=13, attention_context_right=0, attention_logit_cap=50.0,
@@ -258,35 +256,21 @@ def expected_audio_tensors(cfg: AudioConfig) -> dict[str, tuple[int, ...]]:
     return t
 
 
-class AudioWeights:
+class AudioWeights(TowerWeights):
     """The audio tensors of one checkpoint, validated against its config, decoded on demand.
 
     Only ``model.audio_tower.*`` and ``model.embed_audio.*`` are read (and checked: missing,
     mis-shaped, non-float and unexpected tensors under those prefixes are one error).
     """
 
-    def __init__(self, model_dir: str | Path, cfg: AudioConfig, dtype: str | np.dtype = "float64"):
-        self.dtype = np.dtype(dtype)
-        if self.dtype not in (np.float64, np.float32):
-            raise InputError(f"dtype must be float64 or float32, got {self.dtype}")
-        self.cfg = cfg
-        self.store = TensorStore(model_dir)
-        self._validate()
+    what = "audio"
+    prefixes = (TOWER, EMBED)
 
-    def _validate(self) -> None:
-        check_tower_tensors(self.store, expected_audio_tensors(self.cfg), (TOWER, EMBED), "audio",
-                            lambda name: " (clip bounds, but the config sets use_clipped_linears to false)"
-                            if name.endswith(CLIP_BOUNDS) else "")
+    def expected(self) -> dict[str, tuple[int, ...]]:
+        return expected_audio_tensors(self.cfg)
 
-    def __getitem__(self, name: str) -> np.ndarray:
-        """A whole tensor by its full checkpoint name, decoded to the compute dtype."""
-        return self.store.get(name, self.dtype)
-
-    def clip_bounds(self, prefix: str) -> tuple[float, float, float, float] | None:
-        """(input_min, input_max, output_min, output_max) of a clippable linear, or None without clipping."""
-        if not self.cfg.use_clipped_linears:
-            return None
-        return tuple(float(self.store.get(prefix + "." + b, np.float64)) for b in CLIP_BOUNDS)  # type: ignore[return-value]
+    def unexpected_hint(self, name: str) -> str:
+        return " (clip bounds, but the config sets use_clipped_linears to false)" if name.endswith(CLIP_BOUNDS) else ""
 
     def clippable(self, x: np.ndarray, prefix: str) -> np.ndarray:
         """The clippable linear ``prefix`` (``.linear.weight`` plus its bounds) applied to x."""

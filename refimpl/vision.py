@@ -47,13 +47,11 @@ import numpy as np
 from .config import _get, _positive, _positive_float, read_config_json, tower_section
 from .errors import ConfigError, InputError
 from .model import Trace, apply_rope, attention, gelu_tanh, linear, rms_norm
-from .safetensors_io import TensorStore
-from .weights import check_tower_tensors
+from .weights import CLIP_BOUNDS, TowerWeights
 
 TOWER = "model.vision_tower."
 EMBED = "model.embed_vision."
 ROPE_TYPES = ("axial", "default")  # transformers 5.24 rewrites "default" (older configs) to "axial"
-CLIP_BOUNDS = ("input_min", "input_max", "output_min", "output_max")
 ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 
@@ -188,7 +186,7 @@ def expected_vision_tensors(cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
     return t
 
 
-class VisionWeights:
+class VisionWeights(TowerWeights):
     """The vision tensors of one checkpoint, validated against its config, decoded on demand.
 
     Only ``model.vision_tower.*`` and ``model.embed_vision.*`` are read (and checked: missing,
@@ -196,34 +194,20 @@ class VisionWeights:
     read row by row from the memory map, never whole.
     """
 
-    def __init__(self, model_dir: str | Path, cfg: VisionConfig, dtype: str | np.dtype = "float64"):
-        self.dtype = np.dtype(dtype)
-        if self.dtype not in (np.float64, np.float32):
-            raise InputError(f"dtype must be float64 or float32, got {self.dtype}")
-        self.cfg = cfg
-        self.store = TensorStore(model_dir)
-        self._validate()
+    what = "vision"
+    prefixes = (TOWER, EMBED)
 
-    def _validate(self) -> None:
-        check_tower_tensors(self.store, expected_vision_tensors(self.cfg), (TOWER, EMBED), "vision",
-                            lambda name: " (clip bounds, but the config sets use_clipped_linears to false)"
-                            if name.endswith(CLIP_BOUNDS) else
-                            " (standardize buffers, but the config sets standardize to false)"
-                            if name in (TOWER + "std_bias", TOWER + "std_scale") else "")
+    def expected(self) -> dict[str, tuple[int, ...]]:
+        return expected_vision_tensors(self.cfg)
 
-    def __getitem__(self, name: str) -> np.ndarray:
-        """A whole tensor by its full checkpoint name, decoded to the compute dtype."""
-        return self.store.get(name, self.dtype)
+    def unexpected_hint(self, name: str) -> str:
+        return (" (clip bounds, but the config sets use_clipped_linears to false)" if name.endswith(CLIP_BOUNDS) else
+                " (standardize buffers, but the config sets standardize to false)"
+                if name in (TOWER + "std_bias", TOWER + "std_scale") else "")
 
     def position_rows(self, axis: int, index: np.ndarray) -> np.ndarray:
         """T[axis, index] [N, D] of the position table (axis 0: x, 1: y), gathered from the memory map."""
         return self.store.rows(TOWER + "patch_embedder.position_embedding_table", (axis, index), self.dtype)
-
-    def clip_bounds(self, prefix: str) -> tuple[float, float, float, float] | None:
-        """(input_min, input_max, output_min, output_max) of a clippable linear, or None without clipping."""
-        if not self.cfg.use_clipped_linears:
-            return None
-        return tuple(float(self.store.get(prefix + "." + b, np.float64)) for b in CLIP_BOUNDS)  # type: ignore[return-value]
 
 
 # ----------------------------------------------------------------------------------------------

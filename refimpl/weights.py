@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import TextConfig
-from .errors import WeightsError
+from .errors import InputError, WeightsError
 from .safetensors_io import TensorStore
 
 TEXT_PREFIXES = ("model.language_model.", "model.")
@@ -196,3 +196,40 @@ def check_tower_tensors(store, expected: dict[str, tuple[int, ...]], prefixes: t
     if problems:
         shown = problems[:8] + ([f"... and {len(problems) - 8} more"] if len(problems) > 8 else [])
         raise WeightsError(f"{store.model_dir}: the {what} weights do not match config.json:\n  " + "\n  ".join(shown))
+
+
+CLIP_BOUNDS = ("input_min", "input_max", "output_min", "output_max")  # a clippable linear's scalar buffers
+
+
+class TowerWeights:
+    """The tensors of one encoder tower (vision, audio) of a checkpoint, validated against its config at
+    construction (``check_tower_tensors``), decoded on demand to ``dtype`` (float64 or float32).
+    Subclasses set ``what``, ``prefixes`` and implement ``expected()`` (full name -> shape) and
+    ``unexpected_hint(name)``."""
+
+    what = "tower"
+    prefixes: tuple[str, ...] = ()
+
+    def __init__(self, model_dir: str | Path, cfg, dtype: str | np.dtype = "float64"):
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in (np.float64, np.float32):
+            raise InputError(f"dtype must be float64 or float32, got {self.dtype}")
+        self.cfg = cfg
+        self.store = TensorStore(model_dir)
+        check_tower_tensors(self.store, self.expected(), self.prefixes, self.what, self.unexpected_hint)
+
+    def expected(self) -> dict[str, tuple[int, ...]]:
+        raise NotImplementedError
+
+    def unexpected_hint(self, name: str) -> str:
+        return ""
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        """A whole tensor by its full checkpoint name, decoded to the compute dtype."""
+        return self.store.get(name, self.dtype)
+
+    def clip_bounds(self, prefix: str) -> tuple[float, float, float, float] | None:
+        """(input_min, input_max, output_min, output_max) of a clippable linear, or None without clipping."""
+        if not self.cfg.use_clipped_linears:
+            return None
+        return tuple(float(self.store.get(prefix + "." + b, np.float64)) for b in CLIP_BOUNDS)  # type: ignore[return-value]

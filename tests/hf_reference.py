@@ -241,6 +241,24 @@ def float64_exact() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def audited_float64_exact(patches, audited, who: str) -> Iterator[None]:
+    """:func:`float64_exact` plus ``patches`` (tuples as for :func:`patched`, with the sha256 of each
+    original's source), after checking that neither a patched original nor an ``audited`` function
+    (``(function, sha256)`` pairs read for float32 spots and left alone) changed source. ``who`` names
+    the test file that holds the copies, for the error."""
+    changed = [f"{getattr(owner, '__name__', owner)}.{attr}" for owner, attr, orig, _, sha in patches
+               if _source_sha256(orig) != sha]
+    changed += [fn.__qualname__ for fn, sha in audited if _source_sha256(fn) != sha]
+    if changed:
+        raise RuntimeError(
+            f"{who} was written against transformers 5.24.0, but the source of {', '.join(changed)} changed; "
+            "re-read modeling_gemma4.py for float32 spots and update the copies/sha256"
+        )
+    with float64_exact(), patched(patches):
+        yield
+
+
+@contextlib.contextmanager
 def patched(patches):
     """Set ``owner.attr = replacement`` for each ``(owner, attr, original, replacement, sha256)`` and
     restore whatever was there on exit."""

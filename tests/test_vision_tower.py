@@ -47,8 +47,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import hashlib
-import inspect
 import json
 
 import numpy as np
@@ -179,22 +177,10 @@ def _audited(mg):
     ]
 
 
-def _sha(fn) -> str:
-    return hashlib.sha256(inspect.getsource(inspect.unwrap(fn)).encode()).hexdigest()
-
-
 @contextlib.contextmanager
 def vision_float64_exact(torch, mg, hf_reference):
     """hf_reference.float64_exact() (RMSNorm, eager softmax) plus the vision rotary and pooler copies."""
-    patches = _vision_patches(torch, mg)
-    changed = [f"{owner.__name__}.{attr}" for owner, attr, orig, _, sha in patches if _sha(orig) != sha]
-    changed += [fn.__qualname__ for fn, sha in _audited(mg) if _sha(fn) != sha]
-    if changed:
-        raise RuntimeError(
-            "tests/test_vision_tower.py was written against transformers 5.24.0, but the source of "
-            f"{', '.join(changed)} changed; re-read modeling_gemma4.py for float32 spots and update the copies/sha256"
-        )
-    with hf_reference.float64_exact(), hf_reference.patched(patches):
+    with hf_reference.audited_float64_exact(_vision_patches(torch, mg), _audited(mg), "tests/test_vision_tower.py"):
         yield
 
 
