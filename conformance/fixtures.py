@@ -1122,6 +1122,22 @@ def _check_manifest(m: Any, where: str) -> list[str]:
     return out
 
 
+def _stored_items(infos: Mapping[str, Any], kind: str, b: str, leaves: tuple[str, ...],
+                  where: str) -> tuple[list[tuple[str, tuple]], list[str]]:
+    """The stored images/clips ``<kind>/<b>/<j>/<leaf>`` of base ``b`` (counted by the first leaf) as
+    (name prefix, the leaves' tensor infos), and a problem for each one missing a leaf."""
+    items, out, j = [], [], 0
+    while f"{kind}/{b}/{j}/{leaves[0]}" in infos:
+        prefix = f"{kind}/{b}/{j}/"
+        got = [infos.get(prefix + leaf) for leaf in leaves]
+        missing = [leaf for leaf, info in zip(leaves, got) if info is None]
+        if missing:
+            out.append(f"{where}: {prefix}{missing[0]} is missing")
+        items.append((prefix, tuple(got)))
+        j += 1
+    return items, out
+
+
 def _check_audio_tensors(infos: Mapping[str, Any], b: str, N: int, where: str) -> list[str]:
     """Shapes and dtypes of an audio base's tensors."""
     emb, au = infos.get(f"base/{b}/embeddings"), infos[f"base/{b}/audio"]
@@ -1131,19 +1147,13 @@ def _check_audio_tensors(infos: Mapping[str, Any], b: str, N: int, where: str) -
     if au.dtype != "I64" or len(au.shape) != 2 or au.shape[1] != 2 or au.shape[0] < 1:
         return out + [f"{where}: base/{b}/audio must be I64 [n, 2] (first position, soft tokens), got {au.dtype} "
                       f"{list(au.shape)}"]
-    n_clips = 0
-    while f"audio/{b}/{n_clips}/waveform" in infos:
-        n_clips += 1
-    if n_clips != au.shape[0]:
-        out.append(f"{where}: base {b} has {au.shape[0]} audio blocks but {n_clips} stored clips")
-    for j in range(n_clips):
-        p = f"audio/{b}/{j}/"
-        got = {leaf: infos.get(p + leaf) for leaf in AUDIO_LEAVES}
-        missing = [leaf for leaf, info in got.items() if info is None]
-        if missing:
-            out.append(f"{where}: {p}{missing[0]} is missing")
+    clips, missing = _stored_items(infos, "audio", b, AUDIO_LEAVES, where)
+    if len(clips) != au.shape[0]:
+        out.append(f"{where}: base {b} has {au.shape[0]} audio blocks but {len(clips)} stored clips")
+    out += missing
+    for p, (wave, feats, mask, st) in clips:
+        if None in (wave, feats, mask, st):
             continue
-        wave, feats, mask, st = (got[leaf] for leaf in AUDIO_LEAVES)
         if wave.dtype != "F64" or len(wave.shape) != 1:
             out.append(f"{where}: {p}waveform must be F64 [n]")
         if feats.dtype != "F64" or len(feats.shape) != 2 or mask.dtype != "U8" or mask.shape != feats.shape[:1]:
@@ -1158,10 +1168,8 @@ def _check_image_tensors(infos: Mapping[str, Any], b: str, N: int, where: str) -
     if f"base/{b}/audio" in infos:
         return _check_audio_tensors(infos, b, N, where)
     emb, im = infos.get(f"base/{b}/embeddings"), infos.get(f"base/{b}/images")
-    n_images = 0
-    while f"image/{b}/{n_images}/pixels" in infos:
-        n_images += 1
-    if emb is None and im is None and n_images == 0:
+    images, missing = _stored_items(infos, "image", b, IMAGE_LEAVES, where)
+    if emb is None and im is None and not images:
         return []
     if emb is None or im is None:
         return [f"{where}: image base {b} needs both base/{b}/embeddings and base/{b}/images"]
@@ -1171,16 +1179,12 @@ def _check_image_tensors(infos: Mapping[str, Any], b: str, N: int, where: str) -
     if im.dtype != "I64" or len(im.shape) != 2 or im.shape[1] != 2 or im.shape[0] < 1:
         return out + [f"{where}: base/{b}/images must be I64 [n, 2] (first position, soft tokens), got {im.dtype} "
                       f"{list(im.shape)}"]
-    if n_images != im.shape[0]:
-        out.append(f"{where}: base {b} has {im.shape[0]} image blocks but {n_images} stored images")
-    for j in range(n_images):
-        p = f"image/{b}/{j}/"
-        got = {leaf: infos.get(p + leaf) for leaf in IMAGE_LEAVES}
-        missing = [leaf for leaf, info in got.items() if info is None]
-        if missing:
-            out.append(f"{where}: {p}{missing[0]} is missing")
+    if len(images) != im.shape[0]:
+        out.append(f"{where}: base {b} has {im.shape[0]} image blocks but {len(images)} stored images")
+    out += missing
+    for p, (px, pv, pos, st) in images:
+        if None in (px, pv, pos, st):
             continue
-        px, pv, pos, st = (got[leaf] for leaf in IMAGE_LEAVES)
         if px.dtype != "U8" or len(px.shape) != 3 or px.shape[2] != 3:
             out.append(f"{where}: {p}pixels must be U8 [h, w, 3], got {px.dtype} {list(px.shape)}")
         if pv.dtype != "F64" or len(pv.shape) != 2 or pos.dtype != "I64" or pos.shape != (pv.shape[0], 2):

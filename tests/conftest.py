@@ -53,6 +53,21 @@ def micro_factory(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="module")
+def torch_one_thread():
+    """(torch, modeling_gemma4, hf_reference) with torch on one thread for the module (tiny models:
+    threads only add overhead on a busy 2-core box); skips without torch and transformers."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import hf_reference
+    import transformers.models.gemma4.modeling_gemma4 as mg
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield torch, mg, hf_reference
+    torch.set_num_threads(before)
+
+
 BASE_LEN = 40  # oracle_bases: length of each base, as the fixture sets use
 
 

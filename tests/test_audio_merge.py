@@ -67,21 +67,9 @@ N_MELS, T_FRAMES = 16, 41
 IMAGE_SIZE = (40, 56)  # 63 soft tokens (tests/test_vision_tower.py)
 
 
-def _hf():
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    import hf_reference
-    import transformers.models.gemma4.modeling_gemma4 as mg
-    return torch, mg, hf_reference
-
-
 @pytest.fixture(scope="module")
-def env():
-    torch, mg, hf_reference = _hf()
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield torch, mg, hf_reference
-    torch.set_num_threads(before)
+def env(torch_one_thread):
+    return torch_one_thread
 
 
 def _randomise(torch, model, seed):

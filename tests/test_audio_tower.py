@@ -92,14 +92,6 @@ def _masks() -> np.ndarray:
 # transformers, float64 throughout (needs torch, transformers)
 
 
-def _hf():
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    import hf_reference
-    import transformers.models.gemma4.modeling_gemma4 as mg
-    return torch, mg, hf_reference
-
-
 def _audio_patches(torch, mg):
     """(owner, attribute, original, float64 replacement, sha256 of the original in transformers 5.24.0)."""
     F64 = torch.float64
@@ -267,15 +259,6 @@ def _randomise(torch, model, seed: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def torch_one_thread():
-    torch, mg, hf_reference = _hf()
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny model: threads only add overhead on a busy 2-core box
-    yield torch, mg, hf_reference
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
 def checkpoints(torch_one_thread, tmp_path_factory):
     """{variant: (checkpoint dir, float64 HF model)}."""
     torch, mg, _ = torch_one_thread
@@ -314,8 +297,6 @@ def hf_soft_tokens(torch_one_thread, hf, x, mask, exact=True) -> np.ndarray:
         out = hf.model.get_audio_features(torch.from_numpy(x).to(dtype), torch.from_numpy(mask))
     kept = out.pooler_output[out.attention_mask]
     return kept.to(torch.float64).numpy()
-
-
 
 
 @pytest.mark.hf

@@ -44,22 +44,10 @@ IMAGE_SIZES = [(40, 56), (90, 36)]  # 63 and 65 soft tokens (see tests/test_visi
 IMG, BOI, EOI = TOKEN_IDS["image_token_id"], TOKEN_IDS["boi_token_id"], TOKEN_IDS["eoi_token_id"]
 
 
-def _hf():
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    pytest.importorskip("PIL")
-    import hf_reference
-    import transformers.models.gemma4.modeling_gemma4 as mg
-    return torch, mg, hf_reference
-
-
 @pytest.fixture(scope="module")
-def env():
-    torch, mg, hf_reference = _hf()
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield torch, mg, hf_reference
-    torch.set_num_threads(before)
+def env(torch_one_thread):
+    pytest.importorskip("PIL")  # the image processor
+    return torch_one_thread
 
 
 @pytest.fixture(scope="module")

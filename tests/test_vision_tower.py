@@ -93,15 +93,6 @@ IMAGE_SIZES = [(40, 56), (30, 30), (90, 36)]
 # transformers, float64 throughout (needs torch, transformers, pillow)
 
 
-def _hf():
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    pytest.importorskip("PIL")
-    import hf_reference
-    import transformers.models.gemma4.modeling_gemma4 as mg
-    return torch, mg, hf_reference
-
-
 def _vision_patches(torch, mg):
     """(owner, attribute, original, float64 replacement, sha256 of the original in transformers 5.24.0)."""
     F64 = torch.float64
@@ -225,17 +216,9 @@ def _randomise(torch, model, seed: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def torch_one_thread():
-    torch, mg, hf_reference = _hf()
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny model: threads only add overhead on a busy 2-core box
-    yield torch, mg, hf_reference
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
 def processed(torch_one_thread):
     """The processor's batch for IMAGE_SIZES: pixel_values [3, 630, 48] f32, image_position_ids [3, 630, 2]."""
+    pytest.importorskip("PIL")
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
     proc = Gemma4ImageProcessorPil(patch_size=4, pooling_kernel_size=3, max_soft_tokens=70)
