@@ -26,7 +26,7 @@ from .model import Gemma4, resolve_rows
 from .multimodal import (MultimodalTokens, audio_spans, expand_audio_placeholders, expand_image_placeholders,
                          image_spans, load_multimodal_tokens, multimodal_logits)
 from .safetensors_io import write_safetensors
-from .synth import PRESETS, write_checkpoint
+from .synth import PRESETS, PUBLISHED, published_config, published_parameters, write_checkpoint, write_published_checkpoint
 from .tokenizer import Tokenizer
 from .vision import load_vision_config, load_vision_tower, vision_tower
 from .weights import Gemma4Weights
@@ -260,8 +260,40 @@ def _media(args) -> bool:
 
 
 def cmd_synth(args) -> int:
-    out = write_checkpoint(args.preset, args.seed, args.out, args.dtype, args.layout, overwrite=args.force)
-    print(f"wrote {args.preset} (seed {args.seed}, {args.dtype}, {args.layout}) to {out}")
+    if args.preset in PUBLISHED:
+        return _synth_published(args)
+    if args.layers is not None:
+        raise InputError(f"--layers applies to the published-shape presets ({', '.join(PUBLISHED)}), not to "
+                         f"{args.preset}")
+    dtype = args.dtype or "f32"
+    out = write_checkpoint(args.preset, args.seed, args.out, dtype, args.layout, overwrite=args.force)
+    print(f"wrote {args.preset} (seed {args.seed}, {dtype}, {args.layout}) to {out}")
+    return 0
+
+
+def _synth_published(args) -> int:
+    dtype = args.dtype or "bf16"
+    config = published_config(args.preset, 0, args.layers)  # validates --layers before any work
+    n = published_parameters(config)
+    layers = config["num_hidden_layers"]
+    size = n * (2 if dtype == "bf16" else 4)
+    print(f"writing {args.preset} shapes, {layers} layers ({config['num_kv_shared_layers']} KV-shared): "
+          f"{n / 1e9:.2f} B parameters, {size / 2**30:.1f} GiB of {dtype}", file=sys.stderr)
+    tty = sys.stderr.isatty()
+    shown = [-1]
+
+    def progress(done: int, total: int) -> None:
+        pct = int(100 * done / max(total, 1))
+        if pct != shown[0] and (tty or pct % 10 == 0):
+            shown[0] = pct
+            line = f"  weights {pct:3d}% ({done / 2**30:.1f} / {total / 2**30:.1f} GiB)"
+            print(("\r" + line) if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
+
+    out = write_published_checkpoint(args.preset, args.seed, args.out, layers=args.layers, dtype=dtype,
+                                     layout=args.layout, overwrite=args.force, progress=progress)
+    if tty:
+        print(file=sys.stderr)
+    print(f"wrote {args.preset} shapes ({layers} layers, seed {args.seed}, {dtype}, {args.layout}) to {out}")
     return 0
 
 
@@ -433,10 +465,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("synth", help="write a synthetic checkpoint directory")
-    p.add_argument("--preset", required=True, choices=list(PRESETS))
+    p.add_argument("--preset", required=True, choices=[*PRESETS, *PUBLISHED],
+                   help="a miniature (*-mini, all-features) or the published shapes of a variant (e2b, e4b, "
+                        "26b-a4b, 31b: real-size, written streamed)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
-    p.add_argument("--dtype", choices=["f32", "bf16"], default="f32", help="storage dtype of the weights")
+    p.add_argument("--dtype", choices=["f32", "bf16"], default=None,
+                   help="storage dtype of the weights (default f32 for miniatures, bf16 for published shapes)")
+    p.add_argument("--layers", type=int, default=None, metavar="N",
+                   help="published shapes only: keep the first N layers of the pattern (KV sharing scaled; "
+                        "the last layer full)")
     p.add_argument("--layout", choices=["causal", "conditional"], default="causal",
                    help="Gemma4ForCausalLM (model.*) or Gemma4ForConditionalGeneration (model.language_model.*)")
     p.add_argument("--force", action="store_true", help="replace an existing --out directory")

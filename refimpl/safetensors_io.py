@@ -5,16 +5,27 @@ Format: 8-byte little-endian header length N, a JSON header of N bytes mapping t
 then the raw little-endian data. Tensors are read lazily: ``TensorStore.raw`` returns a view of the
 memory map and nothing is copied until a caller decodes it. BF16 is decoded exactly (a bfloat16 is
 the top half of a float32), since NumPy has no bfloat16 type.
+
+Memory: once ``get`` or ``rows`` has decoded a tensor (or some of its rows), the pages of the map
+it read are handed back to the kernel (``madvise(MADV_DONTNEED)``; the file stays in the page
+cache), so the resident memory of a forward pass over a checkpoint is its decoded working set, not
+the checkpoint: streaming a 10 GB bf16 checkpoint layer by layer does not leave it mapped in.
+
+``write_safetensors_streamed`` writes tensors from chunk generators, so a checkpoint larger than
+memory can be written.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -35,23 +46,66 @@ SINGLE_FILE = "model.safetensors"
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     """Exact decode: the 16 stored bits are the high half of a float32."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
+    return np.left_shift(bits, 16, dtype=np.uint32).view(np.float32)
 
 
 def f32_to_bf16(x: np.ndarray) -> np.ndarray:
-    """Round float32 to the nearest bfloat16 (ties to even), returned as raw uint16 bits."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    """Round float32 to the nearest bfloat16 (ties to even), returned as raw uint16 bits.
+
+    In uint32 arithmetic: the addition can wrap only for NaN bit patterns, which are replaced."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = (u + (0x7FFF + ((u >> 16) & 1))) >> 16
     nan = (u & 0x7FFFFFFF) > 0x7F800000
-    rounded = np.where(nan, (u >> 16) | 0x0040, rounded)  # keep the sign, force a quiet NaN
+    if nan.any():
+        rounded = np.where(nan, (u >> 16) | 0x0040, rounded)  # keep the sign, force a quiet NaN
     return rounded.astype(np.uint16)
 
 
+DECODE_BLOCK = 1 << 18  # values per step when decoding BF16 (a 1 MiB float32 scratch, cache-resident)
+
+
 def decode(raw: np.ndarray, dtype: str, out: np.dtype = np.float64) -> np.ndarray:
-    """Decode raw stored values (a memmap view or a copy) to ``out``."""
-    if dtype == "BF16":
+    """Decode raw stored values (a memmap view or a copy) to ``out``. BF16 goes through float32 a block
+    at a time, so no float32 copy of the whole tensor is made."""
+    if dtype != "BF16":
+        return raw.astype(out)
+    if np.dtype(out) == np.float32 or raw.size <= DECODE_BLOCK:
         return bf16_to_f32(raw).astype(out, copy=False)
-    return raw.astype(out)
+    flat = raw.reshape(-1)
+    result = np.empty(flat.shape, dtype=out)
+
+    def decode_part(first: int, last: int) -> None:  # values [first, last) of flat, into result
+        scratch = np.empty(DECODE_BLOCK, dtype=np.uint32)
+        for start in range(first, last, DECODE_BLOCK):
+            n = min(DECODE_BLOCK, last - start)
+            np.left_shift(flat[start:start + n], 16, dtype=np.uint32, out=scratch[:n])
+            result[start:start + n] = scratch[:n].view(np.float32)
+
+    threads = min(decode_threads(), flat.size // (8 * DECODE_BLOCK))  # a part is at least 8 blocks
+    if threads <= 1:
+        decode_part(0, flat.size)
+    else:  # NumPy releases the GIL in these loops: the parts run on separate cores
+        bounds = [flat.size * i // threads // DECODE_BLOCK * DECODE_BLOCK for i in range(threads)] + [flat.size]
+        parts = [threading.Thread(target=decode_part, args=(a, b)) for a, b in zip(bounds[1:-1], bounds[2:])]
+        for t in parts:
+            t.start()
+        decode_part(bounds[0], bounds[1])
+        for t in parts:
+            t.join()
+    return result.reshape(raw.shape)
+
+
+def decode_threads() -> int:
+    """Threads for decoding a large BF16 tensor: as many as BLAS may use (OPENBLAS_NUM_THREADS,
+    OMP_NUM_THREADS or MKL_NUM_THREADS, as set for a worker process), else the cores of this process."""
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -145,7 +199,7 @@ class TensorStore:
         index = model_dir / INDEX_FILE
         single = model_dir / SINGLE_FILE
         self.infos: dict[str, TensorInfo] = {}
-        self._maps: dict[Path, np.memmap] = {}
+        self._maps: dict[Path, tuple[mmap.mmap, np.ndarray]] = {}
         if model_dir.is_file():
             self.infos = read_header(model_dir)
         elif index.is_file():
@@ -196,24 +250,68 @@ class TensorStore:
     def names(self) -> list[str]:
         return list(self.infos)
 
-    def _map(self, path: Path) -> np.memmap:
+    def _map(self, path: Path) -> tuple[mmap.mmap, np.ndarray]:
+        """(the read-only mapping of a file, a uint8 array over it)."""
         if path not in self._maps:
-            self._maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
+            with open(path, "rb") as f:
+                m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._maps[path] = (m, np.frombuffer(m, dtype=np.uint8))
         return self._maps[path]
 
     def raw(self, name: str) -> np.ndarray:
         """The stored values as a read-only view of the memory map (no copy)."""
         info = self.infos[name]
-        buf = self._map(info.path)[info.begin:info.end]
+        buf = self._map(info.path)[1][info.begin:info.end]
         return buf.view(STORAGE[info.dtype]).reshape(info.shape)
 
+    def release(self, name: str, index: slice | None = None) -> None:
+        """Hand the mapped pages of a tensor (or of rows ``index``, a slice) back to the kernel. Reading
+        them again faults them in from the page cache; nothing changes but the resident set."""
+        info = self.infos[name]
+        begin, end = info.begin, info.end
+        if isinstance(index, slice) and info.shape:
+            start, stop, _ = index.indices(info.shape[0])
+            row = (end - begin) // max(info.shape[0], 1)
+            begin, end = begin + start * row, begin + stop * row
+        begin -= begin % mmap.PAGESIZE
+        if end > begin and hasattr(mmap, "MADV_DONTNEED"):
+            self._map(info.path)[0].madvise(mmap.MADV_DONTNEED, begin, end - begin)
+
     def get(self, name: str, dtype: np.dtype = np.float64) -> np.ndarray:
-        """Decode a whole tensor to ``dtype`` (a new array)."""
-        return decode(self.raw(name), self.infos[name].dtype, dtype)
+        """Decode a whole tensor to ``dtype`` (a new array); its mapped pages are released."""
+        out = decode(self.raw(name), self.infos[name].dtype, dtype)
+        self.release(name)
+        return out
 
     def rows(self, name: str, index, dtype: np.dtype = np.float64) -> np.ndarray:
-        """Decode only ``tensor[index]`` along the first axis (rows gathered from the memory map)."""
-        return decode(self.raw(name)[index], self.infos[name].dtype, dtype)
+        """Decode only ``tensor[index]`` along the first axis (rows gathered from the memory map); the
+        pages read are released (the tensor's range for a gather, the slice's for a slice)."""
+        out = decode(self.raw(name)[index], self.infos[name].dtype, dtype)
+        self.release(name, index if isinstance(index, slice) else None)
+        return out
+
+
+def _encode(x: np.ndarray, kind: str) -> bytes:
+    if kind == "BF16":
+        return f32_to_bf16(x.astype(np.float32)).astype("<u2").tobytes()
+    return np.asarray(x).astype(STORAGE[kind]).tobytes()
+
+
+def _kind(x: np.ndarray, dtype: str) -> str:
+    return ("U8" if x.dtype == np.uint8 else "I64") if np.issubdtype(x.dtype, np.integer) else dtype
+
+
+def _header_blob(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None) -> bytes:
+    """The 8-byte length and the JSON header of tensors (name, safetensors dtype, shape) laid out in order."""
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, kind, shape in entries:
+        nbytes = math.prod(shape) * STORAGE[kind].itemsize
+        header[name] = {"dtype": kind, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    blob += b" " * (-len(blob) % 8)  # align the data section to 8 bytes
+    return struct.pack("<Q", len(blob)) + blob
 
 
 def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], dtype: str = "F32",
@@ -222,23 +320,39 @@ def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], dtype: s
     F16 or BF16, rounded to nearest even); uint8 tensors (images) as U8, other integer tensors as I64."""
     if dtype not in ("F64", "F32", "F16", "BF16"):
         raise ValueError(f"unsupported dtype {dtype!r}")
-    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
-    blobs = []
-    offset = 0
-    for name in sorted(tensors):
-        x = np.asarray(tensors[name])
-        kind = ("U8" if x.dtype == np.uint8 else "I64") if np.issubdtype(x.dtype, np.integer) else dtype
-        if kind == "BF16":
-            data = f32_to_bf16(x.astype(np.float32)).astype("<u2").tobytes()
-        else:
-            data = x.astype(STORAGE[kind]).tobytes()
-        header[name] = {"dtype": kind, "shape": list(x.shape), "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
-    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    blob += b" " * (-len(blob) % 8)  # align the data section to 8 bytes
+    arrays = {name: np.asarray(tensors[name]) for name in sorted(tensors)}
+    entries = [(name, _kind(x, dtype), tuple(x.shape)) for name, x in arrays.items()]
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for data in blobs:
-            f.write(data)
+        f.write(_header_blob(entries, metadata))
+        for name, kind, _ in entries:
+            f.write(_encode(arrays[name], kind))
+
+
+def write_safetensors_streamed(path: str | Path, tensors: dict[str, tuple[tuple[int, ...], Callable[[], Iterable[np.ndarray]]]],
+                               dtype: str = "BF16", metadata: dict[str, str] | None = None,
+                               progress: Callable[[int, int], None] | None = None) -> None:
+    """``write_safetensors`` for float tensors given as (shape, chunks): ``chunks()`` yields the tensor's
+    values in C order, a piece at a time (any shapes; only their sizes must add up). The bytes equal
+    ``write_safetensors`` of the concatenated tensors; only one chunk is in memory at a time.
+    ``progress(bytes_done, bytes_total)`` is called after each chunk."""
+    if dtype not in ("F64", "F32", "F16", "BF16"):
+        raise ValueError(f"unsupported dtype {dtype!r}")
+    entries = [(name, dtype, tuple(tensors[name][0])) for name in sorted(tensors)]
+    total = sum(math.prod(shape) for _, _, shape in entries) * STORAGE[dtype].itemsize
+    done = 0
+    with open(path, "wb") as f:
+        f.write(_header_blob(entries, metadata))
+        for name, kind, shape in entries:
+            want, got = math.prod(shape), 0
+            for chunk in tensors[name][1]():
+                chunk = np.asarray(chunk)
+                got += chunk.size
+                if got > want:
+                    break
+                data = _encode(chunk, kind)
+                f.write(data)
+                done += len(data)
+                if progress is not None:
+                    progress(done, total)
+            if got != want:
+                raise ValueError(f"tensor {name!r}: the chunks hold {got} values, its shape {list(shape)} needs {want}")

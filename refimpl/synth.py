@@ -120,6 +120,192 @@ PRESETS["e2b-audio-mini"] = dict(
                use_clipped_linears=True, rms_norm_eps=1e-6, residual_weight=0.5, gradient_clipping=1e10,
                hidden_act="silu", model_type="gemma4_audio"),
 )
+# ----------------------------------------------------------------------------------------------
+# published shapes (gemma4-text-spec.md section 1): real-size checkpoints for memory and speed work
+
+_PUBLISHED_COMMON = dict(
+    vocab_size=262_144, head_dim=256, global_head_dim=512, final_logit_softcapping=30.0, rms_norm_eps=1e-6,
+    hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, attention_bias=False,
+    rope_parameters=_COMMON["rope_parameters"], vocab_size_per_layer_input=262_144,
+    hidden_size_per_layer_input=0, num_kv_shared_layers=0, use_double_wide_mlp=False, attention_k_eq_v=False,
+    num_global_key_value_heads=None, enable_moe_block=False, num_experts=None, top_k_experts=None,
+    moe_intermediate_size=None, use_bidirectional_attention=None, bos_token_id=2, pad_token_id=0,
+)
+PUBLISHED: dict[str, dict] = {
+    "e2b": dict(
+        description="the published E2B text shapes: H 1536, 35 layers (4 S : 1 F), MQA, 20 KV-shared layers "
+                    "with the double-wide MLP (12288), PLE 256 with its [262144, 8960] table",
+        period=5, hidden_size=1536, num_hidden_layers=35, num_attention_heads=8, num_key_value_heads=1,
+        intermediate_size=6144, use_double_wide_mlp=True, num_kv_shared_layers=20, hidden_size_per_layer_input=256,
+        sliding_window=512, max_position_embeddings=131_072,
+    ),
+    "e4b": dict(
+        description="the published E4B text shapes: H 2560, 42 layers (5 S : 1 F), GQA 8/2, 18 KV-shared layers, "
+                    "PLE 256 with its [262144, 10752] table",
+        period=6, hidden_size=2560, num_hidden_layers=42, num_attention_heads=8, num_key_value_heads=2,
+        intermediate_size=10240, num_kv_shared_layers=18, hidden_size_per_layer_input=256, sliding_window=512,
+        max_position_embeddings=131_072,
+    ),
+    "26b-a4b": dict(
+        description="the published 26B-A4B text shapes: H 2816, 30 layers (5 S : 1 F), MoE 128 experts top-8 "
+                    "(704 wide) beside a 2112 dense branch, K=V full layers with 2 KV heads",
+        period=6, hidden_size=2816, num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8,
+        intermediate_size=2112, attention_k_eq_v=True, num_global_key_value_heads=2, enable_moe_block=True,
+        num_experts=128, top_k_experts=8, moe_intermediate_size=704, sliding_window=1024,
+        max_position_embeddings=262_144, use_bidirectional_attention="vision",
+    ),
+    "31b": dict(
+        description="the published 31B text shapes: H 5376, 60 layers (5 S : 1 F), GQA 32/16, K=V full layers "
+                    "with 4 KV heads, dense 21504",
+        period=6, hidden_size=5376, num_hidden_layers=60, num_attention_heads=32, num_key_value_heads=16,
+        intermediate_size=21504, attention_k_eq_v=True, num_global_key_value_heads=4, sliding_window=1024,
+        max_position_embeddings=262_144, use_bidirectional_attention="vision",
+    ),
+}
+
+
+def published_layer_types(variant: str, layers: int) -> list[str]:
+    """The variant's pattern (period - 1 sliding, then 1 full) cut to ``layers``; the last layer is full."""
+    period = PUBLISHED[variant]["period"]
+    types = [F if (i + 1) % period == 0 else S for i in range(layers)]
+    types[-1] = F
+    return types
+
+
+def published_kv_shared(variant: str, layers: int) -> int:
+    """KV-shared layers of a ``layers``-deep cut: the published fraction (E2B 20/35, E4B 18/42), rounded,
+    then lowered until the KV-owning prefix ends with (sliding, full), so every shared layer has a source
+    of its type and the HF and positional rules agree (module doc). 0 when no such prefix exists."""
+    spec = PUBLISHED[variant]
+    if not spec.get("num_kv_shared_layers"):
+        return 0
+    types = published_layer_types(variant, layers)
+    shared = round(layers * spec["num_kv_shared_layers"] / spec["num_hidden_layers"])
+    while shared > 0:
+        first = layers - shared
+        if first >= 2 and types[first - 1] == F and types[first - 2] == S:
+            return shared
+        shared -= 1
+    return 0
+
+
+def published_config(variant: str, turn_end_id: int, layers: int | None = None) -> dict:
+    """config.json (legacy serialisation, Gemma4ForCausalLM) of a published variant, optionally cut to
+    ``layers`` layers (every tensor keeps its published shape; the layer pattern, KV sharing and PLE
+    table width follow the cut)."""
+    if variant not in PUBLISHED:
+        raise InputError(f"unknown published variant {variant!r}; choose one of {', '.join(PUBLISHED)}")
+    spec = PUBLISHED[variant]
+    full = spec["num_hidden_layers"]
+    if layers is None:
+        layers = full
+    if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= full:
+        raise InputError(f"--layers must be an integer in [1, {full}] for {variant}, got {layers!r}")
+    fields = {k: v for k, v in spec.items() if k not in ("description", "period")}
+    fields.update(num_hidden_layers=layers, layer_types=published_layer_types(variant, layers),
+                  num_kv_shared_layers=published_kv_shared(variant, layers))
+    return {"architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "dtype": "bfloat16",
+            **_PUBLISHED_COMMON, **fields, "eos_token_id": [1, turn_end_id]}
+
+
+CHUNK_VALUES = 1 << 24  # values drawn per piece when streaming a published-shape tensor
+
+
+def _published_spread(name: str, shape: tuple[int, ...], hidden: int) -> tuple[str, float, float]:
+    """(distribution, a, b) of one published-shape tensor: the rules of ``_draw``, with the embedding
+    std scaled by sqrt(64 / H) so that logits stay about 10 at any width (the softcap stays non-linear
+    but not saturated)."""
+    leaf = name.rsplit(".", 2)
+    if name == "norm.weight":
+        return "uniform", 1.5, 2.5
+    if name == "embed_tokens.weight":
+        return "normal", 0.0, 0.6 * (64 / hidden) ** 0.5
+    if name == "embed_tokens_per_layer.weight":
+        return "normal", 0.0, 0.5
+    if name.endswith("router.proj.weight"):
+        return "normal", 0.0, 2.0
+    if ("norm" in name and name.endswith(".weight")) or leaf[-1] in ("layer_scalar", "scale", "per_expert_scale"):
+        return "uniform", 0.5, 1.5
+    return "normal", 0.0, shape[-1] ** -0.5
+
+
+def published_tensor_chunks(name: str, shape: tuple[int, ...], seed: int, index: int, hidden: int):
+    """A function yielding the float32 values of one tensor, CHUNK_VALUES at a time, from its own
+    generator ``default_rng([seed, 7, index])`` (the same values whatever else is written)."""
+    kind, a, b = _published_spread(name, shape, hidden)
+    total = int(np.prod(shape))
+
+    def chunks():
+        rng = np.random.default_rng([seed, 7, index])
+        for start in range(0, total, CHUNK_VALUES):
+            n = min(CHUNK_VALUES, total - start)
+            if kind == "uniform":
+                yield rng.random(n, dtype=np.float32) * np.float32(b - a) + np.float32(a)
+            else:
+                yield rng.standard_normal(n, dtype=np.float32) * np.float32(b) + np.float32(a)
+    return chunks
+
+
+def published_parameters(config: dict) -> int:
+    """Number of text-decoder parameters of a config (what the checkpoint stores)."""
+    return sum(int(np.prod(shape)) for shape in expected_tensors(parse_config(config)).values())
+
+
+def write_published_checkpoint(variant: str, seed: int, out: str | Path, layers: int | None = None,
+                               dtype: str = "bf16", layout: str = "causal", overwrite: bool = False,
+                               progress=None) -> Path:
+    """Write a checkpoint with the published shapes of ``variant`` (optionally cut to ``layers`` layers),
+    weights streamed to disk (never the whole checkpoint in memory); atomic like ``write_checkpoint``.
+    The tokenizer is the synthetic one (its ids are a prefix of the 262144-id vocabulary).
+    ``progress(bytes_done, bytes_total)`` is called as the weights are written."""
+    from .safetensors_io import write_safetensors_streamed
+
+    if dtype not in ("f32", "bf16"):
+        raise InputError(f"dtype must be f32 or bf16, got {dtype!r}")
+    if layout not in ("causal", "conditional"):
+        raise InputError(f"layout must be causal or conditional, got {layout!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise InputError(f"seed must be a non-negative integer, got {seed!r}")
+    out = Path(out)
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
+        raise InputError(f"{out} already exists and is not an empty directory; choose another --out")
+    turn_end = SPECIAL_PIECES.index("<turn|>") + 4
+    config = published_config(variant, turn_end, layers)
+    config["dtype"] = "bfloat16" if dtype == "bf16" else "float32"
+    shapes = sorted(expected_tensors(parse_config(config)).items())
+    need = sum(int(np.prod(shape)) for _, shape in shapes) * (2 if dtype == "bf16" else 4)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out.parent).free
+    if need > free:
+        raise InputError(f"{out.parent}: the checkpoint needs {need / 2**30:.1f} GiB, but only {free / 2**30:.1f} GiB "
+                         "are free; choose another --out or fewer --layers")
+    prefix = "model."
+    if layout == "conditional":
+        prefix = "model.language_model."
+        text = {k: v for k, v in config.items() if k != "architectures"}
+        config = {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "text_config": text,
+                  "vision_config": None, "audio_config": None, "eos_token_id": text["eos_token_id"],
+                  "tie_word_embeddings": True, "dtype": text["dtype"]}
+    hidden = dict(shapes)["embed_tokens.weight"][1]
+    tensors = {prefix + name: (shape, published_tensor_chunks(name, shape, seed, k, hidden))
+               for k, (name, shape) in enumerate(shapes)}
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        write_safetensors_streamed(tmp / "model.safetensors", tensors, "BF16" if dtype == "bf16" else "F32",
+                                   metadata={"format": "pt", "preset": variant, "seed": str(seed),
+                                             "layers": str(len(config.get("text_config", config)["layer_types"]))},
+                                   progress=progress)
+        (tmp / "tokenizer.model").write_bytes(train_tokenizer())
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
 IMAGE_SOFT_TOKENS = 70  # processor_config.json max_soft_tokens of the vision presets
 # config.json placeholder keys -> tokenizer pieces (transformers' Gemma4Config names; eoa is "eoa_token_index")
 MULTIMODAL_PIECES = dict(boi_token_id="<|image>", eoi_token_id="<image|>", image_token_id="<|image|>",

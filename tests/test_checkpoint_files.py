@@ -252,22 +252,69 @@ def test_raw_is_a_view_of_the_memory_map(ckpts):
     store = TensorStore(ckpts["e2b"])
     name = "model.embed_tokens.weight"
     raw = store.raw(name)
-    # walk the base chain down to the mmap-backed np.memmap
-    base, mm = raw, None
-    while base is not None:
-        if isinstance(base, np.memmap) and isinstance(base.base, mmap.mmap):
-            mm = base
-        base = base.base if isinstance(base, np.ndarray) else None
-    assert mm is not None, "raw() is not backed by an np.memmap"
-    assert np.shares_memory(raw, mm)
+    # walk the base chain down to the read-only mmap.mmap of the file
+    base = raw
+    while isinstance(base, np.ndarray):
+        base = base.base
+    base = base.obj if isinstance(base, memoryview) else base
+    assert isinstance(base, mmap.mmap), "raw() is not backed by a memory map"
+    whole = np.frombuffer(base, dtype=np.uint8)
+    assert np.shares_memory(raw, whole)
     assert not raw.flags.owndata
     assert not raw.flags.writeable  # opened read-only
     # the same view is not copied on a second call either
-    assert np.shares_memory(store.raw(name), mm)
+    assert np.shares_memory(store.raw(name), whole)
     # and the decoded tensor is a new array
     got = store.get(name)
-    assert not np.shares_memory(got, mm)
+    assert not np.shares_memory(got, whole)
     assert got.shape == raw.shape
+
+
+def _resident_kib(path: Path) -> int:
+    """Resident KiB of this process's mappings of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:  # a mapping's header line
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists() or not hasattr(mmap, "MADV_DONTNEED"),
+                    reason="needs Linux /proc/self/smaps and madvise")
+def test_decoded_tensors_do_not_stay_mapped_in(ckpts, tmp_path):
+    """get/rows hand the pages they read back (the resident set is the decoded working set), and a
+    released tensor reads back unchanged."""
+    big = np.random.default_rng(0).standard_normal((512, 1024)).astype(np.float32)  # 2 MiB
+    path = tmp_path / "big.safetensors"
+    write_safetensors(path, {"w": big, "e": big[:64]})
+    store = TensorStore(path)
+    raw = store.raw("w")
+    touched = int(raw[::256].sum())  # fault pages in without decoding through the store
+    assert touched is not None and _resident_kib(path) > 0
+    first = store.get("w")
+    assert _resident_kib(path) <= 8  # at most the header page and a page shared with the next tensor
+    assert np.array_equal(first, big.astype(np.float64))
+    assert np.array_equal(store.get("w"), first)  # read again after the release
+    assert np.array_equal(store.rows("w", slice(3, 9)), big[3:9].astype(np.float64))
+    assert np.array_equal(store.rows("w", [7, 2, 7]), big[[7, 2, 7]].astype(np.float64))
+    assert _resident_kib(path) <= 8
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_bf16_decode_in_blocks_and_threads_is_exact(monkeypatch, threads):
+    """Large BF16 tensors are decoded a block at a time, on several threads: the same bits as the plain
+    decode (every bit pattern but NaNs, whose payload may differ)."""
+    import refimpl.safetensors_io as sio
+
+    monkeypatch.setattr(sio, "decode_threads", lambda: threads)
+    bits = np.random.default_rng(1).integers(0, 1 << 16, 30 * sio.DECODE_BLOCK + 5, dtype=np.uint16)
+    bits = np.where((bits & 0x7F80) == 0x7F80, bits & 0x807F, bits).astype(np.uint16)  # no inf/NaN exponent
+    got = sio.decode(bits.reshape(5, -1) if bits.size % 5 == 0 else bits, "BF16", np.float64)
+    want = bf16_to_f32(bits).astype(np.float64).reshape(got.shape)
+    assert np.array_equal(got.view(np.uint64), want.view(np.uint64))
 
 
 def test_rows_reads_only_requested_rows(ckpts):

@@ -1,0 +1,321 @@
+"""Oracle prefill at real size: speed against the float64 matmul roofline and transformers, and peak memory.
+
+    python benchmarks/prefill.py --model DIR [--tokens 512] [--rows last|all] [--repeat 2]
+                                 [--transformers exact|plain|off] [--json OUT.json]
+
+Every part runs in a fresh child process (so each peak resident set is its own, ``ru_maxrss``), one
+after the other, on the same checkpoint and the same prompt (``--tokens`` ids drawn from
+``numpy default_rng(0)`` over the synthetic tokenizer's ordinary range):
+
+- ``oracle``: ``refimpl.model.Gemma4(DIR).forward(ids, rows=...)`` in float64, best of ``--repeat``
+  (the first run also pulls the checkpoint into the page cache; it is reported separately).
+- ``roofline``: the float64 matrix multiplies of the same forward, with the same shapes, on weights
+  decoded beforehand (decoding not timed): every projection ``x [T, in] @ W[out, in]^T`` of every
+  layer, the two attention products per layer (``[K, G, T, D] @ [K, 1, D, S]`` and back), the PLE
+  model projection, and the head over the requested rows. Their summed best-of-``--repeat`` time is
+  what a forward made of nothing but matmuls would take; the ratio roofline / oracle is the fraction
+  of the matmul rate the oracle reaches.
+- ``transformers``: ``Gemma4ForCausalLM`` in float64 (``exact``: with the float32 spots patched as in
+  tests/hf_reference.py, the implementation the tests agree with at 1e-12; ``plain``: as shipped),
+  eager attention, ``logits_to_keep`` for the requested rows, best of ``--repeat``; skipped, with the
+  reason, when its float64 weights would not fit in the memory available. Its logits are compared with
+  the oracle's (max |difference|).
+
+Threads: NumPy (OpenBLAS), the oracle's weight decoding and torch all use every core this process may
+run on (so ``taskset -c 0,1 python benchmarks/prefill.py ...`` measures two cores).
+Prints a Markdown table; ``--json`` keeps every number and the machine description.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+
+def prompt_ids(tokens: int) -> np.ndarray:
+    """The benchmark prompt: bos, then ids in [5, 512) (the synthetic tokenizer's pieces)."""
+    ids = np.random.default_rng(0).integers(5, 512, tokens)
+    ids[0] = 2
+    return ids
+
+
+def peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def cores() -> int:
+    """Cores this process may run on (taskset / cgroup affinity), the thread count of every part."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def rows_index(rows: str, T: int) -> np.ndarray:
+    return np.array([T - 1]) if rows == "last" else np.arange(T)
+
+
+# ----------------------------------------------------------------------------------------------
+# parts (each runs in its own process)
+
+
+def part_oracle(model: str, tokens: int, rows: str, repeat: int) -> dict:
+    from refimpl.model import Gemma4
+
+    ids = prompt_ids(tokens)
+    m = Gemma4(model)
+    times, logits = [], None
+    for _ in range(repeat + 1):
+        t = time.perf_counter()
+        logits = m.forward(ids, rows=rows)
+        times.append(time.perf_counter() - t)
+    np.save(os.environ["BENCH_LOGITS"], logits)
+    return {"first_s": times[0], "best_s": min(times[1:]), "times_s": times, "peak_rss_gib": peak_rss_gib()}
+
+
+def matmul_plan(cfg, T: int, R: int):
+    """Per layer, the (name, in-shape, weight name) of every projection of a T-token prefill."""
+    for layer in cfg.layers:
+        p = f"layers.{layer.index}."
+        names = ["self_attn.q_proj.weight"]
+        if layer.owns_kv:
+            names.append("self_attn.k_proj.weight")
+            if not layer.k_eq_v:
+                names.append("self_attn.v_proj.weight")
+        names += ["self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+        if cfg.has_ple:
+            names += ["per_layer_input_gate.weight", "per_layer_projection.weight"]
+        yield layer, [p + n for n in names]
+
+
+def part_roofline(model: str, tokens: int, rows: str, repeat: int) -> dict:
+    from refimpl.model import Gemma4, HEAD_CHUNK
+
+    m = Gemma4(model)
+    cfg, w = m.cfg, m.weights
+    if cfg.enable_moe_block:
+        raise SystemExit("the roofline part covers dense models (E2B, E4B, 31B shapes); MoE routing is data-dependent")
+    T = tokens
+    R = len(rows_index(rows, T))
+    rng = np.random.default_rng(1)
+
+    def best(fn) -> float:
+        out = []
+        for _ in range(repeat):
+            t = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t)
+        return min(out)
+
+    total_s, flops = 0.0, 0
+    kv_len: dict[int, int] = {}
+    if cfg.has_ple:
+        W = w["per_layer_model_projection.weight"]
+        x = rng.standard_normal((T, W.shape[1]))
+        total_s += best(lambda: x @ W.T)
+        flops += 2 * T * W.size
+    for layer, names in matmul_plan(cfg, T, R):
+        for name in names:
+            W = w[name]  # decoded now, not timed
+            x = rng.standard_normal((T, W.shape[1]))
+            total_s += best(lambda: x @ W.T)
+            flops += 2 * T * W.size
+            del W
+        N, D = cfg.num_attention_heads, layer.head_dim
+        K = layer.num_kv_heads
+        S = T  # a prefill from an empty cache attends over its own T keys
+        q = rng.standard_normal((K, N // K, T, D))
+        kt = rng.standard_normal((K, 1, D, S))
+        pr = rng.standard_normal((K, N // K, T, S))
+        v = rng.standard_normal((K, 1, S, D))
+        total_s += best(lambda: q @ kt) + best(lambda: pr @ v)
+        flops += 2 * (2 * N * T * S * D)
+        kv_len[layer.index] = S
+    y = rng.standard_normal((R, cfg.hidden_size))
+    head_s = 0.0
+    for start in range(0, cfg.vocab_size, HEAD_CHUNK):
+        E = w.head_rows(start, min(start + HEAD_CHUNK, cfg.vocab_size))
+        head_s += best(lambda: y @ E.T)
+        flops += 2 * R * E.size
+    total_s += head_s
+    return {"matmul_s": total_s, "flops": flops, "gflops_per_s": flops / total_s / 1e9, "peak_rss_gib": peak_rss_gib()}
+
+
+def part_transformers(model: str, tokens: int, rows: str, repeat: int, flavour: str) -> dict:
+    import torch
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from hf_reference import float64_exact, load_hf_causal_lm
+
+    torch.set_num_threads(cores())
+    t = time.perf_counter()
+    hf = load_hf_causal_lm(model, "float64", exact=flavour == "exact")
+    load_s = time.perf_counter() - t
+    ids = torch.tensor([prompt_ids(tokens).tolist()])
+    keep = 1 if rows == "last" else 0  # 0 = every row
+    times, logits = [], None
+    ctx = float64_exact if flavour == "exact" else __import__("contextlib").nullcontext
+    for _ in range(repeat + 1):
+        t = time.perf_counter()
+        with torch.inference_mode(), ctx():
+            logits = hf(input_ids=ids, use_cache=False, logits_to_keep=keep).logits[0]
+        times.append(time.perf_counter() - t)
+    np.save(os.environ["BENCH_LOGITS"], logits.numpy())
+    return {"load_s": load_s, "first_s": times[0], "best_s": min(times[1:]), "times_s": times,
+            "peak_rss_gib": peak_rss_gib(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+
+
+# ----------------------------------------------------------------------------------------------
+# the driver
+
+
+def run_part(part: str, args, extra: list[str], logits_path: Path | None = None) -> dict:
+    cmd = [sys.executable, __file__, "--model", args.model, "--tokens", str(args.tokens), "--rows", args.rows,
+           "--repeat", str(args.repeat), "--part", part, *extra]
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.setdefault(var, str(cores()))  # OpenBLAS may count the machine's cores, not this process's
+    if logits_path is not None:
+        env["BENCH_LOGITS"] = str(logits_path)
+    print(f"  running {part} ...", file=sys.stderr, flush=True)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        return {"error": (done.stderr.strip().splitlines() or ["exit " + str(done.returncode)])[-1]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def checkpoint_parameters(model: str) -> tuple[int, object]:
+    from refimpl.config import load_config
+    from refimpl.weights import expected_tensors
+
+    cfg = load_config(model)
+    return sum(int(np.prod(s)) for s in expected_tensors(cfg).values()), cfg
+
+
+def mem_available_gib() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return float("inf")
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    blas = ""
+    try:
+        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]["name"]  # type: ignore[index]
+    except Exception:  # noqa: BLE001 - informational only
+        pass
+    return {"cpu": cpu, "cores": cores(), "machine_cores": os.cpu_count(), "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            "python": platform.python_version(), "numpy": np.__version__, "blas": blas, "platform": platform.platform()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="checkpoint directory (e.g. from refimpl synth --preset e2b)")
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--rows", choices=("last", "all"), default="last")
+    ap.add_argument("--repeat", type=int, default=2, help="timed runs per part (best is reported)")
+    ap.add_argument("--transformers", choices=("exact", "plain", "off"), default="exact")
+    ap.add_argument("--json", metavar="OUT", help="write every number here")
+    ap.add_argument("--part", choices=("oracle", "roofline", "transformers"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if not Path(args.model, "config.json").is_file():
+        ap.error(f"--model: {args.model} is not a checkpoint directory (no config.json)")
+    if args.tokens < 1 or args.repeat < 1:
+        ap.error("--tokens and --repeat must be at least 1")
+
+    if args.part == "oracle":
+        print(json.dumps(part_oracle(args.model, args.tokens, args.rows, args.repeat)))
+        return 0
+    if args.part == "roofline":
+        print(json.dumps(part_roofline(args.model, args.tokens, args.rows, args.repeat)))
+        return 0
+    if args.part == "transformers":
+        print(json.dumps(part_transformers(args.model, args.tokens, args.rows, args.repeat, args.transformers)))
+        return 0
+
+    import tempfile
+
+    params, cfg = checkpoint_parameters(args.model)
+    result = {"command": " ".join(["python", "benchmarks/prefill.py", *(argv if argv is not None else sys.argv[1:])]),
+              "machine": machine(), "model": str(Path(args.model).resolve()), "parameters": params,
+              "layers": cfg.num_hidden_layers, "tokens": args.tokens, "rows": args.rows, "repeat": args.repeat}
+    with tempfile.TemporaryDirectory() as tmp:
+        ours = Path(tmp, "oracle.npy")
+        result["oracle"] = run_part("oracle", args, [], ours)
+        result["roofline"] = run_part("roofline", args, [])
+        if args.transformers != "off":
+            need = params * 8 / 2**30 * 1.15  # float64 weights plus loading slack
+            avail = mem_available_gib()
+            if need > avail:
+                result["transformers"] = {"skipped": f"float64 weights need about {need:.1f} GiB, {avail:.1f} GiB available"}
+            else:
+                theirs = Path(tmp, "hf.npy")
+                result["transformers"] = run_part("transformers", args, ["--transformers", args.transformers], theirs)
+                if "error" not in result["transformers"]:
+                    diff = float(np.max(np.abs(np.load(ours) - np.load(theirs))))
+                    result["transformers"]["flavour"] = args.transformers
+                    result["transformers"]["max_abs_diff_vs_oracle"] = diff
+    o, r, h = result["oracle"], result["roofline"], result.get("transformers", {})
+    if "best_s" in o and "matmul_s" in r:
+        result["oracle_fraction_of_roofline"] = r["matmul_s"] / o["best_s"]
+        result["oracle_gflops_per_s"] = r["flops"] / o["best_s"] / 1e9
+    if "best_s" in o and "best_s" in h:
+        result["transformers_over_oracle"] = h["best_s"] / o["best_s"]
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    print(report(result))
+    return 0
+
+
+def report(r: dict) -> str:
+    o, f, h = r["oracle"], r["roofline"], r.get("transformers", {})
+    lines = [f"{Path(r['model']).name}: {r['parameters'] / 1e9:.2f} B parameters, {r['layers']} layers, "
+             f"{r['tokens']} tokens, rows {r['rows']}; {r['machine']['cpu']}, {r['machine']['cores']} cores",
+             "", "| part | time (s) | GFLOP/s | peak RSS (GiB) | note |", "|---|---|---|---|---|"]
+    if "best_s" in o:
+        lines.append(f"| oracle float64 | {o['best_s']:.2f} | {r.get('oracle_gflops_per_s', float('nan')):.1f} | "
+                     f"{o['peak_rss_gib']:.2f} | first run {o['first_s']:.2f} s; "
+                     f"{100 * r.get('oracle_fraction_of_roofline', float('nan')):.0f}% of the roofline |")
+    else:
+        lines.append(f"| oracle float64 | - | - | - | {o.get('error')} |")
+    if "matmul_s" in f:
+        lines.append(f"| roofline (matmuls only) | {f['matmul_s']:.2f} | {f['gflops_per_s']:.1f} | {f['peak_rss_gib']:.2f} "
+                     f"| {f['flops'] / 1e12:.2f} TFLOP |")
+    else:
+        lines.append(f"| roofline | - | - | - | {f.get('error')} |")
+    if "best_s" in h:
+        lines.append(f"| transformers float64 ({h['flavour']}) | {h['best_s']:.2f} | "
+                     f"{f.get('flops', 0) / h['best_s'] / 1e9:.1f} | {h['peak_rss_gib']:.2f} | "
+                     f"{r['transformers_over_oracle']:.2f}x the oracle's time; max |logit diff| vs oracle "
+                     f"{h['max_abs_diff_vs_oracle']:.1e}; load {h['load_s']:.1f} s |")
+    elif h:
+        lines.append(f"| transformers float64 | - | - | - | {h.get('skipped') or h.get('error')} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""Real-size synthetic checkpoints (``refimpl synth --preset e2b|e4b|26b-a4b|31b [--layers N]``) and the
+streaming paths they rely on: the published shapes against the numbers of gemma4-text-spec.md
+(sections 1 and 5, typed in here from the spec, not from the code), every cut to fewer layers is a
+valid config with the same per-layer shapes, the streamed safetensors writer writes the same bytes as
+the in-memory one, a streamed checkpoint is independent of its chunk size, and the forward pass reads
+embedding tables by rows and the head in vocabulary chunks only.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import namedtuple
+
+import numpy as np
+import pytest
+
+from refimpl import synth
+from refimpl.cli import main as cli_main
+from refimpl.config import FULL, SLIDING, parse_config
+from refimpl.model import HEAD_CHUNK, Gemma4
+from refimpl.safetensors_io import TensorStore, write_safetensors, write_safetensors_streamed
+from refimpl.synth import PUBLISHED, published_config, write_published_checkpoint
+from refimpl.weights import expected_tensors
+
+# gemma4-text-spec.md section 1 (table) and section 5 ("Concrete attention shapes", PLE and expert tensors)
+Spec = namedtuple("Spec", "H L full_layers sliding_qkvo full_qkvo ffn ple moe shared")
+SPEC = {
+    "e2b": Spec(1536, 35, [4, 9, 14, 19, 24, 29, 34], ((2048, 1536), (256, 1536), (256, 1536), (1536, 2048)),
+                ((4096, 1536), (512, 1536), (512, 1536), (1536, 4096)), {**{i: 6144 for i in range(15)},
+                                                                        **{i: 12288 for i in range(15, 35)}},
+                (262144, 8960), None, 20),
+    "e4b": Spec(2560, 42, list(range(5, 42, 6)), ((2048, 2560), (512, 2560), (512, 2560), (2560, 2048)),
+                ((4096, 2560), (1024, 2560), (1024, 2560), (2560, 4096)), {i: 10240 for i in range(42)},
+                (262144, 10752), None, 18),
+    "26b-a4b": Spec(2816, 30, [5, 11, 17, 23, 29], ((4096, 2816), (2048, 2816), (2048, 2816), (2816, 4096)),
+                    ((8192, 2816), (1024, 2816), None, (2816, 8192)), {i: 2112 for i in range(30)}, None,
+                    ((128, 1408, 2816), (128, 2816, 704)), 0),
+    "31b": Spec(5376, 60, list(range(5, 60, 6)), ((8192, 5376), (4096, 5376), (4096, 5376), (5376, 8192)),
+                ((16384, 5376), (2048, 5376), None, (5376, 16384)), {i: 21504 for i in range(60)}, None, None, 0),
+}
+
+
+def _shapes(variant: str, layers: int | None = None) -> tuple[object, dict]:
+    cfg = parse_config(published_config(variant, 106, layers))
+    return cfg, expected_tensors(cfg)
+
+
+@pytest.mark.parametrize("variant", list(SPEC))
+def test_published_shapes_match_the_spec(variant):
+    spec = SPEC[variant]
+    cfg, t = _shapes(variant)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size) == (spec.H, spec.L, 262144)
+    assert [layer.index for layer in cfg.layers if not layer.is_sliding] == spec.full_layers
+    assert t["embed_tokens.weight"] == (262144, spec.H)
+    for layer in cfg.layers:
+        p = f"layers.{layer.index}.self_attn."
+        q, k, v, o = spec.full_qkvo if not layer.is_sliding else spec.sliding_qkvo
+        assert t[p + "q_proj.weight"] == q and t[p + "o_proj.weight"] == o
+        if layer.owns_kv:
+            assert t[p + "k_proj.weight"] == k
+            assert t.get(p + "v_proj.weight") == v  # None: K=V full layers have no v_proj
+        assert t[f"layers.{layer.index}.mlp.gate_proj.weight"] == (spec.ffn[layer.index], spec.H)
+    assert t.get("embed_tokens_per_layer.weight") == spec.ple
+    if spec.moe:
+        assert (t["layers.0.experts.gate_up_proj"], t["layers.0.experts.down_proj"]) == spec.moe
+    assert cfg.num_kv_shared_layers == spec.shared
+
+
+def test_e2b_kv_sources_are_the_published_ones():
+    """E2B: shared sliding layers read layer 13, shared full layers read layer 14 (spec 4.6)."""
+    cfg, _ = _shapes("e2b")
+    for layer in cfg.layers[15:]:
+        assert layer.kv_source == (13 if layer.is_sliding else 14)
+    assert all(layer.owns_kv for layer in cfg.layers[:15])
+
+
+@pytest.mark.parametrize("variant", list(SPEC))
+def test_every_cut_keeps_the_published_layer_shapes(variant):
+    """--layers N for every N: a valid config (parse_config checks KV sources), the last layer full, each
+    layer's tensors shaped as the published layer of its type, and KV sharing only with a source."""
+    full_cfg, full_t = _shapes(variant)
+    by_type = {}
+    for layer in full_cfg.layers:
+        if layer.owns_kv:
+            by_type.setdefault(layer.layer_type, {k.split(".", 2)[2]: v for k, v in full_t.items()
+                                                  if k.startswith(f"layers.{layer.index}.")})
+    for n in range(1, full_cfg.num_hidden_layers + 1):
+        cfg, t = _shapes(variant, n)
+        assert cfg.num_hidden_layers == n and cfg.layers[-1].layer_type == FULL
+        assert [layer.layer_type for layer in cfg.layers[:-1]] == [x.layer_type for x in full_cfg.layers[:n - 1]]
+        assert t["embed_tokens.weight"] == full_t["embed_tokens.weight"]
+        if cfg.has_ple:
+            assert t["embed_tokens_per_layer.weight"] == (262144, 256 * n)
+        for layer in cfg.layers:
+            mine = {k.split(".", 2)[2]: v for k, v in t.items() if k.startswith(f"layers.{layer.index}.")}
+            want = by_type[layer.layer_type]
+            if not layer.owns_kv:  # shared layers drop k/v and (E2B) double the MLP
+                want = {k: v for k, v in want.items() if not k.startswith(("self_attn.k_", "self_attn.v_"))}
+                if full_cfg.layers[-1].ffn_width != full_cfg.layers[0].ffn_width:
+                    H, I = want["mlp.down_proj.weight"]
+                    want = {**want, "mlp.gate_proj.weight": (2 * I, H), "mlp.up_proj.weight": (2 * I, H),
+                            "mlp.down_proj.weight": (H, 2 * I)}
+            assert mine == want, (variant, n, layer.index)
+    assert _shapes("e2b", 10)[0].num_kv_shared_layers == 5  # 20/35 of 10, prefix ending (sliding, full)
+
+
+def test_streamed_writer_writes_the_same_bytes(tmp_path):
+    rng = np.random.default_rng(3)
+    tensors = {"b.w": rng.standard_normal((37, 5)), "a.norm": rng.uniform(0.5, 1.5, 11), "c": rng.standard_normal((2, 3, 4))}
+    for dtype in ("BF16", "F32", "F64"):
+        write_safetensors(tmp_path / "one.safetensors", tensors, dtype, metadata={"k": "v"})
+
+        def pieces(x, size):
+            flat = x.reshape(-1)
+            return lambda: (flat[i:i + size] for i in range(0, flat.size, size))
+
+        streamed = {name: (x.shape, pieces(x, 7)) for name, x in tensors.items()}
+        seen = []
+        write_safetensors_streamed(tmp_path / "two.safetensors", streamed, dtype, metadata={"k": "v"},
+                                   progress=lambda done, total: seen.append((done, total)))
+        assert (tmp_path / "one.safetensors").read_bytes() == (tmp_path / "two.safetensors").read_bytes()
+        assert seen[-1][0] == seen[-1][1] and all(a <= b for (a, _), (b, _) in zip(seen, seen[1:]))
+    bad = {"x": ((4, 4), lambda: iter([np.zeros(15)]))}
+    with pytest.raises(ValueError, match=r"tensor 'x': the chunks hold 15 values, its shape \[4, 4\] needs 16"):
+        write_safetensors_streamed(tmp_path / "bad.safetensors", bad)
+
+
+@pytest.fixture
+def tiny_published(monkeypatch):
+    """A published-style variant small enough for a test: E2B's structure (PLE, KV sharing, double-wide)
+    at H 64, vocabulary 512."""
+    spec = dict(PUBLISHED["e2b"], hidden_size=64, num_attention_heads=4, intermediate_size=96,
+                hidden_size_per_layer_input=8, sliding_window=8, description="tiny")
+    monkeypatch.setitem(PUBLISHED, "tiny", spec)
+    monkeypatch.setitem(synth._PUBLISHED_COMMON, "vocab_size", 512)
+    monkeypatch.setitem(synth._PUBLISHED_COMMON, "vocab_size_per_layer_input", 512)
+    monkeypatch.setitem(synth._PUBLISHED_COMMON, "head_dim", 16)
+    monkeypatch.setitem(synth._PUBLISHED_COMMON, "global_head_dim", 32)
+    return "tiny"
+
+
+def test_streamed_checkpoint_does_not_depend_on_the_chunk_size(tiny_published, tmp_path, monkeypatch):
+    a = write_published_checkpoint(tiny_published, 5, tmp_path / "a", layers=10)
+    monkeypatch.setattr(synth, "CHUNK_VALUES", 1000)  # many chunks per tensor
+    b = write_published_checkpoint(tiny_published, 5, tmp_path / "b", layers=10)
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    cfg = json.loads((a / "config.json").read_text())
+    assert cfg["num_kv_shared_layers"] == 5 and cfg["use_double_wide_mlp"] and cfg["dtype"] == "bfloat16"
+    store = TensorStore(a)
+    assert {info.dtype for info in store.infos.values()} == {"BF16"}
+    norms = store.get("model.layers.0.input_layernorm.weight")
+    assert norms.min() >= 0.5 and norms.max() <= 1.5  # the distribution rules of _draw
+
+
+def test_forward_reads_tables_by_rows_and_the_head_in_chunks(tiny_published, tmp_path, monkeypatch):
+    """No embedding table is decoded whole; the head is decoded HEAD_CHUNK rows at a time (here 100),
+    and the logits equal those of an unchunked head
+    (up to the rounding of BLAS's blocking)."""
+    d = write_published_checkpoint(tiny_published, 1, tmp_path / "m", layers=10)
+    model = Gemma4(d)
+    whole, rows = [], []
+    real_get, real_rows = TensorStore.get, TensorStore.rows
+    monkeypatch.setattr(TensorStore, "get", lambda self, name, dtype=np.float64: whole.append(name) or real_get(self, name, dtype))
+    monkeypatch.setattr(TensorStore, "rows", lambda self, name, index, dtype=np.float64:
+                        rows.append((name, index)) or real_rows(self, name, index, dtype))
+    monkeypatch.setattr("refimpl.model.HEAD_CHUNK", 100)
+    ids = np.arange(2, 22)
+    chunked = model.forward(ids, rows="all")
+    assert not [n for n in whole if "embed_tokens" in n]
+    head = [i for n, i in rows if n.endswith("embed_tokens.weight") and isinstance(i, slice)]
+    assert len(head) == 6 and max(s.stop - s.start for s in head) == 100  # 512 rows in chunks of 100
+    monkeypatch.setattr("refimpl.model.HEAD_CHUNK", 1 << 20)
+    assert np.max(np.abs(model.forward(ids, rows="all") - chunked)) < 1e-12  # BLAS blocking: rounding only
+    assert 1024 <= HEAD_CHUNK <= 16384  # the real chunk: tens of MB of float64 at real width, not the table
+
+
+def test_synth_cli_published(tmp_path, capsys, monkeypatch):
+    assert cli_main(["synth", "--preset", "e2b-mini", "--layers", "3", "--out", str(tmp_path / "x")]) == 2
+    assert "error: --layers applies to the published-shape presets" in capsys.readouterr().err
+    assert cli_main(["synth", "--preset", "e2b", "--layers", "36", "--out", str(tmp_path / "x")]) == 2
+    assert "error: --layers must be an integer in [1, 35] for e2b, got 36" in capsys.readouterr().err
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: namedtuple("U", "total used free")(1, 1, 10 * 2**30))
+    assert cli_main(["synth", "--preset", "31b", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    need = float(err.split("the checkpoint needs ")[1].split(" GiB")[0])
+    assert 2 * 30e9 / 2**30 < need < 2 * 32e9 / 2**30  # a 31B model in bf16
+    assert "GiB, but only 10.0 GiB are free; choose another --out or fewer --layers" in err
+    assert not (tmp_path / "x").exists()
