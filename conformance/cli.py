@@ -7,7 +7,7 @@ scoreboard).
     conformance list backends|cases|profiles [--fixtures DIR ...] [-k REGEX]
     conformance generate (--model DIR | --preset NAME [--seed N]) [--prompts FILE.jsonl] --out DIR
                          [--name N] [--version V] [--cases auto|text|images|audio|all] [--image FILE ...]
-                         [--audio FILE.wav ...]
+                         [--audio FILE.wav ...] [--workers N | --cluster ADDRESS]
     conformance verify DIR ... [--recompute]
     conformance selftest [--fixtures DIR ...] [--mutant REGEX] [-k REGEX] [--json FILE] [-q]
     conformance scoreboard REPORT.json ... [--out FILE.md | --into PAGE.md] [--title T]
@@ -283,13 +283,31 @@ class _GenerateProgress:
         self.bar.close()
 
 
+def _resume_hint(out: str) -> str:
+    """' (N finished bases are kept in DIR; ...)' when a failed generate left a partial run, else ''."""
+    from .parallel import PartialRun, partial_dir
+
+    path = partial_dir(Path(out).absolute())
+    try:
+        n = len(PartialRun(path, "", {}, False).finished()) if path.is_dir() else 0
+    except OSError:
+        n = 0
+    return (f" ({n} finished base{'s' if n != 1 else ''} kept in {path}; run the same command again to resume)"
+            if n else "")
+
+
 def cmd_generate(args) -> int:
-    from .fixtures import FixtureError, generate_set
+    from .fixtures import FixtureError, PartialRunMismatch, generate_set
 
     if (args.model is None) == (args.preset is None):
         raise UsageError("give exactly one of --model DIR or --preset NAME")
     if args.model is not None and args.seed is not None:
         raise UsageError("--seed applies to --preset only")
+    if args.workers is not None and args.cluster is not None:
+        raise UsageError("--workers and --cluster exclude each other: --cluster runs the jobs on the Dask "
+                         "cluster's workers")
+    if args.workers is not None and args.workers < 1:
+        raise UsageError(f"--workers must be at least 1, got {args.workers}")
     if args.prompts is not None and not Path(args.prompts).is_file():
         raise UsageError(f"--prompts: no such file: {args.prompts}")
     if args.model is not None and not Path(args.model).is_dir():
@@ -305,24 +323,32 @@ def cmd_generate(args) -> int:
     progress = _GenerateProgress(enabled=not args.quiet)
     kw: dict[str, Any] = {"model_dir": args.model, "preset": args.preset, "seed": args.seed or 0,
                           "prompts": args.prompts, "name": args.name, "progress": progress,
-                          "cases": args.cases, "images": args.image or None, "audio": args.audio or None}
+                          "cases": args.cases, "images": args.image or None, "audio": args.audio or None,
+                          "workers": args.workers, "cluster": args.cluster}
     if args.version is not None:
         kw["version"] = args.version
     try:
         out = generate_set(args.out, **kw)
+    except PartialRunMismatch as e:
+        progress.close()
+        raise UsageError(str(e)) from None
     except FixtureError as e:
         progress.close()
-        _err(str(e))
+        _err(f"{e}{_resume_hint(args.out)}")
         return EXIT_FIXTURE
     except (ValueError, FileExistsError, OSError) as e:
         progress.close()
-        raise UsageError(str(e)) from None
+        raise UsageError(f"{e}{_resume_hint(args.out)}") from None
+    except KeyboardInterrupt:
+        progress.close()
+        _err(f"interrupted{_resume_hint(args.out)}")
+        return 130
     except Exception as e:  # noqa: BLE001 - refimpl errors (bad checkpoint, bad prompts) are user errors
         progress.close()
         from refimpl.errors import RefimplError
 
         if isinstance(e, RefimplError):
-            raise UsageError(str(e)) from None
+            raise UsageError(f"{e}{_resume_hint(args.out)}") from None
         raise
     progress.close()
     print(f"wrote fixture set {out}")
@@ -521,6 +547,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", required=True, metavar="DIR", help="the new set's directory (must not exist)")
     g.add_argument("--name", metavar="N", help="set name (default: the preset or model directory name)")
     g.add_argument("--version", metavar="V", help="set version, semver (default 1.0.0)")
+    where = g.add_mutually_exclusive_group()
+    where.add_argument("--workers", type=int, metavar="N",
+                       help="local worker processes, one job (base) each at a time (default: the CPU count; 1 runs "
+                            "everything in this process)")
+    where.add_argument("--cluster", metavar="ADDRESS",
+                       help="run the jobs on a Dask distributed cluster: its scheduler's address, e.g. "
+                            "tcp://host:8786 (needs gemma4-conformance[cluster]; the model and --out's parent must be "
+                            "on storage every worker sees at the same path; docs/distributed-generation.md)")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress output")
 
     v = sub.add_parser("verify", help="check fixture sets' schema and sha256 digests")

@@ -290,36 +290,6 @@ def _greedy(model, prompt: list[int], n: int) -> list[int]:
     return [int(t) for t in greedy_generate(model, prompt, n, stop_ids=()).tokens]
 
 
-def _make_bases(model, tokenizer, seed: int, prompt_ids: list[list[int]]) -> tuple[dict[str, list[int]], dict]:
-    """Token ids of every base, and the manifest's description of each."""
-    cfg = model.cfg
-    pool = _ordinary_ids(tokenizer, cfg.vocab_size)
-    bos = _bos(cfg, tokenizer)
-    n = random_base_length(cfg)
-    bases: dict[str, list[int]] = {}
-    info: dict[str, dict] = {}
-    for k, b in enumerate(RANDOM_BASES):
-        rng = np.random.default_rng([seed, k])
-        bases[b] = [bos] + [int(t) for t in rng.choice(pool, n - 1)]
-        info[b] = {"source": "random", "length": n, "rng": f"numpy default_rng([{seed}, {k}])"}
-    if tokenizer is not None:
-        prompt = tokenizer.encode_chat([{"role": "user", "content": CHAT_PROMPT}])
-        source = {"source": "chat", "text": CHAT_PROMPT}
-    else:
-        rng = np.random.default_rng([seed, len(RANDOM_BASES)])
-        prompt = [bos] + [int(t) for t in rng.choice(pool, G_RANDOM_PROMPT - 1)]
-        source = {"source": "random", "rng": f"numpy default_rng([{seed}, {len(RANDOM_BASES)}])"}
-    bases[GENERATION_BASE] = prompt + _greedy(model, prompt, GENERATION_STEPS)
-    info[GENERATION_BASE] = {**source, "length": len(bases[GENERATION_BASE]), "prompt_length": len(prompt),
-                             "continuation": f"greedy, {GENERATION_STEPS} tokens"}
-    for k, ids in enumerate(prompt_ids):
-        b = f"{PROMPT_PREFIX}{k}"
-        bases[b] = list(ids) + _greedy(model, list(ids), PROMPT_CONTINUATION)
-        info[b] = {"source": "prompt", "length": len(bases[b]), "prompt_length": len(ids),
-                   "continuation": f"greedy, {PROMPT_CONTINUATION} tokens"}
-    return bases, info
-
-
 # ----------------------------------------------------------------------------------------------
 # image bases
 
@@ -438,32 +408,34 @@ def _media_prompt(rng: np.random.Generator, pool: np.ndarray, bos: int, texts: t
     return ids, spans
 
 
-def _make_image_bases(model, vision: _Vision, pool: np.ndarray, bos: int, seed: int,
-                      sources: list[tuple[np.ndarray, dict]]) -> dict[str, ImageBase]:
-    """I0: text + one image + text; I1: text + image + text + image + text; each followed by DECODE_STEPS
-    text tokens (teacher-forced decode after the prompt)."""
+def _make_image_base(model, vision: _Vision, pool: np.ndarray, bos: int, seed: int,
+                     sources: Mapping[int, tuple[np.ndarray, dict]], b_index: int,
+                     done: dict[int, tuple[Any, np.ndarray]] | None = None, n_sources: int | None = None) -> ImageBase:
+    """Image base number ``b_index`` of IMAGE_TEXT (one fixture-generation job). I0: text + one image +
+    text; I1: text + image + text + image + text; each followed by DECODE_STEPS text tokens (teacher-forced
+    decode after the prompt). ``sources`` maps
+    a source index to (image, description) and needs at least the indices the base uses; ``n_sources``
+    is the number of sources in all (default ``len(sources)``); ``done`` caches soft tokens by index."""
     from refimpl.multimodal import multimodal_inputs
 
+    base, texts = list(IMAGE_TEXT.items())[b_index]
     t = vision.tokens
     pool = _text_pool(pool, t)
-    done: dict[int, tuple[Any, np.ndarray]] = {}
-    out: dict[str, ImageBase] = {}
-    for b_index, (base, texts) in enumerate(IMAGE_TEXT.items()):
-        which = _media_order(b_index, len(texts) - 1, len(sources))
-        for k in which:
-            if k not in done:
-                done[k] = vision.soft_tokens(sources[k][0])
-        processed, soft = [done[k][0] for k in which], [done[k][1] for k in which]
-        ids, spans = _media_prompt(np.random.default_rng([seed, 10 + b_index]), pool, bos, texts,
-                                   [(t.boi_token_id, t.image_token_id, t.eoi_token_id, st.shape[0]) for st in soft])
-        described = [{**sources[k][1], "index": k, "size": list(sources[k][0].shape[:2]),
-                      "resized": list(pr.pixels.shape[:2]), "soft_tokens": M, "start": a}
-                     for k, pr, (a, M) in zip(which, processed, spans)]
-        info = {"source": "images", "length": len(ids), "rng": f"numpy default_rng([{seed}, {10 + b_index}])",
-                "text": list(texts), "images": described}
-        out[base] = ImageBase(ids, multimodal_inputs(model, ids, soft, t), spans,
-                              [sources[k][0] for k in which], processed, soft, info)
-    return out
+    done = {} if done is None else done
+    which = _media_order(b_index, len(texts) - 1, len(sources) if n_sources is None else n_sources)
+    for k in which:
+        if k not in done:
+            done[k] = vision.soft_tokens(sources[k][0])
+    processed, soft = [done[k][0] for k in which], [done[k][1] for k in which]
+    ids, spans = _media_prompt(np.random.default_rng([seed, 10 + b_index]), pool, bos, texts,
+                               [(t.boi_token_id, t.image_token_id, t.eoi_token_id, st.shape[0]) for st in soft])
+    described = [{**sources[k][1], "index": k, "size": list(sources[k][0].shape[:2]),
+                  "resized": list(pr.pixels.shape[:2]), "soft_tokens": M, "start": a}
+                 for k, pr, (a, M) in zip(which, processed, spans)]
+    info = {"source": "images", "length": len(ids), "rng": f"numpy default_rng([{seed}, {10 + b_index}])",
+            "text": list(texts), "images": described}
+    return ImageBase(ids, multimodal_inputs(model, ids, soft, t), spans,
+                     [sources[k][0] for k in which], processed, soft, info)
 
 
 def _image_consistency(model, base: "ImageBase | AudioBase", full: np.ndarray) -> float:
@@ -572,33 +544,34 @@ def _audio_sources(audio, seed: int, rate: int) -> list[tuple[np.ndarray, int, d
     return out
 
 
-def _make_audio_bases(model, audio: _Audio, pool: np.ndarray, bos: int, seed: int,
-                      sources: list[tuple[np.ndarray, int, dict]]) -> dict[str, AudioBase]:
-    """S0: text + one clip + text; S1: text + clip + text + clip + text; then DECODE_STEPS text tokens."""
+def _make_audio_base(model, audio: _Audio, pool: np.ndarray, bos: int, seed: int,
+                     sources: Mapping[int, tuple[np.ndarray, int, dict]], b_index: int,
+                     done: dict[int, tuple[Any, np.ndarray]] | None = None, n_sources: int | None = None) -> AudioBase:
+    """Audio base number ``b_index`` of AUDIO_TEXT (one fixture-generation job). S0: text + one clip +
+    text; S1: text + clip + text + clip + text; then DECODE_STEPS text tokens. Arguments as
+    ``_make_image_base``."""
     from refimpl.multimodal import multimodal_inputs
 
+    base, texts = list(AUDIO_TEXT.items())[b_index]
     t = audio.tokens
     pool = _text_pool(pool, t)
-    done: dict[int, tuple[Any, np.ndarray]] = {}
-    out: dict[str, AudioBase] = {}
-    for b_index, (base, texts) in enumerate(AUDIO_TEXT.items()):
-        which = _media_order(b_index, len(texts) - 1, len(sources))
-        for k in which:
-            if k not in done:
-                done[k] = audio.soft_tokens(sources[k][0], sources[k][1])
-                if done[k][1].shape[0] == 0:
-                    raise ValueError(f"audio clip {k} is too short to give one soft token")
-        feats, soft = [done[k][0] for k in which], [done[k][1] for k in which]
-        ids, spans = _media_prompt(np.random.default_rng([seed, 20 + b_index]), pool, bos, texts,
-                                   [(t.boa_token_id, t.audio_token_id, t.eoa_token_id, st.shape[0]) for st in soft])
-        described = [{**sources[k][2], "index": k, "samples": int(sources[k][0].shape[0]),
-                      "frames": int(f.mask.shape[0]), "valid_frames": int(f.mask.sum()), "soft_tokens": M, "start": a}
-                     for k, f, (a, M) in zip(which, feats, spans)]
-        info = {"source": "audio", "length": len(ids), "rng": f"numpy default_rng([{seed}, {20 + b_index}])",
-                "text": list(texts), "audio": described}
-        inputs = multimodal_inputs(model, ids, [], t, audio_soft_tokens=soft)
-        out[base] = AudioBase(ids, inputs, spans, [sources[k][0] for k in which], feats, soft, info)
-    return out
+    done = {} if done is None else done
+    which = _media_order(b_index, len(texts) - 1, len(sources) if n_sources is None else n_sources)
+    for k in which:
+        if k not in done:
+            done[k] = audio.soft_tokens(sources[k][0], sources[k][1])
+            if done[k][1].shape[0] == 0:
+                raise ValueError(f"audio clip {k} is too short to give one soft token")
+    feats, soft = [done[k][0] for k in which], [done[k][1] for k in which]
+    ids, spans = _media_prompt(np.random.default_rng([seed, 20 + b_index]), pool, bos, texts,
+                               [(t.boa_token_id, t.audio_token_id, t.eoa_token_id, st.shape[0]) for st in soft])
+    described = [{**sources[k][2], "index": k, "samples": int(sources[k][0].shape[0]),
+                  "frames": int(f.mask.shape[0]), "valid_frames": int(f.mask.sum()), "soft_tokens": M, "start": a}
+                 for k, f, (a, M) in zip(which, feats, spans)]
+    info = {"source": "audio", "length": len(ids), "rng": f"numpy default_rng([{seed}, {20 + b_index}])",
+            "text": list(texts), "audio": described}
+    inputs = multimodal_inputs(model, ids, [], t, audio_soft_tokens=soft)
+    return AudioBase(ids, inputs, spans, [sources[k][0] for k in which], feats, soft, info)
 
 
 def _base_logits(model, ids: list[int], inputs=None) -> tuple[np.ndarray, np.ndarray | None]:
@@ -667,18 +640,62 @@ def _default_command() -> str:
     return shlex.join(argv)
 
 
+class PartialRunMismatch(FixtureError):
+    """The partial-run directory beside ``out`` belongs to a run with other arguments (never mixed)."""
+
+
+def _job_versions() -> dict[str, str]:
+    """The versions a job's numbers depend on (every worker must match the parent)."""
+    v = _versions()
+    return {k: v[k] for k in ("conformance_version", "refimpl_version", "numpy_version")}
+
+
+def _media_key(items) -> list | None:
+    """The given images or clips as the run key sees them: file name and sha256, or array digest."""
+    if items is None:
+        return None
+    out = []
+    for item in items:
+        if isinstance(item, (str, Path)):
+            p = Path(item)
+            out.append({"file": str(p), "sha256": sha256_file(p) if p.is_file() else None})
+        else:
+            a = np.ascontiguousarray(np.asarray(item))
+            out.append({"array": list(a.shape), "dtype": str(a.dtype), "sha256": hashlib.sha256(a.tobytes()).hexdigest()})
+    return out
+
+
+def _count_by_base(cases: Iterable[Case]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for c in cases:
+        counts[c.base] = counts.get(c.base, 0) + 1
+    return counts
+
+
 def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset: str | None = None, seed: int = 0,
                  prompts=None, name: str | None = None, version: str = "1.0.0", progress: Progress | None = None,
                  cross_check: CrossCheck | None = None, command: str | None = None, cases: str = "auto",
-                 images=None, audio=None) -> Path:
-    """Write a fixture set to ``out``: the only writer. Atomic (a temporary directory beside ``out``,
-    renamed at the end; a failure leaves nothing behind); refuses an existing ``out`` (an empty
-    directory is allowed).
+                 images=None, audio=None, workers: int | None = None, cluster: str | None = None) -> Path:
+    """Write a fixture set to ``out``: the only writer. Refuses an existing ``out`` (an empty directory
+    is allowed). The work is split into one job per base (docs/distributed-generation.md), run in
+    parallel, and resumable: every finished job's result is kept in ``<out.parent>/.<out.name>.partial/``
+    (with the synthetic checkpoint of a ``preset``) until the set is published, so a run that fails or
+    is killed is resumed by running it again with the same arguments (a partial directory of other
+    arguments raises PartialRunMismatch, a FixtureError). The set is published atomically (renamed
+    into place) only when every job is done and assembly succeeded; the partial directory is then
+    removed. A failure before any job finished leaves nothing behind.
+
+    ``workers``: local processes (default ``os.cpu_count()``; 1 runs everything in this process).
+    ``cluster``: the address of a Dask distributed scheduler (e.g. ``tcp://host:8786``) whose workers
+    run the jobs instead; they must see the model directory and ``out``'s parent at the same absolute
+    paths. Not both. Whatever the executor, the set is the same, byte for byte (the manifest's
+    provenance aside).
 
     Exactly one of ``model_dir`` (an external checkpoint: recorded by absolute path and sha256, never
     copied) and ``preset`` (a ``refimpl synth`` preset, regenerated from ``seed`` when the set is used).
     ``prompts``: a JSONL path or a list of entries (see ``load_prompts``) -> bases P0, P1, ...
-    ``progress(done, total, label)`` is called as work completes. ``cross_check(model_dir, bases,
+    ``progress(done, total, label)`` is called as work completes (``label`` e.g. ``"base A: 48 tokens,
+    14 cases, 0.3 s"``, or ``"base A: done in an earlier run"``). ``cross_check(model_dir, bases,
     base_logits)`` compares another implementation (entries are recorded only when it returns some).
     ``command`` is recorded as the generator command line (default: this process's argv).
     ``cases``: "text" (the text matrix), "images" (the image matrix only: image bases I0, I1), "audio"
@@ -689,13 +706,15 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
     audio bases, ``cross_check`` is also given ``images={base: [ProcessedImage, ...]}`` and/or
     ``audio={base: [AudioFeatures, ...]}``.
 
-    Errors: ValueError for bad arguments (PromptError, a ValueError, for bad prompts, naming the line),
-    refimpl's RefimplError when the oracle cannot load the checkpoint, FixtureError when ``out`` exists
-    or the set cannot be made (the oracle is not self-consistent, a cross check returned garbage).
+    Errors: ValueError for bad arguments (PromptError, a ValueError, for bad prompts, naming the line;
+    conformance.parallel.ClusterError, a ValueError, when the cluster cannot be used), refimpl's
+    RefimplError when the oracle cannot load the checkpoint, FixtureError when ``out`` exists or the set
+    cannot be made (the oracle is not self-consistent, a cross check returned garbage, a partial run of
+    other arguments is in the way).
     """
-    from refimpl.model import Gemma4
-    from refimpl.synth import PRESETS, write_checkpoint
-    from refimpl.tokenizer import Tokenizer
+    from refimpl.synth import PRESETS
+
+    from . import parallel
 
     out = Path(out)
     if (model_dir is None) == (preset is None):
@@ -728,34 +747,74 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
         raise ValueError(f"audio was given, but cases={cases!r} writes no audio base; use cases='all' or 'audio'")
     if cases == "audio" and entries:
         raise ValueError("prompts make text bases, but cases='audio' writes the audio matrix only; use cases='all'")
+    if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
+        raise ValueError(f"workers must be a positive integer, got {workers!r}")
+    if cluster is not None and workers is not None:
+        raise ValueError("give either workers (local processes) or cluster (a Dask scheduler address), not both")
+    if cluster is not None and (not isinstance(cluster, str) or not cluster.strip()):
+        raise ValueError(f"cluster must be a Dask scheduler address such as tcp://host:8786, got {cluster!r}")
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    dask = parallel.DaskCluster(cluster) if cluster is not None else None  # ClusterError before any work
     try:
-        staged = tmp / "set"
-        staged.mkdir()
-        done = 0
-        total = 0
+        return _generate(out, model_dir=model_dir, preset=preset, seed=seed, entries=entries, name=name,
+                         version=version, progress=progress, cross_check=cross_check, command=command, cases=cases,
+                         images=images, audio=audio, workers=workers if workers is not None else (os.cpu_count() or 1),
+                         dask=dask)
+    finally:
+        if dask is not None:
+            dask.close()
 
-        def step(label: str) -> None:
-            nonlocal done
-            done += 1
-            if progress is not None:
-                progress(done, total, label)
 
+def _generate(out: Path, *, model_dir: Path | None, preset: str | None, seed: int, entries: list[dict], name: str,
+              version: str, progress: Progress | None, cross_check: CrossCheck | None, command: str | None,
+              cases: str, images, audio, workers: int, dask) -> Path:
+    """generate_set after argument checks: plan the jobs, run the missing ones, assemble, publish."""
+    from refimpl.model import Gemma4
+    from refimpl.synth import write_checkpoint
+    from refimpl.tokenizer import Tokenizer
+
+    from . import parallel
+
+    out_abs = Path(os.path.abspath(out))
+    out_abs.parent.mkdir(parents=True, exist_ok=True)
+    model = None
+    if preset is not None:
+        model_key: dict[str, Any] = {"kind": "synthetic", "preset": preset, "seed": seed, "dtype": "f32"}
+    else:
+        model = Gemma4(model_dir)  # float64, exact sqrt(H) embedding scale; RefimplError for a bad checkpoint
+        model_key = {"kind": "external", "path": str(model_dir), "sha256": _hash_files(model_dir, _model_files(model_dir))}
+    arguments = {"model": model_key, "cases": cases, "name": name, "version": version,
+                 "prompts": [{k: e[k] for k in ("kind", "value", "id", "chat", "where")} for e in entries],
+                 "images": _media_key(images), "audio": _media_key(audio), **_job_versions()}
+    run = parallel.PartialRun.open(out_abs, arguments)
+    done = 0
+    total = 0
+
+    def step(label: str) -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total, label)
+
+    staging = None
+    try:
         # the model
         if preset is not None:
             total = 1
-            src = write_checkpoint(preset, seed, tmp / "model", dtype="f32")
-            model_info = {"kind": "synthetic", "preset": preset, "seed": seed, "dtype": "f32",
-                          "sha256": _hash_files(src, SYNTHETIC_FILES)}
+            src = run.model_dir
+            reused = src.is_dir()
+            if not reused:  # deterministic; written once into the partial dir, renamed into place when complete
+                tmp = Path(tempfile.mkdtemp(prefix=".model.tmp-", dir=run.path))
+                try:
+                    os.rename(write_checkpoint(preset, seed, tmp / "model", dtype="f32"), src)
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+            model_info = {**model_key, "sha256": _hash_files(src, SYNTHETIC_FILES)}
+            model = Gemma4(src)
         else:
             src = model_dir
-        model = Gemma4(src)  # float64, exact sqrt(H) embedding scale; RefimplError for a bad checkpoint
+            model_info = model_key
         tokenizer = Tokenizer.from_dir(src)
-        if model_dir is not None:
-            model_info = {"kind": "external", "path": str(model_dir),
-                          "sha256": _hash_files(model_dir, _model_files(model_dir))}
         cfg = model.cfg
         vision_tower, audio_tower = has_vision_tower(src), has_audio_tower(src)
         if cases == "images" and not vision_tower:
@@ -772,44 +831,128 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
         with_images = cases == "images" or (cases in ("all", "auto") and vision_tower)
         with_audio = cases == "audio" or (cases in ("all", "auto") and audio_tower)
         prompt_ids = [_encode_prompt(p, tokenizer, cfg.vocab_size) for p in entries]
-        n_bases = ((len(RANDOM_BASES) + 1 + len(prompt_ids) if with_text else 0) + (len(IMAGE_TEXT) if with_images else 0)
-                   + (len(AUDIO_TEXT) if with_audio else 0))
-        total += 2 * n_bases + (1 if cross_check is not None else 0) + 1
-        if preset is not None:
-            step("model")
+        bos = _bos(cfg, tokenizer)
 
-        bases: dict[str, list[int]] = {}
-        base_info: dict[str, dict] = {}
+        # the plan: one job per base, in the set's order; the parent only draws ids and encodes prompts
+        plan: list[dict] = []  # {"base", "spec", "cost", "info" (text bases)}
+        common = {"key": run.key, "partial": str(run.path), "model_dir": str(src), "seed": seed, "bos": bos}
+
+        def add(base: str, kind: str, cost: float, info: dict | None = None, **spec) -> None:
+            plan.append({"base": base, "cost": cost, "info": info,
+                         "spec": {**common, "base": base, "kind": kind, **spec}})
+
+        text_cases: dict[str, int] = {}
         if with_text:
-            bases, base_info = _make_bases(model, tokenizer, seed, prompt_ids)
-            for k, p in enumerate(entries):
-                base_info[f"{PROMPT_PREFIX}{k}"].update(
-                    {"where": p["where"], **({"id": p["id"]} if p["id"] else {}), "kind": p["kind"]})
-        image_bases: dict[str, ImageBase] = {}
+            pool = _ordinary_ids(tokenizer, cfg.vocab_size)
+            n = random_base_length(cfg)
+            for k, b in enumerate(RANDOM_BASES):
+                rng = np.random.default_rng([seed, k])
+                add(b, "text", 3.0 * n, {"source": "random", "length": n, "rng": f"numpy default_rng([{seed}, {k}])"},
+                    ids=[bos] + [int(t) for t in rng.choice(pool, n - 1)], greedy=0)
+            if tokenizer is not None:
+                prompt = tokenizer.encode_chat([{"role": "user", "content": CHAT_PROMPT}])
+                source = {"source": "chat", "text": CHAT_PROMPT}
+            else:
+                rng = np.random.default_rng([seed, len(RANDOM_BASES)])
+                prompt = [bos] + [int(t) for t in rng.choice(pool, G_RANDOM_PROMPT - 1)]
+                source = {"source": "random", "rng": f"numpy default_rng([{seed}, {len(RANDOM_BASES)}])"}
+            steps = GENERATION_STEPS
+            add(GENERATION_BASE, "text", 4.0 * (len(prompt) + steps),
+                {**source, "length": len(prompt) + steps, "prompt_length": len(prompt),
+                 "continuation": f"greedy, {steps} tokens"}, ids=[int(t) for t in prompt], greedy=steps)
+            for k, (ids, p) in enumerate(zip(prompt_ids, entries)):
+                steps = PROMPT_CONTINUATION
+                add(f"{PROMPT_PREFIX}{k}", "text", 4.0 * (len(ids) + steps),
+                    {"source": "prompt", "length": len(ids) + steps, "prompt_length": len(ids),
+                     "continuation": f"greedy, {steps} tokens",
+                     "where": p["where"], **({"id": p["id"]} if p["id"] else {}), "kind": p["kind"]},
+                    ids=[int(t) for t in ids], greedy=steps)
+            lengths = {q["base"]: q["info"]["length"] for q in plan}
+            text_cases = _count_by_base(generate_cases(name, cfg, {b: [0] * L for b, L in lengths.items()}))
         vision = None
         if with_images:
             vision = _Vision(src)
-            image_bases = _make_image_bases(model, vision, _ordinary_ids(tokenizer, cfg.vocab_size),
-                                            _bos(cfg, tokenizer), seed, _image_sources(images, seed))
-            for b, ib in image_bases.items():
-                bases[b], base_info[b] = ib.ids, ib.info
-        audio_bases: dict[str, AudioBase] = {}
+            sources = _image_sources(images, seed)
+            for b_index, (b, texts) in enumerate(IMAGE_TEXT.items()):
+                which = _media_order(b_index, len(texts) - 1, len(sources))
+                m = len(which) * vision.settings.max_soft_tokens  # an upper bound: the tower runs before the merge
+                add(b, "image", 3.0 * (sum(texts) + DECODE_STEPS + m) + 2.0 * m, b_index=b_index,
+                    n_sources=len(sources), sources={k: sources[k] for k in sorted(set(which))})
         audio_side = None
         if with_audio:
+            from refimpl.audio_features import check_samples
+
             audio_side = _Audio(src)
-            audio_bases = _make_audio_bases(model, audio_side, _ordinary_ids(tokenizer, cfg.vocab_size),
-                                            _bos(cfg, tokenizer), seed,
-                                            _audio_sources(audio, seed, audio_side.settings.sampling_rate))
-            for b, ab in audio_bases.items():
-                bases[b], base_info[b] = ab.ids, ab.info
-        media_bases: dict[str, Any] = {**image_bases, **audio_bases}
+            clips = _audio_sources(audio, seed, audio_side.settings.sampling_rate)
+            for wave, rate, _ in clips:
+                check_samples(wave, rate, audio_side.settings)  # a wrong rate is a usage error: before any job
+            for b_index, (b, texts) in enumerate(AUDIO_TEXT.items()):
+                which = _media_order(b_index, len(texts) - 1, len(clips))
+                m = sum(25.0 * clips[k][0].shape[0] / clips[k][1] for k in which)  # ~25 soft tokens a second
+                add(b, "audio", 3.0 * (sum(texts) + DECODE_STEPS + m) + 2.0 * m, b_index=b_index,
+                    n_sources=len(clips), sources={k: clips[k] for k in sorted(set(which))})
+
+        total += len(plan) + (1 if cross_check is not None else 0) + 1
+        if preset is not None:
+            step("model: reused from an earlier run" if reused else "model")
+
+        # run the jobs that are not done yet, longest first
+        def count_cases(meta_base: str) -> int:
+            if meta_base in text_cases:
+                return text_cases[meta_base]
+            r = run.result(meta_base)
+            kind = "audio" if r.meta["kind"] == "audio" else "image"
+            return len(generate_image_cases(name, cfg, {meta_base: r.meta["ids"]}, {meta_base: r.meta["spans"]},
+                                            kind=kind))
+
+        def on_done(meta: dict) -> None:
+            b = meta["base"]
+            step(f"base {b}: {meta['tokens']} tokens, {count_cases(b)} cases, {meta['seconds']:.1f} s")
+
+        pending = []
+        for q in plan:
+            if run.is_done(q["base"]):
+                step(f"base {q['base']}: done in an earlier run")
+            else:
+                pending.append(q)
+        pending.sort(key=lambda q: -q["cost"])  # stable: ties keep the set's order
+        if pending and dask is not None:
+            dask.check_workers([str(src), str(run.path / parallel.JOBS)])
+        context = None
+        if pending and dask is None and workers <= 1:
+            context = parallel._Context(src, model=model)
+            context._vision, context._audio = vision, audio_side
+        parallel.run_jobs([q["spec"] for q in pending], workers=workers, cluster=dask, on_done=on_done,
+                          context=context)
+
+        # assemble
+        results = {q["base"]: run.result(q["base"]) for q in plan}
+        mine = _job_versions()
+        for b, r in results.items():
+            if r.meta.get("versions") != mine:
+                raise FixtureError(f"base {b} was computed by worker {r.meta.get('worker')} with {r.meta.get('versions')}, "
+                                   f"but this process has {mine}; every worker must run the same environment "
+                                   f"(remove {run.path} and run again)")
+        bases: dict[str, list[int]] = {}
+        base_info: dict[str, dict] = {}
         logits: dict[str, np.ndarray] = {}
         margins: dict[str, np.ndarray] = {}
-        for b, ids in bases.items():
-            logits[b], m = _base_logits(model, ids, media_bases[b].inputs if b in media_bases else None)
-            if m is not None:
-                margins[b] = m
-            step(f"base {b}")
+        spans: dict[str, list[tuple[int, int]]] = {}
+        audio_spans: dict[str, list[tuple[int, int]]] = {}
+        worst = 0.0
+        for q in plan:
+            b, r = q["base"], results[q["base"]]
+            bases[b] = [int(t) for t in r.meta["ids"]]
+            if q["info"] is not None:
+                base_info[b] = {**q["info"], "length": len(bases[b])}
+            else:
+                base_info[b] = r.meta["info"]
+                (audio_spans if r.meta["kind"] == "audio" else spans)[b] = [(int(a), int(n)) for a, n in r.meta["spans"]]
+            logits[b] = r.array("logits")
+            if r.has("router_margin"):
+                margins[b] = r.array("router_margin")
+            worst = max(worst, float(r.meta["consistency"]))
+        media_bases = {**spans, **audio_spans}
         # G's continuation is the greedy argmax of its own rows (checked, so a tie cannot slip through)
         if GENERATION_BASE in bases:
             prompt_len = base_info[GENERATION_BASE]["prompt_length"]
@@ -818,14 +961,6 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
                 if int(np.argmax(logits[GENERATION_BASE][pos])) != g[pos + 1]:
                     raise FixtureError(f"base G: the greedy continuation at position {pos + 1} is not the argmax of "
                                        "the full forward (a tie between cached decode and the full forward)")
-
-        worst = 0.0
-        for b, ids in bases.items():
-            if b in media_bases:
-                worst = max(worst, _image_consistency(model, media_bases[b], logits[b]))
-            else:
-                worst = max(worst, _consistency(model, ids, logits[b]))
-            step(f"consistency {b}")
         if worst > CONSISTENCY_BOUND:
             raise FixtureError(f"the oracle is not self-consistent on this checkpoint: chunked prefill through the KV "
                                f"cache differs from the full forward by {worst:.3g} (bound {CONSISTENCY_BOUND})")
@@ -838,19 +973,28 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
                              + ("each image or audio base cut before every opening marker (boi, boa) and after "
                                 "every closing one, then single-token decode" if media_bases else "")}]
         if cross_check is not None:
+            from refimpl.audio_features import AudioFeatures
+            from refimpl.image import ProcessedImage
+
             arrays = {b: np.asarray(ids, dtype=np.int64) for b, ids in bases.items()}
-            extra = {"images": {b: ib.processed for b, ib in image_bases.items()}} if image_bases else {}
-            if audio_bases:
-                extra["audio"] = {b: ab.features for b, ab in audio_bases.items()}
+            extra: dict[str, Any] = {}
+            if spans:
+                extra["images"] = {b: [ProcessedImage(pixels=np.array(results[b].array(f"media.{j}.resized")),
+                                                      pixel_values=np.array(results[b].array(f"media.{j}.pixel_values")),
+                                                      positions=np.array(results[b].array(f"media.{j}.positions")),
+                                                      num_soft_tokens=results[b].meta["num_soft_tokens"][j])
+                                       for j in range(results[b].meta["n_media"])] for b in spans}
+            if audio_spans:
+                extra["audio"] = {b: [AudioFeatures(features=np.array(results[b].array(f"media.{j}.features")),
+                                                    mask=np.array(results[b].array(f"media.{j}.mask")))
+                                      for j in range(results[b].meta["n_media"])] for b in audio_spans}
             checks += _cross_entries(cross_check(Path(src), arrays, logits, **extra), "cross_check")
             step("cross check")
 
-        spans = {b: ib.spans for b, ib in image_bases.items()}
-        audio_spans = {b: ab.spans for b, ab in audio_bases.items()}
         matrix = (generate_cases(name, cfg, bases) if with_text else []) + \
             (generate_image_cases(name, cfg, bases, spans) if with_images else []) + \
             (generate_image_cases(name, cfg, bases, audio_spans, kind="audio") if with_audio else [])
-        cases = [annotate(c, logits, margins or None) for c in matrix]
+        set_cases = [annotate(c, logits, margins or None) for c in matrix]
 
         tensors: dict[str, np.ndarray] = {}
         for b, ids in bases.items():
@@ -858,26 +1002,28 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
             tensors[f"base/{b}/logits"] = logits[b]
             if b in margins:
                 tensors[f"base/{b}/router_margin"] = margins[b]
-        for b, ib in image_bases.items():
-            tensors[f"base/{b}/embeddings"] = np.asarray(ib.inputs.embeddings, dtype=np.float64)
-            tensors[f"base/{b}/images"] = np.asarray(ib.spans, dtype=np.int64)
-            for j, (img, pr, st) in enumerate(zip(ib.originals, ib.processed, ib.soft)):
-                tensors[f"image/{b}/{j}/pixels"] = np.asarray(img, dtype=np.uint8)
-                tensors[f"image/{b}/{j}/pixel_values"] = pr.pixel_values
-                tensors[f"image/{b}/{j}/positions"] = np.asarray(pr.positions, dtype=np.int64)
-                tensors[f"image/{b}/{j}/soft_tokens"] = st
-        for b, ab in audio_bases.items():
-            tensors[f"base/{b}/embeddings"] = np.asarray(ab.inputs.embeddings, dtype=np.float64)
-            tensors[f"base/{b}/audio"] = np.asarray(ab.spans, dtype=np.int64)
-            for j, (wave, f, st) in enumerate(zip(ab.waveforms, ab.features, ab.soft)):
-                tensors[f"audio/{b}/{j}/waveform"] = np.asarray(wave, dtype=np.float64)
-                tensors[f"audio/{b}/{j}/features"] = np.asarray(f.features, dtype=np.float64)
-                tensors[f"audio/{b}/{j}/mask"] = np.asarray(f.mask, dtype=np.uint8)
-                tensors[f"audio/{b}/{j}/soft_tokens"] = st
+        for b in spans:
+            r = results[b]
+            tensors[f"base/{b}/embeddings"] = r.array("embeddings")
+            tensors[f"base/{b}/images"] = np.asarray(spans[b], dtype=np.int64)
+            for j in range(r.meta["n_media"]):
+                for leaf in IMAGE_LEAVES:
+                    tensors[f"image/{b}/{j}/{leaf}"] = r.array(f"media.{j}.{leaf}")
+        for b in audio_spans:
+            r = results[b]
+            tensors[f"base/{b}/embeddings"] = r.array("embeddings")
+            tensors[f"base/{b}/audio"] = np.asarray(audio_spans[b], dtype=np.int64)
+            for j in range(r.meta["n_media"]):
+                for leaf in AUDIO_LEAVES:
+                    a = r.array(f"media.{j}.{leaf}")
+                    tensors[f"audio/{b}/{j}/{leaf}"] = np.asarray(a, dtype=np.uint8) if leaf == "mask" else a
         from refimpl.safetensors_io import write_safetensors
 
+        staging = run.staging()
+        staged = staging / "set"
+        staged.mkdir()
         write_safetensors(staged / EXPECTED, tensors, "F64", metadata={"schema": SCHEMA, "name": name})
-        _write_json(staged / CASES, {"cases": [c.to_json() for c in cases]})
+        _write_json(staged / CASES, {"cases": [c.to_json() for c in set_cases]})
         versions = _versions()
         manifest = {
             "schema": SCHEMA,
@@ -898,17 +1044,22 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
             "bases": base_info,
             **({"images": vision.manifest(cfg.use_bidirectional_attention == "vision")} if vision else {}),
             **({"audio": audio_side.manifest()} if audio_side else {}),
-            "cases": len(cases),
+            "cases": len(set_cases),
             "files": {f: sha256_file(staged / f) for f in SET_FILES},
         }
         _write_json(staged / MANIFEST, manifest)
         step("write")
         try:
-            os.replace(staged, out)
+            os.replace(staged, out_abs)
         except OSError as e:
             raise FixtureError(f"{out}: cannot move the finished set into place ({e}); was it created meanwhile?") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        if run.created and not run.finished():
+            run.remove()  # nothing worth keeping: leave nothing behind
+        raise
+    run.remove()  # published: the partial run is done
     return out
 
 

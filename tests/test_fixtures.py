@@ -436,7 +436,8 @@ def test_generation_is_atomic(tmp_path, fail_at):
     with pytest.raises(KeyboardInterrupt):
         generate_set(out, preset="31b-mini", progress=progress)
     assert not out.exists()
-    assert os.listdir(tmp_path / "sets") == []  # no temporary directory left either
+    # no temporary directory left either; only the finished jobs, kept for a rerun to resume (none before one)
+    assert os.listdir(tmp_path / "sets") == ([] if fail_at == 1 else [".x.partial"])
     assert seen[-1][0] <= seen[-1][1]
 
 
@@ -545,7 +546,7 @@ def test_cross_check_hook(tmp_path):
     assert len(fs.manifest["provenance"]["cross_checks"]) == 1  # not run: not recorded
     with pytest.raises(FixtureError, match="cross_check must return"):
         generate_set(tmp_path / "c", preset="31b-mini", cross_check=lambda *a: {"agreement": "good"})
-    assert sorted(os.listdir(tmp_path)) == ["a", "b"]
+    assert sorted(os.listdir(tmp_path)) == [".c.partial", "a", "b"]  # the finished jobs, kept for a rerun
 
 
 def test_argument_errors(tmp_path):
