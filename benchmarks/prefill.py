@@ -12,7 +12,8 @@ after the other, on the same checkpoint and the same prompt (``--tokens`` ids dr
 - ``roofline``: the float64 matrix multiplies of the same forward, with the same shapes, on weights
   decoded beforehand (decoding not timed): every projection ``x [T, in] @ W[out, in]^T`` of every
   layer, the two attention products per layer (``[K, G, T, D] @ [K, 1, D, S]`` and back), the PLE
-  model projection, and the head over the requested rows. Their summed best-of-``--repeat`` time is
+  model projection, and the head over the requested rows. The KV-shared layers run on the requested
+  rows only (T -> R), as the oracle and transformers both do. Their summed best-of-``--repeat`` time is
   what a forward made of nothing but matmuls would take; the ratio roofline / oracle is the fraction
   of the matmul rate the oracle reaches.
 - ``transformers``: ``Gemma4ForCausalLM`` in float64 (``exact``: with the float32 spots patched as in
@@ -120,29 +121,28 @@ def part_roofline(model: str, tokens: int, rows: str, repeat: int) -> dict:
         return min(out)
 
     total_s, flops = 0.0, 0
-    kv_len: dict[int, int] = {}
     if cfg.has_ple:
         W = w["per_layer_model_projection.weight"]
         x = rng.standard_normal((T, W.shape[1]))
         total_s += best(lambda: x @ W.T)
         flops += 2 * T * W.size
     for layer, names in matmul_plan(cfg, T, R):
+        Q = T if layer.index < cfg.first_shared_layer else R  # rows this layer computes
         for name in names:
             W = w[name]  # decoded now, not timed
-            x = rng.standard_normal((T, W.shape[1]))
+            x = rng.standard_normal((Q, W.shape[1]))
             total_s += best(lambda: x @ W.T)
-            flops += 2 * T * W.size
+            flops += 2 * Q * W.size
             del W
         N, D = cfg.num_attention_heads, layer.head_dim
         K = layer.num_kv_heads
         S = T  # a prefill from an empty cache attends over its own T keys
-        q = rng.standard_normal((K, N // K, T, D))
+        q = rng.standard_normal((K, N // K, Q, D))
         kt = rng.standard_normal((K, 1, D, S))
-        pr = rng.standard_normal((K, N // K, T, S))
+        pr = rng.standard_normal((K, N // K, Q, S))
         v = rng.standard_normal((K, 1, S, D))
         total_s += best(lambda: q @ kt) + best(lambda: pr @ v)
-        flops += 2 * (2 * N * T * S * D)
-        kv_len[layer.index] = S
+        flops += 2 * (2 * N * Q * S * D)
     y = rng.standard_normal((R, cfg.hidden_size))
     head_s = 0.0
     for start in range(0, cfg.vocab_size, HEAD_CHUNK):

@@ -202,6 +202,7 @@ class LayerKV:
     k: np.ndarray  # [S, K, D]
     v: np.ndarray  # [S, K, D]
     pos: np.ndarray  # [S] absolute positions
+    blocks: np.ndarray | None = None  # [S] vision block ids of the keys during one call (-1 outside); not cached
 
 
 @dataclass
@@ -316,15 +317,14 @@ class Gemma4:
                 positions_all = np.concatenate([past.pos, positions])
             else:
                 positions_all = positions
-            kv = call_kv[i] = LayerKV(k, v, positions_all)
+            # keys from the cache belong to earlier calls, never to a block of this one
+            k_blocks = None if blocks is None else np.concatenate([np.full(len(positions_all) - T, -1), blocks])
+            kv = call_kv[i] = LayerKV(k, v, positions_all, k_blocks)
         else:
             kv = call_kv[layer.kv_source]  # post-norm, post-RoPE K/V of the source layer
 
         if blocks is not None and layer.is_sliding:
-            # keys from the cache precede every new token, so only the new keys can be ahead of a query
-            new = kv.pos >= positions[0]
-            k_blocks = np.where(new, blocks[np.where(new, kv.pos - positions[0], 0)], -1)
-            mask = vision_block_mask(positions, kv.pos, cfg.sliding_window, blocks, k_blocks)
+            mask = vision_block_mask(positions, kv.pos, cfg.sliding_window, blocks, kv.blocks)
         else:
             mask = attention_mask(positions, kv.pos, cfg.sliding_window if layer.is_sliding else None)
         a = attention(q, kv.k, kv.v, mask).reshape(T, N * D)
@@ -383,8 +383,14 @@ class Gemma4:
 
     def hidden_states(self, ids: Sequence[int] | np.ndarray, *, cache: KVCache | None = None,
                       embeddings: np.ndarray | None = None, vision_blocks: Sequence[int] | np.ndarray | None = None,
-                      trace: Trace | None = None) -> np.ndarray:
-        """Run every layer over the new tokens; returns the residual stream [T, H] before the final norm.
+                      trace: Trace | None = None, keep: np.ndarray | None = None) -> np.ndarray:
+        """Run every layer over the new tokens; returns the residual stream [T, H] before the final norm
+        (only rows ``keep`` [R], an index array, when given).
+
+        ``keep``: the KV-shared layers (from ``first_shared_layer`` on) produce no K/V, so a row there
+        only feeds its own output: they run on the ``keep`` rows alone (the earlier layers, whose K/V
+        every later query reads, run on every token). Each kept row is computed exactly as in the full
+        pass; ignored when a ``trace`` is asked for (it records every row).
 
         ``embeddings`` [T, H], when given, replaces E[ids] * sqrt(H) as the input (it must already be
         scaled); ``ids`` then only select the per-layer-embedding rows (use the pad id 0 for soft tokens).
@@ -412,16 +418,22 @@ class Gemma4:
                 trace.put("ple", ple)
 
         call_kv: dict[int, LayerKV] = {}
+        pruned = keep is None or trace is not None
         for i in range(cfg.num_hidden_layers):
+            if not pruned and i >= cfg.first_shared_layer:  # [T, ...] -> [R, ...]
+                x, positions = x[keep], positions[keep]
+                ple = None if ple is None else ple[keep]
+                blocks = None if blocks is None else blocks[keep]
+                pruned = True
             x = self.layer(i, x, None if ple is None else ple[:, i, :], positions, cache, call_kv, trace, blocks)
+        if not pruned:
+            x = x[keep]
 
         # keep what future tokens can attend to: sliding layers their last W - 1 keys, full layers all
-        end = cache.length + T
+        end = cache.length + T  # (positions may be pruned by now; the call still covered T tokens)
         for i, kv in call_kv.items():
-            if cfg.layers[i].is_sliding:
-                keep = kv.pos > end - cfg.sliding_window
-                kv = LayerKV(kv.k[keep], kv.v[keep], kv.pos[keep])
-            cache.layers[i] = kv
+            recent = kv.pos > end - cfg.sliding_window if cfg.layers[i].is_sliding else slice(None)
+            cache.layers[i] = LayerKV(kv.k[recent], kv.v[recent], kv.pos[recent])
         cache.length = end
         return x
 
@@ -443,8 +455,11 @@ class Gemma4:
         ``embeddings`` and ``vision_blocks`` as in ``hidden_states``."""
         ids = self.check_ids(ids)
         index = resolve_rows(rows, len(ids))
-        x = self.hidden_states(ids, cache=cache, embeddings=embeddings, vision_blocks=vision_blocks, trace=trace)
-        return self.head(x[index])
+        if trace is not None or np.array_equal(index, np.arange(len(ids))):
+            x = self.hidden_states(ids, cache=cache, embeddings=embeddings, vision_blocks=vision_blocks, trace=trace)
+            return self.head(x[index])
+        return self.head(self.hidden_states(ids, cache=cache, embeddings=embeddings, vision_blocks=vision_blocks,
+                                            keep=index))
 
 
 def resolve_rows(rows: str | Sequence[int], T: int) -> np.ndarray:

@@ -187,3 +187,48 @@ def test_synth_cli_published(tmp_path, capsys, monkeypatch):
     assert 2 * 30e9 / 2**30 < need < 2 * 32e9 / 2**30  # a 31B model in bf16
     assert "GiB, but only 10.0 GiB are free; choose another --out or fewer --layers" in err
     assert not (tmp_path / "x").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# rows pruned before the KV-shared layers
+
+
+def _rows_cases(model, T):
+    return [[T - 1], [0, T // 2, T - 1], [3, 3, 1]]
+
+
+@pytest.mark.parametrize("preset", ["e2b-mini", "all-features"])
+def test_pruned_rows_equal_the_full_pass(preset_models, preset):
+    """forward(rows=R) runs the KV-shared layers on R only: every row equals the full pass's row (to
+    BLAS rounding), also after a cache, and the cache it leaves equals the full pass's."""
+    from refimpl.model import KVCache
+
+    model = preset_models[preset]
+    assert model.cfg.num_kv_shared_layers > 0
+    ids = list(np.random.default_rng(4).integers(5, 500, 30))
+    full = model.forward(ids, rows="all")
+    for rows in _rows_cases(model, len(ids)):
+        assert np.max(np.abs(model.forward(ids, rows=rows) - full[rows])) < 1e-12
+    a, b = KVCache(), KVCache()
+    model.forward(ids[:17], rows=[16], cache=a)
+    model.forward(ids[:17], rows="all", cache=b)
+    for i in b.layers:
+        assert np.array_equal(a.layers[i].k, b.layers[i].k) and np.array_equal(a.layers[i].pos, b.layers[i].pos)
+    assert np.max(np.abs(model.forward(ids[17:], rows=[0, 12], cache=a) - full[[17, 29]])) < 1e-12
+
+
+def test_pruned_rows_keep_vision_blocks(micro_factory):
+    """A vision-bidirectional checkpoint with KV-shared layers: a kept row inside an image block still
+    sees the later keys of its block on the shared sliding layers (their block ids come with the K/V)."""
+    from helpers import micro_config
+
+    d = micro_factory(micro_config(num_hidden_layers=5, layer_types=[SLIDING, SLIDING, FULL, SLIDING, FULL],
+                                   num_kv_shared_layers=2, use_bidirectional_attention="vision", sliding_window=6))
+    model = Gemma4(d)
+    ids = list(range(5, 25))
+    blocks = [-1] * 4 + [0] * 5 + [-1] * 3 + [1] * 4 + [-1] * 4
+    full = model.forward(ids, rows="all", vision_blocks=blocks)
+    causal = model.forward(ids, rows="all")
+    assert np.max(np.abs(full[5] - causal[5])) > 1e-6  # the block matters for a row inside it
+    for rows in ([5], [4, 5, 13, 19], [19]):
+        assert np.max(np.abs(model.forward(ids, rows=rows, vision_blocks=blocks) - full[rows])) < 1e-12
