@@ -302,13 +302,13 @@ class Gemma4:
         cos, sin = (a.astype(self.dtype) for a in rope_cos_sin(positions, self._inv_freq[(layer.layer_type, D)]))
 
         h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
-        q = linear(h, w[p + "self_attn.q_proj.weight"]).reshape(T, N, D)
+        q = w.linear(h, p + "self_attn.q_proj.weight").reshape(T, N, D)
         q = apply_rope(rms_norm(q, w[p + "self_attn.q_norm.weight"], eps), cos, sin)
 
         if layer.owns_kv:
             K = layer.num_kv_heads
-            kr = linear(h, w[p + "self_attn.k_proj.weight"]).reshape(T, K, D)
-            vr = kr if layer.k_eq_v else linear(h, w[p + "self_attn.v_proj.weight"]).reshape(T, K, D)
+            kr = w.linear(h, p + "self_attn.k_proj.weight").reshape(T, K, D)
+            vr = kr if layer.k_eq_v else w.linear(h, p + "self_attn.v_proj.weight").reshape(T, K, D)
             k = apply_rope(rms_norm(kr, w[p + "self_attn.k_norm.weight"], eps), cos, sin)
             v = rms_norm(vr, None, eps)  # v_norm: scale-free
             past = cache.layers.get(i)
@@ -328,7 +328,7 @@ class Gemma4:
         else:
             mask = attention_mask(positions, kv.pos, cfg.sliding_window if layer.is_sliding else None)
         a = attention(q, kv.k, kv.v, mask).reshape(T, N * D)
-        o = linear(a, w[p + "self_attn.o_proj.weight"])
+        o = w.linear(a, p + "self_attn.o_proj.weight")
         return rms_norm(o, w[p + "post_attention_layernorm.weight"], eps)
 
     def ffn_block(self, i: int, r: np.ndarray, trace: Trace | None) -> np.ndarray:
@@ -336,7 +336,9 @@ class Gemma4:
         cfg, w, eps = self.cfg, self.weights, self.cfg.rms_norm_eps
         p = f"layers.{i}."
         u = rms_norm(r, w[p + "pre_feedforward_layernorm.weight"], eps)
-        m = mlp(u, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"], w[p + "mlp.down_proj.weight"])
+        # GeGLU (``mlp``), each projection through ``w.linear`` (decoded from the checkpoint as it runs)
+        m = w.linear(gelu_tanh(w.linear(u, p + "mlp.gate_proj.weight")) * w.linear(u, p + "mlp.up_proj.weight"),
+                     p + "mlp.down_proj.weight")
         if cfg.enable_moe_block:
             m1 = rms_norm(m, w[p + "post_feedforward_layernorm_1.weight"], eps)
             idx, weight, probs = route(r, w[p + "router.scale"], w[p + "router.proj.weight"],
@@ -356,8 +358,8 @@ class Gemma4:
     def ple_block(self, i: int, x: np.ndarray, ple_i: np.ndarray) -> np.ndarray:
         """gelu(x gate^T) * ple_l -> proj -> norm; returns the term added to the residual [T, H]."""
         w, p = self.weights, f"layers.{i}."
-        g = gelu_tanh(linear(x, w[p + "per_layer_input_gate.weight"])) * ple_i
-        g = linear(g, w[p + "per_layer_projection.weight"])
+        g = gelu_tanh(w.linear(x, p + "per_layer_input_gate.weight")) * ple_i
+        g = w.linear(g, p + "per_layer_projection.weight")
         return rms_norm(g, w[p + "post_per_layer_input_norm.weight"], self.cfg.rms_norm_eps)
 
     def layer(self, i: int, x: np.ndarray, ple_i: np.ndarray | None, positions: np.ndarray, cache: KVCache,

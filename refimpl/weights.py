@@ -21,6 +21,8 @@ FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # weight storage the oracle decode
 # multimodal towers of Gemma4ForConditionalGeneration; the text oracle does not read them
 MULTIMODAL_PREFIXES = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
 STALE_ON_SHARED = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_norm.weight")
+FEW_ROWS = 16  # Gemma4Weights.linear streams the weight for at most this many rows
+STREAM_VALUES = 1 << 18  # weight values decoded per block when streaming (2 MiB of float64)
 
 
 def expected_tensors(cfg: TextConfig) -> dict[str, tuple[int, ...]]:
@@ -157,6 +159,25 @@ class Gemma4Weights:
     def rows(self, name: str, index) -> np.ndarray:
         """Only ``tensor[index]`` (first axis), gathered from the memory map and decoded."""
         return self.store.rows(self.prefix + name, index, self.dtype)
+
+    def linear(self, x: np.ndarray, name: str) -> np.ndarray:
+        """x [R, in] @ W[out, in]^T for the named weight W, decoded from the memory map.
+
+        Many rows: W is decoded whole (the only full-size copy of it, freed after the call) and
+        multiplied in one BLAS call. At most FEW_ROWS rows (decode steps, KV-shared layers pruned to
+        the output rows): W is decoded a block of output rows at a time and each block multiplied
+        while it is in cache, so W is read once as stored and no full float64 copy is made (a
+        matrix-vector product is bound by the bytes it reads)."""
+        if x.shape[0] > FEW_ROWS:
+            return x @ self[name].T
+        full = self.prefix + name
+        rows, cols = self.store.infos[full].shape
+        step = max(1, STREAM_VALUES // cols)
+        out = np.empty((x.shape[0], rows), dtype=np.result_type(x.dtype, self.dtype))
+        for start in range(0, rows, step):
+            stop = min(start + step, rows)
+            out[:, start:stop] = x @ self.store.rows(full, slice(start, stop), self.dtype).T
+        return out
 
     @property
     def head_name(self) -> str:
