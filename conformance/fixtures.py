@@ -1002,21 +1002,16 @@ def _generate(out: Path, *, model_dir: Path | None, preset: str | None, seed: in
             tensors[f"base/{b}/logits"] = logits[b]
             if b in margins:
                 tensors[f"base/{b}/router_margin"] = margins[b]
-        for b in spans:
-            r = results[b]
-            tensors[f"base/{b}/embeddings"] = r.array("embeddings")
-            tensors[f"base/{b}/images"] = np.asarray(spans[b], dtype=np.int64)
-            for j in range(r.meta["n_media"]):
-                for leaf in IMAGE_LEAVES:
-                    tensors[f"image/{b}/{j}/{leaf}"] = r.array(f"media.{j}.{leaf}")
-        for b in audio_spans:
-            r = results[b]
-            tensors[f"base/{b}/embeddings"] = r.array("embeddings")
-            tensors[f"base/{b}/audio"] = np.asarray(audio_spans[b], dtype=np.int64)
-            for j in range(r.meta["n_media"]):
-                for leaf in AUDIO_LEAVES:
-                    a = r.array(f"media.{j}.{leaf}")
-                    tensors[f"audio/{b}/{j}/{leaf}"] = np.asarray(a, dtype=np.uint8) if leaf == "mask" else a
+        for kind, blocks, leaves, spans_leaf in (("image", spans, IMAGE_LEAVES, "images"),
+                                                 ("audio", audio_spans, AUDIO_LEAVES, "audio")):
+            for b in blocks:
+                r = results[b]
+                tensors[f"base/{b}/embeddings"] = r.array("embeddings")
+                tensors[f"base/{b}/{spans_leaf}"] = np.asarray(blocks[b], dtype=np.int64)
+                for j in range(r.meta["n_media"]):
+                    for leaf in leaves:
+                        a = r.array(f"media.{j}.{leaf}")
+                        tensors[f"{kind}/{b}/{j}/{leaf}"] = np.asarray(a, dtype=np.uint8) if leaf == "mask" else a
         from refimpl.safetensors_io import write_safetensors
 
         staging = run.staging()

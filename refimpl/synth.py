@@ -23,6 +23,7 @@ the tokenizer's own ``<|image>``, ``<image|>``, ``<|image|>``, ``<|audio>``, ...
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -289,21 +290,30 @@ def write_published_checkpoint(variant: str, seed: int, out: str | Path, layers:
     hidden = dict(shapes)["embed_tokens.weight"][1]
     tensors = {prefix + name: (shape, published_tensor_chunks(name, shape, seed, k, hidden))
                for k, (name, shape) in enumerate(shapes)}
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with _atomic_directory(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         write_safetensors_streamed(tmp / "model.safetensors", tensors, "BF16" if dtype == "bf16" else "F32",
                                    metadata={"format": "pt", "preset": variant, "seed": str(seed),
                                              "layers": str(len(config.get("text_config", config)["layer_types"]))},
                                    progress=progress)
         (tmp / "tokenizer.model").write_bytes(train_tokenizer())
+    return out
+
+
+@contextlib.contextmanager
+def _atomic_directory(out: Path):
+    """Yield a new temporary directory beside ``out``; on success it replaces ``out``, on any failure
+    (or interrupt) it is removed and ``out`` is left as it was."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        yield tmp
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
 
 
 IMAGE_SOFT_TOKENS = 70  # processor_config.json max_soft_tokens of the vision presets
@@ -504,9 +514,7 @@ def write_checkpoint(preset: str, seed: int, out: str | Path, dtype: str = "f32"
                      "feature_extractor": {"feature_extractor_type": "Gemma4AudioFeatureExtractor",
                                            "feature_size": 128, "sampling_rate": 16000}}
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with _atomic_directory(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         write_safetensors(tmp / "model.safetensors", tensors, "BF16" if dtype == "bf16" else "F32",
                           metadata={"format": "pt", "preset": preset, "seed": str(seed)})
@@ -514,10 +522,4 @@ def write_checkpoint(preset: str, seed: int, out: str | Path, dtype: str = "f32"
         if processor is not None:
             (tmp / "processor_config.json").write_text(json.dumps(processor, indent=2, sort_keys=True) + "\n",
                                                        encoding="utf-8")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

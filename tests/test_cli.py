@@ -106,7 +106,7 @@ def test_logits_file_holds_the_requested_rows(tmp_path, e2b, capsys):
     logits = store.get("logits")
     assert store.raw("rows").tolist() == [0, 5, 10]
     full = Gemma4(e2b).forward([2, 17, 300, 45, 99, 3, 8, 250, 1, 77, 123])
-    assert np.array_equal(logits, full[[0, 5, 10]])
+    assert np.max(np.abs(logits - full[[0, 5, 10]])) < 1e-12  # rows pruned before the shared layers: BLAS rounding
     summary = [line for line in out.splitlines() if line.startswith("  row ")]
     assert len(summary) == 3
     top = int(np.argmax(full[5]))
