@@ -147,7 +147,7 @@ def test_local_processes_give_the_same_set(reference, tmp_path, preset):
     assert sum(counts) == len(load_set(out).cases)
 
 
-def test_dask_cluster_gives_the_same_bytes(reference, dask_cluster, tmp_path):
+def test_dask_cluster_gives_the_same_set(reference, dask_cluster, tmp_path):
     for preset in (TEXT, MEDIA):
         _same_set(reference[preset], generate_set(tmp_path / preset, preset=preset, cluster=dask_cluster))
     assert sorted(os.listdir(tmp_path)) == sorted([TEXT, MEDIA])
