@@ -391,8 +391,9 @@ class Gemma4:
 
         ``keep``: the KV-shared layers (from ``first_shared_layer`` on) produce no K/V, so a row there
         only feeds its own output: they run on the ``keep`` rows alone (the earlier layers, whose K/V
-        every later query reads, run on every token). Each kept row is computed exactly as in the full
-        pass; ignored when a ``trace`` is asked for (it records every row).
+        every later query reads, run on every token). Each kept row is computed by the same formulas as
+        in the full pass (equal to BLAS rounding). With a ``trace`` every row runs through every layer
+        (the trace records them all) and the kept rows are returned.
 
         ``embeddings`` [T, H], when given, replaces E[ids] * sqrt(H) as the input (it must already be
         scaled); ``ids`` then only select the per-layer-embedding rows (use the pad id 0 for soft tokens).
@@ -420,15 +421,15 @@ class Gemma4:
                 trace.put("ple", ple)
 
         call_kv: dict[int, LayerKV] = {}
-        pruned = keep is None or trace is not None
+        pruned = False
         for i in range(cfg.num_hidden_layers):
-            if not pruned and i >= cfg.first_shared_layer:  # [T, ...] -> [R, ...]
+            if keep is not None and trace is None and not pruned and i >= cfg.first_shared_layer:  # [T] -> [R]
                 x, positions = x[keep], positions[keep]
                 ple = None if ple is None else ple[keep]
                 blocks = None if blocks is None else blocks[keep]
                 pruned = True
             x = self.layer(i, x, None if ple is None else ple[:, i, :], positions, cache, call_kv, trace, blocks)
-        if not pruned:
+        if keep is not None and not pruned:
             x = x[keep]
 
         # keep what future tokens can attend to: sliding layers their last W - 1 keys, full layers all

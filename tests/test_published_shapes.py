@@ -232,3 +232,16 @@ def test_pruned_rows_keep_vision_blocks(micro_factory):
     assert np.max(np.abs(full[5] - causal[5])) > 1e-6  # the block matters for a row inside it
     for rows in ([5], [4, 5, 13, 19], [19]):
         assert np.max(np.abs(model.forward(ids, rows=rows, vision_blocks=blocks) - full[rows])) < 1e-12
+
+
+def test_kept_rows_with_a_trace(preset_models):
+    """hidden_states(keep=R) with a trace runs every row (the trace holds all T) and returns the R rows."""
+    from refimpl.model import Trace
+
+    model = preset_models["e2b-mini"]
+    ids = list(range(5, 25))
+    trace = Trace()
+    x = model.hidden_states(ids, keep=np.array([3, 19]), trace=trace)
+    assert x.shape == (2, model.cfg.hidden_size)
+    assert trace.tensors[f"layers.{model.cfg.num_hidden_layers - 1}.residual"].shape[0] == 20
+    assert np.max(np.abs(x - model.hidden_states(ids)[[3, 19]])) < 1e-12
