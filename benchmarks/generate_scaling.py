@@ -112,11 +112,11 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 result["runs"][str(k)] = {"seconds": run(source, prompts, out, k, 1 if k == 1 else None)}
             got = contents(out)
+            result["jobs"] = len(json.loads((out / "manifest.json").read_text())["bases"])  # one job per base
             first = first or got
             worst = max(worst, largest_difference(first, got))
             shutil.rmtree(out)
         result["max_abs_difference_between_runs"] = worst
-        result["jobs"] = 4 + args.prompts
     t1 = result["runs"]["1"]["seconds"]
     lines = [f"{' '.join(source)}, {args.prompts} prompts of {args.prompt_tokens} tokens ({result['jobs']} jobs), "
              f"{cores()} cores; largest difference between the runs' logits: "

@@ -86,8 +86,8 @@ def part_oracle(model: str, tokens: int, rows: str, repeat: int) -> dict:
     return {"first_s": times[0], "best_s": min(times[1:]), "times_s": times, "peak_rss_gib": peak_rss_gib()}
 
 
-def matmul_plan(cfg, T: int, R: int):
-    """Per layer, the (name, in-shape, weight name) of every projection of a T-token prefill."""
+def matmul_plan(cfg):
+    """Per layer, the names of the weights of every projection it runs."""
     for layer in cfg.layers:
         p = f"layers.{layer.index}."
         names = ["self_attn.q_proj.weight"]
@@ -126,7 +126,7 @@ def part_roofline(model: str, tokens: int, rows: str, repeat: int) -> dict:
         x = rng.standard_normal((T, W.shape[1]))
         total_s += best(lambda: x @ W.T)
         flops += 2 * T * W.size
-    for layer, names in matmul_plan(cfg, T, R):
+    for layer, names in matmul_plan(cfg):
         Q = T if layer.index < cfg.first_shared_layer else R  # rows this layer computes
         for name in names:
             W = w[name]  # decoded now, not timed

@@ -212,28 +212,12 @@ def published_config(variant: str, turn_end_id: int, layers: int | None = None) 
 CHUNK_VALUES = 1 << 24  # values drawn per piece when streaming a published-shape tensor
 
 
-def _published_spread(name: str, shape: tuple[int, ...], hidden: int) -> tuple[str, float, float]:
-    """(distribution, a, b) of one published-shape tensor: the rules of ``_draw``, with the embedding
-    std scaled by sqrt(64 / H) so that logits stay about 10 at any width (the softcap stays non-linear
-    but not saturated)."""
-    leaf = name.rsplit(".", 2)
-    if name == "norm.weight":
-        return "uniform", 1.5, 2.5
-    if name == "embed_tokens.weight":
-        return "normal", 0.0, 0.6 * (64 / hidden) ** 0.5
-    if name == "embed_tokens_per_layer.weight":
-        return "normal", 0.0, 0.5
-    if name.endswith("router.proj.weight"):
-        return "normal", 0.0, 2.0
-    if ("norm" in name and name.endswith(".weight")) or leaf[-1] in ("layer_scalar", "scale", "per_expert_scale"):
-        return "uniform", 0.5, 1.5
-    return "normal", 0.0, shape[-1] ** -0.5
-
-
 def published_tensor_chunks(name: str, shape: tuple[int, ...], seed: int, index: int, hidden: int):
     """A function yielding the float32 values of one tensor, CHUNK_VALUES at a time, from its own
-    generator ``default_rng([seed, 7, index])`` (the same values whatever else is written)."""
-    kind, a, b = _published_spread(name, shape, hidden)
+    generator ``default_rng([seed, 7, index])`` (the same values whatever else is written). The rules
+    of ``_spread``, with the embedding std scaled by sqrt(64 / H) so that logits stay about 10 at any
+    width (the softcap stays non-linear but not saturated)."""
+    kind, a, b = _spread(name, shape, embed_std=0.6 * (64 / hidden) ** 0.5)
     total = int(np.prod(shape))
 
     def chunks():
@@ -344,21 +328,29 @@ def preset_config(preset: str, turn_end_id: int) -> dict:
 # weights
 
 
-def _draw(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
-    """One tensor: norms and scales in [0.5, 1.5]; projections ~ N(0, 1/fan_in); see module doc."""
+def _spread(name: str, shape: tuple[int, ...], embed_std: float = 0.6) -> tuple[str, float, float]:
+    """(distribution, a, b) of one text tensor: "uniform" on [a, b] or "normal" with mean a, std b.
+    Norms and scales in [0.5, 1.5]; the final norm in [1.5, 2.5] (logits of ~10: the softcap of 30 is
+    visibly non-linear); router projections of std 2 (clear top-k margins); projections
+    ~ N(0, 1/fan_in); see module doc."""
     leaf = name.rsplit(".", 2)
     if name == "norm.weight":
-        return rng.uniform(1.5, 2.5, shape)  # logits of ~10: the softcap of 30 is visibly non-linear
+        return "uniform", 1.5, 2.5
     if name == "embed_tokens.weight":
-        return rng.normal(0.0, 0.6, shape)
+        return "normal", 0.0, embed_std
     if name == "embed_tokens_per_layer.weight":
-        return rng.normal(0.0, 0.5, shape)
+        return "normal", 0.0, 0.5
     if name.endswith("router.proj.weight"):
-        return rng.normal(0.0, 2.0, shape)  # router logits of std ~2: clear top-k margins
+        return "normal", 0.0, 2.0
     if ("norm" in name and name.endswith(".weight")) or leaf[-1] in ("layer_scalar", "scale", "per_expert_scale"):
-        return rng.uniform(0.5, 1.5, shape)
-    fan_in = shape[-1]
-    return rng.normal(0.0, fan_in**-0.5, shape)
+        return "uniform", 0.5, 1.5
+    return "normal", 0.0, shape[-1] ** -0.5
+
+
+def _draw(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """One tensor of a miniature, drawn from ``_spread``."""
+    kind, a, b = _spread(name, shape)
+    return rng.uniform(a, b, shape) if kind == "uniform" else rng.normal(a, b, shape)
 
 
 def make_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
