@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         first = None
         worst = 0.0
         for k in [*ks, "all"]:
-            out = Path(tmp, f"set-{k}")
+            out = Path(tmp, f"run-{k}", "set")  # one set name: case ids begin with it
+            out.parent.mkdir()
             if k == "all":
                 result["t1_all_cores_s"] = run(source, prompts, out, 1, cores())
             else:

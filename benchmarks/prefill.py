@@ -1,7 +1,7 @@
 """Oracle prefill at real size: speed against the float64 matmul roofline and transformers, and peak memory.
 
     python benchmarks/prefill.py --model DIR [--tokens 512] [--rows last|all] [--repeat 2]
-                                 [--transformers exact|plain|off] [--json OUT.json]
+                                 [--transformers exact|plain|off] [--cached on|off] [--json OUT.json]
 
 Every part runs in a fresh child process (so each peak resident set is its own, ``ru_maxrss``), one
 after the other, on the same checkpoint and the same prompt (``--tokens`` ids drawn from
@@ -9,6 +9,10 @@ after the other, on the same checkpoint and the same prompt (``--tokens`` ids dr
 
 - ``oracle``: ``refimpl.model.Gemma4(DIR).forward(ids, rows=...)`` in float64, best of ``--repeat``
   (the first run also pulls the checkpoint into the page cache; it is reported separately).
+- ``oracle-cached`` (``--cached on``): the same with ``weight_cache="all"``: the first run decodes
+  every projection weight and the head into memory (float64), the later ones only multiply: the
+  oracle's steady state, comparable with transformers once it holds its float64 weights; skipped when
+  those weights would not fit in the memory available.
 - ``roofline``: the float64 matrix multiplies of the same forward, with the same shapes, on weights
   decoded beforehand (decoding not timed): every projection ``x [T, in] @ W[out, in]^T`` of every
   layer, the two attention products per layer (``[K, G, T, D] @ [K, 1, D, S]`` and back), the PLE
@@ -42,6 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import refimpl  # noqa: E402,F401  (first: it sets OpenBLAS's thread timeout before NumPy loads OpenBLAS)
 import numpy as np  # noqa: E402
 
 
@@ -72,18 +77,33 @@ def rows_index(rows: str, T: int) -> np.ndarray:
 # parts (each runs in its own process)
 
 
-def part_oracle(model: str, tokens: int, rows: str, repeat: int) -> dict:
+def part_oracle(model: str, tokens: int, rows: str, repeat: int, weight_cache: str = "0") -> dict:
     from refimpl.model import Gemma4
 
     ids = prompt_ids(tokens)
-    m = Gemma4(model)
+    m = Gemma4(model, weight_cache=weight_cache)
     times, logits = [], None
     for _ in range(repeat + 1):
         t = time.perf_counter()
         logits = m.forward(ids, rows=rows)
         times.append(time.perf_counter() - t)
     np.save(os.environ["BENCH_LOGITS"], logits)
-    return {"first_s": times[0], "best_s": min(times[1:]), "times_s": times, "peak_rss_gib": peak_rss_gib()}
+    return {"first_s": times[0], "best_s": min(times[1:]), "times_s": times, "peak_rss_gib": peak_rss_gib(),
+            "weight_cache_gib": m.weights.cache_bytes / 2**30}
+
+
+def cacheable_gib(model: str) -> float:
+    """Float64 size of what ``weight_cache="all"`` holds: every projection weight and the head."""
+    from refimpl.config import load_config
+    from refimpl.weights import expected_tensors
+
+    cfg = load_config(model)
+    skip = ("embed_tokens_per_layer.weight",) + (() if cfg.tie_word_embeddings else ("embed_tokens.weight",))
+    values = sum(int(np.prod(s)) for n, s in expected_tensors(cfg).items()
+                 if len(s) == 2 and not n.endswith(skip) and "experts." not in n)
+    if not cfg.tie_word_embeddings:
+        values += cfg.vocab_size * cfg.hidden_size
+    return values * 8 / 2**30
 
 
 def matmul_plan(cfg):
@@ -229,7 +249,8 @@ def machine() -> dict:
     except Exception:  # noqa: BLE001 - informational only
         pass
     return {"cpu": cpu, "cores": cores(), "machine_cores": os.cpu_count(), "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-            "python": platform.python_version(), "numpy": np.__version__, "blas": blas, "platform": platform.platform()}
+            "python": platform.python_version(), "numpy": np.__version__, "blas": blas, "platform": platform.platform(),
+            "openblas_thread_timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,8 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", choices=("last", "all"), default="last")
     ap.add_argument("--repeat", type=int, default=2, help="timed runs per part (best is reported)")
     ap.add_argument("--transformers", choices=("exact", "plain", "off"), default="exact")
+    ap.add_argument("--cached", choices=("on", "off"), default="on",
+                    help="also time the oracle with every weight decoded once and kept (weight_cache='all')")
     ap.add_argument("--json", metavar="OUT", help="write every number here")
-    ap.add_argument("--part", choices=("oracle", "roofline", "transformers"), help=argparse.SUPPRESS)
+    ap.add_argument("--part", choices=("oracle", "oracle-cached", "roofline", "transformers"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if not Path(args.model, "config.json").is_file():
         ap.error(f"--model: {args.model} is not a checkpoint directory (no config.json)")
@@ -249,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.part == "oracle":
         print(json.dumps(part_oracle(args.model, args.tokens, args.rows, args.repeat)))
+        return 0
+    if args.part == "oracle-cached":
+        print(json.dumps(part_oracle(args.model, args.tokens, args.rows, args.repeat, weight_cache="all")))
         return 0
     if args.part == "roofline":
         print(json.dumps(part_roofline(args.model, args.tokens, args.rows, args.repeat)))
@@ -267,6 +293,15 @@ def main(argv: list[str] | None = None) -> int:
         ours = Path(tmp, "oracle.npy")
         result["oracle"] = run_part("oracle", args, [], ours)
         result["roofline"] = run_part("roofline", args, [])
+        if args.cached == "on":
+            need, avail = cacheable_gib(args.model) * 1.1, mem_available_gib()
+            if need > avail:
+                result["oracle_cached"] = {"skipped": f"the decoded weights need about {need:.1f} GiB, {avail:.1f} GiB available"}
+            else:
+                cached = Path(tmp, "cached.npy")
+                result["oracle_cached"] = run_part("oracle-cached", args, [], cached)
+                if "error" not in result["oracle_cached"]:
+                    result["oracle_cached"]["max_abs_diff_vs_oracle"] = float(np.max(np.abs(np.load(ours) - np.load(cached))))
         if args.transformers != "off":
             need = params * 8 / 2**30 * 1.15  # float64 weights plus loading slack
             avail = mem_available_gib()
@@ -285,6 +320,11 @@ def main(argv: list[str] | None = None) -> int:
         result["oracle_gflops_per_s"] = r["flops"] / o["best_s"] / 1e9
     if "best_s" in o and "best_s" in h:
         result["transformers_over_oracle"] = h["best_s"] / o["best_s"]
+    c = result.get("oracle_cached", {})
+    if "best_s" in c and "matmul_s" in r:
+        result["oracle_cached_fraction_of_roofline"] = r["matmul_s"] / c["best_s"]
+    if "best_s" in c and "best_s" in h:
+        result["transformers_over_oracle_cached"] = h["best_s"] / c["best_s"]
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     print(report(result))
@@ -302,6 +342,14 @@ def report(r: dict) -> str:
                      f"{100 * r.get('oracle_fraction_of_roofline', float('nan')):.0f}% of the roofline |")
     else:
         lines.append(f"| oracle float64 | - | - | - | {o.get('error')} |")
+    c = r.get("oracle_cached", {})
+    if "best_s" in c:
+        lines.append(f"| oracle float64, weight cache | {c['best_s']:.2f} | {f.get('flops', 0) / c['best_s'] / 1e9:.1f} | "
+                     f"{c['peak_rss_gib']:.2f} | first run (decodes into the cache) {c['first_s']:.2f} s; "
+                     f"{100 * r.get('oracle_cached_fraction_of_roofline', float('nan')):.0f}% of the roofline; "
+                     f"max |logit diff| vs streamed {c['max_abs_diff_vs_oracle']:.1e} |")
+    elif c:
+        lines.append(f"| oracle float64, weight cache | - | - | - | {c.get('skipped') or c.get('error')} |")
     if "matmul_s" in f:
         lines.append(f"| roofline (matmuls only) | {f['matmul_s']:.2f} | {f['gflops_per_s']:.1f} | {f['peak_rss_gib']:.2f} "
                      f"| {f['flops'] / 1e12:.2f} TFLOP |")
@@ -310,7 +358,9 @@ def report(r: dict) -> str:
     if "best_s" in h:
         lines.append(f"| transformers float64 ({h['flavour']}) | {h['best_s']:.2f} | "
                      f"{f.get('flops', 0) / h['best_s'] / 1e9:.1f} | {h['peak_rss_gib']:.2f} | "
-                     f"{r['transformers_over_oracle']:.2f}x the oracle's time; max |logit diff| vs oracle "
+                     f"{r['transformers_over_oracle']:.2f}x the oracle's time"
+                     + (f", {r['transformers_over_oracle_cached']:.2f}x the cached oracle's" if "transformers_over_oracle_cached" in r else "")
+                     + f"; max |logit diff| vs oracle "
                      f"{h['max_abs_diff_vs_oracle']:.1e}; load {h['load_s']:.1f} s |")
     elif h:
         lines.append(f"| transformers float64 | - | - | - | {h.get('skipped') or h.get('error')} |")

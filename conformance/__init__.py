@@ -6,4 +6,9 @@ micro-batches, chunked and multi-sequence prefill, decode) and grades every retu
 against golden float64 rows from the ``refimpl`` oracle. See docs/conformance.md.
 """
 
+import os as _os
+
+_os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")  # before NumPy loads OpenBLAS: see refimpl/__init__.py
+
+
 __version__ = "0.1.0"

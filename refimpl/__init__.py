@@ -7,6 +7,15 @@
 See docs/refimpl.md.
 """
 
+import os as _os
+
+# OpenBLAS's idle worker threads spin for about 2^28 cycles after each BLAS call. The oracle alternates
+# BLAS products with its own weight-decoding threads on the same cores, and the spinning threads halve
+# the decoding rate; 2^4 cycles lets them sleep at once. It only takes effect when set before NumPy
+# loads OpenBLAS (when this package is imported first, as by its commands); a value already set is kept.
+_os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+
+
 from .config import TextConfig, load_config, parse_config
 from .errors import ConfigError, InputError, RefimplError, TokenizerError, WeightsError
 from .generate import greedy_generate, score_continuation

@@ -19,7 +19,7 @@ import numpy as np
 
 from .config import RopeSpec, TextConfig, load_config
 from .errors import InputError
-from .weights import Gemma4Weights
+from .weights import Gemma4Weights, weight_cache_bytes
 
 HEAD_CHUNK = 2_048  # vocabulary rows decoded per step of the streamed LM head (25 MB of float64 at H 1536)
 
@@ -29,9 +29,14 @@ HEAD_CHUNK = 2_048  # vocabulary rows decoded per step of the streamed LM head (
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
-    """x [..., D] -> x / sqrt(mean(x^2) + eps) * weight. Gemma 4 uses w, not 1 + w; None = scale-free."""
-    y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
-    return y if weight is None else y * weight
+    """x [..., D] -> x / sqrt(mean(x^2) + eps) * weight. Gemma 4 uses w, not 1 + w; None = scale-free.
+
+    mean(x^2) is sum(x * x) / D, the sum taken by einsum without an [..., D] temporary."""
+    mean_square = np.einsum("...d,...d->...", x, x)[..., None] / x.shape[-1]  # [..., 1]
+    y = x / np.sqrt(mean_square + eps)
+    if weight is not None:
+        y *= weight
+    return y
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
@@ -58,8 +63,11 @@ def linear(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
-    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
-    return e / np.sum(e, axis=axis, keepdims=True)
+    """exp(x - max) / sum(exp(x - max)) along ``axis``, in one new buffer."""
+    e = x - np.max(x, axis=axis, keepdims=True)
+    np.exp(e, out=e)
+    e /= np.sum(e, axis=axis, keepdims=True)
+    return e
 
 
 def softcap(logits: np.ndarray, cap: float | None) -> np.ndarray:
@@ -120,7 +128,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> 
     K = k.shape[1]
     qg = q.reshape(T, K, N // K, D).transpose(1, 2, 0, 3)  # [K, G, T, D]
     scores = qg @ k.transpose(1, 2, 0)[:, None]  # [K, G, T, D] @ [K, 1, D, S] -> [K, G, T, S]
-    scores = np.where(mask, scores, -np.inf)
+    np.copyto(scores, -np.inf, where=~mask)  # masked keys get probability 0
     probs = softmax(scores, axis=-1)
     out = probs @ v.transpose(1, 0, 2)[:, None]  # [K, G, T, S] @ [K, 1, S, D] -> [K, G, T, D]
     return out.transpose(2, 0, 1, 3).reshape(T, N, D)
@@ -231,7 +239,12 @@ class Trace:
 class Gemma4:
     """Exact Gemma 4 text decoder over a Hugging Face checkpoint directory."""
 
-    def __init__(self, model_dir: str | Path, dtype: str | np.dtype = "float64", embed_scale: str = "exact"):
+    def __init__(self, model_dir: str | Path, dtype: str | np.dtype = "float64", embed_scale: str = "exact",
+                 weight_cache: int | str | None = None):
+        """``weight_cache``: bytes of decoded weights kept between forwards (an int, "12GiB", "all"; None:
+        the REFIMPL_WEIGHT_CACHE environment variable, else 0). 0 streams every weight from the
+        checkpoint on every forward (the least memory); a cache makes repeated forwards (decode steps,
+        many prompts) skip the decoding of the weights it holds (docs/refimpl.md, "Memory and speed")."""
         dtype = np.dtype(dtype)
         if dtype not in (np.float64, np.float32):
             raise InputError(f"dtype must be float64 or float32, got {dtype}")
@@ -239,7 +252,7 @@ class Gemma4:
             raise InputError(f"embed_scale must be 'exact' or 'bf16', got {embed_scale!r}")
         self.model_dir = Path(model_dir)
         self.cfg: TextConfig = load_config(model_dir)
-        self.weights = Gemma4Weights(model_dir, self.cfg, dtype)
+        self.weights = Gemma4Weights(model_dir, self.cfg, dtype, weight_cache_bytes(weight_cache))
         self.dtype = dtype
         root = math.sqrt(self.cfg.hidden_size)
         self.embed_scale = root if embed_scale == "exact" else bf16_round(root)
@@ -448,7 +461,7 @@ class Gemma4:
         logits = np.empty((y.shape[0], cfg.vocab_size), dtype=self.dtype)
         for start in range(0, cfg.vocab_size, HEAD_CHUNK):
             stop = min(start + HEAD_CHUNK, cfg.vocab_size)
-            logits[:, start:stop] = softcap(linear(y, self.weights.head_rows(start, stop)), cfg.final_logit_softcapping)
+            logits[:, start:stop] = softcap(self.weights.head_linear(y, start, stop), cfg.final_logit_softcapping)
         return logits
 
     def forward(self, ids: Sequence[int] | np.ndarray, *, rows: str | Sequence[int] = "all",

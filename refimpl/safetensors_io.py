@@ -1,4 +1,4 @@
-"""A small, strict safetensors reader and writer on top of NumPy memory maps.
+"""A small, strict safetensors reader and writer (pread and memory maps, NumPy).
 
 Format: 8-byte little-endian header length N, a JSON header of N bytes mapping tensor names to
 ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the end of the header),
@@ -6,10 +6,11 @@ then the raw little-endian data. Tensors are read lazily: ``TensorStore.raw`` re
 memory map and nothing is copied until a caller decodes it. BF16 is decoded exactly (a bfloat16 is
 the top half of a float32), since NumPy has no bfloat16 type.
 
-Memory: once ``get`` or ``rows`` has decoded a tensor (or some of its rows), the pages of the map
-it read are handed back to the kernel (``madvise(MADV_DONTNEED)``; the file stays in the page
-cache), so the resident memory of a forward pass over a checkpoint is its decoded working set, not
-the checkpoint: streaming a 10 GB bf16 checkpoint layer by layer does not leave it mapped in.
+Memory: ``read`` (and ``get``, and ``rows`` with a slice) reads a tensor's bytes with pread a block at
+a time into small buffers and decodes them straight into the result, so the file is never mapped in:
+streaming a 10 GB bf16 checkpoint layer by layer keeps only the decoded working set resident (the file
+stays in the page cache). A gather of rows (``rows`` with an index list: embedding rows) reads the
+memory map and hands its pages back to the kernel afterwards (``madvise(MADV_DONTNEED)``).
 
 ``write_safetensors_streamed`` writes tensors from chunk generators, so a checkpoint larger than
 memory can be written.
@@ -61,12 +62,40 @@ def f32_to_bf16(x: np.ndarray) -> np.ndarray:
     return rounded.astype(np.uint16)
 
 
-DECODE_BLOCK = 1 << 18  # values per step when decoding BF16 (a 1 MiB float32 scratch, cache-resident)
+DECODE_BLOCK = 1 << 18  # values per step when reading and decoding (cache-resident buffers of 0.5-1 MiB)
+
+
+def decode_block(src: np.ndarray, dtype: str, dst: np.ndarray, scratch: np.ndarray) -> None:
+    """dst[:] = the stored values src decoded (1-D, same length). BF16 goes through ``scratch``, a
+    uint32 buffer at least as long: the 16 bits become the high half of a float32, then dst's type."""
+    if dtype == "BF16":
+        bits = scratch[:src.size]
+        np.left_shift(src, 16, dtype=np.uint32, out=bits)
+        dst[...] = bits.view(np.float32)
+    else:
+        dst[...] = src
+
+
+def in_parts(total: int, work: Callable[[int, int], None]) -> None:
+    """Run ``work(first, last)`` over [0, total) in whole DECODE_BLOCKs split between up to
+    ``decode_threads()`` threads (NumPy's loops and reads release the GIL: the parts run on separate
+    cores); a part is at least two blocks."""
+    threads = min(decode_threads(), total // (2 * DECODE_BLOCK))
+    if threads <= 1:
+        work(0, total)
+        return
+    bounds = [total * i // threads // DECODE_BLOCK * DECODE_BLOCK for i in range(threads)] + [total]
+    parts = [threading.Thread(target=work, args=(a, b)) for a, b in zip(bounds[1:-1], bounds[2:])]
+    for t in parts:
+        t.start()
+    work(bounds[0], bounds[1])
+    for t in parts:
+        t.join()
 
 
 def decode(raw: np.ndarray, dtype: str, out: np.dtype = np.float64) -> np.ndarray:
-    """Decode raw stored values (a memmap view or a copy) to ``out``. BF16 goes through float32 a block
-    at a time, so no float32 copy of the whole tensor is made."""
+    """Decode raw stored values (a copy, or a view of the memory map) to ``out``. BF16 goes through
+    float32 a block at a time (``decode_block``), so no float32 copy of the whole tensor is made."""
     if dtype != "BF16":
         return raw.astype(out)
     if np.dtype(out) == np.float32 or raw.size <= DECODE_BLOCK:
@@ -74,24 +103,13 @@ def decode(raw: np.ndarray, dtype: str, out: np.dtype = np.float64) -> np.ndarra
     flat = raw.reshape(-1)
     result = np.empty(flat.shape, dtype=out)
 
-    def decode_part(first: int, last: int) -> None:  # values [first, last) of flat, into result
+    def work(first: int, last: int) -> None:  # values [first, last) of flat, into result
         scratch = np.empty(DECODE_BLOCK, dtype=np.uint32)
         for start in range(first, last, DECODE_BLOCK):
-            n = min(DECODE_BLOCK, last - start)
-            np.left_shift(flat[start:start + n], 16, dtype=np.uint32, out=scratch[:n])
-            result[start:start + n] = scratch[:n].view(np.float32)
+            stop = min(start + DECODE_BLOCK, last)
+            decode_block(flat[start:stop], dtype, result[start:stop], scratch)
 
-    threads = min(decode_threads(), flat.size // (8 * DECODE_BLOCK))  # a part is at least 8 blocks
-    if threads <= 1:
-        decode_part(0, flat.size)
-    else:  # NumPy releases the GIL in these loops: the parts run on separate cores
-        bounds = [flat.size * i // threads // DECODE_BLOCK * DECODE_BLOCK for i in range(threads)] + [flat.size]
-        parts = [threading.Thread(target=decode_part, args=(a, b)) for a, b in zip(bounds[1:-1], bounds[2:])]
-        for t in parts:
-            t.start()
-        decode_part(bounds[0], bounds[1])
-        for t in parts:
-            t.join()
+    in_parts(flat.size, work)
     return result.reshape(raw.shape)
 
 
@@ -200,6 +218,7 @@ class TensorStore:
         single = model_dir / SINGLE_FILE
         self.infos: dict[str, TensorInfo] = {}
         self._maps: dict[Path, tuple[mmap.mmap, np.ndarray]] = {}
+        self._files: dict[Path, object] = {}
         if model_dir.is_file():
             self.infos = read_header(model_dir)
         elif index.is_file():
@@ -277,17 +296,71 @@ class TensorStore:
         if end > begin and hasattr(mmap, "MADV_DONTNEED"):
             self._map(info.path)[0].madvise(mmap.MADV_DONTNEED, begin, end - begin)
 
-    def get(self, name: str, dtype: np.dtype = np.float64) -> np.ndarray:
-        """Decode a whole tensor to ``dtype`` (a new array); its mapped pages are released."""
-        out = decode(self.raw(name), self.infos[name].dtype, dtype)
-        self.release(name)
+    def _file(self, path: Path):
+        if path not in self._files:
+            self._files[path] = open(path, "rb", buffering=0)
+        return self._files[path]
+
+    def _read_into(self, info: TensorInfo, offset: int, buf: np.ndarray) -> None:
+        """Fill ``buf`` (contiguous) with the bytes at absolute file offset ``offset``: pread, which never
+        maps the file in; the memory map where there is no pread."""
+        view = memoryview(buf).cast("B")
+        if not hasattr(os, "preadv"):
+            view[:] = self._map(info.path)[1][offset:offset + len(view)].data
+            return
+        fd = self._file(info.path).fileno()
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise WeightsError(f"{info.path}: tensor '{info.name}': the file ended while reading it "
+                                   "(was it truncated after the checkpoint was opened?)")
+            done += n
+
+    def read(self, name: str, start: int = 0, stop: int | None = None, dtype: np.dtype = np.float64,
+             out: np.ndarray | None = None) -> np.ndarray:
+        """Rows [start, stop) of a tensor (along its first axis; all of it by default), decoded to
+        ``dtype``: read from the file a DECODE_BLOCK at a time into small buffers and decoded into the
+        result (``out``, a contiguous array of that shape and dtype to reuse, or a new one), on
+        ``decode_threads()`` threads for large reads. Nothing is mapped, so nothing but the result stays
+        resident and there is nothing to release."""
+        info = self.infos[name]
+        first_axis = info.shape[0] if info.shape else 1
+        stop = first_axis if stop is None else stop
+        if not 0 <= start <= stop <= first_axis:
+            raise IndexError(f"rows [{start}, {stop}) of tensor '{name}' with shape {list(info.shape)}")
+        shape = (stop - start, *info.shape[1:]) if info.shape else ()
+        if out is None:
+            out = np.empty(shape, dtype=dtype)
+        elif out.shape != shape or out.dtype != np.dtype(dtype) or not out.flags.c_contiguous:
+            raise ValueError(f"out must be a contiguous {np.dtype(dtype)} array of shape {list(shape)}")
+        flat = out.reshape(-1)
+        stored = STORAGE[info.dtype]
+        base = info.begin + start * math.prod(info.shape[1:]) * stored.itemsize
+
+        def work(first: int, last: int) -> None:  # values [first, last) of the result
+            buf = np.empty(min(DECODE_BLOCK, last - first), dtype=stored)
+            scratch = np.empty(buf.size, dtype=np.uint32) if info.dtype == "BF16" else None
+            for a in range(first, last, DECODE_BLOCK):
+                b = min(a + DECODE_BLOCK, last)
+                self._read_into(info, base + a * stored.itemsize, buf[:b - a])
+                decode_block(buf[:b - a], info.dtype, flat[a:b], scratch)
+
+        in_parts(flat.size, work)
         return out
 
+    def get(self, name: str, dtype: np.dtype = np.float64) -> np.ndarray:
+        """Decode a whole tensor to ``dtype`` (a new array; ``read``)."""
+        return self.read(name, dtype=dtype)
+
     def rows(self, name: str, index, dtype: np.dtype = np.float64) -> np.ndarray:
-        """Decode only ``tensor[index]`` along the first axis (rows gathered from the memory map); the
-        pages read are released (the tensor's range for a gather, the slice's for a slice)."""
+        """Decode only ``tensor[index]`` along the first axis: a slice is ``read``; other indexes
+        (a gather) are taken from the memory map and the pages of the tensor are released."""
+        if isinstance(index, slice) and index.step in (None, 1) and self.infos[name].shape:
+            start, stop, _ = index.indices(self.infos[name].shape[0])
+            return self.read(name, start, max(start, stop), dtype)
         out = decode(self.raw(name)[index], self.infos[name].dtype, dtype)
-        self.release(name, index if isinstance(index, slice) else None)
+        self.release(name)
         return out
 
 

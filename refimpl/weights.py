@@ -8,13 +8,17 @@ upcast to float64 until a layer asks for it, and embedding tables are only ever 
 
 from __future__ import annotations
 
+import math
+import os
+import sys
+import threading
 from pathlib import Path
 
 import numpy as np
 
 from .config import TextConfig
 from .errors import InputError, WeightsError
-from .safetensors_io import TensorStore
+from .safetensors_io import TensorStore, decode_threads
 
 TEXT_PREFIXES = ("model.language_model.", "model.")
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # weight storage the oracle decodes exactly
@@ -23,6 +27,36 @@ MULTIMODAL_PREFIXES = ("model.vision_tower.", "model.embed_vision.", "model.audi
 STALE_ON_SHARED = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_norm.weight")
 FEW_ROWS = 16  # Gemma4Weights.linear streams the weight for at most this many rows
 STREAM_VALUES = 1 << 18  # weight values decoded per block when streaming (2 MiB of float64)
+
+
+WEIGHT_CACHE_ENV = "REFIMPL_WEIGHT_CACHE"  # the weight cache size when Gemma4 is not given one
+SIZE_UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def weight_cache_bytes(value: int | str | None) -> int:
+    """The decoded-weight cache budget in bytes: an int, a size such as "12GiB" / "512MiB" / "0", or
+    "all" (no limit); None reads REFIMPL_WEIGHT_CACHE, and without it the cache is off (0)."""
+    if value is None:
+        value = os.environ.get(WEIGHT_CACHE_ENV, "0")
+        source = f"{WEIGHT_CACHE_ENV}={value!r}"
+    else:
+        source = f"weight_cache={value!r}"
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 0:
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip().upper().replace(" ", "")
+        if text == "ALL":
+            return sys.maxsize
+        number = text.rstrip("KMGTIB")
+        unit = text[len(number):]
+        try:
+            amount = float(number)
+        except ValueError:
+            amount = -1.0
+        if unit in SIZE_UNITS and amount >= 0 and math.isfinite(amount):
+            return int(amount * SIZE_UNITS[unit])
+    raise InputError(f"{source}: the weight cache size must be a number of bytes, a size such as '12GiB' or "
+                     "'512MiB', '0' (off) or 'all'")
 
 
 def expected_tensors(cfg: TextConfig) -> dict[str, tuple[int, ...]]:
@@ -72,12 +106,17 @@ def expected_tensors(cfg: TextConfig) -> dict[str, tuple[int, ...]]:
 class Gemma4Weights:
     """The text-decoder tensors of one checkpoint, validated against its config, decoded on demand."""
 
-    def __init__(self, model_dir: str | Path, cfg: TextConfig, dtype: np.dtype = np.float64):
+    def __init__(self, model_dir: str | Path, cfg: TextConfig, dtype: np.dtype = np.float64,
+                 weight_cache: int = 0):
         self.cfg = cfg
         self.dtype = np.dtype(dtype)
+        self.cache_budget = weight_cache  # bytes of decoded weights ``product`` may keep between calls
+        self.cache: dict[tuple[str, int, int], np.ndarray] = {}
+        self.cache_bytes = 0
         self.store = TensorStore(model_dir)
         self.prefix = self._find_prefix()
         self.ignored: list[str] = []
+        self._local = threading.local()  # per-thread buffer of ``product``
         self._validate()
 
     def _find_prefix(self) -> str:
@@ -161,23 +200,75 @@ class Gemma4Weights:
         return self.store.rows(self.prefix + name, index, self.dtype)
 
     def linear(self, x: np.ndarray, name: str) -> np.ndarray:
-        """x [R, in] @ W[out, in]^T for the named weight W, decoded from the memory map.
+        """x [R, in] @ W[out, in]^T for the named weight W, decoded from the checkpoint as it runs."""
+        return self.product(x, self.prefix + name)
 
-        Many rows: W is decoded whole (the only full-size copy of it, freed after the call) and
-        multiplied in one BLAS call. At most FEW_ROWS rows (decode steps, KV-shared layers pruned to
-        the output rows): W is decoded a block of output rows at a time and each block multiplied
-        while it is in cache, so W is read once as stored and no full float64 copy is made (a
-        matrix-vector product is bound by the bytes it reads)."""
-        if x.shape[0] > FEW_ROWS:
-            return x @ self[name].T
-        full = self.prefix + name
+    def head_linear(self, y: np.ndarray, start: int, stop: int) -> np.ndarray:
+        """y [R, H] @ head[start:stop]^T: logits of vocabulary entries [start, stop) before the softcap."""
+        return self.product(y, self.head_name, start, stop)
+
+    def product(self, x: np.ndarray, full: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """x [R, in] @ W[start:stop]^T for the tensor named ``full`` (rows [start, stop) of W, all by default).
+
+        Many rows: W is decoded whole into a buffer reused from call to call (the only float64 copy of
+        a weight, sized by the largest one) and multiplied in one BLAS call. At most FEW_ROWS rows
+        (decode steps, KV-shared layers pruned to the output rows, the head of a last-row prefill):
+        a matrix-vector product is bound by the bytes it reads, so W is decoded STREAM_VALUES at a time
+        and each block multiplied while it is in cache; the blocks are split between
+        ``decode_threads()`` threads, each with its own block buffer, and no full float64 copy is made."""
         rows, cols = self.store.infos[full].shape
+        stop = rows if stop is None else stop
+        dtype = np.result_type(x.dtype, self.dtype)
+        W = self._cached(full, start, stop)
+        if W is not None:
+            return x @ W.T
+        if x.shape[0] > FEW_ROWS:
+            W = self.store.read(full, start, stop, self.dtype, out=self._buffer((stop - start, cols)))
+            return x @ W.T
+        out = np.empty((x.shape[0], stop - start), dtype=dtype)
         step = max(1, STREAM_VALUES // cols)
-        out = np.empty((x.shape[0], rows), dtype=np.result_type(x.dtype, self.dtype))
-        for start in range(0, rows, step):
-            stop = min(start + step, rows)
-            out[:, start:stop] = x @ self.store.rows(full, slice(start, stop), self.dtype).T
+
+        def work(first: int, last: int) -> None:  # output columns [first, last) of out
+            block = np.empty((step, cols), dtype=self.dtype)
+            for a in range(first, last, step):
+                b = min(a + step, last)
+                W = self.store.read(full, start + a, start + b, self.dtype, out=block[:b - a])
+                out[:, a:b] = x @ W.T
+
+        blocks = -(-(stop - start) // step)
+        threads = max(1, min(decode_threads(), blocks // 4))  # a thread gets at least four blocks
+        bounds = [(stop - start) * i // threads // step * step for i in range(threads)] + [stop - start]
+        parts = [threading.Thread(target=work, args=(a, b)) for a, b in zip(bounds[1:-1], bounds[2:])]
+        for t in parts:
+            t.start()
+        work(bounds[0], bounds[1])
+        for t in parts:
+            t.join()
         return out
+
+    def _cached(self, full: str, start: int, stop: int) -> np.ndarray | None:
+        """W[start:stop] decoded, kept in the weight cache while its budget lasts; None once it is spent.
+
+        The cache only fills: a forward visits the weights in the same order every time, so evicting the
+        oldest would make every later visit a miss. The first ``cache_budget`` bytes of weights stay."""
+        key = (full, start, stop)
+        if key in self.cache:
+            return self.cache[key]
+        nbytes = (stop - start) * self.store.infos[full].shape[1] * self.dtype.itemsize
+        if self.cache_bytes + nbytes > self.cache_budget:
+            return None
+        W = self.cache[key] = self.store.read(full, start, stop, self.dtype)
+        self.cache_bytes += nbytes
+        return W
+
+    def _buffer(self, shape: tuple[int, int]) -> np.ndarray:
+        """A float array of ``shape`` reused by this thread's next call (grown to the largest shape asked)."""
+        size = shape[0] * shape[1]
+        buf = getattr(self._local, "buffer", None)
+        if buf is None or buf.size < size:
+            buf = self._local.buffer = None  # free the old one before allocating the new one
+            buf = self._local.buffer = np.empty(size, dtype=self.dtype)
+        return buf[:size].reshape(shape)
 
     @property
     def head_name(self) -> str:
@@ -188,7 +279,7 @@ class Gemma4Weights:
 
     def head_rows(self, start: int, stop: int) -> np.ndarray:
         """Rows [start, stop) of the LM head matrix [V, H], decoded."""
-        return self.store.rows(self.head_name, slice(start, stop), self.dtype)
+        return self.store.read(self.head_name, start, stop, self.dtype)
 
 
 def _is_stale_shared(name: str, shared: set[int]) -> bool:

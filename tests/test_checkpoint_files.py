@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 import shutil
 import struct
 import subprocess
@@ -282,25 +283,44 @@ def _resident_kib(path: Path) -> int:
     return total
 
 
-@pytest.mark.skipif(not Path("/proc/self/smaps").exists() or not hasattr(mmap, "MADV_DONTNEED"),
-                    reason="needs Linux /proc/self/smaps and madvise")
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists() or not hasattr(mmap, "MADV_DONTNEED") or not hasattr(os, "preadv"),
+                    reason="needs Linux /proc/self/smaps, madvise and preadv")
 def test_decoded_tensors_do_not_stay_mapped_in(ckpts, tmp_path):
-    """get/rows hand the pages they read back (the resident set is the decoded working set), and a
-    released tensor reads back unchanged."""
+    """get, read and row slices read the file without mapping it; a gather reads the map and hands the
+    tensor's pages back (the resident set is the decoded working set), and every read is unchanged."""
     big = np.random.default_rng(0).standard_normal((512, 1024)).astype(np.float32)  # 2 MiB
     path = tmp_path / "big.safetensors"
     write_safetensors(path, {"w": big, "e": big[:64]})
     store = TensorStore(path)
+    first = store.get("w")
+    assert np.array_equal(first, big.astype(np.float64))
+    assert np.array_equal(store.rows("w", slice(3, 9)), big[3:9].astype(np.float64))
+    assert np.array_equal(store.read("w", 500, 512), big[500:].astype(np.float64))
+    assert _resident_kib(path) == 0  # never mapped in
     raw = store.raw("w")
     touched = int(raw[::256].sum())  # fault pages in without decoding through the store
     assert touched is not None and _resident_kib(path) > 0
-    first = store.get("w")
-    assert _resident_kib(path) <= 8  # at most the header page and a page shared with the next tensor
-    assert np.array_equal(first, big.astype(np.float64))
-    assert np.array_equal(store.get("w"), first)  # read again after the release
-    assert np.array_equal(store.rows("w", slice(3, 9)), big[3:9].astype(np.float64))
     assert np.array_equal(store.rows("w", [7, 2, 7]), big[[7, 2, 7]].astype(np.float64))
-    assert _resident_kib(path) <= 8
+    assert _resident_kib(path) <= 8  # at most the header page and a page shared with the next tensor
+
+
+def test_read_into_a_given_buffer(tmp_path):
+    """read(out=...) fills a caller's buffer (reused from call to call by the weights) with the same values;
+    a buffer of the wrong shape, dtype or layout is refused."""
+    bits = np.random.default_rng(2).integers(0, 1 << 16, (40, 33), dtype=np.uint16)
+    bits = np.where((bits & 0x7F80) == 0x7F80, bits & 0x807F, bits).astype(np.uint16)  # no inf/NaN
+    path = tmp_path / "b.safetensors"
+    write_safetensors(path, {"w": bf16_to_f32(bits)}, dtype="BF16")
+    store = TensorStore(path)
+    out = np.full((10, 33), np.nan)
+    assert store.read("w", 5, 15, out=out) is out
+    assert np.array_equal(out, bf16_to_f32(bits[5:15]).astype(np.float64))
+    assert np.array_equal(store.read("w", dtype=np.float32), bf16_to_f32(bits))
+    for bad in (np.empty((9, 33)), np.empty((10, 33), np.float32), np.empty((33, 10)).T):
+        with pytest.raises(ValueError, match=r"out must be a contiguous float64 array of shape \[10, 33\]"):
+            store.read("w", 5, 15, out=bad)
+    with pytest.raises(IndexError):
+        store.read("w", 30, 41)
 
 
 @pytest.mark.parametrize("threads", [1, 3])

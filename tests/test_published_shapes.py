@@ -159,17 +159,21 @@ def test_forward_reads_tables_by_rows_and_the_head_in_chunks(tiny_published, tmp
     (up to the rounding of BLAS's blocking)."""
     d = write_published_checkpoint(tiny_published, 1, tmp_path / "m", layers=10)
     model = Gemma4(d)
-    whole, rows = [], []
-    real_get, real_rows = TensorStore.get, TensorStore.rows
-    monkeypatch.setattr(TensorStore, "get", lambda self, name, dtype=np.float64: whole.append(name) or real_get(self, name, dtype))
-    monkeypatch.setattr(TensorStore, "rows", lambda self, name, index, dtype=np.float64:
-                        rows.append((name, index)) or real_rows(self, name, index, dtype))
+    reads = []  # (name, first row, rows) of every decoding read
+    real_read = TensorStore.read
+
+    def read(self, name, start=0, stop=None, dtype=np.float64, out=None):
+        got = real_read(self, name, start, stop, dtype, out)
+        reads.append((name, start, got.shape[0] if got.ndim else 1))
+        return got
+
+    monkeypatch.setattr(TensorStore, "read", read)
     monkeypatch.setattr("refimpl.model.HEAD_CHUNK", 100)
     ids = np.arange(2, 22)
     chunked = model.forward(ids, rows="all")
-    assert not [n for n in whole if "embed_tokens" in n]
-    head = [i for n, i in rows if n.endswith("embed_tokens.weight") and isinstance(i, slice)]
-    assert len(head) == 6 and max(s.stop - s.start for s in head) == 100  # 512 rows in chunks of 100
+    tables = [(n, a, r) for n, a, r in reads if "embed_tokens" in n]
+    assert all(n.endswith("embed_tokens.weight") for n, _, _ in tables)  # the PLE table is only gathered
+    assert [(a, r) for _, a, r in tables] == [(0, 100), (100, 100), (200, 100), (300, 100), (400, 100), (500, 12)]
     monkeypatch.setattr("refimpl.model.HEAD_CHUNK", 1 << 20)
     assert np.max(np.abs(model.forward(ids, rows="all") - chunked)) < 1e-12  # BLAS blocking: rounding only
     assert 1024 <= HEAD_CHUNK <= 16384  # the real chunk: tens of MB of float64 at real width, not the table
@@ -245,3 +249,71 @@ def test_kept_rows_with_a_trace(preset_models):
     assert x.shape == (2, model.cfg.hidden_size)
     assert trace.tensors[f"layers.{model.cfg.num_hidden_layers - 1}.residual"].shape[0] == 20
     assert np.max(np.abs(x - model.hidden_states(ids)[[3, 19]])) < 1e-12
+
+
+# ----------------------------------------------------------------------------------------------
+# streamed products and the decoded-weight cache
+
+
+@pytest.mark.parametrize("rows", [1, 16, 17])
+def test_streamed_product_on_threads_equals_the_decoded_product(tiny_published, tmp_path, monkeypatch, rows):
+    """product() streams the weight in blocks (at most FEW_ROWS rows) split between threads, or decodes it
+    into a reused buffer (more rows): both equal x @ W.T with W decoded whole, and the thread count does
+    not change a bit."""
+    import refimpl.weights as weights
+
+    d = write_published_checkpoint(tiny_published, 2, tmp_path / "m", layers=10)
+    w = Gemma4(d).weights
+    monkeypatch.setattr(weights, "STREAM_VALUES", 300)  # 4 rows of 64 per block: many blocks
+    name = w.prefix + "layers.7.mlp.gate_proj.weight"  # a double-wide [192, 64] weight
+    x = np.random.default_rng(3).standard_normal((rows, 64))
+    want = x @ w.store.get(name).T
+    by_threads = {}
+    for threads in (1, 3):
+        monkeypatch.setattr(weights, "decode_threads", lambda: threads)
+        by_threads[threads] = w.product(x, name)
+        assert np.max(np.abs(by_threads[threads] - want)) < 1e-13
+        assert np.max(np.abs(w.product(x, name, 10, 50) - want[:, 10:50])) < 1e-13  # rows of W
+    assert np.array_equal(by_threads[1], by_threads[3])
+
+
+def test_weight_cache_keeps_decoded_weights_within_its_budget(tiny_published, tmp_path, monkeypatch):
+    """weight_cache: a forward with every weight cached equals the streamed one (to BLAS rounding), the
+    next forward decodes nothing the cache holds, and a budget keeps the first weights that fit."""
+    d = write_published_checkpoint(tiny_published, 3, tmp_path / "m", layers=10)
+    ids = np.arange(2, 40)
+    streamed = Gemma4(d).forward(ids, rows=[5, 37])
+    model = Gemma4(d, weight_cache="all")
+    assert np.max(np.abs(model.forward(ids, rows=[5, 37]) - streamed)) < 1e-12
+    reads = []
+    real_read = TensorStore.read
+    monkeypatch.setattr(TensorStore, "read", lambda self, name, *a, **k: reads.append(name) or real_read(self, name, *a, **k))
+    assert np.max(np.abs(model.forward(ids, rows=[5, 37]) - streamed)) < 1e-12
+    assert not [n for n in reads if n.endswith("_proj.weight") or "embed_tokens" in n]  # only norms re-read
+    assert model.weights.cache_bytes == sum(a.nbytes for a in model.weights.cache.values())
+
+    first = next(iter(model.weights.cache.values())).nbytes  # input order: layer 0's q_proj comes first
+    small = Gemma4(d, weight_cache=first + 8)
+    assert np.max(np.abs(small.forward(ids, rows=[5, 37]) - streamed)) < 1e-12
+    assert list(small.weights.cache) == [next(iter(model.weights.cache))] and small.weights.cache_bytes == first
+
+
+def test_weight_cache_size_parsing(monkeypatch, tmp_path):
+    from refimpl.errors import InputError
+    from refimpl.weights import weight_cache_bytes
+
+    assert weight_cache_bytes(0) == 0 and weight_cache_bytes(1234) == 1234
+    assert weight_cache_bytes("12GiB") == 12 * 2**30 and weight_cache_bytes("1.5 mib") == 3 * 2**19
+    assert weight_cache_bytes("all") > 2**60
+    monkeypatch.delenv("REFIMPL_WEIGHT_CACHE", raising=False)
+    assert weight_cache_bytes(None) == 0
+    monkeypatch.setenv("REFIMPL_WEIGHT_CACHE", "2KiB")
+    assert weight_cache_bytes(None) == 2048
+    monkeypatch.setenv("REFIMPL_WEIGHT_CACHE", "lots")
+    with pytest.raises(InputError) as e:
+        weight_cache_bytes(None)
+    assert str(e.value) == ("REFIMPL_WEIGHT_CACHE='lots': the weight cache size must be a number of bytes, a size "
+                            "such as '12GiB' or '512MiB', '0' (off) or 'all'")
+    for bad in (-1, "12GB", "-3MiB", True, "nanGiB"):
+        with pytest.raises(InputError, match="the weight cache size must be"):
+            weight_cache_bytes(bad)
