@@ -76,15 +76,15 @@ def decode_block(src: np.ndarray, dtype: str, dst: np.ndarray, scratch: np.ndarr
         dst[...] = src
 
 
-def in_parts(total: int, work: Callable[[int, int], None]) -> None:
-    """Run ``work(first, last)`` over [0, total) in whole DECODE_BLOCKs split between up to
-    ``decode_threads()`` threads (NumPy's loops and reads release the GIL: the parts run on separate
-    cores); a part is at least two blocks."""
-    threads = min(decode_threads(), total // (2 * DECODE_BLOCK))
+def in_parts(total: int, work: Callable[[int, int], None], unit: int = DECODE_BLOCK, least: int = 2) -> None:
+    """Run ``work(first, last)`` over [0, total) in parts of whole ``unit``s split between up to
+    ``decode_threads()`` threads, each part at least ``least`` units (NumPy's loops, BLAS and reads
+    release the GIL: the parts run on separate cores)."""
+    threads = min(decode_threads(), total // (least * unit))
     if threads <= 1:
         work(0, total)
         return
-    bounds = [total * i // threads // DECODE_BLOCK * DECODE_BLOCK for i in range(threads)] + [total]
+    bounds = [total * i // threads // unit * unit for i in range(threads)] + [total]
     parts = [threading.Thread(target=work, args=(a, b)) for a, b in zip(bounds[1:-1], bounds[2:])]
     for t in parts:
         t.start()

@@ -18,7 +18,7 @@ import numpy as np
 
 from .config import TextConfig
 from .errors import InputError, WeightsError
-from .safetensors_io import TensorStore, decode_threads
+from .safetensors_io import TensorStore, in_parts
 
 TEXT_PREFIXES = ("model.language_model.", "model.")
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # weight storage the oracle decodes exactly
@@ -235,15 +235,7 @@ class Gemma4Weights:
                 W = self.store.read(full, start + a, start + b, self.dtype, out=block[:b - a])
                 out[:, a:b] = x @ W.T
 
-        blocks = -(-(stop - start) // step)
-        threads = max(1, min(decode_threads(), blocks // 4))  # a thread gets at least four blocks
-        bounds = [(stop - start) * i // threads // step * step for i in range(threads)] + [stop - start]
-        parts = [threading.Thread(target=work, args=(a, b)) for a, b in zip(bounds[1:-1], bounds[2:])]
-        for t in parts:
-            t.start()
-        work(bounds[0], bounds[1])
-        for t in parts:
-            t.join()
+        in_parts(stop - start, work, unit=step, least=4)  # a thread gets at least four blocks
         return out
 
     def _cached(self, full: str, start: int, stop: int) -> np.ndarray | None:

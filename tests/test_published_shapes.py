@@ -260,6 +260,7 @@ def test_streamed_product_on_threads_equals_the_decoded_product(tiny_published, 
     """product() streams the weight in blocks (at most FEW_ROWS rows) split between threads, or decodes it
     into a reused buffer (more rows): both equal x @ W.T with W decoded whole, and the thread count does
     not change a bit."""
+    import refimpl.safetensors_io as sio
     import refimpl.weights as weights
 
     d = write_published_checkpoint(tiny_published, 2, tmp_path / "m", layers=10)
@@ -270,7 +271,7 @@ def test_streamed_product_on_threads_equals_the_decoded_product(tiny_published, 
     want = x @ w.store.get(name).T
     by_threads = {}
     for threads in (1, 3):
-        monkeypatch.setattr(weights, "decode_threads", lambda: threads)
+        monkeypatch.setattr(sio, "decode_threads", lambda: threads)
         by_threads[threads] = w.product(x, name)
         assert np.max(np.abs(by_threads[threads] - want)) < 1e-13
         assert np.max(np.abs(w.product(x, name, 10, 50) - want[:, 10:50])) < 1e-13  # rows of W
