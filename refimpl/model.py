@@ -31,9 +31,8 @@ HEAD_CHUNK = 2_048  # vocabulary rows decoded per step of the streamed LM head (
 def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
     """x [..., D] -> x / sqrt(mean(x^2) + eps) * weight. Gemma 4 uses w, not 1 + w; None = scale-free.
 
-    mean(x^2) is sum(x * x) / D, the sum taken by einsum without an [..., D] temporary."""
-    mean_square = np.einsum("...d,...d->...", x, x)[..., None] / x.shape[-1]  # [..., 1]
-    y = x / np.sqrt(mean_square + eps)
+    The mean is NumPy's pairwise sum (einsum's running sum loses 3x more in float32)."""
+    y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
     if weight is not None:
         y *= weight
     return y

@@ -282,8 +282,8 @@ def test_streamed_head_matches_dense_head(preset_dirs, preset_models, monkeypatc
         dense = cap * np.tanh((rms(x, w["norm.weight"]) @ w["embed_tokens.weight"].T) / cap)
 
         calls = []
-        real = model.weights.head_rows
-        monkeypatch.setattr(model.weights, "head_rows", lambda a, b: calls.append((a, b)) or real(a, b))
+        real = model.weights.head_linear
+        monkeypatch.setattr(model.weights, "head_linear", lambda y, a, b: calls.append((a, b)) or real(y, a, b))
         got = model.forward(ids, rows="all")
         expected_calls = [(s, min(s + chunk, PRESET_VOCAB)) for s in range(0, PRESET_VOCAB, chunk)]
         assert calls == expected_calls, "the head did not stream in HEAD_CHUNK rows"
