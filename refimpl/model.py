@@ -243,7 +243,7 @@ class Gemma4:
         """``weight_cache``: bytes of decoded weights kept between forwards (an int, "12GiB", "all"; None:
         the REFIMPL_WEIGHT_CACHE environment variable, else 0). 0 streams every weight from the
         checkpoint on every forward (the least memory); a cache makes repeated forwards (decode steps,
-        many prompts) skip the decoding of the weights it holds (docs/refimpl.md, "Memory and speed")."""
+        many prompts) skip the decoding of the weights it holds (docs/refimpl.md, "Weight cache")."""
         dtype = np.dtype(dtype)
         if dtype not in (np.float64, np.float32):
             raise InputError(f"dtype must be float64 or float32, got {dtype}")
