@@ -283,15 +283,11 @@ class TensorStore:
         buf = self._map(info.path)[1][info.begin:info.end]
         return buf.view(STORAGE[info.dtype]).reshape(info.shape)
 
-    def release(self, name: str, index: slice | None = None) -> None:
-        """Hand the mapped pages of a tensor (or of rows ``index``, a slice) back to the kernel. Reading
-        them again faults them in from the page cache; nothing changes but the resident set."""
+    def release(self, name: str) -> None:
+        """Hand the mapped pages of a tensor back to the kernel. Reading them again faults them in from
+        the page cache; nothing changes but the resident set."""
         info = self.infos[name]
         begin, end = info.begin, info.end
-        if isinstance(index, slice) and info.shape:
-            start, stop, _ = index.indices(info.shape[0])
-            row = (end - begin) // max(info.shape[0], 1)
-            begin, end = begin + start * row, begin + stop * row
         begin -= begin % mmap.PAGESIZE
         if end > begin and hasattr(mmap, "MADV_DONTNEED"):
             self._map(info.path)[0].madvise(mmap.MADV_DONTNEED, begin, end - begin)
