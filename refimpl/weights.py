@@ -218,14 +218,13 @@ class Gemma4Weights:
         ``decode_threads()`` threads, each with its own block buffer, and no full float64 copy is made."""
         rows, cols = self.store.infos[full].shape
         stop = rows if stop is None else stop
-        dtype = np.result_type(x.dtype, self.dtype)
         W = self._cached(full, start, stop)
         if W is not None:
             return x @ W.T
         if x.shape[0] > FEW_ROWS:
             W = self.store.read(full, start, stop, self.dtype, out=self._buffer((stop - start, cols)))
             return x @ W.T
-        out = np.empty((x.shape[0], stop - start), dtype=dtype)
+        out = np.empty((x.shape[0], stop - start), dtype=np.result_type(x.dtype, self.dtype))
         step = max(1, STREAM_VALUES // cols)
 
         def work(first: int, last: int) -> None:  # output columns [first, last) of out
