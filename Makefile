@@ -32,6 +32,7 @@ $(VENV)/.llama-cpp: scripts/build-llama-cpp.sh | $(VENV)/.test
 	touch $@
 
 check: $(VENV)/.core
+	mkdir -p .cache
 	$(BIN)/conformance check --backend refimpl --json .cache/report.json --junit-xml .cache/report.xml
 
 test: $(VENV)/.test

@@ -144,6 +144,17 @@ class BackendError(Exception):
     """A backend could not be loaded or opened (the run cannot go on: exit code 4)."""
 
 
+class CaseTimeout(Exception):
+    """A request did not finish within the case timeout (``conformance check --case-timeout``).
+
+    A backend that runs its engine in a child process it can kill and restart (the subprocess and
+    llama.cpp backends, and any backend under ``--isolate``) supervises the timeout itself: it has
+    ``set_case_timeout(seconds)``, and its ``run`` raises a subclass of this after killing the
+    engine, which it restarts for the next request. For any other backend the harness enforces the
+    timeout and, since an in-process call cannot be stopped, ends the run there.
+    """
+
+
 @runtime_checkable
 class Backend(Protocol):
     """What the harness drives. ``open`` is called once per checkpoint; ``run`` once per request."""

@@ -22,12 +22,18 @@ matched no case, or every selected case is not claimed or skipped). User errors 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import re
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from .report import printable
+from .runner import interrupt_signal, stop_signals
+
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_FIXTURE, EXIT_BACKEND, EXIT_EMPTY = 0, 1, 2, 3, 4, 5
+EXIT_PIPE = 141  # standard output was closed early (128 + SIGPIPE); check keeps its verdict instead
 PROG = "conformance"
 
 
@@ -36,13 +42,35 @@ class UsageError(Exception):
 
 
 def _err(msg: str) -> None:
-    sys.stderr.write(f"{PROG}: error: {msg}\n")
+    sys.stderr.write(printable(f"{PROG}: error: {msg}") + "\n")
     sys.stderr.flush()
 
 
 def _warn(msg: str) -> None:
-    sys.stderr.write(f"{PROG}: warning: {msg}\n")
+    sys.stderr.write(printable(f"{PROG}: warning: {msg}") + "\n")
     sys.stderr.flush()
+
+
+def _silence_stdout() -> None:
+    """After a broken pipe: point standard output at /dev/null, so that the interpreter's last flush at
+    exit does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
+def _stdout(text: str) -> bool:
+    """Print ``text`` on standard output; False (and standard output silenced) if the pipe is closed."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return True
+    except BrokenPipeError:
+        _silence_stdout()
+        return False
 
 
 class _Parser(argparse.ArgumentParser):
@@ -98,6 +126,33 @@ def _set_paths(dirs: Sequence[str] | None) -> list[Path]:
     return out
 
 
+def _output_path(flag: str, value: str | None) -> str | None:
+    """A report path (--json, --junit-xml) checked before the run: ``-`` (standard output), or a file
+    in an existing directory that can be written."""
+    if value is None or value == "-":
+        return value
+    path = Path(value)
+    if path.is_dir():
+        raise UsageError(f"{flag}: {value} is a directory; give a file name (or - for standard output)")
+    parent = path.parent
+    if not parent.is_dir():
+        raise UsageError(f"{flag}: the directory {parent} does not exist (create it first, or give - for "
+                         "standard output)")
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"{flag}: {value} cannot be written (permission denied)")
+    return value
+
+
+def _timeout(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {value!r}")
+    return seconds
+
+
 def _profiles() -> dict[str, Any]:
     from .profiles import PROFILES
 
@@ -144,10 +199,22 @@ def _guarded(bar, work):
         bar.close()
 
 
+def _load_checked_backend(args, options: dict[str, Any]):
+    """The backend of --backend: in this process, or with --isolate in a child process behind the
+    protocol server (BackendError if it cannot be loaded)."""
+    from .registry import load_backend
+
+    if not args.isolate:
+        return load_backend(args.backend, **options)
+    from .backends.subprocess_backend import IsolatedBackend
+
+    # no limit on a run unless --case-timeout sets one; the child's start includes importing the engine
+    return IsolatedBackend(args.backend, options, timeout=1e9, startup_timeout=300.0)
+
+
 def cmd_check(args, argv: Sequence[str]) -> int:
     from .backend import BackendError
     from .expectations import ExpectationsError, load as load_expectations
-    from .registry import load_backend
     from .report import ProgressBar, console_summary, is_tty, write_json, write_junit
     from .runner import run
 
@@ -156,6 +223,10 @@ def cmd_check(args, argv: Sequence[str]) -> int:
     profiles = _profiles()
     if args.profile is not None and args.profile not in profiles:
         raise UsageError(f"unknown profile {args.profile!r}; choose one of {', '.join(profiles)}")
+    json_path = _output_path("--json", args.json)
+    junit_path = _output_path("--junit-xml", args.junit_xml)
+    if json_path == "-" and junit_path == "-":
+        raise UsageError("--json - and --junit-xml - cannot both go to standard output")
     expectations = None
     if args.expectations:
         try:
@@ -168,7 +239,7 @@ def cmd_check(args, argv: Sequence[str]) -> int:
         return EXIT_FIXTURE
 
     try:
-        backend = load_backend(args.backend, **options)
+        backend = _load_checked_backend(args, options)
     except BackendError as e:
         _err(str(e))
         return EXIT_BACKEND
@@ -187,25 +258,44 @@ def cmd_check(args, argv: Sequence[str]) -> int:
                 _err(f"backend {backend.name!r} ships a broken expectations file: {e}")
                 return EXIT_BACKEND
             if not args.quiet:
-                sys.stderr.write(f"using the expectations shipped with backend {backend.name!r}: {shipped} "
-                                 f"({len(expectations.entries)} entries; --no-shipped-expectations to ignore)\n")
+                sys.stderr.write(printable(f"using the expectations shipped with backend {backend.name!r}: "
+                                           f"{shipped} ({len(expectations.entries)} entries; "
+                                           "--no-shipped-expectations to ignore)") + "\n")
     if expectations is not None and expectations.backend and expectations.backend != backend.name:
         _warn(f"the expectations file is for backend {expectations.backend!r}, running {backend.name!r}")
 
     bar = ProgressBar(sys.stderr, tty=is_tty(sys.stderr), enabled=not args.quiet)
     result, failed = _guarded(bar, lambda: run(backend, sets, profile, expectations, pattern, bar,
-                                               backend_options=options))
+                                               backend_options=options, case_timeout=args.case_timeout))
     if failed is not None:
         return failed
 
     code = result.exit_code
-    if args.json:
-        path = write_json(result, args.json, argv=list(argv))
-        sys.stderr.write(f"wrote JSON report {path}\n")
-    if args.junit_xml:
-        path = write_junit(result, args.junit_xml)
-        sys.stderr.write(f"wrote JUnit XML {path}\n")
-    print(console_summary(result, verbose=args.verbose))
+    if result.interrupted is not None:
+        _err(f"{result.interrupted['message']}; writing the report of the {len(result.cases)} finished "
+             f"case{'s' if len(result.cases) != 1 else ''}")
+    # files first, standard output last: a reader that stops early loses nothing that went to a file
+    writers = ((json_path, lambda p: write_json(result, p, argv=list(argv)), "JSON report"),
+               (junit_path, lambda p: write_junit(result, p), "JUnit XML"))
+    for path, write, what in sorted(writers, key=lambda w: w[0] == "-"):
+        if path is None:
+            continue
+        try:
+            written = write(path)
+        except BrokenPipeError:
+            _silence_stdout()
+            continue
+        except OSError as e:
+            _err(f"cannot write the {what} {path}: {e.strerror or e}")
+            code = code or EXIT_USAGE
+            continue
+        if path != "-":
+            sys.stderr.write(printable(f"wrote {what} {written}") + "\n")
+    summary = printable(console_summary(result, verbose=args.verbose)) + "\n"
+    if "-" in (json_path, junit_path):  # standard output carries the report: the summary goes to stderr
+        sys.stderr.write(summary)
+    else:
+        _stdout(summary)
     return code
 
 
@@ -249,7 +339,7 @@ def cmd_list(args) -> int:
             if pattern is not None and not pattern.search(c.id):
                 continue
             n += 1
-            print(f"{c.id}  [{entry_point(c)}] {','.join(c.features)}")
+            print(printable(f"{c.id}  [{entry_point(c)}] {','.join(c.features)}"))
     sys.stderr.write(f"{n} case(s) in {len(sets)} fixture set(s)\n")
     return EXIT_OK if n else EXIT_EMPTY
 
@@ -339,10 +429,10 @@ def cmd_generate(args) -> int:
     except (ValueError, FileExistsError, OSError) as e:
         progress.close()
         raise UsageError(f"{e}{_resume_hint(args.out)}") from None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         progress.close()
         _err(f"interrupted{_resume_hint(args.out)}")
-        return 130
+        return 128 + interrupt_signal(e)
     except Exception as e:  # noqa: BLE001 - refimpl errors (bad checkpoint, bad prompts) are user errors
         progress.close()
         from refimpl.errors import RefimplError
@@ -371,7 +461,7 @@ def cmd_verify(args) -> int:
             bad += 1
             print(f"{d}: {len(problems)} problem(s)")
             for prob in problems:
-                print(f"  - {prob}")
+                print(printable(f"  - {prob}"))
         else:
             print(f"{d}: ok")
     return EXIT_FIXTURE if bad else EXIT_OK
@@ -454,7 +544,7 @@ def cmd_selftest(args, argv: Sequence[str]) -> int:
     if args.json:
         path = st.write_json(result, args.json, argv=list(argv))
         sys.stderr.write(f"wrote JSON report {path}\n")
-    print(st.console_summary(result, breaks_width=None if args.verbose else 48))
+    print(printable(st.console_summary(result, breaks_width=None if args.verbose else 48)))
     return result.exit_code
 
 
@@ -517,10 +607,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-shipped-expectations", action="store_true",
                    help="grade without the expectations file the backend ships")
     c.add_argument("-k", metavar="REGEX", help="run only the cases whose id matches REGEX (re.search)")
-    c.add_argument("--json", metavar="FILE", help="write the JSON report (schema v1)")
-    c.add_argument("--junit-xml", metavar="FILE", help="write a JUnit XML report")
+    c.add_argument("--json", metavar="FILE", help="write the JSON report (schema v1); - for standard output")
+    c.add_argument("--junit-xml", metavar="FILE", help="write a JUnit XML report; - for standard output")
     c.add_argument("--backend-option", action="append", metavar="KEY=VALUE",
                    help="keyword argument for the backend's class or factory (repeatable)")
+    c.add_argument("--isolate", action="store_true",
+                   help="run a Python backend in a child process behind the subprocess protocol: a backend that "
+                        "exits, crashes or hangs costs one case (an error) and the child is restarted")
+    c.add_argument("--case-timeout", type=_timeout, metavar="SECONDS",
+                   help="a case whose request takes longer is an error (check 'timeout'); a backend in a child "
+                        "process (--isolate, subprocess, llama-cpp) is restarted, an in-process one ends the run")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     c.add_argument("-v", "--verbose", action="store_true", help="details of every failing case, not only the first")
 
@@ -601,27 +697,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             args = parser.parse_args(argv)
         except SystemExit as e:  # --help / --version
             return int(e.code or 0) if not isinstance(e.code, str) else EXIT_USAGE
-        if args.command == "check":
-            return cmd_check(args, argv)
-        if args.command == "list":
-            return cmd_list(args)
-        if args.command == "generate":
-            return cmd_generate(args)
-        if args.command == "verify":
-            return cmd_verify(args)
-        if args.command == "selftest":
-            return cmd_selftest(args, argv)
-        if args.command == "scoreboard":
-            return cmd_scoreboard(args)
-        raise UsageError(f"unknown command {args.command!r}")
+        commands = {"check": lambda: cmd_check(args, argv), "list": lambda: cmd_list(args),
+                    "generate": lambda: cmd_generate(args), "verify": lambda: cmd_verify(args),
+                    "selftest": lambda: cmd_selftest(args, argv), "scoreboard": lambda: cmd_scoreboard(args)}
+        if args.command not in commands:
+            raise UsageError(f"unknown command {args.command!r}")
+        with stop_signals():  # SIGTERM and SIGHUP end a command as Ctrl-C does
+            return commands[args.command]()
     except UsageError as e:
         _err(str(e))
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        _err("interrupted")
-        return 130
-    except BrokenPipeError:
-        return EXIT_OK
+    except KeyboardInterrupt as e:
+        _err(f"interrupted by {e.args[0] if e.args else 'SIGINT'}")
+        return 128 + interrupt_signal(e)
+    except BrokenPipeError:  # a reader that quit early: the output is incomplete, never a pass
+        _silence_stdout()
+        return EXIT_PIPE
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -44,9 +44,9 @@ from .profiles import Profile
 
 __all__ = ["RowResult", "CaseGrade", "grade_case", "CHECKS", "CASE_CHECKS", "METRIC_KEYS", "MOE_NEAR_TIE", "TOP_N"]
 
-CHECKS = ("count", "shape", "nonfinite", "identity", "max_abs", "max_rel", "nmse", "cosine", "kl", "delta_p",
+CHECKS = ("count", "dtype", "shape", "nonfinite", "identity", "max_abs", "max_rel", "nmse", "cosine", "kl", "delta_p",
           "top1", "topk")
-CASE_CHECKS = ("count", "kl_mean", "generation")
+CASE_CHECKS = ("count", "dtype", "kl_mean", "generation")
 METRIC_KEYS = ("max_abs", "max_rel", "nmse", "cosine", "kl", "delta_p", "top1_agree", "topk_overlap", "margin",
                "identity_nearest", "identity_ratio")
 #: top-N ids reported in every RowResult (``top_ref`` / ``top_got``)
@@ -54,6 +54,8 @@ TOP_N = 5
 #: a failing MoE case whose smallest router margin (probability gap between the k-th chosen and the
 #: best unchosen expert) is below this gets a note: rounding can flip the expert choice there
 MOE_NEAR_TIE = 1e-2
+#: floating dtypes of ml_dtypes (numpy kind "V"), which a backend may return as they are
+ML_FLOATS = ("bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e4m3b11fnuz")
 
 
 @dataclass
@@ -362,6 +364,21 @@ def _group_sq_distances(bases: _BaseCache, specs: Sequence[Any], arr: np.ndarray
 # one case
 
 
+def _real_array(gname: str, arr: Any) -> tuple[np.ndarray | None, str | None]:
+    """A returned group as float64, or why it is not logits: only real floating and integer dtypes are
+    (complex values, objects, strings and booleans are refused, never coerced)."""
+    try:
+        a = np.asarray(arr)
+    except (TypeError, ValueError) as exc:  # e.g. ragged nested lists
+        return None, f"group '{gname}' is not an array ({type(exc).__name__}: {exc})"
+    floating = a.dtype.kind == "f" or a.dtype.name in ML_FLOATS
+    if not (floating or a.dtype.kind in "iu"):
+        return None, (f"group '{gname}' has dtype {a.dtype}: logits must be a real floating (or integer) "
+                      f"array")
+    return a.astype(np.float64), None
+
+
+
 def grade_case(case, groups: Sequence[tuple[str, Sequence[Any]]], got: Sequence[np.ndarray | None],
                base_logits: dict[str, np.ndarray], profile: Profile) -> CaseGrade:
     """Grade a case's returned rows against the oracle's.
@@ -376,19 +393,17 @@ def grade_case(case, groups: Sequence[tuple[str, Sequence[Any]]], got: Sequence[
     count_failed = False  # some group has the wrong row count
     for gi, (gname, specs) in enumerate(groups):
         arr = got[gi] if gi < len(got) else None
-        problem = None
+        problem = None  # (check, message): the group cannot be graded row by row
         if arr is None:
-            problem = f"no rows returned for group '{gname}' (expected {len(specs)})"
+            problem = "count", f"no rows returned for group '{gname}' (expected {len(specs)})"
         else:
-            try:
-                arr = np.asarray(arr, dtype=np.float64)
-            except (TypeError, ValueError) as exc:
-                problem = f"group '{gname}' is not a float array ({exc})"
-            else:
-                if arr.ndim != 2:
-                    problem = f"group '{gname}' has shape {tuple(arr.shape)}, expected [{len(specs)}, V]"
-                elif arr.shape[0] != len(specs):
-                    problem = f"group '{gname}' returned {arr.shape[0]} rows, expected {len(specs)}"
+            arr, bad_dtype = _real_array(gname, arr)
+            if bad_dtype is not None:
+                problem = "dtype", bad_dtype
+            elif arr.ndim != 2:
+                problem = "count", f"group '{gname}' has shape {tuple(arr.shape)}, expected [{len(specs)}, V]"
+            elif arr.shape[0] != len(specs):
+                problem = "count", f"group '{gname}' returned {arr.shape[0]} rows, expected {len(specs)}"
         approx = _group_sq_distances(bases, specs, arr) if problem is None else {}
         for ri, spec in enumerate(specs):
             res = RowResult(label=spec.label, position=int(spec.position), status="fail", check=None,
@@ -398,8 +413,7 @@ def grade_case(case, groups: Sequence[tuple[str, Sequence[Any]]], got: Sequence[
             base_rows = bases.rows(spec.base)
             if problem is not None:
                 count_failed = True
-                res.check = "count"
-                res.message = f"{spec.label}: {problem}"
+                res.check, res.message = problem[0], f"{spec.label}: {problem[1]}"
                 res.top_ref = M.topk_ids(np.asarray(base_rows[spec.position], dtype=np.float64), TOP_N).tolist()
                 continue
             _grade_row(row, arr[ri], base_rows, bases.finite_cols(spec.base), profile, approx.get(ri))
@@ -408,14 +422,16 @@ def grade_case(case, groups: Sequence[tuple[str, Sequence[Any]]], got: Sequence[
     kls = [r.metrics["kl"] for r in results if r.metrics["kl"] is not None]
     mas = [r.metrics["max_abs"] for r in results if r.metrics["max_abs"] is not None]
     nms = [r.metrics["nmse"] for r in results if r.metrics["nmse"] is not None]
-    decided = [r for r in rows if r.got is not None and r.decided]
+    # top-1 agreement is undefined on a row with no finite column (it failed nonfinite before)
+    top1 = [a for r in rows if r.got is not None and r.decided
+            and (a := r.result.metrics["top1_agree"]) is not None]
     summary: dict[str, float | None] = {
         "kl_mean": _num(np.mean(kls)) if kls else None,
         "kl_p99": _num(np.quantile(kls, 0.99)) if kls else None,
         "kl_max": _num(max(kls)) if kls else None,
         "max_abs": _num(max(mas)) if mas else None,
         "nmse_max": _num(max(nms)) if nms else None,
-        "top1_rate": (_num(np.mean([r.result.metrics["top1_agree"] for r in decided])) if decided else None),
+        "top1_rate": _num(np.mean(top1)) if top1 else None,
     }
 
     # -- generation: first decided step whose argmax is not the golden token
@@ -437,7 +453,8 @@ def grade_case(case, groups: Sequence[tuple[str, Sequence[Any]]], got: Sequence[
     status, check, message = "pass", None, ""
     if failing:
         # a group with the wrong row count is a case-level structural failure: it comes first
-        lead = next((r for r in failing if r.check == "count"), failing[0]) if count_failed else failing[0]
+        lead = (next((r for r in failing if r.check in ("count", "dtype")), failing[0]) if count_failed
+                else failing[0])
         status, check = "fail", lead.check
         message = lead.message
         if len(failing) > 1:

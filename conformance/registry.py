@@ -108,7 +108,9 @@ def _resolve(spec: str, module: str, attr: str, extras: tuple[str, ...]) -> Any:
                                f"{_install_hint(missing, extras)}") from exc
         raise BackendError(f"backend {spec!r}: module {module!r} needs {missing!r}, which is not installed; "
                            f"{_install_hint(missing, extras)}") from exc
-    except Exception as exc:  # noqa: BLE001 - any import-time failure is a load failure
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - any import-time failure (SystemExit too) is a load failure
         raise BackendError(f"backend {spec!r}: importing module {module!r} failed: "
                            f"{type(exc).__name__}: {exc}") from exc
     obj: Any = mod
@@ -128,7 +130,9 @@ def _instantiate(spec: str, obj: Any, options: dict[str, Any]) -> Any:
         what = "class" if isinstance(obj, type) else "factory"
         try:
             return obj(**options)
-        except Exception as exc:  # noqa: BLE001 - a constructor failure is a load failure
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - a constructor failure (SystemExit too) is a load failure
             raise BackendError(f"backend {spec!r}: the {what} raised {type(exc).__name__}: {exc}") from exc
     if options:
         raise BackendError(f"backend {spec!r} is an instance, not a class or factory; it takes no options "
@@ -160,8 +164,8 @@ def open_backend(backend: Backend, model_dir: Path | str) -> None:
     """``backend.open(model_dir)``; any failure becomes a BackendError naming the backend and the directory."""
     try:
         backend.open(Path(model_dir))
-    except BackendError:
+    except (BackendError, KeyboardInterrupt):
         raise
-    except Exception as exc:  # noqa: BLE001 - a backend that cannot open stops the run (exit 4)
+    except BaseException as exc:  # noqa: BLE001 - a backend that cannot open (SystemExit too) stops the run (exit 4)
         raise BackendError(f"backend {backend.name!r} could not open {model_dir}: "
                            f"{type(exc).__name__}: {exc}") from exc

@@ -45,6 +45,27 @@ ENTRY_TAGS = {"full", "last", "plain", "seq_id", "embeddings", "prefill", "multi
 
 
 # ----------------------------------------------------------------------------------------------
+# text from backends and sets
+
+# control characters (C0 but tab and newline, DEL, C1), lone surrogates and the XML non-characters:
+# a terminal acts on them (ESC starts an escape sequence, C1 0x9b too) and XML 1.0 cannot hold them
+_UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff\ufffe\uffff]")
+
+
+def printable(text: str) -> str:
+    """``text`` with every control character written as a visible escape (ESC as ``\\x1b``, NUL as
+    ``\\x00``): safe for a terminal and for XML. Tabs and newlines stay. Text from a backend or a set
+    (exception messages, an engine's stderr, case ids) goes through this before it reaches the console
+    or JUnit; the JSON report keeps it as it was (JSON escapes control characters itself)."""
+    return _UNPRINTABLE.sub(_escape, str(text))
+
+
+def _escape(m: re.Match) -> str:
+    c = ord(m.group())
+    return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+
+
+# ----------------------------------------------------------------------------------------------
 # JSON
 
 
@@ -145,6 +166,7 @@ def to_json(result: RunResult, *, exit_code: int | None = None, argv: list[str] 
         "finished": result.finished.isoformat().replace("+00:00", "Z"),
         "duration": result.duration,
         "exit_code": result.exit_code if exit_code is None else exit_code,
+        "interrupted": result.interrupted,
         "summary": summary_json(result),
         "expectations": result.expectations,
         "cases": [c.to_json() for c in result.cases],
@@ -152,10 +174,20 @@ def to_json(result: RunResult, *, exit_code: int | None = None, argv: list[str] 
 
 
 def write_json(result: RunResult, path: str | Path, **kw) -> Path:
+    """Write the JSON report to ``path`` (``-``: standard output)."""
+    text = json.dumps(to_json(result, **kw), indent=1, allow_nan=False) + "\n"
+    return _write(path, text)
+
+
+def _write(path: str | Path, text: str) -> Path:
+    """``text`` into the file ``path``, or onto standard output for ``-``."""
+    if str(path) == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return Path("-")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(to_json(result, **kw), indent=1, allow_nan=False)
-    path.write_text(text + "\n", encoding="utf-8")
+    path.write_text(text, encoding="utf-8")
     return path
 
 
@@ -285,9 +317,12 @@ def junit_tree(result: RunResult) -> ET.ElementTree:
         suite = ET.SubElement(root, "testsuite", name=info.name, timestamp=timestamp, hostname=host,
                               time=f"{sum(c.duration for c in cases):.3f}", **{k: str(v) for k, v in counts.items()})
         props = ET.SubElement(suite, "properties")
+        stop = result.interrupted
         for k, v in (("backend", result.backend.get("name")), ("profile", getattr(result.profile, "name", "")),
                      ("fixture_set_version", info.version), ("fixture_set_path", info.path),
-                     ("manifest_sha256", info.manifest_sha256), ("select", result.select or "")):
+                     ("manifest_sha256", info.manifest_sha256), ("select", result.select or ""),
+                     *((("interrupted", f"{stop['message']} ({stop['cases_not_run']} cases not run)"),)
+                       if stop else ())):
             ET.SubElement(props, "property", name=k, value=str(v))
         for c in cases:
             tc = ET.SubElement(suite, "testcase", classname=f"{c.set}/{c.kind}", name=c.id, time=f"{c.duration:.3f}")
@@ -320,16 +355,19 @@ def junit_tree(result: RunResult) -> ET.ElementTree:
     for k, v in totals.items():
         root.set(k, str(v))
     root.set("time", f"{result.duration:.3f}")
+    for el in root.iter():  # text from backends and sets: XML 1.0 cannot hold control characters
+        el.text = None if el.text is None else printable(el.text)
+        for k, v in el.attrib.items():
+            el.set(k, printable(v))
     return ET.ElementTree(root)
 
 
 def write_junit(result: RunResult, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write the JUnit XML to ``path`` (``-``: standard output)."""
     tree = junit_tree(result)
     ET.indent(tree, space=" ")
-    tree.write(path, encoding="utf-8", xml_declaration=True)
-    return path
+    text = ET.tostring(tree.getroot(), encoding="unicode", xml_declaration=False)
+    return _write(path, "<?xml version='1.0' encoding='utf-8'?>\n" + text + "\n")
 
 
 def _one_line(s: str, limit: int = 500) -> str:
@@ -383,6 +421,7 @@ class ProgressBar:
             filled = int(bar_w * done / total) if total else bar_w
             head = f"[{'#' * filled}{'.' * (bar_w - filled)}] {done}/{total} {_hms(elapsed)} "
             room = max(width - len(head) - 1, 10)
+            case_id = printable(case_id)
             cid = case_id if len(case_id) <= room else "..." + case_id[-(room - 3):]
             self.stream.write("\r" + (head + cid).ljust(width - 1))
             self.stream.flush()
@@ -390,8 +429,8 @@ class ProgressBar:
         elif result is not None:
             w = len(str(total))
             extra = f" [{result.check}]" if result.check and result.status != "pass" else ""
-            self.stream.write(f"[{done:>{w}}/{total}] {result.status:<11} {case_id}{extra} "
-                              f"({result.duration:.2f}s)\n")
+            self.stream.write(printable(f"[{done:>{w}}/{total}] {result.status:<11} {case_id}{extra} "
+                                        f"({result.duration:.2f}s)") + "\n")
             self.stream.flush()
 
     def message(self, text: str) -> None:
@@ -401,7 +440,7 @@ class ProgressBar:
         if self.tty and self._drawn:
             width = shutil.get_terminal_size((100, 20)).columns
             self.stream.write("\r" + " " * (width - 1) + "\r")
-        self.stream.write(text + "\n")
+        self.stream.write(printable(text) + "\n")
         self.stream.flush()
 
     def close(self) -> None:
@@ -464,7 +503,8 @@ def failure_details(c: CaseResult) -> list[str]:
 
 def exit_line(code: int, counts: dict[str, int] | None = None) -> str:
     meaning = {0: "all selected cases passed", 1: "some cases failed", 2: "usage error",
-               3: "fixture integrity error", 4: "backend error", 5: "no case was run"}.get(code, "")
+               3: "fixture integrity error", 4: "backend error", 5: "no case was run",
+               129: "interrupted by SIGHUP", 130: "interrupted by SIGINT", 143: "interrupted by SIGTERM"}.get(code, "")
     return f"exit {code}: {meaning}" if meaning else f"exit {code}"
 
 
@@ -527,7 +567,11 @@ def console_summary(result: RunResult, *, verbose: bool = False) -> str:
     parts = [f"{counts[s]} {s}" for s in ("pass", "fail", "error", "xfail", "xpass", "skipped", "not-claimed")
              if counts[s]]
     lines.append(f"{len(result.cases)} cases: " + ", ".join(parts) + f" in {result.duration:.1f}s")
-    if result.exit_code == 5:
+    if result.interrupted is not None:
+        stop = result.interrupted
+        lines.append(f"the run ended early: {stop['message']}; {stop['cases_not_run']} selected "
+                     f"case{'s' if stop['cases_not_run'] != 1 else ''} not run")
+    elif result.exit_code == 5:
         lines.append("no case was run: every selected case is not claimed by the backend or skipped")
     lines.append(exit_line(result.exit_code))
     return "\n".join(lines)

@@ -22,8 +22,11 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import math
+import queue
 import re
+import signal
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -32,7 +35,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from .backend import Backend, BackendError, Response, required_capabilities
+from .backend import Backend, BackendError, CaseTimeout, Response, required_capabilities
 from .expectations import Expectations
 from .fixtures import sha256_file
 
@@ -47,6 +50,46 @@ Progress = Callable[[int, int, str, "CaseResult | None"], None]
 
 class NoCasesSelected(Exception):
     """No case of the fixture sets matched the selection (exit code 5)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal other than SIGINT (SIGTERM, SIGHUP) arrived during a run: raised by the handler of
+    ``stop_signals``. A subclass of KeyboardInterrupt, so every place that lets an interrupt through
+    lets this through too."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = int(signum)
+
+
+def interrupt_signal(exc: KeyboardInterrupt) -> int:
+    """The signal number an interrupt stands for (SIGINT for a plain KeyboardInterrupt)."""
+    return exc.signum if isinstance(exc, Interrupted) else int(signal.SIGINT)
+
+
+class stop_signals:
+    """``with stop_signals():`` SIGTERM and SIGHUP raise ``Interrupted`` in the main thread (SIGINT already
+    raises KeyboardInterrupt), so a CI job's timeout ends a run like Ctrl-C: finally blocks run,
+    temporary files go, and the finished cases are reported. The previous handlers come back on exit.
+    Outside the main thread it does nothing."""
+
+    SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
+
+    def __enter__(self):
+        self._saved = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._saved[sig] = signal.signal(sig, self._raise)
+        return self
+
+    @staticmethod
+    def _raise(signum, frame):
+        raise Interrupted(signum)
+
+    def __exit__(self, *exc):
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+        return False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -120,6 +163,9 @@ class RunResult:
     started: _dt.datetime
     finished: _dt.datetime
     duration: float
+    # the run ended early: {"reason": "SIGINT" | "SIGTERM" | "SIGHUP" | "timeout", "case": the case in flight
+    # or None, "cases_not_run": int, "message": str}; None when every selected case ran
+    interrupted: dict[str, Any] | None = None
 
     def counts(self, cases: Iterable[CaseResult] | None = None) -> dict[str, int]:
         c = {s: 0 for s in STATUSES}
@@ -129,6 +175,10 @@ class RunResult:
 
     @property
     def exit_code(self) -> int:
+        """0, 1 or 5 by the cases' statuses; 128 + the signal's number when a signal ended the run."""
+        stop = self.interrupted
+        if stop is not None and stop["reason"] != "timeout":
+            return 128 + int(signal.Signals[stop["reason"]])
         c = self.counts()
         if any(c[s] for s in FAILING):
             return 1
@@ -255,6 +305,76 @@ def load_sets(paths: Iterable[str | Path]) -> list:
     return [load_set(Path(p)) for p in paths]
 
 
+class _Supervisor:
+    """Runs an in-process backend's calls on one dedicated daemon thread, so that a call can be given up
+    on after a deadline (``--case-timeout``). Every call of the backend (open, run, close) goes through
+    the same thread, so a backend that keeps thread-local state (streams, contexts) sees one thread.
+    A call that is given up on keeps running: nothing can stop it in-process, so the run must end."""
+
+    def __init__(self):
+        self._jobs: queue.Queue = queue.Queue()
+        self.busy = False  # a call was given up on and may still be running
+        threading.Thread(target=self._work, name="conformance-backend", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            fn, box, done = self._jobs.get()
+            try:
+                box.append((True, fn()))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, who decides
+                box.append((False, exc))
+            done.set()
+
+    def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
+        """``fn()`` on the backend thread; CaseTimeout when it has not returned after ``timeout`` seconds."""
+        box: list = []
+        done = threading.Event()
+        self._jobs.put((fn, box, done))
+        if not done.wait(timeout):
+            self.busy = True
+            raise CaseTimeout(f"the backend did not return within {timeout:g} s (--case-timeout)")
+        ok, value = box[0]
+        if ok:
+            return value
+        raise value
+
+
+class _Calls:
+    """How the run calls the backend: directly, or through a supervisor that enforces the case timeout.
+
+    A backend with ``set_case_timeout`` (one whose engine runs in a child process it kills and
+    restarts) enforces the timeout itself and is called directly."""
+
+    def __init__(self, backend: Backend, case_timeout: float | None):
+        self.backend = backend
+        self.timeout = case_timeout
+        self.supervisor = None
+        if case_timeout is not None:
+            if callable(getattr(backend, "set_case_timeout", None)):
+                backend.set_case_timeout(case_timeout)
+            else:
+                self.supervisor = _Supervisor()
+
+    @property
+    def restarts(self) -> bool:
+        """Whether a timed-out case leaves a usable backend (it restarts its engine)."""
+        return self.supervisor is None
+
+    def open(self, model_dir: Path) -> None:
+        self._call(lambda: self.backend.open(model_dir))
+
+    def close(self) -> None:
+        if self.supervisor is not None and self.supervisor.busy:
+            return  # a hung call still holds the backend
+        self._call(self.backend.close)
+
+    def run(self, request) -> Any:
+        return self._call(lambda: self.backend.run(request), self.timeout)
+
+    def _call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
+        return fn() if self.supervisor is None else self.supervisor.call(fn, timeout)
+
+
 def run(
     backend: Backend,
     sets: Iterable,
@@ -265,11 +385,16 @@ def run(
     *,
     backend_options: dict[str, Any] | None = None,
     workdir: str | Path | None = None,
+    case_timeout: float | None = None,
 ) -> RunResult:
     """Run the selected cases of ``sets`` (paths or loaded ``FixtureSet``s) on ``backend``.
 
     Raises FixtureError (exit 3) for a broken set, BackendError (exit 4) when the backend cannot be
     opened, NoCasesSelected (exit 5) when ``select`` matches no case, ValueError for a bad regex.
+    An interrupt (KeyboardInterrupt, or ``Interrupted`` under ``stop_signals``) does not propagate: the
+    cases finished so far are returned with ``interrupted`` set. ``case_timeout``: seconds a request
+    may take (see ``conformance.backend.CaseTimeout``); past it the case is an error with check
+    ``timeout``, and the run goes on where the backend restarts its engine, else it ends there.
     """
     from .fixtures import FixtureSet, load_set
 
@@ -300,46 +425,24 @@ def run(
 
     caps = backend.capabilities
     claimed = caps.to_dict()
+    calls = _Calls(backend, case_timeout)
     results: list[CaseResult] = []
-    done = 0
-    for (fs, chosen), info in zip(plan, infos):
-        if not chosen:
-            continue
-        with tempfile.TemporaryDirectory(prefix="gemma4-conformance-", dir=workdir) as tmp:
-            model_dir = fs.model_dir(Path(tmp))
-            info.warnings = [str(w) for w in getattr(fs, "warnings", [])]
-            ctx = SetContext(fs, Path(model_dir), caps.embedding_convention)
-            if not any(_claimable(ctx, case, claimed) for case in chosen):
-                # nothing here for this backend (e.g. an image set for a text-only engine): every case is
-                # reported as not claimed, and the backend is not made to load a checkpoint it cannot use
-                for case in chosen:
-                    results.append(run_case(backend, claimed, ctx, case, profile, expectations))
-                    done += 1
-                    if progress is not None:
-                        progress(done, total, case.id, results[-1])
-                continue
-            try:
-                backend.open(Path(model_dir))
-            except BackendError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - cannot open: the run stops (exit 4)
-                raise BackendError(f"backend {getattr(backend, 'name', '?')!r} could not open "
-                                   f"{fs.manifest.get('name', fs.path)} ({model_dir}): "
-                                   f"{type(exc).__name__}: {exc}") from exc
-            try:
-                for case in chosen:
-                    if progress is not None:
-                        progress(done, total, case.id, None)
-                    res = run_case(backend, claimed, ctx, case, profile, expectations)
-                    results.append(res)
-                    done += 1
-                    if progress is not None:
-                        progress(done, total, case.id, res)
-            finally:
-                try:
-                    backend.close()
-                except Exception:  # noqa: BLE001 - a failing close must not hide the results
-                    pass
+    in_flight: list[str] = []  # the case being run, while it runs
+    interrupted = None
+    try:
+        for (fs, chosen), info in zip(plan, infos):
+            if chosen:
+                interrupted = _run_set(calls, claimed, fs, chosen, info, profile, expectations, workdir,
+                                       results, total, progress, in_flight)
+            if interrupted is not None:
+                break
+    except KeyboardInterrupt as exc:
+        sig = signal.Signals(interrupt_signal(exc)).name
+        case = in_flight[0] if in_flight else None
+        interrupted = {"reason": sig, "case": case, "message": f"interrupted by {sig}" + (
+            f" while case {case} was running (it is not reported)" if case else "")}
+    if interrupted is not None:
+        interrupted["cases_not_run"] = total - len(results)
 
     finished = _dt.datetime.now(_dt.timezone.utc)
     return RunResult(
@@ -347,8 +450,65 @@ def run(
                  "options": dict(backend_options or {})},
         profile=profile, sets=infos, cases=results, expectations=expectations.report(),
         select=pattern.pattern if pattern is not None else None,
-        started=started, finished=finished, duration=time.perf_counter() - t0,
+        started=started, finished=finished, duration=time.perf_counter() - t0, interrupted=interrupted,
     )
+
+
+def _run_set(calls: _Calls, claimed: dict, fs, chosen: list, info: SetInfo, profile, expectations: Expectations,
+             workdir, results: list, total: int, progress: Progress | None, in_flight: list) -> dict | None:
+    """Run the chosen cases of one set, appending to ``results``; the ``interrupted`` record when an
+    in-process backend timed out (the run cannot go on), else None."""
+
+    def record(res: CaseResult) -> None:
+        results.append(res)
+        if progress is not None:
+            progress(len(results), total, res.id, res)
+
+    with tempfile.TemporaryDirectory(prefix="gemma4-conformance-", dir=workdir) as tmp:
+        model_dir = fs.model_dir(Path(tmp))
+        info.warnings = [str(w) for w in getattr(fs, "warnings", [])]
+        ctx = SetContext(fs, Path(model_dir), claimed["embedding_convention"])
+        if not any(_claimable(ctx, case, claimed) for case in chosen):
+            # nothing here for this backend (e.g. an image set for a text-only engine): every case is
+            # reported as not claimed, and the backend is not made to load a checkpoint it cannot use
+            for case in chosen:
+                record(run_case(calls.backend, claimed, ctx, case, profile, expectations))
+            return None
+        try:
+            calls.open(Path(model_dir))
+        except BackendError:
+            raise
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - cannot open (SystemExit too): the run stops (exit 4)
+            raise BackendError(f"backend {getattr(calls.backend, 'name', '?')!r} could not open "
+                               f"{fs.manifest.get('name', fs.path)} ({model_dir}): "
+                               f"{type(exc).__name__}: {exc}") from exc
+        clean = False
+        try:
+            for case in chosen:
+                if progress is not None:
+                    progress(len(results), total, case.id, None)
+                in_flight[:] = [case.id]
+                res = run_case(calls, claimed, ctx, case, profile, expectations)
+                in_flight.clear()
+                record(res)
+                if res.check == "timeout" and not calls.restarts:
+                    return {"reason": "timeout", "case": case.id,
+                            "message": (f"case {case.id} did not finish within {calls.timeout:g} s: an in-process "
+                                        "backend cannot be stopped or restarted, so the run ended there "
+                                        "(--isolate runs the backend in a child process that is killed and "
+                                        "restarted)")}
+            clean = True
+        finally:
+            if clean or not in_flight:  # never wait on a backend interrupted in the middle of a call
+                try:
+                    calls.close()
+                except KeyboardInterrupt:
+                    raise
+                except BaseException:  # noqa: BLE001 - a failing close must not hide the results
+                    pass
+    return None
 
 
 def _model_summary(manifest: dict) -> dict[str, Any]:
@@ -394,7 +554,9 @@ def run_case(backend: Backend, claimed: dict, ctx: SetContext, case, profile,
 
     try:
         request = build_request(case, ctx.bases, ctx.embed, ctx.media)
-    except Exception as exc:  # noqa: BLE001 - a harness bug must not stop the run either
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - a harness bug must not stop the run either
         res.status, res.check = "error", "harness"
         res.message = f"the harness could not build the request: {type(exc).__name__}: {exc}"
         res.error = _error_info(exc)
@@ -421,13 +583,21 @@ def run_case(backend: Backend, claimed: dict, ctx: SetContext, case, profile,
         res.duration = time.perf_counter() - t
         if not isinstance(response, Response):
             raise TypeError(f"backend.run returned {type(response).__name__}, not conformance.backend.Response")
-    except Exception as exc:  # noqa: BLE001 - a backend failure is recorded, the run goes on
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - any failure (SystemExit too) is this case's error; the run goes on
         res.duration = time.perf_counter() - t
-        res.status, res.check = "error", None
+        res.status, res.check = "error", ("timeout" if isinstance(exc, CaseTimeout) else None)
         res.message = f"{type(exc).__name__}: {exc}"
         res.error = _error_info(exc)
         return _apply_known_failure(res, decision)
-    res.executed = _jsonable(response.executed or {})
+    executed = response.executed if response.executed is not None else {}
+    if not isinstance(executed, dict):
+        res.status, res.check = "error", "response"
+        res.message = (f"the response could not be graded: Response.executed must be a dict, got "
+                       f"{type(executed).__name__}")
+        return _apply_known_failure(res, decision)
+    res.executed = _jsonable(executed)
 
     prof = profile
     if decision.tolerance:
@@ -438,7 +608,9 @@ def run_case(backend: Backend, claimed: dict, ctx: SetContext, case, profile,
         groups = row_groups(case)
         got = response_groups(case, response)
         grade = grade_case(case, groups, got, ctx.base_logits, prof)
-    except Exception as exc:  # noqa: BLE001 - a malformed response the grader cannot read
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - a malformed response the grader cannot read
         res.status, res.check = "error", "response"
         res.message = f"the response could not be graded: {type(exc).__name__}: {exc}"
         res.error = _error_info(exc)

@@ -132,11 +132,13 @@ def handle(backend: Any, msg: dict, fmt: str) -> dict:
         if msg.get("protocol") != PROTOCOL or VERSION not in (msg.get("versions") or []):
             raise ValueError(f"this server speaks {PROTOCOL} version {VERSION}; the client offered "
                              f"{msg.get('protocol')!r} versions {msg.get('versions')!r}")
+        shipped = getattr(backend, "expectations_file", None)
         return {"protocol": PROTOCOL, "version": VERSION, "name": backend.name,
                 "capabilities": backend.capabilities.to_dict(),
                 "engine": {"server": "conformance.backends.protocol_server", "format": fmt,
                            "backend": f"{type(backend).__module__}:{type(backend).__qualname__}",
-                           "python": sys.version.split()[0], "pid": os.getpid()}}
+                           "python": sys.version.split()[0], "pid": os.getpid(),
+                           "expectations_file": None if shipped is None else str(shipped)}}
     if op == "open":
         backend.open(Path(msg["model_dir"]))
         return {}
@@ -176,7 +178,9 @@ def serve(backend: Any, stdin: TextIO, stdout: TextIO, format: str = "raw") -> i
             mid, op = msg.get("id"), msg.get("op")
             with contextlib.redirect_stdout(sys.stderr):
                 reply = {"id": mid, "ok": True, **handle(backend, msg, format)}
-        except Exception as exc:  # noqa: BLE001 - every failure is an ok:false reply
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - every failure (SystemExit too) is an ok:false reply
             tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
             sys.stderr.write(f"protocol_server: {op} failed:\n{''.join(tb[-2:])}")
             sys.stderr.flush()
@@ -205,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Serve a Python backend over the subprocess protocol.")
     parser.add_argument("--backend", required=True, help="a registered name or module:attr")
     parser.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--backend-options-json", metavar="OBJECT", default="{}",
+                        help="the backend's options as one JSON object (merged under --backend-option)")
     parser.add_argument("--format", choices=("raw", "safetensors"), default="raw",
                         help="how logits files are written (default raw)")
     args = parser.parse_args(argv)
@@ -219,7 +225,15 @@ def main(argv: list[str] | None = None) -> int:
     from conformance.registry import load_backend
 
     try:
-        backend = load_backend(args.backend, **dict(parse_option(o) for o in args.backend_option))
+        options = json.loads(args.backend_options_json)
+        if not isinstance(options, dict):
+            raise ValueError(f"got {type(options).__name__}")
+    except ValueError as exc:
+        sys.stderr.write(f"protocol_server: error: --backend-options-json must be a JSON object ({exc})\n")
+        return 2
+    options.update(parse_option(o) for o in args.backend_option)
+    try:
+        backend = load_backend(args.backend, **options)
     except BackendError as exc:
         sys.stderr.write(f"protocol_server: error: {exc}\n")
         return 2

@@ -63,7 +63,7 @@ from typing import Any
 
 import numpy as np
 
-from conformance.backend import BackendError, Capabilities, Request, Response
+from conformance.backend import BackendError, Capabilities, CaseTimeout, Request, Response
 
 __all__ = [
     "PROTOCOL",
@@ -74,6 +74,7 @@ __all__ = [
     "EngineError",
     "EngineFailure",
     "EngineTimeout",
+    "IsolatedBackend",
     "ProtocolError",
     "RefimplSubprocessBackend",
     "SubprocessBackend",
@@ -115,7 +116,7 @@ class EngineCrash(EngineFailure):
     """The engine process died (or could not be restarted)."""
 
 
-class EngineTimeout(EngineFailure):
+class EngineTimeout(EngineFailure, CaseTimeout):
     """The engine did not answer in time; its process group was killed."""
 
 
@@ -836,6 +837,13 @@ class SubprocessBackend:
             self._discard()
             raise
 
+    def set_case_timeout(self, seconds: float) -> None:
+        """``conformance check --case-timeout``: ``seconds`` for one run (the process group is killed past
+        it, the case is an error, the engine restarts); open keeps the limit it had."""
+        if self.open_timeout is None:
+            self.open_timeout = self.timeout
+        self.timeout = _seconds("case timeout", seconds)
+
     # -- protocol -------------------------------------------------------------------------------
 
     def open(self, model_dir: Path) -> None:
@@ -991,3 +999,24 @@ class RefimplSubprocessBackend(SubprocessBackend):
                    "--format", format]
         kwargs.setdefault("name", f"{inner}-subprocess")
         super().__init__(command, **kwargs)
+
+
+class IsolatedBackend(SubprocessBackend):
+    """Any Python backend in a child process behind the protocol server (``conformance check --isolate``):
+    what in-process code cannot survive (``os._exit``, a segfault, a hang past the timeout) ends only
+    the child, the case is an error, and the child is restarted for the next case.
+
+    ``spec`` and ``options`` are what ``registry.load_backend`` takes; the child loads the backend with
+    them (it inherits the environment and working directory, so ``module:attr`` resolves as here).
+    Other keyword arguments go to SubprocessBackend (``timeout``: seconds a run may take)."""
+
+    def __init__(self, spec: str, options: Mapping[str, Any] | None = None, **kwargs: Any):
+        try:
+            encoded = json.dumps(dict(options or {}))
+        except (TypeError, ValueError) as exc:
+            raise BackendError(f"--isolate: the backend options cannot be sent to the child process: {exc}") from None
+        command = [sys.executable, "-m", "conformance.backends.protocol_server", "--backend", spec,
+                   "--backend-options-json", encoded]
+        super().__init__(command, **kwargs)
+        shipped = self.engine.get("expectations_file")
+        self.expectations_file = Path(shipped) if isinstance(shipped, str) and shipped else None
