@@ -33,7 +33,7 @@ from .report import printable
 from .runner import interrupt_signal, stop_signals
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_FIXTURE, EXIT_BACKEND, EXIT_EMPTY = 0, 1, 2, 3, 4, 5
-EXIT_PIPE = 141  # standard output was closed early (128 + SIGPIPE); check keeps its verdict instead
+EXIT_PIPE = 141  # standard output was closed early (128 + SIGPIPE); check and selftest keep their verdict
 PROG = "conformance"
 
 
@@ -515,6 +515,7 @@ def cmd_selftest(args, argv: Sequence[str]) -> int:
     from . import selftest as st
 
     pattern = _compile(args.k)
+    json_path = _output_path("--json", args.json)
     try:
         mutant_pattern = re.compile(args.mutant) if args.mutant is not None else None
     except re.error as e:
@@ -541,10 +542,15 @@ def cmd_selftest(args, argv: Sequence[str]) -> int:
     if failed is not None:
         return failed
 
-    if args.json:
-        path = st.write_json(result, args.json, argv=list(argv))
-        sys.stderr.write(f"wrote JSON report {path}\n")
-    print(printable(st.console_summary(result, breaks_width=None if args.verbose else 48)))
+    if json_path is not None:
+        path = st.write_json(result, json_path, argv=list(argv))
+        if json_path != "-":
+            sys.stderr.write(f"wrote JSON report {path}\n")
+    summary = printable(st.console_summary(result, breaks_width=None if args.verbose else 48)) + "\n"
+    if json_path == "-":
+        sys.stderr.write(summary)
+    else:
+        _stdout(summary)  # a closed pipe changes nothing: the verdict is the exit code
     return result.exit_code
 
 

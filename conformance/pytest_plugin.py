@@ -27,6 +27,8 @@ from typing import Any
 
 import pytest
 
+from conformance.report import printable
+
 PLUGIN_NAME = "gemma4-conformance-session"
 
 
@@ -271,19 +273,19 @@ class ConformanceCase(pytest.Item):
         if res.status == "pass":
             return
         if res.status in ("not-claimed", "skipped"):
-            pytest.skip(f"{res.status}: {res.message}")
+            pytest.skip(printable(f"{res.status}: {res.message}"))
         if res.status == "xfail":
-            pytest.xfail(res.message)
+            pytest.xfail(printable(res.message))
         lines = [f"{res.status}" + (f" [{res.check}]" if res.check else "") + f": {res.message}"]
         if res.executed:
             lines.append(f"executed: {json.dumps(res.executed, sort_keys=True)}")
         if res.error and res.error.get("traceback"):
             lines.append(res.error["traceback"].rstrip())
-        raise ConformanceFailure("\n".join(lines))
+        raise ConformanceFailure(printable("\n".join(lines)))  # backend text reaches pytest's terminal
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, ConformanceFailure):
-            return f"{self.case.id}: {excinfo.value}"
+            return f"{printable(self.case.id)}: {excinfo.value}"
         return super().repr_failure(excinfo, style=style)
 
     def reportinfo(self):

@@ -176,10 +176,10 @@ def to_json(result: RunResult, *, exit_code: int | None = None, argv: list[str] 
 def write_json(result: RunResult, path: str | Path, **kw) -> Path:
     """Write the JSON report to ``path`` (``-``: standard output)."""
     text = json.dumps(to_json(result, **kw), indent=1, allow_nan=False) + "\n"
-    return _write(path, text)
+    return write_output(path, text)
 
 
-def _write(path: str | Path, text: str) -> Path:
+def write_output(path: str | Path, text: str) -> Path:
     """``text`` into the file ``path``, or onto standard output for ``-``."""
     if str(path) == "-":
         sys.stdout.write(text)
@@ -367,7 +367,7 @@ def write_junit(result: RunResult, path: str | Path) -> Path:
     tree = junit_tree(result)
     ET.indent(tree, space=" ")
     text = ET.tostring(tree.getroot(), encoding="unicode", xml_declaration=False)
-    return _write(path, "<?xml version='1.0' encoding='utf-8'?>\n" + text + "\n")
+    return write_output(path, "<?xml version='1.0' encoding='utf-8'?>\n" + text + "\n")
 
 
 def _one_line(s: str, limit: int = 500) -> str:

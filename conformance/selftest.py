@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from .backend import Backend, BackendError
 from .expectations import Expectations
+from .report import write_output
 from .runner import FAILING, CaseResult, NoCasesSelected, SetContext, compile_select, run_case
 
 __all__ = ["SCHEMA", "SCHEMA_VERSION", "DEFAULT_PROFILES", "CONTROL_PROFILE", "Verdict", "ControlResult",
@@ -686,9 +687,7 @@ def to_json(result: SelftestResult, *, argv: list[str] | None = None) -> dict[st
 
 
 def write_json(result: SelftestResult, path: str | Path, **kw) -> Path:
+    """Write the self-test table as JSON to ``path`` (``-``: standard output)."""
     import json
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(to_json(result, **kw), indent=1, allow_nan=False) + "\n", encoding="utf-8")
-    return path
+    return write_output(path, json.dumps(to_json(result, **kw), indent=1, allow_nan=False) + "\n")

@@ -444,3 +444,12 @@ def test_executed_must_be_a_dict(capsys, tmp_path, e2b_set):
     assert (bad["status"], bad["check"], bad["message"]) == (
         "error", "response", "the response could not be graded: Response.executed must be a dict, got list")
     assert_valid(report)
+
+
+def test_a_closed_pipe_is_never_exit_0_for_list(e2b_set):
+    proc = subprocess.Popen(cli("list", "cases", "--fixtures", e2b_set), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141, err
+    assert "Traceback" not in err
