@@ -644,6 +644,24 @@ class PartialRunMismatch(FixtureError):
     """The partial-run directory beside ``out`` belongs to a run with other arguments (never mixed)."""
 
 
+class PartialRunBusy(FixtureError):
+    """Another run holds the lock of ``out``'s partial run (conformance.parallel.RunLock): it is writing
+    the same set now."""
+
+
+def publish_path(out: str | Path) -> Path:
+    """Where the set for ``out`` is published, absolute: ``out`` itself, or for a symbolic link to an
+    existing directory the directory it points to (a rename cannot replace a link). ValueError for a
+    dangling link: found before any work, not when the finished set cannot be renamed into place."""
+    absolute = Path(os.path.abspath(out))
+    if absolute.is_symlink():
+        if not absolute.exists():
+            raise ValueError(f"{out} is a symbolic link to {os.readlink(absolute)}, which does not exist; remove "
+                             "the link or choose another --out")
+        return Path(os.path.realpath(absolute))
+    return absolute
+
+
 def _job_versions() -> dict[str, str]:
     """The versions a job's numbers depend on (every worker must match the parent)."""
     v = _versions()
@@ -710,7 +728,10 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
     conformance.parallel.ClusterError, a ValueError, when the cluster cannot be used), refimpl's
     RefimplError when the oracle cannot load the checkpoint, FixtureError when ``out`` exists or the set
     cannot be made (the oracle is not self-consistent, a cross check returned garbage, a partial run of
-    other arguments is in the way).
+    other arguments is in the way), PartialRunBusy (a FixtureError) at once when another run is
+    generating ``out`` (one run per ``out``: conformance.parallel.RunLock, taken before any work), and
+    ValueError for an ``out`` that is a dangling symbolic link (a link to an existing empty directory
+    is followed: the set is published there).
     """
     from refimpl.synth import PRESETS
 
@@ -729,9 +750,8 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
     if not isinstance(name, str) or not NAME_RE.match(name):
         raise ValueError(f"set name {name!r} must be letters, digits, '.', '_' or '-' (and start with a letter "
                          "or digit)")
-    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
-        raise FixtureError(f"{out} already exists; fixture sets are never overwritten (choose another --out, or "
-                           "remove it first)")
+    target = publish_path(out)
+    _refuse_existing(out, target)
     entries = _prompt_entries(prompts)  # validate before any work
     if cases not in CASE_KINDS:
         raise ValueError(f"cases must be one of {', '.join(CASE_KINDS)}, got {cases!r}")
@@ -754,29 +774,37 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
     if cluster is not None and (not isinstance(cluster, str) or not cluster.strip()):
         raise ValueError(f"cluster must be a Dask scheduler address such as tcp://host:8786, got {cluster!r}")
 
-    dask = parallel.DaskCluster(cluster) if cluster is not None else None  # ClusterError before any work
-    try:
-        return _generate(out, model_dir=model_dir, preset=preset, seed=seed, entries=entries, name=name,
-                         version=version, progress=progress, cross_check=cross_check, command=command, cases=cases,
-                         images=images, audio=audio, workers=workers if workers is not None else (os.cpu_count() or 1),
-                         dask=dask)
-    finally:
-        if dask is not None:
-            dask.close()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with parallel.RunLock.acquire(target):  # PartialRunBusy at once while another run writes this set
+        _refuse_existing(out, target)  # published by a run that held the lock until just now
+        dask = parallel.DaskCluster(cluster) if cluster is not None else None  # ClusterError before any work
+        try:
+            return _generate(out, target, model_dir=model_dir, preset=preset, seed=seed, entries=entries, name=name,
+                             version=version, progress=progress, cross_check=cross_check, command=command,
+                             cases=cases, images=images, audio=audio,
+                             workers=workers if workers is not None else (os.cpu_count() or 1), dask=dask)
+        finally:
+            if dask is not None:
+                dask.close()
 
 
-def _generate(out: Path, *, model_dir: Path | None, preset: str | None, seed: int, entries: list[dict], name: str,
-              version: str, progress: Progress | None, cross_check: CrossCheck | None, command: str | None,
+def _refuse_existing(out: Path, target: Path) -> None:
+    if target.exists() and not (target.is_dir() and not any(target.iterdir())):
+        raise FixtureError(f"{out} already exists; fixture sets are never overwritten (choose another --out, or "
+                           "remove it first)")
+
+
+def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str | None, seed: int, entries: list[dict],
+              name: str, version: str, progress: Progress | None, cross_check: CrossCheck | None, command: str | None,
               cases: str, images, audio, workers: int, dask) -> Path:
-    """generate_set after argument checks: plan the jobs, run the missing ones, assemble, publish."""
+    """generate_set after argument checks, under the run's lock: plan the jobs, run the missing ones, assemble,
+    publish to ``out_abs`` (publish_path(out))."""
     from refimpl.model import Gemma4
     from refimpl.synth import write_checkpoint
     from refimpl.tokenizer import Tokenizer
 
     from . import parallel
 
-    out_abs = Path(os.path.abspath(out))
-    out_abs.parent.mkdir(parents=True, exist_ok=True)
     model = None
     if preset is not None:
         model_key: dict[str, Any] = {"kind": "synthetic", "preset": preset, "seed": seed, "dtype": "f32"}
