@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,6 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import micro_checkpoint, micro_config
 
 from conformance import fixtures, parallel
 from conformance.cli import main
@@ -123,3 +126,103 @@ def test_an_out_link_to_an_empty_directory_receives_the_set(tmp_path, capsys):
     assert link.is_symlink() and (target / MANIFEST).is_file()
     assert verify_set(link) == []
     assert sorted(os.listdir(tmp_path)) == ["empty", "link"]
+
+
+# ----------------------------------------------------------------------------------------------
+# item 15: external checkpoints in verify; checkpoint file names
+
+
+@pytest.fixture(scope="module")
+def external(tmp_path_factory) -> tuple[Path, Path]:
+    """(set, checkpoint): a text set of a micro checkpoint, recorded by absolute path."""
+    root = tmp_path_factory.mktemp("external")
+    ckpt = micro_checkpoint(root / "ckpt", micro_config(sliding_window=3, num_hidden_layers=4), 0)
+    return generate_set(root / "set", model_dir=ckpt, workers=1), ckpt
+
+
+def _copy(external, tmp_path: Path) -> tuple[Path, Path, dict]:
+    """A copy of the external set and its checkpoint in tmp_path, the manifest pointing at the copy."""
+    s, c = shutil.copytree(external[0], tmp_path / "set"), shutil.copytree(external[1], tmp_path / "ckpt")
+    manifest = json.loads((s / MANIFEST).read_text())
+    manifest["model"]["path"] = str(c)
+    (s / MANIFEST).write_text(json.dumps(manifest))
+    return s, c, manifest
+
+
+def test_verify_checks_the_external_checkpoint(external, tmp_path, capsys):
+    s, ckpt, _ = _copy(external, tmp_path)
+    assert main(["verify", str(s)]) == 0
+    assert capsys.readouterr().out == f"{s}: ok\n"
+
+    config = ckpt / "config.json"
+    want = sha256_file(config)
+    config.write_text(config.read_text() + "\n")
+    got = sha256_file(config)
+    assert main(["verify", str(s)]) == 3
+    assert capsys.readouterr().out == (
+        f"{s}: 1 problem(s)\n  - {s}: the set's model file {config} changed: sha256 {got} but the set records "
+        f"{want}; regenerate the set for this checkpoint\n")
+
+    shutil.rmtree(ckpt)
+    missing = (f"{s}: external checkpoint {ckpt} not found: its 2 recorded files (config.json, model.safetensors) "
+               "were not checked (the set records the checkpoint by absolute path: restore it there, or regenerate "
+               "the set)")
+    assert main(["verify", str(s)]) == 3
+    assert capsys.readouterr().out == f"{s}: 1 problem(s)\n  - {missing}\n"
+    assert verify_set(s, recompute=True) == [missing]
+    with pytest.raises(FixtureError) as e:
+        load_set(s).model_dir(tmp_path / "work")
+    assert str(e.value) == missing
+
+
+@pytest.mark.parametrize("name, why", [
+    ("../outside.txt", "it has a '..' component"),
+    ("sub/../../outside.txt", "it has a '..' component"),
+    ("/etc/passwd", "it is an absolute path"),
+    ("..\\outside.txt", "it has a backslash"),
+    ("C:/outside.txt", "it starts with a drive letter"),
+    ("./config.json", "it has an empty or '.' component"),
+    ("sub//x", "it has an empty or '.' component"),
+    ("", "it is empty"),
+])
+def test_checkpoint_names_must_stay_inside_the_checkpoint(external, tmp_path, capsys, name, why):
+    s, ckpt, manifest = _copy(external, tmp_path)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not part of the checkpoint\n")
+    manifest["model"]["sha256"][name] = "0" * 64  # a wrong digest: today's check prints the file's real one
+    (s / MANIFEST).write_text(json.dumps(manifest))
+    problem = (f"{s / MANIFEST}: model.sha256 names {name!r}, which is not a plain relative path inside the "
+               f"checkpoint ({why})")
+    assert verify_set(s) == [problem]
+    assert main(["verify", str(s)]) == 3
+    assert capsys.readouterr().out == f"{s}: 1 problem(s)\n  - {problem}\n"
+    with pytest.raises(FixtureError) as e:
+        load_set(s)
+    assert str(e.value) == problem
+    if name == "../outside.txt":
+        assert main(["check", "--backend", "refimpl", "--fixtures", str(s), "-q"]) == 3
+        err = capsys.readouterr().err
+        assert err == f"conformance: error: fixture integrity: {problem}\n"
+        assert sha256_file(outside) not in err
+
+
+def test_a_checkpoint_file_in_a_subdirectory_is_allowed(external, tmp_path):
+    s, ckpt, manifest = _copy(external, tmp_path)
+    (ckpt / "extra").mkdir()
+    (ckpt / "extra" / "notes.txt").write_text("inside\n")
+    manifest["model"]["sha256"]["extra/notes.txt"] = sha256_file(ckpt / "extra" / "notes.txt")
+    (s / MANIFEST).write_text(json.dumps(manifest))
+    assert verify_set(s) == []
+
+
+def test_a_shard_outside_the_checkpoint_is_never_hashed(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    (tmp_path / "outside.safetensors").write_bytes(b"x")
+    index = ckpt / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"w": "../outside.safetensors"}}))
+    with pytest.raises(ValueError) as e:
+        fixtures._model_files(ckpt)
+    assert str(e.value) == (f"{index}: shard '../outside.safetensors' is not a plain relative path inside the "
+                            "checkpoint (it has a '..' component)")
