@@ -226,3 +226,67 @@ def test_a_shard_outside_the_checkpoint_is_never_hashed(tmp_path):
         fixtures._model_files(ckpt)
     assert str(e.value) == (f"{index}: shard '../outside.safetensors' is not a plain relative path inside the "
                             "checkpoint (it has a '..' component)")
+
+
+# ----------------------------------------------------------------------------------------------
+# item 16: the transformers backend loads safetensors only
+
+
+@pytest.fixture
+def pickled(tmp_path) -> tuple[Path, Path]:
+    """(set, checkpoint): an external e2b-mini text set whose checkpoint was then converted to a pickled
+    pytorch_model.bin (safetensors removed), its manifest recording the pickle (the manifest itself is
+    not hashed: anyone can edit model.sha256)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from refimpl.synth import write_checkpoint
+
+    ckpt = write_checkpoint("e2b-mini", 0, tmp_path / "ckpt")
+    s = generate_set(tmp_path / "set", model_dir=ckpt, cases="text", workers=1)
+    torch.save(load_file(str(ckpt / "model.safetensors")), ckpt / "pytorch_model.bin")
+    (ckpt / "model.safetensors").unlink()
+    manifest = json.loads((s / MANIFEST).read_text())
+    manifest["model"]["sha256"] = {n: sha256_file(ckpt / n) for n in ("config.json", "pytorch_model.bin")}
+    (s / MANIFEST).write_text(json.dumps(manifest))
+    return s, ckpt
+
+
+@pytest.mark.hf
+def test_transformers_backend_refuses_pickled_weights(pickled, tmp_path, capsys, monkeypatch):
+    import torch
+    from safetensors.torch import load_file
+
+    from conformance.backend import BackendError
+    from conformance.backends import transformers_backend as tb
+    from refimpl.synth import write_checkpoint
+
+    s, ckpt = pickled
+    msg = (f"{ckpt}: no safetensors weights (model.safetensors or model.safetensors.index.json), only pickled "
+           "PyTorch files (pytorch_model.bin); the transformers backend loads safetensors only (unpickling a "
+           "checkpoint can run arbitrary code): convert it to safetensors")
+    assert verify_set(s) == []  # the set itself is sound
+    assert main(["check", "--backend", "transformers", "--fixtures", str(s), "-q"]) == 4
+    assert capsys.readouterr().err == f"conformance: error: {msg}\n"
+    for load in (tb.TransformersBackend().open, tb.load_gemma4_causal_lm):
+        with pytest.raises(BackendError) as e:
+            load(ckpt)
+        assert str(e.value) == msg
+
+    vision = write_checkpoint("e2b-vision-mini", 0, tmp_path / "vision")  # the conditional loader too
+    torch.save(load_file(str(vision / "model.safetensors")), vision / "pytorch_model.bin")
+    (vision / "model.safetensors").unlink()
+    with pytest.raises(BackendError) as e:
+        tb.load_gemma4_conditional_generation(vision)
+    assert str(e.value) == msg.replace(str(ckpt), str(vision))
+
+    # without that check, from_pretrained itself still refuses the pickle (use_safetensors=True)
+    monkeypatch.setattr(tb, "_require_safetensors", lambda model_dir: None)
+    for load, what in ((tb.load_gemma4_causal_lm, "causal layout"),
+                       (tb.load_gemma4_conditional_generation, "conditional layout, vision")):
+        d = ckpt if what == "causal layout" else vision
+        with pytest.raises(BackendError) as e:
+            load(d)
+        assert str(e.value).endswith(f"cannot load {d} ({what}): OSError: Error no file named model.safetensors "
+                                     f"found in directory {d}."), str(e.value)
