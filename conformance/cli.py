@@ -375,9 +375,13 @@ class _GenerateProgress:
 
 def _resume_hint(out: str) -> str:
     """' (N finished bases are kept in DIR; ...)' when a failed generate left a partial run, else ''."""
+    from .fixtures import publish_path
     from .parallel import PartialRun, partial_dir
 
-    path = partial_dir(Path(out).absolute())
+    try:
+        path = partial_dir(publish_path(out))
+    except ValueError:
+        return ""
     try:
         n = len(PartialRun(path, "", {}, False).finished()) if path.is_dir() else 0
     except OSError:
@@ -387,7 +391,7 @@ def _resume_hint(out: str) -> str:
 
 
 def cmd_generate(args) -> int:
-    from .fixtures import FixtureError, PartialRunMismatch, generate_set
+    from .fixtures import FixtureError, PartialRunBusy, PartialRunMismatch, generate_set
 
     if (args.model is None) == (args.preset is None):
         raise UsageError("give exactly one of --model DIR or --preset NAME")
@@ -419,7 +423,7 @@ def cmd_generate(args) -> int:
         kw["version"] = args.version
     try:
         out = generate_set(args.out, **kw)
-    except PartialRunMismatch as e:
+    except (PartialRunMismatch, PartialRunBusy) as e:
         progress.close()
         raise UsageError(str(e)) from None
     except FixtureError as e:

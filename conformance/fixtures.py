@@ -123,6 +123,35 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=1, sort_keys=False, allow_nan=False) + "\n", encoding="utf-8")
 
 
+_DRIVE_RE = re.compile(r"^[A-Za-z]:")
+
+
+def checkpoint_name_problem(name: Any) -> str | None:
+    """Why ``name`` (a file of a checkpoint: a key of the manifest's model.sha256, a shard of a
+    safetensors index) is not a plain relative path inside the checkpoint directory, else None. Plain:
+    a non-empty string of '/'-separated components, none empty, '.' or '..', no backslash, no NUL, not
+    absolute, no drive letter; so that ``checkpoint / name`` never leaves the directory by its name
+    (a symbolic link inside the checkpoint, e.g. a Hugging Face cache snapshot's, is followed as usual)."""
+    if not isinstance(name, str):
+        return "not a string"
+    if not name:
+        return "it is empty"
+    if "\\" in name:
+        return "it has a backslash"
+    if "\0" in name:
+        return "it has a NUL character"
+    if name.startswith("/"):
+        return "it is an absolute path"
+    if _DRIVE_RE.match(name):
+        return "it starts with a drive letter"
+    parts = name.split("/")
+    if ".." in parts:
+        return "it has a '..' component"
+    if any(p in ("", ".") for p in parts):
+        return "it has an empty or '.' component"
+    return None
+
+
 def _model_files(model_dir: Path) -> list[str]:
     """The files of a checkpoint the oracle reads (hashed for an external model, never copied)."""
     names = ["config.json"]
@@ -133,7 +162,11 @@ def _model_files(model_dir: Path) -> list[str]:
             shards = sorted(set(_read_json(index)["weight_map"].values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             raise ValueError(f"{index}: not a valid safetensors index") from None
-        names += [s for s in shards if isinstance(s, str)]
+        for shard in shards:
+            why = checkpoint_name_problem(shard)
+            if why is not None:
+                raise ValueError(f"{index}: shard {shard!r} is not a plain relative path inside the checkpoint ({why})")
+        names += shards
     else:
         names.append("model.safetensors")
     for optional in ("generation_config.json", "tokenizer.model"):
@@ -644,6 +677,24 @@ class PartialRunMismatch(FixtureError):
     """The partial-run directory beside ``out`` belongs to a run with other arguments (never mixed)."""
 
 
+class PartialRunBusy(FixtureError):
+    """Another run holds the lock of ``out``'s partial run (conformance.parallel.RunLock): it is writing
+    the same set now."""
+
+
+def publish_path(out: str | Path) -> Path:
+    """Where the set for ``out`` is published, absolute: ``out`` itself, or for a symbolic link to an
+    existing directory the directory it points to (a rename cannot replace a link). ValueError for a
+    dangling link: found before any work, not when the finished set cannot be renamed into place."""
+    absolute = Path(os.path.abspath(out))
+    if absolute.is_symlink():
+        if not absolute.exists():
+            raise ValueError(f"{out} is a symbolic link to {os.readlink(absolute)}, which does not exist; remove "
+                             "the link or choose another --out")
+        return Path(os.path.realpath(absolute))
+    return absolute
+
+
 def _job_versions() -> dict[str, str]:
     """The versions a job's numbers depend on (every worker must match the parent)."""
     v = _versions()
@@ -710,7 +761,10 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
     conformance.parallel.ClusterError, a ValueError, when the cluster cannot be used), refimpl's
     RefimplError when the oracle cannot load the checkpoint, FixtureError when ``out`` exists or the set
     cannot be made (the oracle is not self-consistent, a cross check returned garbage, a partial run of
-    other arguments is in the way).
+    other arguments is in the way), PartialRunBusy (a FixtureError) at once when another run is
+    generating ``out`` (one run per ``out``: conformance.parallel.RunLock, taken before any work), and
+    ValueError for an ``out`` that is a dangling symbolic link (a link to an existing empty directory
+    is followed: the set is published there).
     """
     from refimpl.synth import PRESETS
 
@@ -729,9 +783,8 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
     if not isinstance(name, str) or not NAME_RE.match(name):
         raise ValueError(f"set name {name!r} must be letters, digits, '.', '_' or '-' (and start with a letter "
                          "or digit)")
-    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
-        raise FixtureError(f"{out} already exists; fixture sets are never overwritten (choose another --out, or "
-                           "remove it first)")
+    target = publish_path(out)
+    _refuse_existing(out, target)
     entries = _prompt_entries(prompts)  # validate before any work
     if cases not in CASE_KINDS:
         raise ValueError(f"cases must be one of {', '.join(CASE_KINDS)}, got {cases!r}")
@@ -754,29 +807,37 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
     if cluster is not None and (not isinstance(cluster, str) or not cluster.strip()):
         raise ValueError(f"cluster must be a Dask scheduler address such as tcp://host:8786, got {cluster!r}")
 
-    dask = parallel.DaskCluster(cluster) if cluster is not None else None  # ClusterError before any work
-    try:
-        return _generate(out, model_dir=model_dir, preset=preset, seed=seed, entries=entries, name=name,
-                         version=version, progress=progress, cross_check=cross_check, command=command, cases=cases,
-                         images=images, audio=audio, workers=workers if workers is not None else (os.cpu_count() or 1),
-                         dask=dask)
-    finally:
-        if dask is not None:
-            dask.close()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with parallel.RunLock.acquire(target):  # PartialRunBusy at once while another run writes this set
+        _refuse_existing(out, target)  # published by a run that held the lock until just now
+        dask = parallel.DaskCluster(cluster) if cluster is not None else None  # ClusterError before any work
+        try:
+            return _generate(out, target, model_dir=model_dir, preset=preset, seed=seed, entries=entries, name=name,
+                             version=version, progress=progress, cross_check=cross_check, command=command,
+                             cases=cases, images=images, audio=audio,
+                             workers=workers if workers is not None else (os.cpu_count() or 1), dask=dask)
+        finally:
+            if dask is not None:
+                dask.close()
 
 
-def _generate(out: Path, *, model_dir: Path | None, preset: str | None, seed: int, entries: list[dict], name: str,
-              version: str, progress: Progress | None, cross_check: CrossCheck | None, command: str | None,
+def _refuse_existing(out: Path, target: Path) -> None:
+    if target.exists() and not (target.is_dir() and not any(target.iterdir())):
+        raise FixtureError(f"{out} already exists; fixture sets are never overwritten (choose another --out, or "
+                           "remove it first)")
+
+
+def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str | None, seed: int, entries: list[dict],
+              name: str, version: str, progress: Progress | None, cross_check: CrossCheck | None, command: str | None,
               cases: str, images, audio, workers: int, dask) -> Path:
-    """generate_set after argument checks: plan the jobs, run the missing ones, assemble, publish."""
+    """generate_set after argument checks, under the run's lock: plan the jobs, run the missing ones, assemble,
+    publish to ``out_abs`` (publish_path(out))."""
     from refimpl.model import Gemma4
     from refimpl.synth import write_checkpoint
     from refimpl.tokenizer import Tokenizer
 
     from . import parallel
 
-    out_abs = Path(os.path.abspath(out))
-    out_abs.parent.mkdir(parents=True, exist_ok=True)
     model = None
     if preset is not None:
         model_key: dict[str, Any] = {"kind": "synthetic", "preset": preset, "seed": seed, "dtype": "f32"}
@@ -1157,17 +1218,10 @@ class FixtureSet:
         checking every recorded file. FixtureError when the checkpoint does not match the set."""
         model = self.manifest["model"]
         if model["kind"] == "external":
-            path = Path(model["path"])
-            for n, want in model["sha256"].items():
-                f = path / n
-                if not f.is_file():
-                    raise FixtureError(f"{self.path}: the set's model file {f} is missing (the checkpoint was moved or "
-                                       "deleted; the set records it by absolute path)")
-                got = sha256_file(f)
-                if got != want:
-                    raise FixtureError(f"{self.path}: the set's model file {f} changed: sha256 {got} but the set "
-                                       f"records {want}; regenerate the set for this checkpoint")
-            return path
+            problems = self.checkpoint_problems()
+            if problems:
+                raise FixtureError(problems[0])
+            return Path(model["path"])
         from refimpl.synth import write_checkpoint
 
         target = Path(workdir) / f"{model['preset']}-seed{model['seed']}-{model['dtype']}"
@@ -1193,6 +1247,35 @@ class FixtureSet:
             if msg not in self.warnings:
                 self.warnings.append(msg)
         return target
+
+    def checkpoint_problems(self) -> list[str]:
+        """Every problem of an external set's checkpoint (empty when each file the set records is there
+        with its recorded sha256, and for a synthetic set): a directory that is not there (none of its
+        files checked), a file missing, unreadable or changed. Hashes every file on each call."""
+        model = self.manifest["model"]
+        if model["kind"] != "external":
+            return []
+        path, names = Path(model["path"]), list(model["sha256"])
+        if not path.is_dir():
+            return [f"{self.path}: external checkpoint {path} not found: its {len(names)} recorded file"
+                    f"{'s' if len(names) != 1 else ''} ({', '.join(names)}) were not checked (the set records the "
+                    "checkpoint by absolute path: restore it there, or regenerate the set)"]
+        problems = []
+        for n, want in model["sha256"].items():
+            f = path / n
+            if not f.is_file():
+                problems.append(f"{self.path}: the set's model file {f} is missing (the checkpoint was changed, moved "
+                                "or deleted; the set records it by absolute path)")
+                continue
+            try:
+                got = sha256_file(f)
+            except OSError as e:
+                problems.append(f"{self.path}: the set's model file {f} cannot be read ({e.strerror or e})")
+                continue
+            if got != want:
+                problems.append(f"{self.path}: the set's model file {f} changed: sha256 {got} but the set records "
+                                f"{want}; regenerate the set for this checkpoint")
+        return problems
 
     def _synthetic_matches(self, target: Path) -> bool:
         model = self.manifest["model"]
@@ -1234,9 +1317,14 @@ def _check_manifest(m: Any, where: str) -> list[str]:
         out.append(f"{where}: model.kind must be 'synthetic' or 'external'")
     else:
         hashes = model.get("sha256")
+        unsafe = [(k, checkpoint_name_problem(k)) for k in hashes] if isinstance(hashes, dict) else []
+        unsafe = [(k, why) for k, why in unsafe if why is not None]
         if not (isinstance(hashes, dict) and all(isinstance(k, str) and isinstance(v, str) and SHA_RE.match(v)
                                                  for k, v in hashes.items())):
             out.append(f"{where}: model.sha256 must map file names to sha256 hex digests")
+        elif unsafe:
+            out += [f"{where}: model.sha256 names {k!r}, which is not a plain relative path inside the checkpoint "
+                    f"({why})" for k, why in unsafe]
         elif model["kind"] == "synthetic":
             if model.get("preset") not in PRESETS:
                 out.append(f"{where}: model.preset {model.get('preset')!r} is not a preset of this refimpl "
@@ -1500,11 +1588,15 @@ def _verify(path: Path) -> tuple[list[str], FixtureSet | None]:
 
 def verify_set(path: str | Path, *, recompute: bool = False, workdir: str | Path | None = None) -> list[str]:
     """Every problem of a set (empty list = ok): schema, sha256 of every file, cases against bases, tensor
-    shapes. With ``recompute`` the model is materialised (synthetic: regenerated under ``workdir`` or a
-    temporary directory) and every base's logits are recomputed with the oracle (bound RECOMPUTE_BOUND),
-    and every case's ties are re-derived. Never raises for content problems."""
+    shapes, and for an external set the sha256 of every checkpoint file it records (a checkpoint that is
+    not there is a problem: its files were not checked). With ``recompute`` the model is materialised
+    (synthetic: regenerated under ``workdir`` or a temporary directory) and every base's logits are
+    recomputed with the oracle (bound RECOMPUTE_BOUND), and every case's ties are re-derived. Never
+    raises for content problems."""
     try:
         problems, fs = _verify(Path(path))
+        if not problems:
+            problems = fs.checkpoint_problems()  # an external checkpoint: its files, or that they were not checked
     except Exception as e:  # noqa: BLE001 - verify reports, it does not raise
         return [f"{path}: cannot be verified: {type(e).__name__}: {e}"]
     if problems or not recompute:

@@ -105,7 +105,8 @@ def checkpoints(env, tmp_path_factory):
         _randomise(torch, model, seed)
         path = tmp_path_factory.mktemp(f"audio_merge_{name}")
         model.save_pretrained(path)
-        hf = Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float64, attn_implementation="eager")
+        hf = Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float64, attn_implementation="eager",
+                                                            use_safetensors=True)
         hf.eval()
         assert hf.config.audio_config._attn_implementation == "eager"
         recompute_audio_buffers(torch, mg, hf)

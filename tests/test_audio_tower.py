@@ -271,7 +271,7 @@ def checkpoints(torch_one_thread, tmp_path_factory):
         _randomise(torch, model, seed)
         path = tmp_path_factory.mktemp(f"audio_{variant}")
         model.save_pretrained(path)
-        hf = Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float64)
+        hf = Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float64, use_safetensors=True)
         hf.eval()
         assert hf.config.audio_config._attn_implementation == "eager"
         recompute_audio_buffers(torch, mg, hf)
@@ -380,7 +380,7 @@ def test_transformers_as_shipped(checkpoints, features, torch_one_thread):
     x, mask = features
     with pytest.raises(RuntimeError, match="expected scalar type Float but found Double"):
         hf_soft_tokens(torch_one_thread, hf, x, mask, exact=False)
-    hf32 = Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+    hf32 = Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float32, use_safetensors=True)
     hf32.eval()
     stock = hf_soft_tokens(torch_one_thread, hf32, x.astype(np.float32), mask, exact=False)
     ours = audio_tower(x.astype(np.float32).astype(np.float64), mask, *load_audio_tower(path))

@@ -694,7 +694,7 @@ def hf_audio_cross_check(model_dir, bases, base_logits, audio):
 
     torch.set_num_threads(1)
     hf = transformers.Gemma4ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float64,
-                                                                     attn_implementation="eager")
+                                                                     attn_implementation="eager", use_safetensors=True)
     hf.eval()
     recompute_audio_buffers(torch, mg, hf)
     recompute_float64_buffers(hf)
@@ -737,7 +737,7 @@ def hf_image_cross_check(model_dir, bases, base_logits, images):
 
     torch.set_num_threads(1)
     hf = transformers.Gemma4ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float64,
-                                                                     attn_implementation="eager")
+                                                                     attn_implementation="eager", use_safetensors=True)
     hf.eval()
     recompute_vision_inv_freq(torch, mg, hf)
     recompute_float64_buffers(hf)

@@ -113,7 +113,7 @@ def test_multimodal_checkpoint_layout(tmp_path, checkpoint, naive_logits):
     text_cfg = transformers.Gemma4TextConfig(**CONFIG)
     cfg = transformers.Gemma4Config(text_config=text_cfg.to_dict(), vision_config=None, audio_config=None)
     mm = transformers.Gemma4ForConditionalGeneration(cfg).eval()
-    causal = transformers.Gemma4ForCausalLM.from_pretrained(checkpoint[0])
+    causal = transformers.Gemma4ForCausalLM.from_pretrained(checkpoint[0], use_safetensors=True)
     missing, unexpected = mm.model.language_model.load_state_dict(causal.model.state_dict(), strict=False)
     assert not missing and not unexpected
     mm.save_pretrained(tmp_path)

@@ -90,7 +90,8 @@ def checkpoints(env, tmp_path_factory):
         _randomise_text(torch, model, seed)
         path = tmp_path_factory.mktemp(f"merge_{name}")
         model.save_pretrained(path)
-        hf = Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float64, attn_implementation="eager")
+        hf = Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float64, attn_implementation="eager",
+                                                            use_safetensors=True)
         hf.eval()
         recompute_vision_inv_freq(torch, mg, hf)
         env[2].recompute_float64_buffers(hf)

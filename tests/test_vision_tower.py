@@ -242,7 +242,8 @@ def checkpoints(torch_one_thread, tmp_path_factory):
         _randomise(torch, model, seed)
         path = tmp_path_factory.mktemp(f"vision_{variant}")
         model.save_pretrained(path)
-        hf = Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float64, attn_implementation="eager")
+        hf = Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float64, attn_implementation="eager",
+                                                            use_safetensors=True)
         hf.eval()
         assert hf.config.vision_config._attn_implementation == "eager"
         recompute_vision_inv_freq(torch, mg, hf)

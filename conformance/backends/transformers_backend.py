@@ -123,6 +123,8 @@ without a ``vision_config`` or ``audio_config`` only the text model is built, wi
 image-text / audio-text model).
 :func:`load_gemma4_causal_lm` (tests/hf_reference.py uses it too) and
 :func:`load_gemma4_conditional_generation` are the loaders; ``executed["model"]`` names the class.
+They load safetensors only (``use_safetensors=True``; a directory with only a pickled
+``pytorch_model.bin`` is refused: unpickling can run code), see docs/backends.md, "Security".
 
     conformance check --backend transformers
     conformance check --backend transformers --backend-option dtype=bfloat16 --backend-option attn=sdpa
@@ -195,6 +197,28 @@ def checkpoint_layout(model_dir: str | os.PathLike) -> tuple[str, dict]:
     return layout, raw
 
 
+SAFETENSORS_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def _require_safetensors(model_dir: str | os.PathLike) -> None:
+    """Refuse a checkpoint whose weights are pickled PyTorch files only (``pytorch_model.bin`` and the like):
+    unpickling can run arbitrary code, so every ``from_pretrained`` here passes ``use_safetensors=True``
+    and this says why such a directory cannot be served (BackendError)."""
+    path = Path(model_dir)
+    if any((path / n).is_file() for n in SAFETENSORS_WEIGHTS):
+        return
+    try:
+        pickled = sorted(p.name for p in path.iterdir() if p.is_file() and (p.suffix in PICKLE_SUFFIXES
+                                                                          or p.name.endswith(".bin.index.json")))
+    except OSError:
+        pickled = []
+    if pickled:
+        raise BackendError(f"{model_dir}: no safetensors weights ({' or '.join(SAFETENSORS_WEIGHTS)}), only pickled "
+                           f"PyTorch files ({', '.join(pickled)}); the transformers backend loads safetensors only "
+                           "(unpickling a checkpoint can run arbitrary code): convert it to safetensors")
+
+
 @contextlib.contextmanager
 def _quiet_progress_bar():
     """Hide transformers' "Loading weights" progress bar for one load; restore the setting after."""
@@ -224,10 +248,12 @@ def load_gemma4_causal_lm(model_dir: str | os.PathLike, dtype: str | torch.dtype
     mismatch. ``experts_implementation=None`` keeps transformers' default (``grouped_mm``, which
     refuses float64: pass ``"eager"`` there).
 
+    Safetensors only (``use_safetensors=True``): a directory with only pickled weights is refused.
     Every failure is a BackendError that names the directory and the reason.
     """
     kwargs = _load_kwargs(dtype, attn_implementation, experts_implementation)
     layout, _ = checkpoint_layout(model_dir)
+    _require_safetensors(model_dir)
     try:
         with _quiet_progress_bar():
             if layout == "conditional":
@@ -270,8 +296,9 @@ def _load_kwargs(dtype: str | torch.dtype, attn_implementation: str,
     torch_dtype = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
     if torch_dtype is None:
         raise ValueError(f"dtype must be one of {_allowed(DTYPES)}, got {dtype!r}")
+    # use_safetensors: never a pickled pytorch_model.bin (unpickling can run code), whatever the directory holds
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": attn_implementation,
-                              "output_loading_info": True}
+                              "output_loading_info": True, "use_safetensors": True}
     if experts_implementation is not None:
         kwargs["experts_implementation"] = experts_implementation
     return kwargs
@@ -287,6 +314,7 @@ def load_gemma4_conditional_generation(model_dir: str | os.PathLike, dtype: str 
     ``embed_audio``, whichever the config has), by plain ``from_pretrained``. Every weight must come from the checkpoint
     (``lm_head.weight`` is tied to ``model.language_model.embed_tokens.weight``) and no shape may mismatch.
 
+    Safetensors only, as :func:`load_gemma4_causal_lm`.
     Every failure is a BackendError that names the directory and the reason.
     """
     kwargs = _load_kwargs(dtype, attn_implementation, experts_implementation)
@@ -294,6 +322,7 @@ def load_gemma4_conditional_generation(model_dir: str | os.PathLike, dtype: str 
     if layout != "conditional" or not (has_vision(raw) or has_audio(raw)):
         raise BackendError(f"{model_dir}: not an image-text or audio-text checkpoint (no vision_config or "
                            f"audio_config); load it with load_gemma4_causal_lm")
+    _require_safetensors(model_dir)
     what = "conditional layout, " + "+".join(m for m, on in (("vision", has_vision(raw)), ("audio", has_audio(raw)))
                                              if on)
     if has_audio(raw) and attn_implementation != "eager":
