@@ -6,6 +6,8 @@ that is not an object, placeholder ids outside the vocabulary."""
 import hashlib
 import json
 import shutil
+import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -89,3 +91,85 @@ def test_logits_out_refuses_a_directory(tmp_path, text_ckpt, capsys):
     code, _, err = run(capsys, "logits", "--model", text_ckpt, "--tokens", "2,5", "--out", tmp_path, "--force")
     assert code == 2
     assert err == f"error: --out {tmp_path} is a directory; pass the path of the .safetensors file to write\n"
+
+
+# ----------------------------------------------------------------------------------------------
+# 10. decompression bombs: the pixel count is checked from the header, before decoding
+
+
+def png_bytes(width, height, idat, depth=8, ctype=0):
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, depth, ctype, 0, 0, 0))
+            + chunk(b"IDAT", idat) + chunk(b"IEND", b""))
+
+
+def small_png(path, height=30, width=40):
+    raw = b"".join(b"\x00" + bytes(range(width)) for _ in range(height))
+    path.write_bytes(png_bytes(width, height, zlib.compress(raw)))
+    return path
+
+
+def bomb_message(path, height, width, limit=89_478_485):
+    return (f"image {path} is {height}x{width} (HxW), {height * width} pixels: more than the limit of {limit} pixels "
+            "that guards against decompression bombs; set REFIMPL_MAX_IMAGE_PIXELS to a larger number of pixels "
+            "to read it")
+
+
+def test_png_bomb_is_refused_from_its_header_before_decompression(tmp_path, vision_ckpt, capsys, monkeypatch):
+    # a valid PNG declaring 100000 x 100000 grey pixels (10 GB decoded) with a tiny compressed stream:
+    # the limit must fire before zlib runs (without it the reader reports the stream as truncated)
+    bomb = tmp_path / "bomb.png"
+    bomb.write_bytes(png_bytes(100_000, 100_000, zlib.compress(b"\x00" * 1000)))
+    monkeypatch.setattr("refimpl.image._inflate", lambda *a: pytest.fail("the PNG was decompressed"))
+    code, _, err = run(capsys, "logits", "--model", vision_ckpt, "--tokens", "2,5", "--image", bomb,
+                       "--out", tmp_path / "o.safetensors")
+    assert code == 2
+    assert err == f"error: {bomb_message(bomb, 100_000, 100_000)}\n"
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_image_pixel_limit_is_set_by_the_environment(tmp_path, vision_ckpt, capsys, monkeypatch):
+    png = small_png(tmp_path / "small.png")  # 30 x 40 = 1200 pixels
+    ppm = tmp_path / "small.ppm"
+    ppm.write_bytes(b"P6 40 30 255\n" + bytes(30 * 40 * 3))
+    argv = ["logits", "--model", vision_ckpt, "--tokens", "2,5", "--out", tmp_path / "o.safetensors", "--force"]
+    monkeypatch.setenv("REFIMPL_MAX_IMAGE_PIXELS", "1000")
+    for image in (png, ppm):
+        code, _, err = run(capsys, *argv, "--image", image)
+        assert code == 2
+        assert err == f"error: {bomb_message(image, 30, 40, 1000)}\n"
+    monkeypatch.setenv("REFIMPL_MAX_IMAGE_PIXELS", "1200")
+    for image in (png, ppm):
+        code, out, err = run(capsys, *argv, "--image", image)
+        assert code == 0, err
+        assert f"image 0 {image}: 30x40 (HxW)" in out
+    monkeypatch.setenv("REFIMPL_MAX_IMAGE_PIXELS", "lots")
+    code, _, err = run(capsys, *argv, "--image", png)
+    assert code == 2
+    assert err == ("error: REFIMPL_MAX_IMAGE_PIXELS='lots': the image size limit must be a positive whole number "
+                   "of pixels\n")
+
+
+def test_pillow_bomb_is_refused_with_the_same_limit(tmp_path, vision_ckpt, capsys):
+    pytest.importorskip("PIL")
+    # a 24-bit BMP header declaring 100000 x 100000 pixels and no pixel data: Pillow opens it lazily
+    width = height = 100_000
+    info = struct.pack("<IiiHHIIiiII", 40, width, height, 1, 24, 0, 0, 2835, 2835, 0, 0)
+    bmp = tmp_path / "bomb.bmp"
+    bmp.write_bytes(b"BM" + struct.pack("<IHHI", 14 + len(info), 0, 0, 14 + len(info)) + info)
+    code, _, err = run(capsys, "logits", "--model", vision_ckpt, "--tokens", "2,5", "--image", bmp,
+                       "--out", tmp_path / "o.safetensors")
+    assert code == 2
+    assert err == f"error: {bomb_message(bmp, height, width)}\n"
+
+
+def test_conformance_generate_refuses_an_image_bomb(tmp_path, vision_ckpt, capsys):
+    bomb = tmp_path / "bomb.png"
+    bomb.write_bytes(png_bytes(100_000, 100_000, zlib.compress(b"\x00" * 1000)))
+    code, _, err = run_conformance(capsys, "generate", "--model", vision_ckpt, "--image", bomb,
+                                   "--out", tmp_path / "set", "--workers", "1", "-q")
+    assert code == 2
+    assert err == f"conformance: error: {bomb_message(bomb, 100_000, 100_000)}\n"
+    assert not (tmp_path / "set").exists()
