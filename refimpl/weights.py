@@ -16,11 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import TextConfig
+from .config import TEXT_PREFIXES, TextConfig
 from .errors import InputError, WeightsError
 from .safetensors_io import TensorStore, in_parts
 
-TEXT_PREFIXES = ("model.language_model.", "model.")
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # weight storage the oracle decodes exactly
 # multimodal towers of Gemma4ForConditionalGeneration; the text oracle does not read them
 MULTIMODAL_PREFIXES = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from conformance.cli import main as conformance_main
+from helpers import micro_checkpoint, micro_config
 from refimpl.cli import main
 from refimpl.model import Gemma4
 from refimpl.safetensors_io import TensorStore, write_safetensors
@@ -173,3 +174,22 @@ def test_conformance_generate_refuses_an_image_bomb(tmp_path, vision_ckpt, capsy
     assert code == 2
     assert err == f"conformance: error: {bomb_message(bomb, 100_000, 100_000)}\n"
     assert not (tmp_path / "set").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# 11. sizes are bounded by the checkpoint's tensors before per-layer lists are derived
+
+
+def test_num_hidden_layers_beyond_the_checkpoint_is_refused_before_deriving_layers(tmp_path, capsys):
+    model = micro_checkpoint(tmp_path / "m", micro_config(), 0)  # 3 layers
+    for layers in (100_000, 10**9):  # 10^9 without layer_types once built a 7.9 GB list
+        raw = json.loads((model / "config.json").read_text())
+        raw["num_hidden_layers"] = layers
+        raw.pop("layer_types", None)
+        (model / "config.json").write_text(json.dumps(raw))
+        for argv in (["inspect"], ["logits", "--tokens", "2,5", "--out", tmp_path / "o.safetensors"]):
+            code, _, err = run(capsys, argv[0], "--model", model, *argv[1:])
+            assert code == 2
+            assert err == (f"error: {model / 'config.json'}: 'num_hidden_layers' is {layers}, but the checkpoint's "
+                           "tensors hold 3 decoder layers; set num_hidden_layers to the number of layers the "
+                           "weights hold\n")
