@@ -181,7 +181,7 @@ def _image_prompt(args, model_dir: Path, model: Gemma4) -> ImagePrompt:
     vision_cfg = _vision_config(model_dir) if images else None
     if clips:
         _audio_config_present(model_dir)
-    mm = load_multimodal_tokens(model_dir)
+    mm = load_multimodal_tokens(model_dir, (["image"] if images else []) + (["audio"] if clips else []))
     ids, tok = _prompt_ids(args, model_dir, len(images), mm, model.cfg.bos_token_id, len(clips))
     _check_markers(ids, tok, mm)
     # placeholder counts, before any image or audio work

@@ -451,8 +451,19 @@ def load_config(model_dir: str | Path) -> TextConfig:
     extra_eos: tuple[int, ...] = ()
     gen = model_dir / "generation_config.json"
     if gen.is_file():
-        extra_eos = _token_ids(read_json(gen).get("eos_token_id"), "eos_token_id", str(gen))
+        gen_raw = read_json(gen)
+        if not isinstance(gen_raw, dict):
+            raise ConfigError(f"{gen}: expected a JSON object at the top level, got {_json_kind(gen_raw)}; "
+                              "fix or remove generation_config.json")
+        extra_eos = _token_ids(gen_raw.get("eos_token_id"), "eos_token_id", str(gen))
     return parse_config(raw, str(path), extra_eos, _layers_held(model_dir))
+
+
+def _json_kind(value: Any) -> str:
+    """What a parsed JSON value is, for messages: "an array", "a string", ..."""
+    kinds = ((bool, "a boolean"), ((int, float), "a number"), (str, "a string"), (list, "an array"),
+             (dict, "an object"))
+    return "null" if value is None else next(name for kind, name in kinds if isinstance(value, kind))
 
 
 def decoder_layers_held(names) -> int:

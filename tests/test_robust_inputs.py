@@ -7,6 +7,7 @@ import hashlib
 import json
 import shutil
 import struct
+import wave
 import zlib
 
 import numpy as np
@@ -15,9 +16,11 @@ import pytest
 from conformance.cli import main as conformance_main
 from helpers import micro_checkpoint, micro_config
 from refimpl.cli import main
+from refimpl.errors import TokenizerError
 from refimpl.model import Gemma4
 from refimpl.safetensors_io import TensorStore, write_safetensors
 from refimpl.synth import write_checkpoint
+from refimpl.tokenizer import Tokenizer
 
 
 def run(capsys, *argv):
@@ -193,3 +196,64 @@ def test_num_hidden_layers_beyond_the_checkpoint_is_refused_before_deriving_laye
             assert err == (f"error: {model / 'config.json'}: 'num_hidden_layers' is {layers}, but the checkpoint's "
                            "tensors hold 3 decoder layers; set num_hidden_layers to the number of layers the "
                            "weights hold\n")
+
+
+# ----------------------------------------------------------------------------------------------
+# 13. generation_config.json that is not an object; placeholder ids outside the vocabulary
+
+
+@pytest.mark.parametrize("content, kind", [("[1, 2]", "an array"), ('"eos"', "a string"), ("null", "null")])
+def test_generation_config_must_be_an_object(tmp_path, text_ckpt, capsys, content, kind):
+    model = copy_ckpt(text_ckpt, tmp_path / "ckpt")
+    (model / "generation_config.json").write_text(content)
+    for argv in (["inspect"], ["generate", "--tokens", "2,5", "--max-new-tokens", "1"]):
+        code, _, err = run(capsys, argv[0], "--model", model, *argv[1:])
+        assert code == 2
+        assert err == (f"error: {model / 'generation_config.json'}: expected a JSON object at the top level, got "
+                       f"{kind}; fix or remove generation_config.json\n")
+
+
+@pytest.mark.parametrize("key", ["image_token_id", "boi_token_id", "eoi_token_id"])
+def test_image_ids_outside_the_vocabulary_are_refused(tmp_path, vision_ckpt, capsys, key):
+    model = copy_ckpt(vision_ckpt, tmp_path / "ckpt")
+    raw = json.loads((model / "config.json").read_text())
+    raw[key] = 100_000  # the vocabulary is 512
+    (model / "config.json").write_text(json.dumps(raw))
+    png = small_png(tmp_path / "small.png")
+    message = (f"{model / 'config.json'}: '{key}' is 100000, outside the text vocabulary [0, 512); image prompts "
+               "need it inside (fix the id, or the text vocab_size)\n")
+    for prompt in (["--prompt", "hi"], ["--prompt", "hi", "--chat"], ["--tokens", "2,5"]):
+        code, _, err = run(capsys, "logits", "--model", model, *prompt, "--image", png,
+                           "--out", tmp_path / "o.safetensors")
+        assert code == 2
+        assert err == f"error: {message}"
+    code, _, err = run_conformance(capsys, "generate", "--model", model, "--image", png, "--out", tmp_path / "set",
+                                   "--workers", "1", "-q")
+    assert code == 2
+    assert err == f"conformance: error: {message}"
+
+
+@pytest.mark.parametrize("key", ["audio_token_id", "eoa_token_index"])
+def test_audio_ids_outside_the_vocabulary_are_refused(tmp_path, capsys, key):
+    model = write_checkpoint("e2b-audio-mini", 0, tmp_path / "ckpt")
+    raw = json.loads((model / "config.json").read_text())
+    raw[key] = 100_000
+    (model / "config.json").write_text(json.dumps(raw))
+    wav = tmp_path / "a.wav"
+    with wave.open(str(wav), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16_000)
+        w.writeframes(bytes(2 * 1600))  # 0.1 s of silence
+    code, _, err = run(capsys, "logits", "--model", model, "--prompt", "hi", "--audio", wav,
+                       "--out", tmp_path / "o.safetensors")
+    assert code == 2
+    assert err == (f"error: {model / 'config.json'}: '{key}' is 100000, outside the text vocabulary [0, 512); audio "
+                   "prompts need it inside (fix the id, or the text vocab_size)\n")
+
+
+def test_tokenizer_piece_outside_its_pieces_is_an_error(text_ckpt):
+    tok = Tokenizer.from_dir(text_ckpt)
+    with pytest.raises(TokenizerError) as e:
+        tok.piece(100_000)
+    assert str(e.value) == f"{text_ckpt / 'tokenizer.model'}: token id 100000 is outside the tokenizer's 512 pieces"
