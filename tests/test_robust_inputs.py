@@ -7,6 +7,8 @@ import hashlib
 import json
 import shutil
 import struct
+import subprocess
+import sys
 import wave
 import zlib
 
@@ -257,3 +259,94 @@ def test_tokenizer_piece_outside_its_pieces_is_an_error(text_ckpt):
     with pytest.raises(TokenizerError) as e:
         tok.piece(100_000)
     assert str(e.value) == f"{text_ckpt / 'tokenizer.model'}: token id 100000 is outside the tokenizer's 512 pieces"
+
+
+# ----------------------------------------------------------------------------------------------
+# 12. NaN / inf: refused with the first place and tensor where they appear, never written as goldens
+
+
+def poisoned(src, dst, changes, dtype="F32"):
+    """A copy of checkpoint ``src`` with ``changes`` {tensor: (flat index, value)} applied, stored as ``dtype``."""
+    shutil.copytree(src, dst)
+    store = TensorStore(src)
+    tensors = {name: np.array(store.get(name, np.float64)) if store.infos[name].dtype != "U8" else store.raw(name)
+               for name in store.names}
+    for name, (index, value) in changes.items():
+        tensors[name].flat[index] = value
+    write_safetensors(dst / "model.safetensors", tensors, dtype)
+    return dst
+
+
+CORRUPT = "; the checkpoint is corrupt (re-download or re-convert it)"
+
+
+@pytest.mark.parametrize("dtype", ["F32", "BF16"])
+def test_nan_weight_names_the_layer_and_tensor(tmp_path, text_ckpt, capsys, dtype):
+    model = poisoned(text_ckpt, tmp_path / "nan", {"model.layers.3.mlp.up_proj.weight": (7, np.nan)}, dtype)
+    out = tmp_path / "o.safetensors"
+    message = (f"{model}: the residual stream after layer 3 is not finite: tensor 'model.layers.3.mlp.up_proj.weight' "
+               f"(model.safetensors) holds 1 NaN/inf value{CORRUPT}\n")
+    code, _, err = run(capsys, "logits", "--model", model, "--tokens", "2,5,7", "--rows", "all", "--out", out)
+    assert (code, err) == (2, f"error: {message}")
+    assert not out.exists()
+    code, _, err = run(capsys, "generate", "--model", model, "--tokens", "2,5,7", "--max-new-tokens", "2")
+    assert (code, err) == (2, f"error: {message}")
+
+
+def test_inf_embedding_row_norm_and_ple_are_named(tmp_path, text_ckpt, capsys):
+    argv = ["--tokens", "2,5,7", "--out", tmp_path / "o.safetensors", "--force"]
+    # the embedding row of token 5 (row 1 of the prompt)
+    model = poisoned(text_ckpt, tmp_path / "embed", {"model.embed_tokens.weight": (5 * 64 + 3, np.inf)})
+    code, _, err = run(capsys, "logits", "--model", model, *argv)
+    assert (code, err) == (2, f"error: {model}: the embedding of token 5 (row 1) is not finite: row 5 of tensor "
+                              f"'model.embed_tokens.weight' (model.safetensors) holds 1 NaN/inf value{CORRUPT}\n")
+    # a row the prompt does not read: only the tied head sees it
+    model = poisoned(text_ckpt, tmp_path / "head", {"model.embed_tokens.weight": (300 * 64, np.nan)})
+    code, _, err = run(capsys, "logits", "--model", model, *argv)
+    assert (code, err) == (2, f"error: {model}: the logits are not finite: tensor 'model.embed_tokens.weight' "
+                              f"(model.safetensors) holds 1 NaN/inf value{CORRUPT}\n")
+    model = poisoned(text_ckpt, tmp_path / "norm", {"model.norm.weight": (0, -np.inf)})
+    code, _, err = run(capsys, "logits", "--model", model, *argv)
+    assert (code, err) == (2, f"error: {model}: the final norm's output is not finite: tensor 'model.norm.weight' "
+                              f"(model.safetensors) holds 1 NaN/inf value{CORRUPT}\n")
+    # +inf in the head: the softcap would turn it into a finite +30
+    model = poisoned(text_ckpt, tmp_path / "inf-head", {"model.embed_tokens.weight": (300 * 64, np.inf)})
+    code, _, err = run(capsys, "logits", "--model", model, *argv)
+    assert (code, err) == (2, f"error: {model}: the logits are not finite: tensor 'model.embed_tokens.weight' "
+                              f"(model.safetensors) holds 1 NaN/inf value{CORRUPT}\n")
+    model = poisoned(text_ckpt, tmp_path / "ple", {"model.per_layer_model_projection.weight": (11, np.nan)})
+    code, _, err = run(capsys, "logits", "--model", model, *argv)
+    assert (code, err) == (2, f"error: {model}: the per-layer inputs of token 2 (row 0) are not finite: tensor "
+                              f"'model.per_layer_model_projection.weight' (model.safetensors) holds 1 NaN/inf "
+                              f"value{CORRUPT}\n")
+
+
+def test_overflow_with_finite_weights_is_refused_in_one_line(tmp_path, text_ckpt):
+    scale = {f"model.layers.{i}.layer_scalar": (0, 1e30) for i in range(2)}  # 1e60 overflows float32
+    model = poisoned(text_ckpt, tmp_path / "big", scale)
+    # a process of its own: NumPy's overflow warnings would go to its stderr
+    done = subprocess.run([sys.executable, "-m", "refimpl", "logits", "--model", str(model), "--tokens", "2,5,7",
+                           "--dtype", "float32", "--out", str(tmp_path / "o.safetensors")],
+                          capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (f"error: {model}: the residual stream after layer 1 is not finite, but the weights read "
+                           "there are: the values overflowed float32\n")
+
+
+def test_nan_vision_weight_names_the_tower_tensor(tmp_path, vision_ckpt, capsys):
+    name = "model.embed_vision.embedding_projection.weight"
+    model = poisoned(vision_ckpt, tmp_path / "nan", {name: (0, np.nan)})
+    code, _, err = run(capsys, "logits", "--model", model, "--tokens", "2,5", "--image", small_png(tmp_path / "a.png"),
+                       "--out", tmp_path / "o.safetensors")
+    assert (code, err) == (2, f"error: {model}: the vision tower's soft tokens are not finite: tensor '{name}' "
+                              f"(model.safetensors) holds 1 NaN/inf value{CORRUPT}\n")
+
+
+def test_conformance_generate_never_publishes_a_nan_golden(tmp_path, text_ckpt, capsys):
+    model = poisoned(text_ckpt, tmp_path / "nan", {"model.layers.6.self_attn.o_proj.weight": (1, np.nan)})
+    code, _, err = run_conformance(capsys, "generate", "--model", model, "--out", tmp_path / "set", "--workers", "1",
+                                   "-q")
+    assert (code, err) == (2, f"conformance: error: {model}: the residual stream after layer 6 is not finite: tensor "
+                              f"'model.layers.6.self_attn.o_proj.weight' (model.safetensors) holds 1 NaN/inf "
+                              f"value{CORRUPT}\n")
+    assert not (tmp_path / "set").exists()
