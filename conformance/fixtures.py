@@ -371,7 +371,7 @@ class _Vision:
 
         self.weights, self.cfg = load_vision_tower(model_dir)
         self.settings = load_image_processor_settings(model_dir, self.cfg)
-        self.tokens = load_multimodal_tokens(model_dir)
+        self.tokens = load_multimodal_tokens(model_dir, ["image"])
 
     def soft_tokens(self, image: np.ndarray) -> tuple[Any, np.ndarray]:
         """(ProcessedImage, soft tokens [M, H]) of one uint8 image."""
@@ -532,7 +532,7 @@ class _Audio:
 
         self.weights, self.cfg = load_audio_tower(model_dir)
         self.settings = load_audio_feature_settings(model_dir)
-        self.tokens = load_multimodal_tokens(model_dir)
+        self.tokens = load_multimodal_tokens(model_dir, ["audio"])
 
     def soft_tokens(self, wave: np.ndarray, rate: int) -> tuple[Any, np.ndarray]:
         """(AudioFeatures, soft tokens [M, H]) of one clip."""

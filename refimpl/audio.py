@@ -559,7 +559,7 @@ def audio_tower(features, mask, weights: AudioWeights, cfg: AudioConfig, trace: 
     for clip, clip_mask in zip(x, m):
         out, token_mask = audio_tower_clip(clip, clip_mask, weights, cfg, trace)
         kept.append(out[token_mask])
-    e = embed_audio(np.concatenate(kept, axis=0), proj, cfg.rms_norm_eps)
+    e = weights.check_finite(embed_audio(np.concatenate(kept, axis=0), proj, cfg.rms_norm_eps))
     if trace is not None:
         trace.put("soft_tokens", e)
     return e

@@ -181,7 +181,7 @@ def _image_prompt(args, model_dir: Path, model: Gemma4) -> ImagePrompt:
     vision_cfg = _vision_config(model_dir) if images else None
     if clips:
         _audio_config_present(model_dir)
-    mm = load_multimodal_tokens(model_dir)
+    mm = load_multimodal_tokens(model_dir, (["image"] if images else []) + (["audio"] if clips else []))
     ids, tok = _prompt_ids(args, model_dir, len(images), mm, model.cfg.bos_token_id, len(clips))
     _check_markers(ids, tok, mm)
     # placeholder counts, before any image or audio work
@@ -349,11 +349,25 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def _check_out(out: Path, model_dir: Path, force: bool) -> None:
+    """--out of logits, checked before any work: never a path inside the model directory (not even with
+    --force: the checkpoint's own files would be overwritten), never a directory, and an existing file
+    only with --force."""
+    if out.resolve().is_relative_to(model_dir.resolve()):
+        raise InputError(f"--out {out} is inside the model directory {model_dir}; refimpl never writes into a "
+                         "checkpoint, choose a path outside it")
+    if out.is_dir():
+        raise InputError(f"--out {out} is a directory; pass the path of the .safetensors file to write")
+    if out.exists() and not force:
+        raise InputError(f"--out {out} already exists; pass --force to overwrite it, or choose another path")
+
+
 def cmd_logits(args) -> int:
     if args.top_k < 1:
         raise InputError(f"--top-k must be at least 1, got {args.top_k}")
     _check_image_args(args)
     model_dir = Path(args.model)
+    _check_out(Path(args.out), model_dir, args.force)
     if _media(args):
         model = Gemma4(model_dir, args.dtype, args.embed_scale)
         prompt = _image_prompt(args, model_dir, model)
@@ -490,6 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", default="last", help="last, all, or comma-separated row indices (negative from the end)")
     p.add_argument("--out", required=True, help="output .safetensors: tensors logits [rows, V], rows, tokens")
     p.add_argument("--top-k", type=int, default=5, help="tokens shown per row in the summary")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --out file (never one inside --model)")
     p.set_defaults(func=cmd_logits)
 
     p = sub.add_parser("generate", help="greedy generation with the KV cache")

@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, InputError
+from .errors import ConfigError, InputError, WeightsError
+from .safetensors_io import TensorStore
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
+TEXT_PREFIXES = ("model.language_model.", "model.")  # where the text decoder's tensors live
+_LAYER_TENSOR = re.compile("(?:" + "|".join(map(re.escape, TEXT_PREFIXES)) + r")layers\.(\d+)\.")
 ROPE_TYPES = ("default", "proportional")
 
 DEFAULT_ROPE = {
@@ -246,15 +250,15 @@ def _kv_sources(types: list[str], num_shared: int, where: str) -> list[int]:
     num_layers = len(types)
     first = num_layers - num_shared
     sources = list(range(num_layers))
+    last_of_type = {t: j for j, t in enumerate(types[:first])}  # the last KV-owning layer of each type
     for i in range(first, num_layers):
-        producers = [j for j in range(first) if types[j] == types[i]]
-        if not producers:
+        if types[i] not in last_of_type:
             raise ConfigError(
                 f"{where}: KV-shared layer {i} is '{types[i]}' but no layer before the first shared layer "
                 f"({first} = num_hidden_layers - num_kv_shared_layers) has that type, so nothing produces its "
                 "K/V; lower 'num_kv_shared_layers' or change 'layer_types'"
             )
-        sources[i] = producers[-1]
+        sources[i] = last_of_type[types[i]]
     return sources
 
 
@@ -280,13 +284,21 @@ def text_section(raw: dict, where: str = "config.json") -> tuple[dict, dict, str
     return text, raw, arch
 
 
-def parse_config(raw: dict, where: str = "config.json", extra_eos: tuple[int, ...] = ()) -> TextConfig:
-    """Build a ``TextConfig`` from a parsed config.json (either architecture, either serialisation)."""
+def parse_config(raw: dict, where: str = "config.json", extra_eos: tuple[int, ...] = (),
+                 layers_held: int | None = None) -> TextConfig:
+    """Build a ``TextConfig`` from a parsed config.json (either architecture, either serialisation).
+
+    ``layers_held``: how many decoder layers the checkpoint's tensors hold (``decoder_layers_held``);
+    a larger num_hidden_layers is refused before any per-layer list is derived from it."""
     text, top, arch = text_section(raw, where)
     if "text_config" in top:
         where = f"{where} text_config"
 
     L = _positive(_get(text, "num_hidden_layers", int, where=where), "num_hidden_layers", where)
+    if layers_held is not None and L > layers_held:
+        raise ConfigError(f"{where}: 'num_hidden_layers' is {L}, but the checkpoint's tensors hold "
+                          f"{layers_held or 'no'} decoder layer{'' if layers_held == 1 else 's'}; set "
+                          "num_hidden_layers to the number of layers the weights hold")
     H = _positive(_get(text, "hidden_size", int, where=where), "hidden_size", where)
     V = _positive(_get(text, "vocab_size", int, where=where), "vocab_size", where)
     N = _positive(_get(text, "num_attention_heads", int, where=where), "num_attention_heads", where)
@@ -430,14 +442,42 @@ def parse_config(raw: dict, where: str = "config.json", extra_eos: tuple[int, ..
 
 
 def load_config(model_dir: str | Path) -> TextConfig:
-    """Read ``config.json`` (and ``generation_config.json`` stop ids, if present) from a checkpoint directory."""
+    """Read ``config.json`` (and ``generation_config.json`` stop ids, if present) from a checkpoint directory.
+
+    The sizes are bounded by what the checkpoint holds before anything is derived from them:
+    num_hidden_layers may not exceed the decoder layers of its safetensors headers (when it has weights)."""
     model_dir = Path(model_dir)
     path, raw = read_config_json(model_dir)
     extra_eos: tuple[int, ...] = ()
     gen = model_dir / "generation_config.json"
     if gen.is_file():
-        extra_eos = _token_ids(read_json(gen).get("eos_token_id"), "eos_token_id", str(gen))
-    return parse_config(raw, str(path), extra_eos)
+        gen_raw = read_json(gen)
+        if not isinstance(gen_raw, dict):
+            raise ConfigError(f"{gen}: expected a JSON object at the top level, got {_json_kind(gen_raw)}; "
+                              "fix or remove generation_config.json")
+        extra_eos = _token_ids(gen_raw.get("eos_token_id"), "eos_token_id", str(gen))
+    return parse_config(raw, str(path), extra_eos, _layers_held(model_dir))
+
+
+def _json_kind(value: Any) -> str:
+    """What a parsed JSON value is, for messages: "an array", "a string", ..."""
+    kinds = ((bool, "a boolean"), ((int, float), "a number"), (str, "a string"), (list, "an array"),
+             (dict, "an object"))
+    return "null" if value is None else next(name for kind, name in kinds if isinstance(value, kind))
+
+
+def decoder_layers_held(names) -> int:
+    """How many decoder layers tensor ``names`` hold: the distinct N of ``<text prefix>layers.N.*``."""
+    return len({int(m.group(1)) for m in map(_LAYER_TENSOR.match, names) if m})
+
+
+def _layers_held(model_dir: Path) -> int | None:
+    """``decoder_layers_held`` of the checkpoint's safetensors headers (no tensor data is read); None
+    when it has no readable weights (``Gemma4Weights`` reports that problem)."""
+    try:
+        return decoder_layers_held(TensorStore(model_dir).names)
+    except WeightsError:
+        return None
 
 
 def tower_section(raw: Any, key: str, embedder: str, missing: str, where: str) -> tuple[dict, int, str]:

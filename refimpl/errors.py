@@ -22,3 +22,8 @@ class TokenizerError(RefimplError):
 
 class InputError(RefimplError):
     """Token ids, rows or other call arguments are out of range."""
+
+
+class NonFiniteError(RefimplError):
+    """The forward produced NaN or inf: the message names the first place (embedding, layer, logits)
+    and the weight tensor that is not finite there, or says that the values overflowed."""

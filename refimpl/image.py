@@ -6,7 +6,9 @@ Pipeline for one image (p = patch_size, k = pooling_kernel_size, T = max_soft_to
     file --read_image--> RGB uint8 [h, w, 3]
         PNG (zlib + NumPy) and binary PPM/PGM natively, anything else through Pillow if installed;
         transparency is composited onto opaque white with Pillow's integer ``alpha_composite``, so the
-        result equals ``np.array(transformers.image_transforms.convert_to_rgb(PIL.Image.open(path)))``
+        result equals ``np.array(transformers.image_transforms.convert_to_rgb(PIL.Image.open(path)))``;
+        an image declaring more than ``max_image_pixels()`` pixels is refused from its header, before
+        anything is decompressed (REFIMPL_MAX_IMAGE_PIXELS, default Pillow's MAX_IMAGE_PIXELS)
       --aspect_ratio_preserving_size--> (H', W'), multiples of k p, at most T k^2 patches
         (small images are upscaled; skipped when (H', W') == (h, w))
       --resize_bicubic--> uint8 [H', W', 3]
@@ -38,6 +40,7 @@ formats other than PNG and PPM/PGM.
 from __future__ import annotations
 
 import math
+import os
 import struct
 import zlib
 from dataclasses import dataclass
@@ -71,6 +74,29 @@ OTHER_FORMATS = (  # magic bytes -> name, for messages only
     (b"RIFF", "WebP"),
 )
 NATIVE_HINT = "PNG and binary PPM/PGM (P6/P5) are read natively; `pip install pillow` enables the other formats"
+MAX_PIXELS_ENV = "REFIMPL_MAX_IMAGE_PIXELS"
+DEFAULT_MAX_PIXELS = 89_478_485  # Pillow's Image.MAX_IMAGE_PIXELS (its warning threshold)
+
+
+def max_image_pixels() -> int:
+    """The most pixels (width x height) an image may declare: REFIMPL_MAX_IMAGE_PIXELS, else Pillow's
+    default limit. Checked from the file's header, before anything is decompressed."""
+    value = os.environ.get(MAX_PIXELS_ENV, "").strip()
+    if not value:
+        return DEFAULT_MAX_PIXELS
+    if not value.isdigit() or int(value) < 1:
+        raise InputError(f"{MAX_PIXELS_ENV}={value!r}: the image size limit must be a positive whole number of pixels")
+    return int(value)
+
+
+def check_image_size(width: int, height: int, where: str) -> None:
+    """InputError when an image declares more pixels than ``max_image_pixels()`` (a decompression bomb
+    decodes a small file to gigabytes)."""
+    limit = max_image_pixels()
+    if width * height > limit:
+        raise InputError(f"image {where} is {height}x{width} (HxW), {width * height} pixels: more than the limit of "
+                         f"{limit} pixels that guards against decompression bombs; set {MAX_PIXELS_ENV} to a larger "
+                         "number of pixels to read it")
 
 
 def read_image(path: str | Path) -> np.ndarray:
@@ -92,8 +118,11 @@ def _read_with_pillow(path: Path, data: bytes) -> np.ndarray:
     except ImportError:
         what = f"a {kind} file" if kind else f"not a recognised image (it starts with {data[:8]!r})"
         raise InputError(f"{path} is {what}; {NATIVE_HINT}") from None
+    previous = Image.MAX_IMAGE_PIXELS
+    Image.MAX_IMAGE_PIXELS = None  # check_image_size is the one limit (Pillow's would raise past twice its own)
     try:
-        with Image.open(path) as im:
+        with Image.open(path) as im:  # reads the header only
+            check_image_size(im.width, im.height, str(path))
             im.load()
             if "A" in im.getbands() or im.info.get("transparency") is not None:
                 return rgba_to_rgb(np.asarray(im.convert("RGBA")))
@@ -105,6 +134,8 @@ def _read_with_pillow(path: Path, data: bytes) -> np.ndarray:
         ) from None
     except (OSError, ValueError, SyntaxError) as e:
         raise InputError(f"{path}: {kind or 'image'} file is truncated or corrupt ({e}); re-export the file") from None
+    finally:
+        Image.MAX_IMAGE_PIXELS = previous
 
 
 def _png_chunks(data: bytes, where: str) -> list[tuple[bytes, bytes]]:
@@ -138,6 +169,7 @@ def decode_png(data: bytes, where: str = "<bytes>") -> np.ndarray:
             f"PNG {where} has an invalid header (bit depth {depth}, colour type {ctype}, compression {comp}, "
             f"filter {filt}, interlace {interlace})"
         )
+    check_image_size(w, h, where)  # before anything is decompressed
     palette = b"".join(p for k, p in chunks if k == b"PLTE")
     trns = next((p for k, p in chunks if k == b"tRNS"), None)
     raw = _inflate(b"".join(p for k, p in chunks if k == b"IDAT"), _png_raw_size(w, h, depth, ctype, interlace), where)
@@ -310,6 +342,7 @@ def decode_pnm(data: bytes, where: str = "<bytes>") -> np.ndarray:
         raise InputError(f"PPM/PGM {where} has maxval {maxval}; only 255 (8 bits per sample) is supported")
     if w == 0 or h == 0:
         raise InputError(f"PPM/PGM {where} has zero width or height ({w}x{h}); pass a non-empty image")
+    check_image_size(w, h, where)
     c = 3 if data[:2] == b"P6" else 1
     body = data[pos + 1 : pos + 1 + h * w * c]  # exactly one whitespace byte after maxval
     if len(body) < h * w * c:

@@ -18,8 +18,8 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from .config import RopeSpec, TextConfig, load_config
-from .errors import InputError
-from .weights import Gemma4Weights, weight_cache_bytes
+from .errors import InputError, NonFiniteError
+from .weights import Gemma4Weights, expected_tensors, nonfinite_error, weight_cache_bytes
 
 HEAD_CHUNK = 2_048  # vocabulary rows decoded per step of the streamed LM head (25 MB of float64 at H 1536)
 
@@ -300,6 +300,45 @@ class Gemma4:
             cfg.rms_norm_eps,
         )
 
+    # -- finiteness ---------------------------------------------------------------------------
+    # The input rows, the per-layer inputs, the residual stream after every layer, the final norm and each
+    # head chunk before the softcap are checked (np.isfinite over [T, H] / [R, chunk]: cheap next to the
+    # products). Only once something is not finite are the weights of that step read, to name the tensor.
+
+    def _refuse_nonfinite(self, what: str, suspects: list[tuple[str, int | None]]) -> None:
+        """NonFiniteError (``nonfinite_error``) for ``what`` ("the logits are") not finite; ``suspects``:
+        (tensor name without the prefix or full name, a row of it or None for all of it)."""
+        w = self.weights
+        raise nonfinite_error(w.store, what, [(name if name in w.store else w.prefix + name, row)
+                                              for name, row in suspects], self.dtype)
+
+    def _check_inputs_finite(self, x: np.ndarray, ids: np.ndarray, given: bool) -> None:
+        """The input rows [T, H]: a non-finite text row names its embedding row; one of given embeddings
+        that is finite in the table is a soft token (or the caller's own row)."""
+        if np.isfinite(x).all():
+            return
+        r = int(np.flatnonzero(~np.isfinite(x).all(axis=1))[0])
+        token = int(ids[r])
+        if not given or self.weights.store.nonfinite(self.weights.prefix + "embed_tokens.weight", token):
+            self._refuse_nonfinite(f"the embedding of token {token} (row {r}) is", [("embed_tokens.weight", token)])
+        raise NonFiniteError(f"{self.model_dir}: the input embeddings are not finite at row {r}, a row given in place "
+                             "of the token's embedding (an image or audio soft token: check that tower's weights)")
+
+    def _check_ple_finite(self, ple: np.ndarray, ids: np.ndarray) -> None:
+        if np.isfinite(ple).all():
+            return
+        r = int(np.flatnonzero(~np.isfinite(ple.reshape(ple.shape[0], -1)).all(axis=1))[0])
+        row = int(ids[r]) if 0 <= ids[r] < self.cfg.vocab_size_per_layer_input else 0  # as ``ple`` reads it
+        self._refuse_nonfinite(f"the per-layer inputs of token {int(ids[r])} (row {r}) are", [
+            ("embed_tokens_per_layer.weight", row), ("per_layer_model_projection.weight", None),
+            ("per_layer_projection_norm.weight", None)])
+
+    def _check_layer_finite(self, i: int, x: np.ndarray) -> None:
+        if not np.isfinite(x).all():
+            p = f"layers.{i}."
+            self._refuse_nonfinite(f"the residual stream after layer {i} is",
+                                   [(name, None) for name in expected_tensors(self.cfg) if name.startswith(p)])
+
     # -- one layer ----------------------------------------------------------------------------
 
     def attention_block(self, i: int, x: np.ndarray, positions: np.ndarray, cache: KVCache,
@@ -425,7 +464,10 @@ class Gemma4:
             x = np.asarray(embeddings, dtype=self.dtype)
             if x.shape != (T, cfg.hidden_size):
                 raise InputError(f"embeddings must have shape [{T}, {cfg.hidden_size}], got {list(x.shape)}")
+        self._check_inputs_finite(x, ids, embeddings is not None)
         ple = self.ple(x, ids) if cfg.has_ple else None
+        if ple is not None:
+            self._check_ple_finite(ple, ids)
         positions = np.arange(cache.length, cache.length + T)
         if trace is not None:
             trace.put("embed", x)
@@ -441,6 +483,7 @@ class Gemma4:
                 blocks = None if blocks is None else blocks[keep]
                 pruned = True
             x = self.layer(i, x, None if ple is None else ple[:, i, :], positions, cache, call_kv, trace, blocks)
+            self._check_layer_finite(i, x)
         if keep is not None and not pruned:
             x = x[keep]
 
@@ -457,24 +500,32 @@ class Gemma4:
         Only HEAD_CHUNK rows of the head are decoded at a time; the [R, V] result is the only full-width array."""
         cfg = self.cfg
         y = rms_norm(x, self.weights["norm.weight"], cfg.rms_norm_eps)
+        if not np.isfinite(y).all():
+            self._refuse_nonfinite("the final norm's output is", [("norm.weight", None)])
         logits = np.empty((y.shape[0], cfg.vocab_size), dtype=self.dtype)
         for start in range(0, cfg.vocab_size, HEAD_CHUNK):
             stop = min(start + HEAD_CHUNK, cfg.vocab_size)
-            logits[:, start:stop] = softcap(self.weights.head_linear(y, start, stop), cfg.final_logit_softcapping)
+            z = self.weights.head_linear(y, start, stop)
+            if not np.isfinite(z).all():  # before the softcap, which turns +-inf into +-cap
+                self._refuse_nonfinite("the logits are", [(self.weights.head_name, None)])
+            logits[:, start:stop] = softcap(z, cfg.final_logit_softcapping)
         return logits
 
     def forward(self, ids: Sequence[int] | np.ndarray, *, rows: str | Sequence[int] = "all",
                 cache: KVCache | None = None, embeddings: np.ndarray | None = None,
                 vision_blocks: Sequence[int] | np.ndarray | None = None, trace: Trace | None = None) -> np.ndarray:
         """Logits [R, V] for the requested rows of this call: "last", "all", or a list of indices.
-        ``embeddings`` and ``vision_blocks`` as in ``hidden_states``."""
+        ``embeddings`` and ``vision_blocks`` as in ``hidden_states``. NaN or inf anywhere along the way
+        raises NonFiniteError naming the step and the weight tensor responsible (docs/refimpl.md)."""
         ids = self.check_ids(ids)
         index = resolve_rows(rows, len(ids))
-        if trace is not None or np.array_equal(index, np.arange(len(ids))):
-            x = self.hidden_states(ids, cache=cache, embeddings=embeddings, vision_blocks=vision_blocks, trace=trace)
-            return self.head(x[index])
-        return self.head(self.hidden_states(ids, cache=cache, embeddings=embeddings, vision_blocks=vision_blocks,
-                                            keep=index))
+        with np.errstate(over="ignore", invalid="ignore"):  # a non-finite result is refused (NonFiniteError)
+            if trace is not None or np.array_equal(index, np.arange(len(ids))):
+                x = self.hidden_states(ids, cache=cache, embeddings=embeddings, vision_blocks=vision_blocks,
+                                       trace=trace)
+                return self.head(x[index])
+            return self.head(self.hidden_states(ids, cache=cache, embeddings=embeddings, vision_blocks=vision_blocks,
+                                                keep=index))
 
 
 def resolve_rows(rows: str | Sequence[int], T: int) -> np.ndarray:

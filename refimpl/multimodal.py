@@ -30,7 +30,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .config import read_config_json
+from .config import read_config_json, text_section
 from .errors import ConfigError, InputError
 from .model import Gemma4, KVCache, Trace
 
@@ -69,9 +69,29 @@ def parse_multimodal_tokens(raw: dict, where: str = "config.json") -> Multimodal
     return MultimodalTokens(**values)
 
 
-def load_multimodal_tokens(model_dir: str | Path) -> MultimodalTokens:
+# the config.json keys of the ids an image / audio prompt puts in (placeholder, begin, end)
+PROMPT_TOKEN_KEYS = {"image": ("image_token_id", "boi_token_id", "eoi_token_id"),
+                     "audio": ("audio_token_id", "boa_token_id", "eoa_token_index")}
+
+
+def load_multimodal_tokens(model_dir: str | Path, kinds: Sequence[str] = ()) -> MultimodalTokens:
+    """The placeholder ids of a checkpoint. ``kinds`` ("image", "audio"): the prompts the caller builds;
+    the ids each puts in (placeholder, begin, end) must lie inside the text vocabulary (ConfigError
+    naming the key otherwise)."""
     path, raw = read_config_json(model_dir)
-    return parse_multimodal_tokens(raw, str(path))
+    tokens = parse_multimodal_tokens(raw, str(path))
+    text, _, _ = text_section(raw, str(path))
+    vocab = text.get("vocab_size")
+    if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0:  # else load_config reports it
+        for kind in kinds:
+            for key in PROMPT_TOKEN_KEYS[kind]:
+                value = getattr(tokens, "eoa_token_id" if key == "eoa_token_index" else key)
+                if value >= vocab:
+                    raise ConfigError(
+                        f"{path}: '{key}' is {value}, outside the text vocabulary [0, {vocab}); "
+                        f"{kind} prompts need it inside (fix the id, or the text vocab_size)"
+                    )
+    return tokens
 
 
 # ----------------------------------------------------------------------------------------------

@@ -360,6 +360,21 @@ class TensorStore:
         return out
 
 
+    def nonfinite(self, name: str, index=None) -> int:
+        """How many stored values of a tensor (of its rows ``index`` along the first axis, when given) are
+        NaN or infinite, judged on the stored values (a BF16 value is not finite when its 8 exponent bits
+        are all set), a block at a time; the tensor's pages are released afterwards."""
+        raw = self.raw(name)
+        flat = (raw if index is None else raw[index]).reshape(-1)
+        count = 0
+        for a in range(0, flat.size, DECODE_BLOCK):
+            block = flat[a:a + DECODE_BLOCK]
+            bad = (block & 0x7F80) == 0x7F80 if self.infos[name].dtype == "BF16" else ~np.isfinite(block)
+            count += int(np.count_nonzero(bad))
+        self.release(name)
+        return count
+
+
 def _encode(x: np.ndarray, kind: str) -> bytes:
     if kind == "BF16":
         return f32_to_bf16(x.astype(np.float32)).astype("<u2").tobytes()

@@ -61,6 +61,8 @@ class Tokenizer:
         return self.sp.DecodeIds([int(i) for i in ids])
 
     def piece(self, i: int) -> str:
+        if not 0 <= int(i) < self.vocab_size:
+            raise TokenizerError(f"{self.path}: token id {int(i)} is outside the tokenizer's {self.vocab_size} pieces")
         return self.sp.IdToPiece(int(i))
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:

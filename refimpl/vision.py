@@ -401,7 +401,7 @@ def vision_tower(pixel_patches, positions, weights: VisionWeights, cfg: VisionCo
         s = standardize(s, w[TOWER + "std_bias"], w[TOWER + "std_scale"])
         if trace is not None:
             trace.put("standardized", s)
-    e = embed_vision(s, w[EMBED + "embedding_projection.weight"], cfg.rms_norm_eps)
+    e = w.check_finite(embed_vision(s, w[EMBED + "embedding_projection.weight"], cfg.rms_norm_eps))
     if trace is not None:
         trace.put("soft_tokens", e)
     return e

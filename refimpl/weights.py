@@ -16,11 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import TextConfig
-from .errors import InputError, WeightsError
+from .config import TEXT_PREFIXES, TextConfig
+from .errors import InputError, NonFiniteError, WeightsError
 from .safetensors_io import TensorStore, in_parts
 
-TEXT_PREFIXES = ("model.language_model.", "model.")
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # weight storage the oracle decodes exactly
 # multimodal towers of Gemma4ForConditionalGeneration; the text oracle does not read them
 MULTIMODAL_PREFIXES = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
@@ -273,6 +272,22 @@ class Gemma4Weights:
         return self.store.read(self.head_name, start, stop, self.dtype)
 
 
+def nonfinite_error(store: TensorStore, what: str, suspects, dtype) -> NonFiniteError:
+    """The error for ``what`` ("the logits are") not finite: it names the first of ``suspects`` ((full
+    tensor name, a row of it or None for all of it)) whose stored values are not finite, or, when they
+    all are finite, says that the values overflowed ``dtype``."""
+    for full, row in suspects:
+        n = store.nonfinite(full, row)
+        if n:
+            where = "" if row is None else f"row {row} of "
+            return NonFiniteError(
+                f"{store.model_dir}: {what} not finite: {where}tensor '{full}' ({store.infos[full].path.name}) holds "
+                f"{n} NaN/inf value{'' if n == 1 else 's'}; the checkpoint is corrupt (re-download or re-convert it)"
+            )
+    return NonFiniteError(f"{store.model_dir}: {what} not finite, but the weights read there are: the values "
+                          f"overflowed {np.dtype(dtype)}")
+
+
 def _is_stale_shared(name: str, shared: set[int]) -> bool:
     parts = name.split(".", 2)
     return (len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) in shared
@@ -326,6 +341,14 @@ class TowerWeights:
 
     def unexpected_hint(self, name: str) -> str:
         return ""
+
+    def check_finite(self, soft_tokens: np.ndarray) -> np.ndarray:
+        """The tower's output, when finite; else NonFiniteError naming the first tower tensor that is not
+        (read only then)."""
+        if not np.isfinite(soft_tokens).all():
+            raise nonfinite_error(self.store, f"the {self.what} tower's soft tokens are",
+                                  [(name, None) for name in self.expected()], self.dtype)
+        return soft_tokens
 
     def __getitem__(self, name: str) -> np.ndarray:
         """A whole tensor by its full checkpoint name, decoded to the compute dtype."""

@@ -275,7 +275,7 @@ def test_images_without_a_placeholder_go_in_front_of_the_text(tmp_path, preset_d
     def tokens_of(*argv, images=pngs):
         out_file = tmp_path / "t.safetensors"
         code, _, err = run(capsys, "logits", "--model", str(model_dir), *argv,
-                           *[a for p in images for a in ("--image", str(p))], "--out", str(out_file))
+                           *[a for p in images for a in ("--image", str(p))], "--out", str(out_file), "--force")
         assert code == 0, err
         store = TensorStore(out_file)
         return store.raw("tokens").tolist(), store.get("logits")
@@ -468,7 +468,7 @@ def test_audio_without_a_placeholder_goes_in_front_of_the_text(tmp_path, preset_
     def tokens_of(*argv):
         out_file = tmp_path / "t.safetensors"
         code, _, err = run(capsys, "logits", "--model", str(model_dir), *argv, "--audio", str(wavs[0]),
-                           "--out", str(out_file))
+                           "--out", str(out_file), "--force")
         assert code == 0, err
         store = TensorStore(out_file)
         return store.raw("tokens").tolist(), store.get("logits")
