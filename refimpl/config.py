@@ -533,3 +533,5 @@ def read_json(path: Path) -> Any:
         raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot be read ({e})") from None
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None

@@ -215,6 +215,17 @@ def test_generation_config_must_be_an_object(tmp_path, text_ckpt, capsys, conten
                        f"{kind}; fix or remove generation_config.json\n")
 
 
+def test_an_integer_too_long_for_python_is_invalid_json(tmp_path, text_ckpt, capsys):
+    model = copy_ckpt(text_ckpt, tmp_path / "ckpt")
+    cfg = json.loads((model / "config.json").read_text())
+    text = json.dumps(cfg).replace('"vocab_size": ', '"vocab_size": ' + "9" * 5000 + ", \"_was\": ", 1)
+    (model / "config.json").write_text(text)
+    code, _, err = run(capsys, "inspect", "--model", model)
+    assert code == 2
+    assert err.startswith(f"error: {model / 'config.json'}: not valid JSON (Exceeds the limit (4300 digits)")
+    assert err.count("\n") == 1
+
+
 @pytest.mark.parametrize("key", ["image_token_id", "boi_token_id", "eoi_token_id"])
 def test_image_ids_outside_the_vocabulary_are_refused(tmp_path, vision_ckpt, capsys, key):
     model = copy_ckpt(vision_ckpt, tmp_path / "ckpt")
