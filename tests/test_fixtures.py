@@ -625,8 +625,9 @@ def test_bundled_sets_load_and_verify():
 # float data only reproduces to its rounding, bounded as follows.
 # * logits: RECOMPUTE_BOUND (1e-9 absolute), the bound verify_set(recompute=True) holds stored logits to; a
 #   whole forward in float64 (u = 1.1e-16) of logits up to ~30. Measured across OpenBLAS's SkylakeX,
-#   Haswell and Sandybridge kernels and NumPy's AVX-512 and AVX2 loops: up to 1.3e-11 (e2b-audio-mini, whose
-#   text model amplifies a 1-ulp change of the soft tokens ~1000x), elsewhere up to 5e-12.
+#   Haswell and Sandybridge kernels and NumPy's AVX-512 and AVX2 loops: up to 1.3e-11 on the image and audio
+#   sets of the e2b-mini text model (which amplifies a 1-ulp change of the soft tokens ~1000x), up to 2.4e-12
+#   on the text sets.
 # * a tie's margin is the difference of two logits: twice that.
 # * every other float tensor (soft tokens, merged embeddings, log-mel features, waveforms, pixel values,
 #   router margins) and moe_min_margin (a difference of router probabilities): 1e-12 relative to the tensor's
