@@ -1,4 +1,6 @@
-"""The Gemma 4 text decoder, one small pure function per math step (gemma4-text-spec.md section 4).
+"""The Gemma 4 text decoder, one small pure function per math step (gemma4-text-spec.md section 4),
+written over the primitives of ``refimpl.ops`` (norms, activations, RoPE, attention), which stay
+importable from here too.
 
 Shapes: T new tokens, S keys (cached + new), H hidden, N query heads, K KV heads, G = N / K,
 D head dim, P per-layer-input dim, L layers, V vocabulary, E experts.
@@ -19,59 +21,16 @@ import numpy as np
 
 from .config import RopeSpec, TextConfig, load_config
 from .errors import InputError, NonFiniteError
+from .ops import (apply_rope, attention, attention_mask, bf16_round, gelu_tanh, linear, rms_norm, rope_cos_sin,
+                  softcap, softmax, vision_block_mask)
+from .ops import mlp  # noqa: F401  (unused here; refimpl.model.mlp stays importable, as the primitives above)
 from .weights import Gemma4Weights, expected_tensors, nonfinite_error, weight_cache_bytes
 
 HEAD_CHUNK = 2_048  # vocabulary rows decoded per step of the streamed LM head (25 MB of float64 at H 1536)
 
 
 # ----------------------------------------------------------------------------------------------
-# primitives
-
-
-def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
-    """x [..., D] -> x / sqrt(mean(x^2) + eps) * weight. Gemma 4 uses w, not 1 + w; None = scale-free.
-
-    The mean is NumPy's pairwise sum (einsum's running sum loses 3x more in float32)."""
-    y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
-    if weight is not None:
-        y *= weight
-    return y
-
-
-def gelu_tanh(x: np.ndarray) -> np.ndarray:
-    """gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
-
-    Evaluated step by step in one buffer (the [T, I] MLP activations are the largest the layer makes);
-    every step is the rounding of the formula read left to right, with x^3 = (x x) x as torch's
-    pow(x, 3) computes it (NumPy's x**3 calls pow(), 20x slower) and 0.5 (x y) = (0.5 x) y exactly."""
-    t = x * x
-    t *= x  # x^3
-    t *= 0.044715
-    t += x
-    t *= math.sqrt(2.0 / math.pi)
-    np.tanh(t, out=t)
-    t += 1.0
-    t *= x
-    t *= 0.5
-    return t
-
-
-def linear(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """x [T, in] @ weight[out, in]^T -> [T, out] (no biases anywhere in Gemma 4)."""
-    return x @ weight.T
-
-
-def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
-    """exp(x - max) / sum(exp(x - max)) along ``axis``, in one new buffer."""
-    e = x - np.max(x, axis=axis, keepdims=True)
-    np.exp(e, out=e)
-    e /= np.sum(e, axis=axis, keepdims=True)
-    return e
-
-
-def softcap(logits: np.ndarray, cap: float | None) -> np.ndarray:
-    """cap * tanh(logits / cap); identity when the config has no cap."""
-    return logits if cap is None else cap * np.tanh(logits / cap)
+# the text decoder's own steps (the generic primitives are in ops.py)
 
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int) -> np.ndarray:
@@ -86,56 +45,6 @@ def rope_inv_freq(rope: RopeSpec, head_dim: int) -> np.ndarray:
     n_rot = int(rope.partial_rotary_factor * head_dim // 2)
     rotated = 1.0 / rope.theta ** (np.arange(0, 2 * n_rot, 2) / head_dim) / rope.factor
     return np.concatenate([rotated, np.zeros(head_dim // 2 - n_rot)])
-
-
-def rope_cos_sin(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """positions [T], inv_freq [D/2] -> cos, sin [T, D/2] of the angles p * inv_freq."""
-    angles = positions[:, None].astype(inv_freq.dtype) * inv_freq[None, :]
-    return np.cos(angles), np.sin(angles)
-
-
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """x [T, heads, D]; rotate-half (NeoX): out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
-
-
-def attention_mask(q_pos: np.ndarray, k_pos: np.ndarray, window: int | None) -> np.ndarray:
-    """bool [T, S]: key k is visible to query q iff k <= q and, on sliding layers, q - k <= W - 1."""
-    delta = q_pos[:, None] - k_pos[None, :]
-    allowed = delta >= 0
-    if window is not None:
-        allowed &= delta < window
-    return allowed
-
-
-def vision_block_mask(q_pos: np.ndarray, k_pos: np.ndarray, window: int, q_blocks: np.ndarray,
-                      k_blocks: np.ndarray) -> np.ndarray:
-    """bool [T, S] of a sliding layer with vision blocks (multimodal spec 7.2):
-    (q - k <= W - 1) and (k <= q or b(q) = b(k) >= 0). The window bounds only the past side: a token of
-    an image block sees every later token of its own block. Blocks are ids >= 0; -1 is outside."""
-    delta = q_pos[:, None] - k_pos[None, :]
-    same_block = (q_blocks[:, None] == k_blocks[None, :]) & (q_blocks[:, None] >= 0)
-    return (delta < window) & ((delta >= 0) | same_block)
-
-
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """q [T, N, D], k/v [S, K, D], mask [T, S] -> [T, N, D]. Scale 1.0, no softcap, GQA head j -> j // G."""
-    T, N, D = q.shape
-    K = k.shape[1]
-    qg = q.reshape(T, K, N // K, D).transpose(1, 2, 0, 3)  # [K, G, T, D]
-    scores = qg @ k.transpose(1, 2, 0)[:, None]  # [K, G, T, D] @ [K, 1, D, S] -> [K, G, T, S]
-    np.copyto(scores, -np.inf, where=~mask)  # masked keys get probability 0
-    probs = softmax(scores, axis=-1)
-    out = probs @ v.transpose(1, 0, 2)[:, None]  # [K, G, T, S] @ [K, 1, S, D] -> [K, G, T, D]
-    return out.transpose(2, 0, 1, 3).reshape(T, N, D)
-
-
-def mlp(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
-    """GeGLU: (gelu_tanh(x gate^T) * (x up^T)) down^T; x [T, H] -> [T, H]."""
-    return linear(gelu_tanh(linear(x, gate)) * linear(x, up), down)
 
 
 def route(r: np.ndarray, scale: np.ndarray, proj: np.ndarray, per_expert_scale: np.ndarray,
@@ -189,13 +98,6 @@ def per_layer_inputs(x0: np.ndarray, tok_rows: np.ndarray, proj: np.ndarray, nor
     ctx = rms_norm((linear(x0, proj) * H**-0.5).reshape(T, L, P), norm_w, eps)
     tok = tok_rows.reshape(T, L, P) * math.sqrt(P)
     return (ctx + tok) * 2**-0.5
-
-
-def bf16_round(x: float) -> float:
-    """Round a float to the nearest bfloat16 value (ties to even)."""
-    bits = np.array([x], dtype=np.float32).view(np.uint32).astype(np.uint64)
-    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-    return float(bits.astype(np.uint32).view(np.float32)[0])
 
 
 # ----------------------------------------------------------------------------------------------

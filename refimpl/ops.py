@@ -1,0 +1,175 @@
+"""The oracle's toolbox: every math primitive of the text decoder and the vision and audio towers,
+defined once, each a small pure function of NumPy arrays (picoGPT style).
+
+``model.py``, ``vision.py`` and ``audio.py`` are the model math written over these; the steps that
+belong to one architecture (RoPE frequencies from a config, MoE routing, per-layer inputs, patch
+pooling, the conformer's subsampling, blocked local attention and relative positions) stay there.
+Nothing here reads a config, a weight name or a checkpoint.
+
+Every function computes in the dtype of its inputs (float64 for the exact oracle, float32 on request)
+and evaluates its formula in the order written: the oracle's results are bit-for-bit those of these
+definitions, so an edit here is an edit to every golden.
+
+Shapes: T queries, S keys, N query heads, K KV heads (G = N / K), D head dim, in/out feature widths.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .safetensors_io import bf16_to_f32, f32_to_bf16
+
+# ----------------------------------------------------------------------------------------------
+# linear maps
+
+
+def linear(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """x [T, in] @ weight[out, in]^T -> [T, out] (no biases anywhere in Gemma 4)."""
+    return x @ weight.T
+
+
+def clipped_linear(x: np.ndarray, weight: np.ndarray, bounds: tuple[float, float, float, float] | None) -> np.ndarray:
+    """clamp(clamp(x, in_min, in_max) W^T, out_min, out_max); a plain linear when bounds is None."""
+    if bounds is None:
+        return linear(x, weight)
+    in_min, in_max, out_min, out_max = bounds
+    return np.clip(linear(np.clip(x, in_min, in_max), weight), out_min, out_max)
+
+
+# ----------------------------------------------------------------------------------------------
+# norms, activations, caps
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+    """x [..., D] -> x / sqrt(mean(x^2) + eps) * weight. Gemma 4 uses w, not 1 + w; None = scale-free.
+
+    The mean is NumPy's pairwise sum (einsum's running sum loses 3x more in float32)."""
+    y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    if weight is not None:
+        y *= weight
+    return y
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+
+    Evaluated step by step in one buffer (the [T, I] MLP activations are the largest the layer makes);
+    every step is the rounding of the formula read left to right, with x^3 = (x x) x as torch's
+    pow(x, 3) computes it (NumPy's x**3 calls pow(), 20x slower) and 0.5 (x y) = (0.5 x) y exactly."""
+    t = x * x
+    t *= x  # x^3
+    t *= 0.044715
+    t += x
+    t *= math.sqrt(2.0 / math.pi)
+    np.tanh(t, out=t)
+    t += 1.0
+    t *= x
+    t *= 0.5
+    return t
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """1 / (1 + e^-x)."""
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """x * sigmoid(x), computed as x / (1 + e^-x)."""
+    with np.errstate(over="ignore"):
+        return x / (1.0 + np.exp(-x))
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    """log(1 + e^x), overflow-free."""
+    return np.logaddexp(np.zeros((), dtype=x.dtype), x)
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    """exp(x - max) / sum(exp(x - max)) along ``axis``, in one new buffer."""
+    e = x - np.max(x, axis=axis, keepdims=True)
+    np.exp(e, out=e)
+    e /= np.sum(e, axis=axis, keepdims=True)
+    return e
+
+
+def softcap(logits: np.ndarray, cap: float | None) -> np.ndarray:
+    """cap * tanh(logits / cap); identity when the config has no cap."""
+    return logits if cap is None else cap * np.tanh(logits / cap)
+
+
+def clamp(x: np.ndarray, limit: float) -> np.ndarray:
+    """clamp(x, -g, g) with g = min(limit, largest finite value of x's dtype)."""
+    g = min(limit, float(np.finfo(x.dtype).max))
+    return np.clip(x, -g, g)
+
+
+def mlp(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    """GeGLU: (gelu_tanh(x gate^T) * (x up^T)) down^T; x [T, H] -> [T, H]."""
+    return linear(gelu_tanh(linear(x, gate)) * linear(x, up), down)
+
+
+def bf16_round(x: float) -> float:
+    """Round a float to the nearest bfloat16 value (ties to even), via float32 as the checkpoint codec does."""
+    return float(bf16_to_f32(f32_to_bf16(np.array([x], dtype=np.float32)))[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# rotary position embedding (rotate-half / NeoX pairs (i, i + D/2)); the frequencies come from each model
+
+
+def rope_cos_sin(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """positions [T], inv_freq [D/2] -> cos, sin [T, D/2] of the angles p * inv_freq."""
+    angles = positions[:, None].astype(inv_freq.dtype) * inv_freq[None, :]
+    return np.cos(angles), np.sin(angles)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x [T, heads, D]; rotate-half (NeoX): out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def apply_rope_2d(x: np.ndarray, cos_x: np.ndarray, sin_x: np.ndarray, cos_y: np.ndarray,
+                  sin_y: np.ndarray) -> np.ndarray:
+    """x [T, heads, D]: rotate-half RoPE of channels [0, D/2) by the x angles and [D/2, D) by the y angles."""
+    s = x.shape[-1] // 2
+    return np.concatenate([apply_rope(x[..., :s], cos_x, sin_x), apply_rope(x[..., s:], cos_y, sin_y)], axis=-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# attention
+
+
+def attention_mask(q_pos: np.ndarray, k_pos: np.ndarray, window: int | None) -> np.ndarray:
+    """bool [T, S]: key k is visible to query q iff k <= q and, on sliding layers, q - k <= W - 1."""
+    delta = q_pos[:, None] - k_pos[None, :]
+    allowed = delta >= 0
+    if window is not None:
+        allowed &= delta < window
+    return allowed
+
+
+def vision_block_mask(q_pos: np.ndarray, k_pos: np.ndarray, window: int, q_blocks: np.ndarray,
+                      k_blocks: np.ndarray) -> np.ndarray:
+    """bool [T, S] of a sliding layer with vision blocks (multimodal spec 7.2):
+    (q - k <= W - 1) and (k <= q or b(q) = b(k) >= 0). The window bounds only the past side: a token of
+    an image block sees every later token of its own block. Blocks are ids >= 0; -1 is outside."""
+    delta = q_pos[:, None] - k_pos[None, :]
+    same_block = (q_blocks[:, None] == k_blocks[None, :]) & (q_blocks[:, None] >= 0)
+    return (delta < window) & ((delta >= 0) | same_block)
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """q [T, N, D], k/v [S, K, D], mask [T, S] -> [T, N, D]. Scale 1.0, no softcap, GQA head j -> j // G."""
+    T, N, D = q.shape
+    K = k.shape[1]
+    qg = q.reshape(T, K, N // K, D).transpose(1, 2, 0, 3)  # [K, G, T, D]
+    scores = qg @ k.transpose(1, 2, 0)[:, None]  # [K, G, T, D] @ [K, 1, D, S] -> [K, G, T, S]
+    np.copyto(scores, -np.inf, where=~mask)  # masked keys get probability 0
+    probs = softmax(scores, axis=-1)
+    out = probs @ v.transpose(1, 0, 2)[:, None]  # [K, G, T, S] @ [K, 1, S, D] -> [K, G, T, D]
+    return out.transpose(2, 0, 1, 3).reshape(T, N, D)
