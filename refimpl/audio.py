@@ -65,7 +65,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .config import _get, _positive, _positive_float, read_config_json, tower_section
+from .config import check_positive, check_positive_float, get_field, read_config_json, required_positive, tower_section
 from .errors import ConfigError, InputError
 from .model import Trace, linear, rms_norm, softcap, softmax
 from .weights import CLIP_BOUNDS, TowerWeights
@@ -145,13 +145,13 @@ def parse_audio_config(raw: dict, where: str = "config.json") -> AudioConfig:
         "Gemma4ForConditionalGeneration without audio such as the 26B/31B)", where)
 
     def required(key: str) -> int:
-        return _positive(_get(audio, key, int, where=w), key, w)
+        return required_positive(audio, key, w)
 
     def optional_int(key: str) -> int:
-        return _get(audio, key, int, HF_DEFAULTS[key], w)
+        return get_field(audio, key, int, HF_DEFAULTS[key], w)
 
     def optional_float(key: str) -> float:
-        value = _get(audio, key, float, HF_DEFAULTS[key], w)
+        value = get_field(audio, key, float, HF_DEFAULTS[key], w)
         if not math.isfinite(value):
             raise ConfigError(f"{w}: '{key}' must be a finite number, got {value}")
         return value
@@ -164,7 +164,7 @@ def parse_audio_config(raw: dict, where: str = "config.json") -> AudioConfig:
         raise ConfigError(
             f"{w}: 'hidden_size' {D} is odd; the relative-position sinusoids fill D/2 sin and D/2 cos channels"
         )
-    channels = _get(audio, "subsampling_conv_channels", list, where=w)
+    channels = get_field(audio, "subsampling_conv_channels", list, where=w)
     if (len(channels) != 2 or not all(isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in channels)):
         raise ConfigError(
             f"{w}: 'subsampling_conv_channels' must be two positive integers [C0, C1], got {channels!r}"
@@ -174,33 +174,33 @@ def parse_audio_config(raw: dict, where: str = "config.json") -> AudioConfig:
             f"{w}: 'subsampling_conv_channels'[0] is {channels[0]}; the input projection reads C0 // 4 frequency "
             "bins, so C0 must be at least 4"
         )
-    act = _get(audio, "hidden_act", str, HF_DEFAULTS["hidden_act"], w)
+    act = get_field(audio, "hidden_act", str, HF_DEFAULTS["hidden_act"], w)
     if act != "silu":
         raise ConfigError(f"{w}: 'hidden_act' is {act!r}; the Gemma 4 audio tower uses 'silu'")
-    kernel = _positive(optional_int("conv_kernel_size"), "conv_kernel_size", w)
-    chunk = _positive(optional_int("attention_chunk_size"), "attention_chunk_size", w)
-    left = _positive(optional_int("attention_context_left"), "attention_context_left", w)
+    kernel = check_positive(optional_int("conv_kernel_size"), "conv_kernel_size", w)
+    chunk = check_positive(optional_int("attention_chunk_size"), "attention_chunk_size", w)
+    left = check_positive(optional_int("attention_context_left"), "attention_context_left", w)
     right = optional_int("attention_context_right")
     if right < 0:
         raise ConfigError(f"{w}: field 'attention_context_right' must be >= 0, got {right}")
     cap = optional_float("attention_logit_cap")
-    _positive_float(cap, "attention_logit_cap", w)
+    check_positive_float(cap, "attention_logit_cap", w)
     invalid = optional_float("attention_invalid_logits_value")
     if invalid >= 0:
         raise ConfigError(
             f"{w}: 'attention_invalid_logits_value' must be negative (the logit given to masked keys), got {invalid}"
         )
     eps = optional_float("rms_norm_eps")
-    _positive_float(eps, "rms_norm_eps", w)
+    check_positive_float(eps, "rms_norm_eps", w)
     clip = optional_float("gradient_clipping")
-    _positive_float(clip, "gradient_clipping", w)
+    check_positive_float(clip, "gradient_clipping", w)
     return AudioConfig(
         hidden_size=D, num_hidden_layers=layers, num_attention_heads=n,
         subsampling_conv_channels=(channels[0], channels[1]), output_proj_dims=P, conv_kernel_size=kernel,
         residual_weight=optional_float("residual_weight"), attention_chunk_size=chunk,
         attention_context_left=left, attention_context_right=right, attention_logit_cap=cap,
         attention_invalid_logits_value=invalid,
-        use_clipped_linears=_get(audio, "use_clipped_linears", bool, HF_DEFAULTS["use_clipped_linears"], w),
+        use_clipped_linears=get_field(audio, "use_clipped_linears", bool, HF_DEFAULTS["use_clipped_linears"], w),
         rms_norm_eps=eps, gradient_clipping=clip, text_hidden_size=text_hidden,
     )
 

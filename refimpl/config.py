@@ -127,13 +127,15 @@ class TextConfig:
 
 
 # ----------------------------------------------------------------------------------------------
-# reading fields
+# reading fields (also used by vision.py and audio.py for their config sections)
 
 
 _REQUIRED = object()
 
 
-def _get(d: dict, key: str, kind: type | tuple, default: Any = _REQUIRED, where: str = "config.json") -> Any:
+def get_field(d: dict, key: str, kind: type | tuple, default: Any = _REQUIRED, where: str = "config.json") -> Any:
+    """``d[key]`` checked to be of ``kind`` (an int is accepted as a float, a bool never as an int);
+    ``default`` when absent or null, ConfigError naming ``where`` when absent without a default."""
     if key not in d or (d[key] is None and default is not _REQUIRED):
         if default is _REQUIRED:
             raise ConfigError(f"{where}: required field '{key}' is missing; add it to the config")
@@ -153,10 +155,22 @@ def _get(d: dict, key: str, kind: type | tuple, default: Any = _REQUIRED, where:
     return value
 
 
-def _positive(value: int, key: str, where: str) -> int:
+def check_positive(value: int, key: str, where: str) -> int:
+    """``value`` when > 0, else ConfigError naming field ``key`` of ``where``."""
     if value <= 0:
         raise ConfigError(f"{where}: field '{key}' must be positive, got {value}")
     return value
+
+
+def required_positive(d: dict, key: str, where: str) -> int:
+    """The required positive integer ``d[key]`` (``get_field`` then ``check_positive``)."""
+    return check_positive(get_field(d, key, int, where=where), key, where)
+
+
+def check_positive_float(value: float, key: str, where: str) -> None:
+    """ConfigError unless ``value`` is a finite number > 0."""
+    if not (value > 0 and math.isfinite(value)):
+        raise ConfigError(f"{where}: '{key}' must be a positive number, got {value}")
 
 
 def _token_ids(value: Any, key: str, where: str) -> tuple[int, ...]:
@@ -194,10 +208,10 @@ def _rope_specs(text: dict, used_types: set[str], where: str) -> dict[str, RopeS
                 f"{where}: '{key}.rope_type' is {rope_type!r}, which this oracle does not know; "
                 f"Gemma 4 uses one of {', '.join(ROPE_TYPES)}"
             )
-        theta = _get(entry, "rope_theta", float, where=f"{where} {key}")
-        _positive_float(theta, f"{key}.rope_theta", where)
-        prf = _get(entry, "partial_rotary_factor", float, 1.0, where=f"{where} {key}")
-        factor = _get(entry, "factor", float, 1.0, where=f"{where} {key}")
+        theta = get_field(entry, "rope_theta", float, where=f"{where} {key}")
+        check_positive_float(theta, f"{key}.rope_theta", where)
+        prf = get_field(entry, "partial_rotary_factor", float, 1.0, where=f"{where} {key}")
+        factor = get_field(entry, "factor", float, 1.0, where=f"{where} {key}")
         if rope_type == "default" and (prf != 1.0 or factor != 1.0):
             raise ConfigError(
                 f"{where}: '{key}' sets partial_rotary_factor or factor with rope_type 'default'; Gemma 4 only "
@@ -205,14 +219,9 @@ def _rope_specs(text: dict, used_types: set[str], where: str) -> dict[str, RopeS
             )
         if not 0.0 < prf <= 1.0:
             raise ConfigError(f"{where}: '{key}.partial_rotary_factor' must be in (0, 1], got {prf}")
-        _positive_float(factor, f"{key}.factor", where)
+        check_positive_float(factor, f"{key}.factor", where)
         specs[layer_type] = RopeSpec(rope_type, theta, prf, factor)
     return specs
-
-
-def _positive_float(value: float, key: str, where: str) -> None:
-    if not (value > 0 and math.isfinite(value)):
-        raise ConfigError(f"{where}: '{key}' must be a positive number, got {value}")
 
 
 def _layer_types(text: dict, num_layers: int, where: str) -> tuple[list[str], list[str]]:
@@ -294,40 +303,40 @@ def parse_config(raw: dict, where: str = "config.json", extra_eos: tuple[int, ..
     if "text_config" in top:
         where = f"{where} text_config"
 
-    L = _positive(_get(text, "num_hidden_layers", int, where=where), "num_hidden_layers", where)
+    L = required_positive(text, "num_hidden_layers", where)
     if layers_held is not None and L > layers_held:
         raise ConfigError(f"{where}: 'num_hidden_layers' is {L}, but the checkpoint's tensors hold "
                           f"{layers_held or 'no'} decoder layer{'' if layers_held == 1 else 's'}; set "
                           "num_hidden_layers to the number of layers the weights hold")
-    H = _positive(_get(text, "hidden_size", int, where=where), "hidden_size", where)
-    V = _positive(_get(text, "vocab_size", int, where=where), "vocab_size", where)
-    N = _positive(_get(text, "num_attention_heads", int, where=where), "num_attention_heads", where)
-    kv_heads = _positive(_get(text, "num_key_value_heads", int, where=where), "num_key_value_heads", where)
-    I = _positive(_get(text, "intermediate_size", int, where=where), "intermediate_size", where)
-    head_dim = _positive(_get(text, "head_dim", int, 256, where), "head_dim", where)
-    W = _positive(_get(text, "sliding_window", int, 512, where), "sliding_window", where)
-    eps = _get(text, "rms_norm_eps", float, 1e-6, where)
-    _positive_float(eps, "rms_norm_eps", where)
-    softcap = _get(text, "final_logit_softcapping", float, None, where)
+    H = required_positive(text, "hidden_size", where)
+    V = required_positive(text, "vocab_size", where)
+    N = required_positive(text, "num_attention_heads", where)
+    kv_heads = required_positive(text, "num_key_value_heads", where)
+    I = required_positive(text, "intermediate_size", where)
+    head_dim = check_positive(get_field(text, "head_dim", int, 256, where), "head_dim", where)
+    W = check_positive(get_field(text, "sliding_window", int, 512, where), "sliding_window", where)
+    eps = get_field(text, "rms_norm_eps", float, 1e-6, where)
+    check_positive_float(eps, "rms_norm_eps", where)
+    softcap = get_field(text, "final_logit_softcapping", float, None, where)
     if softcap is not None:
-        _positive_float(softcap, "final_logit_softcapping", where)
-    P = _get(text, "hidden_size_per_layer_input", int, 256, where)
+        check_positive_float(softcap, "final_logit_softcapping", where)
+    P = get_field(text, "hidden_size_per_layer_input", int, 256, where)
     if P < 0:
         raise ConfigError(f"{where}: 'hidden_size_per_layer_input' must be >= 0, got {P}")
-    V_ple = _get(text, "vocab_size_per_layer_input", int, 262_144, where)
+    V_ple = get_field(text, "vocab_size_per_layer_input", int, 262_144, where)
     if P > 0:
-        _positive(V_ple, "vocab_size_per_layer_input", where)
-    num_shared = _get(text, "num_kv_shared_layers", int, 0, where)
+        check_positive(V_ple, "vocab_size_per_layer_input", where)
+    num_shared = get_field(text, "num_kv_shared_layers", int, 0, where)
     if not 0 <= num_shared < L:
         hint = " (an all-shared assistant/drafter model needs its target's cache, which this oracle does not serve)"
         raise ConfigError(
             f"{where}: 'num_kv_shared_layers' must be in [0, num_hidden_layers) = [0, {L}), got {num_shared}"
             + (hint if num_shared == L else "")
         )
-    double_wide = _get(text, "use_double_wide_mlp", bool, False, where)
-    k_eq_v = _get(text, "attention_k_eq_v", bool, False, where)
-    moe = _get(text, "enable_moe_block", bool, False, where)
-    tie = _get(text, "tie_word_embeddings", bool, top.get("tie_word_embeddings", True) is not False, where)
+    double_wide = get_field(text, "use_double_wide_mlp", bool, False, where)
+    k_eq_v = get_field(text, "attention_k_eq_v", bool, False, where)
+    moe = get_field(text, "enable_moe_block", bool, False, where)
+    tie = get_field(text, "tie_word_embeddings", bool, top.get("tie_word_embeddings", True) is not False, where)
     bidir = text.get("use_bidirectional_attention")
     if bidir not in (None, "vision"):
         raise ConfigError(
@@ -348,9 +357,9 @@ def parse_config(raw: dict, where: str = "config.json", extra_eos: tuple[int, ..
                     f"{where}: 'enable_moe_block' is true but '{key}' is missing; set '{key}' "
                     "(the 26B-A4B uses num_experts 128, top_k_experts 8, moe_intermediate_size 704)"
                 )
-        num_experts = _positive(_get(text, "num_experts", int, where=where), "num_experts", where)
-        top_k = _positive(_get(text, "top_k_experts", int, where=where), "top_k_experts", where)
-        moe_I = _positive(_get(text, "moe_intermediate_size", int, where=where), "moe_intermediate_size", where)
+        num_experts = required_positive(text, "num_experts", where)
+        top_k = required_positive(text, "top_k_experts", where)
+        moe_I = required_positive(text, "moe_intermediate_size", where)
         if top_k > num_experts:
             raise ConfigError(
                 f"{where}: 'top_k_experts' ({top_k}) exceeds 'num_experts' ({num_experts}); lower top_k_experts"
@@ -381,20 +390,22 @@ def parse_config(raw: dict, where: str = "config.json", extra_eos: tuple[int, ..
         per_layer = []
         for i in range(L):
             o = overrides.get(i, {})
-            d = _positive(_get(o, "head_dim", int, head_dim, f"{where} per_layer_config[{i}]"), "head_dim", where)
-            k = _get(o, "num_key_value_heads", int, kv_heads, f"{where} per_layer_config[{i}]")
-            per_layer.append((d, _positive(k, "num_key_value_heads", where)))
+            at = f"{where} per_layer_config[{i}]"
+            d = check_positive(get_field(o, "head_dim", int, head_dim, at), "head_dim", where)
+            k = get_field(o, "num_key_value_heads", int, kv_heads, at)
+            per_layer.append((d, check_positive(k, "num_key_value_heads", where)))
     else:
         serialisation = "legacy"
-        global_head_dim = _positive(_get(text, "global_head_dim", int, 512, where), "global_head_dim", where)
+        global_head_dim = check_positive(get_field(text, "global_head_dim", int, 512, where), "global_head_dim",
+                                         where)
         if "global_head_dim" not in text:
             notes.append("global_head_dim absent: full layers use the transformers default 512")
-        global_kv = _get(text, "num_global_key_value_heads", int, None, where)
+        global_kv = get_field(text, "num_global_key_value_heads", int, None, where)
         per_layer = []
         for t in types:
             if t == FULL:
                 k = global_kv if (k_eq_v and global_kv is not None) else kv_heads
-                per_layer.append((global_head_dim, _positive(k, "num_global_key_value_heads", where)))
+                per_layer.append((global_head_dim, check_positive(k, "num_global_key_value_heads", where)))
             else:
                 per_layer.append((head_dim, kv_heads))
 
@@ -494,8 +505,7 @@ def tower_section(raw: Any, key: str, embedder: str, missing: str, where: str) -
     text = raw.get("text_config")
     if not isinstance(text, dict):
         raise ConfigError(f"{where}: 'text_config' must be an object holding the text hidden_size ({embedder}'s width)")
-    text_hidden = _positive(_get(text, "hidden_size", int, where=f"{where} text_config"), "hidden_size",
-                            f"{where} text_config")
+    text_hidden = required_positive(text, "hidden_size", f"{where} text_config")
     return section, text_hidden, f"{where} {key}"
 
 

@@ -44,7 +44,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .config import _get, _positive, _positive_float, read_config_json, tower_section
+from .config import check_positive_float, get_field, read_config_json, required_positive, tower_section
 from .errors import ConfigError, InputError
 from .model import Trace, apply_rope, attention, gelu_tanh, linear, rms_norm
 from .weights import CLIP_BOUNDS, TowerWeights
@@ -96,7 +96,7 @@ def parse_vision_config(raw: dict, where: str = "config.json") -> VisionConfig:
         "Gemma4ForConditionalGeneration saved without vision)", where)
 
     def required(key: str) -> int:
-        return _positive(_get(vision, key, int, where=w), key, w)
+        return required_positive(vision, key, w)
 
     D, I, L = required("hidden_size"), required("intermediate_size"), required("num_hidden_layers")
     n, K, d = required("num_attention_heads"), required("num_key_value_heads"), required("head_dim")
@@ -111,14 +111,14 @@ def parse_vision_config(raw: dict, where: str = "config.json") -> VisionConfig:
             f"{w}: 'head_dim' {d} is not a multiple of 4; the 2-D RoPE gives each axis d/2 channels, rotated as "
             "d/4 rotate-half pairs"
         )
-    eps = _get(vision, "rms_norm_eps", float, 1e-6, w)
-    _positive_float(eps, "rms_norm_eps", w)
+    eps = get_field(vision, "rms_norm_eps", float, 1e-6, w)
+    check_positive_float(eps, "rms_norm_eps", w)
     act = vision.get("hidden_activation", vision.get("hidden_act", "gelu_pytorch_tanh"))
     if act != "gelu_pytorch_tanh":
         raise ConfigError(f"{w}: 'hidden_activation' is {act!r}; the Gemma 4 vision tower uses 'gelu_pytorch_tanh'")
     theta = _vision_rope_theta(vision, w)
-    clipped = _get(vision, "use_clipped_linears", bool, False, w)
-    standardize = _get(vision, "standardize", bool, False, w)
+    clipped = get_field(vision, "use_clipped_linears", bool, False, w)
+    standardize = get_field(vision, "standardize", bool, False, w)
     return VisionConfig(
         hidden_size=D, intermediate_size=I, num_hidden_layers=L, num_attention_heads=n, num_key_value_heads=K,
         head_dim=d, rms_norm_eps=eps, rope_theta=theta, patch_size=p, pooling_kernel_size=k,
@@ -130,7 +130,7 @@ def parse_vision_config(raw: dict, where: str = "config.json") -> VisionConfig:
 def _vision_rope_theta(vision: dict, where: str) -> float:
     """rope_parameters {rope_type: axial | default, rope_theta}; absent -> theta 100 (transformers' default)."""
     rope = vision.get("rope_parameters")
-    legacy_theta = _get(vision, "rope_theta", float, None, where)
+    legacy_theta = get_field(vision, "rope_theta", float, None, where)
     if rope is None:
         rope = {}
     if not isinstance(rope, dict):
@@ -141,9 +141,9 @@ def _vision_rope_theta(vision: dict, where: str) -> float:
             f"{where}: 'rope_parameters.rope_type' is {rope_type!r}; the vision tower's 2-D RoPE is 'axial' "
             "(older configs write 'default', which means the same)"
         )
-    theta = _get(rope, "rope_theta", float, legacy_theta if legacy_theta is not None else 100.0,
+    theta = get_field(rope, "rope_theta", float, legacy_theta if legacy_theta is not None else 100.0,
                  f"{where} rope_parameters")
-    _positive_float(theta, "rope_parameters.rope_theta", where)
+    check_positive_float(theta, "rope_parameters.rope_theta", where)
     return theta
 
 
