@@ -65,10 +65,11 @@ from typing import Sequence
 
 import numpy as np
 
-from .config import check_positive, check_positive_float, get_field, read_config_json, required_positive, tower_section
+from .config import check_positive, check_positive_float, get_field, required_positive, tower_section
 from .errors import ConfigError, InputError
-from .model import Trace, linear, rms_norm, softcap, softmax
-from .weights import CLIP_BOUNDS, TowerWeights
+from .model import Trace
+from .ops import clamp, linear, rms_norm, sigmoid, silu, softcap, softmax, softplus
+from .weights import TowerWeights, clippable_tensors
 
 TOWER = "model.audio_tower."
 EMBED = "model.embed_audio."
@@ -207,24 +208,17 @@ def parse_audio_config(raw: dict, where: str = "config.json") -> AudioConfig:
 
 def load_audio_config(model_dir: str | Path) -> AudioConfig:
     """Read the audio part of ``config.json`` from a checkpoint directory."""
-    path, raw = read_config_json(model_dir)
-    return parse_audio_config(raw, str(path))
+    return AudioWeights.load_config(model_dir)
 
 
 # ----------------------------------------------------------------------------------------------
 # weights
 
 
-def _clippable(cfg: AudioConfig, name: str, shape: tuple[int, int]) -> dict[str, tuple[int, ...]]:
-    t: dict[str, tuple[int, ...]] = {name + ".linear.weight": shape}
-    if cfg.use_clipped_linears:
-        t.update({name + "." + b: () for b in CLIP_BOUNDS})
-    return t
-
-
 def expected_audio_tensors(cfg: AudioConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of the audio tower and its projector (full checkpoint names) and its shape."""
     D, P, (C0, C1), d = cfg.hidden_size, cfg.output_proj_dims, cfg.subsampling_conv_channels, cfg.head_dim
+    clipped = cfg.use_clipped_linears
     t: dict[str, tuple[int, ...]] = {
         SUB + "layer0.conv.weight": (C0, 1, 3, 3),
         SUB + "layer0.norm.weight": (C0,),
@@ -238,16 +232,16 @@ def expected_audio_tensors(cfg: AudioConfig) -> dict[str, tuple[int, ...]]:
     for i in range(cfg.num_hidden_layers):
         p = f"{TOWER}layers.{i}."
         for ff in ("feed_forward1", "feed_forward2"):
-            t.update(_clippable(cfg, f"{p}{ff}.ffw_layer_1", (4 * D, D)))
-            t.update(_clippable(cfg, f"{p}{ff}.ffw_layer_2", (D, 4 * D)))
+            t.update(clippable_tensors(f"{p}{ff}.ffw_layer_1", (4 * D, D), clipped))
+            t.update(clippable_tensors(f"{p}{ff}.ffw_layer_2", (D, 4 * D), clipped))
             t[f"{p}{ff}.pre_layer_norm.weight"] = (D,)
             t[f"{p}{ff}.post_layer_norm.weight"] = (D,)
         for proj in ("q_proj", "k_proj", "v_proj", "post"):
-            t.update(_clippable(cfg, f"{p}self_attn.{proj}", (D, D)))
+            t.update(clippable_tensors(f"{p}self_attn.{proj}", (D, D), clipped))
         t[p + "self_attn.relative_k_proj.weight"] = (D, D)
         t[p + "self_attn.per_dim_scale"] = (d,)
-        t.update(_clippable(cfg, p + "lconv1d.linear_start", (2 * D, D)))
-        t.update(_clippable(cfg, p + "lconv1d.linear_end", (D, D)))
+        t.update(clippable_tensors(p + "lconv1d.linear_start", (2 * D, D), clipped))
+        t.update(clippable_tensors(p + "lconv1d.linear_end", (D, D), clipped))
         t[p + "lconv1d.depthwise_conv1d.weight"] = (D, 1, cfg.conv_kernel_size)
         t[p + "lconv1d.pre_layer_norm.weight"] = (D,)
         t[p + "lconv1d.conv_norm.weight"] = (D,)
@@ -265,45 +259,12 @@ class AudioWeights(TowerWeights):
 
     what = "audio"
     prefixes = (TOWER, EMBED)
-
-    def expected(self) -> dict[str, tuple[int, ...]]:
-        return expected_audio_tensors(self.cfg)
-
-    def unexpected_hint(self, name: str) -> str:
-        return " (clip bounds, but the config sets use_clipped_linears to false)" if name.endswith(CLIP_BOUNDS) else ""
-
-    def clippable(self, x: np.ndarray, prefix: str) -> np.ndarray:
-        """The clippable linear ``prefix`` (``.linear.weight`` plus its bounds) applied to x."""
-        return clipped_linear(x, self[prefix + ".linear.weight"], self.clip_bounds(prefix))
+    parse_config = staticmethod(parse_audio_config)
+    expected_tensors = staticmethod(expected_audio_tensors)
 
 
 # ----------------------------------------------------------------------------------------------
 # the math, one step per function
-
-
-def clipped_linear(x: np.ndarray, weight: np.ndarray, bounds: tuple[float, float, float, float] | None) -> np.ndarray:
-    """clamp(clamp(x, in_min, in_max) W^T, out_min, out_max); a plain linear when bounds is None."""
-    if bounds is None:
-        return linear(x, weight)
-    in_min, in_max, out_min, out_max = bounds
-    return np.clip(linear(np.clip(x, in_min, in_max), weight), out_min, out_max)
-
-
-def clamp(x: np.ndarray, limit: float) -> np.ndarray:
-    """clamp(x, -g, g) with g = min(gradient_clipping, largest finite value of x's dtype)."""
-    g = min(limit, float(np.finfo(x.dtype).max))
-    return np.clip(x, -g, g)
-
-
-def silu(x: np.ndarray) -> np.ndarray:
-    """x * sigmoid(x)."""
-    with np.errstate(over="ignore"):
-        return x / (1.0 + np.exp(-x))
-
-
-def softplus(x: np.ndarray) -> np.ndarray:
-    """log(1 + e^x), overflow-free."""
-    return np.logaddexp(np.zeros((), dtype=x.dtype), x)
 
 
 def conv2d_3x3_s2(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
@@ -449,7 +410,7 @@ def light_conv(x: np.ndarray, p: str, w: AudioWeights, cfg: AudioConfig) -> np.n
     eps = cfg.rms_norm_eps
     h = w.clippable(rms_norm(x, w[p + "pre_layer_norm.weight"], eps), p + "linear_start")
     a, b = np.split(h, 2, axis=-1)
-    h = a * (1.0 / (1.0 + np.exp(-b)))
+    h = a * sigmoid(b)
     h = causal_depthwise_conv(h, w[p + "depthwise_conv1d.weight"])
     h = rms_norm(clamp(h, cfg.gradient_clipping), w[p + "conv_norm.weight"], eps)
     return x + w.clippable(silu(h), p + "linear_end")
@@ -572,8 +533,7 @@ def num_soft_tokens(mask) -> int:
 
 def load_audio_tower(model_dir: str | Path, dtype: str | np.dtype = "float64") -> tuple[AudioWeights, AudioConfig]:
     """(weights, cfg) of a checkpoint directory's audio tower, for ``audio_tower(..., weights, cfg)``."""
-    cfg = load_audio_config(model_dir)
-    return AudioWeights(model_dir, cfg, dtype), cfg
+    return AudioWeights.load(model_dir, dtype)
 
 
 __all__: Sequence[str] = [

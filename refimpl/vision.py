@@ -44,10 +44,11 @@ from typing import Sequence
 
 import numpy as np
 
-from .config import check_positive_float, get_field, read_config_json, required_positive, tower_section
+from .config import check_positive_float, get_field, required_positive, tower_section
 from .errors import ConfigError, InputError
-from .model import Trace, apply_rope, attention, gelu_tanh, linear, rms_norm
-from .weights import CLIP_BOUNDS, TowerWeights
+from .model import Trace
+from .ops import apply_rope_2d, attention, gelu_tanh, linear, rms_norm, rope_cos_sin
+from .weights import TowerWeights, clippable_tensors
 
 TOWER = "model.vision_tower."
 EMBED = "model.embed_vision."
@@ -149,8 +150,7 @@ def _vision_rope_theta(vision: dict, where: str) -> float:
 
 def load_vision_config(model_dir: str | Path) -> VisionConfig:
     """Read the vision part of ``config.json`` from a checkpoint directory."""
-    path, raw = read_config_json(model_dir)
-    return parse_vision_config(raw, str(path))
+    return VisionWeights.load_config(model_dir)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -179,10 +179,7 @@ def expected_vision_tensors(cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
         t[p + "self_attn.q_norm.weight"] = (d,)
         t[p + "self_attn.k_norm.weight"] = (d,)
         for name, shape in linears.items():
-            t[p + name + ".linear.weight"] = shape
-            if cfg.use_clipped_linears:
-                for bound in CLIP_BOUNDS:
-                    t[p + name + "." + bound] = ()
+            t.update(clippable_tensors(p + name, shape, cfg.use_clipped_linears))
     return t
 
 
@@ -196,14 +193,12 @@ class VisionWeights(TowerWeights):
 
     what = "vision"
     prefixes = (TOWER, EMBED)
-
-    def expected(self) -> dict[str, tuple[int, ...]]:
-        return expected_vision_tensors(self.cfg)
+    parse_config = staticmethod(parse_vision_config)
+    expected_tensors = staticmethod(expected_vision_tensors)
 
     def unexpected_hint(self, name: str) -> str:
-        return (" (clip bounds, but the config sets use_clipped_linears to false)" if name.endswith(CLIP_BOUNDS) else
-                " (standardize buffers, but the config sets standardize to false)"
-                if name in (TOWER + "std_bias", TOWER + "std_scale") else "")
+        return super().unexpected_hint(name) or (" (standardize buffers, but the config sets standardize to false)"
+                                                 if name in (TOWER + "std_bias", TOWER + "std_scale") else "")
 
     def position_rows(self, axis: int, index: np.ndarray) -> np.ndarray:
         """T[axis, index] [N, D] of the position table (axis 0: x, 1: y), gathered from the memory map."""
@@ -224,14 +219,6 @@ def position_embed(rows_x: np.ndarray, rows_y: np.ndarray) -> np.ndarray:
     return rows_x + rows_y
 
 
-def clipped_linear(x: np.ndarray, weight: np.ndarray, bounds: tuple[float, float, float, float] | None) -> np.ndarray:
-    """clamp(clamp(x, in_min, in_max) W^T, out_min, out_max); a plain linear when bounds is None."""
-    if bounds is None:
-        return linear(x, weight)
-    in_min, in_max, out_min, out_max = bounds
-    return np.clip(linear(np.clip(x, in_min, in_max), weight), out_min, out_max)
-
-
 def vision_rope_inv_freq(head_dim: int, theta: float) -> np.ndarray:
     """[d/4]: 1 / theta^(2j / s) over the per-axis width s = d/2 (not over d)."""
     s = head_dim // 2
@@ -239,17 +226,9 @@ def vision_rope_inv_freq(head_dim: int, theta: float) -> np.ndarray:
 
 
 def vision_rope_cos_sin(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, ...]:
-    """positions [N, 2] (x, y) -> cos_x, sin_x, cos_y, sin_y, each [N, d/4], in float64."""
-    ax = positions[:, 0:1].astype(np.float64) * inv_freq[None, :]
-    ay = positions[:, 1:2].astype(np.float64) * inv_freq[None, :]
-    return np.cos(ax), np.sin(ax), np.cos(ay), np.sin(ay)
-
-
-def apply_rope_2d(x: np.ndarray, cos_x: np.ndarray, sin_x: np.ndarray, cos_y: np.ndarray,
-                  sin_y: np.ndarray) -> np.ndarray:
-    """x [N, heads, d]: rotate-half RoPE of channels [0, d/2) by the x angles and [d/2, d) by the y angles."""
-    s = x.shape[-1] // 2
-    return np.concatenate([apply_rope(x[..., :s], cos_x, sin_x), apply_rope(x[..., s:], cos_y, sin_y)], axis=-1)
+    """positions [N, 2] (x, y), inv_freq [d/4] (float64) -> cos_x, sin_x, cos_y, sin_y, each [N, d/4], in
+    float64: the angles of each axis, for ``apply_rope_2d``."""
+    return (*rope_cos_sin(positions[:, 0], inv_freq), *rope_cos_sin(positions[:, 1], inv_freq))
 
 
 def vision_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
@@ -293,22 +272,22 @@ def encoder_attention(x: np.ndarray, p: str, w: VisionWeights, cfg: VisionConfig
     """Attention sub-block on the input-normed x [N, D]: q/k norms with weight, v norm without, 2-D RoPE."""
     N, n, K, d, eps = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
     a = p + "self_attn."
-    q = clipped_linear(x, w[a + "q_proj.linear.weight"], w.clip_bounds(a + "q_proj")).reshape(N, n, d)
-    k = clipped_linear(x, w[a + "k_proj.linear.weight"], w.clip_bounds(a + "k_proj")).reshape(N, K, d)
-    v = clipped_linear(x, w[a + "v_proj.linear.weight"], w.clip_bounds(a + "v_proj")).reshape(N, K, d)
+    q = w.clippable(x, a + "q_proj").reshape(N, n, d)
+    k = w.clippable(x, a + "k_proj").reshape(N, K, d)
+    v = w.clippable(x, a + "v_proj").reshape(N, K, d)
     q = apply_rope_2d(rms_norm(q, w[a + "q_norm.weight"], eps), *rope)
     k = apply_rope_2d(rms_norm(k, w[a + "k_norm.weight"], eps), *rope)
     v = rms_norm(v, None, eps)
     o = vision_attention(q, k, v).reshape(N, n * d)
-    return clipped_linear(o, w[a + "o_proj.linear.weight"], w.clip_bounds(a + "o_proj"))
+    return w.clippable(o, a + "o_proj")
 
 
 def encoder_mlp(x: np.ndarray, p: str, w: VisionWeights) -> np.ndarray:
     """GeGLU on the pre-FFN-normed x [N, D]: down(gelu_tanh(gate x) * up x), each a clippable linear."""
     m = p + "mlp."
-    gate = clipped_linear(x, w[m + "gate_proj.linear.weight"], w.clip_bounds(m + "gate_proj"))
-    up = clipped_linear(x, w[m + "up_proj.linear.weight"], w.clip_bounds(m + "up_proj"))
-    return clipped_linear(gelu_tanh(gate) * up, w[m + "down_proj.linear.weight"], w.clip_bounds(m + "down_proj"))
+    gate = w.clippable(x, m + "gate_proj")
+    up = w.clippable(x, m + "up_proj")
+    return w.clippable(gelu_tanh(gate) * up, m + "down_proj")
 
 
 def encoder_layer(i: int, h: np.ndarray, w: VisionWeights, cfg: VisionConfig,
@@ -423,8 +402,7 @@ def vision_tower_batch(pixel_values, image_position_ids, weights: VisionWeights,
 
 def load_vision_tower(model_dir: str | Path, dtype: str | np.dtype = "float64") -> tuple[VisionWeights, VisionConfig]:
     """(weights, cfg) of a checkpoint directory's vision tower, for ``vision_tower(..., weights, cfg)``."""
-    cfg = load_vision_config(model_dir)
-    return VisionWeights(model_dir, cfg, dtype), cfg
+    return VisionWeights.load(model_dir, dtype)
 
 
 __all__: Sequence[str] = [

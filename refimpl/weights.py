@@ -13,11 +13,13 @@ import os
 import sys
 import threading
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 
-from .config import TEXT_PREFIXES, TextConfig
+from .config import TEXT_PREFIXES, TextConfig, read_config_json
 from .errors import InputError, NonFiniteError, WeightsError
+from .ops import clipped_linear
 from .safetensors_io import TensorStore, in_parts
 
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # weight storage the oracle decodes exactly
@@ -317,16 +319,31 @@ def check_tower_tensors(store, expected: dict[str, tuple[int, ...]], prefixes: t
 
 
 CLIP_BOUNDS = ("input_min", "input_max", "output_min", "output_max")  # a clippable linear's scalar buffers
+CLIP_HINT = " (clip bounds, but the config sets use_clipped_linears to false)"
+
+
+def clippable_tensors(name: str, shape: tuple[int, int], clipped: bool) -> dict[str, tuple[int, ...]]:
+    """The tensors of the clippable linear ``name``: ``name.linear.weight`` [out, in], then its four scalar
+    bounds when the tower uses clipped linears."""
+    t: dict[str, tuple[int, ...]] = {name + ".linear.weight": shape}
+    if clipped:
+        t.update({name + "." + b: () for b in CLIP_BOUNDS})
+    return t
 
 
 class TowerWeights:
     """The tensors of one encoder tower (vision, audio) of a checkpoint, validated against its config at
     construction (``check_tower_tensors``), decoded on demand to ``dtype`` (float64 or float32).
-    Subclasses set ``what``, ``prefixes`` and implement ``expected()`` (full name -> shape) and
-    ``unexpected_hint(name)``."""
+
+    A tower declares ``what`` ("vision"), ``prefixes`` (the checkpoint names it owns),
+    ``parse_config(raw, where)`` (its section of config.json -> its config) and
+    ``expected_tensors(cfg)`` (full name -> shape), and may extend ``unexpected_hint(name)``;
+    ``load(model_dir, dtype)`` then reads the config and the weights of a checkpoint directory."""
 
     what = "tower"
     prefixes: tuple[str, ...] = ()
+    parse_config: Callable[[Any, str], Any]
+    expected_tensors: Callable[[Any], dict[str, tuple[int, ...]]]
 
     def __init__(self, model_dir: str | Path, cfg, dtype: str | np.dtype = "float64"):
         self.dtype = np.dtype(dtype)
@@ -336,11 +353,25 @@ class TowerWeights:
         self.store = TensorStore(model_dir)
         check_tower_tensors(self.store, self.expected(), self.prefixes, self.what, self.unexpected_hint)
 
+    @classmethod
+    def load_config(cls, model_dir: str | Path):
+        """The tower's config, read from a checkpoint directory's config.json."""
+        path, raw = read_config_json(model_dir)
+        return cls.parse_config(raw, str(path))
+
+    @classmethod
+    def load(cls, model_dir: str | Path, dtype: str | np.dtype = "float64"):
+        """(weights, cfg) of a checkpoint directory's tower."""
+        cfg = cls.load_config(model_dir)
+        return cls(model_dir, cfg, dtype), cfg
+
     def expected(self) -> dict[str, tuple[int, ...]]:
-        raise NotImplementedError
+        """Every tensor of the tower and its projector (full checkpoint names) and its shape."""
+        return self.expected_tensors(self.cfg)
 
     def unexpected_hint(self, name: str) -> str:
-        return ""
+        """Why a tensor under ``prefixes`` that the config does not expect may be there ("" if unknown)."""
+        return CLIP_HINT if name.endswith(CLIP_BOUNDS) else ""
 
     def check_finite(self, soft_tokens: np.ndarray) -> np.ndarray:
         """The tower's output, when finite; else NonFiniteError naming the first tower tensor that is not
@@ -359,3 +390,7 @@ class TowerWeights:
         if not self.cfg.use_clipped_linears:
             return None
         return tuple(float(self.store.get(prefix + "." + b, np.float64)) for b in CLIP_BOUNDS)  # type: ignore[return-value]
+
+    def clippable(self, x: np.ndarray, prefix: str) -> np.ndarray:
+        """The clippable linear ``prefix`` (``.linear.weight`` plus its bounds) applied to x."""
+        return clipped_linear(x, self[prefix + ".linear.weight"], self.clip_bounds(prefix))
