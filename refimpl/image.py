@@ -45,15 +45,11 @@ import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from .config import read_json, read_media_file
 from .errors import ConfigError, InputError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .vision import VisionConfig
+from .vision import VisionConfig
 
 SUPPORTED_SOFT_TOKENS = (70, 140, 280, 560, 1120)
 DEFAULT_MAX_SOFT_TOKENS = 280
@@ -113,7 +109,7 @@ def read_image(path: str | Path) -> np.ndarray:
 def _read_with_pillow(path: Path, data: bytes) -> np.ndarray:
     """Formats other than PNG/PPM: Pillow's decoder, then ``convert_to_rgb``'s rule (composite via NumPy)."""
     kind = next((name for magic, name in OTHER_FORMATS if data.startswith(magic)), None)
-    try:
+    try:  # lazily: Pillow is optional (PNG and PPM/PGM are decoded natively), and only these formats need it
         from PIL import Image, UnidentifiedImageError
     except ImportError:
         what = f"a {kind} file" if kind else f"not a recognised image (it starts with {data[:8]!r})"

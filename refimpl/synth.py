@@ -33,10 +33,13 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import sentencepiece as spm
 
+from .audio import expected_audio_tensors, parse_audio_config
 from .config import FULL, SLIDING, parse_config
 from .errors import InputError
-from .safetensors_io import write_safetensors
+from .safetensors_io import write_safetensors, write_safetensors_streamed
+from .vision import expected_vision_tensors, parse_vision_config
 from .weights import expected_tensors
 
 S, F = SLIDING, FULL
@@ -243,8 +246,6 @@ def write_published_checkpoint(variant: str, seed: int, out: str | Path, layers:
     weights streamed to disk (never the whole checkpoint in memory); atomic like ``write_checkpoint``.
     The tokenizer is the synthetic one (its ids are a prefix of the 262144-id vocabulary).
     ``progress(bytes_done, bytes_total)`` is called as the weights are written."""
-    from .safetensors_io import write_safetensors_streamed
-
     if dtype not in ("f32", "bf16"):
         raise InputError(f"dtype must be f32 or bf16, got {dtype!r}")
     if layout not in ("causal", "conditional"):
@@ -398,8 +399,6 @@ def _draw_audio(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> 
 
 def make_audio_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
     """The audio tower and projector tensors (full checkpoint names) of a conditional config."""
-    from .audio import expected_audio_tensors, parse_audio_config
-
     rng = np.random.default_rng([seed, 2])
     return {name: _draw_audio(name, shape, rng)
             for name, shape in sorted(expected_audio_tensors(parse_audio_config(config)).items())}
@@ -407,8 +406,6 @@ def make_audio_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
 
 def make_vision_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
     """The vision tower and projector tensors (full checkpoint names) of a conditional config."""
-    from .vision import expected_vision_tensors, parse_vision_config
-
     rng = np.random.default_rng([seed, 1])
     return {name: _draw_vision(name, shape, rng)
             for name, shape in sorted(expected_vision_tensors(parse_vision_config(config)).items())}
@@ -434,8 +431,6 @@ def _corpus(seed: int = 0):
 def train_tokenizer() -> bytes:
     """A 512-piece BPE SentencePiece model with Gemma's ids (pad 0, eos 1, bos 2, unk 3, <mask> 4),
     Gemma 4's markers as user-defined pieces, byte fallback; deterministic."""
-    import sentencepiece as spm
-
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=_corpus(), model_writer=buf, vocab_size=TOKENIZER_VOCAB, model_type="bpe",

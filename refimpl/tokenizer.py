@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import sentencepiece as spm
+
 from .errors import TokenizerError
 
 TOKENIZER_FILE = "tokenizer.model"
@@ -25,8 +27,6 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 
 class Tokenizer:
     def __init__(self, path: str | Path):
-        import sentencepiece as spm
-
         self.path = Path(path)
         self.sp = spm.SentencePieceProcessor()
         try:
