@@ -19,13 +19,14 @@ import numpy as np
 import pytest
 
 from refimpl.errors import InputError
-from refimpl.model import Gemma4, KVCache, attention_mask, vision_block_mask
+from refimpl.model import Gemma4, KVCache
 from refimpl.multimodal import (
     load_multimodal_tokens,
     multimodal_inputs,
     multimodal_logits,
     vision_block_ids,
 )
+from refimpl.ops import attention_mask, vision_block_mask
 from refimpl.vision import load_vision_tower, vision_tower_batch
 
 # float64 rounding through the tower and 3 decoder layers, logits up to 30 (softcap). Measured worst case

@@ -9,22 +9,37 @@ import math
 import numpy as np
 import pytest
 
+import refimpl.model
+import refimpl.ops
 from refimpl.config import RopeSpec
-from refimpl.model import (
+from refimpl.model import per_layer_inputs, rope_inv_freq, route, router_margin
+from refimpl.ops import (
     apply_rope,
+    apply_rope_2d,
     attention,
     attention_mask,
     bf16_round,
+    clamp,
+    clipped_linear,
     gelu_tanh,
     mlp,
-    per_layer_inputs,
     rms_norm,
     rope_cos_sin,
-    rope_inv_freq,
-    route,
-    router_margin,
+    sigmoid,
+    silu,
     softcap,
+    softmax,
+    softplus,
 )
+
+# the primitives that code outside refimpl imports from refimpl.model (where they lived before ops.py)
+MODEL_EXPORTS = ("rms_norm", "gelu_tanh", "linear", "softmax", "softcap", "rope_cos_sin", "apply_rope",
+                 "attention_mask", "vision_block_mask", "attention", "mlp", "bf16_round")
+
+
+def test_primitives_still_importable_from_refimpl_model():
+    for name in MODEL_EXPORTS:
+        assert getattr(refimpl.model, name) is getattr(refimpl.ops, name), name
 
 
 def test_rms_norm_multiplies_by_w_not_one_plus_w():
@@ -224,3 +239,38 @@ def test_bf16_rounding_of_the_embedding_scale():
         assert bf16_round(math.sqrt(h)) == expected
     assert bf16_round(1 + 2**-8) == 1.0  # tie to even
     assert bf16_round(1 + 3 * 2**-8) == 1 + 2**-6  # tie to even (upwards)
+
+
+def test_clipped_linear_clamps_input_then_output():
+    x = np.array([[2.0, -3.0]])
+    w = np.array([[1.0, 1.0], [1.0, -1.0]])
+    # plain: [2 - 3, 2 + 3] = [-1, 5]
+    assert clipped_linear(x, w, None).tolist() == [[-1.0, 5.0]]
+    # input clamped to [-1, 1]: [1, -1] -> [0, 2]; output clamped to [-0.5, 1.5]: [0, 1.5]
+    assert clipped_linear(x, w, (-1.0, 1.0, -0.5, 1.5)).tolist() == [[0.0, 1.5]]
+
+
+def test_audio_activations_and_clamp():
+    x = np.array([0.0, math.log(3.0)])
+    # sigmoid(ln 3) = 1 / (1 + 1/3) = 3/4; silu = x sigmoid(x); softplus(ln 3) = ln(1 + 3) = ln 4
+    assert sigmoid(x) == pytest.approx([0.5, 0.75], rel=1e-15)
+    assert silu(x) == pytest.approx([0.0, 0.75 * math.log(3.0)], rel=1e-15)
+    assert softplus(x) == pytest.approx([math.log(2.0), math.log(4.0)], rel=1e-15)
+    assert softplus(np.array([1000.0]))[0] == 1000.0  # no overflow
+    assert clamp(np.array([-5.0, 0.5, 5.0]), 1.0).tolist() == [-1.0, 0.5, 1.0]
+    # a limit past the dtype's range clamps to its largest finite value (inf -> max)
+    assert clamp(np.array([np.inf], dtype=np.float32), 1e300)[0] == np.finfo(np.float32).max
+
+
+def test_softmax_sums_to_one_and_ignores_shifts():
+    p = softmax(np.array([[0.0, math.log(3.0)], [1000.0, 1000.0 + math.log(3.0)]]))
+    assert p == pytest.approx(np.array([[0.25, 0.75], [0.25, 0.75]]), rel=1e-14)
+
+
+def test_rope_2d_rotates_each_half_by_its_own_axis():
+    # D = 4: channels [0, 2) rotate by the x angle, [2, 4) by the y angle, each as one rotate-half pair
+    x = np.array([[[1.0, 0.0, 1.0, 0.0]]])  # [T=1, heads=1, D=4]
+    cos_x, sin_x = np.array([[0.0]]), np.array([[1.0]])  # x angle 90 degrees
+    cos_y, sin_y = np.array([[-1.0]]), np.array([[0.0]])  # y angle 180 degrees
+    # pair (x1, x2) = (1, 0) -> (x1 cos - x2 sin, x2 cos + x1 sin): x half (0, 1), y half (-1, 0)
+    assert apply_rope_2d(x, cos_x, sin_x, cos_y, sin_y)[0, 0].tolist() == [0.0, 1.0, -1.0, 0.0]

@@ -38,7 +38,8 @@ from helpers import (
 from naive_gemma4 import naive_forward
 from refimpl.errors import InputError
 from refimpl.generate import greedy_generate, score_continuation
-from refimpl.model import Gemma4, KVCache, Trace, bf16_round
+from refimpl.model import Gemma4, KVCache, Trace
+from refimpl.ops import bf16_round
 from refimpl.synth import PRESETS
 
 S, F = SLIDING, FULL
