@@ -27,7 +27,14 @@ from typing import Any
 
 import pytest
 
-from conformance.report import printable
+from .check import expectations
+from .check.profiles import PROFILES
+from .check.runner import run_case
+from .check.session import Checkpoints, Session
+from .protocol.types import BackendError
+from .registry import load_backend, parse_option
+from .report import printable
+from .sets import load_set, set_paths
 
 PLUGIN_NAME = "gemma4-conformance-session"
 
@@ -65,8 +72,6 @@ def pytest_configure(config):
 
 def _parse_options(pairs: list[str]) -> dict[str, Any]:
     """KEY=VALUE pairs, read as ``conformance check --backend-option`` reads them."""
-    from .registry import parse_option
-
     try:
         return dict(parse_option(pair) for pair in pairs)
     except ValueError as e:
@@ -75,34 +80,16 @@ def _parse_options(pairs: list[str]) -> dict[str, Any]:
 
 def _set_dirs(args: list[str] | None) -> list[Path]:
     """Fixture-set directories: the bundled sets, or each argument (a directory of sets expands to them)."""
-    if not args:
-        from conformance.fixtures import bundled_sets
-
-        found = [Path(p) for p in bundled_sets()]
-        if not found:
-            raise pytest.UsageError("no bundled fixture sets are installed; pass --conformance-fixtures DIR "
-                                    "(make one with: conformance generate)")
-        return found
-    found = []
-    for arg in args:
-        p = Path(arg)
-        if not p.is_dir():
-            raise pytest.UsageError(f"--conformance-fixtures: no such directory: {arg}")
-        if (p / "manifest.json").is_file():
-            found.append(p)
-            continue
-        subs = sorted(d for d in p.iterdir() if d.is_dir() and (d / "manifest.json").is_file())
-        found.extend(subs if subs else [p])  # not a set: its collection error says what is missing
-    return found
+    try:
+        return set_paths(args, "--conformance-fixtures")
+    except ValueError as e:
+        raise pytest.UsageError(str(e)) from None
 
 
 class ConformanceSession:
     """Per-session state: the backend, the profile, the expectations, and the set now open."""
 
     def __init__(self, config):
-        from conformance.backend import BackendError
-        from conformance.registry import load_backend
-
         self.config = config
         self.spec = config.getoption("--conformance-backend")
         self.options = _parse_options(config.getoption("--conformance-backend-option"))
@@ -122,11 +109,10 @@ class ConformanceSession:
         self._open_set = None  # the FixtureSet the backend is open on
         self._ctx = None
         self._open_error: str | None = None
-        self._tmp: str | None = None
+        self._session: Session | None = None
+        self._tmp: str | None = None  # the working directory of the materialised checkpoints
 
     def _profile(self, name: str | None):
-        from conformance.profiles import PROFILES
-
         if name is not None and name not in PROFILES:
             raise pytest.UsageError(f"--conformance-profile: unknown profile {name!r}; "
                                     f"choose one of {', '.join(PROFILES)}")
@@ -139,8 +125,6 @@ class ConformanceSession:
 
     @staticmethod
     def _expectations(path: str | None):
-        from conformance import expectations
-
         if path is None:
             return expectations.empty()
         try:
@@ -173,51 +157,42 @@ class ConformanceSession:
     # -- running --------------------------------------------------------------------------------
 
     def context(self, fs):
-        """Open the backend on ``fs`` (closing the previous set first); the runner's set context."""
+        """Open the backend on ``fs`` (closing the previous set first); the set's context."""
         if self._open_set is fs:
             if self._open_error is not None:
                 raise ConformanceFailure(self._open_error)
             return self._ctx
         self.close()
-        from conformance import runner
-        from conformance.backend import BackendError
-        from conformance.registry import open_backend
-
         self._open_set = fs
-        self._tmp = tempfile.mkdtemp(prefix="gemma4-conformance-")
+        if self._session is None:
+            self._tmp = tempfile.mkdtemp(prefix="gemma4-conformance-")
+            self._session = Session(self.backend, Checkpoints(self._tmp))
         try:
-            model_dir = Path(fs.model_dir(Path(self._tmp)))
-            open_backend(self.backend, model_dir)
+            self._ctx = self._session.enter(fs)
         except BackendError as exc:
             self._open_error = f"backend error: {exc}"
             raise ConformanceFailure(self._open_error) from None
         except Exception as exc:  # noqa: BLE001 - e.g. FixtureError while materialising the model
             self._open_error = f"cannot prepare the model of set {fs.path}: {type(exc).__name__}: {exc}"
             raise ConformanceFailure(self._open_error) from None
-        ctx_cls = getattr(runner, "SetContext", None) or getattr(runner, "_SetContext")
-        self._ctx = ctx_cls(fs, model_dir, self.backend.capabilities.embedding_convention)
         return self._ctx
 
     def run_case(self, fs, case):
-        from conformance import runner
-
-        run_one = getattr(runner, "run_case", None) or getattr(runner, "_run_case")
-        result = run_one(self.backend, self.claimed, self.context(fs), case, self.profile, self.expectations)
+        result = run_case(self.backend, self.claimed, self.context(fs), case, self.profile, self.expectations)
         self.counts[result.status] = self.counts.get(result.status, 0) + 1
         return result
 
     def close(self):
-        if self._open_set is not None and self._open_error is None:
-            try:
-                self.backend.close()
-            except Exception:  # noqa: BLE001 - a failing close must not hide the results
-                pass
-        if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-        self._open_set = self._ctx = self._open_error = self._tmp = None
+        """Close the backend on the set it is open on (the next set opens it again)."""
+        if self._session is not None:
+            self._session.close()
+        self._open_set = self._ctx = self._open_error = None
 
     def pytest_sessionfinish(self, session):
         self.close()
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+        self._session = self._tmp = None
 
     def pytest_report_header(self, config):
         return (f"conformance: backend {self.backend.name!r} ({self.spec}), profile {self.profile.name}"
@@ -246,8 +221,6 @@ class ConformanceSet(pytest.Collector):
         self.conformance = conformance
 
     def collect(self):
-        from conformance.fixtures import load_set
-
         fs = load_set(self.path)
         return [ConformanceCase.from_parent(self, name=case.id, fixture_set=fs, case=case) for case in fs.cases]
 

@@ -17,7 +17,7 @@ from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 from typing import Any
 
-from conformance.backend import Backend, BackendError, Capabilities
+from .protocol.types import Backend, BackendError, Capabilities
 
 GROUP = "gemma4_conformance.backends"
 DISTRIBUTION = "gemma4-conformance"

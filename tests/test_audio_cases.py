@@ -1,5 +1,5 @@
 """Audio cases in the fixture sets (``generate_image_cases(..., kind="audio")``, the audio bases of
-conformance/fixtures.py): the matrix, the structural rules, what verification catches, generation from
+conformance/generate/): the matrix, the structural rules, what verification catches, generation from
 WAV files, the requests (features travel with the embeddings), and a text-only backend.
 
 That every audio case's rows equal the oracle driven by its request is
@@ -21,12 +21,13 @@ import numpy as np
 import pytest
 
 from conformance.backend import required_capabilities
-from conformance.cases import DECODE_STEPS, Case, build_request, check_case
+from conformance.check.requests import build_request
+from conformance.sets.case import DECODE_STEPS, Case, check_case
 from conformance.fixtures import (
     bundled_set, generate_set, load_set, sha256_file, synthetic_waveform, verify_set,
 )
-from conformance.profiles import PROFILES
-from conformance.runner import run
+from conformance.check.profiles import PROFILES
+from conformance.check.runner import run
 from test_image_cases import _rewrite, _TextOnly
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""Fixture sets (conformance/fixtures.py) and the case matrix (conformance/cases.py).
+"""Fixture sets (conformance/sets/, conformance/generate/) and the case matrix (conformance/generate/matrix.py).
 
 The central check: every row a case expects (a row of its base's stored logits, picked by
 ``row_groups``) equals what a fresh oracle computes when it is driven exactly as the case's request
@@ -31,10 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from conformance.backend import Response, required_capabilities  # noqa: E402
-from conformance.cases import (  # noqa: E402
-    GENERATION_STEPS, TIE_MARGIN, Case, build_request, check_case, generate_cases, response_groups, row_groups,
-    top2_margin,
-)
+from conformance.check.requests import build_request, response_groups  # noqa: E402
+from conformance.generate.matrix import generate_cases, top2_margin  # noqa: E402
+from conformance.sets.case import GENERATION_STEPS, TIE_MARGIN, Case, check_case, row_groups  # noqa: E402
 from conformance.fixtures import (  # noqa: E402
     CASES, EXPECTED, MANIFEST, RECOMPUTE_BOUND, FixtureError, PromptError, bundled_sets, generate_set, load_prompts,
     load_set, sha256_file, verify_set,
@@ -854,8 +853,8 @@ def hf_text_cross_check(model_dir, bases, base_logits):
 
 
 def regenerate_bundled(presets=()) -> None:
-    """Rewrite conformance/fixtures/<preset>/ for the given presets, or every preset (seed 0)."""
-    root = REPO / "conformance" / "fixtures"
+    """Rewrite fixtures/<preset>/ (the bundled sets) for the given presets, or every preset (seed 0)."""
+    root = REPO / "fixtures"
     for preset in presets or BUNDLED:
         out = root / preset
         if out.exists():

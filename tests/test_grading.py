@@ -10,12 +10,12 @@ import re
 import numpy as np
 import pytest
 
-from conformance import metrics as M
-from conformance.grading import CHECKS, METRIC_KEYS, grade_case
-from conformance.profiles import PROFILES, TOLERANCE_FIELDS, Profile, get_profile, with_overrides
+from conformance.check import metrics as M
+from conformance.check.grading import CHECKS, METRIC_KEYS, grade_case
+from conformance.check.profiles import PROFILES, TOLERANCE_FIELDS, Profile, get_profile, with_overrides
 
 try:  # prefer the real types; the grader only uses the contract's attributes
-    from conformance.cases import Case as _Case, RowSpec
+    from conformance.sets.case import Case as _Case, RowSpec
 
     def make_case(generation: bool = False, moe_min_margin: float | None = None) -> _Case:
         return _Case(id="t/full/A", kind="full", base="A", length=0, generation=generation,

@@ -20,7 +20,7 @@ import pytest
 from conformance.backend import Capabilities, Response
 from conformance.backends.refimpl_backend import RefimplBackend
 from conformance.cli import main
-from conformance.expectations import ExpectationsError, parse as parse_expectations
+from conformance.check.expectations import ExpectationsError, parse as parse_expectations
 from conformance.report import load_schema, validate
 
 HERE = __name__  # the module name the backends below are loaded under (module:attr)
@@ -525,7 +525,7 @@ def test_expectations_file_errors(tmp_path, capsys, small_set):
 
 
 def test_toml_expectations(tmp_path):
-    from conformance.expectations import load
+    from conformance.check.expectations import load
 
     p = tmp_path / "exp.toml"
     p.write_text('backend = "x"\n[[entries]]\nmatch = "/full/"\naction = "skip"\nreason = "r"\n'

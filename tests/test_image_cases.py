@@ -1,4 +1,4 @@
-"""Image cases in the fixture sets (conformance/cases.py ``generate_image_cases``, conformance/fixtures.py
+"""Image cases in the fixture sets (conformance/generate/matrix.py ``generate_image_cases``, conformance/generate/
 image bases): the structural rules, what verification catches, generation from image files, and how
 the runner treats a backend that does not serve image prompts.
 
@@ -22,12 +22,12 @@ import numpy as np
 import pytest
 
 from conformance.backend import Capabilities, Response
-from conformance.cases import DECODE_STEPS, Case, check_case
+from conformance.sets.case import DECODE_STEPS, Case, check_case
 from conformance.fixtures import (
     EXPECTED, MANIFEST, FixtureError, generate_set, load_set, sha256_file, synthetic_image, verify_set,
 )
-from conformance.profiles import PROFILES
-from conformance.runner import run
+from conformance.check.profiles import PROFILES
+from conformance.check.runner import run
 from refimpl.model import Gemma4
 from refimpl.multimodal import multimodal_inputs
 from refimpl.safetensors_io import TensorStore, write_safetensors

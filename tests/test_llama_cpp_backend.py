@@ -18,7 +18,7 @@ pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scri
 
 from conformance.backend import BackendError, Request
 from conformance.backends import llama_cpp_engine as eng
-from conformance.profiles import PROFILES
+from conformance.check.profiles import PROFILES
 
 try:
     SOURCE = eng.resolve_source()
@@ -118,7 +118,7 @@ def test_subset_passes_through_the_subprocess(gguf_cache, tmp_path, options, nam
 
 
 def test_names_profiles_and_shipped_expectations():
-    from conformance.expectations import load
+    from conformance.check.expectations import load
 
     assert eng.config_name("f16", "stock") == "llama-cpp-f16kv"
     assert eng.config_name("f32", "stock") == "llama-cpp-f32kv"

@@ -27,8 +27,8 @@ from conformance import registry  # noqa: E402
 from conformance.backend import Backend, BackendError, Piece, Request  # noqa: E402
 from conformance.backends.mlx_backend import EXPECTATIONS_DIR, MlxLmBackend, config_patch  # noqa: E402
 from conformance.fixtures import bundled_set  # noqa: E402
-from conformance.profiles import PROFILES  # noqa: E402
-from conformance.runner import run  # noqa: E402
+from conformance.check.profiles import PROFILES  # noqa: E402
+from conformance.check.runner import run  # noqa: E402
 from refimpl import Gemma4, load_config  # noqa: E402
 from refimpl.synth import write_checkpoint  # noqa: E402
 

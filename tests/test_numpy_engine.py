@@ -1,4 +1,4 @@
-"""The numpy engine (``conformance.backends.numpy_engine``) and its mutant zoo (``conformance.mutants``).
+"""The numpy engine (``conformance.selftest.engine``) and its mutant zoo (``conformance.mutants``).
 
 The engine batches tagged tokens through per-sequence KV caches and prunes to the output rows before
 the first KV-shared layer; every request kind must still give the oracle's own full-forward rows on
@@ -28,9 +28,9 @@ from helpers import image_prompt, max_abs, micro_config, open_per_preset, tup
 
 from conformance import cli, registry
 from conformance.backend import AudioInput, Capabilities, Piece, Request
-from conformance.backends.numpy_engine import NO_BLOCK, Engine, NumpyEngineBackend
+from conformance.selftest.engine import NO_BLOCK, Engine, NumpyEngineBackend
 from conformance.backends.refimpl_backend import RefimplBackend
-from conformance.mutants import (
+from conformance.selftest.mutants import (
     AUDIO_SET, BACKENDS, CLOSENESS, EQUIVALENT, IMAGE_SET_BIDIRECTIONAL, IMAGE_SET_PLE, IMAGE_SETS, MUTANTS, Mutant,
     mutant,
 )
@@ -254,7 +254,7 @@ def test_mutant_catalogue():
         b = m.backend()
         assert isinstance(b, NumpyEngineBackend) and b.dtype == "float64" and b.name.endswith(m.name)
         cls = BACKENDS[m.name]
-        assert isinstance(registry.load_backend(f"conformance.mutants:{cls.__name__}"), cls)
+        assert isinstance(registry.load_backend(f"conformance.selftest.mutants:{cls.__name__}"), cls)
     assert mutant("softcap-twice").expected_checks == CLOSENESS
     assert {m.name: m.kill_sets for m in IMAGE_MUTANTS} == {
         "soft-tokens-scaled": (IMAGE_SET_PLE, IMAGE_SET_BIDIRECTIONAL),
@@ -432,7 +432,7 @@ def test_cache_stores_vision_block_ids(engines, prompts, preset):
     for i, spec in enumerate(engine.cfg.layers):
         if spec.owns_kv:
             kv = cache.layers[i]
-            assert kv.block.tolist() == expect[kv.pos].tolist(), i
+            assert kv.blocks.tolist() == expect[kv.pos].tolist(), i
     text = ids[cut:cut + 5]
     out = engine.prefill(caches, engine.batch(caches, text, [0] * 5, [True] * 5))  # no embeddings: text
     assert max_abs(out, ref[cut:cut + 5]) < TOL

@@ -1,4 +1,4 @@
-"""Parallel, resumable ``generate_set`` / ``conformance generate`` (conformance/parallel.py,
+"""Parallel, resumable ``generate_set`` / ``conformance generate`` (conformance/generate/,
 docs/distributed-generation.md): the same bytes whatever the executor (in this process, local
 processes, a real local Dask cluster), resume after a failed or SIGKILLed run, refusal of a partial
 run of other arguments, and the one-line errors of --cluster.
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conformance import parallel
+from conformance.generate import executors, jobs
 from conformance.cli import main
 from conformance.fixtures import CASES, EXPECTED, MANIFEST, FixtureError, PartialRunMismatch, generate_set, load_set
 
@@ -133,11 +133,11 @@ def dask_cluster(tmp_path_factory):
 
 @pytest.mark.parametrize("preset", [TEXT, MEDIA])
 def test_local_processes_give_the_same_set(reference, tmp_path, preset):
-    before = {v: os.environ.get(v) for v in parallel.BLAS_VARS}
+    before = {v: os.environ.get(v) for v in executors.BLAS_VARS}
     seen = []
     out = generate_set(tmp_path / "w2", preset=preset, workers=2, progress=lambda *a: seen.append(a))
     _same_set(reference[preset], out)
-    assert {v: os.environ.get(v) for v in parallel.BLAS_VARS} == before  # the parent's environment restored
+    assert {v: os.environ.get(v) for v in executors.BLAS_VARS} == before  # the parent's environment restored
     assert not (tmp_path / ".w2.partial").exists()  # published: the partial run removed
     assert [d for d, _, _ in seen] == list(range(1, len(seen) + 1)) and seen[0][2] == "model"
     jobs = [label for _, _, label in seen if label.startswith("base ")]
@@ -162,9 +162,9 @@ def test_dask_cluster_from_the_cli(reference, dask_cluster, tmp_path, capsys):
 
 
 def test_a_worker_that_cannot_see_the_model_is_named(dask_cluster, tmp_path):
-    cluster = parallel.DaskCluster(dask_cluster)
+    cluster = executors.DaskCluster(dask_cluster)
     try:
-        with pytest.raises(parallel.ClusterError, match=r"^--cluster: worker tcp://\S+ cannot see /nonexistent/model; "
+        with pytest.raises(executors.ClusterError, match=r"^--cluster: worker tcp://\S+ cannot see /nonexistent/model; "
                                                          r"the model directory and --out's parent must be"):
             cluster.check_workers(["/nonexistent/model", str(tmp_path)])
         assert len(cluster.check_workers([str(tmp_path), str(tmp_path)])) == 2
@@ -179,7 +179,7 @@ def test_a_worker_that_cannot_see_the_model_is_named(dask_cluster, tmp_path):
 def test_a_failed_job_keeps_the_finished_ones_and_a_rerun_resumes(reference, tmp_path, monkeypatch, capsys):
     out = tmp_path / "set"
     partial = tmp_path / ".set.partial"
-    monkeypatch.setenv(parallel.FAULT_ENV, "G:fail")
+    monkeypatch.setenv(jobs.FAULT_ENV, "G:fail")
     with pytest.raises(RuntimeError, match="base G: injected failure"):
         generate_set(out, preset=TEXT, workers=1)
     assert not out.exists()
@@ -188,7 +188,7 @@ def test_a_failed_job_keeps_the_finished_ones_and_a_rerun_resumes(reference, tmp
     stamps = {b: (partial / "jobs" / b / "logits.npy").stat().st_mtime_ns for b in "ABC"}
 
     # a rerun with other arguments is refused, naming the directory, and changes nothing
-    monkeypatch.delenv(parallel.FAULT_ENV)
+    monkeypatch.delenv(jobs.FAULT_ENV)
     with pytest.raises(PartialRunMismatch) as e:
         generate_set(out, preset=TEXT, seed=1, workers=1)
     assert str(e.value) == (f"{partial} holds an unfinished run with other arguments (differs in: model); remove it "
@@ -217,7 +217,7 @@ def test_sigkill_keeps_finished_jobs_and_a_rerun_resumes(reference, tmp_path):
     partial = tmp_path / ".set.partial"
     cmd = [sys.executable, "-m", "conformance.cli", "generate", "--preset", MEDIA, "--workers", "2",
            "--out", str(out)]
-    env = {**os.environ, parallel.FAULT_ENV: "I1:hang"}
+    env = {**os.environ, jobs.FAULT_ENV: "I1:hang"}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
     try:
@@ -274,7 +274,7 @@ def test_cli_cluster_errors(tmp_path, monkeypatch, capsys):
 
 def test_cli_unreachable_scheduler(tmp_path, monkeypatch, capsys):
     _need_distributed()
-    monkeypatch.setattr(parallel, "CONNECT_TIMEOUT_S", 2)
+    monkeypatch.setattr(executors, "CONNECT_TIMEOUT_S", 2)
     import socket
 
     with socket.socket() as s:  # a port nobody listens on

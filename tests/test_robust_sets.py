@@ -19,7 +19,9 @@ import pytest
 
 from helpers import micro_checkpoint, micro_config
 
-from conformance import fixtures, parallel
+from conformance import fixtures
+from conformance.generate import jobs, partial
+from conformance.sets.format import model_files
 from conformance.cli import main
 from conformance.fixtures import MANIFEST, FixtureError, generate_set, load_set, sha256_file, verify_set
 
@@ -44,15 +46,15 @@ def _busy(out: Path, lock: Path) -> str:
 def test_a_second_run_stops_at_once_and_leaves_the_holders_partial_run_alone(tmp_path, monkeypatch, capsys):
     out = tmp_path / "set"
     partial, lock = tmp_path / ".set.partial", tmp_path / ".set.partial.lock"
-    monkeypatch.setenv(parallel.FAULT_ENV, "G:fail")  # a partial run with finished jobs A, B, C
+    monkeypatch.setenv(jobs.FAULT_ENV, "G:fail")  # a partial run with finished jobs A, B, C
     with pytest.raises(RuntimeError, match="base G: injected failure"):
         generate_set(out, preset=PRESET, cases="text", workers=1)
-    monkeypatch.delenv(parallel.FAULT_ENV)
+    monkeypatch.delenv(jobs.FAULT_ENV)
     writing = partial / "jobs" / ".G.tmp-held"  # what the holder is writing now: a second run must not clean it
     writing.mkdir()
     assert sorted(os.listdir(tmp_path)) == [".set.partial"]
 
-    held = parallel.RunLock.acquire(out)
+    held = partial.RunLock.acquire(out)
     try:
         rec = json.loads(lock.read_text())
         assert held.path == lock and sorted(rec) == ["host", "pid", "started"]
@@ -77,8 +79,8 @@ def test_a_second_run_stops_at_once_and_leaves_the_holders_partial_run_alone(tmp
 def test_a_killed_holders_lock_goes_away_with_it(tmp_path, capsys):
     out = tmp_path / "set"
     lock = tmp_path / ".set.partial.lock"
-    code = ("import sys, time; from pathlib import Path; from conformance import parallel; "
-            "held = parallel.RunLock.acquire(Path(sys.argv[1])); print('locked', flush=True); time.sleep(600)")
+    code = ("import sys, time; from pathlib import Path; from conformance.generate import partial; "
+            "held = partial.RunLock.acquire(Path(sys.argv[1])); print('locked', flush=True); time.sleep(600)")
     child = subprocess.Popen([sys.executable, "-c", code, str(out)], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline() == "locked\n"
@@ -223,7 +225,7 @@ def test_a_shard_outside_the_checkpoint_is_never_hashed(tmp_path):
     index = ckpt / "model.safetensors.index.json"
     index.write_text(json.dumps({"weight_map": {"w": "../outside.safetensors"}}))
     with pytest.raises(ValueError) as e:
-        fixtures._model_files(ckpt)
+        model_files(ckpt)
     assert str(e.value) == (f"{index}: shard '../outside.safetensors' is not a plain relative path inside the "
                             "checkpoint (it has a '..' component)")
 

@@ -26,7 +26,7 @@ from conformance.backends.refimpl_backend import RefimplBackend
 from conformance.cli import main
 from conformance.fixtures import bundled_set
 from conformance.report import junit_tree, printable, validate
-from conformance.runner import CaseResult, RunResult
+from conformance.check.results import CaseResult, RunResult
 
 HERE = __name__
 TESTS = Path(__file__).resolve().parent
@@ -335,8 +335,8 @@ def test_control_characters_in_an_error_are_escaped(capsys, tmp_path, e2b_set):
 def test_control_characters_in_case_ids_keep_the_junit_well_formed(tmp_path):
     import datetime as dt
 
-    from conformance.profiles import PROFILES
-    from conformance.runner import SetInfo
+    from conformance.check.profiles import PROFILES
+    from conformance.check.results import SetInfo
 
     cid = "set/\x1b[31mcase\x00\x1f\ud800\ufffe"
     now = dt.datetime.now(dt.timezone.utc)

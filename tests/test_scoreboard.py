@@ -9,7 +9,7 @@ import pytest
 
 from conformance.backends.refimpl_backend import RefimplBackend
 from conformance.cli import main
-from conformance.scoreboard import load_report, render
+from conformance.report.scoreboard import load_report, render
 
 HERE = __name__  # importable by this name: pytest put tests/ on sys.path
 SELECT = "^e4b-mini/(full/|last/plain/A/T7/|prefill/A/T19/chunks)"

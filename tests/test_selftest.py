@@ -408,7 +408,7 @@ def _assert_every_mutant_killed_by_a_matching_check(result, mutants):
 
 
 def test_real_mutants_are_all_killed_at_fp32_by_a_matching_check(sets):
-    mutants_mod = pytest.importorskip("conformance.mutants")
+    mutants_mod = pytest.importorskip("conformance.selftest.mutants")
     mutants = [m for m in mutants_mod.MUTANTS if not m.kill_sets]  # the image mutants need the image sets
     assert len({m.bug_class for m in mutants}) >= 8
     result = st.run_selftest(sets, mutants, select=REAL_SUBSET)
@@ -423,7 +423,7 @@ def test_real_mutants_are_all_killed_at_fp32_by_a_matching_check(sets):
 
 
 def test_equivalent_mutant_is_caught_at_exact_f64_and_reported(sets):
-    mutants_mod = pytest.importorskip("conformance.mutants")
+    mutants_mod = pytest.importorskip("conformance.selftest.mutants")
     equivalents = st.select_equivalents(st.load_equivalents(), None)
     assert [m.name for m, _ in equivalents] == list(mutants_mod.EQUIVALENT)
     result = st.run_selftest(sets, [], select=REAL_SUBSET, equivalents=equivalents)
@@ -451,7 +451,7 @@ def _audio_mutants(mutants_mod) -> list:
 def test_real_mutants_full_selftest(tmp_path, capsys):
     """The issue's claim, on every bundled case: ~3 minutes on two cores. Until the bundled image sets
     exist, the image mutants (which only they can kill) are left out of this run."""
-    mutants_mod = pytest.importorskip("conformance.mutants")
+    mutants_mod = pytest.importorskip("conformance.selftest.mutants")
     out_json = tmp_path / "selftest.json"
     argv = ["selftest", "-q", "--json", str(out_json)]
     missing = _missing_kill_sets(mutants_mod)
@@ -473,7 +473,7 @@ def test_real_mutants_full_selftest(tmp_path, capsys):
 
 
 def test_image_mutants_declare_the_sets_that_kill_them():
-    mutants_mod = pytest.importorskip("conformance.mutants")
+    mutants_mod = pytest.importorskip("conformance.selftest.mutants")
     image = {m.name: m for m in _image_mutants(mutants_mod)}
     assert image["soft-tokens-scaled"].kill_sets == ("e2b-vision-mini", "31b-vision-mini")
     assert image["ple-placeholder-row"].kill_sets == ("e2b-vision-mini",)
@@ -485,7 +485,7 @@ def test_image_mutants_declare_the_sets_that_kill_them():
 def test_a_survivor_without_its_kill_sets_is_told_so(sets):
     """A text-only selection cannot kill an image mutant; the self-test fails (a survivor is a survivor)
     and says which sets were needed."""
-    mutants_mod = pytest.importorskip("conformance.mutants")
+    mutants_mod = pytest.importorskip("conformance.selftest.mutants")
     m = next(x for x in mutants_mod.MUTANTS if x.name == "vision-blocks-missing")
     result = st.run_selftest(sets, [m], profiles=("fp32",), select=FEW)
     (r,) = result.mutants
@@ -504,7 +504,7 @@ IMAGE_SUBSET = r"^(e2b|31b)-vision-mini/(last/embeddings/I0/T70/pos(6|37)|prefil
 
 def test_image_mutants_are_killed_by_their_bundled_sets(sets):
     """Each image mutant on the image cases of the bundled image sets (skipped until they exist)."""
-    mutants_mod = pytest.importorskip("conformance.mutants")
+    mutants_mod = pytest.importorskip("conformance.selftest.mutants")
     image = _image_mutants(mutants_mod)
     missing = _missing_kill_sets(mutants_mod, image)
     if missing:
@@ -528,7 +528,7 @@ AUDIO_SUBSET = r"^e2b-audio-mini/(last/embeddings/S0/T26/pos12|last/embeddings/S
 
 
 def test_audio_mutants_declare_the_set_that_kills_them():
-    mutants_mod = pytest.importorskip("conformance.mutants")
+    mutants_mod = pytest.importorskip("conformance.selftest.mutants")
     audio = {m.name: m for m in _audio_mutants(mutants_mod)}
     assert set(audio) == {"audio-chunking-wrong", "audio-logit-cap-missing", "audio-soft-tokens-scaled",
                           "audio-ple-placeholder-row"}
@@ -538,7 +538,7 @@ def test_audio_mutants_declare_the_set_that_kills_them():
 
 def test_audio_mutants_are_killed_by_the_bundled_audio_set(sets):
     """Each audio mutant on three audio cases of e2b-audio-mini (skipped until the set exists)."""
-    mutants_mod = pytest.importorskip("conformance.mutants")
+    mutants_mod = pytest.importorskip("conformance.selftest.mutants")
     audio = _audio_mutants(mutants_mod)
     missing = _missing_kill_sets(mutants_mod, audio)
     if missing:

@@ -30,8 +30,8 @@ from conformance.backends.subprocess_backend import (
 )
 from conformance.cli import main as cli_main
 from conformance.fixtures import bundled_set, load_set
-from conformance.profiles import get_profile
-from conformance.runner import run
+from conformance.check.profiles import get_profile
+from conformance.check.runner import run
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKES = Path(__file__).resolve().parent / "subprocess_fakes"

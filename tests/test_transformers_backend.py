@@ -47,10 +47,10 @@ from conformance.backends.transformers_backend import (  # noqa: E402
     TransformersBackend,
     load_gemma4_causal_lm,
 )
-from conformance.expectations import load as load_expectations  # noqa: E402
+from conformance.check.expectations import load as load_expectations  # noqa: E402
 from conformance.fixtures import bundled_set  # noqa: E402
-from conformance.profiles import PROFILES  # noqa: E402
-from conformance.runner import run as run_cases  # noqa: E402
+from conformance.check.profiles import PROFILES  # noqa: E402
+from conformance.check.runner import run as run_cases  # noqa: E402
 from refimpl.synth import write_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.hf
@@ -486,8 +486,8 @@ def grade_fp32(got: np.ndarray, positions: list[int], oracle: np.ndarray):
     """Grade rows with the harness's own grader and the fp32 profile (base: the oracle rows)."""
     from types import SimpleNamespace
 
-    from conformance.cases import RowSpec
-    from conformance.grading import grade_case
+    from conformance.sets.case import RowSpec
+    from conformance.check.grading import grade_case
 
     specs = [RowSpec(label=f"row {i}", base="b", position=pos) for i, pos in enumerate(positions)]
     case = SimpleNamespace(generation=None, moe_min_margin=None)

@@ -2,7 +2,7 @@
 
 It serves every request kind the way an engine would (micro-batches through a KV cache, only the
 requested rows through the LM head, one cache per sequence id, decode one token at a time: the
-request handling of ``conformance.backends.serving.CachedBackend``) but with the exact float64
+request handling of ``conformance.protocol.serving.CachedBackend``) but with the exact float64
 forward of ``refimpl.model.Gemma4``. Against the bundled fixture sets it must pass every case with
 the ``exact-f64`` profile; it is the harness's own self-check.
 
@@ -22,8 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from conformance.backend import BackendError, Capabilities, Request
-from conformance.backends.serving import CachedBackend
+from refimpl import Gemma4, KVCache, RefimplError
+from refimpl.audio import audio_tower, load_audio_tower
+from refimpl.config import read_config_json
+from refimpl.multimodal import llm_input_ids, load_multimodal_tokens
+
+from ..protocol.serving import CachedBackend
+from ..protocol.types import BackendError, Capabilities, Request
 
 __all__ = ["RefimplBackend", "RefimplFloat32Backend"]
 
@@ -69,12 +74,6 @@ class RefimplBackend(CachedBackend):
     # -- protocol (run() is CachedBackend's) ----------------------------------------------------
 
     def open(self, model_dir: Path) -> None:
-        from refimpl import Gemma4, RefimplError
-
-        from refimpl.audio import load_audio_tower
-        from refimpl.config import read_config_json
-        from refimpl.multimodal import load_multimodal_tokens
-
         try:
             self.model = Gemma4(model_dir, dtype=self.dtype, embed_scale=self.embed_scale)
             self.tokens = load_multimodal_tokens(model_dir)
@@ -110,8 +109,6 @@ class RefimplBackend(CachedBackend):
         return self.model.dtype
 
     def _new_state(self):
-        from refimpl import KVCache
-
         return KVCache()
 
     def _state_len(self, state) -> int:
@@ -126,8 +123,6 @@ class RefimplBackend(CachedBackend):
         "vision"`` checkpoints the image blocks are the forward's vision blocks (audio stays causal).
         Audio soft tokens are computed here with the oracle's audio tower from ``audio_inputs`` (the
         given embeddings' audio rows are replaced), so the stored soft tokens are checked too."""
-        from refimpl.multimodal import llm_input_ids
-
         ids = np.asarray(tokens, dtype=np.int64)
         placeholder = np.zeros(ids.shape[0], dtype=bool)
         blocks, notes = None, {}
@@ -153,8 +148,6 @@ class RefimplBackend(CachedBackend):
 
     def _with_audio(self, embeddings: np.ndarray, audio, audio_inputs) -> np.ndarray:
         """``embeddings`` with each audio block's rows replaced by the oracle's soft tokens of its clip."""
-        from refimpl.audio import audio_tower
-
         if self.audio is None:
             raise ValueError(f"{self.who}: an audio prompt, but the checkpoint has no audio tower (audio_config)")
         weights, cfg = self.audio

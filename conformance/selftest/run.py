@@ -1,7 +1,7 @@
 """The harness's self-test: does the gate catch the bugs it exists for? ``run_selftest(...) -> SelftestResult``.
 
 Each *mutant* is a deliberately broken variant of the ``numpy-engine`` backend with one bug of the
-catalogue (``conformance/mutants.py``; ``docs/bug-classes.md``). The self-test
+catalogue (``conformance/selftest/mutants.py``; ``docs/bug-classes.md``). The self-test
 
 1. runs the **control**, the unmutated engine, on every selected case and grades it with the
    ``exact-f64`` profile: every case must pass, or the self-test is invalid (a mutant "killed" by a
@@ -30,18 +30,25 @@ survivor none of whose kill sets had a case selected is told so.
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import re
 import tempfile
+import textwrap
 import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from .backend import Backend, BackendError
-from .expectations import Expectations
-from .report import write_output
-from .runner import FAILING, CaseResult, NoCasesSelected, SetContext, compile_select, run_case
+from ..check.expectations import Expectations
+from ..check.profiles import get_profile
+from ..check.results import FAILING, CaseResult
+from ..check.runner import run_case
+from ..check.session import Checkpoints, Selection, Session
+from ..protocol.types import Backend, BackendError
+from ..report.json_report import clean, versions, write_output
+from .engine import NumpyEngineBackend
+from .mutants import EQUIVALENT, MUTANTS
 
 __all__ = ["SCHEMA", "SCHEMA_VERSION", "DEFAULT_PROFILES", "CONTROL_PROFILE", "Verdict", "ControlResult",
            "MutantResult", "SelftestResult", "run_selftest", "default_control", "load_mutants",
@@ -325,45 +332,6 @@ def _short(s: str, limit: int = 200) -> str:
     return s if len(s) <= limit else s[: limit - 3] + "..."
 
 
-class _Plan:
-    """The loaded fixture sets, the selected cases and the materialised checkpoints, shared by every backend."""
-
-    def __init__(self, sets: Iterable, select, workdir: Path):
-        from .fixtures import FixtureSet, load_set
-
-        pattern = compile_select(select)
-        self.select = pattern.pattern if pattern is not None else None
-        self.sets = [s if isinstance(s, FixtureSet) else load_set(Path(s)) for s in sets]
-        self.chosen = [[c for c in fs.cases if pattern is None or pattern.search(c.id)] for fs in self.sets]
-        self.total = sum(len(c) for c in self.chosen)
-        if self.total == 0:
-            what = f"-k {pattern.pattern!r}" if pattern is not None else "the selection"
-            n_all = sum(len(fs.cases) for fs in self.sets)
-            raise NoCasesSelected(f"no case selected: {what} matched none of the {n_all} cases of "
-                                  f"{len(self.sets)} fixture set(s)")
-        self.workdir = workdir
-        self.model_dirs: list[Path | None] = [None] * len(self.sets)
-        self._ctx: dict[tuple[int, str], SetContext] = {}
-        self.expectations = Expectations()
-
-    def info(self) -> list[dict[str, Any]]:
-        return [{"name": str(fs.manifest.get("name", Path(fs.path).name)),
-                 "version": str(fs.manifest.get("version", "")), "path": str(fs.path),
-                 "cases_total": len(fs.cases), "cases_selected": len(ch)}
-                for fs, ch in zip(self.sets, self.chosen)]
-
-    def model_dir(self, i: int) -> Path:
-        if self.model_dirs[i] is None:  # FixtureError when the checkpoint cannot be reproduced (exit 3)
-            self.model_dirs[i] = Path(self.sets[i].model_dir(self.workdir / f"set{i}"))
-        return self.model_dirs[i]
-
-    def ctx(self, i: int, convention: str) -> SetContext:
-        key = (i, convention)
-        if key not in self._ctx:
-            self._ctx[key] = SetContext(self.sets[i], self.model_dir(i), convention)
-        return self._ctx[key]
-
-
 class _Counter:
     def __init__(self, total: int, progress: Progress | None):
         self.done = 0
@@ -375,8 +343,8 @@ class _Counter:
             self.progress(self.done, self.total, label, result)
 
 
-def _run_backend(backend: Backend, plan: _Plan, profiles: Sequence, count: _Counter, label: str
-                 ) -> tuple[dict[str, Verdict], int]:
+def _run_backend(backend: Backend, selection: Selection, checkpoints: Checkpoints, expectations: Expectations,
+                 profiles: Sequence, count: _Counter, label: str) -> tuple[dict[str, Verdict], int]:
     """Run every selected case once on ``backend`` and grade it with every profile.
 
     Returns ({profile name: Verdict}, backend.run calls). BackendError when the backend cannot be opened.
@@ -384,62 +352,39 @@ def _run_backend(backend: Backend, plan: _Plan, profiles: Sequence, count: _Coun
     verdicts = {p.name: Verdict(p.name) for p in profiles}
     claimed = backend.capabilities.to_dict()
     replay = _Replay(backend)
-    for i, chosen in enumerate(plan.chosen):
-        if not chosen:
-            continue
-        model_dir = plan.model_dir(i)
-        try:
-            backend.open(model_dir)
-        except BackendError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            raise BackendError(f"could not open {model_dir}: {type(exc).__name__}: {exc}") from exc
-        try:
-            ctx = plan.ctx(i, backend.capabilities.embedding_convention)
+    session = Session(backend, checkpoints)
+    try:
+        for fs, chosen in zip(selection.sets, selection.chosen):
+            if not chosen:
+                continue
+            ctx = session.enter(fs)
             for case in chosen:
                 count(f"{label}: {case.id}", None)
                 replay.reset()
                 first = None
                 for p in profiles:
-                    res = run_case(replay, claimed, ctx, case, p, plan.expectations)
+                    res = run_case(replay, claimed, ctx, case, p, expectations)
                     verdicts[p.name].add(res)
                     first = first or res
                 count.done += 1
                 count(f"{label}: {case.id}", first)
-        finally:
-            try:
-                backend.close()
-            except Exception:  # noqa: BLE001
-                pass
+    finally:
+        session.close()
     return verdicts, replay.calls
 
 
 def default_control() -> tuple[Backend, str | None]:
-    """The unmutated ``numpy-engine`` backend (float64) and a note; the oracle backend ``refimpl`` as a
-    stand-in, with a note saying so, only while ``conformance.backends.numpy_engine`` does not exist."""
-    from .registry import load_backend
-
-    try:
-        return load_backend(CONTROL_BACKEND), None
-    except BackendError as exc:
-        cause = exc.__cause__
-        if isinstance(cause, ModuleNotFoundError) and (cause.name or "").startswith("conformance.backends"):
-            return load_backend("refimpl"), (f"{CONTROL_BACKEND} is not installed; the control is the refimpl "
-                                             "oracle backend instead")
-        raise
+    """The unmutated numpy engine (float64), and no note."""
+    return NumpyEngineBackend(), None
 
 
 def load_mutants() -> tuple:
-    """``conformance.mutants.MUTANTS``."""
-    from .mutants import MUTANTS
-
+    """``conformance.selftest.mutants.MUTANTS``."""
     return tuple(MUTANTS)
 
 
 def load_equivalents() -> tuple:
-    """``conformance.mutants.EQUIVALENT`` as (mutant, reason) pairs."""
-    from .mutants import EQUIVALENT
-
+    """``conformance.selftest.mutants.EQUIVALENT`` as (mutant, reason) pairs."""
     return tuple(EQUIVALENT.values())
 
 
@@ -467,6 +412,7 @@ def run_selftest(
     progress: Progress | None = None,
     *,
     control: Backend | None = None,
+    control_note: str | None = None,
     control_profile: str = CONTROL_PROFILE,
     workdir: str | Path | None = None,
     equivalents: Iterable = (),
@@ -474,14 +420,12 @@ def run_selftest(
     """Run the control, then every mutant, on the selected cases of ``sets`` (paths or ``FixtureSet``s).
 
     ``profiles``: names or ``Profile``s; the first is the primary one. ``control``: the unmutated
-    backend (default: ``numpy-engine``). ``equivalents``: (mutant, reason) pairs for planted bugs that no
+    backend (default: ``numpy-engine``), ``control_note`` a note on it for the report. ``equivalents``: (mutant, reason) pairs for planted bugs that no
     float profile can see; they run after the mutants, are graded at every profile and at exact-f64,
     and count as a problem only if even exact-f64 misses them. Raises FixtureError (a broken set), NoCasesSelected,
     ValueError (bad regex or unknown profile), BackendError when the default control cannot be
     loaded. A control or mutant that cannot be opened is recorded in the result, not raised.
     """
-    from .profiles import get_profile
-
     started = _dt.datetime.now(_dt.timezone.utc)
     t0 = time.perf_counter()
     profs = [get_profile(p) for p in profiles]
@@ -497,16 +441,17 @@ def run_selftest(
         raise ValueError(f"run_selftest: mutant names are not unique: {names}")
 
     with tempfile.TemporaryDirectory(prefix="gemma4-selftest-", dir=workdir) as tmp:
-        plan = _Plan(sets, select, Path(tmp))
-        count = _Counter(plan.total * (1 + len(mutants) + len(equivalents)), progress)
+        selection = Selection(sets, select)
+        checkpoints, expectations = Checkpoints(tmp), Expectations()
+        count = _Counter(selection.total * (1 + len(mutants) + len(equivalents)), progress)
 
-        note = None
+        note = control_note
         if control is None:
             control, note = default_control()
         cname = getattr(control, "name", type(control).__name__)
         t = time.perf_counter()
         try:
-            cverdicts, _ = _run_backend(control, plan, [cprof], count, cname)
+            cverdicts, _ = _run_backend(control, selection, checkpoints, expectations, [cprof], count, cname)
             cres = ControlResult(cname, cprof.name, cverdicts[cprof.name], note=note)
         except BackendError as exc:
             cres = ControlResult(cname, cprof.name, Verdict(cprof.name), error=str(exc), note=note)
@@ -515,7 +460,9 @@ def run_selftest(
             progress(count.done, count.total, cname, cres)
 
         results: list[MutantResult] = []
-        sets_run = tuple(s["name"] for s in plan.info() if s["cases_selected"])
+        sets_info = [{"name": i.name, "version": i.version, "path": i.path, "cases_total": i.cases_total,
+                      "cases_selected": i.cases_selected} for i in selection.infos()]
+        sets_run = tuple(s["name"] for s in sets_info if s["cases_selected"])
         if cres.passed:
             planned = [(m, None, profs) for m in mutants]
             with_exact = profs + ([] if cprof.name in {p.name for p in profs} else [cprof])
@@ -528,19 +475,19 @@ def run_selftest(
                 t = time.perf_counter()
                 try:
                     backend = m.backend()
-                    mres.verdicts, mres.run_calls = _run_backend(backend, plan, mprofs, count, m.name)
+                    mres.verdicts, mres.run_calls = _run_backend(backend, selection, checkpoints, expectations, mprofs,
+                                                                 count, m.name)
                 except Exception as exc:  # noqa: BLE001 - a broken mutant fails the self-test, the rest go on
                     mres.error = _error_text(exc)
-                    count.done = plan.total * (len(results) + 2)  # as if its cases had run
+                    count.done = selection.total * (len(results) + 2)  # as if its cases had run
                 mres.duration = time.perf_counter() - t
                 results.append(mres)
                 if progress is not None:
                     progress(count.done, count.total, m.name, mres)
-        sets_info = plan.info()
 
     return SelftestResult(
-        control=cres, mutants=results, profiles=[p.name for p in profs], sets=sets_info, select=plan.select,
-        cases=plan.total, started=started, finished=_dt.datetime.now(_dt.timezone.utc),
+        control=cres, mutants=results, profiles=[p.name for p in profs], sets=sets_info, select=selection.select,
+        cases=selection.total, started=started, finished=_dt.datetime.now(_dt.timezone.utc),
         duration=time.perf_counter() - t0,
     )
 
@@ -579,8 +526,6 @@ def table_rows(result: SelftestResult, breaks_width: int | None = 48) -> list[li
         if breaks_width is None or len(text) <= breaks_width:
             rows.append(cells)
             return
-        import textwrap
-
         parts = textwrap.wrap(text, breaks_width, break_long_words=True) or [text]
         rows.append(cells[:2] + [parts[0]] + cells[3:])
         rows.extend(["", ""] + [p] + [""] * (len(cells) - 3) for p in parts[1:])
@@ -662,12 +607,10 @@ def console_summary(result: SelftestResult, breaks_width: int | None = 48) -> st
 
 
 def to_json(result: SelftestResult, *, argv: list[str] | None = None) -> dict[str, Any]:
-    from .report import _clean, _versions
-
-    return _clean({
+    return clean({
         "schema": SCHEMA,
         "schema_version": SCHEMA_VERSION,
-        "harness": _versions(),
+        "harness": versions(),
         "command": list(argv) if argv is not None else None,
         "profiles": list(result.profiles),
         "primary_profile": result.primary,
@@ -688,6 +631,4 @@ def to_json(result: SelftestResult, *, argv: list[str] | None = None) -> dict[st
 
 def write_json(result: SelftestResult, path: str | Path, **kw) -> Path:
     """Write the self-test table as JSON to ``path`` (``-``: standard output)."""
-    import json
-
     return write_output(path, json.dumps(to_json(result, **kw), indent=1, allow_nan=False) + "\n")

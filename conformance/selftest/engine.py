@@ -27,7 +27,7 @@ float64 numbers, but organised the way a serving engine is (llama.cpp is the mod
   within a sequence; -1 for text). The per-layer inputs take their table part from the pad row at
   image positions (:meth:`Engine.ple_ids`). The block ids travel like positions: the mask rows carry
   them (``Rows.block``, gathered by pruning with the same index), and every cache entry stores its
-  key's block id next to its position (``LayerKV.block``), so the mask of a KV-shared layer over a
+  key's block id next to its position (``LayerKV.blocks``), so the mask of a KV-shared layer over a
   pruned row still sees the keys of its own block. On checkpoints with
   ``use_bidirectional_attention == "vision"`` the sliding layers open same-block keys
   (:meth:`Engine.opens_vision_blocks`: ``(k > q - W) and (k <= q or same block)``); full layers stay
@@ -46,7 +46,7 @@ float64 numbers, but organised the way a serving engine is (llama.cpp is the mod
   block within one piece.
 
 Every step is a small method, so a known engine bug is a few-line override in a subclass
-(``conformance/mutants.py`` holds a zoo of them for the harness's self-test). The hooks:
+(``conformance/selftest/mutants.py`` holds a zoo of them for the harness's self-test). The hooks:
 ``Engine.next_positions``, ``prune_layer``, ``prune``, ``input_embeddings``, ``ple_ids``, ``ple_table_rows``,
 ``rope_positions``, ``norm``, ``rope``, ``values``, ``value_norm``, ``kv_source``, ``window``,
 ``attention_mask``, ``opens_vision_blocks``, ``vision_overlay``, ``attend``, ``route``, ``layer_scalar``,
@@ -66,15 +66,16 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from conformance.backend import BackendError, Request, Response
-from conformance.backends.refimpl_backend import all_capabilities, check_options
-from refimpl.audio import AudioConfig, AudioWeights
+from refimpl import RefimplError
+from refimpl.audio import AudioConfig, AudioWeights, load_audio_tower
 from refimpl.audio import audio_tower as refimpl_audio_tower
-from refimpl.model import (
-    Gemma4, apply_rope, attention, attention_mask, experts, gelu_tanh, linear, mlp, per_layer_inputs,
-    rms_norm, rope_cos_sin, rope_inv_freq, route, softcap,
-)
-from refimpl.multimodal import MultimodalTokens
+from refimpl.config import read_config_json
+from refimpl.model import Gemma4, LayerKV, experts, per_layer_inputs, rope_inv_freq, route
+from refimpl.multimodal import MultimodalTokens, load_multimodal_tokens
+from refimpl.ops import apply_rope, attention, attention_mask, gelu_tanh, linear, mlp, rms_norm, rope_cos_sin, softcap
+
+from ..backends.refimpl_backend import all_capabilities, check_options
+from ..protocol.types import BackendError, Request, Response
 
 __all__ = ["Batch", "CacheSet", "Engine", "KVView", "LayerKV", "MicroBatch", "NumpyEngineBackend", "Rows",
            "SequenceCache", "PLAIN_SEQ"]
@@ -92,17 +93,10 @@ def _no_blocks(n: int) -> np.ndarray:
 # KV cache
 
 
-@dataclass
-class LayerKV:
-    """K/V of one KV-owning layer for one sequence: post-k_norm, post-RoPE keys, post-v_norm values."""
-
-    k: np.ndarray  # [S, Kh, D]
-    v: np.ndarray  # [S, Kh, D]
-    pos: np.ndarray  # [S] absolute positions
-    block: np.ndarray  # [S] vision block id of each key (-1: a text token)
-
-    def take(self, index: np.ndarray) -> "LayerKV":
-        return LayerKV(self.k[index], self.v[index], self.pos[index], self.block[index])
+def _take(kv: LayerKV, index: np.ndarray) -> LayerKV:
+    """The entries ``index`` of one layer's K/V (refimpl's record; here ``blocks`` is always stored: the
+    vision block id of each key, -1 for a text token, kept in the cache with its position)."""
+    return LayerKV(kv.k[index], kv.v[index], kv.pos[index], kv.blocks[index])
 
 
 class SequenceCache:
@@ -124,7 +118,7 @@ class SequenceCache:
             self.layers[layer] = LayerKV(k, v, pos, block)
         else:
             self.layers[layer] = LayerKV(np.concatenate([past.k, k]), np.concatenate([past.v, v]),
-                                         np.concatenate([past.pos, pos]), np.concatenate([past.block, block]))
+                                         np.concatenate([past.pos, pos]), np.concatenate([past.blocks, block]))
 
     def advance(self, positions: np.ndarray) -> None:
         """Positions were written: the sequence now continues after the largest one."""
@@ -135,7 +129,7 @@ class SequenceCache:
         """Keep only the entries of the last ``keep`` positions (all a future query can see)."""
         kv = self.layers.get(layer)
         if kv is not None:
-            self.layers[layer] = kv.take(kv.pos >= self.length - keep)
+            self.layers[layer] = _take(kv, kv.pos >= self.length - keep)
 
     def entries(self, layer: int) -> int:
         kv = self.layers.get(layer)
@@ -539,7 +533,7 @@ class Engine:
         return KVView(k=np.concatenate([kv.k for _, kv in parts]), v=np.concatenate([kv.v for _, kv in parts]),
                       pos=np.concatenate([kv.pos for _, kv in parts]),
                       slot=np.concatenate([np.full(kv.pos.shape[0], s) for s, kv in parts]),
-                      block=np.concatenate([kv.block for _, kv in parts]))
+                      block=np.concatenate([kv.blocks for _, kv in parts]))
 
     def window(self, i: int) -> int:
         """Sliding window W: a query sees itself and W - 1 earlier keys."""
@@ -635,7 +629,7 @@ class NumpyEngineBackend:
 
     Options: ``dtype`` ("float64" or "float32"), ``embed_scale`` ("exact" or "bf16").
     Subclasses swap the engine (``engine_class``) or override a request hook (``last_row``,
-    ``piece_rows``) to plant a bug: see ``conformance/mutants.py``.
+    ``piece_rows``) to plant a bug: see ``conformance/selftest/mutants.py``.
 
     Image and audio prompts: ``last`` (entry ``embeddings``) and ``prefill`` (every piece with
     embeddings); the image and audio blocks of each call go into its batch (``Engine.batch(images=...,
@@ -664,11 +658,6 @@ class NumpyEngineBackend:
     # -- protocol -------------------------------------------------------------------------------
 
     def open(self, model_dir: Path) -> None:
-        from refimpl import RefimplError
-        from refimpl.audio import load_audio_tower
-        from refimpl.config import read_config_json
-        from refimpl.multimodal import load_multimodal_tokens
-
         try:
             model = Gemma4(model_dir, dtype=self.dtype, embed_scale=self.embed_scale)
             self.tokens = load_multimodal_tokens(model_dir)

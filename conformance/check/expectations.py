@@ -36,9 +36,12 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import re
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
+
+from .profiles import TOLERANCE_FIELDS
 
 ACTIONS = ("skip", "known-failure", "tolerance")
 SCHEMA = "gemma4-conformance/expectations"
@@ -161,9 +164,7 @@ def empty() -> Expectations:
 
 
 def _tolerance_fields() -> tuple[str, ...]:
-    """Overridable profile fields (conformance.profiles.TOLERANCE_FIELDS)."""
-    from .profiles import TOLERANCE_FIELDS
-
+    """Overridable profile fields (conformance.check.profiles.TOLERANCE_FIELDS)."""
     return tuple(TOLERANCE_FIELDS)
 
 
@@ -271,8 +272,6 @@ def load(path: str | Path, *, today: _dt.date | None = None) -> Expectations:
     except OSError as e:
         raise ExpectationsError(f"{p}: cannot read the expectations file ({e.strerror or e})") from None
     if p.suffix.lower() == ".toml":
-        import tomllib
-
         try:
             data = tomllib.loads(text.decode("utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:

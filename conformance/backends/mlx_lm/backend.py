@@ -1,0 +1,449 @@
+"""mlx-lm (Apple's MLX) as a conformance backend: ``conformance check --backend mlx-lm``.
+
+The checkpoint is loaded with mlx-lm's own loader (``mlx_lm.utils.load_model``: its ``gemma4_text``
+model for ``Gemma4ForCausalLM``, its ``gemma4`` wrapper for ``Gemma4ForConditionalGeneration``, its
+``sanitize()``), weights are cast the way ``mlx_lm.convert --dtype`` casts them, and every request
+is served through mlx-lm's own prompt caches (``mlx_lm.models.cache.make_prompt_cache(model)``:
+``KVCache`` for full-attention layers, ``RotatingKVCache(max_size=sliding_window)`` for sliding
+layers; KV-shared layers read their source layer's K/V inside the model), exactly as
+``mlx_lm.generate`` drives them: a prompt in steps that continue the cache, then one token per call.
+The request handling (validation, micro-batches, one prompt cache per sequence id, interleaved
+decode) is ``conformance.protocol.serving.CachedBackend``'s; this module supplies the mlx-lm forward.
+
+What mlx-lm does not do, and how this backend handles it:
+
+* **Config keys.** mlx-lm reads only the legacy ``global_head_dim`` / ``num_global_key_value_heads``
+  (not transformers 5.23+'s ``per_layer_config``) and has its own defaults for absent keys
+  (``use_double_wide_mlp=True``, ``num_kv_shared_layers=20``, a 4:1 ``layer_types`` pattern, a
+  262144-token ``vocab_size`` at the top of a conditional config, ...). ``open`` derives every key
+  mlx-lm reads from ``refimpl.config`` (the spec's derivation) and, where the checkpoint's
+  config.json lacks one or states it in a form mlx-lm reads differently, hands mlx-lm the derived
+  value through ``load_model(model_config=...)`` (mlx-lm's own override; nothing is written to the
+  checkpoint directory). The patch is kept in ``config_patch`` and named in every ``executed``.
+  After loading, the built model's geometry (per-layer type, head dim, KV heads, K=V, KV source,
+  FFN width, RoPE frequencies, window, softcap, PLE, MoE) is checked against refimpl's derivation:
+  a checkpoint mlx-lm cannot represent is a ``BackendError``, never a silently different model.
+* **Rows.** mlx-lm's model computes the logits of every row of a call; the requested rows are
+  selected from them (``executed["rows"]`` says so). Micro-batches are separate forwards that
+  continue the cache, as mlx-lm's ``prefill_step_size`` does.
+* **Input embeddings.** ``Model.__call__(inputs, cache, input_embeddings=...)`` takes raw
+  ``E[ids]`` (it multiplies by sqrt(H) itself) and, given the ids too, looks the per-layer
+  embeddings up by id; the backend passes both (convention ``"raw"``).
+* **dtype.** ``float32`` (default, profile ``fp32``), ``bfloat16`` and ``float16`` (profile
+  ``bf16``). ``float64`` is not offered: on the CPU build mlx's fast kernels (rms_norm, rope,
+  scaled_dot_product_attention) and tanh/softmax compute in float32 whatever the array dtype (a
+  float64 model lands at float32 accuracy, ~1e-4 on these presets), and ``gather_mm`` (the MoE
+  experts) accepts only float32. For the same reason MoE checkpoints do not run in bfloat16 or
+  float16 on the CPU build (``[GatherMM::eval] Currently only supports float32``): see the shipped
+  expectations files ``conformance/backends/mlx_lm/expectations/mlx-lm-*.json`` (used on the CPU device only), which
+  also hold the bfloat16 tolerance of the e2b-mini set (bf16 rounding on an ill-conditioned preset;
+  transformers in bf16 exceeds the same bounds).
+
+    conformance check --backend mlx-lm [--backend-option dtype=bfloat16]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+import mlx.core as mx  # the registry turns a missing mlx into an install hint (the 'mlx' extra)
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map_with_path
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load_model
+
+from refimpl import RefimplError, load_config
+from refimpl.config import FULL, SLIDING
+from refimpl.model import rope_inv_freq
+
+from ...check.profiles import PROFILES
+from ...protocol.serving import CachedBackend
+from ...protocol.types import BackendError, Capabilities, Request, Response
+
+__all__ = ["MlxLmBackend", "DTYPES", "config_patch", "EXPECTATIONS_DIR"]
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_PROFILE = {"float32": "fp32", "bfloat16": "bf16", "float16": "bf16"}
+EXPECTATIONS_DIR = Path(__file__).resolve().parent / "expectations"
+_MISSING = object()
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for dist in ("mlx", "mlx-lm"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:  # pragma: no cover - importable but not installed as a dist
+            out[dist] = "unknown"
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    """JSON-level equality with int/float equivalence (30 == 30.0), as mlx-lm would read the value."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return float(a) == float(b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _mlx_text_keys(cfg) -> dict[str, Any]:
+    """The value of every text-config key mlx-lm's ``gemma4_text.ModelArgs`` reads, derived from a
+    ``refimpl.config.TextConfig`` (which resolves both serialisations and every default)."""
+    sliding = [layer for layer in cfg.layers if layer.layer_type == SLIDING]
+    full = [layer for layer in cfg.layers if layer.layer_type == FULL]
+    keys: dict[str, Any] = {
+        "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
+        "intermediate_size": cfg.intermediate_size, "num_attention_heads": cfg.num_attention_heads,
+        "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.rms_norm_eps, "sliding_window": cfg.sliding_window,
+        "final_logit_softcapping": cfg.final_logit_softcapping,
+        "hidden_size_per_layer_input": cfg.hidden_size_per_layer_input,
+        "num_kv_shared_layers": cfg.num_kv_shared_layers, "use_double_wide_mlp": cfg.use_double_wide_mlp,
+        "attention_k_eq_v": cfg.attention_k_eq_v, "enable_moe_block": cfg.enable_moe_block,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "layer_types": list(cfg.layer_types),
+    }
+    if cfg.has_ple:
+        keys["vocab_size_per_layer_input"] = cfg.vocab_size_per_layer_input
+    if cfg.enable_moe_block:
+        keys.update(num_experts=cfg.num_experts, top_k_experts=cfg.top_k_experts,
+                    moe_intermediate_size=cfg.moe_intermediate_size)
+    # mlx-lm: sliding layers use head_dim / num_key_value_heads; full layers global_head_dim, and
+    # num_global_key_value_heads only with K=V (else num_key_value_heads). Geometry mlx-lm cannot
+    # express (e.g. per-layer overrides that differ within a type) is caught by _verify_geometry.
+    kv_layers = sliding or full
+    keys["head_dim"] = kv_layers[0].head_dim
+    keys["num_key_value_heads"] = kv_layers[0].num_kv_heads
+    if full:
+        keys["global_head_dim"] = full[0].head_dim
+        if cfg.attention_k_eq_v:
+            keys["num_global_key_value_heads"] = full[0].num_kv_heads
+    rope = {}
+    for layer in (sliding[:1] + full[:1]):
+        spec = layer.rope
+        entry: dict[str, Any] = {"rope_type": spec.rope_type, "rope_theta": spec.theta}
+        if spec.rope_type == "proportional":
+            entry.update(partial_rotary_factor=spec.partial_rotary_factor, factor=spec.factor)
+        rope[layer.layer_type] = entry
+    keys["rope_parameters"] = rope
+    return keys
+
+
+def _rope_effective(entry: Any) -> Any:
+    """How mlx-lm's initialize_rope reads one rope_parameters entry (for comparing, not writing)."""
+    if not isinstance(entry, dict):
+        return entry
+    rope_type = entry.get("rope_type", "default")
+    out = {"rope_type": rope_type, "rope_theta": float(entry.get("rope_theta", 10000.0))}
+    if rope_type == "proportional":
+        out["partial_rotary_factor"] = float(entry.get("partial_rotary_factor", 1.0))
+        out["factor"] = float(entry.get("factor", 1.0))
+    return out
+
+
+def config_patch(raw: dict, cfg) -> dict[str, dict[str, Any]]:
+    """The keys to hand mlx-lm so it builds the model refimpl derives from ``raw`` (a parsed
+    config.json) and ``cfg`` (its ``TextConfig``).
+
+    Returns ``{key: {"was": value or "absent", "now": derived value}}``; keys of the text section
+    are plain names, the conditional layout's top-level ``vocab_size`` is ``"<top>.vocab_size"``.
+    A key is patched when config.json lacks it, or states it in a form mlx-lm reads differently
+    (``per_layer_config`` instead of the legacy keys; a last layer that is not full attention,
+    which transformers and refimpl force to full).
+    """
+    text = raw.get("text_config", raw) if isinstance(raw.get("text_config"), dict) else raw
+    patch: dict[str, dict[str, Any]] = {}
+    for key, want in _mlx_text_keys(cfg).items():
+        have = text.get(key, _MISSING)
+        if key == "rope_parameters" and have is not _MISSING and isinstance(have, dict):
+            same = all(_same(_rope_effective(have.get(t)), want[t]) for t in want)
+        else:
+            same = have is not _MISSING and _same(have, want)
+        if not same:
+            patch[key] = {"was": "absent" if have is _MISSING else have, "now": want}
+    if text is not raw:  # conditional: mlx-lm's gemma4.ModelArgs copies the TOP-level vocab_size down
+        have = raw.get("vocab_size", _MISSING)
+        if have is _MISSING or not _same(have, cfg.vocab_size):
+            patch["<top>.vocab_size"] = {"was": "absent" if have is _MISSING else have, "now": cfg.vocab_size}
+    return patch
+
+
+def _model_config(raw: dict, patch: dict[str, dict[str, Any]]) -> dict | None:
+    """``load_model(model_config=...)`` for a patch (mlx-lm does ``config.update(model_config)``)."""
+    if not patch:
+        return None
+    conditional = isinstance(raw.get("text_config"), dict)
+    text_patch = {k: v["now"] for k, v in patch.items() if not k.startswith("<top>.")}
+    out: dict[str, Any] = {}
+    if conditional:
+        if text_patch:
+            out["text_config"] = {**raw["text_config"], **text_patch}
+        if "<top>.vocab_size" in patch:
+            out["vocab_size"] = patch["<top>.vocab_size"]["now"]
+    else:
+        out.update(text_patch)
+    return out
+
+
+def _inv_freq_of(rope_module, head_dim: int) -> np.ndarray:
+    """The inverse RoPE frequencies an mlx-lm rope module applies (zero where it does not rotate)."""
+    if hasattr(rope_module, "_freqs"):  # ProportionalRoPE: freqs are wavelengths, inf = no rotation
+        freqs = np.array(rope_module._freqs.astype(mx.float32), dtype=np.float64)
+        return np.where(np.isinf(freqs), 0.0, 1.0 / freqs)
+    if isinstance(rope_module, nn.RoPE) and rope_module.dims == head_dim and not rope_module.traditional:
+        return rope_module.scale / float(rope_module.base) ** (np.arange(0, head_dim, 2) / head_dim)
+    raise BackendError(f"mlx-lm backend: unexpected RoPE module {type(rope_module).__name__} "
+                       f"({vars(rope_module)}); this backend cannot check it against the spec")
+
+
+class MlxLmBackend(CachedBackend):
+    """mlx-lm behind the backend protocol (``conformance.backend.Backend``).
+
+    Options: ``dtype`` ("float32" default, "bfloat16", "float16"): the compute and weight dtype,
+    weights cast with mlx as ``mlx_lm.convert --dtype`` does; ``default_profile`` (default "fp32"
+    for float32, "bf16" for bfloat16 and float16).
+    """
+
+    who = "mlx-lm backend"
+
+    def __init__(self, dtype: str = "float32", default_profile: str | None = None):
+        super().__init__()
+        if dtype not in DTYPES:
+            hint = ""
+            if dtype in ("float64", "f64"):
+                hint = (" (float64 is not offered: mlx's CPU fast kernels compute in float32 and its "
+                        "gather_mm, used by MoE, accepts float32 only)")
+            raise ValueError(f"mlx-lm backend: option dtype must be one of "
+                             f"{', '.join(repr(d) for d in DTYPES)}, got {dtype!r}{hint}")
+        if default_profile is None:
+            default_profile = DEFAULT_PROFILE[dtype]
+
+        if default_profile not in PROFILES:
+            raise ValueError(f"mlx-lm backend: option default_profile must be one of "
+                             f"{', '.join(repr(p) for p in PROFILES)}, got {default_profile!r}")
+        self.dtype = dtype
+        self.name = f"mlx-lm-{dtype}"
+        self.capabilities = Capabilities(
+            full_forward=True, last_plain=True, last_seq_id=True, last_embeddings=True,
+            embedding_convention="raw", interior_rows=True, output_rows=True, ubatch=True,
+            chunked_prefill=True, multi_sequence=True, decode=True, default_profile=default_profile,
+        )
+        # the shipped expectations were measured on (and are about) mlx's CPU build
+        shipped = EXPECTATIONS_DIR / f"{self.name}.json"
+        on_cpu = mx.default_device().type == mx.cpu
+        self.expectations_file = shipped if (on_cpu and shipped.is_file()) else None
+        self.text_config = None  # refimpl.config.TextConfig of the open checkpoint
+        self.config_patch: dict[str, dict[str, Any]] = {}
+        self.load_info: dict[str, Any] = {}
+        self.unsupported: str | None = None
+        self._prompt_cache: dict[str, int] = {}  # cache class -> layers, as make_prompt_cache(model) builds it
+
+    # -- protocol -------------------------------------------------------------------------------
+
+    def open(self, model_dir: Path) -> None:
+        model_dir = Path(model_dir)
+        try:
+            cfg = load_config(model_dir)
+            raw = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        except (RefimplError, OSError, ValueError) as exc:
+            raise BackendError(f"mlx-lm backend cannot open {model_dir}: {exc}") from exc
+        patch = config_patch(raw, cfg)
+        try:
+            model, _ = load_model(model_dir, model_config=_model_config(raw, patch))
+        except Exception as exc:  # noqa: BLE001 - whatever mlx-lm raises, name the loader and the directory
+            raise BackendError(f"mlx-lm backend: mlx_lm.utils.load_model cannot load {model_dir}: "
+                               f"{type(exc).__name__}: {exc}") from exc
+        stored = sorted({str(v.dtype).removeprefix("mlx.core.") for _, v in tree_flatten(model.parameters())})
+        target = getattr(mx, self.dtype)
+        cast_predicate = getattr(model, "cast_predicate", lambda _: True)
+        # what mlx_lm.convert --dtype does: every floating parameter to the dtype
+        model.update(_cast(model.parameters(), target, cast_predicate))
+        mx.eval(model.parameters())
+        self.model = model
+        self.text_config = cfg
+        self.config_patch = patch
+        try:
+            self._verify_geometry()
+            self.unsupported = self._warm_up()
+        except BaseException:
+            self.close()
+            raise
+        caches = self._cache_kinds()
+        self.load_info = {
+            "loader": "mlx_lm.utils.load_model", "model_class": f"{type(model).__module__}.{type(model).__name__}",
+            "architecture": cfg.architecture, "serialisation": cfg.serialisation,
+            "stored_dtypes": stored, "dtype": self.dtype, "versions": _versions(),
+            "config_patch": patch, "caches": caches, "unsupported": self.unsupported,
+        }
+        self._prompt_cache = {kind: caches.count(kind) for kind in dict.fromkeys(caches)}
+
+    def close(self) -> None:
+        self.model = None
+        self.text_config = None
+        self.unsupported = None
+        self._prompt_cache = {}
+        self._states = {}
+
+    def run(self, request: Request) -> Response:
+        """CachedBackend's request handling (a fresh prompt cache per request), unless this checkpoint
+        cannot run at all in this dtype on this device (``unsupported``, found at open)."""
+        if self.unsupported:
+            raise RuntimeError(self.unsupported)
+        return super().run(request)
+
+    # -- checks at open -------------------------------------------------------------------------
+
+    def _text_model(self):
+        """mlx-lm's gemma4_text.Model (inside the gemma4 wrapper for the conditional layout)."""
+        return getattr(self.model, "language_model", self.model)
+
+    def _warm_up(self) -> str | None:
+        """One single-token forward through a throwaway prompt cache: mlx compiles its kernels on the
+        first call (seconds), and a dtype the CPU build cannot run shows here. Returns None, or why
+        every request on this checkpoint will fail (MoE in bfloat16/float16: see the module doc)."""
+        try:
+            self._call([self.text_config.bos_token_id or 0], make_prompt_cache(self.model))
+        except RuntimeError as exc:
+            if self.text_config.enable_moe_block and self.dtype != "float32" and "GatherMM" in str(exc):
+                return (f"mlx-lm backend: this checkpoint has MoE blocks, whose experts mlx-lm runs through "
+                        f"mx.gather_mm (SwitchGLU); mlx {_versions()['mlx']} on {mx.default_device()} runs "
+                        f"gather_mm in float32 only ({exc}), so mlx-lm cannot run this model in {self.dtype} "
+                        f"on this device; use dtype=float32")
+            raise BackendError(f"mlx-lm backend: a one-token forward of the loaded model fails: "
+                               f"{type(exc).__name__}: {exc}") from exc
+        return None
+
+    def _cache_kinds(self) -> list[str]:
+        return [type(c).__name__ for c in make_prompt_cache(self.model)]
+
+    def _verify_geometry(self) -> None:
+        """The built mlx-lm model must be the model refimpl derives from config.json."""
+        cfg = self.text_config
+        lm = self._text_model()
+        inner = lm.model
+        problems = []
+
+        def check(what, got, want):
+            if not _same(got, want):
+                problems.append(f"{what}: mlx-lm has {got!r}, the config means {want!r}")
+
+        check("number of layers", len(inner.layers), cfg.num_hidden_layers)
+        check("vocab_size", inner.embed_tokens.weight.shape[0], cfg.vocab_size)
+        check("sliding_window", inner.window_size, cfg.sliding_window)
+        check("final_logit_softcapping", lm.final_logit_softcapping, cfg.final_logit_softcapping)
+        check("tie_word_embeddings", lm.tie_word_embeddings, cfg.tie_word_embeddings)
+        check("embedding scale", inner.embed_scale, math.sqrt(cfg.hidden_size))
+        check("hidden_size_per_layer_input", inner.hidden_size_per_layer_input or 0, cfg.hidden_size_per_layer_input)
+        check("final norm eps", inner.norm.eps, cfg.rms_norm_eps)
+        for spec, layer, prev in zip(cfg.layers, inner.layers, inner.previous_kvs):
+            i, attn = spec.index, layer.self_attn
+            check(f"layer {i} type", layer.layer_type, spec.layer_type)
+            check(f"layer {i} head_dim", attn.head_dim, spec.head_dim)
+            check(f"layer {i} KV heads", attn.n_kv_heads, spec.num_kv_heads)
+            check(f"layer {i} K=V", attn.use_k_eq_v, spec.k_eq_v)
+            check(f"layer {i} KV source", prev, spec.kv_source)
+            check(f"layer {i} owns K/V", attn.has_kv, spec.owns_kv)
+            check(f"layer {i} FFN width", layer.mlp.gate_proj.weight.shape[0], spec.ffn_width)
+            check(f"layer {i} MoE", layer.enable_moe, cfg.enable_moe_block)
+            check(f"layer {i} norm eps", layer.input_layernorm.eps, cfg.rms_norm_eps)
+            want = rope_inv_freq(spec.rope, spec.head_dim)
+            got = _inv_freq_of(attn.rope, spec.head_dim)
+            if got.shape != want.shape or not np.allclose(got, want, rtol=1e-6, atol=0.0):
+                problems.append(f"layer {i} RoPE inverse frequencies: mlx-lm has {got.tolist()}, "
+                                f"the config means {want.tolist()}")
+        if cfg.enable_moe_block:
+            router = inner.layers[0].router
+            check("num_experts", router.config.num_experts, cfg.num_experts)
+            check("top_k_experts", router.config.top_k_experts, cfg.top_k_experts)
+        if problems:
+            raise BackendError("mlx-lm backend: mlx-lm builds a different model than the checkpoint's "
+                               "config.json describes (mlx-lm cannot express this configuration): "
+                               + "; ".join(problems))
+
+    # -- engine hooks ---------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text_config.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text_config.hidden_size
+
+    @property
+    def out_dtype(self):
+        return np.float32
+
+    def _new_state(self) -> list:
+        return make_prompt_cache(self.model)
+
+    def _state_len(self, state: list) -> int:
+        return int(state[0].offset)
+
+    def _call(self, tokens: Sequence[int], cache: list, embeddings: np.ndarray | None = None) -> mx.array:
+        """One mlx-lm forward continuing ``cache``: logits of every row, [T, V]; the cache is evaluated
+        afterwards, as mlx_lm.generate does after each prefill step."""
+        ids = mx.array([[int(t) for t in tokens]], dtype=mx.int32)
+        kwargs = {}
+        if embeddings is not None:
+            kwargs["input_embeddings"] = mx.array(np.asarray(embeddings, dtype=np.float32)[None]).astype(
+                getattr(mx, self.dtype))
+        logits = self.model(ids, cache=cache, **kwargs)[0]
+        mx.eval(logits, [c.state for c in cache])
+        return logits
+
+    @staticmethod
+    def _rows(logits: mx.array, rows: Sequence[int]) -> np.ndarray:
+        """The requested rows as float32 NumPy (bfloat16/float16 widen exactly)."""
+        if not rows:
+            return np.empty((0, logits.shape[-1]), dtype=np.float32)
+        picked = logits[mx.array([int(r) for r in rows], dtype=mx.int32)].astype(mx.float32)
+        return np.array(picked)
+
+    def _forward(self, tokens: Sequence[int], rows: list[int], state: list,
+                 embeddings: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
+        """mlx-lm computes every row of the call (its K/V enter the prompt cache ``state``); the
+        requested ``rows`` are selected from its logits."""
+        return self._rows(self._call(tokens, state, embeddings), rows), {}
+
+    def _executed(self, path: str, **extra) -> dict[str, Any]:
+        out = {"path": path, "dtype": self.dtype, "fresh_state": True,
+               "cache": "mlx_lm.models.cache.make_prompt_cache(model)", "prompt_cache": self._prompt_cache,
+               "rows": "every row computed by the mlx-lm forward; requested rows selected from its logits",
+               "config_patch": self.config_patch, **extra}
+        return out
+
+    def _notes(self, request: Request) -> dict[str, Any]:
+        """full: the rows returned; last: the rows computed and how embeddings went in; multi: whether
+        decode was interleaved."""
+        if request.kind == "full":
+            return {"rows_returned": len(request.tokens)}
+        if request.kind == "last":
+            notes: dict[str, Any] = {"rows_computed": len(request.tokens)}
+            if request.entry == "embeddings":
+                notes["input_embeddings"] = ("raw E[ids] as Model(ids, input_embeddings=...); mlx-lm scales by "
+                                             "sqrt(H) and looks the per-layer embeddings up by the ids")
+            return notes
+        if request.kind == "multi":
+            return {"interleaved_decode": bool(request.decode)}
+        return {}
+
+
+def _cast(params, dtype, cast_predicate):
+    """Every floating parameter to ``dtype``, as ``mlx_lm.convert --dtype`` casts them."""
+
+    def cast(path, v):
+        if cast_predicate(path) and mx.issubdtype(v.dtype, mx.floating):
+            return v.astype(dtype)
+        return v
+
+    return tree_map_with_path(cast, params)

@@ -1,0 +1,133 @@
+"""How a request is built for a case at check time (``build_request``), how the response is split into the
+case's row groups (``response_groups``), and the input embeddings of the ``embeddings`` entry point in the
+backend's convention (``Embedder``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from refimpl.config import load_config
+from refimpl.weights import Gemma4Weights
+
+from ..protocol.types import Piece, Request, Response
+from ..sets.case import BaseMedia, Case, prompt_length, row_groups
+
+def _ids(x) -> tuple[int, ...]:
+    return tuple(int(t) for t in x)
+
+
+def _images_within(images: Sequence[tuple[int, int]], T: int) -> tuple[tuple[int, int], ...]:
+    """The image blocks that start within the first T positions (a case never cuts one)."""
+    return tuple((int(s), int(n)) for s, n in images if s < T)
+
+
+def build_request(case: Case, bases: Mapping[str, np.ndarray], embed: Callable[[np.ndarray], np.ndarray],
+                  media: Mapping[str, BaseMedia] | None = None) -> Request:
+    """The backend request. bases maps base id -> token ids (np int64). embed(ids) -> [T, H] float64
+    embeddings in the backend's convention (scaled or raw); only called for entry 'embeddings' on text
+    bases. ``media`` maps each image base to its ``BaseMedia`` (embeddings already in the backend's
+    convention): a case on an image base sends those rows and the image blocks it contains."""
+    m = (media or {}).get(case.base) if case.kind != "multi" else None
+    if case.kind == "multi":
+        return Request(
+            kind="multi",
+            sequences=tuple(_ids(bases[b][:n]) for b, n, _, _ in case.sequences),
+            seq_ids=tuple(int(sid) for _, _, sid, _ in case.sequences),
+            decode=tuple(_ids(bases[b][n:n + d]) for b, n, _, d in case.sequences)
+            if any(d > 0 for *_, d in case.sequences) else (),
+        )
+    base = bases[case.base]
+    T = prompt_length(case)
+    decode = _ids(base[T:T + case.decode_len])
+    if case.kind == "full":
+        return Request(kind="full", tokens=_ids(base[:T]), decode=decode)
+    images = _images_within(m.images, T) if m is not None else ()
+    audio = _images_within(m.audio, T) if m is not None else ()
+    audio_inputs = tuple(m.audio_inputs[:len(audio)]) if m is not None else ()
+    if case.kind == "last":
+        tokens = _ids(base[:T])
+        embeddings = None
+        if m is not None:
+            embeddings = np.asarray(m.embeddings[:T], dtype=np.float64)
+        elif case.entry == "embeddings":
+            embeddings = np.asarray(embed(np.asarray(tokens, dtype=np.int64)), dtype=np.float64)
+        return Request(kind="last", tokens=tokens, entry=case.entry, last_pos=case.last_pos, seq_id=case.seq_id,
+                       embeddings=embeddings, decode=decode, images=images, audio=audio, audio_inputs=audio_inputs)
+    if case.kind == "prefill":
+        pieces, offset = [], 0
+        for n, rows in case.pieces:
+            rows_embeddings = None if m is None else np.asarray(m.embeddings[offset:offset + n], dtype=np.float64)
+            pieces.append(Piece(tokens=_ids(base[offset:offset + n]), rows=tuple(int(r) for r in rows),
+                                embeddings=rows_embeddings))
+            offset += n
+        return Request(kind="prefill", pieces=tuple(pieces), ubatch=case.ubatch, decode=decode, images=images,
+                       audio=audio, audio_inputs=audio_inputs)
+    raise ValueError(f"case {case.id}: unknown kind {case.kind!r}")
+
+
+def _array(x) -> np.ndarray | None:
+    return None if x is None else np.asarray(x)
+
+
+def response_groups(case: Case, response: Response) -> list[np.ndarray | None]:
+    """Split a Response into arrays matching row_groups(case) (logits, then decode group(s)).
+
+    Shapes are not checked here (the grader does); a missing group is None.
+    """
+    groups = row_groups(case)
+    out: list[np.ndarray | None] = [_array(response.logits)]
+    if len(groups) == 1:
+        return out
+    dl = response.decode_logits
+    if case.kind != "multi":
+        out.append(_array(dl))
+        return out
+    n = len(groups) - 1
+    for s in range(n):
+        if dl is None:
+            out.append(None)
+        elif isinstance(dl, np.ndarray) and dl.ndim == 3:
+            out.append(dl[s] if s < dl.shape[0] else None)
+        elif isinstance(dl, (list, tuple)):
+            out.append(_array(dl[s]) if s < len(dl) else None)
+        else:
+            out.append(None)
+    return out
+
+
+class Embedder:
+    """Input embeddings for the 'embeddings' entry, in the backend's convention, from the checkpoint.
+
+    scaled: E[ids] * sqrt(H) with the exact float64 sqrt; raw: E[ids]. Read with refimpl's reader.
+    """
+
+    def __init__(self, model_dir: Path, convention: str):
+        self.model_dir = model_dir
+        self.convention = convention
+        self._weights = None
+        self._scale = 1.0
+
+    def __call__(self, ids) -> np.ndarray:
+        if self._weights is None:
+
+            cfg = load_config(self.model_dir)
+            self._weights = Gemma4Weights(self.model_dir, cfg, np.float64)
+            self._scale = math.sqrt(cfg.hidden_size) if self.convention == "scaled" else 1.0
+        rows = self._weights.rows("embed_tokens.weight", np.asarray(ids, dtype=np.int64))
+        rows = np.asarray(rows, dtype=np.float64)
+        return rows * self._scale if self.convention == "scaled" else rows
+
+
+def without_decode(case: Case) -> Case:
+    """The same case with its decode steps removed (for backends that do not claim decode)."""
+    return replace(
+        case, decode_len=0, sequences=tuple((b, n, sid, 0) for b, n, sid, _ in case.sequences),
+        golden_tokens=tuple(case.golden_tokens[:1]),
+    )
+
+

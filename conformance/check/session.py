@@ -1,0 +1,190 @@
+"""A backend opened on fixture sets, one set at a time: the one loop every runner of cases shares
+(``conformance check``, the self-test, the pytest plugin).
+
+``Checkpoints`` materialises each set's checkpoint once in a working directory (synthetic sets regenerate
+theirs from preset and seed, external sets are checked where they are) and keeps each set's
+``SetContext``: what grading its cases needs. ``Session`` opens a backend on one set (closing the one
+before), so that ``enter(fs)`` is all a runner calls before running that set's cases, and ``close()``
+after the last.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from refimpl.tokenizer import Tokenizer
+
+from ..protocol.types import Backend, BackendError, required_capabilities
+from ..sets.fixture_set import FixtureSet
+from ..sets.format import MANIFEST, sha256_file
+from ..sets.integrity import load_set
+from .requests import Embedder, build_request
+from .results import SetInfo
+
+
+class NoCasesSelected(Exception):
+    """No case of the fixture sets matched the selection (exit code 5)."""
+
+
+def compile_select(select: str | re.Pattern | None) -> re.Pattern | None:
+    """Compile a -k regex; ValueError with a readable message when invalid."""
+    if select is None or isinstance(select, re.Pattern):
+        return select
+    try:
+        return re.compile(select)
+    except re.error as e:
+        raise ValueError(f"-k: not a valid regular expression ({e}): {select!r}") from None
+
+
+class Selection:
+    """The fixture sets of a run (paths or loaded ``FixtureSet``s; each loaded and verified: FixtureError)
+    and the cases ``select`` (a -k regex) chooses of each. NoCasesSelected when it chooses none."""
+
+    def __init__(self, sets: Iterable, select: str | re.Pattern | None = None):
+        pattern = compile_select(select)
+        self.select = pattern.pattern if pattern is not None else None
+        self.sets = [s if isinstance(s, FixtureSet) else load_set(Path(s)) for s in sets]
+        self.chosen = [[c for c in fs.cases if pattern is None or pattern.search(c.id)] for fs in self.sets]
+        self.total = sum(len(c) for c in self.chosen)
+        if self.total == 0:
+            what = f"-k {pattern.pattern!r}" if pattern is not None else "the selection"
+            n_all = sum(len(fs.cases) for fs in self.sets)
+            raise NoCasesSelected(f"no case selected: {what} matched none of the {n_all} cases of "
+                                  f"{len(self.sets)} fixture set(s)")
+
+    def infos(self) -> list[SetInfo]:
+        """One SetInfo per set, for the report."""
+        out = []
+        for fs, chosen in zip(self.sets, self.chosen):
+            m = fs.manifest
+            out.append(SetInfo(
+                name=str(m.get("name", Path(fs.path).name)), version=str(m.get("version", "")),
+                path=str(fs.path), manifest_sha256=sha256_file(Path(fs.path) / MANIFEST),
+                model=_model_summary(m), cases_total=len(fs.cases), cases_selected=len(chosen),
+            ))
+        return out
+
+
+def _model_summary(manifest: dict) -> dict[str, Any]:
+    model = manifest.get("model")
+    if not isinstance(model, dict):
+        return {}
+    keep = {}
+    for k, v in model.items():
+        if isinstance(v, (str, int, float, bool)) or v is None:
+            keep[k] = v
+    return keep
+
+
+class SetContext:
+    """What grading the cases of one opened fixture set needs: bases, oracle logits, embedder, tokenizer."""
+
+    def __init__(self, fs, model_dir: Path, convention: str):
+        self.fs = fs
+        self.name = str(fs.manifest.get("name", Path(fs.path).name))
+        self.model_dir = model_dir
+        self.bases = fs.bases()
+        self.base_logits = fs.base_logits()
+        self.embed = Embedder(model_dir, convention)
+        self.media = fs.media(convention)
+        self.pieces = token_pieces(model_dir)
+
+    def claimable(self, case, claimed: dict) -> bool:
+        """Whether the backend claims what ``case`` needs (decode aside, which is dropped when unclaimed).
+        A case whose request cannot be built counts as claimable: running it reports the harness error."""
+        try:
+            need = required_capabilities(build_request(case, self.bases, self.embed, self.media))
+        except Exception:  # noqa: BLE001
+            return True
+        return all(claimed.get(n, False) for n in need if n != "decode")
+
+
+def token_pieces(model_dir: Path) -> Callable[[list[int]], list[str] | None]:
+    """A function mapping token ids to tokenizer pieces (None when the checkpoint has no tokenizer)."""
+    try:
+        tok = Tokenizer.from_dir(model_dir)
+    except Exception:  # noqa: BLE001 - pieces are a nicety; never fail the run over them
+        tok = None
+
+    def pieces(ids: list[int]) -> list[str] | None:
+        if tok is None:
+            return None
+        out = []
+        for i in ids:
+            try:
+                out.append(tok.piece(int(i)) if 0 <= int(i) < tok.vocab_size else f"<id {int(i)}>")
+            except Exception:  # noqa: BLE001
+                out.append(f"<id {int(i)}>")
+        return out
+
+    return pieces
+
+
+class Checkpoints:
+    """Each fixture set's checkpoint, materialised once under ``workdir``, and its SetContext per embedding
+    convention. ``model_dir`` raises FixtureError when a checkpoint does not match its set (exit 3)."""
+
+    def __init__(self, workdir: str | Path):
+        self.workdir = Path(workdir)
+        self._dirs: dict[int, Path] = {}
+        self._contexts: dict[tuple[int, str], SetContext] = {}
+
+    def model_dir(self, fs) -> Path:
+        key = id(fs)
+        if key not in self._dirs:
+            self._dirs[key] = Path(fs.model_dir(self.workdir / f"set{len(self._dirs)}"))
+        return self._dirs[key]
+
+    def context(self, fs, convention: str) -> SetContext:
+        key = (id(fs), convention)
+        if key not in self._contexts:
+            self._contexts[key] = SetContext(fs, self.model_dir(fs), convention)
+        return self._contexts[key]
+
+
+class Session:
+    """``backend`` opened on one set at a time. ``calls`` makes the backend's calls (default: the backend
+    itself; ``conformance.check.runner`` passes one that enforces the case timeout), with ``open`` and
+    ``close`` like the backend's."""
+
+    def __init__(self, backend: Backend, checkpoints: Checkpoints, calls: Any = None):
+        self.backend = backend
+        self.calls = calls if calls is not None else backend
+        self.checkpoints = checkpoints
+        self.current = None  # the fixture set the backend is open on
+
+    def context(self, fs) -> SetContext:
+        """The set's context in the backend's embedding convention, without opening the backend."""
+        return self.checkpoints.context(fs, self.backend.capabilities.embedding_convention)
+
+    def enter(self, fs) -> SetContext:
+        """Open the backend on ``fs`` (closing the set before); its SetContext. BackendError when it cannot be
+        opened (any exception, SystemExit too; KeyboardInterrupt passes)."""
+        ctx = self.context(fs)
+        if self.current is fs:
+            return ctx
+        self.close()
+        try:
+            self.calls.open(Path(ctx.model_dir))
+        except (BackendError, KeyboardInterrupt):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - cannot open: the run stops (exit 4)
+            raise BackendError(f"backend {getattr(self.backend, 'name', '?')!r} could not open "
+                               f"{fs.manifest.get('name', fs.path)} ({ctx.model_dir}): "
+                               f"{type(exc).__name__}: {exc}") from exc
+        self.current = fs
+        return ctx
+
+    def close(self) -> None:
+        """Close the backend on its set, if open; a failing close does not hide the results."""
+        if self.current is None:
+            return
+        self.current = None
+        try:
+            self.calls.close()
+        except KeyboardInterrupt:
+            raise
+        except BaseException:  # noqa: BLE001
+            pass

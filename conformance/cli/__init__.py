@@ -1,0 +1,163 @@
+"""``conformance``: the conformance gate's command line (check, list, generate, verify, selftest,
+scoreboard).
+
+    conformance check --backend NAME|module:attr [--fixtures DIR ...] [--profile P]
+                      [--expectations FILE | --no-shipped-expectations] [-k REGEX]
+                      [--json FILE] [--junit-xml FILE] [--backend-option KEY=VALUE ...] [-q] [-v]
+    conformance list backends|cases|profiles [--fixtures DIR ...] [-k REGEX]
+    conformance generate (--model DIR | --preset NAME [--seed N]) [--prompts FILE.jsonl] --out DIR
+                         [--name N] [--version V] [--cases auto|text|images|audio|all] [--image FILE ...]
+                         [--audio FILE.wav ...] [--workers N | --cluster ADDRESS]
+    conformance verify DIR ... [--recompute]
+    conformance selftest [--fixtures DIR ...] [--mutant REGEX] [-k REGEX] [--json FILE] [-q]
+    conformance scoreboard REPORT.json ... [--out FILE.md | --into PAGE.md] [--title T]
+
+Exit codes: 0 all selected cases pass (xfail, skipped and not-claimed allowed); 1 some case is fail,
+error or xpass; 2 usage error (bad arguments, bad expectations file, unknown profile, bad regex);
+3 fixture integrity error; 4 backend error (cannot be found, loaded or opened); 5 no case run (-k
+matched no case, or every selected case is not claimed or skipped). User errors print one
+``conformance: error:`` line, never a traceback. See docs/conformance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from ..check.runner import interrupt_signal, stop_signals
+from .check import cmd_check, cmd_list, cmd_scoreboard
+from .common import EXIT_PIPE, EXIT_USAGE, PROG, Parser, UsageError, err, positive_seconds, silence_stdout
+from .generate import cmd_generate, cmd_verify
+from .selftest import cmd_selftest
+
+__all__ = ["build_parser", "main"]
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog=PROG, description="Conformance gate for Gemma 4 inference engines against the exact "
+                                       "float64 refimpl oracle. See docs/conformance.md.")
+    sub = p.add_subparsers(dest="command", metavar="{check,list,generate,verify,selftest,scoreboard}", parser_class=Parser)
+    sub.required = True
+
+    c = sub.add_parser("check", help="run the fixture sets' cases on a backend and grade them",
+                       description="Run the selected cases of the fixture sets on a backend and grade every "
+                                   "returned logits row against the oracle's float64 rows. Exit codes: 0 pass, "
+                                   "1 fail/error/xpass, 2 usage, 3 fixture integrity, 4 backend, 5 no case run.")
+    c.add_argument("--backend", required=True, metavar="NAME|module:attr",
+                   help="a registered backend name (see 'conformance list backends') or module:attr")
+    c.add_argument("--fixtures", nargs="+", action="extend", metavar="DIR",
+                   help="fixture set directories, or directories holding sets (default: the bundled sets)")
+    c.add_argument("--profile", metavar="P", help="grading profile (default: the backend's default_profile)")
+    c.add_argument("--expectations", metavar="FILE", help="expectations file (JSON, or TOML for *.toml); "
+                   "default: the file the backend ships for its configuration, if any")
+    c.add_argument("--no-shipped-expectations", action="store_true",
+                   help="grade without the expectations file the backend ships")
+    c.add_argument("-k", metavar="REGEX", help="run only the cases whose id matches REGEX (re.search)")
+    c.add_argument("--json", metavar="FILE", help="write the JSON report (schema v1); - for standard output")
+    c.add_argument("--junit-xml", metavar="FILE", help="write a JUnit XML report; - for standard output")
+    c.add_argument("--backend-option", action="append", metavar="KEY=VALUE",
+                   help="keyword argument for the backend's class or factory (repeatable)")
+    c.add_argument("--isolate", action="store_true",
+                   help="run a Python backend in a child process behind the subprocess protocol: a backend that "
+                        "exits, crashes or hangs costs one case (an error) and the child is restarted")
+    c.add_argument("--case-timeout", type=positive_seconds, metavar="SECONDS",
+                   help="a case whose request takes longer is an error (check 'timeout'); a backend in a child "
+                        "process (--isolate, subprocess, llama-cpp) is restarted, an in-process one ends the run")
+    c.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    c.add_argument("-v", "--verbose", action="store_true", help="details of every failing case, not only the first")
+
+    ls = sub.add_parser("list", help="list backends, cases or profiles")
+    ls.add_argument("what", choices=("backends", "cases", "profiles"))
+    ls.add_argument("--fixtures", nargs="+", action="extend", metavar="DIR",
+                    help="fixture sets for 'list cases' (default: the bundled sets)")
+    ls.add_argument("-k", metavar="REGEX", help="only the cases whose id matches REGEX")
+
+    g = sub.add_parser("generate", help="generate a fixture set with the oracle (the only writer of goldens)")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", metavar="DIR", help="a checkpoint directory (config.json, safetensors, tokenizer)")
+    src.add_argument("--preset", metavar="NAME", help="a refimpl synthetic preset (see 'refimpl synth')")
+    g.add_argument("--seed", type=int, default=None, help="weights seed for --preset (default 0)")
+    g.add_argument("--prompts", metavar="FILE.jsonl", help="extra bases from your prompts (one JSON object a line)")
+    g.add_argument("--cases", choices=("auto", "text", "images", "audio", "all"), default="auto",
+                   help="which case matrix: text, images (image prompts: bases I0, I1), audio (audio prompts: bases "
+                        "S0, S1), or all (text plus what the checkpoint's towers allow; auto, the default, is the same)")
+    g.add_argument("--image", action="append", metavar="FILE",
+                   help="an image for the image bases (repeat for more; PNG/PPM natively, other formats with "
+                        "pillow); default: synthetic images")
+    g.add_argument("--audio", action="append", metavar="FILE.wav",
+                   help="a 16 kHz WAV clip for the audio bases (repeat for more); default: synthetic clips")
+    g.add_argument("--out", required=True, metavar="DIR", help="the new set's directory (must not exist)")
+    g.add_argument("--name", metavar="N", help="set name (default: the preset or model directory name)")
+    g.add_argument("--version", metavar="V", help="set version, semver (default 1.0.0)")
+    where = g.add_mutually_exclusive_group()
+    where.add_argument("--workers", type=int, metavar="N",
+                       help="local worker processes, one job (base) each at a time (default: the CPU count; 1 runs "
+                            "everything in this process)")
+    where.add_argument("--cluster", metavar="ADDRESS",
+                       help="run the jobs on a Dask distributed cluster: its scheduler's address, e.g. "
+                            "tcp://host:8786 (needs gemma4-conformance[cluster]; the model and --out's parent must be "
+                            "on storage every worker sees at the same path; docs/distributed-generation.md)")
+    g.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+
+    v = sub.add_parser("verify", help="check fixture sets' schema and sha256 digests")
+    v.add_argument("dirs", nargs="+", metavar="DIR")
+    v.add_argument("--recompute", action="store_true",
+                   help="also recompute every base's logits with the oracle (slow for real checkpoints)")
+
+    st = sub.add_parser("selftest", help="check that the gate kills a deliberately broken engine per bug class",
+                        description="Run the harness on the unmutated numpy-engine (the control, which must pass "
+                                    "every case at exact-f64) and on its mutants (one planted bug each), graded "
+                                    "at fp32 (the verdict) and at bf16 and q8 (for information), and print which "
+                                    "mutants are killed and by which check. Exit codes: 0 every mutant killed at "
+                                    "fp32 by a check that matches its bug, 1 a survivor, a non-matching kill, a "
+                                    "broken mutant or a failing control, 2 usage, 3 fixture integrity, 4 backend, "
+                                    "5 no case selected. "
+                                    "See docs/bug-classes.md.")
+    st.add_argument("--fixtures", nargs="+", action="extend", metavar="DIR",
+                    help="fixture set directories, or directories holding sets (default: the bundled sets)")
+    st.add_argument("--mutant", metavar="REGEX", help="only the mutants whose name matches REGEX (re.search), "
+                                                     "or whose bug class is REGEX")
+    st.add_argument("-k", metavar="REGEX", help="run only the cases whose id matches REGEX (re.search)")
+    st.add_argument("--json", metavar="FILE", help="write the self-test table as JSON")
+    st.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    st.add_argument("-v", "--verbose", action="store_true", help="do not wrap the 'breaks' column")
+
+    sb = sub.add_parser("scoreboard", help="a Markdown table of several check reports, one column per run",
+                        description="Read JSON reports written by 'conformance check --json' and print a "
+                                    "Markdown scoreboard: per run, per entry point and per feature, passed/graded "
+                                    "with the worst max_abs and KL, then every case that deviates and why.")
+    sb.add_argument("reports", nargs="+", metavar="REPORT.json")
+    where = sb.add_mutually_exclusive_group()
+    where.add_argument("--out", metavar="FILE.md", help="write to FILE.md instead of standard output")
+    where.add_argument("--into", metavar="PAGE.md", help="replace the text between the lines "
+                       "'<!-- scoreboard:begin -->' and '<!-- scoreboard:end -->' of PAGE.md")
+    sb.add_argument("--title", default="Conformance scoreboard", help="the page title")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as e:  # --help / --version
+            return int(e.code or 0) if not isinstance(e.code, str) else EXIT_USAGE
+        commands = {"check": lambda: cmd_check(args, argv), "list": lambda: cmd_list(args),
+                    "generate": lambda: cmd_generate(args), "verify": lambda: cmd_verify(args),
+                    "selftest": lambda: cmd_selftest(args, argv), "scoreboard": lambda: cmd_scoreboard(args)}
+        if args.command not in commands:
+            raise UsageError(f"unknown command {args.command!r}")
+        with stop_signals():  # SIGTERM and SIGHUP end a command as Ctrl-C does
+            return commands[args.command]()
+    except UsageError as e:
+        err(str(e))
+        return EXIT_USAGE
+    except KeyboardInterrupt as e:
+        err(f"interrupted by {e.args[0] if e.args else 'SIGINT'}")
+        return 128 + interrupt_signal(e)
+    except BrokenPipeError:  # a reader that quit early: the output is incomplete, never a pass
+        silence_stdout()
+        return EXIT_PIPE
+
+

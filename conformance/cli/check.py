@@ -1,0 +1,185 @@
+"""``conformance check``, ``conformance list`` and ``conformance scoreboard``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..backends.subprocess.client import IsolatedBackend
+from ..check.expectations import ExpectationsError
+from ..check.expectations import load as load_expectations
+from ..check.profiles import PROFILES
+from ..check.results import entry_point
+from ..check.runner import load_sets, run
+from ..protocol.types import BackendError
+from ..registry import available_backends, load_backend
+from ..report import ProgressBar, console_summary, is_tty, printable, write_json, write_junit
+from ..report.scoreboard import ScoreboardError, embed, load_report, render
+from ..sets import FixtureError
+from .common import (
+    EXIT_BACKEND, EXIT_EMPTY, EXIT_FIXTURE, EXIT_OK, EXIT_USAGE, UsageError, compile_k, err, guarded, load_fixture_sets,
+    output_path, backend_option, fixture_paths, silence_stdout, write_stdout, warn,
+)
+
+def _load_checked_backend(args, options: dict[str, Any]):
+    """The backend of --backend: in this process, or with --isolate in a child process behind the
+    protocol server (BackendError if it cannot be loaded)."""
+    if not args.isolate:
+        return load_backend(args.backend, **options)
+
+    # no limit on a run unless --case-timeout sets one; the child's start includes importing the engine
+    return IsolatedBackend(args.backend, options, timeout=1e9, startup_timeout=300.0)
+
+
+def cmd_check(args, argv: Sequence[str]) -> int:
+
+    pattern = compile_k(args.k)
+    options = dict(backend_option(o) for o in args.backend_option or [])
+    profiles = dict(PROFILES)
+    if args.profile is not None and args.profile not in profiles:
+        raise UsageError(f"unknown profile {args.profile!r}; choose one of {', '.join(profiles)}")
+    json_path = output_path("--json", args.json)
+    junit_path = output_path("--junit-xml", args.junit_xml)
+    if json_path == "-" and junit_path == "-":
+        raise UsageError("--json - and --junit-xml - cannot both go to standard output")
+    expectations = None
+    if args.expectations:
+        try:
+            expectations = load_expectations(args.expectations)
+        except ExpectationsError as e:
+            raise UsageError(str(e)) from None
+
+    sets = load_fixture_sets(args)
+    if sets is None:
+        return EXIT_FIXTURE
+
+    try:
+        backend = _load_checked_backend(args, options)
+    except BackendError as e:
+        err(str(e))
+        return EXIT_BACKEND
+    profile_name = args.profile or backend.capabilities.default_profile
+    if profile_name not in profiles:
+        err(f"backend {backend.name!r} declares default_profile {profile_name!r}, which is not a known "
+             f"profile ({', '.join(profiles)}); pass --profile")
+        return EXIT_BACKEND
+    profile = profiles[profile_name]
+    if expectations is None and not args.no_shipped_expectations:
+        shipped = getattr(backend, "expectations_file", None)
+        if shipped is not None:
+            try:
+                expectations = load_expectations(shipped)
+            except ExpectationsError as e:
+                err(f"backend {backend.name!r} ships a broken expectations file: {e}")
+                return EXIT_BACKEND
+            if not args.quiet:
+                sys.stderr.write(printable(f"using the expectations shipped with backend {backend.name!r}: "
+                                           f"{shipped} ({len(expectations.entries)} entries; "
+                                           "--no-shipped-expectations to ignore)") + "\n")
+    if expectations is not None and expectations.backend and expectations.backend != backend.name:
+        warn(f"the expectations file is for backend {expectations.backend!r}, running {backend.name!r}")
+
+    bar = ProgressBar(sys.stderr, tty=is_tty(sys.stderr), enabled=not args.quiet)
+    result, failed = guarded(bar, lambda: run(backend, sets, profile, expectations, pattern, bar,
+                                               backend_options=options, case_timeout=args.case_timeout))
+    if failed is not None:
+        return failed
+
+    code = result.exit_code
+    if result.interrupted is not None:
+        err(f"{result.interrupted['message']}; writing the report of the {len(result.cases)} finished "
+             f"case{'s' if len(result.cases) != 1 else ''}")
+    # files first, standard output last: a reader that stops early loses nothing that went to a file
+    writers = ((json_path, lambda p: write_json(result, p, argv=list(argv)), "JSON report"),
+               (junit_path, lambda p: write_junit(result, p), "JUnit XML"))
+    for path, write, what in sorted(writers, key=lambda w: w[0] == "-"):
+        if path is None:
+            continue
+        try:
+            written = write(path)
+        except BrokenPipeError:
+            silence_stdout()
+            continue
+        except OSError as e:
+            err(f"cannot write the {what} {path}: {e.strerror or e}")
+            code = code or EXIT_USAGE
+            continue
+        if path != "-":
+            sys.stderr.write(printable(f"wrote {what} {written}") + "\n")
+    summary = printable(console_summary(result, verbose=args.verbose)) + "\n"
+    if "-" in (json_path, junit_path):  # standard output carries the report: the summary goes to stderr
+        sys.stderr.write(summary)
+    else:
+        write_stdout(summary)
+    return code
+
+
+def cmd_list(args) -> int:
+    if args.what == "backends":
+        found = available_backends()
+        if not found:
+            print("(no registered backends; give a Python object as module:attr)")
+        w = max((len(n) for n in found), default=0)
+        for name, target in found.items():
+            print(f"{name.ljust(w)}  {target}")
+        return EXIT_OK
+    if args.what == "profiles":
+        for name, p in dict(PROFILES).items():
+            desc = getattr(p, "description", "")
+            print(f"{name}: {desc}")
+            print(f"    max_abs {p.max_abs:g}, max_rel {p.max_rel:g}, nmse {p.nmse:g}, cosine >= 1-{1 - p.cosine_min:.3g}, "
+                  f"kl_max {p.kl_max:g}, kl_mean {p.kl_mean:g}, delta_p {p.delta_p:g}, "
+                  f"top-{p.topk} overlap {p.topk_overlap_min:g}, tie_margin {p.tie_margin:g}, "
+                  f"identity_ratio {p.identity_ratio:g}")
+        return EXIT_OK
+    # cases
+
+    pattern = compile_k(args.k)
+    try:
+        sets = load_sets(fixture_paths(args.fixtures))
+    except FixtureError as e:
+        err(f"fixture integrity: {e}")
+        return EXIT_FIXTURE
+    n = 0
+    for fs in sets:
+        for c in fs.cases:
+            if pattern is not None and not pattern.search(c.id):
+                continue
+            n += 1
+            print(printable(f"{c.id}  [{entry_point(c)}] {','.join(c.features)}"))
+    sys.stderr.write(f"{n} case(s) in {len(sets)} fixture set(s)\n")
+    return EXIT_OK if n else EXIT_EMPTY
+
+
+def cmd_scoreboard(args) -> int:
+    try:
+        text = render([load_report(p) for p in args.reports], title=args.title)
+    except ScoreboardError as e:
+        raise UsageError(str(e)) from None
+    if args.into:
+        page = Path(args.into)
+        try:
+            text = embed(page.read_text(encoding="utf-8"), text, where=str(page))
+        except OSError as e:
+            raise UsageError(f"--into {page}: cannot read it ({e.strerror or e})") from None
+        except ScoreboardError as e:
+            raise UsageError(str(e)) from None
+        try:
+            page.write_text(text, encoding="utf-8")
+        except OSError as e:
+            raise UsageError(f"--into {page}: cannot write it ({e.strerror or e})") from None
+        sys.stderr.write(f"updated the scoreboard in {page}\n")
+    elif args.out:
+        out = Path(args.out)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text, encoding="utf-8")
+        except OSError as e:
+            raise UsageError(f"--out {out}: cannot write it ({e.strerror or e})") from None
+        sys.stderr.write(f"wrote scoreboard {out}\n")
+    else:
+        sys.stdout.write(text)
+    return EXIT_OK
+
+

@@ -1,0 +1,155 @@
+"""What every command of the command line shares: exit codes, one-line errors, standard output that a
+closed pipe cannot turn into a pass, report paths checked before a run, and the fixture-set arguments."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..check.runner import load_sets
+from ..check.session import NoCasesSelected
+from ..protocol.types import BackendError
+from ..registry import parse_option
+from ..report import printable
+from ..sets import FixtureError, set_paths
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_FIXTURE, EXIT_BACKEND, EXIT_EMPTY = 0, 1, 2, 3, 4, 5
+
+
+EXIT_PIPE = 141  # standard output was closed early (128 + SIGPIPE); check and selftest keep their verdict
+
+
+PROG = "conformance"
+
+
+class UsageError(Exception):
+    """Bad command-line input (exit code 2)."""
+
+
+def err(msg: str) -> None:
+    sys.stderr.write(printable(f"{PROG}: error: {msg}") + "\n")
+    sys.stderr.flush()
+
+
+def warn(msg: str) -> None:
+    sys.stderr.write(printable(f"{PROG}: warning: {msg}") + "\n")
+    sys.stderr.flush()
+
+
+def silence_stdout() -> None:
+    """After a broken pipe: point standard output at /dev/null, so that the interpreter's last flush at
+    exit does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
+def write_stdout(text: str) -> bool:
+    """Print ``text`` on standard output; False (and standard output silenced) if the pipe is closed."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return True
+    except BrokenPipeError:
+        silence_stdout()
+        return False
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that raises instead of exiting, so main() returns the exit code."""
+
+    def error(self, message: str):  # noqa: D401
+        raise UsageError(f"{message}\n{self.format_usage().strip()}")
+
+
+def backend_option(text: str) -> tuple[str, Any]:
+    try:
+        return parse_option(text)
+    except ValueError as e:
+        raise UsageError(f"--backend-option {e}") from None
+
+
+def compile_k(regex: str | None) -> re.Pattern | None:
+    if regex is None:
+        return None
+    try:
+        return re.compile(regex)
+    except re.error as e:
+        raise UsageError(f"-k: not a valid regular expression ({e}): {regex!r}") from None
+
+
+def fixture_paths(dirs: Sequence[str] | None) -> list[Path]:
+    """--fixtures arguments as fixture-set directories; a directory holding sets expands to them."""
+    try:
+        return set_paths(dirs, "--fixtures")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def output_path(flag: str, value: str | None) -> str | None:
+    """A report path (--json, --junit-xml) checked before the run: ``-`` (standard output), or a file
+    in an existing directory that can be written."""
+    if value is None or value == "-":
+        return value
+    path = Path(value)
+    if path.is_dir():
+        raise UsageError(f"{flag}: {value} is a directory; give a file name (or - for standard output)")
+    parent = path.parent
+    if not parent.is_dir():
+        raise UsageError(f"{flag}: the directory {parent} does not exist (create it first, or give - for "
+                         "standard output)")
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"{flag}: {value} cannot be written (permission denied)")
+    return value
+
+
+def positive_seconds(value: str) -> float:
+    """An argparse type: a finite positive number of seconds."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {value!r}")
+    return seconds
+
+
+def load_fixture_sets(args):
+    """The fixture sets named by --fixtures (default: the bundled ones), verified; None after printing
+    the integrity error."""
+
+    try:
+        return load_sets(fixture_paths(args.fixtures))
+    except FixtureError as e:
+        err(f"fixture integrity: {e}")
+        return None
+
+
+def guarded(bar, work):
+    """Run ``work()`` under a progress bar: (result, None), or (None, exit code) with one error line for
+    an empty selection, a broken fixture set or a backend that cannot be loaded."""
+
+    try:
+        return work(), None
+    except (NoCasesSelected, FixtureError, BackendError) as e:
+        bar.close()
+        if isinstance(e, NoCasesSelected):
+            err(str(e))
+            return None, EXIT_EMPTY
+        if isinstance(e, FixtureError):
+            err(f"fixture integrity: {e}")
+            return None, EXIT_FIXTURE
+        err(str(e))
+        return None, EXIT_BACKEND
+    finally:
+        bar.close()
+
+

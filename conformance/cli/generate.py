@@ -1,0 +1,131 @@
+"""``conformance generate`` and ``conformance verify``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from refimpl.errors import RefimplError
+
+from ..generate import (
+    PartialRun, PartialRunBusy, PartialRunMismatch, generate_set, partial_dir, publish_path, verify_set,
+)
+from ..report import ProgressBar, is_tty, printable
+from ..check.runner import interrupt_signal
+from ..sets import FixtureError
+from .common import EXIT_FIXTURE, EXIT_OK, UsageError, err
+
+class _GenerateProgress:
+    """Progress for fixtures.generate_set: accepts (message), (done, total) or (done, total, message)."""
+
+    def __init__(self, enabled: bool):
+        self.bar = ProgressBar(sys.stderr, tty=is_tty(sys.stderr), enabled=enabled)
+
+    def __call__(self, *args, **kwargs) -> None:
+        nums = [a for a in args if isinstance(a, int) and not isinstance(a, bool)]
+        texts = [str(a) for a in args if isinstance(a, str)] + [str(v) for v in kwargs.values() if isinstance(v, str)]
+        text = " ".join(texts)
+        if len(nums) >= 2:
+            done, total = nums[0], nums[1]
+            if self.bar.tty:
+                self.bar(done, total, text)
+            else:
+                self.bar.message(f"[{done}/{total}] {text}".rstrip())
+        elif text:
+            self.bar.message(text)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _resume_hint(out: str) -> str:
+    """' (N finished bases are kept in DIR; ...)' when a failed generate left a partial run, else ''."""
+
+    try:
+        path = partial_dir(publish_path(out))
+    except ValueError:
+        return ""
+    try:
+        n = len(PartialRun(path, "", {}, False).finished()) if path.is_dir() else 0
+    except OSError:
+        n = 0
+    return (f" ({n} finished base{'s' if n != 1 else ''} kept in {path}; run the same command again to resume)"
+            if n else "")
+
+
+def cmd_generate(args) -> int:
+    if (args.model is None) == (args.preset is None):
+        raise UsageError("give exactly one of --model DIR or --preset NAME")
+    if args.model is not None and args.seed is not None:
+        raise UsageError("--seed applies to --preset only")
+    if args.workers is not None and args.cluster is not None:
+        raise UsageError("--workers and --cluster exclude each other: --cluster runs the jobs on the Dask "
+                         "cluster's workers")
+    if args.workers is not None and args.workers < 1:
+        raise UsageError(f"--workers must be at least 1, got {args.workers}")
+    if args.prompts is not None and not Path(args.prompts).is_file():
+        raise UsageError(f"--prompts: no such file: {args.prompts}")
+    if args.model is not None and not Path(args.model).is_dir():
+        raise UsageError(f"--model: no such directory: {args.model}")
+    for flag, paths in (("--image", args.image), ("--audio", args.audio)):
+        for path in paths or ():
+            if not Path(path).is_file():
+                raise UsageError(f"{flag}: no such file: {path}")
+    out_path = Path(args.out)
+    if out_path.exists() and not (out_path.is_dir() and not any(out_path.iterdir())):
+        raise UsageError(f"--out: {args.out} already exists; a fixture set is never overwritten "
+                         "(choose a new directory, e.g. with a new version)")
+    progress = _GenerateProgress(enabled=not args.quiet)
+    kw: dict[str, Any] = {"model_dir": args.model, "preset": args.preset, "seed": args.seed or 0,
+                          "prompts": args.prompts, "name": args.name, "progress": progress,
+                          "cases": args.cases, "images": args.image or None, "audio": args.audio or None,
+                          "workers": args.workers, "cluster": args.cluster}
+    if args.version is not None:
+        kw["version"] = args.version
+    try:
+        out = generate_set(args.out, **kw)
+    except (PartialRunMismatch, PartialRunBusy) as e:
+        progress.close()
+        raise UsageError(str(e)) from None
+    except FixtureError as e:
+        progress.close()
+        err(f"{e}{_resume_hint(args.out)}")
+        return EXIT_FIXTURE
+    except (ValueError, FileExistsError, OSError) as e:
+        progress.close()
+        raise UsageError(f"{e}{_resume_hint(args.out)}") from None
+    except KeyboardInterrupt as e:
+        progress.close()
+        err(f"interrupted{_resume_hint(args.out)}")
+        return 128 + interrupt_signal(e)
+    except Exception as e:  # noqa: BLE001 - refimpl errors (bad checkpoint, bad prompts) are user errors
+        progress.close()
+        if isinstance(e, RefimplError):
+            raise UsageError(f"{e}{_resume_hint(args.out)}") from None
+        raise
+    progress.close()
+    print(f"wrote fixture set {out}")
+    return EXIT_OK
+
+
+def cmd_verify(args) -> int:
+    bad = 0
+    for d in args.dirs:
+        p = Path(d)
+        if not p.is_dir():
+            problems = [f"no such directory: {d}"]
+        elif args.recompute:
+            problems = list(verify_set(p, recompute=True))
+        else:
+            problems = list(verify_set(p))
+        if problems:
+            bad += 1
+            print(f"{d}: {len(problems)} problem(s)")
+            for prob in problems:
+                print(printable(f"  - {prob}"))
+        else:
+            print(f"{d}: ok")
+    return EXIT_FIXTURE if bad else EXIT_OK
+
+

@@ -1,0 +1,99 @@
+"""The oracle's work on one base: its greedy continuation, its full float64 logits (and MoE router margins),
+and the check that chunked prefill through the KV cache reproduces the full forward."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from refimpl.generate import greedy_generate
+from refimpl.model import KVCache, Trace
+
+from ..sets.format import FixtureError
+
+
+def ordinary_ids(tokenizer, vocab: int) -> np.ndarray:
+    """Token ids for random bases: no control, unknown, unused, byte or <marker> pieces (an engine may
+    treat image or turn markers specially). Without a tokenizer: every id from 5 (after pad, eos, bos,
+    unk, mask)."""
+    if tokenizer is None:
+        return np.arange(min(5, vocab - 1), vocab)
+    sp = tokenizer.sp
+    keep = []
+    for i in range(min(vocab, sp.GetPieceSize())):
+        if sp.IsControl(i) or sp.IsUnknown(i) or sp.IsUnused(i) or sp.IsByte(i):
+            continue
+        piece = sp.IdToPiece(i)
+        if len(piece) > 2 and piece.startswith("<") and piece.endswith(">"):
+            continue
+        keep.append(i)
+    if len(keep) < 16:
+        raise FixtureError("the tokenizer has fewer than 16 ordinary pieces; cannot draw random bases")
+    return np.asarray(keep, dtype=np.int64)
+
+
+def bos_id(cfg, tokenizer) -> int:
+    if tokenizer is not None:
+        return int(tokenizer.bos_id)
+    return int(cfg.bos_token_id if cfg.bos_token_id is not None else 2)
+
+
+def greedy(model, prompt: list[int], n: int) -> list[int]:
+    return [int(t) for t in greedy_generate(model, prompt, n, stop_ids=()).tokens]
+
+
+def base_logits_of(model, ids: list[int], inputs=None) -> tuple[np.ndarray, np.ndarray | None]:
+    """Full float64 logits [N, V] of a base, and its per-token router margin (min over layers) for MoE.
+    ``inputs`` (refimpl.multimodal.MultimodalInputs) for an image base."""
+    trace = Trace()
+    if inputs is None:
+        logits = model.forward(ids, rows="all", trace=trace)
+    else:
+        logits = model.forward(inputs.ids, rows="all", embeddings=inputs.embeddings,
+                               vision_blocks=inputs.vision_blocks, trace=trace)
+    margins = [v for k, v in trace.tensors.items() if k.endswith(".router.margin")]
+    margin = np.min(np.stack(margins), axis=0) if margins else None
+    return np.ascontiguousarray(logits, dtype=np.float64), margin
+
+
+def consistency_plan(n: int, window: int) -> list[int]:
+    """Piece lengths for the internal consistency check: a short piece, one longer than the window,
+    single tokens, a longer piece, and decode steps at the end."""
+    plan, left = [], n
+    for size in (3, window + 2, 1, 1, window + 5):
+        if left <= 3:
+            break
+        take = min(size, left - 3)
+        plan.append(take)
+        left -= take
+    return plan + [1] * left
+
+
+def text_consistency(model, ids: list[int], full: np.ndarray) -> float:
+    """Max |chunked prefill + single-token decode through the KV cache - full forward| over every row."""
+    cache, rows, at = KVCache(), [], 0
+    for size in consistency_plan(len(ids), model.cfg.sliding_window):
+        rows.append(model.forward(ids[at:at + size], rows="all", cache=cache))
+        at += size
+    return float(np.max(np.abs(np.concatenate(rows) - full)))
+
+
+def cross_entries(result: Any, who: str) -> list[dict]:
+    if result is None:
+        return []
+    entries = [result] if isinstance(result, dict) else list(result)
+    out = []
+    for e in entries:
+        if not (isinstance(e, dict) and isinstance(e.get("implementation"), str)
+                and isinstance(e.get("agreement"), (int, float)) and not isinstance(e.get("agreement"), bool)):
+            raise FixtureError(f"{who} must return {{'implementation': str, 'agreement': float, 'detail': str}} "
+                               f"(or a list of them, or None); got {e!r}")
+        agreement = float(e["agreement"])
+        if not math.isfinite(agreement):
+            raise FixtureError(f"{who}: agreement must be finite, got {agreement}")
+        out.append({"implementation": e["implementation"], "agreement": agreement, "detail": str(e.get("detail", ""))})
+    return out
+
+

@@ -1,0 +1,187 @@
+"""The executors of generation jobs: in this process (``workers=1``), local processes (``concurrent.futures``
+with the spawn context, BLAS threads split between them), or a Dask distributed cluster (``cluster=ADDRESS``;
+``distributed`` is imported only then). The first failure stops the rest; finished results stay on disk."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import multiprocessing
+import os
+import threading
+import uuid
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+from ..sets.format import FixtureError
+from .jobs import JobContext, run_job
+
+CONNECT_TIMEOUT_S = 10  # --cluster: connecting to the scheduler
+
+
+WORKERS_TIMEOUT_S = 60  # --cluster: waiting for the first worker
+
+
+BLAS_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+CLUSTER_EXTRA = "pip install 'gemma4-conformance[cluster]'"
+
+
+class ClusterError(ValueError):
+    """--cluster cannot be used: distributed missing, scheduler unreachable, no workers, a worker that
+    cannot see the shared paths (a usage error: exit code 2)."""
+
+
+OnDone = Callable[[dict], None]
+
+
+def run_jobs(specs: list[dict], *, workers: int, cluster: Any = None, on_done: OnDone,
+             context: JobContext | None = None) -> None:
+    """Run every job (``specs`` in dispatch order: longest first) and call ``on_done(metadata)`` in this
+    process as each finishes. ``cluster``: a connected ``DaskCluster``; else ``workers`` local processes
+    (1: in this process, with ``context``). The first failure stops the rest (pending jobs are
+    cancelled, running local workers terminated) and is raised; finished results stay on disk."""
+    if not specs:
+        return
+    if cluster is not None:
+        cluster.run(specs, on_done)
+    elif workers <= 1:
+        for spec in specs:
+            on_done(run_job(spec, context))
+    else:
+        _run_local(specs, workers, on_done)
+
+
+@contextlib.contextmanager
+def blas_threads(n: int) -> Iterator[None]:
+    """Set the BLAS thread variables to ``n`` for child processes started inside; restore afterwards."""
+    saved = {v: os.environ.get(v) for v in BLAS_VARS}
+    try:
+        for v in BLAS_VARS:
+            os.environ[v] = str(n)
+        yield
+    finally:
+        for v, old in saved.items():
+            if old is None:
+                os.environ.pop(v, None)
+            else:
+                os.environ[v] = old
+
+
+def _run_local(specs: list[dict], workers: int, on_done: OnDone) -> None:
+    n = min(workers, len(specs))
+    threads = max(1, (os.cpu_count() or 1) // n)
+    futures: dict[cf.Future, str] = {}
+    with blas_threads(threads):  # the children start during submit (spawn context), inheriting these
+        pool = cf.ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("spawn"),
+                                      initializer=_worker_init)
+        try:
+            for spec in specs:
+                futures[pool.submit(run_job, spec)] = spec["base"]
+        except BaseException:
+            _stop(pool, futures)
+            raise
+    try:
+        for fut in cf.as_completed(futures):
+            try:
+                meta = fut.result()
+            except BrokenProcessPool as e:
+                raise FixtureError(f"a local worker process died while running base {futures[fut]} ({e}); "
+                                     "finished bases are kept, run again to resume") from None
+            on_done(meta)
+    except BaseException:
+        _stop(pool, futures)
+        raise
+    pool.shutdown(wait=True)
+
+
+def _worker_init() -> None:
+    """In a local worker process: exit when the parent dies (e.g. SIGKILL), instead of lingering."""
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        def watch() -> None:
+            parent.join()
+            os._exit(1)
+
+        threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _stop(pool, futures: Iterable) -> None:
+    """Cancel pending jobs and terminate running worker processes (their jobs are lost, finished ones kept)."""
+    for f in futures:
+        f.cancel()
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.terminate()
+    with contextlib.suppress(Exception):
+        pool.shutdown(wait=False, cancel_futures=True)
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.join(5)
+
+
+def _check_paths(paths: list[str]) -> str | None:
+    """On a cluster worker: the first path it cannot see (or write, for the last), else None."""
+    for i, p in enumerate(paths):
+        path = Path(p)
+        if not path.is_dir():
+            return f"cannot see {p}"
+        if i == len(paths) - 1 and not os.access(path, os.W_OK):
+            return f"cannot write to {p}"
+    return None
+
+
+class DaskCluster:
+    """A connection to a Dask distributed scheduler (``distributed`` is imported here only)."""
+
+    def __init__(self, address: str):
+        try:
+            import distributed
+        except ImportError:
+            raise ClusterError(f"--cluster needs the Dask 'distributed' package, which is not installed; "
+                               f"{CLUSTER_EXTRA}") from None
+        self.address, self._distributed = address, distributed
+        try:
+            self.client = distributed.Client(address, timeout=f"{CONNECT_TIMEOUT_S}s", set_as_default=False)
+        except Exception as e:  # noqa: BLE001 - OSError/TimeoutError/ValueError for a bad or dead address
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise ClusterError(f"--cluster: cannot connect to the Dask scheduler at {address} within "
+                               f"{CONNECT_TIMEOUT_S} s ({reason})") from None
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.client.close()
+
+    def check_workers(self, paths: list[str], timeout: float = WORKERS_TIMEOUT_S) -> list[str]:
+        """Wait for at least one worker, then check that every worker sees ``paths`` (the last must be
+        writable); returns the worker addresses."""
+        try:
+            self.client.wait_for_workers(1, timeout=timeout)
+        except Exception:  # noqa: BLE001 - TimeoutError
+            raise ClusterError(f"--cluster: the Dask scheduler at {self.address} has no worker (waited {timeout:g} s); "
+                               f"start some with: dask worker {self.address}") from None
+        problems = self.client.run(_check_paths, paths)
+        for worker, problem in sorted(problems.items()):
+            if problem:
+                raise ClusterError(f"--cluster: worker {worker} {problem}; the model directory and --out's parent "
+                                   "must be on storage every worker mounts at the same absolute path")
+        return sorted(problems)
+
+    def run(self, specs: list[dict], on_done: OnDone) -> None:
+        tag = uuid.uuid4().hex[:8]
+        futures = [self.client.submit(run_job, spec, key=f"gemma4-fixture-{spec['base']}-{tag}", pure=False,
+                                      priority=len(specs) - i)
+                   for i, spec in enumerate(specs)]
+        try:
+            with self.client.as_current():
+                for fut in self._distributed.as_completed(futures):
+                    on_done(fut.result())
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.client.cancel(futures)
+            raise
+
+

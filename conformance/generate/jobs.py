@@ -1,0 +1,147 @@
+"""One generation job per base, the worker side: everything expensive for that base (the greedy continuation
+of G and P<k>, the image or audio tower and merge of I<k> / S<k>, the full float64 forward with its MoE
+router margins, the KV-cache consistency check), written into the partial-run directory; only small
+metadata comes back. ``spec`` is what the planner (``conformance.generate.run``) sends: small and picklable."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from refimpl.model import Gemma4
+from refimpl.tokenizer import Tokenizer
+
+from ..sets.format import FixtureError, versions
+from .bases import base_logits_of, greedy, ordinary_ids, text_consistency
+from .media import AudioSide, VisionSide, make_media_base, media_consistency
+from .partial import JOBS, RESULT, write_result
+
+# tests only: "BASE:fail" makes that base's job raise, "BASE:hang" makes it sleep (to be killed)
+FAULT_ENV = "GEMMA4_CONFORMANCE_TEST_FAULT"
+
+
+def job_versions() -> dict[str, str]:
+    """The versions a job's numbers depend on (every worker must match the parent)."""
+    v = versions()
+    return {k: v[k] for k in ("conformance_version", "refimpl_version", "numpy_version")}
+
+
+def where() -> str:
+    """This worker, for error messages: the Dask worker address, or host and pid."""
+    if "distributed" in sys.modules:
+        with contextlib.suppress(Exception):
+            return f"{sys.modules['distributed'].get_worker().address} ({socket.gethostname()})"
+    return f"{socket.gethostname()} pid {os.getpid()}"
+
+
+class JobContext:
+    """What a worker keeps between jobs of one run: the model (memory-mapped weights), tokenizer,
+    random-id pool and the towers, each loaded on first use."""
+
+    def __init__(self, model_dir: Path, model=None, vision: VisionSide | None = None, audio: AudioSide | None = None):
+        self.model_dir = model_dir
+        self.model = model if model is not None else Gemma4(model_dir)
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self._lock = threading.Lock()
+        self._pool = None
+        self._vision, self._audio = vision, audio
+
+    @property
+    def pool(self):
+        with self._lock:
+            if self._pool is None:
+                self._pool = ordinary_ids(self.tokenizer, self.model.cfg.vocab_size)
+            return self._pool
+
+    @property
+    def vision(self):
+        with self._lock:
+            if self._vision is None:
+                self._vision = VisionSide(self.model_dir)
+            return self._vision
+
+    @property
+    def audio(self):
+        with self._lock:
+            if self._audio is None:
+                self._audio = AudioSide(self.model_dir)
+            return self._audio
+
+
+_CONTEXTS: dict[tuple[str, str], JobContext] = {}
+_CONTEXTS_LOCK = threading.Lock()
+
+
+def job_context(model_dir: str, key: str) -> JobContext:
+    """The worker's context for a run (one kept: a new run's model replaces the last one)."""
+    with _CONTEXTS_LOCK:
+        ctx = _CONTEXTS.get((model_dir, key))
+        if ctx is None:
+            path = Path(model_dir)
+            if not path.is_dir() or not (path / "config.json").is_file():
+                raise FixtureError(f"worker {where()} cannot see the model directory {model_dir}; the model and "
+                                   "--out's parent must be on storage every worker mounts at the same absolute path")
+            _CONTEXTS.clear()
+            ctx = _CONTEXTS[(model_dir, key)] = JobContext(path)
+        return ctx
+
+
+def run_job(spec: dict, context: JobContext | None = None) -> dict:
+    """Run one job (``spec`` from the planner: small and picklable) and write its result into the
+    partial-run directory; returns small metadata only (never the arrays)."""
+    t0 = time.perf_counter()
+    job_dir = Path(spec["partial"]) / JOBS / spec["base"]
+    if not job_dir.parent.is_dir():
+        raise FixtureError(f"worker {where()} cannot see the partial-run directory {job_dir.parent.parent}; "
+                           "--out's parent must be on storage every worker mounts at the same absolute path")
+    if (job_dir / RESULT).is_file():  # finished meanwhile (a retried task)
+        meta = json.loads((job_dir / RESULT).read_text(encoding="utf-8"))
+        return {k: meta[k] for k in ("base", "tokens", "seconds", "worker")}
+    fault = os.environ.get(FAULT_ENV, "")
+    if fault.partition(":")[0] == spec["base"]:
+        if fault.endswith(":hang"):
+            time.sleep(3600)
+        raise RuntimeError(f"base {spec['base']}: injected failure ({FAULT_ENV}={fault})")
+    ctx = context if context is not None else job_context(spec["model_dir"], spec["key"])
+    model, kind, base = ctx.model, spec["kind"], spec["base"]
+    arrays: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    if kind == "text":
+        ids = [int(t) for t in spec["ids"]]
+        if spec["greedy"]:
+            ids = ids + greedy(model, ids, spec["greedy"])
+        logits, margin = base_logits_of(model, ids)
+        worst = text_consistency(model, ids, logits)
+    else:
+        sources = {int(k): tuple(v) for k, v in spec["sources"].items()}
+        side = ctx.vision if kind == "image" else ctx.audio
+        mb = make_media_base(model, side, ctx.pool, spec["bos"], spec["seed"], sources, spec["b_index"],
+                             n_sources=spec["n_sources"])
+        for j, (source, processed, soft) in enumerate(zip(mb.sources, mb.processed, mb.soft)):
+            arrays.update(side.arrays(j, source, processed, soft))
+        extra.update(side.job_meta(mb.processed))
+        ids = [int(t) for t in mb.ids]
+        logits, margin = base_logits_of(model, ids, mb.inputs)
+        worst = media_consistency(model, mb, logits)
+        arrays["embeddings"] = np.asarray(mb.inputs.embeddings, dtype=np.float64)
+        extra.update({"spans": [[int(a), int(n)] for a, n in mb.spans], "info": mb.info, "n_media": len(mb.soft)})
+    arrays["logits"] = logits
+    if margin is not None:
+        arrays["router_margin"] = margin
+    seconds = time.perf_counter() - t0
+    meta = {"key": spec["key"], "base": base, "kind": kind, "ids": ids, "tokens": len(ids), "consistency": worst,
+            "seconds": round(seconds, 3), "worker": where(), "versions": job_versions(),
+            "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS"), **extra}
+    write_result(job_dir, meta, arrays)
+    return {"base": base, "tokens": len(ids), "seconds": meta["seconds"], "worker": meta["worker"]}
+
+

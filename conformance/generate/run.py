@@ -1,0 +1,536 @@
+"""``generate_set``: the only writer of fixture sets. Plans one job per base, runs the missing ones
+(``executors``), keeps finished results in the partial-run directory (``partial``), assembles the set
+and publishes it atomically. docs/fixtures.md and docs/distributed-generation.md."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+
+from refimpl.audio_features import AudioFeatures, check_samples
+from refimpl.image import ProcessedImage
+from refimpl.model import Gemma4
+from refimpl.safetensors_io import write_safetensors
+from refimpl.synth import PRESETS, write_checkpoint
+from refimpl.tokenizer import Tokenizer
+
+from .. import __version__ as CONFORMANCE_VERSION
+from ..sets.case import (
+    DECODE_STEPS, GENERATION_BASE, GENERATION_STEPS, PROMPT_CONTINUATION, PROMPT_PREFIX, RANDOM_BASES, Case,
+)
+from ..sets.format import (
+    AUDIO_LEAVES, CASES, EXPECTED, IMAGE_LEAVES, MANIFEST, NAME_RE, SCHEMA, SCHEMA_VERSION, SEMVER_RE, SET_FILES,
+    SYNTHETIC_FILES, FixtureError, hash_files, model_files, sha256_file, versions, write_json,
+)
+from . import executors, partial
+from .bases import bos_id, cross_entries, ordinary_ids
+from .jobs import JobContext, job_versions
+from .matrix import annotate, generate_cases, generate_image_cases, random_base_length
+from .media import AudioSide, VisionSide, audio_sources, has_audio_tower, has_vision_tower, image_sources, media_order
+from .media import AUDIO_TEXT, IMAGE_TEXT
+from .prompts import encode_prompt, prompt_entries
+
+CONSISTENCY_BOUND = 1e-9  # chunked prefill + decode vs full forward inside the oracle (float64)
+
+
+CHAT_PROMPT = "What does the sliding window attention cache keep?"  # base G when the model has a tokenizer
+
+
+G_RANDOM_PROMPT = 16  # base G prompt length when the model has no tokenizer
+
+
+CASE_KINDS = ("auto", "text", "images", "audio", "all")  # generate_set(cases=...); auto = all
+
+
+Progress = Callable[[int, int, str], None]
+
+
+# cross_check(model_dir, bases, base_logits) -> {"implementation", "agreement", "detail"} | [...] | None
+# (None: the check could not run, e.g. its packages are missing, and nothing is recorded)
+CrossCheck = Callable[[Path, Mapping[str, np.ndarray], Mapping[str, np.ndarray]], Any]
+
+
+def default_command() -> str:
+    argv = [Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "python", *sys.argv[1:]]
+    return shlex.join(argv)
+
+
+def publish_path(out: str | Path) -> Path:
+    """Where the set for ``out`` is published, absolute: ``out`` itself, or for a symbolic link to an
+    existing directory the directory it points to (a rename cannot replace a link). ValueError for a
+    dangling link: found before any work, not when the finished set cannot be renamed into place."""
+    absolute = Path(os.path.abspath(out))
+    if absolute.is_symlink():
+        if not absolute.exists():
+            raise ValueError(f"{out} is a symbolic link to {os.readlink(absolute)}, which does not exist; remove "
+                             "the link or choose another --out")
+        return Path(os.path.realpath(absolute))
+    return absolute
+
+
+def media_key(items) -> list | None:
+    """The given images or clips as the run key sees them: file name and sha256, or array digest."""
+    if items is None:
+        return None
+    out = []
+    for item in items:
+        if isinstance(item, (str, Path)):
+            p = Path(item)
+            out.append({"file": str(p), "sha256": sha256_file(p) if p.is_file() else None})
+        else:
+            a = np.ascontiguousarray(np.asarray(item))
+            out.append({"array": list(a.shape), "dtype": str(a.dtype), "sha256": hashlib.sha256(a.tobytes()).hexdigest()})
+    return out
+
+
+def count_by_base(cases: Iterable[Case]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for c in cases:
+        counts[c.base] = counts.get(c.base, 0) + 1
+    return counts
+
+
+def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset: str | None = None, seed: int = 0,
+                 prompts=None, name: str | None = None, version: str = "1.0.0", progress: Progress | None = None,
+                 cross_check: CrossCheck | None = None, command: str | None = None, cases: str = "auto",
+                 images=None, audio=None, workers: int | None = None, cluster: str | None = None) -> Path:
+    """Write a fixture set to ``out``: the only writer. Refuses an existing ``out`` (an empty directory
+    is allowed). The work is split into one job per base (docs/distributed-generation.md), run in
+    parallel, and resumable: every finished job's result is kept in ``<out.parent>/.<out.name>.partial/``
+    (with the synthetic checkpoint of a ``preset``) until the set is published, so a run that fails or
+    is killed is resumed by running it again with the same arguments (a partial directory of other
+    arguments raises PartialRunMismatch, a FixtureError). The set is published atomically (renamed
+    into place) only when every job is done and assembly succeeded; the partial directory is then
+    removed. A failure before any job finished leaves nothing behind.
+
+    ``workers``: local processes (default ``os.cpu_count()``; 1 runs everything in this process).
+    ``cluster``: the address of a Dask distributed scheduler (e.g. ``tcp://host:8786``) whose workers
+    run the jobs instead; they must see the model directory and ``out``'s parent at the same absolute
+    paths. Not both. Whatever the executor, the set is the same, byte for byte (the manifest's
+    provenance aside).
+
+    Exactly one of ``model_dir`` (an external checkpoint: recorded by absolute path and sha256, never
+    copied) and ``preset`` (a ``refimpl synth`` preset, regenerated from ``seed`` when the set is used).
+    ``prompts``: a JSONL path or a list of entries (see ``load_prompts``) -> bases P0, P1, ...
+    ``progress(done, total, label)`` is called as work completes (``label`` e.g. ``"base A: 48 tokens,
+    14 cases, 0.3 s"``, or ``"base A: done in an earlier run"``). ``cross_check(model_dir, bases,
+    base_logits)`` compares another implementation (entries are recorded only when it returns some).
+    ``command`` is recorded as the generator command line (default: this process's argv).
+    ``cases``: "text" (the text matrix), "images" (the image matrix only: image bases I0, I1), "audio"
+    (the audio matrix only: audio bases S0, S1), "all" or "auto" (the text matrix plus the image and
+    audio matrices the checkpoint's towers allow). ``images``: the images of the image bases (file
+    paths or uint8 [h, w, 3] arrays; default: synthetic images from ``seed``); ``audio``: the clips
+    of the audio bases (WAV paths or float arrays at 16 kHz; default: synthetic clips). With image or
+    audio bases, ``cross_check`` is also given ``images={base: [ProcessedImage, ...]}`` and/or
+    ``audio={base: [AudioFeatures, ...]}``.
+
+    Errors: ValueError for bad arguments (PromptError, a ValueError, for bad prompts, naming the line;
+    conformance.generate.executors.ClusterError, a ValueError, when the cluster cannot be used), refimpl's
+    RefimplError when the oracle cannot load the checkpoint, FixtureError when ``out`` exists or the set
+    cannot be made (the oracle is not self-consistent, a cross check returned garbage, a partial run of
+    other arguments is in the way), PartialRunBusy (a FixtureError) at once when another run is
+    generating ``out`` (one run per ``out``: conformance.generate.partial.RunLock, taken before any work), and
+    ValueError for an ``out`` that is a dangling symbolic link (a link to an existing empty directory
+    is followed: the set is published there).
+    """
+    out = Path(out)
+    if (model_dir is None) == (preset is None):
+        raise ValueError("give exactly one of a model directory (--model) and a synthetic preset (--preset)")
+    if preset is not None and preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    if not isinstance(version, str) or not SEMVER_RE.match(version):
+        raise ValueError(f"version {version!r} is not a semantic version (MAJOR.MINOR.PATCH, e.g. 1.0.0)")
+    name = name if name is not None else (preset if preset is not None else out.name)
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise ValueError(f"set name {name!r} must be letters, digits, '.', '_' or '-' (and start with a letter "
+                         "or digit)")
+    target = publish_path(out)
+    _refuse_existing(out, target)
+    entries = prompt_entries(prompts)  # validate before any work
+    if cases not in CASE_KINDS:
+        raise ValueError(f"cases must be one of {', '.join(CASE_KINDS)}, got {cases!r}")
+    if model_dir is not None:
+        model_dir = Path(model_dir).resolve()
+        if not model_dir.is_dir():
+            raise ValueError(f"{model_dir}: not a directory")
+    if cases == "images" and entries:
+        raise ValueError("prompts make text bases, but cases='images' writes the image matrix only; use cases='all'")
+    if images is not None and cases in ("text", "audio"):
+        raise ValueError(f"images were given, but cases={cases!r} writes no image base; use cases='all' or 'images'")
+    if audio is not None and cases in ("text", "images"):
+        raise ValueError(f"audio was given, but cases={cases!r} writes no audio base; use cases='all' or 'audio'")
+    if cases == "audio" and entries:
+        raise ValueError("prompts make text bases, but cases='audio' writes the audio matrix only; use cases='all'")
+    if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
+        raise ValueError(f"workers must be a positive integer, got {workers!r}")
+    if cluster is not None and workers is not None:
+        raise ValueError("give either workers (local processes) or cluster (a Dask scheduler address), not both")
+    if cluster is not None and (not isinstance(cluster, str) or not cluster.strip()):
+        raise ValueError(f"cluster must be a Dask scheduler address such as tcp://host:8786, got {cluster!r}")
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with partial.RunLock.acquire(target):  # PartialRunBusy at once while another run writes this set
+        _refuse_existing(out, target)  # published by a run that held the lock until just now
+        dask = executors.DaskCluster(cluster) if cluster is not None else None  # ClusterError before any work
+        try:
+            return _generate(out, target, model_dir=model_dir, preset=preset, seed=seed, entries=entries, name=name,
+                             version=version, progress=progress, cross_check=cross_check, command=command,
+                             cases=cases, images=images, audio=audio,
+                             workers=workers if workers is not None else (os.cpu_count() or 1), dask=dask)
+        finally:
+            if dask is not None:
+                dask.close()
+
+
+def _refuse_existing(out: Path, target: Path) -> None:
+    if target.exists() and not (target.is_dir() and not any(target.iterdir())):
+        raise FixtureError(f"{out} already exists; fixture sets are never overwritten (choose another --out, or "
+                           "remove it first)")
+
+
+class _Steps:
+    """The progress of a run: ``steps(label)`` after each unit of work, ``done`` of ``total``."""
+
+    def __init__(self, progress: Progress | None):
+        self.progress, self.done, self.total = progress, 0, 0
+
+    def __call__(self, label: str) -> None:
+        self.done += 1
+        if self.progress is not None:
+            self.progress(self.done, self.total, label)
+
+
+@dataclass
+class _Plan:
+    """What a run makes: one job per base in the set's order ({"base", "cost", "info" (text bases), "spec"}),
+    the text cases per base (for progress), the modalities in use."""
+
+    jobs: list[dict] = field(default_factory=list)
+    text_cases: dict[str, int] = field(default_factory=dict)
+    with_text: bool = False
+    vision: VisionSide | None = None
+    audio: AudioSide | None = None
+
+    def add(self, common: dict, base: str, kind: str, cost: float, info: dict | None = None, **spec) -> None:
+        self.jobs.append({"base": base, "cost": cost, "info": info, "spec": {**common, "base": base, "kind": kind, **spec}})
+
+
+@dataclass
+class _Assembled:
+    """The finished jobs read back: per base its ids, manifest description, logits and router margins; the
+    media blocks of the image and audio bases; the worst consistency of the KV cache."""
+
+    bases: dict[str, list[int]] = field(default_factory=dict)
+    info: dict[str, dict] = field(default_factory=dict)
+    logits: dict[str, np.ndarray] = field(default_factory=dict)
+    margins: dict[str, np.ndarray] = field(default_factory=dict)
+    spans: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    audio_spans: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    worst: float = 0.0
+
+
+def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str | None, seed: int, entries: list[dict],
+              name: str, version: str, progress: Progress | None, cross_check: CrossCheck | None, command: str | None,
+              cases: str, images, audio, workers: int, dask) -> Path:
+    """generate_set after argument checks, under the run's lock: plan the jobs, run the missing ones, assemble,
+    publish to ``out_abs`` (publish_path(out))."""
+    model = None
+    if preset is not None:
+        model_key: dict[str, Any] = {"kind": "synthetic", "preset": preset, "seed": seed, "dtype": "f32"}
+    else:
+        model = Gemma4(model_dir)  # float64, exact sqrt(H) embedding scale; RefimplError for a bad checkpoint
+        model_key = {"kind": "external", "path": str(model_dir), "sha256": hash_files(model_dir, model_files(model_dir))}
+    arguments = {"model": model_key, "cases": cases, "name": name, "version": version,
+                 "prompts": [{k: e[k] for k in ("kind", "value", "id", "chat", "where")} for e in entries],
+                 "images": media_key(images), "audio": media_key(audio), **job_versions()}
+    run = partial.PartialRun.open(out_abs, arguments)
+    steps = _Steps(progress)
+    staging = None
+    try:
+        if preset is not None:
+            src, reused = _synthetic_model(run, preset, seed)
+            model_info = {**model_key, "sha256": hash_files(src, SYNTHETIC_FILES)}
+            model = Gemma4(src)
+        else:
+            src, reused, model_info = model_dir, False, model_key
+        plan = _plan(run, src, model, seed, entries, name, cases, images, audio)
+        steps.total = (1 if preset is not None else 0) + len(plan.jobs) + (1 if cross_check is not None else 0) + 1
+        if preset is not None:
+            steps("model: reused from an earlier run" if reused else "model")
+        _run_pending(run, plan, src, model, name, workers, dask, steps)
+        results = {q["base"]: run.result(q["base"]) for q in plan.jobs}
+        got = _assemble(run, plan, results)
+        checks = _checks(got, plan.with_text)
+        if cross_check is not None:
+            checks += _cross_check(cross_check, src, got, results)
+            steps("cross check")
+        cfg = model.cfg
+        matrix = (generate_cases(name, cfg, got.bases) if plan.with_text else []) + \
+            (generate_image_cases(name, cfg, got.bases, got.spans) if plan.vision else []) + \
+            (generate_image_cases(name, cfg, got.bases, got.audio_spans, kind="audio") if plan.audio else [])
+        set_cases = [annotate(c, got.logits, got.margins or None) for c in matrix]
+        staging = run.staging()
+        staged = staging / "set"
+        staged.mkdir()
+        _write_set(staged, got, results, set_cases, plan, cfg, name=name, version=version, checks=checks,
+                   command=command, model_info=model_info)
+        steps("write")
+        try:
+            os.replace(staged, out_abs)
+        except OSError as e:
+            raise FixtureError(f"{out}: cannot move the finished set into place ({e}); was it created meanwhile?") from None
+    except BaseException:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        if run.created and not run.finished():
+            run.remove()  # nothing worth keeping: leave nothing behind
+        raise
+    run.remove()  # published: the partial run is done
+    return out
+
+
+def _synthetic_model(run: partial.PartialRun, preset: str, seed: int) -> tuple[Path, bool]:
+    """The preset's checkpoint in the partial run (deterministic: written once, renamed into place when
+    complete), and whether an earlier run had written it."""
+    src = run.model_dir
+    if src.is_dir():
+        return src, True
+    tmp = Path(tempfile.mkdtemp(prefix=".model.tmp-", dir=run.path))
+    try:
+        os.rename(write_checkpoint(preset, seed, tmp / "model", dtype="f32"), src)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return src, False
+
+
+def _plan(run: partial.PartialRun, src: Path, model, seed: int, entries: list[dict], name: str, cases: str,
+          images, audio) -> _Plan:
+    """One job per base, in the set's order; the parent only draws ids and encodes prompts."""
+    tokenizer = Tokenizer.from_dir(src)
+    cfg = model.cfg
+    vision_tower, audio_tower = has_vision_tower(src), has_audio_tower(src)
+    if cases == "images" and not vision_tower:
+        raise ValueError(f"cases={cases!r} needs image bases, but {src} has no vision tower (config.json has no "
+                         "vision_config); use cases='text'")
+    if cases == "audio" and not audio_tower:
+        raise ValueError(f"cases={cases!r} needs audio bases, but {src} has no audio tower (config.json has no "
+                         "audio_config); use cases='text'")
+    if images is not None and not vision_tower:
+        raise ValueError(f"images were given, but {src} has no vision tower (config.json has no vision_config)")
+    if audio is not None and not audio_tower:
+        raise ValueError(f"audio was given, but {src} has no audio tower (config.json has no audio_config)")
+    plan = _Plan(with_text=cases in ("text", "all", "auto"))
+    with_images = cases == "images" or (cases in ("all", "auto") and vision_tower)
+    with_audio = cases == "audio" or (cases in ("all", "auto") and audio_tower)
+    prompt_ids = [encode_prompt(p, tokenizer, cfg.vocab_size) for p in entries]
+    bos = bos_id(cfg, tokenizer)
+    common = {"key": run.key, "partial": str(run.path), "model_dir": str(src), "seed": seed, "bos": bos}
+
+    if plan.with_text:
+        pool = ordinary_ids(tokenizer, cfg.vocab_size)
+        n = random_base_length(cfg)
+        for k, b in enumerate(RANDOM_BASES):
+            rng = np.random.default_rng([seed, k])
+            plan.add(common, b, "text", 3.0 * n, {"source": "random", "length": n,
+                                                  "rng": f"numpy default_rng([{seed}, {k}])"},
+                     ids=[bos] + [int(t) for t in rng.choice(pool, n - 1)], greedy=0)
+        if tokenizer is not None:
+            prompt = tokenizer.encode_chat([{"role": "user", "content": CHAT_PROMPT}])
+            source = {"source": "chat", "text": CHAT_PROMPT}
+        else:
+            rng = np.random.default_rng([seed, len(RANDOM_BASES)])
+            prompt = [bos] + [int(t) for t in rng.choice(pool, G_RANDOM_PROMPT - 1)]
+            source = {"source": "random", "rng": f"numpy default_rng([{seed}, {len(RANDOM_BASES)}])"}
+        steps = GENERATION_STEPS
+        plan.add(common, GENERATION_BASE, "text", 4.0 * (len(prompt) + steps),
+                 {**source, "length": len(prompt) + steps, "prompt_length": len(prompt),
+                  "continuation": f"greedy, {steps} tokens"}, ids=[int(t) for t in prompt], greedy=steps)
+        for k, (ids, p) in enumerate(zip(prompt_ids, entries)):
+            steps = PROMPT_CONTINUATION
+            plan.add(common, f"{PROMPT_PREFIX}{k}", "text", 4.0 * (len(ids) + steps),
+                     {"source": "prompt", "length": len(ids) + steps, "prompt_length": len(ids),
+                      "continuation": f"greedy, {steps} tokens",
+                      "where": p["where"], **({"id": p["id"]} if p["id"] else {}), "kind": p["kind"]},
+                     ids=[int(t) for t in ids], greedy=steps)
+        lengths = {q["base"]: q["info"]["length"] for q in plan.jobs}
+        plan.text_cases = count_by_base(generate_cases(name, cfg, {b: [0] * L for b, L in lengths.items()}))
+    if with_images:
+        plan.vision = VisionSide(src)
+        sources = image_sources(images, seed)
+        for b_index, (b, texts) in enumerate(IMAGE_TEXT.items()):
+            which = media_order(b_index, len(texts) - 1, len(sources))
+            m = len(which) * plan.vision.settings.max_soft_tokens  # an upper bound: the tower runs before the merge
+            plan.add(common, b, "image", 3.0 * (sum(texts) + DECODE_STEPS + m) + 2.0 * m, b_index=b_index,
+                     n_sources=len(sources), sources={k: sources[k] for k in sorted(set(which))})
+    if with_audio:
+        plan.audio = AudioSide(src)
+        clips = audio_sources(audio, seed, plan.audio.settings.sampling_rate)
+        for wave, rate, _ in clips:
+            check_samples(wave, rate, plan.audio.settings)  # a wrong rate is a usage error: before any job
+        for b_index, (b, texts) in enumerate(AUDIO_TEXT.items()):
+            which = media_order(b_index, len(texts) - 1, len(clips))
+            m = sum(25.0 * clips[k][0].shape[0] / clips[k][1] for k in which)  # ~25 soft tokens a second
+            plan.add(common, b, "audio", 3.0 * (sum(texts) + DECODE_STEPS + m) + 2.0 * m, b_index=b_index,
+                     n_sources=len(clips), sources={k: clips[k] for k in sorted(set(which))})
+    return plan
+
+
+def _run_pending(run: partial.PartialRun, plan: _Plan, src: Path, model, name: str, workers: int, dask,
+                 steps: _Steps) -> None:
+    """Run the jobs that are not done yet, longest first."""
+    cfg = model.cfg
+
+    def count_cases(base: str) -> int:
+        if base in plan.text_cases:
+            return plan.text_cases[base]
+        r = run.result(base)
+        kind = "audio" if r.meta["kind"] == "audio" else "image"
+        return len(generate_image_cases(name, cfg, {base: r.meta["ids"]}, {base: r.meta["spans"]}, kind=kind))
+
+    def on_done(meta: dict) -> None:
+        b = meta["base"]
+        steps(f"base {b}: {meta['tokens']} tokens, {count_cases(b)} cases, {meta['seconds']:.1f} s")
+
+    pending = []
+    for q in plan.jobs:
+        if run.is_done(q["base"]):
+            steps(f"base {q['base']}: done in an earlier run")
+        else:
+            pending.append(q)
+    pending.sort(key=lambda q: -q["cost"])  # stable: ties keep the set's order
+    if pending and dask is not None:
+        dask.check_workers([str(src), str(run.path / partial.JOBS)])
+    context = None
+    if pending and dask is None and workers <= 1:
+        context = JobContext(src, model=model, vision=plan.vision, audio=plan.audio)
+    executors.run_jobs([q["spec"] for q in pending], workers=workers, cluster=dask, on_done=on_done, context=context)
+
+
+def _assemble(run: partial.PartialRun, plan: _Plan, results: Mapping[str, partial.JobResult]) -> _Assembled:
+    """The finished jobs, read back in the set's order (every worker must have run this environment)."""
+    mine = job_versions()
+    for b, r in results.items():
+        if r.meta.get("versions") != mine:
+            raise FixtureError(f"base {b} was computed by worker {r.meta.get('worker')} with {r.meta.get('versions')}, "
+                               f"but this process has {mine}; every worker must run the same environment "
+                               f"(remove {run.path} and run again)")
+    got = _Assembled()
+    for q in plan.jobs:
+        b, r = q["base"], results[q["base"]]
+        got.bases[b] = [int(t) for t in r.meta["ids"]]
+        if q["info"] is not None:
+            got.info[b] = {**q["info"], "length": len(got.bases[b])}
+        else:
+            got.info[b] = r.meta["info"]
+            (got.audio_spans if r.meta["kind"] == "audio" else got.spans)[b] = [(int(a), int(n)) for a, n in
+                                                                               r.meta["spans"]]
+        got.logits[b] = r.array("logits")
+        if r.has("router_margin"):
+            got.margins[b] = r.array("router_margin")
+        got.worst = max(got.worst, float(r.meta["consistency"]))
+    return got
+
+
+def _checks(got: _Assembled, with_text: bool) -> list[dict]:
+    """The oracle's own checks of the assembled set (a failed one is a FixtureError), as the manifest's
+    cross-check entries: G's continuation is the greedy argmax of its own rows (so a tie cannot slip
+    through), and chunked prefill through the KV cache reproduces the full forward."""
+    if GENERATION_BASE in got.bases:
+        prompt_len = got.info[GENERATION_BASE]["prompt_length"]
+        g = got.bases[GENERATION_BASE]
+        for pos in range(prompt_len - 1, len(g) - 1):
+            if int(np.argmax(got.logits[GENERATION_BASE][pos])) != g[pos + 1]:
+                raise FixtureError(f"base G: the greedy continuation at position {pos + 1} is not the argmax of "
+                                   "the full forward (a tie between cached decode and the full forward)")
+    if got.worst > CONSISTENCY_BOUND:
+        raise FixtureError(f"the oracle is not self-consistent on this checkpoint: chunked prefill through the KV "
+                           f"cache differs from the full forward by {got.worst:.3g} (bound {CONSISTENCY_BOUND})")
+    media_bases = {**got.spans, **got.audio_spans}
+    return [{"implementation": "refimpl KV cache (chunked prefill and single-token decode)",
+             "agreement": got.worst,
+             "detail": f"max abs over every row of the {len(got.bases)} bases ({', '.join(got.bases)}) against the "
+                       "full forward; " + ("each text base fed as pieces of 3, W+2, 1, 1 and W+5 tokens, "
+                                           "then single-token decode of the rest" if with_text else "")
+                       + ("; " if with_text and media_bases else "")
+                       + ("each image or audio base cut before every opening marker (boi, boa) and after "
+                          "every closing one, then single-token decode" if media_bases else "")}]
+
+
+def _cross_check(cross_check: CrossCheck, src: Path, got: _Assembled,
+                 results: Mapping[str, partial.JobResult]) -> list[dict]:
+    """The entries of another implementation's check of the set (``cross_check``), given the bases, their
+    logits and the preprocessed media of every image and audio base."""
+    arrays = {b: np.asarray(ids, dtype=np.int64) for b, ids in got.bases.items()}
+    extra: dict[str, Any] = {}
+    if got.spans:
+        extra["images"] = {b: [ProcessedImage(pixels=np.array(results[b].array(f"media.{j}.resized")),
+                                              pixel_values=np.array(results[b].array(f"media.{j}.pixel_values")),
+                                              positions=np.array(results[b].array(f"media.{j}.positions")),
+                                              num_soft_tokens=results[b].meta["num_soft_tokens"][j])
+                               for j in range(results[b].meta["n_media"])] for b in got.spans}
+    if got.audio_spans:
+        extra["audio"] = {b: [AudioFeatures(features=np.array(results[b].array(f"media.{j}.features")),
+                                            mask=np.array(results[b].array(f"media.{j}.mask")))
+                              for j in range(results[b].meta["n_media"])] for b in got.audio_spans}
+    return cross_entries(cross_check(Path(src), arrays, got.logits, **extra), "cross_check")
+
+
+def _write_set(staged: Path, got: _Assembled, results: Mapping[str, partial.JobResult], set_cases: list[Case],
+               plan: _Plan, cfg, *, name: str, version: str, checks: list[dict], command: str | None,
+               model_info: dict) -> None:
+    """The set's three files in ``staged``: expected.safetensors, cases.json and the manifest (written last,
+    with the sha256 of the other two)."""
+    tensors: dict[str, np.ndarray] = {}
+    for b, ids in got.bases.items():
+        tensors[f"base/{b}/tokens"] = np.asarray(ids, dtype=np.int64)
+        tensors[f"base/{b}/logits"] = got.logits[b]
+        if b in got.margins:
+            tensors[f"base/{b}/router_margin"] = got.margins[b]
+    for kind, blocks, leaves, spans_leaf in (("image", got.spans, IMAGE_LEAVES, "images"),
+                                             ("audio", got.audio_spans, AUDIO_LEAVES, "audio")):
+        for b in blocks:
+            r = results[b]
+            tensors[f"base/{b}/embeddings"] = r.array("embeddings")
+            tensors[f"base/{b}/{spans_leaf}"] = np.asarray(blocks[b], dtype=np.int64)
+            for j in range(r.meta["n_media"]):
+                for leaf in leaves:
+                    a = r.array(f"media.{j}.{leaf}")
+                    tensors[f"{kind}/{b}/{j}/{leaf}"] = np.asarray(a, dtype=np.uint8) if leaf == "mask" else a
+    write_safetensors(staged / EXPECTED, tensors, "F64", metadata={"schema": SCHEMA, "name": name})
+    write_json(staged / CASES, {"cases": [c.to_json() for c in set_cases]})
+    recorded = versions()
+    manifest = {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "name": name,
+        "version": version,
+        "provenance": {
+            "generator": f"conformance.fixtures.generate_set (conformance {CONFORMANCE_VERSION})",
+            "command": command if command is not None else default_command(),
+            **{k: v for k, v in recorded.items() if k != "conformance_version"},
+            "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z"),
+            "cross_checks": checks,
+        },
+        "model": model_info,
+        "oracle": {"dtype": "float64", "embed_scale": "exact"},
+        "config": {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+                   "num_hidden_layers": cfg.num_hidden_layers, "sliding_window": cfg.sliding_window},
+        "bases": got.info,
+        **({"images": plan.vision.manifest(cfg.use_bidirectional_attention == "vision")} if plan.vision else {}),
+        **({"audio": plan.audio.manifest()} if plan.audio else {}),
+        "cases": len(set_cases),
+        "files": {f: sha256_file(staged / f) for f in SET_FILES},
+    }
+    write_json(staged / MANIFEST, manifest)

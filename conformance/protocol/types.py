@@ -1,0 +1,197 @@
+"""The Python backend protocol: what the harness asks an engine, and what it must answer.
+
+A backend declares its ``Capabilities`` once, is opened on one checkpoint directory, and answers
+each ``Request`` from a fresh state (no cache, no sequence state survives between requests). The
+harness never asks for something the backend does not claim: those cases are reported as
+"not claimed", never as passed.
+
+A request is one of five kinds (``Request.kind``):
+
+``full``        one forward over ``tokens``; logits for every row ``[T, V]``.
+``last``        a last-logits entry point: logits of the single row ``last_pos`` (0-based within
+                ``tokens``; may be interior, i.e. < T - 1) as ``[1, V]``. ``entry`` says which one:
+                ``plain``, ``seq_id`` (state keyed by ``seq_id``), or ``embeddings`` (``embeddings``
+                ``[T, H]`` given instead of token lookups, plus ``seq_id``; ``tokens`` are still
+                given because per-layer embeddings need ids).
+``prefill``     one sequence fed as consecutive ``pieces`` that continue the same state; each piece
+                has its own tokens and its own output rows (indices within the piece, increasing).
+                ``ubatch`` (if set) is the micro-batch size the engine must split each piece into,
+                as llama.cpp does with ``n_ubatch``; a micro-batch may contain no output row.
+                Answer: the rows of all pieces, in order, ``[sum(len(rows)), V]``. A plain
+                output-row prefill is one piece; chunked prefill is several pieces with the last
+                row of each; "none, then the last in the next call" is two pieces, the first
+                with no rows.
+``multi``       several sequences prefilled together (``sequences``, with ``seq_ids``); answer the
+                last row of each sequence, ``[n, V]``, in the order given.
+**Image prompts** (``Request.images`` non-empty; only ``last`` with entry ``embeddings`` and
+``prefill``; needs the ``image_prompts`` capability): ``tokens`` are the processor's ids, each image a
+block ``boi + image_token_id x M + eoi``; ``images`` lists ``(first position, M)`` of every block of
+image tokens, positions counted over the whole prompt (all pieces). The input embeddings carry the
+image: ``embeddings`` (``last``) or every piece's ``Piece.embeddings`` (``prefill``) hold E[id] * sqrt(H)
+at text rows and the image's soft tokens, NOT scaled, at image rows (convention ``raw``: all divided
+by sqrt(H)). The engine must take the per-layer inputs' token part from the pad row at image
+positions (not the image token's own row) and their context part from the given embeddings, and on
+checkpoints with ``use_bidirectional_attention == "vision"`` let tokens of one image block see each
+other on sliding layers (any later token of the block; earlier ones within the window), full layers
+staying causal. A block never straddles two pieces, image requests carry no ``ubatch``, and decode
+tokens are text.
+
+**Audio prompts** (``Request.audio`` non-empty; same entry points; needs ``audio_prompts``): each
+clip is a block ``boa + audio_token_id x M + eoa``; ``audio`` lists ``(first position, M)`` per block;
+the embeddings hold the clip's soft tokens, unscaled, at its rows. The engine takes the per-layer
+inputs' token part from the pad row there and keeps audio tokens causal on every layer (an audio
+block is never a vision block). ``audio_inputs`` carries each clip's log-mel ``features`` [T, F] and
+frame ``mask`` [T], in prompt order: an engine that claims ``audio_tower`` computes the soft tokens
+itself from them (the embeddings' audio rows are then only a reference) instead of trusting the
+given rows.
+
+Every kind may carry ``decode``: after the prefill, feed these tokens one at a time through the
+state the prefill left (teacher forcing: the harness gives the tokens), and answer the logits after
+each step (``decode_logits`` ``[len(decode), V]``; for ``multi``, ``decode`` and ``decode_logits``
+are per sequence). This proves the cache the prefill left is right.
+
+Logits are returned as float arrays (any float dtype; the harness grades in float64).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+KINDS = ("full", "last", "prefill", "multi")
+ENTRIES = ("plain", "seq_id", "embeddings")
+EMBEDDING_CONVENTIONS = ("scaled", "raw")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend serves. Anything not claimed is reported as "not claimed", never run."""
+
+    full_forward: bool = True
+    last_plain: bool = False  # last-logits entry point, no sequence id
+    last_seq_id: bool = False  # last-logits with a sequence id
+    last_embeddings: bool = False  # last-logits with input embeddings and a sequence id
+    embedding_convention: str = "scaled"  # embeddings given as E[ids] * sqrt(H) ("scaled") or E[ids] ("raw")
+    interior_rows: bool = False  # last_pos < T - 1 on the last-logits entry points
+    output_rows: bool = False  # prefill with an explicit set of output rows (several rows, or none)
+    ubatch: bool = False  # honours a micro-batch size within one prefill call
+    chunked_prefill: bool = False  # several pieces continuing one state
+    multi_sequence: bool = False  # several sequences prefilled together
+    decode: bool = False  # single-token decode steps after a prefill
+    image_prompts: bool = False  # prompts with image blocks (soft tokens in the embeddings; see the module doc)
+    audio_prompts: bool = False  # prompts with audio blocks (soft tokens in the embeddings)
+    audio_tower: bool = False  # with audio_prompts: computes audio soft tokens itself from request.audio_inputs
+    default_profile: str = "fp32"
+
+    def __post_init__(self):
+        if self.embedding_convention not in EMBEDDING_CONVENTIONS:
+            raise ValueError(f"embedding_convention must be one of {EMBEDDING_CONVENTIONS}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class AudioInput:
+    """One audio clip of an audio prompt, as the feature extractor gives it to the audio tower."""
+
+    features: np.ndarray  # [T, F] log-mel features (float64)
+    mask: np.ndarray  # [T] bool: valid frames
+
+
+@dataclass(frozen=True)
+class Piece:
+    tokens: tuple[int, ...]
+    rows: tuple[int, ...]  # output rows within this piece, increasing
+    embeddings: np.ndarray | None = field(default=None, compare=False)  # image prompts: [len(tokens), H]
+
+
+@dataclass(frozen=True)
+class Request:
+    kind: str  # one of KINDS
+    tokens: tuple[int, ...] = ()  # full, last
+    entry: str = "plain"  # last: one of ENTRIES
+    last_pos: int = -1  # last: 0-based row within tokens
+    seq_id: int | None = None  # last (seq_id, embeddings)
+    embeddings: np.ndarray | None = field(default=None, compare=False)  # last/embeddings: [T, H]
+    pieces: tuple[Piece, ...] = ()  # prefill
+    ubatch: int | None = None  # prefill: micro-batch size
+    sequences: tuple[tuple[int, ...], ...] = ()  # multi
+    seq_ids: tuple[int, ...] = ()  # multi
+    decode: tuple = ()  # tokens after the prefill; for multi a tuple of tuples, one per sequence
+    images: tuple[tuple[int, int], ...] = ()  # image prompts: (first position, soft tokens) of each block
+    audio: tuple[tuple[int, int], ...] = ()  # audio prompts: (first position, soft tokens) of each block
+    audio_inputs: tuple[AudioInput, ...] = field(default=(), compare=False)  # per audio block, in order
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown request kind {self.kind!r}")
+        if self.entry not in ENTRIES:
+            raise ValueError(f"unknown entry point {self.entry!r}")
+
+
+@dataclass
+class Response:
+    logits: np.ndarray  # [R, V] rows as the request defines them
+    decode_logits: np.ndarray | list[np.ndarray] | None = None  # [len(decode), V]; a list for multi
+    executed: dict[str, Any] = field(default_factory=dict)  # the path the backend says it took
+
+
+class BackendError(Exception):
+    """A backend could not be loaded or opened (the run cannot go on: exit code 4)."""
+
+
+class CaseTimeout(Exception):
+    """A request did not finish within the case timeout (``conformance check --case-timeout``).
+
+    A backend that runs its engine in a child process it can kill and restart (the subprocess and
+    llama.cpp backends, and any backend under ``--isolate``) supervises the timeout itself: it has
+    ``set_case_timeout(seconds)``, and its ``run`` raises a subclass of this after killing the
+    engine, which it restarts for the next request. For any other backend the harness enforces the
+    timeout and, since an in-process call cannot be stopped, ends the run there.
+    """
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the harness drives. ``open`` is called once per checkpoint; ``run`` once per request."""
+
+    name: str
+    capabilities: Capabilities
+
+    def open(self, model_dir: Path) -> None: ...
+
+    def run(self, request: Request) -> Response: ...
+
+    def close(self) -> None: ...
+
+
+def required_capabilities(request: Request) -> list[str]:
+    """The capability flags a request needs; the harness runs it only if all are claimed."""
+    need: list[str] = []
+    if request.kind == "full":
+        need.append("full_forward")
+    elif request.kind == "last":
+        need.append({"plain": "last_plain", "seq_id": "last_seq_id", "embeddings": "last_embeddings"}[request.entry])
+        if request.last_pos != len(request.tokens) - 1:
+            need.append("interior_rows")
+    elif request.kind == "prefill":
+        last_only = all(piece.rows == (len(piece.tokens) - 1,) for piece in request.pieces)
+        if len(request.pieces) == 1 or not last_only:
+            need.append("output_rows")  # chunked prefill sampling each piece's last row needs only chunking
+        if len(request.pieces) > 1:
+            need.append("chunked_prefill")
+        if request.ubatch is not None:
+            need.append("ubatch")
+    elif request.kind == "multi":
+        need.append("multi_sequence")
+    if request.decode:
+        need.append("decode")
+    if request.images:
+        need.append("image_prompts")
+    if request.audio:
+        need.append("audio_prompts")
+    return need

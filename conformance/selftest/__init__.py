@@ -1,0 +1,19 @@
+"""The gate's self-test: ``engine`` (numpy-engine, a second NumPy backend organised like a production
+engine), ``mutants`` (the engine with one known bug planted, one factory), and ``run`` (``run_selftest``: the
+control, then every mutant, graded; which check catches which bug). Imports ``conformance.check``,
+``conformance.report`` and below.
+
+    from conformance.selftest import run_selftest, MUTANTS
+"""
+
+from .engine import NumpyEngineBackend
+from .mutants import EQUIVALENT, MUTANTS, Mutant
+from .run import (
+    CONTROL_PROFILE, DEFAULT_PROFILES, SCHEMA, SCHEMA_VERSION, ControlResult, MutantResult, SelftestResult, Verdict,
+    console_summary, default_control, format_table, load_equivalents, load_mutants, run_selftest, select_equivalents,
+    select_mutants, table_rows, to_json, write_json,
+)
+
+__all__ = ["CONTROL_PROFILE", "DEFAULT_PROFILES", "EQUIVALENT", "MUTANTS", "SCHEMA", "SCHEMA_VERSION", "ControlResult", "Mutant", "MutantResult", "NumpyEngineBackend", "SelftestResult",
+           "Verdict", "console_summary", "default_control", "load_equivalents", "load_mutants", "run_selftest",
+           "select_equivalents", "select_mutants", "format_table", "table_rows", "to_json", "write_json"]

@@ -1,0 +1,138 @@
+"""The on-disk format of a fixture set: names, schema constants, digests, and the rule for checkpoint file names.
+
+A set is a directory (docs/fixtures.md has the full format)::
+
+    <set>/manifest.json         schema, name, version, provenance, model, oracle, bases, files (sha256)
+    <set>/cases.json            {"cases": [Case.to_json(), ...]}
+    <set>/expected.safetensors  base/<id>/tokens [N] I64, base/<id>/logits [N, V] F64,
+                                base/<id>/router_margin [N] F64 (MoE models: min over layers per token)
+                                image and audio bases also: base/<id>/embeddings [N, H] F64 (the merged input
+                                embeddings), base/<id>/images or base/<id>/audio [n, 2] I64 (first position,
+                                soft tokens), and per image j: image/<id>/<j>/pixels [h, w, 3] U8,
+                                .../pixel_values [P, 3p^2] F64, .../positions [P, 2] I64, .../soft_tokens [M, H] F64;
+                                per clip j: audio/<id>/<j>/waveform, features, mask, soft_tokens
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import re
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+import refimpl
+
+from .. import __version__ as CONFORMANCE_VERSION
+
+SCHEMA = "gemma4-conformance/fixtures"
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+CASES = "cases.json"
+EXPECTED = "expected.safetensors"
+SET_FILES = (CASES, EXPECTED)
+SYNTHETIC_FILES = ("config.json", "model.safetensors", "tokenizer.model")
+SYNTHETIC_CHECKED = ("config.json", "model.safetensors")  # a tokenizer mismatch is only a warning
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+SEMVER_RE = re.compile(
+    r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
+    r"(?:-((?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(?:\.(?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*))?"
+    r"(?:\+([0-9a-zA-Z-]+(?:\.[0-9a-zA-Z-]+)*))?$"
+)
+
+
+SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+IMAGE_LEAVES = ("pixels", "pixel_values", "positions", "soft_tokens")  # image/<base>/<j>/<leaf>
+AUDIO_LEAVES = ("waveform", "features", "mask", "soft_tokens")  # audio/<base>/<j>/<leaf>
+BASE_LEAVES = ("tokens", "logits", "router_margin", "embeddings", "images", "audio")  # base/<base>/<leaf>
+MEDIA_LEAVES = {("image", leaf) for leaf in IMAGE_LEAVES} | {("audio", leaf) for leaf in AUDIO_LEAVES}
+
+
+class FixtureError(Exception):
+    """An integrity or schema problem with a fixture set (exit code 3), or a set that cannot be made."""
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def versions() -> dict[str, str]:
+    """The versions a set's numbers depend on, as its provenance records them."""
+    return {"refimpl_version": refimpl.__version__, "numpy_version": np.__version__,
+            "python_version": platform.python_version(), "conformance_version": CONFORMANCE_VERSION}
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=1, sort_keys=False, allow_nan=False) + "\n", encoding="utf-8")
+
+
+_DRIVE_RE = re.compile(r"^[A-Za-z]:")
+
+
+def checkpoint_name_problem(name: Any) -> str | None:
+    """Why ``name`` (a file of a checkpoint: a key of the manifest's model.sha256, a shard of a
+    safetensors index) is not a plain relative path inside the checkpoint directory, else None. Plain:
+    a non-empty string of '/'-separated components, none empty, '.' or '..', no backslash, no NUL, not
+    absolute, no drive letter; so that ``checkpoint / name`` never leaves the directory by its name
+    (a symbolic link inside the checkpoint, e.g. a Hugging Face cache snapshot's, is followed as usual)."""
+    if not isinstance(name, str):
+        return "not a string"
+    if not name:
+        return "it is empty"
+    if "\\" in name:
+        return "it has a backslash"
+    if "\0" in name:
+        return "it has a NUL character"
+    if name.startswith("/"):
+        return "it is an absolute path"
+    if _DRIVE_RE.match(name):
+        return "it starts with a drive letter"
+    parts = name.split("/")
+    if ".." in parts:
+        return "it has a '..' component"
+    if any(p in ("", ".") for p in parts):
+        return "it has an empty or '.' component"
+    return None
+
+
+def model_files(model_dir: Path) -> list[str]:
+    """The files of a checkpoint the oracle reads (hashed for an external model, never copied)."""
+    names = ["config.json"]
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names.append(index.name)
+        try:
+            shards = sorted(set(read_json(index)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            raise ValueError(f"{index}: not a valid safetensors index") from None
+        for shard in shards:
+            why = checkpoint_name_problem(shard)
+            if why is not None:
+                raise ValueError(f"{index}: shard {shard!r} is not a plain relative path inside the checkpoint ({why})")
+        names += shards
+    else:
+        names.append("model.safetensors")
+    for optional in ("generation_config.json", "tokenizer.model"):
+        if (model_dir / optional).is_file():
+            names.append(optional)
+    for n in names:
+        if not (model_dir / n).is_file():
+            raise ValueError(f"{model_dir}: {n} is missing; a checkpoint directory needs config.json and its weights")
+    return names
+
+
+def hash_files(model_dir: Path, names: Iterable[str]) -> dict[str, str]:
+    return {n: sha256_file(model_dir / n) for n in names}
+
+

@@ -1,0 +1,353 @@
+"""Integrity of a fixture set: the schema, the sha256 of every file, the stored tensors against the cases,
+and an external set's checkpoint. ``load_set`` refuses a set with any problem (FixtureError, exit 3);
+``check_set`` lists every problem. Recomputing the goldens with the oracle is ``conformance.generate.recompute``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from refimpl.errors import WeightsError
+from refimpl.safetensors_io import read_header
+from refimpl.synth import PRESETS
+
+from .case import Case, check_case
+from .fixture_set import FixtureSet
+from .format import (
+    AUDIO_LEAVES, BASE_LEAVES, CASES, EXPECTED, IMAGE_LEAVES, MANIFEST, MEDIA_LEAVES, NAME_RE, SCHEMA,
+    SCHEMA_VERSION, SEMVER_RE, SET_FILES, SHA_RE, SYNTHETIC_CHECKED, FixtureError, checkpoint_name_problem, read_json,
+    sha256_file,
+)
+
+
+def _check_manifest(m: Any, where: str) -> list[str]:
+    if not isinstance(m, dict):
+        return [f"{where}: must be a JSON object"]
+    out = []
+    if m.get("schema") != SCHEMA:
+        return [f"{where}: schema is {m.get('schema')!r}, expected {SCHEMA!r} (not a conformance fixture set)"]
+    sv = m.get("schema_version")
+    if not isinstance(sv, int) or isinstance(sv, bool):
+        return [f"{where}: schema_version must be an integer, got {sv!r}"]
+    if sv > SCHEMA_VERSION:
+        return [f"{where}: schema_version {sv} is newer than this harness reads ({SCHEMA_VERSION}); upgrade "
+                "gemma4-conformance"]
+    if sv != SCHEMA_VERSION:
+        return [f"{where}: schema_version {sv} is not supported (this harness reads {SCHEMA_VERSION})"]
+    if not isinstance(m.get("name"), str) or not NAME_RE.match(m["name"]):
+        out.append(f"{where}: name {m.get('name')!r} is missing or not a valid set name")
+    if not isinstance(m.get("version"), str) or not SEMVER_RE.match(m["version"]):
+        out.append(f"{where}: version {m.get('version')!r} is not a semantic version (MAJOR.MINOR.PATCH)")
+    if not isinstance(m.get("provenance"), dict):
+        out.append(f"{where}: provenance is missing")
+    elif not isinstance(m["provenance"].get("cross_checks", []), list):
+        out.append(f"{where}: provenance.cross_checks must be a list")
+    oracle = m.get("oracle")
+    if not isinstance(oracle, dict) or oracle.get("dtype") != "float64":
+        out.append(f"{where}: oracle.dtype must be float64, got {oracle!r}")
+    model = m.get("model")
+    if not isinstance(model, dict) or model.get("kind") not in ("synthetic", "external"):
+        out.append(f"{where}: model.kind must be 'synthetic' or 'external'")
+    else:
+        hashes = model.get("sha256")
+        unsafe = [(k, checkpoint_name_problem(k)) for k in hashes] if isinstance(hashes, dict) else []
+        unsafe = [(k, why) for k, why in unsafe if why is not None]
+        if not (isinstance(hashes, dict) and all(isinstance(k, str) and isinstance(v, str) and SHA_RE.match(v)
+                                                 for k, v in hashes.items())):
+            out.append(f"{where}: model.sha256 must map file names to sha256 hex digests")
+        elif unsafe:
+            out += [f"{where}: model.sha256 names {k!r}, which is not a plain relative path inside the checkpoint "
+                    f"({why})" for k, why in unsafe]
+        elif model["kind"] == "synthetic":
+            if model.get("preset") not in PRESETS:
+                out.append(f"{where}: model.preset {model.get('preset')!r} is not a preset of this refimpl "
+                           f"({', '.join(PRESETS)})")
+            if not isinstance(model.get("seed"), int) or isinstance(model.get("seed"), bool) or model["seed"] < 0:
+                out.append(f"{where}: model.seed must be a non-negative integer")
+            if model.get("dtype") not in ("f32", "bf16"):
+                out.append(f"{where}: model.dtype must be f32 or bf16")
+            missing = [n for n in SYNTHETIC_CHECKED if n not in hashes]
+            if missing:
+                out.append(f"{where}: model.sha256 lacks {missing[0]}")
+        else:
+            if not isinstance(model.get("path"), str) or not os.path.isabs(model["path"]):
+                out.append(f"{where}: model.path must be an absolute path")
+            elif "config.json" not in hashes:
+                out.append(f"{where}: model.sha256 lacks config.json")
+    files = m.get("files")
+    if not isinstance(files, dict):
+        out.append(f"{where}: files must map file names to sha256 digests")
+    else:
+        for f in SET_FILES:
+            if f not in files:
+                out.append(f"{where}: files lacks {f}")
+        for f, h in files.items():
+            if not isinstance(f, str) or Path(f).name != f or f in (".", "..", MANIFEST):
+                out.append(f"{where}: files entry {f!r} is not a file name of the set")
+            elif not isinstance(h, str) or not SHA_RE.match(h):
+                out.append(f"{where}: files[{f!r}] is not a sha256 hex digest")
+    return out
+
+
+def _stored_items(infos: Mapping[str, Any], kind: str, b: str, leaves: tuple[str, ...],
+                  where: str) -> tuple[list[tuple[str, tuple]], list[str]]:
+    """The stored images/clips ``<kind>/<b>/<j>/<leaf>`` of base ``b`` (counted by the first leaf) as
+    (name prefix, the leaves' tensor infos), and a problem for each one missing a leaf."""
+    items, out, j = [], [], 0
+    while f"{kind}/{b}/{j}/{leaves[0]}" in infos:
+        prefix = f"{kind}/{b}/{j}/"
+        got = [infos.get(prefix + leaf) for leaf in leaves]
+        missing = [leaf for leaf, info in zip(leaves, got) if info is None]
+        if missing:
+            out.append(f"{where}: {prefix}{missing[0]} is missing")
+        items.append((prefix, tuple(got)))
+        j += 1
+    return items, out
+
+
+def _check_audio_tensors(infos: Mapping[str, Any], b: str, N: int, where: str) -> list[str]:
+    """Shapes and dtypes of an audio base's tensors."""
+    emb, au = infos.get(f"base/{b}/embeddings"), infos[f"base/{b}/audio"]
+    out = []
+    if emb is None or emb.dtype != "F64" or len(emb.shape) != 2 or emb.shape[0] != N:
+        out.append(f"{where}: audio base {b} needs base/{b}/embeddings as F64 [{N}, H]")
+    if au.dtype != "I64" or len(au.shape) != 2 or au.shape[1] != 2 or au.shape[0] < 1:
+        return out + [f"{where}: base/{b}/audio must be I64 [n, 2] (first position, soft tokens), got {au.dtype} "
+                      f"{list(au.shape)}"]
+    clips, missing = _stored_items(infos, "audio", b, AUDIO_LEAVES, where)
+    if len(clips) != au.shape[0]:
+        out.append(f"{where}: base {b} has {au.shape[0]} audio blocks but {len(clips)} stored clips")
+    out += missing
+    for p, (wave, feats, mask, st) in clips:
+        if None in (wave, feats, mask, st):
+            continue
+        if wave.dtype != "F64" or len(wave.shape) != 1:
+            out.append(f"{where}: {p}waveform must be F64 [n]")
+        if feats.dtype != "F64" or len(feats.shape) != 2 or mask.dtype != "U8" or mask.shape != feats.shape[:1]:
+            out.append(f"{where}: {p}features must be F64 [T, F] and {p}mask U8 [T]")
+        if st.dtype != "F64" or len(st.shape) != 2 or (emb is not None and st.shape[1] != emb.shape[-1]):
+            out.append(f"{where}: {p}soft_tokens must be F64 [M, H]")
+    return out
+
+
+def _check_image_tensors(infos: Mapping[str, Any], b: str, N: int, where: str) -> list[str]:
+    """Shapes and dtypes of an image base's tensors (none of them for a text base)."""
+    if f"base/{b}/audio" in infos:
+        return _check_audio_tensors(infos, b, N, where)
+    emb, im = infos.get(f"base/{b}/embeddings"), infos.get(f"base/{b}/images")
+    images, missing = _stored_items(infos, "image", b, IMAGE_LEAVES, where)
+    if emb is None and im is None and not images:
+        return []
+    if emb is None or im is None:
+        return [f"{where}: image base {b} needs both base/{b}/embeddings and base/{b}/images"]
+    out = []
+    if emb.dtype != "F64" or len(emb.shape) != 2 or emb.shape[0] != N:
+        out.append(f"{where}: base/{b}/embeddings must be F64 [{N}, H], got {emb.dtype} {list(emb.shape)}")
+    if im.dtype != "I64" or len(im.shape) != 2 or im.shape[1] != 2 or im.shape[0] < 1:
+        return out + [f"{where}: base/{b}/images must be I64 [n, 2] (first position, soft tokens), got {im.dtype} "
+                      f"{list(im.shape)}"]
+    if len(images) != im.shape[0]:
+        out.append(f"{where}: base {b} has {im.shape[0]} image blocks but {len(images)} stored images")
+    out += missing
+    for p, (px, pv, pos, st) in images:
+        if None in (px, pv, pos, st):
+            continue
+        if px.dtype != "U8" or len(px.shape) != 3 or px.shape[2] != 3:
+            out.append(f"{where}: {p}pixels must be U8 [h, w, 3], got {px.dtype} {list(px.shape)}")
+        if pv.dtype != "F64" or len(pv.shape) != 2 or pos.dtype != "I64" or pos.shape != (pv.shape[0], 2):
+            out.append(f"{where}: {p}pixel_values must be F64 [P, C] and {p}positions I64 [P, 2]")
+        if st.dtype != "F64" or len(st.shape) != 2 or (emb.shape and st.shape[1] != emb.shape[-1]):
+            out.append(f"{where}: {p}soft_tokens must be F64 [M, H]")
+    return out
+
+
+def _check_image_blocks(fs: "FixtureSet", blocks: Mapping[str, list[tuple[int, int]]],
+                        tokens: Mapping[str, np.ndarray], manifest: dict, where: str,
+                        what: str = "image") -> list[str]:
+    """Each image (audio) block lies in its base, holds only the manifest's image (audio) token, and has
+    as many rows as its stored soft tokens."""
+    out = []
+    section, key = ("images", "image_token_id") if what == "image" else ("audio", "audio_token_id")
+    token = ((manifest.get(section) or {}).get("token_ids") or {}).get(key)
+    if blocks and not isinstance(token, int):
+        return [f"{where}: the set has {what} bases but the manifest records no {section}.token_ids.{key}"]
+    for b, spans in blocks.items():
+        ids = tokens[b]
+        stored = fs.image_inputs(b) if what == "image" else fs.audio_inputs(b)
+        for j, (a, n) in enumerate(spans):
+            if n < 1 or a < 1 or a + n >= len(ids):
+                out.append(f"{where}: base {b} {what} block {j} ({a}, {n}) does not lie inside its {len(ids)} tokens")
+            elif not np.all(ids[a:a + n] == token):
+                out.append(f"{where}: base {b} {what} block {j} ({a}, {n}) holds tokens other than the {what} token "
+                           f"{token}")
+            elif j < len(stored) and stored[j]["soft_tokens"].shape[0] != n:
+                out.append(f"{where}: base {b} {what} block {j} has {n} tokens but its {what} "
+                           f"{stored[j]['soft_tokens'].shape[0]} soft tokens")
+    return out
+
+
+def read_set(path: Path) -> tuple[list[str], FixtureSet | None]:
+    """All problems of a set, and the loaded set when there are none."""
+
+    path = Path(path)
+    if not path.is_dir():
+        return [f"{path}: not a directory (a fixture set is a directory with {MANIFEST})"], None
+    mpath = path / MANIFEST
+    try:
+        manifest = read_json(mpath)
+    except FileNotFoundError:
+        return [f"{mpath}: missing; {path} is not a fixture set"], None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return [f"{mpath}: not valid JSON ({e})"], None
+    problems = _check_manifest(manifest, str(mpath))
+    if problems:
+        return problems, None
+    ok_files = set()
+    for f, want in manifest["files"].items():
+        fp = path / f
+        if not fp.is_file():
+            problems.append(f"{fp}: missing (listed in {MANIFEST})")
+            continue
+        got = sha256_file(fp)
+        if got != want:
+            problems.append(f"{fp}: sha256 mismatch: {MANIFEST} records {want}, the file has {got} (the file was "
+                            "modified, or the manifest was edited)")
+        else:
+            ok_files.add(f)
+    if not set(SET_FILES) <= ok_files:
+        return problems, None
+
+    # expected.safetensors
+    epath = path / EXPECTED
+    try:
+        infos = read_header(epath)
+    except WeightsError as e:
+        return problems + [f"{epath}: {e}"], None
+    lengths: dict[str, int] = {}
+    vocab = None
+    seen: dict[str, set] = {}
+    for n, info in infos.items():
+        parts = n.split("/")
+        if len(parts) == 4 and parts[2].isdigit() and (parts[0], parts[3]) in MEDIA_LEAVES:
+            continue  # checked with its base below
+        if len(parts) != 3 or parts[0] != "base" or parts[2] not in BASE_LEAVES:
+            problems.append(f"{epath}: unexpected tensor '{n}'")
+            continue
+        seen.setdefault(parts[1], set()).add(parts[2])
+    for b, leaves in sorted(seen.items()):
+        t, lg = infos.get(f"base/{b}/tokens"), infos.get(f"base/{b}/logits")
+        if t is None or lg is None:
+            problems.append(f"{epath}: base {b} needs both tokens and logits")
+            continue
+        if t.dtype != "I64" or len(t.shape) != 1 or t.shape[0] < 1:
+            problems.append(f"{epath}: base/{b}/tokens must be a non-empty I64 vector, got {t.dtype} {list(t.shape)}")
+            continue
+        if lg.dtype != "F64" or lg.shape[:1] != t.shape or len(lg.shape) != 2:
+            problems.append(f"{epath}: base/{b}/logits must be F64 [{t.shape[0]}, V], got {lg.dtype} {list(lg.shape)}")
+            continue
+        if vocab is None:
+            vocab = lg.shape[1]
+        elif lg.shape[1] != vocab:
+            problems.append(f"{epath}: base/{b}/logits has {lg.shape[1]} columns, other bases {vocab}")
+        rm = infos.get(f"base/{b}/router_margin")
+        if rm is not None and (rm.dtype != "F64" or rm.shape != t.shape):
+            problems.append(f"{epath}: base/{b}/router_margin must be F64 [{t.shape[0]}]")
+        problems += _check_image_tensors(infos, b, t.shape[0], str(epath))
+        lengths[b] = t.shape[0]
+    if not lengths:
+        problems.append(f"{epath}: holds no base")
+    declared = manifest.get("bases")
+    if isinstance(declared, dict):
+        for b, d in declared.items():
+            if b not in lengths:
+                problems.append(f"{epath}: base {b} of {MANIFEST} is not stored")
+            elif isinstance(d, dict) and d.get("length") not in (None, lengths[b]):
+                problems.append(f"{epath}: base {b} has {lengths[b]} tokens, {MANIFEST} says {d.get('length')}")
+    fs = FixtureSet(path=path, manifest=manifest, cases=[])
+    blocks: dict[str, list[tuple[int, int]]] = {}
+    if not problems:
+        tokens = fs.bases()
+        for b, ids in tokens.items():
+            if vocab is not None and (ids.min() < 0 or ids.max() >= vocab):
+                problems.append(f"{epath}: base/{b}/tokens holds ids outside the vocabulary [0, {vocab})")
+        blocks = fs.image_blocks()
+        problems += _check_image_blocks(fs, blocks, tokens, manifest, str(epath))
+        audio_blocks = fs.audio_blocks()
+        problems += _check_image_blocks(fs, audio_blocks, tokens, manifest, str(epath), "audio")
+        blocks = {**blocks, **audio_blocks}
+        for b, a in fs.base_logits().items():
+            if not np.all(np.isfinite(a)):
+                problems.append(f"{epath}: base/{b}/logits holds non-finite values")
+    else:
+        tokens = {}
+
+    # cases.json
+    cpath = path / CASES
+    try:
+        doc = read_json(cpath)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return problems + [f"{cpath}: not valid JSON ({e})"], None
+    if not isinstance(doc, dict) or not isinstance(doc.get("cases"), list):
+        return problems + [f"{cpath}: must be an object with a 'cases' list"], None
+    cases: list[Case] = []
+    for k, d in enumerate(doc["cases"]):
+        try:
+            cases.append(Case.from_json(d))
+        except ValueError as e:
+            problems.append(f"{cpath}: case {k}: {e}")
+    ids = [c.id for c in cases]
+    dups = sorted({i for i in ids if ids.count(i) > 1})
+    if dups:
+        problems.append(f"{cpath}: duplicate case id {dups[0]}")
+    prefix = f"{manifest['name']}/"
+    for c in cases:
+        if not c.id.startswith(prefix):
+            problems.append(f"{cpath}: case id {c.id} does not start with the set name '{prefix}'")
+        problems += [f"{cpath}: {p}" for p in check_case(c, lengths, blocks)]
+        if c.generation and tokens and not check_case(c, lengths, blocks):
+            want = tuple(int(t) for t in tokens[c.base][c.length:c.length + c.decode_len + 1])
+            if tuple(c.golden_tokens) != want:
+                problems.append(f"{cpath}: case {c.id}: golden tokens {list(c.golden_tokens)} are not "
+                                f"base {c.base}[{c.length}:{c.length + c.decode_len + 1}] = {list(want)}")
+    if isinstance(manifest.get("cases"), int) and manifest["cases"] != len(cases):
+        problems.append(f"{cpath}: holds {len(cases)} cases, {MANIFEST} says {manifest['cases']}")
+    if problems:
+        return problems, None
+    fs.cases = cases
+    return problems, fs
+
+
+def load_set(path: str | Path) -> FixtureSet:
+    """Load a set after verifying its schema and the sha256 of every file (FixtureError naming the file)."""
+    problems, fs = read_set(Path(path))
+    if problems:
+        more = f" (and {len(problems) - 1} more problem(s); run `conformance verify`)" if len(problems) > 1 else ""
+        raise FixtureError(problems[0] + more)
+    assert fs is not None
+    return fs
+
+
+
+
+def checked_set(path: str | Path) -> tuple[list[str], FixtureSet | None]:
+    """Every problem of a set (empty list = ok), and the set when there are none: schema, sha256 of every
+    file, cases against bases, tensor shapes, and for an external set the sha256 of every checkpoint file
+    it records (a checkpoint that is not there is a problem: its files were not checked). Never raises for
+    content problems."""
+    try:
+        problems, fs = read_set(Path(path))
+        if not problems:
+            problems = fs.checkpoint_problems()  # an external checkpoint: its files, or that they were not checked
+    except Exception as e:  # noqa: BLE001 - verify reports, it does not raise
+        return [f"{path}: cannot be verified: {type(e).__name__}: {e}"], None
+    return problems, (None if problems else fs)
+
+
+def check_set(path: str | Path) -> list[str]:
+    """The problems of ``checked_set``."""
+    return checked_set(path)[0]
