@@ -699,11 +699,13 @@ def test_bundled_sets_are_up_to_date(sets):
 
 
 def test_bundled_sets_from_an_installed_layout(tmp_path):
-    """bundled_sets() goes through importlib.resources: a copy of the package elsewhere finds its own sets."""
+    """bundled_sets() outside the source tree finds the installed data package: a copy of the package elsewhere,
+    laid out as the wheel installs it (fixtures/ as conformance/bundled/), finds its own sets."""
     import subprocess
 
     pkg = tmp_path / "site" / "conformance"
     shutil.copytree(REPO / "conformance", pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "fixtures", pkg / "bundled")
     code = ("import conformance.fixtures as f, sys; ps = f.bundled_sets(); "
             "assert all(str(p).startswith(sys.argv[1]) for p in ps), ps; print(len(ps))")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{REPO}"}

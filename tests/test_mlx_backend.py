@@ -113,11 +113,11 @@ def test_bad_options_have_exact_messages():
 
 
 def test_missing_mlx_gives_the_install_hint(monkeypatch):
-    monkeypatch.delitem(sys.modules, "conformance.backends.mlx_backend")
+    monkeypatch.delitem(sys.modules, "conformance.backends.mlx_lm.backend")
     monkeypatch.setitem(sys.modules, "mlx", None)
     with pytest.raises(BackendError) as e:
         registry.load_backend("mlx-lm")
-    assert str(e.value) == ("backend 'mlx-lm': module 'conformance.backends.mlx_backend' needs 'mlx', which is not "
+    assert str(e.value) == ("backend 'mlx-lm': module 'conformance.backends.mlx_lm.backend' needs 'mlx', which is not "
                             "installed; install the 'mlx' extra: pip install 'gemma4-conformance[mlx]'")
 
 

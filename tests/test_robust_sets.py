@@ -20,7 +20,8 @@ import pytest
 from helpers import micro_checkpoint, micro_config
 
 from conformance import fixtures
-from conformance.generate import jobs, partial
+from conformance.generate import jobs
+from conformance.generate.partial import RunLock
 from conformance.sets.format import model_files
 from conformance.cli import main
 from conformance.fixtures import MANIFEST, FixtureError, generate_set, load_set, sha256_file, verify_set
@@ -54,7 +55,7 @@ def test_a_second_run_stops_at_once_and_leaves_the_holders_partial_run_alone(tmp
     writing.mkdir()
     assert sorted(os.listdir(tmp_path)) == [".set.partial"]
 
-    held = partial.RunLock.acquire(out)
+    held = RunLock.acquire(out)
     try:
         rec = json.loads(lock.read_text())
         assert held.path == lock and sorted(rec) == ["host", "pid", "started"]

@@ -108,7 +108,7 @@ def test_refimpl_subprocess_float32_name_and_profile(backends):
     backends.append(b)
     assert b.name == "refimpl-float32-subprocess"
     assert b.capabilities.default_profile == "fp32"
-    assert b.engine["server"] == "conformance.backends.protocol_server"
+    assert b.engine["server"] == "conformance.serve"
     with pytest.raises(BackendError, match="format must be 'raw' or 'safetensors', got 'npy'"):
         RefimplSubprocessBackend(format="npy")
 
@@ -561,18 +561,18 @@ def test_v1_capability_fields_are_frozen_and_newer_fields_are_optional(monkeypat
     from dataclasses import fields
 
     from conformance.backend import Capabilities
-    from conformance.backends import subprocess_backend as sb
+    from conformance.protocol import wire
 
     v1 = ("full_forward", "last_plain", "last_seq_id", "last_embeddings", "embedding_convention", "interior_rows",
           "output_rows", "ubatch", "chunked_prefill", "multi_sequence", "decode", "default_profile")
-    assert sb.V1_CAPABILITY_FIELDS == v1
+    assert wire.V1_CAPABILITY_FIELDS == v1
     assert set(v1) <= {f.name for f in fields(Capabilities)}
     # a field added after v1 (here: pretend decode was) is optional: absent, it takes its default
-    monkeypatch.setattr(sb, "V1_CAPABILITY_FIELDS", tuple(f for f in v1 if f != "decode"))
+    monkeypatch.setattr(wire, "V1_CAPABILITY_FIELDS", tuple(f for f in v1 if f != "decode"))
     b = make(backends, fake("missing-caps"))
     assert b.capabilities.decode is False and b.capabilities.full_forward is True
     with pytest.raises(ValueError, match="capabilities.decode must be true or false, got 1"):
-        sb._capabilities(dict(b.capabilities.to_dict(), decode=1))
+        wire.capabilities_from_json(dict(b.capabilities.to_dict(), decode=1))
 
 
 @pytest.mark.parametrize("option, value", [("timeout", float("inf")), ("timeout", 1e400),
@@ -698,7 +698,7 @@ def test_a_v1_engine_without_image_prompts_gets_no_image_request(vision, tmp_pat
     sends it an image request (required_capabilities), nor does the client; its text requests still work
     (the new request fields are ignored)."""
     from conformance.backend import required_capabilities
-    from conformance.backends import subprocess_backend as sb
+    from conformance.protocol import wire
 
     path, p = vision
     log = tmp_path / "requests.jsonl"
@@ -715,10 +715,10 @@ def test_a_v1_engine_without_image_prompts_gets_no_image_request(vision, tmp_pat
     assert [r["kind"] for r in sent] == ["full"] and sent[0]["images"] == []
     # hello replies: the v1 fields alone parse with image_prompts False; the field, when given, is read
     v1 = {k: v for k, v in all_capabilities("fp32").to_dict().items() if k != "image_prompts"}
-    assert sb._capabilities(v1).image_prompts is False
-    assert sb._capabilities(dict(v1, image_prompts=True)).image_prompts is True
+    assert wire.capabilities_from_json(v1).image_prompts is False
+    assert wire.capabilities_from_json(dict(v1, image_prompts=True)).image_prompts is True
     with pytest.raises(ValueError, match="capabilities.image_prompts must be true or false, got 'yes'"):
-        sb._capabilities(dict(v1, image_prompts="yes"))
+        wire.capabilities_from_json(dict(v1, image_prompts="yes"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -855,7 +855,7 @@ def test_a_v1_engine_without_audio_prompts_gets_no_audio_request(audio, tmp_path
     """An engine whose hello has no audio_prompts / audio_tower fields (a v1 engine, or one from before audio
     prompts) claims neither: the harness never sends it an audio request, nor does the client."""
     from conformance.backend import required_capabilities
-    from conformance.backends import subprocess_backend as sb
+    from conformance.protocol import wire
 
     path, p = audio
     log = tmp_path / "requests.jsonl"
@@ -873,10 +873,10 @@ def test_a_v1_engine_without_audio_prompts_gets_no_audio_request(audio, tmp_path
     # hello replies: without the fields (an image-era hello too) both parse as False; given, they are read
     caps = all_capabilities("fp32").to_dict()
     image_era = {k: v for k, v in caps.items() if k not in ("audio_prompts", "audio_tower")}
-    parsed = sb._capabilities(image_era)
+    parsed = wire.capabilities_from_json(image_era)
     assert (parsed.image_prompts, parsed.audio_prompts, parsed.audio_tower) == (True, False, False)
-    parsed = sb._capabilities(dict(image_era, audio_prompts=True))
+    parsed = wire.capabilities_from_json(dict(image_era, audio_prompts=True))
     assert (parsed.audio_prompts, parsed.audio_tower) == (True, False)
-    assert sb._capabilities(dict(image_era, audio_prompts=True, audio_tower=True)).audio_tower is True
+    assert wire.capabilities_from_json(dict(image_era, audio_prompts=True, audio_tower=True)).audio_tower is True
     with pytest.raises(ValueError, match="capabilities.audio_tower must be true or false, got 1"):
-        sb._capabilities(dict(image_era, audio_tower=1))
+        wire.capabilities_from_json(dict(image_era, audio_tower=1))
