@@ -2,9 +2,11 @@
 ``conformance.backends.subprocess.server`` (``handle``, ``serve``). ``python -m conformance.backends.protocol_server``
 still works: run as a script, it hands over to the command."""
 
-from ..protocol.wire import read_input_array as read_raw  # noqa: F401
-from ..protocol.wire import jsonable, request_from_json, write_array  # noqa: F401
-from .subprocess.server import handle, serve  # noqa: F401
+from ..protocol.wire import read_input_array as read_raw
+from ..protocol.wire import jsonable, request_from_json, write_array
+from .subprocess.server import handle, serve
+
+__all__ = ["handle", "jsonable", "read_raw", "request_from_json", "serve", "write_array"]
 
 if __name__ == "__main__":
     import runpy
