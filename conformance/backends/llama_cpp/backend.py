@@ -98,7 +98,7 @@ class LlamaCppBackend(SubprocessBackend):
         if "GEMMA4_CONFORMANCE_CACHE" in os.environ:
             env["GEMMA4_CONFORMANCE_CACHE"] = os.environ["GEMMA4_CONFORMANCE_CACHE"]
         # the child imports conformance from this checkout even when it is not installed
-        root = str(Path(__file__).resolve().parents[2])
+        root = str(Path(__file__).resolve().parents[3])  # the directory holding the conformance package
         pp = os.environ.get("PYTHONPATH")
         env["PYTHONPATH"] = root if not pp else root + os.pathsep + pp
         self.options = o

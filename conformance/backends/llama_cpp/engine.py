@@ -148,7 +148,7 @@ __all__ = [
 ]
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]  # conformance/backends/llama_cpp/engine.py -> the checkout
 DEFAULT_SOURCE = REPO_ROOT / ".cache" / "llama-cpp" / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
 EXACT_GELU_LIB = REPO_ROOT / ".cache" / "llama-cpp" / "exact-gelu" / "build" / "bin"
 EXPECTATIONS_DIR = Path(__file__).resolve().parent / "expectations"
