@@ -53,8 +53,6 @@ from .weights import TowerWeights, clippable_tensors
 TOWER = "model.vision_tower."
 EMBED = "model.embed_vision."
 ROPE_TYPES = ("axial", "default")  # transformers 5.24 rewrites "default" (older configs) to "axial"
-ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 
 
 # ----------------------------------------------------------------------------------------------

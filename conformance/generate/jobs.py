@@ -55,26 +55,24 @@ class JobContext:
         self._pool = None
         self._vision, self._audio = vision, audio
 
+    def _once(self, attr: str, make):
+        """The attribute ``attr``, made by ``make()`` on first use (one thread at a time)."""
+        with self._lock:
+            if getattr(self, attr) is None:
+                setattr(self, attr, make())
+            return getattr(self, attr)
+
     @property
     def pool(self):
-        with self._lock:
-            if self._pool is None:
-                self._pool = ordinary_ids(self.tokenizer, self.model.cfg.vocab_size)
-            return self._pool
+        return self._once("_pool", lambda: ordinary_ids(self.tokenizer, self.model.cfg.vocab_size))
 
     @property
-    def vision(self):
-        with self._lock:
-            if self._vision is None:
-                self._vision = VisionSide(self.model_dir)
-            return self._vision
+    def vision(self) -> VisionSide:
+        return self._once("_vision", lambda: VisionSide(self.model_dir))
 
     @property
-    def audio(self):
-        with self._lock:
-            if self._audio is None:
-                self._audio = AudioSide(self.model_dir)
-            return self._audio
+    def audio(self) -> AudioSide:
+        return self._once("_audio", lambda: AudioSide(self.model_dir))
 
 
 _CONTEXTS: dict[tuple[str, str], JobContext] = {}
