@@ -248,12 +248,11 @@ def test_a_wheel_of_the_tree_ships_the_bundled_sets_and_finds_them(tmp_path):
 def test_paths_computed_from_a_module_location_point_into_the_checkout():
     """A module that moved deeper must not lose its way to the checkout (the llama.cpp sources and builds
     under .cache/, the directory put on the engine child's PYTHONPATH), nor to the data beside it."""
-    from conformance.backends.llama_cpp import engine
+    from conformance.backends.llama_cpp import backend, engine
     from conformance.report import SCHEMA_PATH
 
     assert engine.REPO_ROOT == REPO and engine.DEFAULT_SOURCE.is_relative_to(REPO / ".cache" / "llama-cpp")
     assert engine.EXACT_GELU_LIB.is_relative_to(REPO / ".cache" / "llama-cpp")
     assert engine.EXPECTATIONS_DIR == REPO / "conformance" / "backends" / "llama_cpp" / "expectations"
     assert any(engine.EXPECTATIONS_DIR.glob("*.json")) and SCHEMA_PATH.is_file()
-    text = (REPO / "conformance" / "backends" / "llama_cpp" / "backend.py").read_text(encoding="utf-8")
-    assert "Path(__file__).resolve().parents[3]" in text  # the child's PYTHONPATH: the directory above conformance/
+    assert (backend.PACKAGE_ROOT / "conformance" / "__init__.py").is_file()  # what the engine child imports

@@ -56,6 +56,7 @@ from .engine import (
 __all__ = ["ENGINE", "LlamaCppBackend"]
 
 ENGINE = "conformance.backends.llama_cpp.engine:LlamaCppEngine"
+PACKAGE_ROOT = Path(__file__).resolve().parents[3]  # the directory holding the conformance package
 
 
 def _option_text(value: Any) -> str:
@@ -98,9 +99,8 @@ class LlamaCppBackend(SubprocessBackend):
         if "GEMMA4_CONFORMANCE_CACHE" in os.environ:
             env["GEMMA4_CONFORMANCE_CACHE"] = os.environ["GEMMA4_CONFORMANCE_CACHE"]
         # the child imports conformance from this checkout even when it is not installed
-        root = str(Path(__file__).resolve().parents[3])  # the directory holding the conformance package
         pp = os.environ.get("PYTHONPATH")
-        env["PYTHONPATH"] = root if not pp else root + os.pathsep + pp
+        env["PYTHONPATH"] = str(PACKAGE_ROOT) if not pp else str(PACKAGE_ROOT) + os.pathsep + pp
         self.options = o
         self.lib_kind, self.lib_dir = lib_kind, lib_dir
         name = config_name(o["kv_type"], lib_kind, o["flash_attn"], o["outtype"], o["swa_full"], o["kv_unified"],
