@@ -304,32 +304,23 @@ def test_nan_weight_names_the_layer_and_tensor(tmp_path, text_ckpt, capsys, dtyp
     assert (code, err) == (2, f"error: {message}")
 
 
-def test_inf_embedding_row_norm_and_ple_are_named(tmp_path, text_ckpt, capsys):
-    argv = ["--tokens", "2,5,7", "--out", tmp_path / "o.safetensors", "--force"]
+@pytest.mark.parametrize("tensor, index, value, named", [
     # the embedding row of token 5 (row 1 of the prompt)
-    model = poisoned(text_ckpt, tmp_path / "embed", {"model.embed_tokens.weight": (5 * 64 + 3, np.inf)})
-    code, _, err = run(capsys, "logits", "--model", model, *argv)
-    assert (code, err) == (2, f"error: {model}: the embedding of token 5 (row 1) is not finite: row 5 of tensor "
-                              f"'model.embed_tokens.weight' (model.safetensors) holds 1 NaN/inf value{CORRUPT}\n")
+    ("model.embed_tokens.weight", 5 * 64 + 3, np.inf,
+     "the embedding of token 5 (row 1) is not finite: row 5 of tensor 'model.embed_tokens.weight'"),
     # a row the prompt does not read: only the tied head sees it
-    model = poisoned(text_ckpt, tmp_path / "head", {"model.embed_tokens.weight": (300 * 64, np.nan)})
-    code, _, err = run(capsys, "logits", "--model", model, *argv)
-    assert (code, err) == (2, f"error: {model}: the logits are not finite: tensor 'model.embed_tokens.weight' "
-                              f"(model.safetensors) holds 1 NaN/inf value{CORRUPT}\n")
-    model = poisoned(text_ckpt, tmp_path / "norm", {"model.norm.weight": (0, -np.inf)})
-    code, _, err = run(capsys, "logits", "--model", model, *argv)
-    assert (code, err) == (2, f"error: {model}: the final norm's output is not finite: tensor 'model.norm.weight' "
-                              f"(model.safetensors) holds 1 NaN/inf value{CORRUPT}\n")
+    ("model.embed_tokens.weight", 300 * 64, np.nan, "the logits are not finite: tensor 'model.embed_tokens.weight'"),
     # +inf in the head: the softcap would turn it into a finite +30
-    model = poisoned(text_ckpt, tmp_path / "inf-head", {"model.embed_tokens.weight": (300 * 64, np.inf)})
-    code, _, err = run(capsys, "logits", "--model", model, *argv)
-    assert (code, err) == (2, f"error: {model}: the logits are not finite: tensor 'model.embed_tokens.weight' "
-                              f"(model.safetensors) holds 1 NaN/inf value{CORRUPT}\n")
-    model = poisoned(text_ckpt, tmp_path / "ple", {"model.per_layer_model_projection.weight": (11, np.nan)})
-    code, _, err = run(capsys, "logits", "--model", model, *argv)
-    assert (code, err) == (2, f"error: {model}: the per-layer inputs of token 2 (row 0) are not finite: tensor "
-                              f"'model.per_layer_model_projection.weight' (model.safetensors) holds 1 NaN/inf "
-                              f"value{CORRUPT}\n")
+    ("model.embed_tokens.weight", 300 * 64, np.inf, "the logits are not finite: tensor 'model.embed_tokens.weight'"),
+    ("model.norm.weight", 0, -np.inf, "the final norm's output is not finite: tensor 'model.norm.weight'"),
+    ("model.per_layer_model_projection.weight", 11, np.nan,
+     "the per-layer inputs of token 2 (row 0) are not finite: tensor 'model.per_layer_model_projection.weight'"),
+], ids=["embedding-row", "head-nan", "head-inf", "final-norm", "ple"])
+def test_inf_embedding_row_norm_and_ple_are_named(tmp_path, text_ckpt, capsys, tensor, index, value, named):
+    model = poisoned(text_ckpt, tmp_path / "ckpt", {tensor: (index, value)})
+    code, _, err = run(capsys, "logits", "--model", model, "--tokens", "2,5,7", "--out", tmp_path / "o.safetensors",
+                       "--force")
+    assert (code, err) == (2, f"error: {model}: {named} (model.safetensors) holds 1 NaN/inf value{CORRUPT}\n")
 
 
 def test_overflow_with_finite_weights_is_refused_in_one_line(tmp_path, text_ckpt):
