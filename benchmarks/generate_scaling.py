@@ -56,8 +56,11 @@ def contents(out: Path) -> tuple[bytes, dict[str, np.ndarray]]:
 
     cases = json.loads((out / "cases.json").read_text())["cases"]
     ids = json.dumps([c["id"] for c in cases]).encode()
-    store = TensorStore(out / "expected.safetensors")
-    return ids, {name: store.get(name) for name in store.names}
+    arrays = {}
+    for f in sorted(out.glob("base-*.safetensors")):
+        store = TensorStore(f)
+        arrays.update({f"{f.name}/{name}": store.get(name) for name in store.names if name != "top_ids"})
+    return ids, arrays
 
 
 def largest_difference(a, b) -> float:

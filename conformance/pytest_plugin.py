@@ -3,6 +3,7 @@
     pytest --conformance-backend refimpl
     pytest --conformance-backend mypkg.engine:MyBackend --conformance-fixtures sets/ \\
            --conformance-profile q8 --conformance-expectations expectations.json -k "last/"
+    pytest --conformance-backend refimpl --conformance-fixtures my-set/ --conformance-model /data/ckpt
 
 The plugin is registered through the ``pytest11`` entry point, so it is loaded in every pytest run
 once the package is installed; without ``--conformance-backend`` it only adds its options and does
@@ -54,6 +55,12 @@ def pytest_addoption(parser):
                     help="grade without the expectations file the backend ships")
     group.addoption("--conformance-backend-option", metavar="KEY=VALUE", action="append", default=[],
                     help="option passed to the backend's class or factory (VALUE parsed as JSON if it can be)")
+    group.addoption("--conformance-model", metavar="DIR", default=None,
+                    help="the checkpoint of every external fixture set: a directory anywhere whose files have the "
+                         "size and sha256 the set records (default: the path the set records; synthetic sets "
+                         "ignore it)")
+    group.addoption("--conformance-rehash", action="store_true", default=False,
+                    help="read every checkpoint file again instead of trusting the digest cache")
     group.addoption("--conformance-only", action="store_true", default=False,
                     help="deselect every test that is not a conformance case")
 
@@ -104,6 +111,10 @@ class ConformanceSession:
         self.expectations = self._expectations(path)
         self.only = config.getoption("--conformance-only")
         self.fixture_args = config.getoption("--conformance-fixtures")
+        self.model = config.getoption("--conformance-model")
+        if self.model is not None and not Path(self.model).is_dir():
+            raise pytest.UsageError(f"--conformance-model: no such directory: {self.model}")
+        self.rehash = config.getoption("--conformance-rehash")
         self.claimed = self.backend.capabilities.to_dict()
         self.counts: dict[str, int] = {}
         self._open_set = None  # the FixtureSet the backend is open on
@@ -166,14 +177,15 @@ class ConformanceSession:
         self._open_set = fs
         if self._session is None:
             self._tmp = tempfile.mkdtemp(prefix="gemma4-conformance-")
-            self._session = Session(self.backend, Checkpoints(self._tmp))
+            self._session = Session(self.backend, Checkpoints(self._tmp, model=self.model, rehash=self.rehash))
         try:
             self._ctx = self._session.enter(fs)
         except BackendError as exc:
             self._open_error = f"backend error: {exc}"
             raise ConformanceFailure(self._open_error) from None
         except Exception as exc:  # noqa: BLE001 - e.g. FixtureError while materialising the model
-            self._open_error = f"cannot prepare the model of set {fs.path}: {type(exc).__name__}: {exc}"
+            msg = str(exc).replace("--model DIR", "--conformance-model DIR")  # this plugin's name of the flag
+            self._open_error = f"cannot prepare the model of set {fs.path}: {type(exc).__name__}: {msg}"
             raise ConformanceFailure(self._open_error) from None
         return self._ctx
 

@@ -7,6 +7,8 @@
 * ``micro_factory`` (session): ``micro_factory(config_dict, seed) -> path``, a fresh directory per
   call; safe inside hypothesis tests (it is not function-scoped).
 * ``micro_checkpoint`` / ``micro_config`` are re-exported from ``tests/helpers.py`` for direct use.
+* ``digest_cache`` (session, autouse): ``$CONFORMANCE_CACHE_DIR`` set to a temporary directory, so the
+  checkpoint digest cache of the tests is never the user's.
 
 ``GEMMA4_CONFORMANCE_REQUIRE_ENGINES=1`` (set by ``.ci/run``) turns the skips of the real-engine
 test modules (an engine or the llama.cpp build missing) into failures, so CI cannot pass with the
@@ -29,6 +31,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import micro_checkpoint, micro_config  # noqa: E402,F401
 from refimpl.model import Gemma4  # noqa: E402
 from refimpl.synth import PRESETS, write_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def digest_cache(tmp_path_factory):
+    """The checkpoint digest cache (conformance.sets.checkpoint) of the whole session, in a temporary
+    directory: tests never read or write the user's ~/.cache. Child processes inherit it."""
+    with pytest.MonkeyPatch.context() as mp:
+        path = tmp_path_factory.mktemp("digest-cache")
+        mp.setenv("CONFORMANCE_CACHE_DIR", str(path))
+        yield path
 
 
 @pytest.fixture(scope="session")

@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from conformance.backend import Response, required_capabilities  # noqa: E402
 from conformance.check.requests import build_request, response_groups  # noqa: E402
-from conformance.generate.matrix import generate_cases, top2_margin  # noqa: E402
+from conformance.generate.matrix import generate_cases  # noqa: E402
 from conformance.sets.case import GENERATION_STEPS, TIE_MARGIN, Case, check_case, row_groups  # noqa: E402
 from conformance.fixtures import (  # noqa: E402
-    CASES, EXPECTED, MANIFEST, RECOMPUTE_BOUND, FixtureError, PromptError, bundled_sets, generate_set, load_prompts,
+    CASES, MANIFEST, RECOMPUTE_BOUND, FixtureError, PromptError, bundled_sets, generate_set, load_prompts,
     load_set, sha256_file, verify_set,
 )
 from refimpl.model import Gemma4, KVCache  # noqa: E402
@@ -46,6 +46,7 @@ BUNDLED = list(PRESETS)  # one bundled set per preset
 ROW_BOUND = 1e-10  # stored row vs the oracle driven as the request says (different chunking: float64 rounding)
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS_PRESET = "e4b-mini"
+BASE_B = "base-B.safetensors"  # one base's file in a set
 PROMPT_LINES = [
     {"text": "hello world, what is the cache?", "id": "raw"},
     {"text": "Why does the sliding window need a cache?", "chat": True},
@@ -113,6 +114,12 @@ def oracle_answer(model, request) -> Response:
     return Response(logits, _decode(model, cache, request.decode) if request.decode else None)
 
 
+def top2_margin(row: np.ndarray) -> float:
+    """Top-1 minus top-2 logit of one row (computed here, independently of the set's row summaries)."""
+    top = np.sort(np.asarray(row, dtype=np.float64))[-2:]
+    return float(top[1] - top[0])
+
+
 def expected_groups(case, base_logits):
     return [np.stack([base_logits[r.base][r.position] for r in rows]) if rows else np.zeros((0, 0))
             for _, rows in row_groups(case)]
@@ -136,7 +143,7 @@ def sets(tmp_path_factory, prompts_file) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("sets")
     return {
         p: generate_set(root / p, preset=p, seed=0, prompts=prompts_file if p == PROMPTS_PRESET else None,
-                        cases=bundled_cases(p))
+                        cases=bundled_cases(p), store="logits")
         for p in BUNDLED
     }
 
@@ -313,7 +320,7 @@ def test_verify_clean_and_recompute(small_set, tmp_path):
 
 def test_manifest_contents(sets):
     m = json.loads((sets["e2b-mini"] / MANIFEST).read_text())
-    assert m["schema"] == "gemma4-conformance/fixtures" and m["schema_version"] == 1
+    assert m["schema"] == "gemma4-conformance/fixtures" and m["schema_version"] == 2 and m["storage"] == "logits"
     assert m["name"] == "e2b-mini" and m["version"] == "1.0.0"
     prov = m["provenance"]
     assert {"command", "refimpl_version", "numpy_version", "python_version", "created", "cross_checks"} <= set(prov)
@@ -323,8 +330,9 @@ def test_manifest_contents(sets):
     assert m["model"]["kind"] == "synthetic" and m["model"]["preset"] == "e2b-mini" and m["model"]["seed"] == 0
     assert set(m["model"]["sha256"]) == {"config.json", "model.safetensors", "tokenizer.model"}
     assert m["oracle"] == {"dtype": "float64", "embed_scale": "exact"}
-    assert set(m["files"]) == {CASES, EXPECTED}
-    assert sorted(os.listdir(sets["e2b-mini"])) == sorted([MANIFEST, CASES, EXPECTED])  # the model is not copied
+    files = [CASES] + [f"base-{b}.safetensors" for b in "ABCG"]
+    assert sorted(m["files"]) == sorted(files)
+    assert sorted(os.listdir(sets["e2b-mini"])) == sorted([MANIFEST, *files])  # the model is not copied
 
 
 def _problems_and_error(path: Path) -> tuple[list[str], str]:
@@ -335,16 +343,16 @@ def _problems_and_error(path: Path) -> tuple[list[str], str]:
 
 
 @pytest.mark.parametrize("where", ["header", "data", "last"])
-def test_one_byte_of_expected_is_detected(small_set, tmp_path, where):
+def test_one_byte_of_a_base_file_is_detected(small_set, tmp_path, where):
     path = _copy(small_set, tmp_path)
-    f = path / EXPECTED
+    f = path / BASE_B
     data = bytearray(f.read_bytes())
     at = {"header": 20, "data": len(data) // 2, "last": len(data) - 1}[where]
     data[at] ^= 0x01
     f.write_bytes(bytes(data))
     problems, message = _problems_and_error(path)
-    assert problems and all(EXPECTED in p for p in problems)
-    assert EXPECTED in message and "sha256 mismatch" in message
+    assert problems and all(BASE_B in p for p in problems)
+    assert BASE_B in message and "sha256 mismatch" in message
 
 
 def test_an_edited_case_is_detected(small_set, tmp_path):
@@ -359,10 +367,10 @@ def test_an_edited_case_is_detected(small_set, tmp_path):
 def test_an_edited_manifest_hash_is_detected(small_set, tmp_path):
     path = _copy(small_set, tmp_path)
     m = json.loads((path / MANIFEST).read_text())
-    m["files"][EXPECTED] = "0" * 64
+    m["files"][BASE_B] = "0" * 64
     (path / MANIFEST).write_text(json.dumps(m))
     problems, message = _problems_and_error(path)
-    assert len(problems) == 1 and EXPECTED in message and MANIFEST in message and "0" * 64 in message
+    assert len(problems) == 1 and BASE_B in message and MANIFEST in message and "0" * 64 in message
 
 
 def test_consistent_but_wrong_case_is_detected(small_set, tmp_path):
@@ -379,7 +387,10 @@ def test_consistent_but_wrong_case_is_detected(small_set, tmp_path):
 
 
 @pytest.mark.parametrize("edit, expect", [
-    (lambda m: m.update(schema_version=2), "newer than this harness reads"),
+    (lambda m: m.update(schema_version=3), "newer than this harness reads"),
+    (lambda m: m.update(schema_version=0), "schema_version 0 is not supported (this harness reads 1, 2)"),
+    (lambda m: m.update(storage="half"), "storage must be one of hidden, logits, got 'half'"),
+    (lambda m: m["files"].update({"expected.safetensors": "0" * 64}), "'expected.safetensors' is not a file name of the set"),
     (lambda m: m.update(schema="something/else"), "not a conformance fixture set"),
     (lambda m: m.update(version="1.0"), "not a semantic version"),
     (lambda m: m["files"].update({"../evil": "0" * 64}), "not a file name of the set"),
@@ -402,7 +413,7 @@ def test_missing_files_are_detected(small_set, tmp_path):
     (path / MANIFEST).unlink()
     assert "not a fixture set" in _problems_and_error(path)[1]
     assert verify_set(tmp_path / "nowhere")[0].endswith("not a directory (a fixture set is a directory with "
-                                                        "manifest.json)")
+                                                        "manifest.json, or a .tar of one)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -517,14 +528,15 @@ def test_external_model_without_tokenizer(micro_factory, tmp_path):
     assert fs.name == "ext" and fs.version == "2.1.0-rc.1" and fs.manifest["bases"]["G"]["source"] == "random"
     assert fs.model_dir(tmp_path / "w") == Path(model_dir).resolve()
     model = Gemma4(model_dir)
-    bases, logits = fs.bases(), fs.base_logits()
+    assert fs.storage == "hidden"  # the default: the logits are rebuilt through the head
+    bases, logits = fs.bases(), fs.oracle_logits(model, tmp_path / "rebuilt")
     for case in fs.cases:
         got = response_groups(case, oracle_answer(model, build_request(case, bases, model.embed)))
         for g, w in zip(got, expected_groups(case, logits)):
             assert np.max(np.abs(g - w)) <= ROW_BOUND if w.size else g.shape[0] == 0
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     (Path(model_dir) / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-5}))
-    with pytest.raises(FixtureError, match="config.json changed"):
+    with pytest.raises(FixtureError, match="config.json in the checkpoint directory .* differs from the set's"):
         fs.model_dir(tmp_path / "w")
 
 
@@ -675,11 +687,13 @@ def test_bundled_sets_are_up_to_date(sets):
             if a.moe_min_margin is not None:
                 assert abs(a.moe_min_margin - b.moe_min_margin) <= REL_BOUND, (a.id, a.moe_min_margin, b.moe_min_margin)
         # tensors: the same names, dtypes and shapes; integers (tokens, image blocks, pixels, masks) equal
-        sb, sf = TensorStore(p / EXPECTED), TensorStore(sets[p.name] / EXPECTED)
-        extra = [n for n in sf.names if n not in sb.names]
-        assert all(n.split("/")[1] in prompt_bases for n in extra), extra
-        assert [n for n in sf.names if n not in extra] == sb.names, p.name
-        for name in sb.names:
+        fb, ff = (sorted(f for f in os.listdir(d) if f.startswith("base-")) for d in (p, sets[p.name]))
+        extra = [f for f in ff if f not in fb]
+        assert all(f[len("base-"):-len(".safetensors")] in prompt_bases for f in extra), extra
+        assert [f for f in ff if f not in extra] == fb, p.name
+        for f, name in ((f, n) for f in fb for n in TensorStore(p / f).names):
+            sb, sf = TensorStore(p / f), TensorStore(sets[p.name] / f)
+            assert sb.names == sf.names, (p.name, f)
             info, other = sb.infos[name], sf.infos[name]
             assert (info.dtype, info.shape) == (other.dtype, other.shape), name
             a, b = sb.raw(name), sf.raw(name)
@@ -687,7 +701,7 @@ def test_bundled_sets_are_up_to_date(sets):
                 assert np.array_equal(a, b), name
                 continue
             scale = max(1.0, float(np.abs(a).max(initial=0.0)))
-            bound = RECOMPUTE_BOUND if name.endswith("/logits") else REL_BOUND * scale
+            bound = RECOMPUTE_BOUND if name in ("logits", "top_logits", "lse") else REL_BOUND * scale
             err = float(np.max(np.abs(a - b), initial=0.0))
             assert err <= bound, f"{name}: {err:.3g} > {bound:.3g}"
         # the manifest: equal but for the float data's digests (compared above) and provenance (when, by which
@@ -861,7 +875,7 @@ def regenerate_bundled(presets=()) -> None:
         out = root / preset
         if out.exists():
             shutil.rmtree(out)
-        generate_set(out, preset=preset, seed=0, cross_check=hf_cross_check, cases=bundled_cases(preset),
+        generate_set(out, preset=preset, seed=0, cross_check=hf_cross_check, cases=bundled_cases(preset), store="logits",
                      command="python tests/test_fixtures.py --regenerate-bundled",
                      progress=lambda d, t, label, p=preset: print(f"\r{p}: {d}/{t} {label:<20}", end="", flush=True))
         print(f"\r{preset}: {len(load_set(out).cases)} cases, "

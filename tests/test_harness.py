@@ -322,16 +322,17 @@ def test_unclaimed_cases_are_never_passed(small_set, capsys, tmp_path):
 def test_tampered_fixture_is_exit_3(small_set, capsys, tmp_path):
     bad = tmp_path / "tampered"
     shutil.copytree(small_set, bad)
-    f = bad / "expected.safetensors"
+    name = next(f for f in json.loads((bad / "manifest.json").read_text())["files"] if f != "cases.json")
+    f = bad / name
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0x01
     f.write_bytes(bytes(data))
     code, out, err = check(capsys, "--backend", "refimpl", "--fixtures", str(bad))
     assert code == 3 and "Traceback" not in err
-    assert "expected.safetensors" in err
+    assert name in err and "sha256 mismatch" in err
     assert main(["verify", str(bad)]) == 3
     out, _ = capsys.readouterr()
-    assert "problem" in out and "expected.safetensors" in out
+    assert "problem" in out and name in out
     assert main(["verify", str(small_set)]) == 0
     assert "ok" in capsys.readouterr().out
 

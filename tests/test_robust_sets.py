@@ -1,6 +1,7 @@
 """Robustness of fixture sets (issue 15, items 14-16): one generate run per ``--out`` at a time (a lock
 beside the partial-run directory), ``--out`` links found before any work, ``conformance verify`` on an
-external checkpoint that is missing or changed, checkpoint file names that would leave the checkpoint,
+external checkpoint that is changed or not there (tests/test_set_checkpoint.py has the rest of how a set
+finds its checkpoint), checkpoint file names that would leave the checkpoint,
 and the transformers backend refusing pickled weights.
 """
 
@@ -153,26 +154,36 @@ def _copy(external, tmp_path: Path) -> tuple[Path, Path, dict]:
 
 
 def test_verify_checks_the_external_checkpoint(external, tmp_path, capsys):
-    s, ckpt, _ = _copy(external, tmp_path)
+    s, ckpt, manifest = _copy(external, tmp_path)
     assert main(["verify", str(s)]) == 0
     assert capsys.readouterr().out == f"{s}: ok\n"
 
     config = ckpt / "config.json"
-    want = sha256_file(config)
-    config.write_text(config.read_text() + "\n")
+    want, size, text = sha256_file(config), manifest["model"]["size"]["config.json"], config.read_text()
+    hint = "pass the directory of the checkpoint the set was made from with --model DIR"
+    config.write_text(text + "\n")
+    assert main(["verify", str(s)]) == 3
+    assert capsys.readouterr().out == (
+        f"{s}: 1 problem(s)\n  - {s}: config.json in the checkpoint directory {ckpt} (the path the set records) "
+        f"differs from the set's: {size + 1} bytes, the set records {size} bytes, sha256 {want}; {hint}, or "
+        "regenerate the set for this checkpoint\n")
+    config.write_text(text[:-1] + " ")  # the same size
     got = sha256_file(config)
     assert main(["verify", str(s)]) == 3
     assert capsys.readouterr().out == (
-        f"{s}: 1 problem(s)\n  - {s}: the set's model file {config} changed: sha256 {got} but the set records "
-        f"{want}; regenerate the set for this checkpoint\n")
+        f"{s}: 1 problem(s)\n  - {s}: config.json in the checkpoint directory {ckpt} (the path the set records) "
+        f"differs from the set's: sha256 {got}, the set records {want}; {hint}, or regenerate the set for this "
+        "checkpoint\n")
 
+    # not there: verify checks the set itself and says that the checkpoint was not checked (--model checks it)
     shutil.rmtree(ckpt)
-    missing = (f"{s}: external checkpoint {ckpt} not found: its 2 recorded files (config.json, model.safetensors) "
-               "were not checked (the set records the checkpoint by absolute path: restore it there, or regenerate "
-               "the set)")
-    assert main(["verify", str(s)]) == 3
-    assert capsys.readouterr().out == f"{s}: 1 problem(s)\n  - {missing}\n"
-    assert verify_set(s, recompute=True) == [missing]
+    assert main(["verify", str(s)]) == 0
+    assert capsys.readouterr().out == (
+        f"{s}: ok\n  note: the checkpoint was NOT checked: it is not at the path the set records ({ckpt}); {hint} "
+        "to check its 2 recorded files (config.json, model.safetensors)\n")
+    missing = (f"{s}: the checkpoint is not at the path the set records ({ckpt}), so none of its 2 recorded files "
+               f"(config.json, model.safetensors) could be checked; {hint}")
+    assert verify_set(s, recompute=True) == [missing]  # recomputing needs the checkpoint
     with pytest.raises(FixtureError) as e:
         load_set(s).model_dir(tmp_path / "work")
     assert str(e.value) == missing
@@ -214,6 +225,7 @@ def test_a_checkpoint_file_in_a_subdirectory_is_allowed(external, tmp_path):
     (ckpt / "extra").mkdir()
     (ckpt / "extra" / "notes.txt").write_text("inside\n")
     manifest["model"]["sha256"]["extra/notes.txt"] = sha256_file(ckpt / "extra" / "notes.txt")
+    manifest["model"]["size"]["extra/notes.txt"] = (ckpt / "extra" / "notes.txt").stat().st_size
     (s / MANIFEST).write_text(json.dumps(manifest))
     assert verify_set(s) == []
 
@@ -247,11 +259,12 @@ def pickled(tmp_path) -> tuple[Path, Path]:
     from refimpl.synth import write_checkpoint
 
     ckpt = write_checkpoint("e2b-mini", 0, tmp_path / "ckpt")
-    s = generate_set(tmp_path / "set", model_dir=ckpt, cases="text", workers=1)
+    s = generate_set(tmp_path / "set", model_dir=ckpt, cases="text", workers=1, store="logits")
     torch.save(load_file(str(ckpt / "model.safetensors")), ckpt / "pytorch_model.bin")
     (ckpt / "model.safetensors").unlink()
     manifest = json.loads((s / MANIFEST).read_text())
     manifest["model"]["sha256"] = {n: sha256_file(ckpt / n) for n in ("config.json", "pytorch_model.bin")}
+    manifest["model"]["size"] = {n: (ckpt / n).stat().st_size for n in ("config.json", "pytorch_model.bin")}
     (s / MANIFEST).write_text(json.dumps(manifest))
     return s, ckpt
 

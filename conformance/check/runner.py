@@ -189,6 +189,8 @@ def run(
     backend_options: dict[str, Any] | None = None,
     workdir: str | Path | None = None,
     case_timeout: float | None = None,
+    model: str | Path | None = None,
+    rehash: bool = False,
 ) -> RunResult:
     """Run the selected cases of ``sets`` (paths or loaded ``FixtureSet``s) on ``backend``.
 
@@ -198,6 +200,8 @@ def run(
     cases finished so far are returned with ``interrupted`` set. ``case_timeout``: seconds a request
     may take (see ``conformance.backend.CaseTimeout``); past it the case is an error with check
     ``timeout``, and the run goes on where the backend restarts its engine, else it ends there.
+    ``model``: the directory of every external set's checkpoint (``--model``; default: each set's recorded
+    path); ``rehash``: read the checkpoint files again instead of trusting the digest cache (``Checkpoints``).
     """
     started = _dt.datetime.now(_dt.timezone.utc)
     t0 = time.perf_counter()
@@ -214,7 +218,7 @@ def run(
     in_flight: list[str] = []  # the case being run, while it runs
     interrupted = None
     with tempfile.TemporaryDirectory(prefix="gemma4-conformance-", dir=workdir) as tmp:
-        session = Session(backend, Checkpoints(tmp), calls)
+        session = Session(backend, Checkpoints(tmp, model=model, rehash=rehash), calls)
         try:
             for (fs, chosen), info in zip(plan, infos):
                 if chosen:
@@ -254,6 +258,7 @@ def _run_set(session: Session, claimed: dict, fs, chosen: list, info: SetInfo, p
             progress(len(results), total, res.id, res)
 
     ctx = session.context(fs)
+    ctx.prepare(chosen, None if progress is None else (lambda text: progress(len(results), total, text, None)))
     info.warnings = [str(w) for w in getattr(fs, "warnings", [])]
     if not any(ctx.claimable(case, claimed) for case in chosen):
         # nothing here for this backend (e.g. an image set for a text-only engine): every case is

@@ -14,11 +14,14 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from refimpl.errors import RefimplError
+from refimpl.model import Gemma4
 from refimpl.tokenizer import Tokenizer
 
 from ..protocol.types import Backend, BackendError, required_capabilities
+from ..sets.case import row_groups
 from ..sets.fixture_set import FixtureSet
-from ..sets.format import MANIFEST, sha256_file
+from ..sets.format import MANIFEST, FixtureError, sha256_file
 from ..sets.integrity import load_set
 from .requests import Embedder, build_request
 from .results import SetInfo
@@ -81,15 +84,26 @@ def _model_summary(manifest: dict) -> dict[str, Any]:
 class SetContext:
     """What grading the cases of one opened fixture set needs: bases, oracle logits, embedder, tokenizer."""
 
-    def __init__(self, fs, model_dir: Path, convention: str):
+    def __init__(self, fs, model_dir: Path, convention: str, base_logits):
         self.fs = fs
         self.name = str(fs.manifest.get("name", Path(fs.path).name))
         self.model_dir = model_dir
         self.bases = fs.bases()
-        self.base_logits = fs.base_logits()
+        self.base_logits = base_logits  # stored, or rebuilt through the checkpoint's head on first use
         self.embed = Embedder(model_dir, convention)
         self.media = fs.media(convention)
         self.pieces = token_pieces(model_dir)
+
+    def prepare(self, cases, note: Callable[[str], None] | None = None) -> None:
+        """The oracle logits of every base ``cases`` grade, made now: a set stored as hidden states has them
+        rebuilt here (FixtureError, exit 3, when the checkpoint's head does not reproduce the set), never in
+        the middle of grading a backend's answer. ``note(text)`` is told of each base being rebuilt."""
+        for b in sorted({r.base for c in cases for _, rows in row_groups(c) for r in rows}):
+            if b in self.bases:
+                if note is not None and self.fs.storage == "hidden":
+                    note(f"{self.name}: rebuilding base {b}'s logits ({len(self.bases[b])} rows) through the "
+                         "checkpoint's head")
+                self.base_logits[b]
 
     def claimable(self, case, claimed: dict) -> bool:
         """Whether the backend claims what ``case`` needs (decode aside, which is dropped when unclaimed).
@@ -124,23 +138,46 @@ def token_pieces(model_dir: Path) -> Callable[[list[int]], list[str] | None]:
 
 class Checkpoints:
     """Each fixture set's checkpoint, materialised once under ``workdir``, and its SetContext per embedding
-    convention. ``model_dir`` raises FixtureError when a checkpoint does not match its set (exit 3)."""
+    convention. ``model_dir`` raises FixtureError when a checkpoint does not match its set (exit 3).
+    ``model`` (``--model DIR``): where every external set's checkpoint is (default: each set's recorded
+    path); synthetic sets ignore it and regenerate theirs. ``rehash``: read every checkpoint file again
+    instead of trusting the digest cache."""
 
-    def __init__(self, workdir: str | Path):
+    def __init__(self, workdir: str | Path, *, model: str | Path | None = None, rehash: bool = False):
         self.workdir = Path(workdir)
+        self.model = model
+        self.rehash = rehash
         self._dirs: dict[int, Path] = {}
         self._contexts: dict[tuple[int, str], SetContext] = {}
+        self._logits: dict[int, Any] = {}
 
     def model_dir(self, fs) -> Path:
         key = id(fs)
         if key not in self._dirs:
-            self._dirs[key] = Path(fs.model_dir(self.workdir / f"set{len(self._dirs)}"))
+            given = self.model if fs.manifest["model"]["kind"] == "external" else None
+            self._dirs[key] = Path(fs.model_dir(self.workdir / f"set{len(self._dirs)}", model=given,
+                                                rehash=self.rehash))
         return self._dirs[key]
+
+    def oracle_logits(self, fs):
+        """The set's oracle logits, once per set: stored, or rebuilt from its hidden states through the
+        checkpoint's head (conformance.sets.head.RebuiltLogits) under the workdir."""
+        key = id(fs)
+        if key not in self._logits:
+            model = None
+            if fs.storage == "hidden":
+                try:
+                    model = Gemma4(self.model_dir(fs))
+                except RefimplError as e:
+                    raise FixtureError(f"{fs.path}: the set stores hidden states, and rebuilding its logits needs "
+                                       f"the checkpoint's head, which the oracle cannot read: {e}") from None
+            self._logits[key] = fs.oracle_logits(model, self.workdir / f"rebuilt{len(self._logits)}")
+        return self._logits[key]
 
     def context(self, fs, convention: str) -> SetContext:
         key = (id(fs), convention)
         if key not in self._contexts:
-            self._contexts[key] = SetContext(fs, self.model_dir(fs), convention)
+            self._contexts[key] = SetContext(fs, self.model_dir(fs), convention, self.oracle_logits(fs))
         return self._contexts[key]
 
 

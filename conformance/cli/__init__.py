@@ -1,14 +1,14 @@
 """``conformance``: the conformance gate's command line (check, list, generate, verify, selftest,
 scoreboard).
 
-    conformance check --backend NAME|module:attr [--fixtures DIR ...] [--profile P]
+    conformance check --backend NAME|module:attr [--fixtures DIR ...] [--model DIR] [--rehash] [--profile P]
                       [--expectations FILE | --no-shipped-expectations] [-k REGEX]
                       [--json FILE] [--junit-xml FILE] [--backend-option KEY=VALUE ...] [-q] [-v]
     conformance list backends|cases|profiles [--fixtures DIR ...] [-k REGEX]
     conformance generate (--model DIR | --preset NAME [--seed N]) [--prompts FILE.jsonl] --out DIR
                          [--name N] [--version V] [--cases auto|text|images|audio|all] [--image FILE ...]
                          [--audio FILE.wav ...] [--workers N | --cluster ADDRESS]
-    conformance verify DIR ... [--recompute]
+    conformance verify DIR ... [--model DIR] [--rehash] [--recompute]
     conformance selftest [--fixtures DIR ...] [--mutant REGEX] [-k REGEX] [--json FILE] [-q]
     conformance scoreboard REPORT.json ... [--out FILE.md | --into PAGE.md] [--title T]
 
@@ -33,6 +33,10 @@ from .selftest import cmd_selftest
 
 __all__ = ["build_parser", "main"]
 
+MODEL_HELP = ("the checkpoint of every external fixture set: a directory anywhere whose files have the size and "
+              "sha256 the set records (default: the path the set records); synthetic sets ignore it")
+REHASH_HELP = "read every checkpoint file again instead of trusting the digest cache (docs/fixtures.md)"
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog=PROG, description="Conformance gate for Gemma 4 inference engines against the exact "
                                        "float64 refimpl oracle. See docs/conformance.md.")
@@ -47,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a registered backend name (see 'conformance list backends') or module:attr")
     c.add_argument("--fixtures", nargs="+", action="extend", metavar="DIR",
                    help="fixture set directories, or directories holding sets (default: the bundled sets)")
+    c.add_argument("--model", metavar="DIR", help=MODEL_HELP)
+    c.add_argument("--rehash", action="store_true", help=REHASH_HELP)
     c.add_argument("--profile", metavar="P", help="grading profile (default: the backend's default_profile)")
     c.add_argument("--expectations", metavar="FILE", help="expectations file (JSON, or TOML for *.toml); "
                    "default: the file the backend ships for its configuration, if any")
@@ -86,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "pillow); default: synthetic images")
     g.add_argument("--audio", action="append", metavar="FILE.wav",
                    help="a 16 kHz WAV clip for the audio bases (repeat for more); default: synthetic clips")
+    g.add_argument("--store", choices=("hidden", "logits"), default="hidden",
+                   help="hidden (default): per row the float64 hidden state and its top-k/log-sum-exp summary, the "
+                        "logits rebuilt through the checkpoint's head at check time (12 KB a row for E2B); logits: "
+                        "also the full float64 logits, readable without the checkpoint (2 MB a row at the published "
+                        "vocabulary; docs/fixtures.md)")
     g.add_argument("--out", required=True, metavar="DIR", help="the new set's directory (must not exist)")
     g.add_argument("--name", metavar="N", help="set name (default: the preset or model directory name)")
     g.add_argument("--version", metavar="V", help="set version, semver (default 1.0.0)")
@@ -101,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("verify", help="check fixture sets' schema and sha256 digests")
     v.add_argument("dirs", nargs="+", metavar="DIR")
+    v.add_argument("--model", metavar="DIR", help=MODEL_HELP + "; without it, an external set whose recorded path "
+                   "is not there is verified without its checkpoint, and verify says so")
+    v.add_argument("--rehash", action="store_true", help=REHASH_HELP)
     v.add_argument("--recompute", action="store_true",
                    help="also recompute every base's logits with the oracle (slow for real checkpoints)")
 

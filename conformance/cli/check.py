@@ -19,7 +19,7 @@ from ..report.scoreboard import ScoreboardError, embed, load_report, render
 from ..sets import FixtureError
 from .common import (
     EXIT_BACKEND, EXIT_EMPTY, EXIT_FIXTURE, EXIT_OK, EXIT_USAGE, UsageError, compile_k, err, guarded, load_fixture_sets,
-    output_path, backend_option, fixture_paths, silence_stdout, write_stdout, warn,
+    model_dir_arg, output_path, backend_option, fixture_paths, silence_stdout, write_stdout, warn,
 )
 
 def _load_checked_backend(args, options: dict[str, Any]):
@@ -50,9 +50,13 @@ def cmd_check(args, argv: Sequence[str]) -> int:
         except ExpectationsError as e:
             raise UsageError(str(e)) from None
 
+    model = model_dir_arg(args.model)
     sets = load_fixture_sets(args)
     if sets is None:
         return EXIT_FIXTURE
+    if model is not None and not any(fs.manifest["model"]["kind"] == "external" for fs in sets):
+        warn("--model applies to external fixture sets only; every set given is synthetic (its checkpoint is "
+             "regenerated from preset and seed)")
 
     try:
         backend = _load_checked_backend(args, options)
@@ -82,7 +86,8 @@ def cmd_check(args, argv: Sequence[str]) -> int:
 
     bar = ProgressBar(sys.stderr, tty=is_tty(sys.stderr), enabled=not args.quiet)
     result, failed = guarded(bar, lambda: run(backend, sets, profile, expectations, pattern, bar,
-                                               backend_options=options, case_timeout=args.case_timeout))
+                                               backend_options=options, case_timeout=args.case_timeout,
+                                               model=model, rehash=args.rehash))
     if failed is not None:
         return failed
 

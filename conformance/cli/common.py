@@ -122,6 +122,13 @@ def positive_seconds(value: str) -> float:
     return seconds
 
 
+def model_dir_arg(value: str | None) -> str | None:
+    """--model DIR of check and verify: an existing directory (UsageError otherwise), or None."""
+    if value is not None and not Path(value).is_dir():
+        raise UsageError(f"--model: no such directory: {value}")
+    return value
+
+
 def load_fixture_sets(args):
     """The fixture sets named by --fixtures (default: the bundled ones), verified; None after printing
     the integrity error."""

@@ -14,7 +14,7 @@ from ..generate import (
 from ..report import ProgressBar, is_tty, printable
 from ..check.runner import interrupt_signal
 from ..sets import FixtureError
-from .common import EXIT_FIXTURE, EXIT_OK, UsageError, err
+from .common import EXIT_FIXTURE, EXIT_OK, UsageError, err, model_dir_arg
 
 class _GenerateProgress:
     """Progress for fixtures.generate_set: accepts (message), (done, total) or (done, total, message)."""
@@ -80,7 +80,7 @@ def cmd_generate(args) -> int:
     kw: dict[str, Any] = {"model_dir": args.model, "preset": args.preset, "seed": args.seed or 0,
                           "prompts": args.prompts, "name": args.name, "progress": progress,
                           "cases": args.cases, "images": args.image or None, "audio": args.audio or None,
-                          "workers": args.workers, "cluster": args.cluster}
+                          "workers": args.workers, "cluster": args.cluster, "store": args.store}
     if args.version is not None:
         kw["version"] = args.version
     try:
@@ -111,14 +111,14 @@ def cmd_generate(args) -> int:
 
 def cmd_verify(args) -> int:
     bad = 0
+    model = model_dir_arg(args.model)
     for d in args.dirs:
+        notes: list[str] = []
         p = Path(d)
-        if not p.is_dir():
-            problems = [f"no such directory: {d}"]
-        elif args.recompute:
-            problems = list(verify_set(p, recompute=True))
+        if not (p.is_dir() or (p.is_file() and p.name.endswith(".tar"))):
+            problems = [f"no such directory: {d}" if not p.exists() else f"not a directory or a .tar of a set: {d}"]
         else:
-            problems = list(verify_set(p))
+            problems = list(verify_set(p, recompute=args.recompute, model=model, rehash=args.rehash, notes=notes))
         if problems:
             bad += 1
             print(f"{d}: {len(problems)} problem(s)")
@@ -126,6 +126,8 @@ def cmd_verify(args) -> int:
                 print(printable(f"  - {prob}"))
         else:
             print(f"{d}: ok")
+            for note in notes:  # e.g. that the checkpoint was not checked
+                print(printable(f"  note: {note}"))
     return EXIT_FIXTURE if bad else EXIT_OK
 
 

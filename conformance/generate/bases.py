@@ -44,18 +44,22 @@ def greedy(model, prompt: list[int], n: int) -> list[int]:
     return [int(t) for t in greedy_generate(model, prompt, n, stop_ids=()).tokens]
 
 
-def base_logits_of(model, ids: list[int], inputs=None) -> tuple[np.ndarray, np.ndarray | None]:
-    """Full float64 logits [N, V] of a base, and its per-token router margin (min over layers) for MoE.
-    ``inputs`` (refimpl.multimodal.MultimodalInputs) for an image base."""
+def base_rows_of(model, ids: list[int], inputs=None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A base's float64 hidden states [N, H] (the residual stream before the final norm), its full logits
+    [N, V] (the head of those hidden states, as ``model.forward`` computes them) and its per-token router
+    margin (min over layers) for MoE. ``inputs`` (refimpl.multimodal.MultimodalInputs) for an image or
+    audio base."""
     trace = Trace()
-    if inputs is None:
-        logits = model.forward(ids, rows="all", trace=trace)
-    else:
-        logits = model.forward(inputs.ids, rows="all", embeddings=inputs.embeddings,
-                               vision_blocks=inputs.vision_blocks, trace=trace)
+    with np.errstate(over="ignore", invalid="ignore"):  # a non-finite result is refused (NonFiniteError)
+        if inputs is None:
+            hidden = model.hidden_states(ids, trace=trace)
+        else:
+            hidden = model.hidden_states(inputs.ids, embeddings=inputs.embeddings, vision_blocks=inputs.vision_blocks,
+                                         trace=trace)
+        logits = model.head(hidden)
     margins = [v for k, v in trace.tensors.items() if k.endswith(".router.margin")]
     margin = np.min(np.stack(margins), axis=0) if margins else None
-    return np.ascontiguousarray(logits, dtype=np.float64), margin
+    return (np.ascontiguousarray(hidden, dtype=np.float64), np.ascontiguousarray(logits, dtype=np.float64), margin)
 
 
 def consistency_plan(n: int, window: int) -> list[int]:

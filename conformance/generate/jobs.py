@@ -21,7 +21,8 @@ from refimpl.model import Gemma4
 from refimpl.tokenizer import Tokenizer
 
 from ..sets.format import FixtureError, versions
-from .bases import base_logits_of, greedy, ordinary_ids, text_consistency
+from ..sets.head import summaries_of
+from .bases import base_rows_of, greedy, ordinary_ids, text_consistency
 from .media import AudioSide, VisionSide, make_media_base, media_consistency
 from .partial import JOBS, RESULT, write_result
 
@@ -117,7 +118,7 @@ def run_job(spec: dict, context: JobContext | None = None) -> dict:
         ids = [int(t) for t in spec["ids"]]
         if spec["greedy"]:
             ids = ids + greedy(model, ids, spec["greedy"])
-        logits, margin = base_logits_of(model, ids)
+        hidden, logits, margin = base_rows_of(model, ids)
         worst = text_consistency(model, ids, logits)
     else:
         sources = {int(k): tuple(v) for k, v in spec["sources"].items()}
@@ -128,11 +129,15 @@ def run_job(spec: dict, context: JobContext | None = None) -> dict:
             arrays.update(side.arrays(j, source, processed, soft))
         extra.update(side.job_meta(mb.processed))
         ids = [int(t) for t in mb.ids]
-        logits, margin = base_logits_of(model, ids, mb.inputs)
+        hidden, logits, margin = base_rows_of(model, ids, mb.inputs)
         worst = media_consistency(model, mb, logits)
         arrays["embeddings"] = np.asarray(mb.inputs.embeddings, dtype=np.float64)
         extra.update({"spans": [[int(a), int(n)] for a, n in mb.spans], "info": mb.info, "n_media": len(mb.soft)})
-    arrays["logits"] = logits
+    arrays["hidden"] = hidden
+    arrays.update(summaries_of(logits))
+    if spec.get("store", "logits") == "logits":
+        arrays["logits"] = logits
+    del logits
     if margin is not None:
         arrays["router_margin"] = margin
     seconds = time.perf_counter() - t0

@@ -349,11 +349,6 @@ def generate_image_cases(set_name: str, cfg, bases: Mapping[str, Sequence[int]],
     return cases
 
 
-def top2_margin(row: np.ndarray) -> float:
-    """Top-1 minus top-2 logit of one row."""
-    top = np.partition(np.asarray(row, dtype=np.float64), -2)[-2:]
-    return float(top[1] - top[0])
-
 
 def _consumed(case: Case) -> list[tuple[str, int]]:
     """(base, number of leading tokens) the case feeds: its prompt plus its decode tokens."""
@@ -362,14 +357,15 @@ def _consumed(case: Case) -> list[tuple[str, int]]:
     return [(case.base, prompt_length(case) + case.decode_len)]
 
 
-def annotate(case: Case, base_logits: Mapping[str, np.ndarray],
+def annotate(case: Case, top2_margins: Mapping[str, np.ndarray],
              router_margins: Mapping[str, np.ndarray] | None = None) -> Case:
-    """The case with ``ties`` (rows whose oracle top-2 margin < TIE_MARGIN) and ``moe_min_margin`` (the
-    smallest per-token router margin over the tokens the case feeds; None without router margins)."""
+    """The case with ``ties`` (rows whose oracle top-1 minus top-2 logit, ``top2_margins[base][row]`` (the
+    row summaries' ``margin``), is < TIE_MARGIN) and ``moe_min_margin`` (the smallest per-token router
+    margin over the tokens the case feeds; None without router margins)."""
     ties = []
     for _, rows in row_groups(case):
         for r in rows:
-            m = top2_margin(base_logits[r.base][r.position])
+            m = float(top2_margins[r.base][r.position])
             if m < TIE_MARGIN:
                 ties.append((r.label, m))
     moe = None

@@ -18,30 +18,44 @@ from refimpl.multimodal import multimodal_inputs
 from ..sets.fixture_set import FixtureSet
 from ..sets.format import CASES, EXPECTED, FixtureError
 from ..sets.integrity import checked_set
-from .bases import base_logits_of
+from ..sets.head import summaries_of
+from .bases import base_rows_of
 from .matrix import annotate
 from .media import AudioSide, VisionSide
 
 RECOMPUTE_BOUND = 1e-9  # verify_set(recompute=True): stored logits vs a fresh oracle run
 
 
-def verify_set(path: str | Path, *, recompute: bool = False, workdir: str | Path | None = None) -> list[str]:
-    """Every problem of a set (empty list = ok): those of ``conformance.sets.check_set``, and with ``recompute`` the model is materialised
+def verify_set(path: str | Path, *, recompute: bool = False, workdir: str | Path | None = None,
+               model: str | Path | None = None, rehash: bool = False, notes: list[str] | None = None) -> list[str]:
+    """Every problem of a set (empty list = ok): those of ``conformance.sets.integrity.checked_set`` (an
+    external set's checkpoint in ``model`` or else at its recorded path; ``rehash`` reads every checkpoint
+    file again), and with ``recompute`` the model is materialised
     (synthetic: regenerated under ``workdir`` or a temporary directory) and every base's logits are
-    recomputed with the oracle (bound RECOMPUTE_BOUND), and every case's ties are re-derived. Never
+    recomputed with the oracle (bound RECOMPUTE_BOUND), and every case's ties are re-derived. What is
+    not a problem but worth saying (a checkpoint that was not checked) is appended to ``notes``. Never
     raises for content problems."""
-    problems, fs = checked_set(path)
+    problems, fs = checked_set(path, model=model, rehash=rehash)
+    if notes is not None and fs is not None:
+        notes += [w for w in fs.warnings if w not in notes]
     if problems or not recompute:
         return problems
+    if fs.manifest["model"]["kind"] != "external":
+        model = None  # --model is for external sets; a synthetic one is regenerated
     with contextlib.ExitStack() as stack:
         wd = Path(workdir) if workdir is not None else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         try:
-            model_dir = fs.model_dir(wd)
+            model_dir = fs.model_dir(wd, model=model)
 
             model = Gemma4(model_dir)
         except Exception as e:  # noqa: BLE001
             return [str(e) if isinstance(e, FixtureError) else f"{path}: the model cannot be loaded: {e}"]
-        stored = fs.base_logits()
+        try:
+            stored = fs.oracle_logits(model, wd)  # a set stored as hidden states: rebuilt, checked against its summaries
+            for b in stored:
+                stored[b]
+        except FixtureError as e:
+            return [str(e)]
         fresh: dict[str, np.ndarray] = {}
         margins: dict[str, np.ndarray] = {}
         blocks, audio_blocks = fs.image_blocks(), fs.audio_blocks()
@@ -51,7 +65,7 @@ def verify_set(path: str | Path, *, recompute: bool = False, workdir: str | Path
                 recompute = recompute_image_inputs if b in blocks else recompute_audio_inputs
                 inputs, chain = recompute(model, fs, b, model_dir)
                 problems += [f"{Path(path) / EXPECTED}: base {b}: {msg}" for msg in chain]
-            fresh[b], m = base_logits_of(model, [int(t) for t in ids], inputs)
+            _, fresh[b], m = base_rows_of(model, [int(t) for t in ids], inputs)
             if m is not None:
                 margins[b] = m
             diff = float(np.max(np.abs(fresh[b] - stored[b]))) if fresh[b].shape == stored[b].shape else math.inf
@@ -59,8 +73,9 @@ def verify_set(path: str | Path, *, recompute: bool = False, workdir: str | Path
                 problems.append(f"{Path(path) / EXPECTED}: base {b}: the oracle now gives logits that differ by "
                                 f"{diff:.3g} from the stored ones (bound {RECOMPUTE_BOUND})")
         if not problems:
+            top2 = {b: summaries_of(z)["margin"] for b, z in fresh.items()}
             for c in fs.cases:
-                again = annotate(c, fresh, margins or None)
+                again = annotate(c, top2, margins or None)
                 if [t[0] for t in again.ties] != [t[0] for t in c.ties]:
                     problems.append(f"{Path(path) / CASES}: case {c.id}: recorded ties {[t[0] for t in c.ties]}, "
                                     f"recomputed {[t[0] for t in again.ties]}")

@@ -28,10 +28,12 @@ from .. import __version__ as CONFORMANCE_VERSION
 from ..sets.case import (
     DECODE_STEPS, GENERATION_BASE, GENERATION_STEPS, PROMPT_CONTINUATION, PROMPT_PREFIX, RANDOM_BASES, Case,
 )
+from ..sets.checkpoint import checkpoint_record
 from ..sets.format import (
-    AUDIO_LEAVES, CASES, EXPECTED, IMAGE_LEAVES, MANIFEST, NAME_RE, SCHEMA, SCHEMA_VERSION, SEMVER_RE, SET_FILES,
-    SYNTHETIC_FILES, FixtureError, hash_files, model_files, sha256_file, versions, write_json,
+    AUDIO_LEAVES, CASES, IMAGE_LEAVES, MANIFEST, NAME_RE, SCHEMA, SCHEMA_VERSION, SEMVER_RE, STORAGES,
+    SYNTHETIC_FILES, FixtureError, base_file, hash_files, model_files, sha256_file, versions, write_json,
 )
+from ..sets.head import SUMMARY_LEAVES, RebuiltLogits
 from . import executors, partial
 from .bases import bos_id, cross_entries, ordinary_ids
 from .jobs import JobContext, job_versions
@@ -103,7 +105,8 @@ def count_by_base(cases: Iterable[Case]) -> dict[str, int]:
 def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset: str | None = None, seed: int = 0,
                  prompts=None, name: str | None = None, version: str = "1.0.0", progress: Progress | None = None,
                  cross_check: CrossCheck | None = None, command: str | None = None, cases: str = "auto",
-                 images=None, audio=None, workers: int | None = None, cluster: str | None = None) -> Path:
+                 images=None, audio=None, workers: int | None = None, cluster: str | None = None,
+                 store: str = "hidden") -> Path:
     """Write a fixture set to ``out``: the only writer. Refuses an existing ``out`` (an empty directory
     is allowed). The work is split into one job per base (docs/distributed-generation.md), run in
     parallel, and resumable: every finished job's result is kept in ``<out.parent>/.<out.name>.partial/``
@@ -119,13 +122,17 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
     paths. Not both. Whatever the executor, the set is the same, byte for byte (the manifest's
     provenance aside).
 
-    Exactly one of ``model_dir`` (an external checkpoint: recorded by absolute path and sha256, never
-    copied) and ``preset`` (a ``refimpl synth`` preset, regenerated from ``seed`` when the set is used).
+    Exactly one of ``model_dir`` (an external checkpoint: recorded by each file's size and sha256, the
+    absolute path as provenance; never copied) and ``preset`` (a ``refimpl synth`` preset, regenerated
+    from ``seed`` when the set is used).
     ``prompts``: a JSONL path or a list of entries (see ``load_prompts``) -> bases P0, P1, ...
     ``progress(done, total, label)`` is called as work completes (``label`` e.g. ``"base A: 48 tokens,
     14 cases, 0.3 s"``, or ``"base A: done in an earlier run"``). ``cross_check(model_dir, bases,
     base_logits)`` compares another implementation (entries are recorded only when it returns some).
     ``command`` is recorded as the generator command line (default: this process's argv).
+    ``store``: "hidden" (default: per row the float64 hidden state and a summary; the logits are rebuilt
+    through the checkpoint's head when the set is used, docs/fixtures.md) or "logits" (also the full
+    float64 logits, so the set can be read without its checkpoint: N x V x 8 bytes per base).
     ``cases``: "text" (the text matrix), "images" (the image matrix only: image bases I0, I1), "audio"
     (the audio matrix only: audio bases S0, S1), "all" or "auto" (the text matrix plus the image and
     audio matrices the checkpoint's towers allow). ``images``: the images of the image bases (file
@@ -159,6 +166,8 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
     target = publish_path(out)
     _refuse_existing(out, target)
     entries = prompt_entries(prompts)  # validate before any work
+    if store not in STORAGES:
+        raise ValueError(f"store must be one of {', '.join(STORAGES)}, got {store!r}")
     if cases not in CASE_KINDS:
         raise ValueError(f"cases must be one of {', '.join(CASE_KINDS)}, got {cases!r}")
     if model_dir is not None:
@@ -187,7 +196,7 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
         try:
             return _generate(out, target, model_dir=model_dir, preset=preset, seed=seed, entries=entries, name=name,
                              version=version, progress=progress, cross_check=cross_check, command=command,
-                             cases=cases, images=images, audio=audio,
+                             cases=cases, images=images, audio=audio, store=store,
                              workers=workers if workers is not None else (os.cpu_count() or 1), dask=dask)
         finally:
             if dask is not None:
@@ -229,11 +238,14 @@ class _Plan:
 
 @dataclass
 class _Assembled:
-    """The finished jobs read back: per base its ids, manifest description, logits and router margins; the
-    media blocks of the image and audio bases; the worst consistency of the KV cache."""
+    """The finished jobs read back: per base its ids, manifest description, hidden states, row summaries,
+    logits (stored as logits only) and router margins; the media blocks of the image and audio bases; the
+    worst consistency of the KV cache."""
 
     bases: dict[str, list[int]] = field(default_factory=dict)
     info: dict[str, dict] = field(default_factory=dict)
+    hidden: dict[str, np.ndarray] = field(default_factory=dict)
+    summaries: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     logits: dict[str, np.ndarray] = field(default_factory=dict)
     margins: dict[str, np.ndarray] = field(default_factory=dict)
     spans: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
@@ -243,7 +255,7 @@ class _Assembled:
 
 def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str | None, seed: int, entries: list[dict],
               name: str, version: str, progress: Progress | None, cross_check: CrossCheck | None, command: str | None,
-              cases: str, images, audio, workers: int, dask) -> Path:
+              cases: str, images, audio, workers: int, dask, store: str) -> Path:
     """generate_set after argument checks, under the run's lock: plan the jobs, run the missing ones, assemble,
     publish to ``out_abs`` (publish_path(out))."""
     model = None
@@ -251,8 +263,9 @@ def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str |
         model_key: dict[str, Any] = {"kind": "synthetic", "preset": preset, "seed": seed, "dtype": "f32"}
     else:
         model = Gemma4(model_dir)  # float64, exact sqrt(H) embedding scale; RefimplError for a bad checkpoint
-        model_key = {"kind": "external", "path": str(model_dir), "sha256": hash_files(model_dir, model_files(model_dir))}
-    arguments = {"model": model_key, "cases": cases, "name": name, "version": version,
+        # the checkpoint by content (sha256 and size of each file, digests cached); the path is provenance
+        model_key = {"kind": "external", "path": str(model_dir), **checkpoint_record(model_dir, model_files(model_dir))}
+    arguments = {"model": model_key, "cases": cases, "name": name, "version": version, "store": store,
                  "prompts": [{k: e[k] for k in ("kind", "value", "id", "chat", "where")} for e in entries],
                  "images": media_key(images), "audio": media_key(audio), **job_versions()}
     run = partial.PartialRun.open(out_abs, arguments)
@@ -265,7 +278,7 @@ def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str |
             model = Gemma4(src)
         else:
             src, reused, model_info = model_dir, False, model_key
-        plan = _plan(run, src, model, seed, entries, name, cases, images, audio)
+        plan = _plan(run, src, model, seed, entries, name, cases, images, audio, store)
         steps.total = (1 if preset is not None else 0) + len(plan.jobs) + (1 if cross_check is not None else 0) + 1
         if preset is not None:
             steps("model: reused from an earlier run" if reused else "model")
@@ -274,18 +287,20 @@ def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str |
         got = _assemble(run, plan, results)
         checks = _checks(got, plan.with_text)
         if cross_check is not None:
-            checks += _cross_check(cross_check, src, got, results)
+            oracle = got.logits or RebuiltLogits(model, got.hidden, got.summaries, run.path, "the set being generated")
+            checks += _cross_check(cross_check, src, got, results, oracle)
             steps("cross check")
         cfg = model.cfg
         matrix = (generate_cases(name, cfg, got.bases) if plan.with_text else []) + \
             (generate_image_cases(name, cfg, got.bases, got.spans) if plan.vision else []) + \
             (generate_image_cases(name, cfg, got.bases, got.audio_spans, kind="audio") if plan.audio else [])
-        set_cases = [annotate(c, got.logits, got.margins or None) for c in matrix]
+        top2 = {b: s["margin"] for b, s in got.summaries.items()}
+        set_cases = [annotate(c, top2, got.margins or None) for c in matrix]
         staging = run.staging()
         staged = staging / "set"
         staged.mkdir()
         _write_set(staged, got, results, set_cases, plan, cfg, name=name, version=version, checks=checks,
-                   command=command, model_info=model_info)
+                   command=command, model_info=model_info, store=store)
         steps("write")
         try:
             os.replace(staged, out_abs)
@@ -316,7 +331,7 @@ def _synthetic_model(run: partial.PartialRun, preset: str, seed: int) -> tuple[P
 
 
 def _plan(run: partial.PartialRun, src: Path, model, seed: int, entries: list[dict], name: str, cases: str,
-          images, audio) -> _Plan:
+          images, audio, store: str) -> _Plan:
     """One job per base, in the set's order; the parent only draws ids and encodes prompts."""
     tokenizer = Tokenizer.from_dir(src)
     cfg = model.cfg
@@ -336,7 +351,8 @@ def _plan(run: partial.PartialRun, src: Path, model, seed: int, entries: list[di
     with_audio = cases == "audio" or (cases in ("all", "auto") and audio_tower)
     prompt_ids = [encode_prompt(p, tokenizer, cfg.vocab_size) for p in entries]
     bos = bos_id(cfg, tokenizer)
-    common = {"key": run.key, "partial": str(run.path), "model_dir": str(src), "seed": seed, "bos": bos}
+    common = {"key": run.key, "partial": str(run.path), "model_dir": str(src), "seed": seed, "bos": bos,
+              "store": store}
 
     if plan.with_text:
         pool = ordinary_ids(tokenizer, cfg.vocab_size)
@@ -436,7 +452,10 @@ def _assemble(run: partial.PartialRun, plan: _Plan, results: Mapping[str, partia
             got.info[b] = r.meta["info"]
             (got.audio_spans if r.meta["kind"] == "audio" else got.spans)[b] = [(int(a), int(n)) for a, n in
                                                                                r.meta["spans"]]
-        got.logits[b] = r.array("logits")
+        got.hidden[b] = r.array("hidden")
+        got.summaries[b] = {leaf: r.array(leaf) for leaf in SUMMARY_LEAVES}
+        if r.has("logits"):
+            got.logits[b] = r.array("logits")
         if r.has("router_margin"):
             got.margins[b] = r.array("router_margin")
         got.worst = max(got.worst, float(r.meta["consistency"]))
@@ -450,8 +469,9 @@ def _checks(got: _Assembled, with_text: bool) -> list[dict]:
     if GENERATION_BASE in got.bases:
         prompt_len = got.info[GENERATION_BASE]["prompt_length"]
         g = got.bases[GENERATION_BASE]
+        top1 = got.summaries[GENERATION_BASE]["top_ids"][:, 0]  # the argmax, ties to the lower id
         for pos in range(prompt_len - 1, len(g) - 1):
-            if int(np.argmax(got.logits[GENERATION_BASE][pos])) != g[pos + 1]:
+            if int(top1[pos]) != g[pos + 1]:
                 raise FixtureError(f"base G: the greedy continuation at position {pos + 1} is not the argmax of "
                                    "the full forward (a tie between cached decode and the full forward)")
     if got.worst > CONSISTENCY_BOUND:
@@ -468,10 +488,11 @@ def _checks(got: _Assembled, with_text: bool) -> list[dict]:
                           "every closing one, then single-token decode" if media_bases else "")}]
 
 
-def _cross_check(cross_check: CrossCheck, src: Path, got: _Assembled,
-                 results: Mapping[str, partial.JobResult]) -> list[dict]:
+def _cross_check(cross_check: CrossCheck, src: Path, got: _Assembled, results: Mapping[str, partial.JobResult],
+                 oracle: Mapping[str, np.ndarray]) -> list[dict]:
     """The entries of another implementation's check of the set (``cross_check``), given the bases, their
-    logits and the preprocessed media of every image and audio base."""
+    logits (``oracle``: stored or rebuilt from the hidden states) and the preprocessed media of every image
+    and audio base."""
     arrays = {b: np.asarray(ids, dtype=np.int64) for b, ids in got.bases.items()}
     extra: dict[str, Any] = {}
     if got.spans:
@@ -484,31 +505,33 @@ def _cross_check(cross_check: CrossCheck, src: Path, got: _Assembled,
         extra["audio"] = {b: [AudioFeatures(features=np.array(results[b].array(f"media.{j}.features")),
                                             mask=np.array(results[b].array(f"media.{j}.mask")))
                               for j in range(results[b].meta["n_media"])] for b in got.audio_spans}
-    return cross_entries(cross_check(Path(src), arrays, got.logits, **extra), "cross_check")
+    return cross_entries(cross_check(Path(src), arrays, oracle, **extra), "cross_check")
 
 
 def _write_set(staged: Path, got: _Assembled, results: Mapping[str, partial.JobResult], set_cases: list[Case],
                plan: _Plan, cfg, *, name: str, version: str, checks: list[dict], command: str | None,
-               model_info: dict) -> None:
-    """The set's three files in ``staged``: expected.safetensors, cases.json and the manifest (written last,
-    with the sha256 of the other two)."""
-    tensors: dict[str, np.ndarray] = {}
+               model_info: dict, store: str) -> None:
+    """The set's files in ``staged``: one base-<id>.safetensors per base, cases.json and the manifest
+    (written last, with the sha256 of the others)."""
+    media = {**{b: ("image", IMAGE_LEAVES, "images", s) for b, s in got.spans.items()},
+             **{b: ("audio", AUDIO_LEAVES, "audio", s) for b, s in got.audio_spans.items()}}
     for b, ids in got.bases.items():
-        tensors[f"base/{b}/tokens"] = np.asarray(ids, dtype=np.int64)
-        tensors[f"base/{b}/logits"] = got.logits[b]
+        tensors: dict[str, np.ndarray] = {"tokens": np.asarray(ids, dtype=np.int64), "hidden": got.hidden[b],
+                                          **got.summaries[b]}
+        if store == "logits":
+            tensors["logits"] = got.logits[b]
         if b in got.margins:
-            tensors[f"base/{b}/router_margin"] = got.margins[b]
-    for kind, blocks, leaves, spans_leaf in (("image", got.spans, IMAGE_LEAVES, "images"),
-                                             ("audio", got.audio_spans, AUDIO_LEAVES, "audio")):
-        for b in blocks:
+            tensors["router_margin"] = got.margins[b]
+        if b in media:
+            kind, leaves, spans_leaf, spans = media[b]
             r = results[b]
-            tensors[f"base/{b}/embeddings"] = r.array("embeddings")
-            tensors[f"base/{b}/{spans_leaf}"] = np.asarray(blocks[b], dtype=np.int64)
+            tensors["embeddings"] = r.array("embeddings")
+            tensors[spans_leaf] = np.asarray(spans, dtype=np.int64)
             for j in range(r.meta["n_media"]):
                 for leaf in leaves:
                     a = r.array(f"media.{j}.{leaf}")
-                    tensors[f"{kind}/{b}/{j}/{leaf}"] = np.asarray(a, dtype=np.uint8) if leaf == "mask" else a
-    write_safetensors(staged / EXPECTED, tensors, "F64", metadata={"schema": SCHEMA, "name": name})
+                    tensors[f"{kind}/{j}/{leaf}"] = np.asarray(a, dtype=np.uint8) if leaf == "mask" else a
+        write_safetensors(staged / base_file(b), tensors, "F64", metadata={"schema": SCHEMA, "name": name, "base": b})
     write_json(staged / CASES, {"cases": [c.to_json() for c in set_cases]})
     recorded = versions()
     manifest = {
@@ -516,6 +539,7 @@ def _write_set(staged: Path, got: _Assembled, results: Mapping[str, partial.JobR
         "schema_version": SCHEMA_VERSION,
         "name": name,
         "version": version,
+        "storage": store,
         "provenance": {
             "generator": f"conformance.fixtures.generate_set (conformance {CONFORMANCE_VERSION})",
             "command": command if command is not None else default_command(),
@@ -531,6 +555,6 @@ def _write_set(staged: Path, got: _Assembled, results: Mapping[str, partial.JobR
         **({"images": plan.vision.manifest(cfg.use_bidirectional_attention == "vision")} if plan.vision else {}),
         **({"audio": plan.audio.manifest()} if plan.audio else {}),
         "cases": len(set_cases),
-        "files": {f: sha256_file(staged / f) for f in SET_FILES},
+        "files": {f: sha256_file(staged / f) for f in (CASES, *(base_file(b) for b in got.bases))},
     }
     write_json(staged / MANIFEST, manifest)

@@ -77,8 +77,8 @@ def bundled_set(name: str) -> Path:
 
 
 def set_paths(dirs: Sequence[str | Path] | None, flag: str = "--fixtures") -> list[Path]:
-    """Fixture-set directories named by ``flag``'s arguments (``dirs``), a directory holding sets expanding
-    to them; no argument: the bundled sets. ValueError naming ``flag`` when one cannot be used."""
+    """Fixture-set directories (or .tar archives of one) named by ``flag``'s arguments (``dirs``), a
+    directory holding sets expanding to them; no argument: the bundled sets. ValueError naming ``flag`` when one cannot be used."""
     if not dirs:
         paths = [Path(p) for p in bundled_sets()]
         if not paths:
@@ -90,8 +90,11 @@ def set_paths(dirs: Sequence[str | Path] | None, flag: str = "--fixtures") -> li
         p = Path(d)
         if not p.exists():
             raise ValueError(f"{flag}: no such directory: {d}")
+        if p.is_file() and p.name.endswith(".tar"):
+            out.append(p)  # a set as one archive
+            continue
         if not p.is_dir():
-            raise ValueError(f"{flag}: not a directory: {d}")
+            raise ValueError(f"{flag}: not a directory or a .tar of a set: {d}")
         if (p / MANIFEST).is_file():
             out.append(p)
             continue

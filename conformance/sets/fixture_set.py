@@ -16,7 +16,11 @@ from refimpl.synth import write_checkpoint
 
 from ..protocol.types import AudioInput
 from .case import BaseMedia, Case
-from .format import AUDIO_LEAVES, EXPECTED, IMAGE_LEAVES, SYNTHETIC_CHECKED, FixtureError, sha256_file, versions
+from .format import (
+    AUDIO_LEAVES, BASE_FILE_RE, EXPECTED, IMAGE_LEAVES, SYNTHETIC_CHECKED, FixtureError, sha256_file, versions,
+)
+from .checkpoint import checkpoint_problems, find_checkpoint
+from .head import SUMMARY_LEAVES, RebuiltLogits, summaries_of
 
 
 @dataclass
@@ -26,6 +30,7 @@ class FixtureSet:
     cases: list[Case]
     warnings: list[str] = field(default_factory=list)  # e.g. a regenerated tokenizer that differs
     _tensors: dict | None = field(default=None, repr=False)
+    _summaries: dict | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
@@ -35,13 +40,44 @@ class FixtureSet:
     def version(self) -> str:
         return self.manifest["version"]
 
+    @property
+    def schema_version(self) -> int:
+        return int(self.manifest["schema_version"])
+
+    @property
+    def storage(self) -> str:
+        """"logits" (full float64 logits stored: schema 1, or generate --store logits) or "hidden" (hidden
+        states and row summaries; the logits are rebuilt through the checkpoint's head)."""
+        return self.manifest.get("storage", "logits")
+
+    def base_files(self) -> dict[str, str]:
+        """Base id -> its file in the set (schema 2; empty for schema 1, whose bases share expected.safetensors)."""
+        out = {}
+        for f in self.manifest["files"]:
+            m = BASE_FILE_RE.match(f)
+            if m:
+                out[m.group(1)] = f
+        return out
+
     def _store(self) -> dict[str, np.ndarray]:
+        """Every stored tensor by its schema 1 name (base/<id>/<leaf>, image/<id>/<j>/<leaf>, audio/...):
+        read-only memory-mapped views, nothing copied."""
         if self._tensors is None:
-            store = TensorStore(self.path / EXPECTED)  # memory-mapped views, nothing copied
-            self._tensors = {n: store.raw(n) for n in store.names}
+            tensors: dict[str, np.ndarray] = {}
+            if self.schema_version == 1:
+                store = TensorStore(self.path / EXPECTED)
+                tensors = {n: store.raw(n) for n in store.names}
+            for b, f in self.base_files().items():
+                store = TensorStore(self.path / f)
+                for n in store.names:
+                    kind = n.split("/")[0]
+                    tensors[f"{kind}/{b}/{n[len(kind) + 1:]}" if kind in ("image", "audio") and "/" in n
+                            else f"base/{b}/{n}"] = store.raw(n)
+            self._tensors = tensors
         return self._tensors
 
-    def _by_base(self, leaf: str) -> dict[str, np.ndarray]:
+    def stored(self, leaf: str) -> dict[str, np.ndarray]:
+        """Base id -> its stored tensor ``leaf`` (tokens, logits, hidden, top_ids, ...), for the bases that have it."""
         out = {}
         for n, a in self._store().items():
             parts = n.split("/")
@@ -51,23 +87,54 @@ class FixtureSet:
 
     def bases(self) -> dict[str, np.ndarray]:
         """Base id -> token ids (int64)."""
-        return {b: np.asarray(a, dtype=np.int64) for b, a in self._by_base("tokens").items()}
+        return {b: np.asarray(a, dtype=np.int64) for b, a in self.stored("tokens").items()}
 
     def base_logits(self) -> dict[str, np.ndarray]:
-        """Base id -> [N, V] float64 logits (read-only memory maps)."""
-        return self._by_base("logits")
+        """Base id -> the stored [N, V] float64 logits (read-only memory maps). A set stored as hidden
+        states stores none: ``oracle_logits`` rebuilds them through the checkpoint's head."""
+        if self.storage != "logits":
+            raise FixtureError(f"{self.path}: the set stores hidden states, not logits; its logits are rebuilt "
+                               "through the checkpoint's head (FixtureSet.oracle_logits)")
+        return self.stored("logits")
+
+    def hidden_states(self) -> dict[str, np.ndarray]:
+        """Base id -> [N, H] float64 residual stream before the final norm (schema 2; empty for schema 1)."""
+        return self.stored("hidden")
+
+    def summaries(self) -> dict[str, dict[str, np.ndarray]]:
+        """Base id -> its rows' summary (conformance.sets.head.row_summary: top_ids, top_logits, lse,
+        margin): stored, or for a schema 1 set computed from its logits once."""
+        if self._summaries is None:
+            stored = {leaf: self.stored(leaf) for leaf in SUMMARY_LEAVES}
+            out = {}
+            for b in self.bases():
+                if all(b in stored[leaf] for leaf in SUMMARY_LEAVES):
+                    out[b] = {leaf: stored[leaf][b] for leaf in SUMMARY_LEAVES}
+                else:
+                    out[b] = summaries_of(self.stored("logits")[b])
+            self._summaries = out
+        return self._summaries
+
+    def oracle_logits(self, model, workdir: Path):
+        """Base id -> the oracle's [N, V] float64 logits: the stored ones, or for a set stored as hidden
+        states a ``RebuiltLogits`` mapping over ``model`` (refimpl.model.Gemma4 of the set's checkpoint)
+        that rebuilds each base on first access under ``workdir`` (FixtureError when the checkpoint's head
+        does not reproduce the stored row summaries)."""
+        if self.storage == "logits":
+            return self.base_logits()
+        return RebuiltLogits(model, self.hidden_states(), self.summaries(), workdir, str(self.path))
 
     def router_margins(self) -> dict[str, np.ndarray]:
         """Base id -> [N] per-token router margin (min over layers); empty for dense models."""
-        return self._by_base("router_margin")
+        return self.stored("router_margin")
 
     def image_blocks(self) -> dict[str, list[tuple[int, int]]]:
         """Image base id -> its image blocks [(first position, soft tokens), ...]; empty for text sets."""
-        return {b: [(int(a), int(n)) for a, n in np.asarray(x)] for b, x in self._by_base("images").items()}
+        return {b: [(int(a), int(n)) for a, n in np.asarray(x)] for b, x in self.stored("images").items()}
 
     def audio_blocks(self) -> dict[str, list[tuple[int, int]]]:
         """Audio base id -> its audio blocks [(first position, soft tokens), ...]."""
-        return {b: [(int(a), int(n)) for a, n in np.asarray(x)] for b, x in self._by_base("audio").items()}
+        return {b: [(int(a), int(n)) for a, n in np.asarray(x)] for b, x in self.stored("audio").items()}
 
     def media(self, convention: str = "scaled") -> dict[str, BaseMedia]:
         """Image/audio base id -> ``BaseMedia``: the stored merged embeddings in ``convention`` ("scaled"
@@ -76,7 +143,7 @@ class FixtureSet:
         features and mask."""
         out = {}
         blocks, audio = self.image_blocks(), self.audio_blocks()
-        for b, x in self._by_base("embeddings").items():
+        for b, x in self.stored("embeddings").items():
             x = np.asarray(x, dtype=np.float64)
             if convention == "raw":
                 x = x / math.sqrt(x.shape[1])
@@ -104,69 +171,62 @@ class FixtureSet:
             out.append({leaf: store[f"image/{base}/{j}/{leaf}"] for leaf in IMAGE_LEAVES})
         return out
 
-    def model_dir(self, workdir: Path) -> Path:
-        """The checkpoint: synthetic sets regenerate it under ``workdir`` (reused if already there) and
-        check the sha256 of config.json and model.safetensors; external sets return the recorded path after
-        checking every recorded file. FixtureError when the checkpoint does not match the set."""
-        model = self.manifest["model"]
-        if model["kind"] == "external":
-            problems = self.checkpoint_problems()
-            if problems:
-                raise FixtureError(problems[0])
-            return Path(model["path"])
+    def model_dir(self, workdir: Path, *, model: str | Path | None = None, rehash: bool = False) -> Path:
+        """The checkpoint, FixtureError when it does not match the set. External sets: ``model`` (a
+        directory from anywhere, ``--model``) or else the recorded path, once every file the set records
+        has its recorded size and sha256 (``conformance.sets.checkpoint``; digests cached, ``rehash``
+        reads every file again). Synthetic sets: ``model`` when given and its config.json and
+        model.safetensors have the recorded sha256, else regenerated under ``workdir`` (reused if already
+        there) and checked the same way."""
+        rec = self.manifest["model"]
+        if rec["kind"] == "external":
+            return find_checkpoint(rec, model, where=str(self.path), rehash=rehash)
+        if model is not None:
+            checked = {"sha256": {n: rec["sha256"][n] for n in SYNTHETIC_CHECKED}}
+            target = find_checkpoint(checked, model, where=str(self.path), rehash=rehash)
+            self._tokenizer_warning(target, "given")
+            return target
 
-        target = Path(workdir) / f"{model['preset']}-seed{model['seed']}-{model['dtype']}"
+        target = Path(workdir) / f"{rec['preset']}-seed{rec['seed']}-{rec['dtype']}"
         if not (target.is_dir() and self._synthetic_matches(target)):
-            write_checkpoint(model["preset"], model["seed"], target, dtype=model["dtype"], overwrite=True)
-        bad = [n for n in SYNTHETIC_CHECKED if sha256_file(target / n) != model["sha256"][n]]
+            write_checkpoint(rec["preset"], rec["seed"], target, dtype=rec["dtype"], overwrite=True)
+        bad = [n for n in SYNTHETIC_CHECKED if sha256_file(target / n) != rec["sha256"][n]]
         if bad:
-            rec = self.manifest.get("provenance", {})
+            prov = self.manifest.get("provenance", {})
             now = versions()
-            recorded = ", ".join(f"{k.split('_')[0]} {rec.get(k, '?')}" for k in
+            recorded = ", ".join(f"{k.split('_')[0]} {prov.get(k, '?')}" for k in
                                  ("refimpl_version", "numpy_version", "python_version"))
             found = ", ".join(f"{k.split('_')[0]} {now[k]}" for k in ("refimpl_version", "numpy_version", "python_version"))
             raise FixtureError(
                 f"{self.path}: the synthetic checkpoint could not be reproduced: {' and '.join(bad)} of preset "
-                f"{model['preset']!r} seed {model['seed']} differ from the sha256 the set records. Recorded with "
+                f"{rec['preset']!r} seed {rec['seed']} differ from the sha256 the set records. Recorded with "
                 f"{recorded}; found {found}. Regenerate the set with this installation, or install the recorded "
                 "versions.")
+        self._tokenizer_warning(target, "regenerated")
+        return target
+
+    def _tokenizer_warning(self, target: Path, what: str) -> None:
+        """A warning (not an error) when the checkpoint's tokenizer.model differs from the recorded one."""
         tok = target / "tokenizer.model"
-        want = model["sha256"].get("tokenizer.model")
+        want = self.manifest["model"]["sha256"].get("tokenizer.model")
         if want is not None and tok.is_file() and sha256_file(tok) != want:
-            msg = (f"{self.path}: the regenerated tokenizer.model differs from the recorded one (sentencepiece "
+            msg = (f"{self.path}: the {what} tokenizer.model differs from the recorded one (sentencepiece "
                    "version?); cases are token ids, so grading is unaffected, only displayed pieces may differ")
             if msg not in self.warnings:
                 self.warnings.append(msg)
-        return target
 
-    def checkpoint_problems(self) -> list[str]:
-        """Every problem of an external set's checkpoint (empty when each file the set records is there
-        with its recorded sha256, and for a synthetic set): a directory that is not there (none of its
-        files checked), a file missing, unreadable or changed. Hashes every file on each call."""
-        model = self.manifest["model"]
-        if model["kind"] != "external":
-            return []
-        path, names = Path(model["path"]), list(model["sha256"])
-        if not path.is_dir():
-            return [f"{self.path}: external checkpoint {path} not found: its {len(names)} recorded file"
-                    f"{'s' if len(names) != 1 else ''} ({', '.join(names)}) were not checked (the set records the "
-                    "checkpoint by absolute path: restore it there, or regenerate the set)"]
-        problems = []
-        for n, want in model["sha256"].items():
-            f = path / n
-            if not f.is_file():
-                problems.append(f"{self.path}: the set's model file {f} is missing (the checkpoint was changed, moved "
-                                "or deleted; the set records it by absolute path)")
-                continue
-            try:
-                got = sha256_file(f)
-            except OSError as e:
-                problems.append(f"{self.path}: the set's model file {f} cannot be read ({e.strerror or e})")
-                continue
-            if got != want:
-                problems.append(f"{self.path}: the set's model file {f} changed: sha256 {got} but the set records "
-                                f"{want}; regenerate the set for this checkpoint")
-        return problems
+    def checkpoint_problems(self, *, model: str | Path | None = None, rehash: bool = False) -> list[str]:
+        """Every problem of the set's checkpoint, empty when it matches (``conformance.sets.checkpoint.
+        checkpoint_problems``): for an external set, of ``model`` or else the recorded path (a directory
+        that is not there is a problem: none of its files were checked); for a synthetic set, of
+        ``model``'s config.json and model.safetensors when given, else none (the checkpoint is
+        regenerated by ``model_dir``)."""
+        rec = self.manifest["model"]
+        if rec["kind"] != "external":
+            if model is None:
+                return []
+            rec = {"sha256": {n: rec["sha256"][n] for n in SYNTHETIC_CHECKED}}
+        return checkpoint_problems(rec, model, where=str(self.path), rehash=rehash)
 
     def _synthetic_matches(self, target: Path) -> bool:
         model = self.manifest["model"]

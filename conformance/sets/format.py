@@ -1,16 +1,21 @@
 """The on-disk format of a fixture set: names, schema constants, digests, and the rule for checkpoint file names.
 
-A set is a directory (docs/fixtures.md has the full format)::
+A set is a directory, or a single uncompressed ``.tar`` of one (docs/fixtures.md has the full format).
+Schema version 2::
 
-    <set>/manifest.json         schema, name, version, provenance, model, oracle, bases, files (sha256)
+    <set>/manifest.json         schema, name, version, storage, provenance, model, oracle, bases, files (sha256)
     <set>/cases.json            {"cases": [Case.to_json(), ...]}
-    <set>/expected.safetensors  base/<id>/tokens [N] I64, base/<id>/logits [N, V] F64,
-                                base/<id>/router_margin [N] F64 (MoE models: min over layers per token)
-                                image and audio bases also: base/<id>/embeddings [N, H] F64 (the merged input
-                                embeddings), base/<id>/images or base/<id>/audio [n, 2] I64 (first position,
-                                soft tokens), and per image j: image/<id>/<j>/pixels [h, w, 3] U8,
-                                .../pixel_values [P, 3p^2] F64, .../positions [P, 2] I64, .../soft_tokens [M, H] F64;
-                                per clip j: audio/<id>/<j>/waveform, features, mask, soft_tokens
+    <set>/base-<id>.safetensors one file per base: tokens [N] I64; the row summaries top_ids [N, k] I64,
+                                top_logits [N, k] F64, lse [N] F64, margin [N] F64; hidden [N, H] F64 (the
+                                residual stream before the final norm); storage "logits" also logits [N, V] F64;
+                                router_margin [N] F64 (MoE models: min over layers per token); image and audio
+                                bases also embeddings [N, H] F64 (the merged input embeddings), images or
+                                audio [n, 2] I64 (first position, soft tokens), and per image j
+                                image/<j>/{pixels [h, w, 3] U8, pixel_values [P, 3p^2] F64, positions [P, 2] I64,
+                                soft_tokens [M, H] F64}; per clip j audio/<j>/{waveform, features, mask, soft_tokens}
+
+Schema version 1 (still read): one ``expected.safetensors`` with the same tensors of every base under
+``base/<id>/``, ``image/<id>/<j>/`` and ``audio/<id>/<j>/``, full logits and no summaries or hidden states.
 """
 
 from __future__ import annotations
@@ -29,11 +34,14 @@ import refimpl
 from .. import __version__ as CONFORMANCE_VERSION
 
 SCHEMA = "gemma4-conformance/fixtures"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 CASES = "cases.json"
-EXPECTED = "expected.safetensors"
-SET_FILES = (CASES, EXPECTED)
+EXPECTED = "expected.safetensors"  # schema 1: every base in one file
+SET_FILES = (CASES, EXPECTED)  # schema 1
+STORAGES = ("hidden", "logits")  # schema 2: manifest "storage"; generate --store
+BASE_FILE_RE = re.compile(r"^base-([A-Za-z0-9][A-Za-z0-9_-]*)\.safetensors$")
 SYNTHETIC_FILES = ("config.json", "model.safetensors", "tokenizer.model")
 SYNTHETIC_CHECKED = ("config.json", "model.safetensors")  # a tokenizer mismatch is only a warning
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -47,8 +55,14 @@ SEMVER_RE = re.compile(
 SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 IMAGE_LEAVES = ("pixels", "pixel_values", "positions", "soft_tokens")  # image/<base>/<j>/<leaf>
 AUDIO_LEAVES = ("waveform", "features", "mask", "soft_tokens")  # audio/<base>/<j>/<leaf>
-BASE_LEAVES = ("tokens", "logits", "router_margin", "embeddings", "images", "audio")  # base/<base>/<leaf>
+BASE_LEAVES = ("tokens", "logits", "hidden", "top_ids", "top_logits", "lse", "margin", "router_margin", "embeddings",
+               "images", "audio")  # base/<base>/<leaf> (schema 1), <leaf> in base-<base>.safetensors (schema 2)
 MEDIA_LEAVES = {("image", leaf) for leaf in IMAGE_LEAVES} | {("audio", leaf) for leaf in AUDIO_LEAVES}
+
+
+def base_file(base: str) -> str:
+    """The file of base ``base`` in a schema 2 set."""
+    return f"base-{base}.safetensors"
 
 
 class FixtureError(Exception):

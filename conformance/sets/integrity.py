@@ -6,7 +6,6 @@ and an external set's checkpoint. ``load_set`` refuses a set with any problem (F
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -17,12 +16,15 @@ from refimpl.safetensors_io import read_header
 from refimpl.synth import PRESETS
 
 from .case import Case, check_case
+from .checkpoint import not_checked_note, recorded_dir
 from .fixture_set import FixtureSet
+from .archive import is_archive, unpack
 from .format import (
-    AUDIO_LEAVES, BASE_LEAVES, CASES, EXPECTED, IMAGE_LEAVES, MANIFEST, MEDIA_LEAVES, NAME_RE, SCHEMA,
-    SCHEMA_VERSION, SEMVER_RE, SET_FILES, SHA_RE, SYNTHETIC_CHECKED, FixtureError, checkpoint_name_problem, read_json,
-    sha256_file,
+    AUDIO_LEAVES, BASE_FILE_RE, BASE_LEAVES, CASES, EXPECTED, IMAGE_LEAVES, MANIFEST, MEDIA_LEAVES, NAME_RE,
+    READABLE_SCHEMA_VERSIONS, SCHEMA, SCHEMA_VERSION, SEMVER_RE, SET_FILES, SHA_RE, STORAGES, SYNTHETIC_CHECKED,
+    FixtureError, checkpoint_name_problem, read_json, sha256_file,
 )
+from .head import SUMMARY_LEAVES
 
 
 def _check_manifest(m: Any, where: str) -> list[str]:
@@ -37,8 +39,11 @@ def _check_manifest(m: Any, where: str) -> list[str]:
     if sv > SCHEMA_VERSION:
         return [f"{where}: schema_version {sv} is newer than this harness reads ({SCHEMA_VERSION}); upgrade "
                 "gemma4-conformance"]
-    if sv != SCHEMA_VERSION:
-        return [f"{where}: schema_version {sv} is not supported (this harness reads {SCHEMA_VERSION})"]
+    if sv not in READABLE_SCHEMA_VERSIONS:
+        return [f"{where}: schema_version {sv} is not supported (this harness reads "
+                f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))})"]
+    if sv >= 2 and m.get("storage") not in STORAGES:
+        out.append(f"{where}: storage must be one of {', '.join(STORAGES)}, got {m.get('storage')!r}")
     if not isinstance(m.get("name"), str) or not NAME_RE.match(m["name"]):
         out.append(f"{where}: name {m.get('name')!r} is missing or not a valid set name")
     if not isinstance(m.get("version"), str) or not SEMVER_RE.match(m["version"]):
@@ -75,19 +80,26 @@ def _check_manifest(m: Any, where: str) -> list[str]:
             if missing:
                 out.append(f"{where}: model.sha256 lacks {missing[0]}")
         else:
-            if not isinstance(model.get("path"), str) or not os.path.isabs(model["path"]):
-                out.append(f"{where}: model.path must be an absolute path")
+            sizes = model.get("size")  # optional: sets made before it was recorded have none
+            if not isinstance(model.get("path"), str):
+                out.append(f"{where}: model.path must be a string (where the checkpoint was made from)")
             elif "config.json" not in hashes:
                 out.append(f"{where}: model.sha256 lacks config.json")
+            elif sizes is not None and not (isinstance(sizes, dict) and set(sizes) == set(hashes) and all(
+                    isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in sizes.values())):
+                out.append(f"{where}: model.size must map the files of model.sha256 to their sizes in bytes")
     files = m.get("files")
     if not isinstance(files, dict):
         out.append(f"{where}: files must map file names to sha256 digests")
     else:
-        for f in SET_FILES:
+        for f in (SET_FILES if sv == 1 else (CASES,)):
             if f not in files:
                 out.append(f"{where}: files lacks {f}")
+        if sv >= 2 and not any(isinstance(f, str) and BASE_FILE_RE.match(f) for f in files):
+            out.append(f"{where}: files lists no base file (base-<id>.safetensors)")
         for f, h in files.items():
-            if not isinstance(f, str) or Path(f).name != f or f in (".", "..", MANIFEST):
+            if not isinstance(f, str) or Path(f).name != f or f in (".", "..", MANIFEST) or \
+                    (sv >= 2 and f != CASES and not BASE_FILE_RE.match(f)):
                 out.append(f"{where}: files entry {f!r} is not a file name of the set")
             elif not isinstance(h, str) or not SHA_RE.match(h):
                 out.append(f"{where}: files[{f!r}] is not a sha256 hex digest")
@@ -192,11 +204,76 @@ def _check_image_blocks(fs: "FixtureSet", blocks: Mapping[str, list[tuple[int, i
 
 
 def read_set(path: Path) -> tuple[list[str], FixtureSet | None]:
-    """All problems of a set, and the loaded set when there are none."""
-
+    """All problems of a set (a directory, or an uncompressed ``.tar`` of one), and the loaded set when
+    there are none. The problems of an archive name its members as ``ARCHIVE!member``."""
     path = Path(path)
+    if is_archive(path):
+        try:
+            inner = unpack(path)
+        except FixtureError as e:
+            return [str(e)], None
+        problems, fs = _read_dir(inner)
+        return [p.replace(str(inner), f"{path}!") for p in problems], fs
+    return _read_dir(path)
+
+
+def _stored_infos(path: Path, manifest: dict) -> tuple[dict[str, Any], list[str]]:
+    """The tensor infos of the set's stored files under their schema 1 names (base/<id>/<leaf>,
+    image/<id>/<j>/<leaf>, audio/<id>/<j>/<leaf>), and the problems reading them."""
+    if manifest["schema_version"] == 1:
+        try:
+            return dict(read_header(path / EXPECTED)), []
+        except WeightsError as e:
+            return {}, [f"{path / EXPECTED}: {e}"]
+    infos, problems = {}, []
+    for f in manifest["files"]:
+        m = BASE_FILE_RE.match(f)
+        if not m:
+            continue
+        b = m.group(1)
+        try:
+            header = read_header(path / f)
+        except WeightsError as e:
+            problems.append(f"{path / f}: {e}")
+            continue
+        for n, info in header.items():
+            parts = n.split("/")
+            if len(parts) == 3 and parts[0] in ("image", "audio"):
+                infos[f"{parts[0]}/{b}/{parts[1]}/{parts[2]}"] = info
+            elif len(parts) == 1 and parts[0] in BASE_LEAVES:
+                infos[f"base/{b}/{n}"] = info
+            else:
+                problems.append(f"{path / f}: unexpected tensor '{n}'")
+        if f"base/{b}/tokens" not in infos:
+            problems.append(f"{path / f}: holds no tokens")
+    return infos, problems
+
+
+def _check_schema2_rows(infos: Mapping[str, Any], b: str, N: int, storage: str, hidden_size: Any,
+                        where: str) -> list[str]:
+    """A schema 2 base's hidden states and row summaries (and its logits exactly when stored as logits)."""
+    out = []
+    h = infos.get(f"base/{b}/hidden")
+    if h is None or h.dtype != "F64" or len(h.shape) != 2 or h.shape[0] != N or \
+            (isinstance(hidden_size, int) and h.shape[1] != hidden_size):
+        out.append(f"{where}: base {b} needs hidden as F64 [{N}, {hidden_size}]"
+                   + ("" if h is None else f", got {h.dtype} {list(h.shape)}"))
+    ids, top = infos.get(f"base/{b}/top_ids"), infos.get(f"base/{b}/top_logits")
+    if ids is None or top is None or ids.dtype != "I64" or top.dtype != "F64" or len(ids.shape) != 2 or \
+            ids.shape != top.shape or ids.shape[0] != N or ids.shape[1] < 2:
+        out.append(f"{where}: base {b} needs top_ids I64 [{N}, k] and top_logits F64 [{N}, k] (k >= 2)")
+    for leaf in ("lse", "margin"):
+        t = infos.get(f"base/{b}/{leaf}")
+        if t is None or t.dtype != "F64" or tuple(t.shape) != (N,):
+            out.append(f"{where}: base {b} needs {leaf} as F64 [{N}]")
+    if storage == "hidden" and f"base/{b}/logits" in infos:
+        out.append(f"{where}: base {b} stores logits, but the set's storage is 'hidden'")
+    return out
+
+
+def _read_dir(path: Path) -> tuple[list[str], FixtureSet | None]:
     if not path.is_dir():
-        return [f"{path}: not a directory (a fixture set is a directory with {MANIFEST})"], None
+        return [f"{path}: not a directory (a fixture set is a directory with {MANIFEST}, or a .tar of one)"], None
     mpath = path / MANIFEST
     try:
         manifest = read_json(mpath)
@@ -219,15 +296,16 @@ def read_set(path: Path) -> tuple[list[str], FixtureSet | None]:
                             "modified, or the manifest was edited)")
         else:
             ok_files.add(f)
-    if not set(SET_FILES) <= ok_files:
+    if problems or not (set(SET_FILES) if manifest["schema_version"] == 1 else {CASES}) <= ok_files:
         return problems, None
 
-    # expected.safetensors
-    epath = path / EXPECTED
-    try:
-        infos = read_header(epath)
-    except WeightsError as e:
-        return problems + [f"{epath}: {e}"], None
+    # the stored tensors
+    v2 = manifest["schema_version"] >= 2
+    storage = manifest.get("storage", "logits")
+    epath = path / EXPECTED if not v2 else path
+    infos, unreadable = _stored_infos(path, manifest)
+    if unreadable:
+        return problems + unreadable, None
     lengths: dict[str, int] = {}
     vocab = None
     seen: dict[str, set] = {}
@@ -235,25 +313,38 @@ def read_set(path: Path) -> tuple[list[str], FixtureSet | None]:
         parts = n.split("/")
         if len(parts) == 4 and parts[2].isdigit() and (parts[0], parts[3]) in MEDIA_LEAVES:
             continue  # checked with its base below
-        if len(parts) != 3 or parts[0] != "base" or parts[2] not in BASE_LEAVES:
+        if len(parts) != 3 or parts[0] != "base" or parts[2] not in BASE_LEAVES or \
+                (not v2 and parts[2] in ("hidden",) + SUMMARY_LEAVES):
             problems.append(f"{epath}: unexpected tensor '{n}'")
             continue
         seen.setdefault(parts[1], set()).add(parts[2])
+    config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
+    if v2 and storage == "hidden":
+        vocab = config.get("vocab_size")
+        if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 2:
+            problems.append(f"{path / MANIFEST}: config.vocab_size must be an integer (a set stored as hidden "
+                            "states needs it)")
+            vocab = None
     for b, leaves in sorted(seen.items()):
+        where = str(path / f"base-{b}.safetensors") if v2 else str(epath)
         t, lg = infos.get(f"base/{b}/tokens"), infos.get(f"base/{b}/logits")
-        if t is None or lg is None:
-            problems.append(f"{epath}: base {b} needs both tokens and logits")
+        if t is None or (lg is None and storage == "logits"):
+            problems.append(f"{where}: base {b} needs both tokens and logits")
             continue
         if t.dtype != "I64" or len(t.shape) != 1 or t.shape[0] < 1:
-            problems.append(f"{epath}: base/{b}/tokens must be a non-empty I64 vector, got {t.dtype} {list(t.shape)}")
+            problems.append(f"{where}: base/{b}/tokens must be a non-empty I64 vector, got {t.dtype} {list(t.shape)}")
             continue
-        if lg.dtype != "F64" or lg.shape[:1] != t.shape or len(lg.shape) != 2:
-            problems.append(f"{epath}: base/{b}/logits must be F64 [{t.shape[0]}, V], got {lg.dtype} {list(lg.shape)}")
-            continue
-        if vocab is None:
-            vocab = lg.shape[1]
-        elif lg.shape[1] != vocab:
-            problems.append(f"{epath}: base/{b}/logits has {lg.shape[1]} columns, other bases {vocab}")
+        if v2:
+            problems += _check_schema2_rows(infos, b, t.shape[0], storage, config.get("hidden_size"), where)
+        if storage == "logits":
+            if lg.dtype != "F64" or lg.shape[:1] != t.shape or len(lg.shape) != 2:
+                problems.append(f"{where}: base/{b}/logits must be F64 [{t.shape[0]}, V], got {lg.dtype} "
+                                f"{list(lg.shape)}")
+                continue
+            if vocab is None:
+                vocab = lg.shape[1]
+            elif lg.shape[1] != vocab:
+                problems.append(f"{where}: base/{b}/logits has {lg.shape[1]} columns, other bases {vocab}")
         rm = infos.get(f"base/{b}/router_margin")
         if rm is not None and (rm.dtype != "F64" or rm.shape != t.shape):
             problems.append(f"{epath}: base/{b}/router_margin must be F64 [{t.shape[0]}]")
@@ -280,9 +371,16 @@ def read_set(path: Path) -> tuple[list[str], FixtureSet | None]:
         audio_blocks = fs.audio_blocks()
         problems += _check_image_blocks(fs, audio_blocks, tokens, manifest, str(epath), "audio")
         blocks = {**blocks, **audio_blocks}
-        for b, a in fs.base_logits().items():
-            if not np.all(np.isfinite(a)):
-                problems.append(f"{epath}: base/{b}/logits holds non-finite values")
+        stored = {"logits": fs.base_logits() if storage == "logits" else {}, "hidden": fs.hidden_states(),
+                  **({leaf: fs.stored(leaf) for leaf in ("top_logits", "lse")} if v2 else {})}
+        for leaf, arrays in stored.items():
+            for b, a in arrays.items():
+                if not _all_finite(a):
+                    problems.append(f"{epath}: base/{b}/{leaf} holds non-finite values")
+        if v2 and vocab is not None:
+            for b, ids in fs.stored("top_ids").items():
+                if np.asarray(ids).size and (np.min(ids) < 0 or np.max(ids) >= vocab):
+                    problems.append(f"{epath}: base/{b}/top_ids holds ids outside the vocabulary [0, {vocab})")
     else:
         tokens = {}
 
@@ -322,6 +420,12 @@ def read_set(path: Path) -> tuple[list[str], FixtureSet | None]:
     return problems, fs
 
 
+def _all_finite(a: np.ndarray) -> bool:
+    """np.isfinite over a (possibly memory-mapped) array, a block of rows at a time."""
+    step = max(1, (1 << 26) // max(1, int(np.prod(a.shape[1:])) * 8))
+    return all(bool(np.all(np.isfinite(a[s:s + step]))) for s in range(0, a.shape[0], step))
+
+
 def load_set(path: str | Path) -> FixtureSet:
     """Load a set after verifying its schema and the sha256 of every file (FixtureError naming the file)."""
     problems, fs = read_set(Path(path))
@@ -334,15 +438,22 @@ def load_set(path: str | Path) -> FixtureSet:
 
 
 
-def checked_set(path: str | Path) -> tuple[list[str], FixtureSet | None]:
+def checked_set(path: str | Path, *, model: str | Path | None = None,
+                rehash: bool = False) -> tuple[list[str], FixtureSet | None]:
     """Every problem of a set (empty list = ok), and the set when there are none: schema, sha256 of every
-    file, cases against bases, tensor shapes, and for an external set the sha256 of every checkpoint file
-    it records (a checkpoint that is not there is a problem: its files were not checked). Never raises for
-    content problems."""
+    file, cases against bases, tensor shapes, and for an external set the size and sha256 of every
+    checkpoint file it records, in ``model`` (``--model``; synthetic sets ignore it) or else at the recorded
+    path. An external set without ``model`` whose recorded path is not there is not a problem: its
+    checkpoint is not checked, and ``fs.warnings`` says so (``checkpoint.not_checked_note``). Never raises
+    for content problems."""
     try:
         problems, fs = read_set(Path(path))
         if not problems:
-            problems = fs.checkpoint_problems()  # an external checkpoint: its files, or that they were not checked
+            rec = fs.manifest["model"]
+            if rec["kind"] == "external" and model is None and recorded_dir(rec) is None:
+                fs.warnings.append(not_checked_note(rec))
+            elif rec["kind"] == "external":
+                problems = fs.checkpoint_problems(model=model, rehash=rehash)
     except Exception as e:  # noqa: BLE001 - verify reports, it does not raise
         return [f"{path}: cannot be verified: {type(e).__name__}: {e}"], None
     return problems, (None if problems else fs)
