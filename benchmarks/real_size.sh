@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # A fixture set at real size, end to end: the published E2B shapes at full depth (refimpl synth --preset e2b,
 # 35 layers, 4.63 B parameters, bf16), `conformance generate` (the default text matrix, compact storage), then
-# `conformance check` of that set with the oracle at exact-f64 (a -k subset: each case is a float64 forward of
-# up to 1,032 tokens) and with transformers in float32 at fp32 (every case).
+# `conformance check` of that set with transformers in float32 at fp32 (every case) and with the oracle at
+# exact-f64 (a -k subset: each case is a float64 forward of up to 1,032 tokens).
 #
 #   benchmarks/real_size.sh OUTDIR [WORKERS] [REFIMPL_K]
 #
@@ -35,7 +35,7 @@ step synth $py -m refimpl.cli synth --preset "$preset" --out "$work/ckpt"
 step generate $py -m conformance.cli generate --model "$work/ckpt" --cases text --out "$work/set" --workers "$workers"
 cp "$work/set/manifest.json" "$work/set/cases.json" "$out/"
 ls -l "$work/set" > "$out/sizes.txt"
-step check-refimpl $py -m conformance.cli check --backend refimpl --fixtures "$work/set" -k "$refimpl_k" \
-    --json "$out/refimpl.json"
 step check-transformers $py -m conformance.cli check --backend transformers --backend-option dtype=float32 \
     --profile fp32 --fixtures "$work/set" --json "$out/transformers-float32.json"
+step check-refimpl $py -m conformance.cli check --backend refimpl --fixtures "$work/set" -k "$refimpl_k" \
+    --json "$out/refimpl.json"

@@ -397,14 +397,15 @@ class Gemma4:
         cache.length = end
         return x
 
-    def head(self, x: np.ndarray) -> np.ndarray:
+    def head(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Final norm, tied LM head and softcap, streamed over the vocabulary: x [R, H] -> logits [R, V].
-        Only HEAD_CHUNK rows of the head are decoded at a time; the [R, V] result is the only full-width array."""
+        Only HEAD_CHUNK rows of the head are decoded at a time; the [R, V] result is the only full-width array
+        (``out``, when given: e.g. a memory-mapped file, written a block of columns at a time)."""
         cfg = self.cfg
         y = rms_norm(x, self.weights["norm.weight"], cfg.rms_norm_eps)
         if not np.isfinite(y).all():
             self._refuse_nonfinite("the final norm's output is", [("norm.weight", None)])
-        logits = np.empty((y.shape[0], cfg.vocab_size), dtype=self.dtype)
+        logits = out if out is not None else np.empty((y.shape[0], cfg.vocab_size), dtype=self.dtype)
         for start in range(0, cfg.vocab_size, HEAD_CHUNK):
             stop = min(start + HEAD_CHUNK, cfg.vocab_size)
             z = self.weights.head_linear(y, start, stop)

@@ -189,7 +189,8 @@ def test_row_identity():
 # profiles
 
 CONTRACT_FIELDS = ["name", "description", "max_abs", "max_rel", "rel_floor", "nmse", "cosine_min", "kl_max",
-                   "kl_mean", "delta_p", "tie_margin", "topk", "topk_overlap_min", "identity_ratio", "sources"]
+                   "kl_mean", "delta_p", "tie_margin", "topk", "topk_overlap_min", "identity_ratio", "sources",
+                   "scaling"]
 
 
 def test_profiles_shape_and_order():

@@ -3,6 +3,9 @@
 A profile is a set of per-row thresholds (closeness, distribution, token agreement), one per-case
 bound (``kl_mean``), the margin that makes a row "decided", and the row-identity ratio. Every number
 has a stated source in ``Profile.sources``; docs/profiles.md gives the table and the measurements.
+exact-f64 and fp32 are rounding-scaled (``Profile.scaling``): ``scaled`` raises their thresholds, never
+below the table's, to the float64 / float32 rounding of the case's model and base
+(``conformance.sets.bounds``; docs/profiles.md, "Rounding bounds").
 
 Calibration notes, shared by the profiles below (all measured with ``conformance.metrics`` on the
 ``refimpl.synth`` presets, random prompts of up to 64 tokens, V = 512, logits up to ~30):
@@ -25,7 +28,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
-__all__ = ["Profile", "PROFILES", "TOLERANCE_FIELDS", "get_profile", "with_overrides"]
+from ..sets.bounds import FLOAT32_UNIT, SAFETY, UNIT_ROUNDOFF, first_order, length_factor, probe_bound
+
+__all__ = ["Profile", "PROFILES", "SCALINGS", "TOLERANCE_FIELDS", "get_profile", "rounding_threshold", "scaled",
+           "with_overrides"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,7 @@ class Profile:
     topk_overlap_min: float  # on decided rows
     identity_ratio: float  # row identity: distance to rows i±1 must be >= ratio x distance to row i
     sources: tuple[str, ...]  # where the thresholds come from
+    scaling: str = "fixed"  # "fixed", or the rounding its thresholds follow at every size (SCALINGS, ``scaled``)
 
     def to_json(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -52,10 +59,21 @@ class Profile:
         return d
 
 
-#: the fields a tolerance override may change (everything but name, description and sources)
+#: the fields a tolerance override may change (everything but name, description, sources and scaling)
 TOLERANCE_FIELDS: tuple[str, ...] = tuple(
-    f.name for f in fields(Profile) if f.name not in ("name", "description", "sources")
+    f.name for f in fields(Profile) if f.name not in ("name", "description", "sources", "scaling")
 )
+
+#: how a rounding-scaled profile's thresholds follow the model and the base: (unit roundoff, factor). The
+#: rounding threshold of a case is factor x first_order(cfg, n, scale, unit) x length_factor(n)
+#: (conformance.sets.bounds): for float64 the bound of two float64 evaluations (2 x SAFETY, = logit_bound);
+#: for float32 one float32 evaluation against float64, factor 1 (docs/profiles.md, "Rounding bounds")
+SCALINGS: dict[str, tuple[float, float]] = {
+    "float64": (UNIT_ROUNDOFF, 2.0 * SAFETY),
+    "float32": (FLOAT32_UNIT, 1.0),
+}
+_LINEAR = ("max_abs", "max_rel", "delta_p", "tie_margin")  # thresholds that grow as the error
+_SQUARED = ("nmse", "kl_max", "kl_mean")  # and as its square (1 - cosine_min too)
 
 _IDENTITY_SRC = (
     "identity_ratio 10: conformance-semantics §4 check 2 (nearest reference row must be the requested "
@@ -88,8 +106,13 @@ PROFILES: dict[str, Profile] = {
                 "max_abs 1e-9 bounds KL by ~max_abs^2 (< 1e-17) and delta_p by max_abs/2; kl/delta_p/cosine "
                 "bounds are set just above those implied values plus the metrics' own rounding (~1e-16)",
                 "tie_margin 1e-8 > 2 x max_abs: on a decided row no difference within max_abs can flip top-1",
+                "scaling float64: at every size max_abs is at least the float64 rounding bound of two evaluations "
+                "(conformance.sets.bounds.logit_bound: 2 x 5 x u x the model's path sum x the logit scale x "
+                "sqrt(n / 128) beyond 128 tokens), the other thresholds in proportion; the values above are the "
+                "floor, above the bound on every miniature (docs/profiles.md, 'Rounding bounds')",
                 _IDENTITY_SRC,
             ),
+            scaling="float64",
         ),
         Profile(
             name="fp32",
@@ -122,8 +145,15 @@ PROFILES: dict[str, Profile] = {
                 "erf GELU for tanh GELU (NMSE up to 1.4e-4), RMSNorm eps 1e-5 for 1e-6 (NMSE up to 2e-3), "
                 "logits rounded to bf16 (NMSE 3e-6), dropped softcap (NMSE >= 8e-3), window off by one",
                 "tie_margin 0.05 > 2 x max_abs: a decided row cannot flip within tolerance",
+                "scaling float32: a correct float32 engine's error grows with the model (the oracle in float32 "
+                "on the published E2B shapes: max_abs 0.089 at 128 tokens, 0.89..1.48 at 1,032; NMSE up to "
+                "9.3e-4, KL up to 3.6e-3), so max_abs is at least u32 x the model's path sum x the logit scale x "
+                "sqrt(n / 128) beyond 128 tokens (conformance.sets.bounds; 1.7e-2 on the largest miniature, under "
+                "the 2e-2 floor; 4.7 at E2B, 1,032 tokens), the other thresholds in proportion "
+                "(docs/profiles.md, 'Rounding bounds')",
                 _IDENTITY_SRC,
             ),
+            scaling="float32",
         ),
         Profile(
             name="fp16-kv",
@@ -239,6 +269,49 @@ PROFILES: dict[str, Profile] = {
         ),
     ]
 }
+
+
+def rounding_threshold(profile: Profile, cfg, length: int, logit_scale: float,
+                       probe: float | None = None) -> float | None:
+    """The max_abs that the rounding of ``profile.scaling`` reaches for a model ``cfg`` (a
+    ``refimpl.config.TextConfig``), a base of ``length`` tokens and logits of ``logit_scale``; None for a
+    fixed profile. ``probe``: the base's recorded rounding probe (``conformance.sets.bounds.probe_bound``),
+    where the checkpoint amplifies rounding beyond the first-order model; the threshold is then at least
+    ``probe_bound(probe)``, times unit / 2^-53 for a float32 scaling (the amplification is linear)."""
+    if profile.scaling == "fixed":
+        return None
+    if profile.scaling not in SCALINGS:
+        raise ValueError(f"profile {profile.name!r}: unknown scaling {profile.scaling!r}; "
+                         f"known: fixed, {', '.join(SCALINGS)}")
+    unit, factor = SCALINGS[profile.scaling]
+    threshold = factor * first_order(cfg, length, logit_scale, unit) * length_factor(length)
+    if probe is not None:
+        threshold = max(threshold, probe_bound(probe) * unit / UNIT_ROUNDOFF)
+    return threshold
+
+
+def scaled(profile: Profile, cfg, length: int, logit_scale: float, probe: float | None = None) -> Profile:
+    """``profile`` as it grades a case of a model ``cfg`` whose longest base has ``length`` tokens and
+    logits of ``logit_scale`` (the largest |logit| of the oracle rows): a rounding-scaled profile whose
+    ``rounding_threshold`` exceeds its max_abs has every absolute threshold raised by the same ratio r
+    (max_abs, max_rel, delta_p and tie_margin by r; nmse, kl_max, kl_mean and 1 - cosine_min by r^2, as
+    they grow with the square of the error), so the profile keeps its shape and its max_abs becomes the
+    rounding threshold; the identity ratio, top-k and rel_floor stay. Never lowered: the fixed values,
+    calibrated on the miniatures, are the floor, and a profile below its threshold (every miniature) is
+    returned as it is. ``probe``: as for ``rounding_threshold``. The change is appended to ``sources``."""
+    threshold = rounding_threshold(profile, cfg, length, logit_scale, probe)
+    if threshold is None or not threshold > profile.max_abs or not profile.max_abs > 0:
+        return profile
+    r = threshold / profile.max_abs
+    changes: dict[str, Any] = {k: getattr(profile, k) * r for k in _LINEAR}
+    changes.update({k: getattr(profile, k) * r * r for k in _SQUARED})
+    changes["cosine_min"] = max(0.0, 1.0 - (1.0 - profile.cosine_min) * r * r)
+    note = (f"{profile.scaling} rounding at this size ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+            f"{length} tokens, logit scale {logit_scale:.3g}"
+            + (f", rounding probe {probe:.3g}" if probe is not None else "")
+            + f"): max_abs {profile.max_abs:g} -> {threshold:.3g}, "
+            f"every absolute threshold x {r:.3g} (x {r * r:.3g} for the squared ones)")
+    return replace(profile, **changes, sources=profile.sources + (note,))
 
 
 def get_profile(name: str | Profile) -> Profile:

@@ -345,9 +345,17 @@ def run_case(backend: Backend, claimed: dict, ctx: SetContext, case, profile,
         return _apply_known_failure(res, decision)
     res.executed = jsonable(executed)
 
-    prof = profile
+    try:
+        prof = ctx.profile_for(profile, case)  # a rounding-scaled profile (exact-f64) follows the set's size
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - a harness bug must not stop the run either
+        res.status, res.check = "error", "harness"
+        res.message = f"the harness could not scale the profile to this set: {type(exc).__name__}: {exc}"
+        res.error = _error_info(exc)
+        return _apply_known_failure(res, decision)
     if decision.tolerance:
-        prof = with_overrides(profile, decision.tolerance)
+        prof = with_overrides(prof, decision.tolerance)
     try:
         groups = row_groups(case)
         got = response_groups(case, response)

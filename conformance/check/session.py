@@ -10,19 +10,23 @@ after the last.
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from refimpl.config import load_config
 from refimpl.errors import RefimplError
 from refimpl.model import Gemma4
 from refimpl.tokenizer import Tokenizer
 
 from ..protocol.types import Backend, BackendError, required_capabilities
+from ..sets.bounds import logit_scale, recorded_probes
 from ..sets.case import row_groups
 from ..sets.fixture_set import FixtureSet
 from ..sets.format import MANIFEST, FixtureError, sha256_file
 from ..sets.integrity import load_set
+from .profiles import scaled
 from .requests import Embedder, build_request
 from .results import SetInfo
 
@@ -113,6 +117,37 @@ class SetContext:
         except Exception:  # noqa: BLE001
             return True
         return all(claimed.get(n, False) for n in need if n != "decode")
+
+    def profile_for(self, profile, case):
+        """``profile`` as it grades ``case``: a rounding-scaled profile (exact-f64; ``profiles.scaled``)
+        with its thresholds scaled to this set's model, the longest base the case reads, the largest
+        logit scale of those bases and the largest rounding probe the set records for them (checkpoints
+        that amplify rounding beyond the first-order model); a fixed profile, or one whose floor is above
+        its rounding (every miniature), as it is."""
+        if getattr(profile, "scaling", "fixed") == "fixed":
+            return profile
+        bases = sorted({r.base for _, rows in row_groups(case) for r in rows if r.base in self.bases})
+        if not bases:
+            return profile
+        n = max(len(self.bases[b]) for b in bases)
+        probes = recorded_probes(self.fs.manifest)
+        probe = max((probes[b] for b in bases if b in probes), default=None)
+        return scaled(profile, self.text_config, n, max(self.logit_scale(b) for b in bases), probe)
+
+    @functools.cached_property
+    def text_config(self):
+        """The checkpoint's text config (``refimpl.config.TextConfig``), read once."""
+        return load_config(self.model_dir)
+
+    @functools.cached_property
+    def _scales(self) -> dict[str, float]:
+        return {}
+
+    def logit_scale(self, base: str) -> float:
+        """The largest finite |logit| of a base's oracle rows (at least 1), computed once per base."""
+        if base not in self._scales:
+            self._scales[base] = logit_scale(self.base_logits[base])
+        return self._scales[base]
 
 
 def token_pieces(model_dir: Path) -> Callable[[list[int]], list[str] | None]:

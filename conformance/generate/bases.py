@@ -84,6 +84,25 @@ def text_consistency(model, ids: list[int], full: np.ndarray) -> float:
     return float(np.max(np.abs(np.concatenate(rows) - full)))
 
 
+def rounding_probe(model, ids: list[int], full: np.ndarray, inputs=None, seed: int = 0) -> float:
+    """How much this checkpoint amplifies a rounding-level perturbation over the whole network: max |logits -
+    ``full``| when every input embedding value is moved by one unit roundoff (x (1 + u r), r = +-1 drawn from
+    ``numpy default_rng(seed)``; at least one ulp). ``full``: the base's logits from the same inputs;
+    ``inputs`` (refimpl.multimodal.MultimodalInputs) for an image or audio base. A correct oracle's
+    chunked-vs-full difference is of the same order (docs/profiles.md, "Rounding bounds");
+    ``conformance.sets.bounds.probe_bound`` turns it into a bound. One more full forward."""
+    x = model.embed(np.asarray(ids, dtype=np.int64)) if inputs is None else np.asarray(inputs.embeddings)
+    r = np.random.default_rng(seed).choice([-1.0, 1.0], size=x.shape)
+    moved = x * (1.0 + 2.0 ** -53 * r)
+    moved = np.where(moved == x, np.nextafter(x, r * np.inf), moved)
+    with np.errstate(over="ignore", invalid="ignore"):
+        if inputs is None:
+            got = model.forward(ids, rows="all", embeddings=moved)
+        else:
+            got = model.forward(inputs.ids, rows="all", embeddings=moved, vision_blocks=inputs.vision_blocks)
+    return float(np.max(np.abs(got - full)))
+
+
 def cross_entries(result: Any, who: str) -> list[dict]:
     if result is None:
         return []

@@ -20,9 +20,10 @@ import numpy as np
 from refimpl.model import Gemma4
 from refimpl.tokenizer import Tokenizer
 
+from ..sets.bounds import consistency_bound, probe_bound
 from ..sets.format import FixtureError, versions
 from ..sets.head import summaries_of
-from .bases import base_rows_of, greedy, ordinary_ids, text_consistency
+from .bases import base_rows_of, greedy, ordinary_ids, rounding_probe, text_consistency
 from .media import AudioSide, VisionSide, make_media_base, media_consistency
 from .partial import JOBS, RESULT, write_result
 
@@ -133,6 +134,11 @@ def run_job(spec: dict, context: JobContext | None = None) -> dict:
         worst = media_consistency(model, mb, logits)
         arrays["embeddings"] = np.asarray(mb.inputs.embeddings, dtype=np.float64)
         extra.update({"spans": [[int(a), int(n)] for a, n in mb.spans], "info": mb.info, "n_media": len(mb.soft)})
+    bound = consistency_bound(model.cfg, len(ids), logits)  # float64 rounding for this base (docs/profiles.md)
+    probe = None
+    if not worst <= bound:  # beyond the first-order model: measure how much this checkpoint amplifies rounding
+        probe = rounding_probe(model, ids, logits, None if kind == "text" else mb.inputs)
+        bound = max(bound, probe_bound(probe))
     arrays["hidden"] = hidden
     arrays.update(summaries_of(logits))
     if spec.get("store", "logits") == "logits":
@@ -142,8 +148,8 @@ def run_job(spec: dict, context: JobContext | None = None) -> dict:
         arrays["router_margin"] = margin
     seconds = time.perf_counter() - t0
     meta = {"key": spec["key"], "base": base, "kind": kind, "ids": ids, "tokens": len(ids), "consistency": worst,
-            "seconds": round(seconds, 3), "worker": where(), "versions": job_versions(),
-            "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS"), **extra}
+            "consistency_bound": bound, "rounding_probe": probe, "seconds": round(seconds, 3), "worker": where(),
+            "versions": job_versions(), "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS"), **extra}
     write_result(job_dir, meta, arrays)
     return {"base": base, "tokens": len(ids), "seconds": meta["seconds"], "worker": meta["worker"]}
 

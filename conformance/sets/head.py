@@ -21,7 +21,7 @@ from .format import FixtureError
 TOP_K = 16  # token ids and logits kept per row
 SUMMARY_LEAVES = ("top_ids", "top_logits", "lse", "margin")
 U = 2.0 ** -53  # unit roundoff of float64
-ROW_BLOCK_BYTES = 1 << 29  # rows of logits rebuilt per head call: at most 512 MiB of float64
+ROW_BLOCK_BYTES = 1 << 28  # rows of logits summarised or checked at a time: at most 256 MiB of float64
 IN_MEMORY_BYTES = 1 << 28  # a rebuilt base larger than this lives in a memory-mapped file under the workdir
 
 
@@ -159,15 +159,14 @@ class RebuiltLogits(Mapping):
             self.workdir.mkdir(parents=True, exist_ok=True)
             path = self.workdir / f"rebuilt-{base}-{id(self):x}.npy"
             out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float64, shape=(N, V))
+        self.model.head(np.asarray(x, dtype=np.float64), out=out)  # each block of the head decoded once
         step = max(1, ROW_BLOCK_BYTES // (8 * V))
         for s in range(0, N, step):
             rows = range(s, min(N, s + step))
-            z = self.model.head(np.asarray(x[rows.start:rows.stop], dtype=np.float64))
-            why = summary_problem(z, self.summaries[base], bound, rows)
+            why = summary_problem(np.asarray(out[s:rows.stop]), self.summaries[base], bound, rows)
             if why is not None:
                 raise FixtureError(f"{self.where}: base {base}: the checkpoint's head does not reproduce the set: "
                                    f"{why}; this checkpoint is not the one the set was made from")
-            out[s:rows.stop] = z
         if isinstance(out, np.memmap):
             out.flush()
             out = np.load(out.filename, mmap_mode="r")
