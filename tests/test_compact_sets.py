@@ -265,3 +265,19 @@ def test_a_checkpoint_the_oracle_cannot_read_is_exit_3(bigvocab, tmp_path, capsy
     assert code == 3 and "Traceback" not in err, err
     assert "the set stores hidden states, and rebuilding its logits needs the checkpoint's head, which the oracle " \
         "cannot read" in err
+
+
+def test_a_head_with_a_nan_is_exit_3(bigvocab, tmp_path, capsys):
+    """A NaN in the head matrix (recorded as the set's own): the rebuild stops with a fixture error naming
+    the tensor, not a traceback."""
+    ckpt = _copy(bigvocab["ckpt"], tmp_path / "ckpt")
+    store = TensorStore(ckpt / "model.safetensors")
+    tensors = {n: np.array(store.raw(n)) for n in store.names}
+    del store
+    tensors["model.embed_tokens.weight"][1234, 3] = np.nan
+    write_safetensors(ckpt / "model.safetensors", tensors, "F32")
+    s = _copy(bigvocab["hidden"], tmp_path / "set")
+    _rehash(s, {"model.safetensors": ckpt / "model.safetensors"})
+    code, out, err = _run(capsys, "check", "--backend", "refimpl", "--fixtures", str(s), "--model", str(ckpt))
+    assert code == 3 and "Traceback" not in err, err
+    assert "the checkpoint's head cannot rebuild the set's logits" in err and "embed_tokens.weight" in err

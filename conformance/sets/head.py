@@ -16,6 +16,8 @@ from typing import Iterator, Mapping
 
 import numpy as np
 
+from refimpl.errors import RefimplError
+
 from .format import FixtureError
 
 TOP_K = 16  # token ids and logits kept per row
@@ -159,7 +161,11 @@ class RebuiltLogits(Mapping):
             self.workdir.mkdir(parents=True, exist_ok=True)
             path = self.workdir / f"rebuilt-{base}-{id(self):x}.npy"
             out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float64, shape=(N, V))
-        self.model.head(np.asarray(x, dtype=np.float64), out=out)  # each block of the head decoded once
+        try:
+            self.model.head(np.asarray(x, dtype=np.float64), out=out)  # each block of the head decoded once
+        except RefimplError as e:  # e.g. NonFiniteError: a NaN in the head matrix
+            raise FixtureError(f"{self.where}: base {base}: the checkpoint's head cannot rebuild the set's logits: "
+                               f"{e}") from None
         step = max(1, ROW_BLOCK_BYTES // (8 * V))
         for s in range(0, N, step):
             rows = range(s, min(N, s + step))
