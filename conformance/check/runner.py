@@ -103,6 +103,14 @@ def _error_info(exc: BaseException) -> dict[str, str]:
     return {"type": type(exc).__name__, "message": str(exc), "traceback": short}
 
 
+def _harness_error(res: CaseResult, doing: str, exc: BaseException) -> CaseResult:
+    """``res`` as the case's error when the harness itself failed to ``doing`` (check ``harness``)."""
+    res.status, res.check = "error", "harness"
+    res.message = f"the harness could not {doing}: {type(exc).__name__}: {exc}"
+    res.error = _error_info(exc)
+    return res
+
+
 def load_sets(paths: Iterable[str | Path]) -> list:
     """Load and verify every fixture set (FixtureError on the first problem)."""
     return [load_set(Path(p)) for p in paths]
@@ -303,10 +311,7 @@ def run_case(backend: Backend, claimed: dict, ctx: SetContext, case, profile,
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # noqa: BLE001 - a harness bug must not stop the run either
-        res.status, res.check = "error", "harness"
-        res.message = f"the harness could not build the request: {type(exc).__name__}: {exc}"
-        res.error = _error_info(exc)
-        return res
+        return _harness_error(res, "build the request", exc)
     res.needs = required_capabilities(request)
     res.missing = [n for n in res.needs if not claimed.get(n, False)]
     if res.missing == ["decode"]:
@@ -350,10 +355,7 @@ def run_case(backend: Backend, claimed: dict, ctx: SetContext, case, profile,
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # noqa: BLE001 - a harness bug must not stop the run either
-        res.status, res.check = "error", "harness"
-        res.message = f"the harness could not scale the profile to this set: {type(exc).__name__}: {exc}"
-        res.error = _error_info(exc)
-        return _apply_known_failure(res, decision)
+        return _apply_known_failure(_harness_error(res, "scale the profile to this set", exc), decision)
     if decision.tolerance:
         prof = with_overrides(prof, decision.tolerance)
     try:

@@ -94,6 +94,7 @@ class SetContext:
         self.model_dir = model_dir
         self.bases = fs.bases()
         self.base_logits = base_logits  # stored, or rebuilt through the checkpoint's head on first use
+        self._scales: dict[str, float] = {}  # base -> its logit scale (logit_scale)
         self.embed = Embedder(model_dir, convention)
         self.media = fs.media(convention)
         self.pieces = token_pieces(model_dir)
@@ -138,10 +139,6 @@ class SetContext:
     def text_config(self):
         """The checkpoint's text config (``refimpl.config.TextConfig``), read once."""
         return load_config(self.model_dir)
-
-    @functools.cached_property
-    def _scales(self) -> dict[str, float]:
-        return {}
 
     def logit_scale(self, base: str) -> float:
         """The largest finite |logit| of a base's oracle rows (at least 1), computed once per base."""
