@@ -14,21 +14,18 @@ from pathlib import Path
 
 import numpy as np
 
-from .audio import audio_tower, load_audio_tower
-from .audio_features import (RESAMPLE_HINT, audio_features, audio_soft_token_count, load_audio_feature_settings,
-                             read_wav)
+from .audio_features import RESAMPLE_HINT, read_wav
 from .config import load_config
 from .errors import InputError, RefimplError, TokenizerError
 from .generate import greedy_generate, greedy_generate_multimodal
-from .image import (SUPPORTED_SOFT_TOKENS, check_soft_token_budget, load_image_processor_settings,
-                    preprocess_image, read_image)
-from .model import Gemma4, resolve_rows
+from .frontends import AudioFrontEnd, ImageFrontEnd, audio_front_end, image_front_end
+from .image import SUPPORTED_SOFT_TOKENS, read_image
+from .model import VISION_MASK_RULES, Gemma4, resolve_rows
 from .multimodal import (MultimodalTokens, audio_spans, expand_audio_placeholders, expand_image_placeholders,
                          image_spans, load_multimodal_tokens, multimodal_logits)
 from .safetensors_io import write_safetensors
 from .synth import PRESETS, PUBLISHED, published_config, published_parameters, write_checkpoint, write_published_checkpoint
 from .tokenizer import Tokenizer
-from .vision import load_vision_config, load_vision_tower, vision_tower
 from .weights import Gemma4Weights
 
 EXIT_USAGE = 2
@@ -119,7 +116,9 @@ class ImagePrompt:
     info: list[dict] = field(default_factory=list)  # per image: file, size, resized, soft_tokens, rows
     audio: list = field(default_factory=list)  # refimpl.audio_features.AudioFeatures per clip
     audio_info: list[dict] = field(default_factory=list)  # per clip: file, duration_s, frames, valid_frames,
-    #                                                       soft_tokens, rows
+    #                                                       frame_kind, soft_tokens, rows
+    image_front: ImageFrontEnd | None = None
+    audio_front: AudioFrontEnd | None = None
 
     @property
     def summary(self) -> str:
@@ -134,32 +133,20 @@ class ImagePrompt:
         return [f"  image {n} {i['file']}: {i['size'][0]}x{i['size'][1]} (HxW) resized to {i['resized'][0]}x"
                 f"{i['resized'][1]}, {i['soft_tokens']} soft tokens at rows {i['rows'][0]}-{i['rows'][1]}"
                 for n, i in enumerate(self.info)] + [
-                f"  audio {n} {i['file']}: {i['duration_s']:.3f} s, {i['frames']} mel frames ({i['valid_frames']} "
-                f"valid), {i['soft_tokens']} soft tokens at rows {i['rows'][0]}-{i['rows'][1]}"
+                f"  audio {n} {i['file']}: {i['duration_s']:.3f} s, {i['frames']} {i['frame_kind']} frames "
+                f"({i['valid_frames']} valid), {i['soft_tokens']} soft tokens at rows {i['rows'][0]}-{i['rows'][1]}"
                 for n, i in enumerate(self.audio_info)]
 
 
-def _vision_config(model_dir: Path):
-    """The checkpoint's vision config; a clear InputError when it has no vision tower at all."""
+def _config_has(model_dir: Path, key: str, what: str, flag: str) -> None:
+    """A clear InputError when config.json has no ``key`` section (no vision / audio part at all)."""
     try:
         raw = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError):
-        raw = {"vision_config": {}}  # let load_vision_config report it
-    if isinstance(raw, dict) and raw.get("vision_config") is None:
-        raise InputError(f"{model_dir} has no vision tower (config.json has no vision_config); --image needs an "
-                         "image-text checkpoint (Gemma4ForConditionalGeneration with its vision weights)")
-    return load_vision_config(model_dir)
-
-
-def _audio_config_present(model_dir: Path) -> None:
-    """A clear InputError when the checkpoint has no audio tower at all."""
-    try:
-        raw = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return  # let load_audio_tower report it
-    if isinstance(raw, dict) and raw.get("audio_config") is None:
-        raise InputError(f"{model_dir} has no audio tower (config.json has no audio_config); --audio needs an "
-                         "audio-text checkpoint (Gemma4ForConditionalGeneration with its audio weights)")
+        return  # let the front end's loader report it
+    if isinstance(raw, dict) and raw.get(key) is None:
+        raise InputError(f"{model_dir} has no {what} (config.json has no {key}); {flag} needs a checkpoint with one "
+                         f"(Gemma4ForConditionalGeneration or Gemma4UnifiedForConditionalGeneration with its weights)")
 
 
 def _check_markers(ids: list[int], tok: Tokenizer | None, mm: MultimodalTokens) -> None:
@@ -176,29 +163,30 @@ def _check_markers(ids: list[int], tok: Tokenizer | None, mm: MultimodalTokens) 
 def _image_prompt(args, model_dir: Path, model: Gemma4) -> ImagePrompt:
     """Prompt ids expanded for ``args.image`` and ``args.audio`` (placeholder rule of ``_prompt_ids``),
     the images read and preprocessed as the checkpoint's processor does, the clips read and turned into
-    log-mel features with the checkpoint's feature-extractor settings; no tower is run yet."""
+    the model's input (log-mel features, or Unified's raw frames); no tower or embedder is run yet."""
     images, clips = list(args.image), list(args.audio)
-    vision_cfg = _vision_config(model_dir) if images else None
+    if images:
+        _config_has(model_dir, "vision_config", "vision tower or embedder", "--image")
     if clips:
-        _audio_config_present(model_dir)
+        _config_has(model_dir, "audio_config", "audio tower or embedder", "--audio")
+    front = image_front_end(model_dir, args.dtype) if images else None
     mm = load_multimodal_tokens(model_dir, (["image"] if images else []) + (["audio"] if clips else []))
     ids, tok = _prompt_ids(args, model_dir, len(images), mm, model.cfg.bos_token_id, len(clips))
     _check_markers(ids, tok, mm)
     # placeholder counts, before any image or audio work
     expand_audio_placeholders(expand_image_placeholders(ids, [1] * len(images), mm), [1] * len(clips), mm)
-    prompt = ImagePrompt(ids, tok, mm)
+    prompt = ImagePrompt(ids, tok, mm, image_front=front)
     if images:
-        settings = load_image_processor_settings(model_dir, vision_cfg)
-        budget = check_soft_token_budget(args.max_soft_tokens if args.max_soft_tokens is not None
-                                         else settings.max_soft_tokens)
+        if args.max_soft_tokens is not None:
+            front.with_budget(args.max_soft_tokens)
         for path in images:
             pixels = read_image(path)
-            pre = preprocess_image(pixels, settings.patch_size, settings.pooling_kernel_size, budget)
+            pre = front.preprocess(pixels)
             prompt.processed.append(pre)
             prompt.info.append({"file": str(path), "size": list(pixels.shape[:2]),
                                 "resized": list(pre.pixels.shape[:2]), "soft_tokens": pre.num_soft_tokens})
     if clips:
-        _read_clips(model_dir, clips, prompt)
+        _read_clips(model_dir, clips, prompt, args.dtype)
     expanded = expand_image_placeholders(ids, [p.num_soft_tokens for p in prompt.processed], mm)
     prompt.ids = expand_audio_placeholders(expanded, [i["soft_tokens"] for i in prompt.audio_info], mm).tolist()
     for info, (start, length) in zip(prompt.info, image_spans(prompt.ids, mm)):
@@ -208,37 +196,35 @@ def _image_prompt(args, model_dir: Path, model: Gemma4) -> ImagePrompt:
     return prompt
 
 
-def _read_clips(model_dir: Path, paths: list, prompt: ImagePrompt) -> None:
-    """Each --audio file: read_wav, the sample-rate check, audio_features with the checkpoint's settings."""
-    settings = load_audio_feature_settings(model_dir)
+def _read_clips(model_dir: Path, paths: list, prompt: ImagePrompt, dtype: str) -> None:
+    """Each --audio file: read_wav, the sample-rate check, the checkpoint's audio front end."""
+    front = prompt.audio_front = audio_front_end(model_dir, dtype)
     for path in paths:
         samples, rate = read_wav(path)
-        if rate != settings.sampling_rate:
+        if rate != front.sampling_rate:
             raise InputError(f"audio file {path} is sampled at {rate} Hz but the checkpoint's feature extractor needs "
-                             f"{settings.sampling_rate} Hz ({settings.sampling_rate / 1000:g} kHz); {RESAMPLE_HINT}")
-        feats = audio_features(samples, rate, settings)
-        count = audio_soft_token_count(feats.mask, settings.audio_seq_length)
+                             f"{front.sampling_rate} Hz ({front.sampling_rate / 1000:g} kHz); {RESAMPLE_HINT}")
+        feats = front.features(samples, rate)
+        count = front.soft_token_count(feats)
         if count == 0:
             raise InputError(f"audio file {path} is too short ({len(samples)} samples): it gives no soft token; "
                              "pass at least 40 ms of audio")
         prompt.audio.append(feats)
         prompt.audio_info.append({"file": str(path), "duration_s": len(samples) / rate,
                                   "frames": int(feats.mask.size), "valid_frames": int(feats.mask.sum()),
-                                  "soft_tokens": count})
+                                  "frame_kind": "raw" if front.unified else "mel", "soft_tokens": count})
 
 
 def _soft_tokens(model_dir: Path, prompt: ImagePrompt, dtype: str) -> list[np.ndarray]:
     if not prompt.processed:
         return []
-    weights, cfg = load_vision_tower(model_dir, dtype)
-    return [vision_tower(p.pixel_values, p.positions, weights, cfg) for p in prompt.processed]
+    return [prompt.image_front.soft_tokens(p) for p in prompt.processed]
 
 
 def _audio_soft_tokens(model_dir: Path, prompt: ImagePrompt, dtype: str) -> list[np.ndarray]:
     if not prompt.audio:
         return []
-    weights, cfg = load_audio_tower(model_dir, dtype)
-    soft = [audio_tower(a.features, a.mask, weights, cfg) for a in prompt.audio]
+    soft = [prompt.audio_front.soft_tokens(a) for a in prompt.audio]
     for s, info in zip(soft, prompt.audio_info):
         if s.shape[0] != info["soft_tokens"]:  # only past the processor's audio_seq_length cap
             raise InputError(f"audio file {info['file']} gives {s.shape[0]} soft tokens, more than the processor's "
@@ -297,6 +283,26 @@ def _synth_published(args) -> int:
     return 0
 
 
+def _media_parts(model_dir: Path) -> dict[str, str]:
+    """What the checkpoint does with images and audio, for inspect ({} for a text-only one)."""
+    try:
+        raw = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+    parts = {}
+    if isinstance(raw, dict) and raw.get("vision_config") is not None:
+        front = image_front_end(model_dir)
+        st = front.settings
+        what = (f"encoder-free embedder, {st.patch_size * st.pooling_kernel_size}-px patches" if front.unified
+                else f"vision tower, {st.patch_size}-px patches pooled {st.pooling_kernel_size}x{st.pooling_kernel_size}")
+        parts["image"] = f"{what}, up to {st.max_soft_tokens} soft tokens"
+    if isinstance(raw, dict) and raw.get("audio_config") is not None:
+        front = audio_front_end(model_dir)
+        parts["audio"] = (f"raw-waveform embedder, {front.cfg.audio_embed_dim} samples a soft token" if front.unified
+                          else "conformer tower over log-mel features")
+    return parts
+
+
 def cmd_inspect(args) -> int:
     cfg = load_config(args.model)
     weights = Gemma4Weights(args.model, cfg)
@@ -311,9 +317,11 @@ def cmd_inspect(args) -> int:
             "rope": layer.rope.rope_type, "rope_theta": layer.rope.theta,
             "partial_rotary_factor": layer.rope.partial_rotary_factor,
         })
+    media = _media_parts(Path(args.model))
     if args.json:
         print(json.dumps({
-            "architecture": cfg.architecture, "serialisation": cfg.serialisation, "tensor_prefix": weights.prefix,
+            "architecture": cfg.architecture, "family": cfg.family, "media": media,
+            "serialisation": cfg.serialisation, "tensor_prefix": weights.prefix,
             "storage_dtypes": weights.storage_dtypes, "ignored_tensors": weights.ignored, "notes": list(cfg.notes),
             "fixed_rule_disagreements": sorted(disagree), "layers": rows,
         }, indent=2))
@@ -326,7 +334,10 @@ def cmd_inspect(args) -> int:
     print(f"  PLE: {'dim ' + str(cfg.hidden_size_per_layer_input) if cfg.has_ple else 'off'}; MoE: {moe}; "
           f"KV-shared layers: {cfg.num_kv_shared_layers}; stored as "
           + ", ".join(f"{n} {d}" for d, n in sorted(weights.storage_dtypes.items())))
-    print(f"  stop ids {list(cfg.eos_token_ids)}, bos {cfg.bos_token_id}")
+    print(f"  stop ids {list(cfg.eos_token_ids)}, bos {cfg.bos_token_id}; vision blocks: "
+          f"{'yes' if cfg.use_bidirectional_attention == 'vision' else 'no (causal)'}")
+    for kind, part in media.items():
+        print(f"  {kind}: {part}")
     print()
     print(f"  {'layer':>5} {'type':<8} {'head_dim':>8} {'kv_heads':>8} {'K=V':<4} {'kv_source':>9} {'ffn':>6}  rope")
     for r in rows:
@@ -369,12 +380,12 @@ def cmd_logits(args) -> int:
     model_dir = Path(args.model)
     _check_out(Path(args.out), model_dir, args.force)
     if _media(args):
-        model = Gemma4(model_dir, args.dtype, args.embed_scale)
+        model = Gemma4(model_dir, args.dtype, args.embed_scale, vision_mask=args.vision_mask)
         prompt = _image_prompt(args, model_dir, model)
         ids, tok = prompt.ids, prompt.tok
     else:
         ids, tok = _prompt_ids(args, model_dir)
-        model = Gemma4(model_dir, args.dtype, args.embed_scale)
+        model = Gemma4(model_dir, args.dtype, args.embed_scale, vision_mask=args.vision_mask)
     rows = args.rows if args.rows in ("last", "all") else _parse_ints(args.rows, "--rows")
     index = resolve_rows(rows, len(ids))
     metadata = {"model": str(model_dir), "dtype": str(model.dtype), "embed_scale": args.embed_scale}
@@ -407,7 +418,7 @@ def cmd_generate(args) -> int:
     if _media(args):
         if args.max_new_tokens < 0:
             raise InputError(f"max_new_tokens must be >= 0, got {args.max_new_tokens}")
-        model = Gemma4(model_dir, args.dtype, args.embed_scale)
+        model = Gemma4(model_dir, args.dtype, args.embed_scale, vision_mask=args.vision_mask)
         prompt = _image_prompt(args, model_dir, model)
         ids, tok = prompt.ids, prompt.tok
         soft = _soft_tokens(model_dir, prompt, args.dtype)
@@ -415,7 +426,7 @@ def cmd_generate(args) -> int:
         print("\n".join(prompt.lines()), file=sys.stderr)
     else:
         ids, tok = _prompt_ids(args, model_dir)
-        model = Gemma4(model_dir, args.dtype, args.embed_scale)
+        model = Gemma4(model_dir, args.dtype, args.embed_scale, vision_mask=args.vision_mask)
 
     new_tokens: list[int] = []
     shown = ""
@@ -471,6 +482,11 @@ def _add_prompt(p: argparse.ArgumentParser) -> None:
                         "go in front of the text (after the images when --image puts those in front too)")
     p.add_argument("--max-soft-tokens", type=int, choices=list(SUPPORTED_SOFT_TOKENS), default=None,
                    help="soft-token budget per image (default: the checkpoint's processor config, else 280)")
+    p.add_argument("--vision-mask", choices=list(VISION_MASK_RULES), default=VISION_MASK_RULES[0],
+                   help="how image blocks open the attention mask on 'vision' checkpoints: sliding-clamped (default: "
+                        "sliding layers only, inside the window; transformers' static path, llama.cpp, vLLM) or "
+                        "all-unclamped (every layer, after the window; transformers 5.24's default Gemma 4 Unified "
+                        "forward, mlx-vlm)")
 
 
 def build_parser() -> argparse.ArgumentParser:

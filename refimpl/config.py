@@ -1,7 +1,10 @@
 """Read a Gemma 4 ``config.json`` and derive the per-layer geometry of the text decoder.
 
 Both architectures are read: ``Gemma4ForCausalLM`` (text fields at the top level) and
-``Gemma4ForConditionalGeneration`` (text fields under ``text_config``). Both serialisations are read:
+``Gemma4ForConditionalGeneration`` (text fields under ``text_config``), and the same two of Gemma 4
+Unified (``Gemma4UnifiedForCausalLM``, ``Gemma4UnifiedForConditionalGeneration``, model type
+``gemma4_unified``: the 12B encoder-free family, whose decoder has no per-layer inputs and no MoE
+whatever its config says, and whose class defaults differ: a 1024-token window and vision blocks). Both serialisations are read:
 the legacy one (``global_head_dim``, ``num_global_key_value_heads``) and the ``per_layer_config`` one
 written by transformers 5.23+ (a sparse map from layer index to overridden fields).
 
@@ -28,6 +31,11 @@ LAYER_TYPES = (SLIDING, FULL)
 TEXT_PREFIXES = ("model.language_model.", "model.")  # where the text decoder's tensors live
 _LAYER_TENSOR = re.compile("(?:" + "|".join(map(re.escape, TEXT_PREFIXES)) + r")layers\.(\d+)\.")
 ROPE_TYPES = ("default", "proportional")
+
+FAMILIES = ("gemma4", "gemma4_unified")
+UNIFIED_MODEL_TYPES = ("gemma4_unified", "gemma4_unified_text")
+# fields the published Unified config carries "for backward compatibility, not used by the model"
+UNIFIED_IGNORED = ("hidden_size_per_layer_input", "enable_moe_block")
 
 DEFAULT_ROPE = {
     SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
@@ -96,6 +104,7 @@ class TextConfig:
     pad_token_id: int | None = 0
     architecture: str = "Gemma4ForCausalLM"
     serialisation: str = "legacy"  # "legacy" | "per_layer_config"
+    family: str = "gemma4"  # "gemma4" | "gemma4_unified" (FAMILIES)
     notes: tuple[str, ...] = field(default=())  # things the loader changed or wants to point out
 
     @property
@@ -286,11 +295,25 @@ def text_section(raw: dict, where: str = "config.json") -> tuple[dict, dict, str
         text = raw["text_config"]
         if not isinstance(text, dict):
             raise ConfigError(f"{where}: 'text_config' must be an object")
-        arch = archs[0] if archs else "Gemma4ForConditionalGeneration"
+        arch = archs[0] if archs else ("Gemma4UnifiedForConditionalGeneration"
+                                       if raw.get("model_type") == "gemma4_unified" else "Gemma4ForConditionalGeneration")
     else:
         text = raw
-        arch = archs[0] if archs else "Gemma4ForCausalLM"
+        arch = archs[0] if archs else ("Gemma4UnifiedForCausalLM" if raw.get("model_type") in UNIFIED_MODEL_TYPES
+                                       else "Gemma4ForCausalLM")
     return text, raw, arch
+
+
+def config_family(raw: dict) -> str:
+    """"gemma4_unified" for a Gemma 4 Unified config.json (by architecture or model type, at the top level
+    or in ``text_config``), else "gemma4"."""
+    archs = raw.get("architectures") if isinstance(raw, dict) else None
+    if isinstance(archs, list) and any(isinstance(a, str) and a.startswith("Gemma4Unified") for a in archs):
+        return "gemma4_unified"
+    text = raw.get("text_config") if isinstance(raw, dict) else None
+    types = [raw.get("model_type") if isinstance(raw, dict) else None,
+             text.get("model_type") if isinstance(text, dict) else None]
+    return "gemma4_unified" if any(t in UNIFIED_MODEL_TYPES for t in types) else "gemma4"
 
 
 def parse_config(raw: dict, where: str = "config.json", extra_eos: tuple[int, ...] = (),
@@ -300,8 +323,20 @@ def parse_config(raw: dict, where: str = "config.json", extra_eos: tuple[int, ..
     ``layers_held``: how many decoder layers the checkpoint's tensors hold (``decoder_layers_held``);
     a larger num_hidden_layers is refused before any per-layer list is derived from it."""
     text, top, arch = text_section(raw, where)
+    family = config_family(top)
     if "text_config" in top:
         where = f"{where} text_config"
+    notes: list[str] = []
+    if family == "gemma4_unified":
+        # the Unified decoder has no code path for PLE or MoE; its class defaults differ from Gemma 4's
+        ignored = [key for key in UNIFIED_IGNORED if text.get(key)]
+        if ignored:
+            notes.append(f"Gemma 4 Unified: ignored {', '.join(ignored)} (kept in the config for backward "
+                         "compatibility, not used by the model)")
+        text = {k: v for k, v in text.items() if k not in UNIFIED_IGNORED}
+        text["hidden_size_per_layer_input"] = 0
+        text.setdefault("sliding_window", 1024)
+        text.setdefault("use_bidirectional_attention", "vision")
 
     L = required_positive(text, "num_hidden_layers", where)
     if layers_held is not None and L > layers_held:
@@ -365,7 +400,8 @@ def parse_config(raw: dict, where: str = "config.json", extra_eos: tuple[int, ..
                 f"{where}: 'top_k_experts' ({top_k}) exceeds 'num_experts' ({num_experts}); lower top_k_experts"
             )
 
-    types, notes = _layer_types(text, L, where)
+    types, type_notes = _layer_types(text, L, where)
+    notes += type_notes
     rope = _rope_specs(text, set(types), where)
 
     # per-layer head dim and KV heads, from either serialisation
@@ -448,7 +484,7 @@ def parse_config(raw: dict, where: str = "config.json", extra_eos: tuple[int, ..
         enable_moe_block=moe, num_experts=num_experts, top_k_experts=top_k, moe_intermediate_size=moe_I,
         tie_word_embeddings=tie, use_bidirectional_attention=bidir, layers=tuple(layers),
         bos_token_id=bos, eos_token_ids=eos, pad_token_id=pad, architecture=arch,
-        serialisation=serialisation, notes=tuple(notes),
+        serialisation=serialisation, family=family, notes=tuple(notes),
     )
 
 

@@ -22,10 +22,15 @@ import numpy as np
 from .config import RopeSpec, TextConfig, load_config
 from .errors import InputError, NonFiniteError
 from .ops import (apply_rope, attention, attention_mask, bf16_round, gelu_tanh, linear, rms_norm, rope_cos_sin,
-                  softcap, softmax, vision_block_mask)
+                  softcap, softmax, vision_block_mask, vision_overlay_mask)
 from .ops import mlp  # noqa: F401  (unused here; refimpl.model.mlp stays importable, as the primitives above)
 from .weights import Gemma4Weights, expected_tensors, nonfinite_error, weight_cache_bytes
 
+# how vision blocks open the decoder mask (Unified spec A9). "sliding-clamped" (rule B, the default): on
+# sliding layers only, inside the window; transformers' static-cache path, Gemma4Model, google/gemma,
+# llama.cpp, vLLM. "all-unclamped" (rule A): on every layer, after the window; transformers 5.24's default
+# Gemma4UnifiedModel.forward, mlx-vlm, mlxcel.
+VISION_MASK_RULES = ("sliding-clamped", "all-unclamped")
 HEAD_CHUNK = 2_048  # vocabulary rows decoded per step of the streamed LM head (25 MB of float64 at H 1536)
 
 
@@ -141,8 +146,8 @@ class Gemma4:
     """Exact Gemma 4 text decoder over a Hugging Face checkpoint directory."""
 
     def __init__(self, model_dir: str | Path, dtype: str | np.dtype = "float64", embed_scale: str = "exact",
-                 weight_cache: int | str | None = None):
-        """``weight_cache``: bytes of decoded weights kept between forwards (an int, "12GiB", "all"; None:
+                 weight_cache: int | str | None = None, vision_mask: str = "sliding-clamped"):
+        """``vision_mask``: how vision blocks open the mask (VISION_MASK_RULES). ``weight_cache``: bytes of decoded weights kept between forwards (an int, "12GiB", "all"; None:
         the REFIMPL_WEIGHT_CACHE environment variable, else 0). 0 streams every weight from the
         checkpoint on every forward (the least memory); a cache makes repeated forwards (decode steps,
         many prompts) skip the decoding of the weights it holds (docs/refimpl.md, "Weight cache")."""
@@ -151,6 +156,9 @@ class Gemma4:
             raise InputError(f"dtype must be float64 or float32, got {dtype}")
         if embed_scale not in ("exact", "bf16"):
             raise InputError(f"embed_scale must be 'exact' or 'bf16', got {embed_scale!r}")
+        if vision_mask not in VISION_MASK_RULES:
+            raise InputError(f"vision_mask must be one of {', '.join(VISION_MASK_RULES)}, got {vision_mask!r}")
+        self.vision_mask = vision_mask
         self.model_dir = Path(model_dir)
         self.cfg: TextConfig = load_config(model_dir)
         self.weights = Gemma4Weights(model_dir, self.cfg, dtype, weight_cache_bytes(weight_cache))
@@ -247,8 +255,9 @@ class Gemma4:
                         call_kv: dict[int, LayerKV], blocks: np.ndarray | None = None) -> np.ndarray:
         """Pre-norm attention with q/k/v norms and RoPE; returns the post-attention-normed output [T, H].
 
-        ``blocks`` [T] (vision block id of each new token, -1 outside) opens same-block keys on sliding
-        layers (``vision_block_mask``); full layers stay causal."""
+        ``blocks`` [T] (vision block id of each new token, -1 outside) opens same-block keys: on sliding
+        layers inside the window (``vision_block_mask``, full layers causal) by default, on every layer
+        after the window (``vision_overlay_mask``) under the "all-unclamped" rule."""
         cfg, layer, w = self.cfg, self.cfg.layers[i], self.weights
         p = f"layers.{i}."
         T, N, D, eps = x.shape[0], cfg.num_attention_heads, layer.head_dim, cfg.rms_norm_eps
@@ -276,10 +285,13 @@ class Gemma4:
         else:
             kv = call_kv[layer.kv_source]  # post-norm, post-RoPE K/V of the source layer
 
-        if blocks is not None and layer.is_sliding:
+        window = cfg.sliding_window if layer.is_sliding else None
+        if blocks is not None and self.vision_mask == "all-unclamped":
+            mask = vision_overlay_mask(positions, kv.pos, window, blocks, kv.blocks)
+        elif blocks is not None and layer.is_sliding:
             mask = vision_block_mask(positions, kv.pos, cfg.sliding_window, blocks, kv.blocks)
         else:
-            mask = attention_mask(positions, kv.pos, cfg.sliding_window if layer.is_sliding else None)
+            mask = attention_mask(positions, kv.pos, window)
         a = attention(q, kv.k, kv.v, mask).reshape(T, N * D)
         o = w.linear(a, p + "self_attn.o_proj.weight")
         return rms_norm(o, w[p + "post_attention_layernorm.weight"], eps)

@@ -52,6 +52,13 @@ def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray
     return y
 
 
+def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
+    """x [..., D] -> (x - mean(x)) / sqrt(var(x) + eps) * weight + bias, population variance over the
+    last axis (torch's nn.LayerNorm; Gemma 4 Unified's vision embedder, eps 1e-5)."""
+    c = x - np.mean(x, axis=-1, keepdims=True)
+    return c / np.sqrt(np.mean(c * c, axis=-1, keepdims=True) + eps) * weight + bias
+
+
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
     """gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
 
@@ -159,8 +166,21 @@ def vision_block_mask(q_pos: np.ndarray, k_pos: np.ndarray, window: int, q_block
     (q - k <= W - 1) and (k <= q or b(q) = b(k) >= 0). The window bounds only the past side: a token of
     an image block sees every later token of its own block. Blocks are ids >= 0; -1 is outside."""
     delta = q_pos[:, None] - k_pos[None, :]
-    same_block = (q_blocks[:, None] == k_blocks[None, :]) & (q_blocks[:, None] >= 0)
-    return (delta < window) & ((delta >= 0) | same_block)
+    return (delta < window) & ((delta >= 0) | same_block(q_blocks, k_blocks))
+
+
+def same_block(q_blocks: np.ndarray, k_blocks: np.ndarray) -> np.ndarray:
+    """bool [T, S]: query and key lie in the same vision block (ids >= 0; -1 is outside every block)."""
+    return (q_blocks[:, None] == k_blocks[None, :]) & (q_blocks[:, None] >= 0)
+
+
+def vision_overlay_mask(q_pos: np.ndarray, k_pos: np.ndarray, window: int | None, q_blocks: np.ndarray,
+                        k_blocks: np.ndarray) -> np.ndarray:
+    """bool [T, S] of the Gemma 3 style rule (Unified spec A9, rule A; transformers 5.24's default
+    ``Gemma4UnifiedModel.forward``): the causal or sliding mask, then every same-block pair opened on
+    top of it, on full and sliding layers alike: ``attention_mask(q, k, W) or same block`` (unclamped:
+    a block longer than the window sees all of itself)."""
+    return attention_mask(q_pos, k_pos, window) | same_block(q_blocks, k_blocks)
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> np.ndarray:

@@ -39,6 +39,8 @@ from .audio import expected_audio_tensors, parse_audio_config
 from .config import FULL, SLIDING, parse_config
 from .errors import InputError
 from .safetensors_io import write_safetensors, write_safetensors_streamed
+from .unified import (expected_unified_audio_tensors, expected_unified_vision_tensors, parse_unified_audio_config,
+                      parse_unified_vision_config)
 from .vision import expected_vision_tensors, parse_vision_config
 from .weights import expected_tensors
 
@@ -124,6 +126,23 @@ PRESETS["e2b-audio-mini"] = dict(
                use_clipped_linears=True, rms_norm_eps=1e-6, residual_weight=0.5, gradient_clipping=1e10,
                hidden_act="silu", model_type="gemma4_audio"),
 )
+# Gemma 4 Unified in miniature: the 12B's decoder (K=V full layers with one global KV head, no PLE, no MoE,
+# vision blocks) with an encoder-free vision embedder (patch 4, merge 3: 12-pixel model patches, so an
+# image of up to 70 soft tokens is at most 84 x 120 pixels) and the raw-waveform audio embedder (640
+# samples per soft token). The window (8) is shorter than the larger images' blocks.
+PRESETS["12b-mini"] = dict(
+    description="Gemma 4 Unified 12B in miniature: K=V full layers with 1 global KV head, 5:1 sliding/full, "
+                "encoder-free vision embedder (12-px patches) and raw-waveform audio (640 samples a token)",
+    family="gemma4_unified", num_hidden_layers=6, layer_types=[S, S, S, S, S, F], num_key_value_heads=2,
+    intermediate_size=128, attention_k_eq_v=True, num_global_key_value_heads=1, use_bidirectional_attention="vision",
+    unified_vision=dict(patch_size=4, pooling_kernel_size=3, mm_embed_dim=48, mm_posemb_size=72,
+                        output_proj_dims=48, rms_norm_eps=1e-6, model_type="gemma4_unified_vision"),
+    unified_audio=dict(audio_embed_dim=640, rms_norm_eps=1e-6, model_type="gemma4_unified_audio"),
+)
+UNIFIED_ARCHITECTURES = {"causal": ("Gemma4UnifiedForCausalLM", "gemma4_unified_text"),
+                         "conditional": ("Gemma4UnifiedForConditionalGeneration", "gemma4_unified")}
+PRESET_EXTRAS = ("description", "vision", "audio", "family", "unified_vision", "unified_audio")
+
 # ----------------------------------------------------------------------------------------------
 # published shapes (gemma4-text-spec.md section 1): real-size checkpoints for memory and speed work
 
@@ -165,6 +184,13 @@ PUBLISHED: dict[str, dict] = {
         intermediate_size=21504, attention_k_eq_v=True, num_global_key_value_heads=4, sliding_window=1024,
         max_position_embeddings=262_144, use_bidirectional_attention="vision",
     ),
+    "12b": dict(
+        description="the published Gemma 4 Unified 12B text shapes: H 3840, 48 layers (5 S : 1 F), GQA 16/8, K=V "
+                    "full layers with 1 global KV head, dense 15360, window 1024, no PLE, no MoE",
+        family="gemma4_unified", period=6, hidden_size=3840, num_hidden_layers=48, num_attention_heads=16,
+        num_key_value_heads=8, intermediate_size=15360, attention_k_eq_v=True, num_global_key_value_heads=1,
+        sliding_window=1024, max_position_embeddings=262_144, use_bidirectional_attention="vision",
+    ),
 }
 
 
@@ -205,10 +231,12 @@ def published_config(variant: str, turn_end_id: int, layers: int | None = None) 
         layers = full
     if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= full:
         raise InputError(f"--layers must be an integer in [1, {full}] for {variant}, got {layers!r}")
-    fields = {k: v for k, v in spec.items() if k not in ("description", "period")}
+    fields = {k: v for k, v in spec.items() if k not in ("description", "period", "family")}
     fields.update(num_hidden_layers=layers, layer_types=published_layer_types(variant, layers),
                   num_kv_shared_layers=published_kv_shared(variant, layers))
-    return {"architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "dtype": "bfloat16",
+    arch, model_type = (UNIFIED_ARCHITECTURES["causal"] if spec.get("family") == "gemma4_unified"
+                        else ("Gemma4ForCausalLM", "gemma4_text"))
+    return {"architectures": [arch], "model_type": model_type, "dtype": "bfloat16",
             **_PUBLISHED_COMMON, **fields, "eos_token_id": [1, turn_end_id]}
 
 
@@ -269,7 +297,9 @@ def write_published_checkpoint(variant: str, seed: int, out: str | Path, layers:
     if layout == "conditional":
         prefix = "model.language_model."
         text = {k: v for k, v in config.items() if k != "architectures"}
-        config = {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "text_config": text,
+        arch, model_type = ((UNIFIED_ARCHITECTURES["conditional"]) if PUBLISHED[variant].get("family")
+                            == "gemma4_unified" else ("Gemma4ForConditionalGeneration", "gemma4"))
+        config = {"architectures": [arch], "model_type": model_type, "text_config": text,
                   "vision_config": None, "audio_config": None, "eos_token_id": text["eos_token_id"],
                   "tie_word_embeddings": True, "dtype": text["dtype"]}
     hidden = dict(shapes)["embed_tokens.weight"][1]
@@ -317,9 +347,11 @@ def preset_config(preset: str, turn_end_id: int) -> dict:
     """The config.json (legacy serialisation, Gemma4ForCausalLM) of a preset."""
     if preset not in PRESETS:
         raise InputError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    fields = {k: v for k, v in PRESETS[preset].items() if k not in ("description", "vision", "audio")}
+    fields = {k: v for k, v in PRESETS[preset].items() if k not in PRESET_EXTRAS}
+    arch, model_type = (UNIFIED_ARCHITECTURES["causal"] if PRESETS[preset].get("family") == "gemma4_unified"
+                        else ("Gemma4ForCausalLM", "gemma4_text"))
     cfg = {
-        "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "dtype": "float32",
+        "architectures": [arch], "model_type": model_type, "dtype": "float32",
         **_COMMON, **fields, "eos_token_id": [1, turn_end_id],
     }
     return cfg
@@ -404,6 +436,30 @@ def make_audio_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
             for name, shape in sorted(expected_audio_tensors(parse_audio_config(config)).items())}
 
 
+def _draw_unified(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """One Unified embedder tensor: LayerNorm weights in [0.5, 1.5] and biases of 0.2 (both show), the
+    position table N(0, 0.5), projections ~ N(0, 1/fan_in) with a small dense bias."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "weight" and len(shape) == 1:
+        return rng.uniform(0.5, 1.5, shape)
+    if leaf == "bias":
+        return rng.normal(0.0, 0.2, shape)
+    if leaf == "pos_embedding":
+        return rng.normal(0.0, 0.5, shape)
+    return rng.normal(0.0, shape[-1] ** -0.5, shape)
+
+
+def make_unified_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
+    """The vision and audio embedder tensors (published names) of a Unified conditional config."""
+    rng = np.random.default_rng([seed, 3])
+    shapes = {}
+    if config.get("vision_config") is not None:
+        shapes.update(expected_unified_vision_tensors(parse_unified_vision_config(config)))
+    if config.get("audio_config") is not None:
+        shapes.update(expected_unified_audio_tensors(parse_unified_audio_config(config)))
+    return {name: _draw_unified(name, shape, rng) for name, shape in sorted(shapes.items())}
+
+
 def make_vision_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
     """The vision tower and projector tensors (full checkpoint names) of a conditional config."""
     rng = np.random.default_rng([seed, 1])
@@ -472,14 +528,18 @@ def write_checkpoint(preset: str, seed: int, out: str | Path, dtype: str = "f32"
     config["dtype"] = "bfloat16" if dtype == "bf16" else "float32"
     prefix = "model."
     vision, audio = PRESETS[preset].get("vision"), PRESETS[preset].get("audio")
-    if vision is not None or audio is not None:
+    u_vision, u_audio = PRESETS[preset].get("unified_vision"), PRESETS[preset].get("unified_audio")
+    unified = PRESETS[preset].get("family") == "gemma4_unified"
+    if vision is not None or audio is not None or u_vision is not None or u_audio is not None:
         layout = "conditional"  # image/audio-text models exist only in this layout
     if layout == "conditional":
         prefix = "model.language_model."
         text = {k: v for k, v in config.items() if k not in ("architectures",)}
-        text["model_type"] = "gemma4_text"
+        arch, model_type = UNIFIED_ARCHITECTURES["conditional"] if unified else ("Gemma4ForConditionalGeneration",
+                                                                                 "gemma4")
+        text["model_type"] = "gemma4_unified_text" if unified else "gemma4_text"
         config = {
-            "architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "text_config": text,
+            "architectures": [arch], "model_type": model_type, "text_config": text,
             "vision_config": None, "audio_config": None, "eos_token_id": text["eos_token_id"],
             "tie_word_embeddings": True, "dtype": text["dtype"],
         }
@@ -500,6 +560,21 @@ def write_checkpoint(preset: str, seed: int, out: str | Path, dtype: str = "f32"
         processor = {**(processor or {}), "audio_seq_length": 750,
                      "feature_extractor": {"feature_extractor_type": "Gemma4AudioFeatureExtractor",
                                            "feature_size": 128, "sampling_rate": 16000}}
+
+    if u_vision is not None or u_audio is not None:
+        config["vision_config"], config["audio_config"] = u_vision and dict(u_vision), u_audio and dict(u_audio)
+        config.update({key: piece_id(piece) for key, piece in MULTIMODAL_PIECES.items()})
+        tensors.update(make_unified_weights(config, seed))
+        processor = {}
+        if u_vision is not None:
+            processor["image_processor"] = {"image_processor_type": "Gemma4UnifiedImageProcessor",
+                                            "patch_size": u_vision["patch_size"],
+                                            "pooling_kernel_size": u_vision["pooling_kernel_size"],
+                                            "max_soft_tokens": IMAGE_SOFT_TOKENS}
+        if u_audio is not None:
+            processor["feature_extractor"] = {"feature_extractor_type": "Gemma4UnifiedAudioFeatureExtractor",
+                                              "audio_samples_per_token": u_audio["audio_embed_dim"],
+                                              "sampling_rate": 16000}
 
     with _atomic_directory(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")

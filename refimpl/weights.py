@@ -24,7 +24,8 @@ from .safetensors_io import TensorStore, in_parts
 
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # weight storage the oracle decodes exactly
 # multimodal towers of Gemma4ForConditionalGeneration; the text oracle does not read them
-MULTIMODAL_PREFIXES = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
+MULTIMODAL_PREFIXES = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.",
+                       "model.vision_embedder.")  # the last: Gemma 4 Unified's vision embedder
 STALE_ON_SHARED = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_norm.weight")
 FEW_ROWS = 16  # Gemma4Weights.linear streams the weight for at most this many rows
 STREAM_VALUES = 1 << 18  # weight values decoded per block when streaming (2 MiB of float64)

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from refimpl.safetensors_io import write_safetensors
-from refimpl.synth import make_weights
+from refimpl.synth import make_unified_weights, make_weights
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -71,6 +71,23 @@ def micro_checkpoint(tmp_dir: str | Path, config_dict: dict, seed: int, dtype: s
     weights = make_weights(config_dict, seed)
     (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     write_safetensors(out / "model.safetensors", {prefix + k: v for k, v in weights.items()}, dtype)
+    return out
+
+
+def write_unified_checkpoint(out: str | Path, config: dict, seed: int) -> Path:
+    """A Gemma 4 Unified checkpoint for a conditional ``config`` (text_config, vision_config, audio_config):
+    config.json, the text and embedder weights (``refimpl.synth``'s draws, F32, published names) and a
+    processor_config.json with the vision config's patch size and merge and a budget of 70 soft tokens."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    tensors = {"model.language_model." + n: v for n, v in make_weights(config, seed).items()}
+    tensors.update(make_unified_weights(config, seed))
+    write_safetensors(out / "model.safetensors", tensors, "F32")
+    vision = config["vision_config"]
+    (out / "processor_config.json").write_text(json.dumps({"image_processor": {
+        "patch_size": vision["patch_size"], "pooling_kernel_size": vision["pooling_kernel_size"],
+        "max_soft_tokens": 70}}), encoding="utf-8")
     return out
 
 

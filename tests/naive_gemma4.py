@@ -167,9 +167,31 @@ def _kv_source(types: list[str], n_shared: int) -> list[int | None]:
 # the forward pass (spec section 4, pseudocode in section 10)
 # ---------------------------------------------------------------------------
 
+def _visible(qi: int, kj: int, is_full: bool, window: int, blocks, rule: str) -> bool:
+    """Whether query qi sees key kj. Causal (and on sliding layers 0 <= q-k <= W-1); with vision
+    ``blocks`` (a block id per token, -1 outside) rule "sliding-clamped" also opens same-block keys on
+    sliding layers, still inside the past window, and rule "all-unclamped" opens them on every layer,
+    whatever the window (unified spec A9)."""
+    base = kj <= qi and (is_full or qi - kj <= window - 1)
+    if blocks is None:
+        return base
+    same = blocks[qi] >= 0 and blocks[qi] == blocks[kj]
+    if rule == "all-unclamped":
+        return base or same
+    if is_full:
+        return base
+    return qi - kj <= window - 1 and (kj <= qi or same)
+
+
 def naive_forward(config: dict, weights: dict, ids: list[int],
-                  embed_scale: float | None = None) -> np.ndarray:
-    """Logits [T, V] (float64) for every position of the token list ``ids``."""
+                  embed_scale: float | None = None, inputs=None, blocks=None,
+                  rule: str = "sliding-clamped") -> np.ndarray:
+    """Logits [T, V] (float64) for every position of the token list ``ids``.
+
+    ``inputs`` (a [T, H] array): the input rows instead of the scaled token embeddings (image and audio
+    soft tokens merged in); ``blocks`` / ``rule``: vision blocks and the mask rule (``_visible``). A
+    Gemma 4 Unified text config (model_type gemma4_unified_text) has no PLE and no MoE, whatever its
+    PLE / MoE fields say."""
     def w(name):
         return np.asarray(weights[name], dtype=np.float64)
 
@@ -181,11 +203,12 @@ def naive_forward(config: dict, weights: dict, ids: list[int],
     global_head_dim = int(config.get("global_head_dim") or 512)
     global_kv = config.get("num_global_key_value_heads")
     k_eq_v = bool(config.get("attention_k_eq_v", False))
-    window = int(config["sliding_window"])
-    P = int(config.get("hidden_size_per_layer_input") or 0)
+    window = int(config.get("sliding_window") or (1024 if unified else 512))
+    unified = str(config.get("model_type", "")).startswith("gemma4_unified")
+    P = 0 if unified else int(config.get("hidden_size_per_layer_input") or 0)
     n_shared = int(config.get("num_kv_shared_layers") or 0)
     double_wide = bool(config.get("use_double_wide_mlp", False))
-    moe = bool(config.get("enable_moe_block", False))
+    moe = False if unified else bool(config.get("enable_moe_block", False))
     top_k = int(config["top_k_experts"]) if moe else 0
     cap = config.get("final_logit_softcapping")
     eps = float(config.get("rms_norm_eps", 1e-6))
@@ -204,7 +227,8 @@ def naive_forward(config: dict, weights: dict, ids: list[int],
 
     # 4.1 scaled token embedding
     emb = w("embed_tokens.weight")
-    x = [emb[ids[t]] * embed_scale for t in range(T)]
+    x = [emb[ids[t]] * embed_scale for t in range(T)] if inputs is None else [np.array(r, dtype=np.float64)
+                                                                               for r in inputs]
     x0 = [row.copy() for row in x]
 
     # 4.2 per-layer embeddings: ple[t][layer] is a [P] vector
@@ -277,11 +301,7 @@ def naive_forward(config: dict, weights: dict, ids: list[int],
             attn_flat = np.zeros(N * D, dtype=np.float64)
             for j in range(N):
                 g = j // group
-                keys = []
-                for kj in range(qi + 1):  # causal
-                    if not is_full and qi - kj > window - 1:
-                        continue  # outside sliding window: 0 <= q-k <= W-1
-                    keys.append(kj)
+                keys = [kj for kj in range(T) if _visible(qi, kj, is_full, window, blocks, rule)]
                 scores = [float(np.dot(q[qi][j], k_all[kj][g])) * 1.0 for kj in keys]
                 probs = _softmax(scores)
                 for p, kj in zip(probs, keys):
@@ -359,3 +379,68 @@ def naive_forward(config: dict, weights: dict, ids: list[int],
                 val = float(cap) * math.tanh(val / float(cap))
             out[t, v] = val
     return out
+
+
+# ---------------------------------------------------------------------------
+# Gemma 4 Unified's processor and embedders (unified spec A5-A7), loop by loop
+# ---------------------------------------------------------------------------
+
+def naive_unified_patches(pixels: np.ndarray, M: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """An already-resized uint8 image [H', W', 3] -> padded patches [rows, 3 M^2] and positions
+    [rows, 2]: patch m is the M x M block at grid cell (X, Y) = (m mod PW, m div PW), its values read
+    row by row, column by column, channel by channel, divided by 255."""
+    Hp, Wp, _ = pixels.shape
+    PW = Wp // M
+    n = (Hp // M) * PW
+    patches = np.zeros((rows, 3 * M * M))
+    positions = np.full((rows, 2), -1, dtype=np.int64)
+    for m in range(n):
+        X, Y = m % PW, m // PW
+        i = 0
+        for r in range(M):
+            for c in range(M):
+                for ch in range(3):
+                    patches[m, i] = float(pixels[Y * M + r, X * M + c, ch]) / 255.0
+                    i += 1
+        positions[m] = (X, Y)
+    return patches, positions
+
+
+def _layer_norm(vec, weight, bias, eps: float) -> np.ndarray:
+    n = len(vec)
+    mean = math.fsum(float(v) for v in vec) / n
+    var = math.fsum((float(v) - mean) ** 2 for v in vec) / n
+    inv = 1.0 / math.sqrt(var + eps)
+    return np.array([(float(vec[i]) - mean) * inv * float(weight[i]) + float(bias[i]) for i in range(n)])
+
+
+def naive_vision_embedder(weights: dict, pixel_values: np.ndarray, positions: np.ndarray,
+                          eps: float = 1e-6) -> np.ndarray:
+    """Soft tokens [N_real, H]: per real row (no -1 coordinate), LN(1e-5) -> dense + bias -> LN -> + the
+    two position rows -> LN -> weightless RMSNorm -> projection. ``weights`` by published name."""
+    def w(name):
+        return np.asarray(weights[name], dtype=np.float64)
+    pre = "model.vision_embedder."
+    table = w(pre + "pos_embedding")  # [S, 2, E]
+    out = []
+    for row, (x, y) in zip(pixel_values, positions):
+        if x == -1 or y == -1:
+            continue
+        h = _layer_norm(row, w(pre + "patch_ln1.weight"), w(pre + "patch_ln1.bias"), 1e-5)
+        h = _matvec(w(pre + "patch_dense.weight"), h) + w(pre + "patch_dense.bias")
+        h = _layer_norm(h, w(pre + "patch_ln2.weight"), w(pre + "patch_ln2.bias"), 1e-5)
+        h = np.array([h[i] + table[x, 0, i] + table[y, 1, i] for i in range(len(h))])
+        h = _layer_norm(h, w(pre + "pos_norm.weight"), w(pre + "pos_norm.bias"), 1e-5)
+        out.append(_matvec(w("model.embed_vision.embedding_projection.weight"), _rmsnorm(h, None, eps)))
+    return np.array(out)
+
+
+def naive_audio_embedder(weights: dict, waveform: np.ndarray, A: int, eps: float = 1e-6) -> np.ndarray:
+    """Soft tokens [ceil(n / A), H]: frames of A samples (the last zero-padded, values rounded to float32
+    as the feature extractor emits them) -> weightless RMSNorm -> projection."""
+    proj = np.asarray(weights["model.embed_audio.embedding_projection.weight"], dtype=np.float64)
+    out = []
+    for start in range(0, len(waveform), A):
+        frame = [float(np.float32(waveform[start + i])) if start + i < len(waveform) else 0.0 for i in range(A)]
+        out.append(_matvec(proj, _rmsnorm(np.array(frame), None, eps)))
+    return np.array(out)

@@ -1,0 +1,376 @@
+"""mlx-vlm (Apple's MLX, vision and audio models) as a conformance backend: ``conformance check --backend mlx-vlm``.
+
+The checkpoint is loaded with mlx-vlm's own loader (``mlx_vlm.utils.load_model``: its ``gemma4`` model for
+``Gemma4ForConditionalGeneration`` checkpoints, with the vision and audio towers the config has, its
+``gemma4_text`` model for ``Gemma4ForCausalLM`` ones; its ``sanitize()``), and every request is served
+through mlx-vlm's own prompt caches (``mlx_vlm.models.cache.make_prompt_cache(model.language_model)``:
+``KVCache`` for full layers, ``RotatingKVCache(max_size=sliding_window)`` for sliding ones), the way
+``mlx_vlm.generate``'s ``generate_step`` drives them: every prompt forward with ``logits_to_keep`` (which
+mlx-vlm applies before the first KV-shared layer), decode one token per call with ``logits_to_keep=1``.
+How each model type is called is in ``families.py`` (one ``Family`` per config.json ``model_type``); the
+request handling (validation, micro-batches, one prompt cache per sequence id, interleaved decode) is
+``conformance.protocol.serving.CachedBackend``'s.
+
+* **Image prompts** (``gemma4`` checkpoints with a ``vision_config``): the request's merged embeddings
+  (``E[ids] * sqrt(H)`` at text rows, the soft tokens unscaled at image rows: exactly the
+  ``inputs_embeds`` that ``Model.get_input_embeddings`` builds from pixels) go in as ``inputs_embeds``;
+  the per-layer inputs are ``get_input_embeddings``' own (token id 0 at image positions, the context
+  part projected from the given embeddings); ``mm_token_type_ids`` (the processor's: 1 at image tokens,
+  3 at audio tokens) of the whole sequence so far go to ``language_model``, which builds the vision
+  block masks itself on ``use_bidirectional_attention == "vision"`` checkpoints.
+* **Audio prompts** (``gemma4`` checkpoints with an ``audio_config``): as images; with ``audio_tower``
+  on (the default), each forward's clips (``request.audio_inputs``: log-mel features, frame masks) go as
+  one padded batch, as mlx-vlm's feature extractor pads them, into ``get_input_embeddings(input_ids,
+  input_features=..., input_features_mask=...)``, so mlx-vlm's own audio tower computes the audio rows
+  (``executed`` says ``audio_rows_max_abs``: against the rows the request carried).
+* **Text** (both model types): token ids as ids; the ``embeddings`` entry point takes the scaled
+  convention (``gemma4``'s ``inputs_embeds``; for ``gemma4_text``, whose ``input_embeddings`` are raw,
+  the backend divides by sqrt(H) in float64 first).
+* **Config keys.** mlx-vlm's config dataclasses read the legacy keys and have defaults of their own;
+  every key they read is derived with ``refimpl.config`` and, where config.json lacks it (or says
+  ``"vision_config": null``, which mlx-vlm's loader cannot build), mlx-vlm reads a patched config.json
+  in a temporary view of the checkpoint (``config.py``). The built model is then checked layer by
+  layer against refimpl's derivation: a checkpoint mlx-vlm cannot represent is a ``BackendError``.
+* **dtype.** float32 only (profile ``fp32``): weights are cast to float32 as they load.
+
+Known divergences are listed, with their reasons, in
+``conformance/backends/mlx_vlm/expectations/mlx-vlm-float32.json``.
+
+    conformance check --backend mlx-vlm [--backend-option audio_tower=off]
+"""
+
+from __future__ import annotations
+
+import json
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+import mlx.core as mx  # the registry turns a missing mlx / mlx_vlm into an install hint (the 'mlx' extra)
+from mlx.utils import tree_flatten, tree_map
+from mlx_vlm.models.cache import make_prompt_cache
+from mlx_vlm.utils import load_model
+
+from refimpl import RefimplError, load_config
+
+from ...check.profiles import PROFILES
+from ...protocol.serving import CachedBackend
+from ...protocol.types import BackendError, Capabilities, Request, Response
+from .config import checkpoint_view, config_patch, remove_view
+from .families import Family, family_for, geometry_problems
+
+__all__ = ["MlxVlmBackend", "DTYPES", "AUDIO_TOWER_OPTIONS", "EXPECTATIONS_DIR"]
+
+DTYPES = ("float32",)
+AUDIO_TOWER_OPTIONS = ("on", "off")
+EXPECTATIONS_DIR = Path(__file__).resolve().parent / "expectations"
+IMAGE_TYPE, AUDIO_TYPE = 1, 3  # mm_token_type_ids, as mlx-vlm's Gemma4Processor makes them (video: 2)
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for dist in ("mlx", "mlx-vlm"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:  # pragma: no cover - importable but not installed as a dist
+            out[dist] = "unknown"
+    return out
+
+
+def _allowed(options: Sequence[str]) -> str:
+    return ", ".join(repr(o) for o in options)
+
+
+class SequenceState:
+    """One sequence: its mlx-vlm prompt cache and the ``mm_token_type_ids`` of every token it holds."""
+
+    def __init__(self, cache: list):
+        self.cache = cache
+        self.token_types: list[int] = []
+
+
+class MlxVlmBackend(CachedBackend):
+    """mlx-vlm behind the backend protocol (``conformance.protocol.Backend``).
+
+    Options: ``dtype`` ("float32"); ``audio_tower`` ("on", the default: mlx-vlm's audio tower computes
+    the audio soft tokens from ``request.audio_inputs`` and the backend claims ``audio_tower``; "off":
+    the request's soft tokens are used as given); ``default_profile`` (default "fp32").
+    """
+
+    who = "mlx-vlm backend"
+
+    def __init__(self, dtype: str = "float32", audio_tower: str = "on", default_profile: str | None = None):
+        super().__init__()
+        if dtype not in DTYPES:
+            raise ValueError(f"mlx-vlm backend: option dtype must be one of {_allowed(DTYPES)}, got {dtype!r}")
+        if audio_tower not in AUDIO_TOWER_OPTIONS:
+            raise ValueError(f"mlx-vlm backend: option audio_tower must be one of {_allowed(AUDIO_TOWER_OPTIONS)}, "
+                             f"got {audio_tower!r}")
+        if default_profile is None:
+            default_profile = "fp32"
+        if default_profile not in PROFILES:
+            raise ValueError(f"mlx-vlm backend: option default_profile must be one of {_allowed(list(PROFILES))}, "
+                             f"got {default_profile!r}")
+        self.dtype = dtype
+        self.audio_tower = audio_tower == "on"
+        self.name = f"mlx-vlm-{dtype}" + ("" if self.audio_tower else "-audio-tower-off")
+        self.capabilities = Capabilities(
+            full_forward=True, last_plain=True, last_seq_id=True, last_embeddings=True,
+            embedding_convention="scaled", interior_rows=True, output_rows=True, ubatch=True,
+            chunked_prefill=True, multi_sequence=True, decode=True, image_prompts=True, audio_prompts=True,
+            audio_tower=self.audio_tower, default_profile=default_profile,
+        )
+        shipped = EXPECTATIONS_DIR / f"{self.name}.json"
+        self.expectations_file = shipped if shipped.is_file() else None
+        self.family: Family | None = None
+        self.text_config = None  # refimpl.config.TextConfig of the open checkpoint
+        self.config_patch: dict[str, dict[str, Any]] = {}
+        self.load_info: dict[str, Any] = {}
+        self.vision = self.audio = False  # the checkpoint has a vision_config / an audio_config
+        self.media_ids: dict[str, int | None] = {}
+        self._model_dir: Path | None = None
+        self._prompt_cache: dict[str, int] = {}
+
+    # -- protocol -------------------------------------------------------------------------------
+
+    def open(self, model_dir: Path) -> None:
+        model_dir = Path(model_dir)
+        try:
+            cfg = load_config(model_dir)
+            raw = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        except (RefimplError, OSError, ValueError) as exc:
+            raise BackendError(f"mlx-vlm backend cannot open {model_dir}: {exc}") from exc
+        family = family_for(raw, str(model_dir))
+        patch = config_patch(raw, cfg, family.model_type)
+        view = checkpoint_view(model_dir, raw, patch) if patch else None
+        try:
+            model = load_model(view or model_dir)
+        except Exception as exc:  # noqa: BLE001 - whatever mlx-vlm raises, name the loader and the directory
+            raise BackendError(f"mlx-vlm backend: mlx_vlm.utils.load_model cannot load {model_dir}: "
+                               f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+                               ) from exc
+        finally:
+            remove_view(view)  # the weights are in memory (load_model evaluates them)
+        model_class = f"{type(model).__module__}.{type(model).__name__}"
+        if not type(model).__module__.startswith(family.mlx_module + "."):
+            raise BackendError(f"mlx-vlm backend: {model_dir}: mlx-vlm built {model_class}, expected a model of "
+                               f"{family.mlx_module}")
+        stored = sorted({str(v.dtype).removeprefix("mlx.core.") for _, v in tree_flatten(model.parameters())})
+        target = getattr(mx, self.dtype)
+        model.update(tree_map(lambda v: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v,
+                              model.parameters()))
+        mx.eval(model.parameters())
+        self.model, self.family, self.text_config, self.config_patch = model, family, cfg, patch
+        self._model_dir = model_dir
+        self.vision = family.media and isinstance(raw.get("vision_config"), dict)
+        self.audio = family.media and isinstance(raw.get("audio_config"), dict)
+        self.media_ids = {"image": getattr(model.config, "image_token_id", None) if family.media else None,
+                          "audio": getattr(model.config, "audio_token_id", None) if family.media else None,
+                          "video": getattr(model.config, "video_token_id", None) if family.media else None}
+        try:
+            problems = geometry_problems(family, model, cfg)
+            if problems:
+                raise BackendError("mlx-vlm backend: mlx-vlm builds a different model than the checkpoint's "
+                                   "config.json describes (mlx-vlm cannot express this configuration): "
+                                   + "; ".join(problems))
+            self._warm_up()
+        except BaseException:
+            self.close()
+            raise
+        caches = [type(c).__name__ for c in make_prompt_cache(model.language_model)]
+        self._prompt_cache = {kind: caches.count(kind) for kind in dict.fromkeys(caches)}
+        towers = {name: getattr(model, name, None) is not None for name in ("vision_tower", "audio_tower")}
+        self.load_info = {
+            "loader": "mlx_vlm.utils.load_model", "model_class": model_class, "model_type": family.model_type,
+            "architecture": cfg.architecture, "serialisation": cfg.serialisation, "stored_dtypes": stored,
+            "dtype": self.dtype, "versions": _versions(), "config_patch": patch, "caches": caches,
+            "towers": towers if family.media else {}, "media_token_ids": self.media_ids,
+        }
+
+    def close(self) -> None:
+        self.model = None
+        self.family = None
+        self.text_config = None
+        self.vision = self.audio = False
+        self.media_ids = {}
+        self._prompt_cache = {}
+        self._states = {}
+
+    # -- checks at open -------------------------------------------------------------------------
+
+    def _warm_up(self) -> None:
+        """One single-token forward through a throwaway prompt cache (mlx compiles its kernels on the
+        first call); a model that cannot run at all fails here, at open."""
+        try:
+            cache = make_prompt_cache(self.model.language_model)
+            ids = mx.array([[self.text_config.bos_token_id or 0]], dtype=mx.int32)
+            mx.eval(self.family.decode(self.model, ids, cache))
+        except Exception as exc:  # noqa: BLE001
+            raise BackendError(f"mlx-vlm backend: a one-token forward of the loaded model fails: "
+                               f"{type(exc).__name__}: {exc}") from exc
+
+    # -- engine hooks ---------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text_config.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text_config.hidden_size
+
+    @property
+    def out_dtype(self):
+        return np.float32
+
+    def _new_state(self) -> SequenceState:
+        return SequenceState(make_prompt_cache(self.model.language_model))
+
+    def _state_len(self, state: SequenceState) -> int:
+        return int(state.cache[0].offset)
+
+    def _token_types(self, ids: list[int], images: Sequence[tuple[int, int]],
+                     audio: Sequence[tuple[int, int]]) -> list[int]:
+        """``mm_token_type_ids`` of one forward's tokens by the rule of mlx-vlm's ``Gemma4Processor`` (1 at the
+        image token, 2 at the video token, 3 at the audio token), checked: an image (audio) request needs a
+        checkpoint with a vision (audio) config, and every block holds only the image (audio) token."""
+        kind = ("a text-only" if not self.family.media else
+                "an audio-text" if self.audio and not self.vision else "an image-text" if self.vision else
+                "a text-only conditional")
+        for what, spans, have, config in (("image", images, self.vision, "vision_config"),
+                                          ("audio", audio, self.audio, "audio_config")):
+            if not spans:
+                continue
+            if not have:
+                raise ValueError(f"{self.who}: {self._model_dir} has no {config} ({kind} checkpoint); it cannot "
+                                 f"serve {what} prompts")
+            token = self.media_ids[what]
+            for start, n in spans:
+                if any(t != token for t in ids[start:start + n]):
+                    raise ValueError(f"{self.who}: the {what} block ({start}, {n}) holds tokens other than the "
+                                     f"{what} token {token}")
+        if not self.family.media:
+            return [0] * len(ids)
+        rule = {self.media_ids["image"]: IMAGE_TYPE, self.media_ids["video"]: 2, self.media_ids["audio"]: AUDIO_TYPE}
+        return [rule.get(t, 0) for t in ids]
+
+    def _audio_features(self, audio_inputs: Sequence) -> tuple[mx.array, mx.array]:
+        """A forward's clips as mlx-vlm's feature extractor batches them: features ``[n, T, F]`` padded at the
+        end with zero frames, ``input_features_mask`` ``[n, T]`` (True at valid frames)."""
+        feats, masks = [], []
+        for k, clip in enumerate(audio_inputs):
+            f, m = np.asarray(clip.features), np.asarray(clip.mask, dtype=bool)
+            if f.ndim != 2 or m.shape != (f.shape[0],) or f.shape[0] < 1:
+                raise ValueError(f"{self.who}: audio clip {k}: features {f.shape} and mask {m.shape} must be "
+                                 f"[T, F] and [T] (T >= 1)")
+            feats.append(f)
+            masks.append(m)
+        widths = sorted({f.shape[1] for f in feats})
+        if len(widths) != 1:
+            raise ValueError(f"{self.who}: the audio clips have different feature widths {widths}")
+        T = max(f.shape[0] for f in feats)
+        x = np.zeros((len(feats), T, widths[0]), dtype=np.float32)
+        mask = np.zeros((len(feats), T), dtype=bool)
+        for b, (f, m) in enumerate(zip(feats, masks)):
+            x[b, :f.shape[0]], mask[b, :m.shape[0]] = f, m
+        return mx.array(x), mx.array(mask)
+
+    @staticmethod
+    def _logits_to_keep(rows: list[int], T: int) -> int | None:
+        """mlx-vlm's ``logits_to_keep`` for a forward whose ``rows`` are wanted: the suffix from the first
+        wanted row (None: every row); a forward with no wanted row keeps 1, as generate's prefill chunks do."""
+        if not rows:
+            return 1
+        keep = T - rows[0]
+        return None if keep == T else keep
+
+    def _forward(self, tokens: Sequence[int], rows: list[int], state: SequenceState,
+                 embeddings: np.ndarray | None = None, images: Sequence[tuple[int, int]] = (),
+                 audio: Sequence[tuple[int, int]] = (), audio_inputs: Sequence = ()) -> tuple[np.ndarray, dict]:
+        """One prompt forward continuing ``state``; the logits of ``rows`` as float32 ``[R, V]`` and notes
+        (``logits_to_keep``, ``mm_token_type_ids``, ``audio_rows_max_abs``)."""
+        T = len(tokens)
+        id_list = [int(t) for t in tokens]
+        types = self._token_types(id_list, images, audio)
+        keep = self._logits_to_keep(rows, T)
+        features = self._audio_features(audio_inputs) if (audio and self.audio_tower) else None
+        before = self._state_len(state)
+        ids = mx.array([id_list], dtype=mx.int32)
+        logits, notes = self.family.prompt(self.model, ids, state.cache, embeddings, self.hidden_size, keep,
+                                           token_types=state.token_types + types, audio_features=features)
+        mx.eval(logits, [c.state for c in state.cache])
+        after = self._state_len(state)
+        if after != before + T:
+            raise RuntimeError(f"{self.who}: the prompt cache holds {after} tokens after a {T}-token forward "
+                               f"from {before}")
+        state.token_types += types
+        kept = T if keep is None else keep
+        if logits.shape != (kept, self.vocab_size):
+            raise RuntimeError(f"{self.who}: logits_to_keep={keep} gave logits of shape {tuple(logits.shape)}, "
+                               f"expected {(kept, self.vocab_size)}")
+        return self._rows(logits, [r - (T - kept) for r in rows]), {"logits_to_keep": keep or 0, **notes}
+
+    def _decode_step(self, state: SequenceState, token: int) -> np.ndarray:
+        """One teacher-forced decode step as generate's ``_step``: the id alone, ``logits_to_keep=1``."""
+        before = self._state_len(state)
+        logits = self.family.decode(self.model, mx.array([[int(token)]], dtype=mx.int32), state.cache)
+        mx.eval(logits, [c.state for c in state.cache])
+        if self._state_len(state) != before + 1:
+            raise RuntimeError(f"{self.who}: the prompt cache did not grow by one token in a decode step")
+        state.token_types.append(0)
+        return self._rows(logits, [logits.shape[0] - 1])[0]
+
+    @staticmethod
+    def _rows(logits: mx.array, rows: Sequence[int]) -> np.ndarray:
+        if not rows:
+            return np.empty((0, logits.shape[-1]), dtype=np.float32)
+        return np.array(logits[mx.array([int(r) for r in rows], dtype=mx.int32)].astype(mx.float32))
+
+    def _executed(self, path: str, **extra) -> dict[str, Any]:
+        v = _versions()
+        return {"path": path, "engine": f"mlx-vlm {v['mlx-vlm']}, mlx {v['mlx']}", "model": self.load_info.get(
+                    "model_class"), "dtype": self.dtype, "device": str(mx.default_device()), "fresh_state": True,
+                "cache": "mlx_vlm.models.cache.make_prompt_cache(model.language_model)",
+                "prompt_cache": self._prompt_cache,
+                "rows": "logits_to_keep = the suffix from the first requested row (mlx-vlm trims before the first "
+                        "KV-shared layer); requested rows selected from it; decode logits_to_keep=1",
+                "config_patch": self.config_patch, **extra}
+
+    def _notes(self, request: Request) -> dict[str, Any]:
+        """How embeddings, per-layer inputs, masks and audio soft tokens went in (media and embeddings
+        requests); the rows of a full request; the caches of a multi request."""
+        if request.kind == "full":
+            return {"rows": len(request.tokens)}
+        ple = bool(self.text_config.hidden_size_per_layer_input)
+        out: dict[str, Any] = {}
+        if request.images or request.audio:
+            vision_masks = self.text_config.use_bidirectional_attention == "vision"
+            out = {"inputs_embeds": "scaled (E[ids] * sqrt(H) at text rows, soft tokens unscaled at media rows), "
+                                    "float32, as language_model(inputs_embeds=...)",
+                   "per_layer_inputs": ("Model.get_input_embeddings(input_ids): token id 0 at image/audio/video "
+                                        "token positions" if ple else None),
+                   "mm_token_type_ids": "the processor's rule (1 image, 3 audio), from the sequence's start; decode "
+                                        "steps none"}
+            if request.images:
+                out["images"] = [list(b) for b in request.images]
+                out["image_mask"] = ("mlx-vlm Gemma4TextModel._make_masks: the same-block overlay OR-ed into the "
+                                     "mask of every layer type (full and sliding), only when the forward's mask is "
+                                     "square (no cached prefix)" if vision_masks else
+                                     "causal (use_bidirectional_attention is not 'vision')")
+            if request.audio:
+                out["audio"] = [list(b) for b in request.audio]
+                out["audio_tower"] = ("mlx-vlm AudioEncoder + embed_audio via Model.get_input_embeddings("
+                                      "input_features, input_features_mask) on each forward's clips as one padded "
+                                      "batch, scattered into the audio token rows" if self.audio_tower else
+                                      "none: the request's soft tokens are used as given")
+            return out
+        if request.kind == "last" and request.entry == "embeddings":
+            return {"inputs_embeds": ("scaled, as language_model(inputs_embeds=...)" if self.family.media else
+                                      "scaled / sqrt(H), as language_model(input_embeddings=...), which scales by "
+                                      "sqrt(H)"),
+                    "per_layer_inputs": "looked up by the token ids" if ple else None}
+        if request.kind == "multi":
+            return {"caches": "one make_prompt_cache(model.language_model) per seq_id"}
+        return {}

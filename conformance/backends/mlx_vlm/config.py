@@ -1,0 +1,164 @@
+"""What mlx-vlm reads from a checkpoint's config.json, against what the config means (refimpl's derivation),
+and the checkpoint view that hands mlx-vlm the difference.
+
+mlx-vlm builds its models from dataclass configs with defaults of their own (``TextConfig`` of
+``mlx_vlm.models.gemma4.config`` and ``ModelConfig`` of ``mlx_vlm.models.gemma4_text.config``:
+``use_double_wide_mlp=True``, ``num_kv_shared_layers=20``, a 4:1 ``layer_types`` pattern, a 30.0 softcap,
+the legacy ``global_head_dim`` / ``num_global_key_value_heads`` only, ...). :func:`config_patch` derives
+every key mlx-vlm reads from a ``refimpl.config.TextConfig`` and lists those the checkpoint lacks or
+states in a form mlx-vlm reads differently. Unlike mlx-lm, mlx-vlm's ``load_model`` takes no config
+override, so :func:`checkpoint_view` writes the patched config.json into a temporary directory next to
+links to the checkpoint's other files (the checkpoint itself is never written), and mlx-vlm's own
+loader reads that directory.
+
+One top-level key is patched as well: an explicit ``"vision_config": null`` (an audio-text checkpoint).
+``mlx_vlm.utils.load_model`` fills an absent ``vision_config`` with ``{}`` (``setdefault``) but keeps an
+explicit null, and ``mlx_vlm.models.gemma4.Model`` then fails building its vision tower from None
+(``AttributeError: 'NoneType' object has no attribute 'model_type'``). The view drops the key, so
+mlx-vlm builds its default vision tower, which holds no checkpoint weight and which mlx-vlm's loader then
+disables itself (``_drop_modules_without_weights``: "Checkpoint has no weights for module(s):
+vision_tower, embed_vision").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from refimpl.config import FULL, SLIDING
+
+__all__ = ["ABSENT", "checkpoint_view", "config_patch", "mlx_vlm_text_keys", "patched_config", "remove_view", "same"]
+
+ABSENT = "absent"  # how the patch shows a key the checkpoint does not have (or one the view removes)
+_MISSING = object()
+
+
+def same(a: Any, b: Any) -> bool:
+    """JSON-level equality with int/float equivalence (30 == 30.0), as mlx-vlm would read the value."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return float(a) == float(b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def mlx_vlm_text_keys(cfg, family: str) -> dict[str, Any]:
+    """The value of every text-config key mlx-vlm's ``family`` ("gemma4_text" or "gemma4") reads,
+    derived from a ``refimpl.config.TextConfig`` (which resolves both serialisations and every default)."""
+    sliding = [layer for layer in cfg.layers if layer.layer_type == SLIDING]
+    full = [layer for layer in cfg.layers if layer.layer_type == FULL]
+    keys: dict[str, Any] = {
+        "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
+        "intermediate_size": cfg.intermediate_size, "num_attention_heads": cfg.num_attention_heads,
+        "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.rms_norm_eps, "sliding_window": cfg.sliding_window,
+        "final_logit_softcapping": cfg.final_logit_softcapping,
+        "hidden_size_per_layer_input": cfg.hidden_size_per_layer_input,
+        "num_kv_shared_layers": cfg.num_kv_shared_layers, "use_double_wide_mlp": cfg.use_double_wide_mlp,
+        "attention_k_eq_v": cfg.attention_k_eq_v, "enable_moe_block": cfg.enable_moe_block,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "layer_types": list(cfg.layer_types),
+    }
+    if family == "gemma4":  # only the conditional model's text config has the vision-block switch
+        keys["use_bidirectional_attention"] = cfg.use_bidirectional_attention
+    if cfg.has_ple:
+        keys["vocab_size_per_layer_input"] = cfg.vocab_size_per_layer_input
+    if cfg.enable_moe_block:
+        keys.update(num_experts=cfg.num_experts, top_k_experts=cfg.top_k_experts,
+                    moe_intermediate_size=cfg.moe_intermediate_size)
+    # mlx-vlm (as mlx-lm): sliding layers use head_dim / num_key_value_heads; full layers global_head_dim,
+    # and num_global_key_value_heads only with K=V. Geometry it cannot express is caught after loading.
+    kv_layers = sliding or full
+    keys["head_dim"] = kv_layers[0].head_dim
+    keys["num_key_value_heads"] = kv_layers[0].num_kv_heads
+    if full:
+        keys["global_head_dim"] = full[0].head_dim
+        if cfg.attention_k_eq_v:
+            keys["num_global_key_value_heads"] = full[0].num_kv_heads
+    rope = {}
+    for layer in (sliding[:1] + full[:1]):
+        spec = layer.rope
+        entry: dict[str, Any] = {"rope_type": spec.rope_type, "rope_theta": spec.theta}
+        if spec.rope_type == "proportional":
+            entry.update(partial_rotary_factor=spec.partial_rotary_factor, factor=spec.factor)
+        rope[layer.layer_type] = entry
+    keys["rope_parameters"] = rope
+    return keys
+
+
+def _rope_effective(entry: Any) -> Any:
+    """How mlx-vlm's ``initialize_rope`` reads one rope_parameters entry (for comparing, not writing)."""
+    if not isinstance(entry, dict):
+        return entry
+    rope_type = entry.get("type") or entry.get("rope_type", "default")
+    out = {"rope_type": rope_type, "rope_theta": float(entry.get("rope_theta", 10000.0))}
+    if rope_type == "proportional":
+        out["partial_rotary_factor"] = float(entry.get("partial_rotary_factor", 1.0))
+        out["factor"] = float(entry.get("factor", 1.0))
+    return out
+
+
+def config_patch(raw: dict, cfg, family: str) -> dict[str, dict[str, Any]]:
+    """The keys to hand mlx-vlm so it builds the model refimpl derives from ``raw`` (a parsed config.json)
+    and ``cfg`` (its ``TextConfig``), for mlx-vlm's model ``family``.
+
+    Returns ``{key: {"was": value or "absent", "now": derived value or "absent"}}``: keys of the text
+    section are plain names, top-level keys of the conditional layout ``"<top>.KEY"``. A key is patched
+    when config.json lacks it or states it in a form mlx-vlm reads differently (``per_layer_config``
+    instead of the legacy keys; a last layer that is not full attention, which transformers and refimpl
+    force to full), and ``<top>.vision_config`` when it is an explicit null (see the module docstring).
+    """
+    conditional = isinstance(raw.get("text_config"), dict)
+    text = raw["text_config"] if conditional else raw
+    patch: dict[str, dict[str, Any]] = {}
+    for key, want in mlx_vlm_text_keys(cfg, family).items():
+        have = text.get(key, _MISSING)
+        if key == "rope_parameters" and isinstance(have, dict):
+            ok = all(same(_rope_effective(have.get(t)), want[t]) for t in want)
+        elif key == "use_bidirectional_attention":  # mlx-vlm's default is None, like the spec's
+            ok = same(None if have is _MISSING else have, want)
+        else:
+            ok = have is not _MISSING and same(have, want)
+        if not ok:
+            patch[key] = {"was": ABSENT if have is _MISSING else have, "now": want}
+    if conditional and "vision_config" in raw and raw["vision_config"] is None:
+        patch["<top>.vision_config"] = {"was": None, "now": ABSENT}
+    return patch
+
+
+def patched_config(raw: dict, patch: dict[str, dict[str, Any]]) -> dict:
+    """config.json with ``patch`` applied (a new dict; ``raw`` is not changed)."""
+    out = json.loads(json.dumps(raw))
+    text = out["text_config"] if isinstance(out.get("text_config"), dict) else out
+    for key, change in patch.items():
+        target, name = (out, key.removeprefix("<top>.")) if key.startswith("<top>.") else (text, key)
+        if change["now"] == ABSENT:
+            target.pop(name, None)
+        else:
+            target[name] = change["now"]
+    return out
+
+
+def checkpoint_view(model_dir: Path, raw: dict, patch: dict[str, dict[str, Any]]) -> Path:
+    """A new temporary directory that mlx-vlm's loader reads as the checkpoint: the patched config.json
+    and a symbolic link to every other file of ``model_dir``. The caller removes it (``remove_view``)."""
+    view = Path(tempfile.mkdtemp(prefix="gemma4-conformance-mlx-vlm-view-"))
+    for entry in sorted(Path(model_dir).iterdir()):
+        if entry.name != "config.json":
+            os.symlink(entry.resolve(), view / entry.name)
+    (view / "config.json").write_text(json.dumps(patched_config(raw, patch), indent=2) + "\n", encoding="utf-8")
+    return view
+
+
+def remove_view(view: Path | None) -> None:
+    """Remove a directory made by :func:`checkpoint_view` (its links and config.json, never their targets)."""
+    if view is None or not view.is_dir():
+        return
+    for entry in view.iterdir():
+        entry.unlink()
+    view.rmdir()

@@ -1,0 +1,225 @@
+"""The mlx-vlm models this backend drives, one :class:`Family` per config.json ``model_type``.
+
+mlx-vlm picks its model class by ``model_type`` (``mlx_vlm.utils.get_model_and_args``), and so does the
+backend: :data:`FAMILIES` maps each served model type to how that mlx-vlm model is called.
+
+* ``gemma4_text`` (``Gemma4ForCausalLM`` checkpoints): ``mlx_vlm.models.gemma4_text.Model``, text only
+  (a port of mlx-lm's ``gemma4_text``). A forward is ``model.language_model(ids, cache=...,
+  input_embeddings=..., logits_to_keep=...)``; ``input_embeddings`` are raw ``E[ids]`` (the model
+  multiplies by sqrt(H)) and the per-layer inputs are looked up by the ids.
+* ``gemma4`` (``Gemma4ForConditionalGeneration``): ``mlx_vlm.models.gemma4.Model`` (text model
+  ``gemma4.language.LanguageModel``, vision tower, audio tower), driven as ``mlx_vlm.generate``'s
+  ``generate_step`` drives it: ``model.get_input_embeddings(input_ids, ...)`` gives the merged
+  ``inputs_embeds`` and the ``per_layer_inputs`` (token id 0 at image, audio and video token
+  positions), then ``model.language_model(ids, inputs_embeds=..., per_layer_inputs=..., cache=...,
+  mm_token_type_ids=..., logits_to_keep=...)``; decode steps are ``model.language_model(ids, cache=...,
+  logits_to_keep=1)``, as generate's ``_step``. With audio features, ``get_input_embeddings`` runs
+  mlx-vlm's own audio tower (``AudioEncoder`` + ``embed_audio``) and scatters its output into the audio
+  token positions.
+
+A model type that is not listed gets a one-line error at open (:func:`family_for`). Gemma 4 Unified
+(``gemma4_unified``, ``mlx_vlm.models.gemma4_unified``) has the same text model class as ``gemma4``
+and can be added as a subclass of :class:`Gemma4` that differs in what ``get_input_embeddings`` takes
+(raw 48-px patches with ``image_position_ids``, raw 640-sample audio frames with a True-is-valid mask):
+see docs/backends.md.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from refimpl.model import rope_inv_freq
+
+from ...protocol.types import BackendError
+from .config import same
+
+__all__ = ["FAMILIES", "Family", "Gemma4", "Gemma4Text", "family_for"]
+
+# model types mlx-vlm has for Gemma 4 that this backend does not drive (yet), and why
+NOT_SERVED = {
+    "gemma4_unified": ("Gemma 4 Unified (mlx_vlm.models.gemma4_unified) is not wired into this backend yet "
+                       "(no fixture set grades it); see docs/backends.md, mlx-vlm"),
+    "gemma4_unified_text": "Gemma 4 Unified (text only) is not wired into this backend yet; see docs/backends.md, mlx-vlm",
+}
+
+
+class Family:
+    """How one mlx-vlm model class is called (the subclasses say)."""
+
+    model_type = ""
+    media = False  # serves image and audio prompts
+    mlx_module = ""
+
+    # -- structure ------------------------------------------------------------------------------
+
+    @staticmethod
+    def text_model(model):
+        """The decoder (``Gemma4TextModel``) inside mlx-vlm's model."""
+        return model.language_model.model
+
+    def owns_kv(self, attn) -> bool:
+        raise NotImplementedError
+
+    def tied_head(self, model) -> bool:
+        raise NotImplementedError
+
+    def extra_checks(self, model, cfg, check) -> None:
+        """Family-specific geometry checks (``check(what, got, want)``)."""
+
+    # -- calls ----------------------------------------------------------------------------------
+
+    def prompt(self, model, ids: mx.array, cache: list, embeddings: np.ndarray | None, hidden_size: int,
+               logits_to_keep: int | None, token_types: Sequence[int] | None = None,
+               audio_features: tuple[mx.array, mx.array] | None = None) -> tuple[mx.array, dict[str, Any]]:
+        """One prompt forward: ``(logits [rows kept, V], notes)``. ``embeddings``: scaled input embeddings
+        ``[T, H]`` (float64), or None for the token lookup."""
+        raise NotImplementedError
+
+    def decode(self, model, ids: mx.array, cache: list) -> mx.array:
+        """One decode step (one token): logits ``[1, V]``."""
+        raise NotImplementedError
+
+
+class Gemma4Text(Family):
+    model_type = "gemma4_text"
+    mlx_module = "mlx_vlm.models.gemma4_text"
+
+    def owns_kv(self, attn) -> bool:
+        return bool(attn.has_kv)
+
+    def tied_head(self, model) -> bool:
+        return bool(model.language_model.tie_word_embeddings)
+
+    def prompt(self, model, ids, cache, embeddings, hidden_size, logits_to_keep, token_types=None,
+               audio_features=None):
+        kwargs: dict[str, Any] = {"logits_to_keep": logits_to_keep}
+        notes: dict[str, Any] = {}
+        if embeddings is not None:
+            # gemma4_text's input_embeddings are raw E[ids]: it multiplies by sqrt(H) itself
+            raw = np.asarray(embeddings, dtype=np.float64) / math.sqrt(hidden_size)
+            kwargs["input_embeddings"] = mx.array(raw.astype(np.float32)[None])
+            notes["input_embeddings"] = "scaled / sqrt(H) (raw), as Gemma4TextModel multiplies by sqrt(H)"
+        return model.language_model(ids, cache=cache, **kwargs).logits[0], notes
+
+    def decode(self, model, ids, cache):
+        return model.language_model(ids, cache=cache, logits_to_keep=1).logits[0]
+
+
+class Gemma4(Family):
+    model_type = "gemma4"
+    mlx_module = "mlx_vlm.models.gemma4"
+    media = True
+
+    def owns_kv(self, attn) -> bool:
+        return not attn.kv_shared_only
+
+    def tied_head(self, model) -> bool:
+        return True  # gemma4.language.LanguageModel has no lm_head: logits_from_hidden is embed_tokens.as_linear
+
+    def extra_checks(self, model, cfg, check) -> None:
+        check("use_bidirectional_attention", self.text_model(model).config.use_bidirectional_attention,
+              cfg.use_bidirectional_attention)
+
+    def prompt(self, model, ids, cache, embeddings, hidden_size, logits_to_keep, token_types=None,
+               audio_features=None):
+        features = {}
+        if audio_features is not None:
+            features = {"input_features": audio_features[0], "input_features_mask": audio_features[1]}
+        merged = model.get_input_embeddings(input_ids=ids, **features)
+        h = merged.inputs_embeds
+        notes: dict[str, Any] = {}
+        if embeddings is not None:
+            given = mx.array(np.asarray(embeddings, dtype=np.float32)[None]).astype(h.dtype)
+            if audio_features is not None:  # the audio rows from mlx-vlm's tower, every other row as given
+                at_audio = mx.expand_dims(ids == model.config.audio_token_id, -1)
+                notes["audio_rows_max_abs"] = float(mx.max(mx.abs(mx.where(at_audio, h - given, 0.0))).item())
+                h = mx.where(at_audio, h, given)
+            else:
+                h = given
+        kwargs: dict[str, Any] = {"logits_to_keep": logits_to_keep}
+        if token_types is not None and any(token_types):
+            kwargs["mm_token_type_ids"] = mx.array([list(token_types)], dtype=mx.int32)
+            notes["mm_token_type_ids"] = len(token_types)
+        out = model.language_model(ids, inputs_embeds=h, per_layer_inputs=merged.per_layer_inputs, cache=cache,
+                                   **kwargs)
+        return out.logits[0], notes
+
+    def decode(self, model, ids, cache):
+        return model.language_model(ids, cache=cache, logits_to_keep=1).logits[0]
+
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (Gemma4Text(), Gemma4())}
+
+
+def family_for(raw: dict, where: str) -> Family:
+    """The family of a parsed config.json (its top-level ``model_type``, as mlx-vlm dispatches), or a
+    one-line ``BackendError``."""
+    model_type = raw.get("model_type")
+    served = ", ".join(sorted(FAMILIES))
+    if model_type in FAMILIES:
+        return FAMILIES[model_type]
+    if model_type in NOT_SERVED:
+        raise BackendError(f"mlx-vlm backend: {where}: model_type {model_type!r}: {NOT_SERVED[model_type]}")
+    raise BackendError(f"mlx-vlm backend: {where}: model_type {model_type!r} is not a Gemma 4 model this backend "
+                       f"serves (it serves mlx-vlm's {served})")
+
+
+# -- geometry ---------------------------------------------------------------------------------
+
+
+def inv_freq_of(rope_module, head_dim: int) -> np.ndarray:
+    """The inverse RoPE frequencies an mlx-vlm rope module applies (zero where it does not rotate)."""
+    if hasattr(rope_module, "_freqs"):  # ProportionalRoPE: freqs are wavelengths, inf = no rotation
+        freqs = np.array(rope_module._freqs.astype(mx.float32), dtype=np.float64)
+        return np.where(np.isinf(freqs), 0.0, 1.0 / freqs)
+    if isinstance(rope_module, nn.RoPE) and rope_module.dims == head_dim and not rope_module.traditional:
+        return rope_module.scale / float(rope_module.base) ** (np.arange(0, head_dim, 2) / head_dim)
+    raise BackendError(f"mlx-vlm backend: unexpected RoPE module {type(rope_module).__name__}; this backend "
+                       "cannot check it against the spec")
+
+
+def geometry_problems(family: Family, model, cfg) -> list[str]:
+    """How the built mlx-vlm model differs from the model refimpl derives from config.json (empty: none)."""
+    inner = family.text_model(model)
+    problems: list[str] = []
+
+    def check(what, got, want):
+        if not same(got, want):
+            problems.append(f"{what}: mlx-vlm has {got!r}, the config means {want!r}")
+
+    check("number of layers", len(inner.layers), cfg.num_hidden_layers)
+    check("vocab_size", inner.embed_tokens.weight.shape[0], cfg.vocab_size)
+    check("sliding_window", inner.window_size, cfg.sliding_window)
+    check("final_logit_softcapping", model.language_model.final_logit_softcapping, cfg.final_logit_softcapping)
+    check("tie_word_embeddings", family.tied_head(model), cfg.tie_word_embeddings)
+    check("embedding scale", inner.embed_scale, math.sqrt(cfg.hidden_size))
+    check("hidden_size_per_layer_input", inner.hidden_size_per_layer_input or 0, cfg.hidden_size_per_layer_input)
+    check("final norm eps", inner.norm.eps, cfg.rms_norm_eps)
+    for spec, layer, prev in zip(cfg.layers, inner.layers, inner.previous_kvs):
+        i, attn = spec.index, layer.self_attn
+        check(f"layer {i} type", layer.layer_type, spec.layer_type)
+        check(f"layer {i} head_dim", attn.head_dim, spec.head_dim)
+        check(f"layer {i} KV heads", attn.n_kv_heads, spec.num_kv_heads)
+        check(f"layer {i} K=V", attn.use_k_eq_v, spec.k_eq_v)
+        check(f"layer {i} KV source", prev, spec.kv_source)
+        check(f"layer {i} owns K/V", family.owns_kv(attn), spec.owns_kv)
+        check(f"layer {i} FFN width", layer.mlp.gate_proj.weight.shape[0], spec.ffn_width)
+        check(f"layer {i} MoE", layer.enable_moe, cfg.enable_moe_block)
+        check(f"layer {i} norm eps", layer.input_layernorm.eps, cfg.rms_norm_eps)
+        want = rope_inv_freq(spec.rope, spec.head_dim)
+        got = inv_freq_of(attn.rope, spec.head_dim)
+        if got.shape != want.shape or not np.allclose(got, want, rtol=1e-6, atol=0.0):
+            problems.append(f"layer {i} RoPE inverse frequencies: mlx-vlm has {got.tolist()}, "
+                            f"the config means {want.tolist()}")
+    if cfg.enable_moe_block:
+        router = inner.layers[0].router
+        check("num_experts", router.config.num_experts, cfg.num_experts)
+        check("top_k_experts", router.config.top_k_experts, cfg.top_k_experts)
+    family.extra_checks(model, cfg, check)
+    return problems

@@ -1,0 +1,150 @@
+"""The image and audio front ends of a checkpoint, one interface for both families.
+
+A Gemma 4 checkpoint with towers (E2B, E4B, 26B-A4B, 31B) turns an image into pooled vision-tower
+soft tokens and a clip into conformer soft tokens over log-mel features; a Gemma 4 Unified checkpoint
+(12B) embeds 48-pixel patches and 640-sample frames directly (``refimpl.unified``). Everything that
+takes images or audio (the CLI, generation, the gate's fixture generator, the self-test engine) goes
+through these two classes, so the family is decided in one place:
+
+    front = image_front_end(model_dir)         # or audio_front_end(model_dir)
+    x = front.preprocess(pixels)                # .pixels .pixel_values .positions .num_soft_tokens
+    soft = front.soft_tokens(x)                 # [M, H]
+
+    clip = audio.features(samples, rate)        # .features [F, d] .mask [F]
+    audio.soft_token_count(clip)                # M, before any model weight is read
+    soft = audio.soft_tokens(clip)              # [M, H]
+
+``features`` are log-mel frames for the conformer and raw 640-sample frames for Unified; ``mask`` marks
+the valid frames (all of them for Unified). The weights are loaded on first use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .audio import audio_tower, load_audio_tower
+from .audio_features import (AudioFeatures, RESAMPLE_HINT, audio_features, audio_soft_token_count,
+                             load_audio_feature_settings)
+from .errors import InputError
+from .image import ImageProcessorSettings, check_soft_token_budget, load_image_processor_settings, preprocess_image
+from .unified import (SAMPLING_RATE, UnifiedAudioWeights, UnifiedVisionWeights, audio_embedder, audio_frames,
+                      is_unified, preprocess_unified_image, vision_embedder)
+from .vision import load_vision_config, load_vision_tower, vision_tower
+
+
+class ImageFrontEnd:
+    """Image processor settings and the model part that makes soft tokens of a checkpoint's images."""
+
+    def __init__(self, model_dir: str | Path, dtype: str = "float64"):
+        self.model_dir, self.dtype = Path(model_dir), dtype
+        self.unified = is_unified(model_dir)
+        self.cfg = (UnifiedVisionWeights.load_config(model_dir) if self.unified else load_vision_config(model_dir))
+        self.settings: ImageProcessorSettings = load_image_processor_settings(model_dir, self.cfg)
+        self._weights = None
+
+    @property
+    def kind(self) -> str:
+        """"embedder" (Unified, encoder-free) or "tower"."""
+        return "embedder" if self.unified else "tower"
+
+    def with_budget(self, max_soft_tokens: int) -> "ImageFrontEnd":
+        """The same front end with another soft-token budget (one of 70, 140, 280, 560, 1120)."""
+        self.settings = ImageProcessorSettings(self.settings.patch_size, self.settings.pooling_kernel_size,
+                                               check_soft_token_budget(max_soft_tokens))
+        return self
+
+    def preprocess(self, pixels: np.ndarray):
+        """RGB uint8 [h, w, 3] -> refimpl.image.ProcessedImage or refimpl.unified.UnifiedImage."""
+        st = self.settings
+        if self.unified:
+            return preprocess_unified_image(pixels, st)
+        return preprocess_image(pixels, st.patch_size, st.pooling_kernel_size, st.max_soft_tokens)
+
+    @property
+    def weights(self):
+        if self._weights is None:
+            self._weights = (UnifiedVisionWeights(self.model_dir, self.cfg, self.dtype) if self.unified
+                             else load_vision_tower(self.model_dir, self.dtype)[0])
+        return self._weights
+
+    def soft_tokens(self, processed) -> np.ndarray:
+        """Soft tokens [M, H] of one preprocessed image."""
+        return self.embed(processed.pixel_values, processed.positions)
+
+    def embed(self, pixel_values: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Soft tokens [M, H] from the model input of one image (patches and (x, y) positions)."""
+        run = vision_embedder if self.unified else vision_tower
+        return run(pixel_values, positions, self.weights, self.cfg)
+
+
+@dataclass(frozen=True)
+class UnifiedClip:
+    features: np.ndarray  # float64 [F, A] raw frames (float32 values), the last zero-padded
+    mask: np.ndarray  # bool [F], all True
+
+
+class AudioFrontEnd:
+    """Feature extraction and the model part that makes soft tokens of a checkpoint's audio clips."""
+
+    def __init__(self, model_dir: str | Path, dtype: str = "float64"):
+        self.model_dir, self.dtype = Path(model_dir), dtype
+        self.unified = is_unified(model_dir)
+        if self.unified:
+            self.cfg = UnifiedAudioWeights.load_config(model_dir)
+            self.sampling_rate = SAMPLING_RATE
+            self.settings = None
+        else:
+            self.settings = load_audio_feature_settings(model_dir)
+            self.sampling_rate = self.settings.sampling_rate
+            self.cfg = None  # the conformer's, read with its weights
+        self._weights = None
+
+    @property
+    def kind(self) -> str:
+        return "embedder" if self.unified else "tower"
+
+    def features(self, samples, rate: int) -> AudioFeatures | UnifiedClip:
+        """The model input of one clip sampled at ``rate`` Hz (InputError for another rate)."""
+        if rate != self.sampling_rate:
+            raise InputError(f"the audio is sampled at {rate} Hz but the checkpoint needs {self.sampling_rate} Hz "
+                             f"({self.sampling_rate / 1000:g} kHz); {RESAMPLE_HINT}")
+        if self.unified:
+            frames = audio_frames(samples, self.cfg)
+            return UnifiedClip(frames, np.ones(frames.shape[0], dtype=bool))
+        return audio_features(samples, rate, self.settings)
+
+    def soft_token_count(self, clip) -> int:
+        """Soft tokens the clip gives (what the processor puts in the prompt)."""
+        if self.unified:
+            return int(clip.mask.sum())
+        return audio_soft_token_count(clip.mask, self.settings.audio_seq_length)
+
+    def _load(self):
+        if self._weights is None:
+            if self.unified:
+                self._weights = UnifiedAudioWeights(self.model_dir, self.cfg, self.dtype)
+            else:
+                self._weights, self.cfg = load_audio_tower(self.model_dir, self.dtype)
+        return self._weights
+
+    def soft_tokens(self, clip) -> np.ndarray:
+        """Soft tokens [M, H] of one clip (``features`` output)."""
+        return self.embed(clip.features, clip.mask)
+
+    def embed(self, features: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """Soft tokens [M, H] from a clip's features [F, d] and frame mask [F]."""
+        weights = self._load()
+        if self.unified:
+            return audio_embedder(np.asarray(features)[np.asarray(mask, dtype=bool)], weights, self.cfg)
+        return audio_tower(features, mask, weights, self.cfg)
+
+
+def image_front_end(model_dir: str | Path, dtype: str = "float64") -> ImageFrontEnd:
+    return ImageFrontEnd(model_dir, dtype)
+
+
+def audio_front_end(model_dir: str | Path, dtype: str = "float64") -> AudioFrontEnd:
+    return AudioFrontEnd(model_dir, dtype)

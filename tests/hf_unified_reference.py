@@ -1,0 +1,232 @@
+"""Hugging Face transformers' Gemma 4 Unified (``Gemma4UnifiedForConditionalGeneration``) as an independent
+float64 reference, the counterpart of ``hf_reference.py`` for the 12B encoder-free family.
+
+``modeling_gemma4_unified.py`` has its own copies of the float32 spots of ``modeling_gemma4.py``:
+
+* ``Gemma4UnifiedRMSNorm.forward`` upcasts with ``.float()`` (a downcast for float64 input); it also
+  serves the weightless RMSNorm of both multimodal embedders.          -> patched
+* ``eager_attention_forward`` runs ``softmax(..., dtype=torch.float32)``. -> patched
+* ``Gemma4UnifiedTextRotaryEmbedding.forward`` computes the angles in float32, from float32
+  ``inv_freq`` buffers.                                  -> patched, buffers recomputed in float64
+* ``Gemma4UnifiedTextScaledWordEmbedding.embed_scale`` is a float32-rounded buffer. -> recomputed
+
+Checked and left alone: the vision embedder's ``nn.LayerNorm``s, dense layers and position table run in
+the model dtype; ``get_image_features`` / ``get_audio_features`` only gather and mask; the masks of
+``masking_utils`` are built in the embeddings' dtype. The replacements are copies of the 5.24.0 code
+with only the dtype changed (the sha256 of each original's source is checked before patching).
+
+The two vision-mask rules of transformers 5.24 (unified spec A9) are both reachable: ``hf_logits(...,
+rule="all-unclamped")`` is the default ``forward`` (rule A), ``rule="sliding-clamped"`` forwards the mask
+dict of the static-cache ``create_masks_for_generate`` (rule B).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+import transformers.models.gemma4_unified.modeling_gemma4_unified as _mu
+from transformers import DynamicCache, Gemma4UnifiedForConditionalGeneration
+from transformers.modeling_rope_utils import dynamic_rope_update
+
+from hf_reference import _inv_freq_f64, patched
+
+_F64 = torch.float64
+_ORIG_RMSNORM = _mu.Gemma4UnifiedRMSNorm.forward
+_ORIG_ROTARY = _mu.Gemma4UnifiedTextRotaryEmbedding.forward
+_ORIG_EAGER = _mu.eager_attention_forward
+
+
+def _rmsnorm_f64(self, hidden_states):
+    # Original: self._norm(hidden_states.float()) * self.weight.float()
+    if hidden_states.dtype != _F64:
+        return _ORIG_RMSNORM(self, hidden_states)
+    normed = self._norm(hidden_states)
+    if self.with_scale:
+        normed = normed * self.weight.to(_F64)
+    return normed.type_as(hidden_states)
+
+
+@dynamic_rope_update
+def _rotary_f64_core(self, x, position_ids, layer_type):
+    inv_freq = getattr(self, f"{layer_type}_inv_freq")
+    scaling = getattr(self, f"{layer_type}_attention_scaling")
+    freqs = position_ids[..., None].to(_F64) * inv_freq.to(device=x.device, dtype=_F64)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(x.dtype), (emb.sin() * scaling).to(x.dtype)
+
+
+def _rotary_f64(self, x, position_ids, layer_type):
+    if x.dtype != _F64:
+        return _ORIG_ROTARY(self, x, position_ids, layer_type)
+    return _rotary_f64_core(self, x, position_ids, layer_type)
+
+
+def _eager_f64(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
+    # Original: nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32)
+    if query.dtype != _F64:
+        return _ORIG_EAGER(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                           softcap=softcap, **kwargs)
+    if scaling is None:
+        scaling = module.head_dim ** -0.5
+    key_states = _mu.repeat_kv(key, module.num_key_value_groups)
+    value_states = _mu.repeat_kv(value, module.num_key_value_groups)
+    attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
+    if softcap is not None:
+        attn_weights = torch.tanh(attn_weights / softcap) * softcap
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=_F64).to(query.dtype)
+    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value_states).transpose(1, 2).contiguous()
+    return attn_output, attn_weights
+
+
+# (owner, attribute, original, replacement, sha256 of the original's source in transformers 5.24.0; the
+# same as modeling_gemma4's: the Unified module carries verbatim copies)
+_PATCHES = [
+    (_mu.Gemma4UnifiedRMSNorm, "forward", _ORIG_RMSNORM, _rmsnorm_f64,
+     "7db79da21ac2d7247b3bfaa8134eec6e49ae23d729d12a495d1010127911c4be"),
+    (_mu.Gemma4UnifiedTextRotaryEmbedding, "forward", _ORIG_ROTARY, _rotary_f64,
+     "06ec09d340f9e670650a8428863e05012bf243c46b7c1dc301a5939f2fdd8ee5"),
+    (_mu, "eager_attention_forward", _ORIG_EAGER, _eager_f64,
+     "587d5b52cc6f75078b7bb7a4fa056f5c1ff74e2f5c22d1a6ad161f3282d1671f"),
+]
+
+
+def source_sha256(fn) -> str:
+    return hashlib.sha256(inspect.getsource(inspect.unwrap(fn)).encode()).hexdigest()
+
+
+@contextlib.contextmanager
+def unified_float64_exact() -> Iterator[None]:
+    """Within the block, Gemma 4 Unified computes float64 inputs entirely in float64 (non-float64 inputs
+    go to the originals)."""
+    changed = [f"{getattr(o, '__name__', o)}.{a}" for o, a, orig, _, sha in _PATCHES if source_sha256(orig) != sha]
+    if changed:
+        raise RuntimeError("tests/hf_unified_reference.py copies transformers 5.24.0 code, but the source of "
+                           f"{', '.join(changed)} changed; re-read modeling_gemma4_unified.py")
+    with patched(_PATCHES):
+        yield
+
+
+def recompute_float64_buffers(model: nn.Module) -> nn.Module:
+    """The RoPE inverse frequencies and the embedding scale in float64 (checked against the float32 ones)."""
+    for name, module in model.named_modules():
+        if isinstance(module, _mu.Gemma4UnifiedTextRotaryEmbedding):
+            for layer_type, rope_type in module.rope_type.items():
+                head_dim = module.config.per_layer_config[layer_type].head_dim
+                new = _inv_freq_f64(rope_type, module.config.rope_parameters[layer_type], head_dim)
+                for attr in (f"{layer_type}_inv_freq", f"{layer_type}_original_inv_freq"):
+                    old = getattr(module, attr)
+                    if old.shape != new.shape or not torch.allclose(old.to(_F64), new, rtol=1e-6, atol=0):
+                        raise RuntimeError(f"{name}.{attr}: float64 recomputation disagrees with transformers")
+                    setattr(module, attr, new)
+        elif isinstance(module, _mu.Gemma4UnifiedTextScaledWordEmbedding):
+            module.embed_scale = torch.tensor(float(module.scalar_embed_scale), dtype=_F64)
+    return model
+
+
+def load_hf_unified(model_dir, dtype=torch.float64) -> Gemma4UnifiedForConditionalGeneration:
+    """The checkpoint as an eval-mode float64 eager ``Gemma4UnifiedForConditionalGeneration``; every
+    weight must come from the checkpoint (lm_head is tied)."""
+    model, info = Gemma4UnifiedForConditionalGeneration.from_pretrained(
+        str(model_dir), dtype=dtype, attn_implementation="eager", output_loading_info=True)
+    missing = set(info["missing_keys"]) - {"lm_head.weight"}
+    if missing or info["mismatched_keys"] or info["unexpected_keys"]:
+        raise RuntimeError(f"transformers did not load every weight of {model_dir}: missing {sorted(missing)}, "
+                           f"mismatched {info['mismatched_keys']}, unexpected {info['unexpected_keys']}")
+    model.eval()
+    return recompute_float64_buffers(model) if dtype == _F64 else model
+
+
+def token_types(ids: Sequence[int], config) -> torch.Tensor:
+    """mm_token_type_ids [1, T]: 1 image, 2 video, 3 audio, 0 elsewhere (the processor's)."""
+    ids = torch.tensor([list(ids)])
+    types = torch.zeros_like(ids)
+    types[ids == config.image_token_id] = 1
+    types[ids == config.video_token_id] = 2
+    types[ids == config.audio_token_id] = 3
+    return types
+
+
+def media_kwargs(images=(), clips=()) -> dict:
+    """pixel_values [n, R, C] + image_position_ids [n, R, 2] (images padded alike) and input_features
+    [m, F, A] + input_features_mask [m, F] (clips padded with invalid frames) for forward."""
+    kw = {}
+    if images:
+        kw["pixel_values"] = torch.tensor(np.stack([np.asarray(pv, dtype=np.float64) for pv, _ in images]))
+        kw["image_position_ids"] = torch.tensor(np.stack([np.asarray(pos, dtype=np.int64) for _, pos in images]))
+    if clips:
+        F = max(len(c) for c in clips)
+        feats = np.zeros((len(clips), F, clips[0].shape[1]))
+        mask = np.zeros((len(clips), F), dtype=bool)
+        for j, c in enumerate(clips):
+            feats[j, :len(c)] = c
+            mask[j, :len(c)] = True
+        kw["input_features"] = torch.tensor(feats)
+        kw["input_features_mask"] = torch.tensor(mask)
+    return kw
+
+
+def hf_logits(model, ids: Sequence[int], *, images=(), clips=(), rule: str = "all-unclamped",
+              types: bool = True, exact: bool = True) -> np.ndarray:
+    """Logits [T, V] (float64) of one prompt. ``images``: (pixel_values [R, C], positions [R, 2]) per
+    image, padded as the processor pads; ``clips``: frames [F, A] per clip. ``rule``: "all-unclamped"
+    (transformers' default forward, rule A) or "sliding-clamped" (the static-cache mask dict, rule B);
+    ``types=False`` passes no mm_token_type_ids (causal image tokens)."""
+    tt = token_types(ids, model.config) if types else None
+    kwargs = media_kwargs(images, clips)
+    input_ids = torch.tensor([list(ids)])
+    if rule == "sliding-clamped":
+        embeds = torch.zeros((1, len(ids), model.config.get_text_config().hidden_size), dtype=model.dtype)
+        kwargs["attention_mask"] = model.create_masks_for_generate(
+            model.config, embeds, None, None, torch.arange(len(ids))[None], mm_token_type_ids=tt)
+    elif rule != "all-unclamped":
+        raise ValueError(rule)
+    ctx = unified_float64_exact() if exact else contextlib.nullcontext()
+    with torch.no_grad(), ctx:
+        out = model(input_ids=input_ids, mm_token_type_ids=tt, use_cache=False, **kwargs)
+    return out.logits[0].to(_F64).numpy()
+
+
+def hf_logits_incremental(model, ids: Sequence[int], cuts: Sequence[int], *, images=(), clips=(),
+                          exact: bool = True) -> np.ndarray:
+    """Logits [T, V] of the prompt fed in pieces ``ids[c_i:c_{i+1}]`` through one DynamicCache (the
+    default forward, rule A); the media go with the piece that holds them (one piece must hold them all).
+    Every piece gets the whole prompt's mm_token_type_ids: transformers reads block ids by absolute
+    position (its ``prepare_inputs_for_generation`` does the same on prefill chunks)."""
+    cache = DynamicCache(config=model.config.get_text_config())
+    bounds = [0, *cuts, len(ids)]
+    rows = []
+    ctx = unified_float64_exact() if exact else contextlib.nullcontext()
+    tt_all = token_types(ids, model.config)
+    with torch.no_grad(), ctx:
+        for a, b in zip(bounds, bounds[1:]):
+            kw = media_kwargs(images, clips) if (tt_all[:, a:b] > 0).any() else {}
+            out = model(input_ids=torch.tensor([list(ids[a:b])]), mm_token_type_ids=tt_all, cache=cache,
+                        use_cache=True, position_ids=torch.arange(a, b)[None], **kw)
+            rows.append(out.logits[0].to(_F64).numpy())
+    return np.concatenate(rows)
+
+
+def hf_image_features(model, pixel_values, positions) -> np.ndarray:
+    """The vision embedder's soft tokens [N_real, H] of one image (padding rows dropped)."""
+    with torch.no_grad(), unified_float64_exact():
+        out = model.model.get_image_features(torch.tensor(np.asarray(pixel_values, dtype=np.float64))[None],
+                                             torch.tensor(np.asarray(positions, dtype=np.int64))[None],
+                                             return_dict=True)
+    return out.pooler_output[0].to(_F64).numpy()
+
+
+def hf_audio_features(model, frames) -> np.ndarray:
+    with torch.no_grad(), unified_float64_exact():
+        f = torch.tensor(np.asarray(frames, dtype=np.float64))[None]
+        out = model.model.get_audio_features(f, torch.ones(f.shape[:2], dtype=torch.bool), return_dict=True)
+    return out.pooler_output[0].to(_F64).numpy()
