@@ -2,8 +2,9 @@
 # `make test` runs the test suite.
 # Both create .venv and install what they need on first use.
 #
-# Real engines: `make check-backends` runs the gate for transformers (float32, float64), mlx-lm and
-# the subprocess protocol's reference server and writes .cache/reports/scoreboard.md;
+# Real engines: `make check-backends` runs the gate for transformers (float32, float64), mlx-lm,
+# mlx-vlm (image and audio prompts too) and the subprocess protocol's reference server and writes
+# .cache/reports/scoreboard.md;
 # `make llama-cpp` builds llama-cpp-python from source (about 7 minutes, cached under .cache/), after
 # which `make check-backends CHECK_ARGS=--llama-cpp` adds llama.cpp. CHECK_ARGS=--all adds every
 # dtype and attention (docs/backends.md).

@@ -25,7 +25,7 @@ PROTOCOL_MEMBERS = ("name", "capabilities", "open", "run", "close")
 
 # top-level modules that an extra of this distribution provides
 EXTRA_FOR_MODULE = {"torch": "hf", "transformers": "hf", "google.protobuf": "hf", "mlx": "mlx", "mlx_lm": "mlx",
-                    "llama_cpp": "llama-cpp"}
+                    "mlx_vlm": "mlx", "llama_cpp": "llama-cpp"}
 
 __all__ = ["GROUP", "available_backends", "load_backend", "open_backend", "check_backend", "parse_option"]
 

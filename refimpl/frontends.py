@@ -122,7 +122,8 @@ class AudioFrontEnd:
             return int(clip.mask.sum())
         return audio_soft_token_count(clip.mask, self.settings.audio_seq_length)
 
-    def _load(self):
+    def load(self):
+        """The weights (and, for the conformer, its config), loaded on first use."""
         if self._weights is None:
             if self.unified:
                 self._weights = UnifiedAudioWeights(self.model_dir, self.cfg, self.dtype)
@@ -136,7 +137,7 @@ class AudioFrontEnd:
 
     def embed(self, features: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """Soft tokens [M, H] from a clip's features [F, d] and frame mask [F]."""
-        weights = self._load()
+        weights = self.load()
         if self.unified:
             return audio_embedder(np.asarray(features)[np.asarray(mask, dtype=bool)], weights, self.cfg)
         return audio_tower(features, mask, weights, self.cfg)

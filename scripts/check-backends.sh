@@ -5,11 +5,12 @@
 # Usage: scripts/check-backends.sh [--llama-cpp] [--all] [--out DIR]
 #
 #   (default)     the CI set: refimpl-subprocess (the protocol's reference server), transformers
-#                 float32 and float64, mlx-lm float32
+#                 float32 and float64, mlx-lm float32, mlx-vlm float32
 #   --llama-cpp   also llama.cpp: stock build with its default f16 KV cache, stock with an f32 KV
 #                 cache, and the exact-GELU build with an f32 KV cache (scripts/build-llama-cpp.sh
 #                 --exact-gelu builds them)
-#   --all         also every other dtype and attention of transformers and mlx-lm, and (with
+#   --all         also every other dtype and attention of transformers and mlx-lm, mlx-vlm with
+#                 the request's audio soft tokens (audio_tower=off), and (with
 #                 --llama-cpp) llama.cpp's input embeddings (the scoreboard in docs/backends.md)
 #   --out DIR     where the reports go (default .cache/reports)
 #
@@ -27,7 +28,7 @@ while [ $# -gt 0 ]; do
     --llama-cpp) llama=1 ;;
     --all) all=1 ;;
     --out) shift; OUT="${1:?--out needs a directory}" ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     *) echo "check-backends.sh: unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
@@ -42,6 +43,7 @@ configs=(
   "transformers-float32-eager|transformers|dtype=float32 threads=1"
   "transformers-float64-eager|transformers|dtype=float64 threads=1"
   "mlx-lm-float32|mlx-lm|dtype=float32"
+  "mlx-vlm-float32|mlx-vlm|dtype=float32"
 )
 if [ "$all" = 1 ]; then
   configs+=(
@@ -51,6 +53,7 @@ if [ "$all" = 1 ]; then
     "transformers-bfloat16-sdpa|transformers|dtype=bfloat16 attn=sdpa threads=1"
     "mlx-lm-bfloat16|mlx-lm|dtype=bfloat16"
     "mlx-lm-float16|mlx-lm|dtype=float16"
+    "mlx-vlm-float32-audio-tower-off|mlx-vlm|dtype=float32 audio_tower=off"
   )
 fi
 if [ "$llama" = 1 ]; then

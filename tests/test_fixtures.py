@@ -156,6 +156,8 @@ def small_set(sets) -> Path:
 def bundled_cases(preset: str) -> str:
     """The bundled set of a vision (audio) preset holds the image (audio) matrix only (its text model is a
     text preset's)."""
+    if PRESETS[preset].get("family") == "gemma4_unified":
+        return "all"  # its own decoder: the text matrix, and the image and audio matrices of its embedders
     if PRESETS[preset].get("audio"):
         return "audio"
     return "images" if PRESETS[preset].get("vision") else "text"
@@ -751,10 +753,45 @@ def hf_cross_check(model_dir, bases, base_logits, images=None, audio=None):
         import transformers  # noqa: F401
     except ImportError:
         return None
+    if json.loads((Path(model_dir) / "config.json").read_text()).get("model_type") == "gemma4_unified":
+        return hf_unified_cross_check(model_dir, bases, base_logits, images or {}, audio or {})
     text = {b: ids for b, ids in bases.items() if b not in (images or {}) and b not in (audio or {})}
     return (hf_text_cross_check(model_dir, text, base_logits) if text else []) + \
         (hf_image_cross_check(model_dir, bases, base_logits, images) if images else []) + \
         (hf_audio_cross_check(model_dir, bases, base_logits, audio) if audio else [])
+
+
+def hf_unified_cross_check(model_dir, bases, base_logits, images, audio):
+    """transformers Gemma4UnifiedForConditionalGeneration in float64 (tests/hf_unified_reference.py) against
+    the stored logits: every base in one forward with the rule-B mask dict of its static path (the set's
+    rule, sliding-clamped), image bases from the stored padded patches and positions, audio bases from the
+    stored raw frames (transformers' own embedders); chunked prefill and decode on base A."""
+    import torch
+    import transformers
+    from hf_unified_reference import hf_logits, hf_logits_incremental, load_hf_unified
+
+    torch.set_num_threads(1)
+    hf = load_hf_unified(model_dir)
+    worst = {"text": 0.0, "image": 0.0, "audio": 0.0}
+    for b, ids in bases.items():
+        kind = "image" if b in images else "audio" if b in audio else "text"
+        imgs = [(p.pixel_values, p.positions) for p in images.get(b, ())]
+        clips = [c.features[c.mask] for c in audio.get(b, ())]
+        got = hf_logits(hf, [int(t) for t in ids], images=imgs, clips=clips, rule="sliding-clamped")
+        worst[kind] = max(worst[kind], float(np.max(np.abs(got - base_logits[b]))))
+    ids = [int(t) for t in bases["A"]]
+    cuts = np.cumsum([3, 10, 1, 1, 13, len(ids) - 31, 1, 1]).tolist()
+    inc = float(np.max(np.abs(hf_logits_incremental(hf, ids, cuts) - base_logits["A"])))
+    who = (f"transformers {transformers.__version__} Gemma4UnifiedForConditionalGeneration (eager, float64 with the "
+           f"float32 spots made float64 by tests/hf_unified_reference.py; torch {torch.__version__})")
+    return [{"implementation": who, "agreement": worst[k], "detail": d} for k, d in (
+        ("text", "full forward over every text base, max abs"),
+        ("image", f"every row of the image bases ({', '.join(images)}) from the stored padded patches and positions, "
+                  "mm_token_type_ids and the static-cache mask dict (rule sliding-clamped), max abs"),
+        ("audio", f"every row of the audio bases ({', '.join(audio)}) from the stored raw frames (transformers' "
+                  "own embedder), max abs")) if k == "text" or (images if k == "image" else audio)] + [
+        {"implementation": who + ", DynamicCache", "agreement": inc,
+         "detail": f"chunked prefill and decode on base A, cuts {cuts}, max abs"}]
 
 
 def hf_audio_cross_check(model_dir, bases, base_logits, audio):

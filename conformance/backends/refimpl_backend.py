@@ -23,8 +23,9 @@ from typing import Any
 import numpy as np
 
 from refimpl import Gemma4, KVCache, RefimplError
-from refimpl.audio import audio_tower, load_audio_tower
 from refimpl.config import read_config_json
+from refimpl.frontends import audio_front_end, image_front_end
+from refimpl.model import VISION_MASK_RULES
 from refimpl.multimodal import llm_input_ids, load_multimodal_tokens
 
 from ..protocol.serving import CachedBackend
@@ -49,7 +50,7 @@ def all_capabilities(default_profile: str) -> Capabilities:
         full_forward=True, last_plain=True, last_seq_id=True, last_embeddings=True,
         embedding_convention="scaled", interior_rows=True, output_rows=True, ubatch=True,
         chunked_prefill=True, multi_sequence=True, decode=True, image_prompts=True, audio_prompts=True,
-        audio_tower=True, default_profile=default_profile,
+        audio_tower=True, image_tower=True, default_profile=default_profile,
     )
 
 
@@ -57,14 +58,20 @@ class RefimplBackend(CachedBackend):
     """The exact NumPy oracle behind the backend protocol (``conformance.backend.Backend``).
 
     Options: ``dtype`` ("float64" or "float32"), ``embed_scale`` ("exact" or "bf16"),
-    ``default_profile`` (default: "exact-f64" for float64, "fp32" for float32).
+    ``default_profile`` (default: "exact-f64" for float64, "fp32" for float32), ``vision_mask``
+    (refimpl.model.VISION_MASK_RULES; default "sliding-clamped", the bundled sets' rule).
     """
 
     who = "refimpl backend"
 
-    def __init__(self, dtype: str = "float64", embed_scale: str = "exact", default_profile: str | None = None):
+    def __init__(self, dtype: str = "float64", embed_scale: str = "exact", default_profile: str | None = None,
+                 vision_mask: str = "sliding-clamped"):
         super().__init__()
         self.dtype, self.embed_scale = check_options(self.who, dtype, embed_scale)
+        if vision_mask not in VISION_MASK_RULES:
+            raise ValueError(f"{self.who}: vision_mask must be one of {', '.join(VISION_MASK_RULES)}, got "
+                             f"{vision_mask!r}")
+        self.vision_mask = vision_mask
         name = "refimpl" if self.dtype == "float64" else "refimpl-float32"
         self.name = name if embed_scale == "exact" else f"{name}-bf16-scale"
         if default_profile is None:
@@ -75,17 +82,18 @@ class RefimplBackend(CachedBackend):
 
     def open(self, model_dir: Path) -> None:
         try:
-            self.model = Gemma4(model_dir, dtype=self.dtype, embed_scale=self.embed_scale)
+            self.model = Gemma4(model_dir, dtype=self.dtype, embed_scale=self.embed_scale, vision_mask=self.vision_mask)
             self.tokens = load_multimodal_tokens(model_dir)
             _, raw = read_config_json(model_dir)
-            self.audio = load_audio_tower(model_dir, self.dtype) if isinstance(raw.get("audio_config"), dict) else None
+            self.vision = image_front_end(model_dir, self.dtype) if isinstance(raw.get("vision_config"), dict) else None
+            self.audio = audio_front_end(model_dir, self.dtype) if isinstance(raw.get("audio_config"), dict) else None
         except (RefimplError, OSError) as exc:
             raise BackendError(f"refimpl backend cannot open {model_dir}: {exc}") from exc
 
     def close(self) -> None:
         self.model = None
         self.tokens = None
-        self.audio = None
+        self.vision = self.audio = None
         self._states = {}
 
     def embed(self, ids: Sequence[int]) -> np.ndarray:
@@ -116,13 +124,14 @@ class RefimplBackend(CachedBackend):
 
     def _forward(self, tokens: Sequence[int], rows: list[int], state, embeddings=None,
                  images: Sequence[tuple[int, int]] = (), audio: Sequence[tuple[int, int]] = (),
-                 audio_inputs: Sequence = ()) -> tuple[np.ndarray, dict]:
+                 audio_inputs: Sequence = (), image_inputs: Sequence = ()) -> tuple[np.ndarray, dict]:
         """The oracle's forward continuing the KV cache ``state``: only ``rows`` go through the LM
         head; a forward with no row (``rows=[]``) still writes K/V for all its tokens. Image and audio
         blocks: their per-layer-input rows come from the pad id; on ``use_bidirectional_attention ==
         "vision"`` checkpoints the image blocks are the forward's vision blocks (audio stays causal).
-        Audio soft tokens are computed here with the oracle's audio tower from ``audio_inputs`` (the
-        given embeddings' audio rows are replaced), so the stored soft tokens are checked too."""
+        Image and audio soft tokens are computed here with the oracle's tower or embedder from
+        ``image_inputs`` and ``audio_inputs`` (the given embeddings' media rows are replaced), so the
+        stored soft tokens are checked too."""
         ids = np.asarray(tokens, dtype=np.int64)
         placeholder = np.zeros(ids.shape[0], dtype=bool)
         blocks, notes = None, {}
@@ -137,25 +146,31 @@ class RefimplBackend(CachedBackend):
             blocks = np.full(ids.shape[0], -1, dtype=np.int64)
             for b, (start, n) in enumerate(images):
                 blocks[start:start + n] = b
+        if images and image_inputs:
+            embeddings = self._with_soft_tokens(np.array(embeddings, dtype=np.float64), images,
+                                                [(i.pixel_values, i.positions) for i in image_inputs], self.vision,
+                                                "image", "vision_config")
+            notes["image_soft_tokens"] = f"refimpl vision {self.vision.kind}"
         if audio:
-            embeddings = self._with_audio(np.array(embeddings, dtype=np.float64), audio, audio_inputs)
-            notes["audio_soft_tokens"] = "refimpl audio tower"
+            embeddings = self._with_soft_tokens(np.array(embeddings, dtype=np.float64), audio,
+                                                [(c.features, c.mask) for c in audio_inputs], self.audio, "audio",
+                                                "audio_config")
+            notes["audio_soft_tokens"] = f"refimpl audio {self.audio.kind}"
         if placeholder.any():
             pad = self.model.cfg.pad_token_id if self.model.cfg.pad_token_id is not None else 0
             ids = llm_input_ids(ids, placeholder, pad)
         logits = self.model.forward(ids, rows=rows, cache=state, embeddings=embeddings, vision_blocks=blocks)
         return logits, notes
 
-    def _with_audio(self, embeddings: np.ndarray, audio, audio_inputs) -> np.ndarray:
-        """``embeddings`` with each audio block's rows replaced by the oracle's soft tokens of its clip."""
-        if self.audio is None:
-            raise ValueError(f"{self.who}: an audio prompt, but the checkpoint has no audio tower (audio_config)")
-        weights, cfg = self.audio
-        for (start, n), clip in zip(audio, audio_inputs):
-            soft = audio_tower(np.asarray(clip.features, dtype=np.float64), np.asarray(clip.mask, dtype=bool),
-                               weights, cfg)
+    def _with_soft_tokens(self, embeddings: np.ndarray, spans, inputs, front, what: str, key: str) -> np.ndarray:
+        """``embeddings`` with each ``what`` block's rows replaced by the oracle's soft tokens of its
+        input (``front.embed(*input)``: a refimpl.frontends front end)."""
+        if front is None:
+            raise ValueError(f"{self.who}: an {what} prompt, but the checkpoint has no {what} tower or embedder ({key})")
+        for (start, n), args in zip(spans, inputs):
+            soft = front.embed(*args)
             if soft.shape[0] != n:
-                raise ValueError(f"{self.who}: the audio block ({start}, {n}) has {n} tokens but its clip gives "
+                raise ValueError(f"{self.who}: the {what} block ({start}, {n}) has {n} tokens but its input gives "
                                  f"{soft.shape[0]} soft tokens")
             embeddings[start:start + n] = soft
         return embeddings
@@ -175,5 +190,7 @@ class RefimplBackend(CachedBackend):
 class RefimplFloat32Backend(RefimplBackend):
     """The oracle run in float32 throughout: a stand-in for a float32 engine (profile ``fp32``)."""
 
-    def __init__(self, embed_scale: str = "exact", default_profile: str | None = None):
-        super().__init__(dtype="float32", embed_scale=embed_scale, default_profile=default_profile)
+    def __init__(self, embed_scale: str = "exact", default_profile: str | None = None,
+                 vision_mask: str = "sliding-clamped"):
+        super().__init__(dtype="float32", embed_scale=embed_scale, default_profile=default_profile,
+                         vision_mask=vision_mask)

@@ -49,6 +49,7 @@ def build_request(case: Case, bases: Mapping[str, np.ndarray], embed: Callable[[
     images = _images_within(m.images, T) if m is not None else ()
     audio = _images_within(m.audio, T) if m is not None else ()
     audio_inputs = tuple(m.audio_inputs[:len(audio)]) if m is not None else ()
+    image_inputs = tuple(m.image_inputs[:len(images)]) if m is not None else ()
     if case.kind == "last":
         tokens = _ids(base[:T])
         embeddings = None
@@ -57,7 +58,8 @@ def build_request(case: Case, bases: Mapping[str, np.ndarray], embed: Callable[[
         elif case.entry == "embeddings":
             embeddings = np.asarray(embed(np.asarray(tokens, dtype=np.int64)), dtype=np.float64)
         return Request(kind="last", tokens=tokens, entry=case.entry, last_pos=case.last_pos, seq_id=case.seq_id,
-                       embeddings=embeddings, decode=decode, images=images, audio=audio, audio_inputs=audio_inputs)
+                       embeddings=embeddings, decode=decode, images=images, audio=audio, audio_inputs=audio_inputs,
+                       image_inputs=image_inputs)
     if case.kind == "prefill":
         pieces, offset = [], 0
         for n, rows in case.pieces:
@@ -66,7 +68,7 @@ def build_request(case: Case, bases: Mapping[str, np.ndarray], embed: Callable[[
                                 embeddings=rows_embeddings))
             offset += n
         return Request(kind="prefill", pieces=tuple(pieces), ubatch=case.ubatch, decode=decode, images=images,
-                       audio=audio, audio_inputs=audio_inputs)
+                       audio=audio, audio_inputs=audio_inputs, image_inputs=image_inputs)
     raise ValueError(f"case {case.id}: unknown kind {case.kind!r}")
 
 

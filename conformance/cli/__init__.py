@@ -92,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "pillow); default: synthetic images")
     g.add_argument("--audio", action="append", metavar="FILE.wav",
                    help="a 16 kHz WAV clip for the audio bases (repeat for more); default: synthetic clips")
+    g.add_argument("--vision-mask", choices=("sliding-clamped", "all-unclamped"), default="sliding-clamped",
+                   help="how image blocks open the oracle's mask on 'vision' checkpoints: sliding-clamped (default: "
+                        "sliding layers only, inside the window; transformers' static path, llama.cpp, vLLM) or "
+                        "all-unclamped (every layer, after the window; transformers 5.24's default Gemma 4 Unified "
+                        "forward, mlx-vlm); recorded in the manifest")
     g.add_argument("--store", choices=("hidden", "logits"), default="hidden",
                    help="hidden (default): per row the float64 hidden state and its top-k/log-sum-exp summary, the "
                         "logits rebuilt through the checkpoint's head at check time (12 KB a row for E2B); logits: "

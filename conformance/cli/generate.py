@@ -80,7 +80,8 @@ def cmd_generate(args) -> int:
     kw: dict[str, Any] = {"model_dir": args.model, "preset": args.preset, "seed": args.seed or 0,
                           "prompts": args.prompts, "name": args.name, "progress": progress,
                           "cases": args.cases, "images": args.image or None, "audio": args.audio or None,
-                          "workers": args.workers, "cluster": args.cluster, "store": args.store}
+                          "workers": args.workers, "cluster": args.cluster, "store": args.store,
+                          "vision_mask": args.vision_mask}
     if args.version is not None:
         kw["version"] = args.version
     try:

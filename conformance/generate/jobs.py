@@ -49,9 +49,10 @@ class JobContext:
     """What a worker keeps between jobs of one run: the model (memory-mapped weights), tokenizer,
     random-id pool and the towers, each loaded on first use."""
 
-    def __init__(self, model_dir: Path, model=None, vision: VisionSide | None = None, audio: AudioSide | None = None):
+    def __init__(self, model_dir: Path, model=None, vision: VisionSide | None = None, audio: AudioSide | None = None,
+                 vision_mask: str = "sliding-clamped"):
         self.model_dir = model_dir
-        self.model = model if model is not None else Gemma4(model_dir)
+        self.model = model if model is not None else Gemma4(model_dir, vision_mask=vision_mask)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self._lock = threading.Lock()
         self._pool = None
@@ -81,7 +82,7 @@ _CONTEXTS: dict[tuple[str, str], JobContext] = {}
 _CONTEXTS_LOCK = threading.Lock()
 
 
-def job_context(model_dir: str, key: str) -> JobContext:
+def job_context(model_dir: str, key: str, vision_mask: str = "sliding-clamped") -> JobContext:
     """The worker's context for a run (one kept: a new run's model replaces the last one)."""
     with _CONTEXTS_LOCK:
         ctx = _CONTEXTS.get((model_dir, key))
@@ -91,7 +92,7 @@ def job_context(model_dir: str, key: str) -> JobContext:
                 raise FixtureError(f"worker {where()} cannot see the model directory {model_dir}; the model and "
                                    "--out's parent must be on storage every worker mounts at the same absolute path")
             _CONTEXTS.clear()
-            ctx = _CONTEXTS[(model_dir, key)] = JobContext(path)
+            ctx = _CONTEXTS[(model_dir, key)] = JobContext(path, vision_mask=vision_mask)
         return ctx
 
 
@@ -111,7 +112,8 @@ def run_job(spec: dict, context: JobContext | None = None) -> dict:
         if fault.endswith(":hang"):
             time.sleep(3600)
         raise RuntimeError(f"base {spec['base']}: injected failure ({FAULT_ENV}={fault})")
-    ctx = context if context is not None else job_context(spec["model_dir"], spec["key"])
+    ctx = context if context is not None else job_context(spec["model_dir"], spec["key"],
+                                                          spec.get("vision_mask", "sliding-clamped"))
     model, kind, base = ctx.model, spec["kind"], spec["base"]
     arrays: dict[str, Any] = {}
     extra: dict[str, Any] = {}

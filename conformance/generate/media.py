@@ -15,20 +15,27 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from refimpl.audio import audio_tower, load_audio_tower
-from refimpl.audio_features import audio_features, load_audio_feature_settings, read_wav
-from refimpl.image import load_image_processor_settings, preprocess_image, read_image
+from refimpl.audio_features import read_wav
+from refimpl.frontends import audio_front_end, image_front_end
+from refimpl.image import read_image
 from refimpl.model import KVCache
 from refimpl.multimodal import multimodal_inputs, load_multimodal_tokens
-from refimpl.vision import load_vision_tower, vision_tower
 
+from ..sets.bounds import audio_units, feature_units, unified_audio_units, unified_vision_units, vision_units
 from ..sets.case import DECODE_STEPS
 from ..sets.format import read_json, sha256_file
 
 SYNTHETIC_IMAGE_SIZES = ((50, 70), (200, 120), (36, 36))
+# Gemma 4 Unified's synthetic images (unified spec E2): a square one half flat (a constant colour with
+# +-1/255 noise: LayerNorm eps and an extra 2x - 1 show there) and half textured; then a 2:5 and a 5:2 one
+# (non-square grids of transposed shapes, in one prompt: patch order, x/y axes, per-image padding)
+UNIFIED_IMAGE_SIZES = ((36, 36), (24, 60), (60, 24))
 IMAGE_TEXT = {"I0": (4, 6), "I1": (3, 3, 5)}  # text tokens before, between and after the image blocks
 AUDIO_TEXT = {"S0": (4, 6), "S1": (3, 3, 5)}  # the same for the audio blocks
 SYNTHETIC_AUDIO_SECONDS = (0.5, 0.8, 0.3)  # the synthetic clips (16 kHz): 13, 20 and 8 soft tokens
+# Gemma 4 Unified's clips, in samples: 640 m + 17 (the last frame zero-padded past 17 samples), a whole
+# number of frames, and half a frame more (unified spec E2, U10): 13, 20 and 8 soft tokens
+UNIFIED_AUDIO_SAMPLES = (640 * 12 + 17, 640 * 20, 640 * 7 + 320)
 TOWER_CONFIG = {"image": "vision_config", "audio": "audio_config"}
 
 
@@ -60,6 +67,16 @@ def synthetic_image(seed: int, k: int, height: int, width: int) -> np.ndarray:
         img[(y - cy) ** 2 + (x - cx) ** 2 < (0.05 + 0.2 * r) ** 2] = rng.uniform(0.0, 1.0, 3)
     img = img + rng.normal(0.0, 0.05, img.shape)
     return np.round(np.clip(img, 0.0, 1.0) * 255.0).astype(np.uint8)
+
+
+def flat_region_image(seed: int, k: int, height: int, width: int) -> np.ndarray:
+    """``synthetic_image`` with its left half replaced by one colour plus noise of +-1 (of 255): a
+    nearly flat region next to a textured one."""
+    img = synthetic_image(seed, k, height, width)
+    rng = np.random.default_rng([seed, 150 + k])
+    flat = rng.integers(40, 216, 3) + rng.integers(-1, 2, (height, width // 2, 3))
+    img[:, :width // 2] = flat.astype(np.uint8)
+    return img
 
 
 def synthetic_waveform(seed: int, k: int, seconds: float, rate: int = 16_000) -> np.ndarray:
@@ -127,20 +144,20 @@ class Modality:
 
 
 class VisionSide(Modality):
-    """The image side of a checkpoint: vision tower, image processor settings, placeholder ids."""
+    """The image side of a checkpoint: its image front end (vision tower, or Unified's embedder), the
+    processor settings, placeholder ids."""
 
     kind, texts, rng_offset, noun = "image", IMAGE_TEXT, 10, "image"
 
     def __init__(self, model_dir: Path):
-        self.weights, self.cfg = load_vision_tower(model_dir)
-        self.settings = load_image_processor_settings(model_dir, self.cfg)
+        self.front = image_front_end(model_dir)
+        self.settings = self.front.settings
         self.tokens = load_multimodal_tokens(model_dir, ["image"])
 
     def soft_tokens(self, source: tuple) -> tuple[Any, np.ndarray]:
-        """(ProcessedImage, soft tokens [M, H]) of one uint8 image (``source[0]``)."""
-        st = self.settings
-        processed = preprocess_image(source[0], st.patch_size, st.pooling_kernel_size, st.max_soft_tokens)
-        return processed, vision_tower(processed.pixel_values, processed.positions, self.weights, self.cfg)
+        """(ProcessedImage or UnifiedImage, soft tokens [M, H]) of one uint8 image (``source[0]``)."""
+        processed = self.front.preprocess(source[0])
+        return processed, self.front.soft_tokens(processed)
 
     def block(self, M: int) -> tuple[int, int, int, int]:
         t = self.tokens
@@ -162,29 +179,46 @@ class VisionSide(Modality):
     def job_meta(self, processed: list[Any]) -> dict:
         return {"num_soft_tokens": [int(pr.num_soft_tokens) for pr in processed]}
 
-    def manifest(self, bidirectional: bool) -> dict:
+    def units(self, processed: Any) -> int:
+        """The rounding path sum of one image's soft tokens (conformance.sets.bounds)."""
+        if self.front.unified:
+            return unified_vision_units(self.front.cfg)
+        return vision_units(self.front.cfg, int(processed.pixel_values.shape[0]))
+
+    def manifest(self, bidirectional: bool, vision_mask: str) -> dict:
         t, st = self.tokens, self.settings
-        return {"token_ids": {"image_token_id": t.image_token_id, "boi_token_id": t.boi_token_id,
-                              "eoi_token_id": t.eoi_token_id},
-                "processor": {"patch_size": st.patch_size, "pooling_kernel_size": st.pooling_kernel_size,
-                              "max_soft_tokens": st.max_soft_tokens},
-                "vision_blocks": bidirectional}
+        out = {"token_ids": {"image_token_id": t.image_token_id, "boi_token_id": t.boi_token_id,
+                             "eoi_token_id": t.eoi_token_id},
+               "processor": {"patch_size": st.patch_size, "pooling_kernel_size": st.pooling_kernel_size,
+                             "max_soft_tokens": st.max_soft_tokens},
+               "vision_blocks": bidirectional, "model": self.front.kind}
+        if self.front.unified:
+            out["processor"]["model_patch_size"] = st.patch_size * st.pooling_kernel_size
+            out["processor"]["padded"] = True  # pixel_values / positions padded to max_soft_tokens rows, (-1, -1)
+        if bidirectional:
+            out["vision_mask"] = vision_mask
+        return out
 
 
 class AudioSide(Modality):
-    """The audio side of a checkpoint: audio tower, feature extractor settings, placeholder ids."""
+    """The audio side of a checkpoint: its audio front end (conformer over log-mel features, or Unified's
+    raw-waveform embedder), placeholder ids."""
 
     kind, texts, rng_offset, noun = "audio", AUDIO_TEXT, 20, "audio clip"
 
     def __init__(self, model_dir: Path):
-        self.weights, self.cfg = load_audio_tower(model_dir)
-        self.settings = load_audio_feature_settings(model_dir)
+        self.front = audio_front_end(model_dir)
+        self.sampling_rate = self.front.sampling_rate
         self.tokens = load_multimodal_tokens(model_dir, ["audio"])
 
+    def check(self, wave: np.ndarray, rate: int) -> None:
+        """InputError for a clip the front end refuses (a wrong rate, an empty or non-finite waveform)."""
+        self.front.features(wave, rate)
+
     def soft_tokens(self, source: tuple) -> tuple[Any, np.ndarray]:
-        """(AudioFeatures, soft tokens [M, H]) of one clip (``source[0]`` at ``source[1]`` Hz)."""
-        feats = audio_features(source[0], source[1], self.settings)
-        return feats, audio_tower(feats.features, feats.mask, self.weights, self.cfg)
+        """(AudioFeatures or UnifiedClip, soft tokens [M, H]) of one clip (``source[0]`` at ``source[1]`` Hz)."""
+        feats = self.front.features(source[0], source[1])
+        return feats, self.front.soft_tokens(feats)
 
     def block(self, M: int) -> tuple[int, int, int, int]:
         t = self.tokens
@@ -203,19 +237,43 @@ class AudioSide(Modality):
                 f"media.{j}.mask": np.asarray(processed.mask, dtype=bool),
                 f"media.{j}.soft_tokens": soft}
 
+    def feature_units(self) -> int:
+        """The rounding path sum of the features (the log-mel front end's; raw frames are exact)."""
+        return 1 if self.front.unified else feature_units(self.front.settings.fft_length)
+
+    def units(self, feats: Any) -> int:
+        """The rounding path sum of one clip's soft tokens, features included (conformance.sets.bounds)."""
+        if self.front.unified:
+            return 1 + unified_audio_units(self.front.cfg)
+        self.front.load()
+        return self.feature_units() + audio_units(self.front.cfg, int(feats.features.shape[0]))
+
     def manifest(self) -> dict:
-        t = self.tokens
-        return {"token_ids": {"audio_token_id": t.audio_token_id, "boa_token_id": t.boa_token_id,
-                              "eoa_token_id": t.eoa_token_id},
-                "feature_extractor": {"sampling_rate": self.settings.sampling_rate,
-                                      "feature_size": self.settings.feature_size},
-                "tower": {"attention_chunk_size": self.cfg.attention_chunk_size,
-                          "attention_context_left": self.cfg.attention_context_left,
-                          "attention_logit_cap": self.cfg.attention_logit_cap}}
+        t, front = self.tokens, self.front
+        out = {"token_ids": {"audio_token_id": t.audio_token_id, "boa_token_id": t.boa_token_id,
+                             "eoa_token_id": t.eoa_token_id}, "model": front.kind}
+        if front.unified:
+            out["feature_extractor"] = {"sampling_rate": front.sampling_rate,
+                                        "audio_samples_per_token": front.cfg.audio_embed_dim, "features": "raw frames"}
+            return out
+        front.load()
+        cfg = front.cfg
+        out["feature_extractor"] = {"sampling_rate": front.settings.sampling_rate,
+                                    "feature_size": front.settings.feature_size}
+        out["tower"] = {"attention_chunk_size": cfg.attention_chunk_size,
+                        "attention_context_left": cfg.attention_context_left,
+                        "attention_logit_cap": cfg.attention_logit_cap}
+        return out
 
 
-def image_sources(images, seed: int) -> list[tuple[np.ndarray, dict]]:
-    """(uint8 image, manifest description) for each image: the given files or arrays, else synthetic ones."""
+def image_sources(images, seed: int, unified: bool = False) -> list[tuple[np.ndarray, dict]]:
+    """(uint8 image, manifest description) for each image: the given files or arrays, else synthetic ones
+    (for Gemma 4 Unified: UNIFIED_IMAGE_SIZES, the first one half flat)."""
+    if images is None and unified:
+        return [((flat_region_image if k == 0 else synthetic_image)(seed, k, h, w),
+                 {"source": "synthetic", "rng": f"numpy default_rng([{seed}, {100 + k}])",
+                  **({"flat_half": "left"} if k == 0 else {})})
+                for k, (h, w) in enumerate(UNIFIED_IMAGE_SIZES)]
     if images is None:
         return [(synthetic_image(seed, k, h, w), {"source": "synthetic", "rng": f"numpy default_rng([{seed}, {100 + k}])"})
                 for k, (h, w) in enumerate(SYNTHETIC_IMAGE_SIZES)]
@@ -235,8 +293,13 @@ def image_sources(images, seed: int) -> list[tuple[np.ndarray, dict]]:
     return out
 
 
-def audio_sources(audio, seed: int, rate: int) -> list[tuple[np.ndarray, int, dict]]:
-    """(waveform, sample rate, manifest description) per clip: the given WAV files or arrays, else synthetic."""
+def audio_sources(audio, seed: int, rate: int, unified: bool = False) -> list[tuple[np.ndarray, int, dict]]:
+    """(waveform, sample rate, manifest description) per clip: the given WAV files or arrays, else synthetic
+    (for Gemma 4 Unified: UNIFIED_AUDIO_SAMPLES long)."""
+    if audio is None and unified:
+        return [(synthetic_waveform(seed, k, n / rate, rate), rate,
+                 {"source": "synthetic", "samples": n, "rng": f"numpy default_rng([{seed}, {200 + k}])"})
+                for k, n in enumerate(UNIFIED_AUDIO_SAMPLES)]
     if audio is None:
         return [(synthetic_waveform(seed, k, sec, rate), rate, {"source": "synthetic", "seconds": sec,
                                                                  "rng": f"numpy default_rng([{seed}, {200 + k}])"})

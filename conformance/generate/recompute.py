@@ -15,8 +15,7 @@ import numpy as np
 from refimpl.model import Gemma4
 from refimpl.multimodal import multimodal_inputs
 
-from ..sets.bounds import (audio_units, decoder_units, feature_units, logit_scale, probe_bound, recorded_probes,
-                           tensor_bound, vision_units)
+from ..sets.bounds import decoder_units, logit_scale, probe_bound, recorded_probes, tensor_bound
 from ..sets.fixture_set import FixtureSet
 from ..sets.format import CASES, EXPECTED, FixtureError
 from ..sets.integrity import checked_set
@@ -60,7 +59,7 @@ def verify_set(path: str | Path, *, recompute: bool = False, workdir: str | Path
         try:
             model_dir = fs.model_dir(wd, model=model)
 
-            model = Gemma4(model_dir)
+            model = Gemma4(model_dir, vision_mask=fs.manifest.get("oracle", {}).get("vision_mask", "sliding-clamped"))
         except Exception as e:  # noqa: BLE001
             return [str(e) if isinstance(e, FixtureError) else f"{path}: the model cannot be loaded: {e}"]
         try:
@@ -108,7 +107,7 @@ def recompute_image_inputs(model, fs: FixtureSet, b: str, model_dir: Path) -> tu
     problems, soft, units = [], [], 0
     for j, img in enumerate(fs.image_inputs(b)):
         processed, st = vision.soft_tokens((np.asarray(img["pixels"]),))
-        units = max(units, vision_units(vision.cfg, int(processed.pixel_values.shape[0])))
+        units = max(units, vision.units(processed))
         if processed.pixel_values.shape != img["pixel_values"].shape or \
                 not np.array_equal(processed.pixel_values, img["pixel_values"]) or \
                 not np.array_equal(processed.positions, img["positions"]):
@@ -132,10 +131,10 @@ def recompute_audio_inputs(model, fs: FixtureSet, b: str, model_dir: Path) -> tu
     longest clip's)."""
     audio = AudioSide(model_dir)
     problems, soft, units = [], [], 0
-    fft = feature_units(audio.settings.fft_length)
+    fft = audio.feature_units()
     for j, clip in enumerate(fs.audio_inputs(b)):
-        feats, st = audio.soft_tokens((np.asarray(clip["waveform"], dtype=np.float64), audio.settings.sampling_rate))
-        units = max(units, fft + audio_units(audio.cfg, int(feats.features.shape[0])))
+        feats, st = audio.soft_tokens((np.asarray(clip["waveform"], dtype=np.float64), audio.sampling_rate))
+        units = max(units, audio.units(feats))
         if feats.features.shape != clip["features"].shape or \
                 not float(np.max(np.abs(feats.features - clip["features"]))) <= recompute_bound(fft, clip["features"]) \
                 or not np.array_equal(feats.mask, np.asarray(clip["mask"]).astype(bool)):

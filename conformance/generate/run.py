@@ -17,12 +17,13 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from refimpl.audio_features import AudioFeatures, check_samples
+from refimpl.audio_features import AudioFeatures
 from refimpl.image import ProcessedImage
-from refimpl.model import Gemma4
+from refimpl.model import VISION_MASK_RULES, Gemma4
 from refimpl.safetensors_io import write_safetensors
 from refimpl.synth import PRESETS, write_checkpoint
 from refimpl.tokenizer import Tokenizer
+from refimpl.unified import is_unified
 
 from .. import __version__ as CONFORMANCE_VERSION
 from ..sets.case import (
@@ -41,6 +42,7 @@ from .matrix import annotate, generate_cases, generate_image_cases, random_base_
 from .media import AudioSide, VisionSide, audio_sources, has_audio_tower, has_vision_tower, image_sources, media_order
 from .media import AUDIO_TEXT, IMAGE_TEXT
 from .prompts import encode_prompt, prompt_entries
+
 
 # chunked prefill + decode vs full forward inside the oracle (float64): per base the larger of this floor (the
 # miniatures' fixed bound) and the float64 rounding bound of the base (conformance.sets.bounds, docs/profiles.md)
@@ -108,7 +110,7 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
                  prompts=None, name: str | None = None, version: str = "1.0.0", progress: Progress | None = None,
                  cross_check: CrossCheck | None = None, command: str | None = None, cases: str = "auto",
                  images=None, audio=None, workers: int | None = None, cluster: str | None = None,
-                 store: str = "hidden") -> Path:
+                 store: str = "hidden", vision_mask: str = VISION_MASK_RULES[0]) -> Path:
     """Write a fixture set to ``out``: the only writer. Refuses an existing ``out`` (an empty directory
     is allowed). The work is split into one job per base (docs/distributed-generation.md), run in
     parallel, and resumable: every finished job's result is kept in ``<out.parent>/.<out.name>.partial/``
@@ -135,6 +137,8 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
     ``store``: "hidden" (default: per row the float64 hidden state and a summary; the logits are rebuilt
     through the checkpoint's head when the set is used, docs/fixtures.md) or "logits" (also the full
     float64 logits, so the set can be read without its checkpoint: N x V x 8 bytes per base).
+    ``vision_mask``: the rule the oracle opens vision blocks with on "vision" checkpoints
+    (refimpl.model.VISION_MASK_RULES; default "sliding-clamped"), recorded in the manifest.
     ``cases``: "text" (the text matrix), "images" (the image matrix only: image bases I0, I1), "audio"
     (the audio matrix only: audio bases S0, S1), "all" or "auto" (the text matrix plus the image and
     audio matrices the checkpoint's towers allow). ``images``: the images of the image bases (file
@@ -170,6 +174,8 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
     entries = prompt_entries(prompts)  # validate before any work
     if store not in STORAGES:
         raise ValueError(f"store must be one of {', '.join(STORAGES)}, got {store!r}")
+    if vision_mask not in VISION_MASK_RULES:
+        raise ValueError(f"vision_mask must be one of {', '.join(VISION_MASK_RULES)}, got {vision_mask!r}")
     if cases not in CASE_KINDS:
         raise ValueError(f"cases must be one of {', '.join(CASE_KINDS)}, got {cases!r}")
     if model_dir is not None:
@@ -198,7 +204,7 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
         try:
             return _generate(out, target, model_dir=model_dir, preset=preset, seed=seed, entries=entries, name=name,
                              version=version, progress=progress, cross_check=cross_check, command=command,
-                             cases=cases, images=images, audio=audio, store=store,
+                             cases=cases, images=images, audio=audio, store=store, vision_mask=vision_mask,
                              workers=workers if workers is not None else (os.cpu_count() or 1), dask=dask)
         finally:
             if dask is not None:
@@ -259,19 +265,20 @@ class _Assembled:
 
 def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str | None, seed: int, entries: list[dict],
               name: str, version: str, progress: Progress | None, cross_check: CrossCheck | None, command: str | None,
-              cases: str, images, audio, workers: int, dask, store: str) -> Path:
+              cases: str, images, audio, workers: int, dask, store: str, vision_mask: str) -> Path:
     """generate_set after argument checks, under the run's lock: plan the jobs, run the missing ones, assemble,
     publish to ``out_abs`` (publish_path(out))."""
     model = None
     if preset is not None:
         model_key: dict[str, Any] = {"kind": "synthetic", "preset": preset, "seed": seed, "dtype": "f32"}
     else:
-        model = Gemma4(model_dir)  # float64, exact sqrt(H) embedding scale; RefimplError for a bad checkpoint
+        model = Gemma4(model_dir, vision_mask=vision_mask)  # float64, exact sqrt(H); RefimplError for a bad checkpoint
         # the checkpoint by content (sha256 and size of each file, digests cached); the path is provenance
         model_key = {"kind": "external", "path": str(model_dir), **checkpoint_record(model_dir, model_files(model_dir))}
     arguments = {"model": model_key, "cases": cases, "name": name, "version": version, "store": store,
                  "prompts": [{k: e[k] for k in ("kind", "value", "id", "chat", "where")} for e in entries],
-                 "images": media_key(images), "audio": media_key(audio), **job_versions()}
+                 "images": media_key(images), "audio": media_key(audio), **job_versions(),
+                 **({"vision_mask": vision_mask} if vision_mask != VISION_MASK_RULES[0] else {})}
     run = partial.PartialRun.open(out_abs, arguments)
     steps = _Steps(progress)
     staging = None
@@ -279,7 +286,7 @@ def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str |
         if preset is not None:
             src, reused = _synthetic_model(run, preset, seed)
             model_info = {**model_key, "sha256": hash_files(src, SYNTHETIC_FILES)}
-            model = Gemma4(src)
+            model = Gemma4(src, vision_mask=vision_mask)
         else:
             src, reused, model_info = model_dir, False, model_key
         plan = _plan(run, src, model, seed, entries, name, cases, images, audio, store)
@@ -304,7 +311,7 @@ def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str |
         staged = staging / "set"
         staged.mkdir()
         _write_set(staged, got, results, set_cases, plan, cfg, name=name, version=version, checks=checks,
-                   command=command, model_info=model_info, store=store)
+                   command=command, model_info=model_info, store=store, vision_mask=vision_mask)
         steps("write")
         try:
             os.replace(staged, out_abs)
@@ -356,6 +363,7 @@ def _plan(run: partial.PartialRun, src: Path, model, seed: int, entries: list[di
     prompt_ids = [encode_prompt(p, tokenizer, cfg.vocab_size) for p in entries]
     bos = bos_id(cfg, tokenizer)
     common = {"key": run.key, "partial": str(run.path), "model_dir": str(src), "seed": seed, "bos": bos,
+              "vision_mask": model.vision_mask,
               "store": store}
 
     if plan.with_text:
@@ -386,9 +394,10 @@ def _plan(run: partial.PartialRun, src: Path, model, seed: int, entries: list[di
                      ids=[int(t) for t in ids], greedy=steps)
         lengths = {q["base"]: q["info"]["length"] for q in plan.jobs}
         plan.text_cases = count_by_base(generate_cases(name, cfg, {b: [0] * L for b, L in lengths.items()}))
+    unified = is_unified(src)
     if with_images:
         plan.vision = VisionSide(src)
-        sources = image_sources(images, seed)
+        sources = image_sources(images, seed, unified)
         for b_index, (b, texts) in enumerate(IMAGE_TEXT.items()):
             which = media_order(b_index, len(texts) - 1, len(sources))
             m = len(which) * plan.vision.settings.max_soft_tokens  # an upper bound: the tower runs before the merge
@@ -396,9 +405,9 @@ def _plan(run: partial.PartialRun, src: Path, model, seed: int, entries: list[di
                      n_sources=len(sources), sources={k: sources[k] for k in sorted(set(which))})
     if with_audio:
         plan.audio = AudioSide(src)
-        clips = audio_sources(audio, seed, plan.audio.settings.sampling_rate)
+        clips = audio_sources(audio, seed, plan.audio.sampling_rate, unified)
         for wave, rate, _ in clips:
-            check_samples(wave, rate, plan.audio.settings)  # a wrong rate is a usage error: before any job
+            plan.audio.check(wave, rate)  # a wrong rate is a usage error: before any job
         for b_index, (b, texts) in enumerate(AUDIO_TEXT.items()):
             which = media_order(b_index, len(texts) - 1, len(clips))
             m = sum(25.0 * clips[k][0].shape[0] / clips[k][1] for k in which)  # ~25 soft tokens a second
@@ -531,7 +540,7 @@ def _cross_check(cross_check: CrossCheck, src: Path, got: _Assembled, results: M
 
 def _write_set(staged: Path, got: _Assembled, results: Mapping[str, partial.JobResult], set_cases: list[Case],
                plan: _Plan, cfg, *, name: str, version: str, checks: list[dict], command: str | None,
-               model_info: dict, store: str) -> None:
+               model_info: dict, store: str, vision_mask: str) -> None:
     """The set's files in ``staged``: one base-<id>.safetensors per base, cases.json and the manifest
     (written last, with the sha256 of the others)."""
     media = {**{b: ("image", IMAGE_LEAVES, "images", s) for b, s in got.spans.items()},
@@ -569,11 +578,13 @@ def _write_set(staged: Path, got: _Assembled, results: Mapping[str, partial.JobR
             "cross_checks": checks,
         },
         "model": model_info,
-        "oracle": {"dtype": "float64", "embed_scale": "exact"},
+        "oracle": {"dtype": "float64", "embed_scale": "exact",
+                   **({"vision_mask": vision_mask} if cfg.use_bidirectional_attention == "vision" else {})},
         "config": {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
                    "num_hidden_layers": cfg.num_hidden_layers, "sliding_window": cfg.sliding_window},
         "bases": got.info,
-        **({"images": plan.vision.manifest(cfg.use_bidirectional_attention == "vision")} if plan.vision else {}),
+        **({"images": plan.vision.manifest(cfg.use_bidirectional_attention == "vision", vision_mask)}
+           if plan.vision else {}),
         **({"audio": plan.audio.manifest()} if plan.audio else {}),
         "cases": len(set_cases),
         "files": {f: sha256_file(staged / f) for f in (CASES, *(base_file(b) for b in got.bases))},

@@ -16,7 +16,9 @@
 * image and audio prompts (``request.images``, ``request.audio``): the ``last`` forward, or each
   prefill piece's forward, gets its embeddings and the blocks that fall in it (``images`` and
   ``audio``: ``(start, length)`` within the forward's tokens; ``audio_inputs``: the features of those
-  audio blocks); a block that straddles two pieces, or media with ``ubatch``, are refused.
+  audio blocks; ``image_inputs``, only for a backend that claims ``image_tower``: the patches and
+  positions of those image blocks); a block that straddles two pieces, or media with ``ubatch``, are
+  refused.
 
 Every request starts from no state at all and leaves none behind. The requests are validated here
 (errors name the backend: ``f"{who}: ..."``) and the shared part of each ``executed`` record is
@@ -137,6 +139,7 @@ class CachedBackend:
                  images: Sequence[tuple[int, int]] = (), audio: Sequence[tuple[int, int]] = (),
                  audio_inputs: Sequence[Any] = ()) -> tuple[np.ndarray, dict[str, Any]]:
         """One forward of ``tokens`` continuing ``state`` (every token enters it, whatever ``rows``).
+        A backend that claims ``image_tower`` also gets ``image_inputs`` (``ImageInput`` per image block).
 
         ``rows`` are positions within ``tokens`` (increasing; may be empty); ``embeddings`` [T, H],
         when given, replace the token lookups. ``images``: the image blocks of this forward as
@@ -223,13 +226,18 @@ class CachedBackend:
         if request.audio and len(request.audio_inputs) != len(request.audio):
             raise ValueError(f"{self.who}: {len(request.audio)} audio blocks but {len(request.audio_inputs)} "
                              "audio_inputs")
+        if request.images and self.capabilities.image_tower and len(request.image_inputs) != len(request.images):
+            raise ValueError(f"{self.who}: {len(request.images)} image blocks but {len(request.image_inputs)} "
+                             "image_inputs")
 
-    @staticmethod
-    def _media_kwargs(images, audio, audio_inputs) -> dict[str, Any]:
-        """The ``_forward`` keywords of a forward's media blocks (none for text)."""
+    def _media_kwargs(self, images, audio, audio_inputs, image_inputs=()) -> dict[str, Any]:
+        """The ``_forward`` keywords of a forward's media blocks (none for text); ``image_inputs`` only
+        for a backend that claims ``image_tower``."""
         out: dict[str, Any] = {}
         if images:
             out["images"] = tuple(images)
+            if self.capabilities.image_tower:
+                out["image_inputs"] = tuple(image_inputs)
         if audio:
             out["audio"], out["audio_inputs"] = tuple(audio), tuple(audio_inputs)
         return out
@@ -295,7 +303,7 @@ class CachedBackend:
         embeddings = self._embeddings(request)
         self._check_blocks(request, len(request.tokens))
         state = self._state(None if request.entry == "plain" else ("seq", request.seq_id))
-        extra = self._media_kwargs(request.images, request.audio, request.audio_inputs)
+        extra = self._media_kwargs(request.images, request.audio, request.audio_inputs, request.image_inputs)
         logits, notes = self._forward(request.tokens, [request.last_pos], state, embeddings=embeddings, **extra)
         state_len = self._state_len(state)
         decode = self._decode(state, request.decode)
@@ -323,7 +331,8 @@ class CachedBackend:
                                                                f"piece {p} embeddings")
                 extra.update(self._media_kwargs(
                     [(s, n) for s, n, _ in piece_images[p]], [(s, n) for s, n, _ in piece_audio[p]],
-                    [request.audio_inputs[k] for _, _, k in piece_audio[p]]))
+                    [request.audio_inputs[k] for _, _, k in piece_audio[p]],
+                    [request.image_inputs[k] for _, _, k in piece_images[p]] if request.image_inputs else ()))
             elif piece.embeddings is not None:
                 raise ValueError(f"{self.who}: piece {p} carries embeddings but the request has no images or audio")
             ubatches = []

@@ -45,6 +45,21 @@ frame ``mask`` [T], in prompt order: an engine that claims ``audio_tower`` compu
 itself from them (the embeddings' audio rows are then only a reference) instead of trusting the
 given rows.
 
+``image_inputs`` carries each image's model input in prompt order, what the processor hands the model:
+``pixel_values`` [R, C] in [0, 1] and ``positions`` [R, 2] (x = column, y = row). For a checkpoint with a
+vision tower these are its patches [N, 3 p^2] (unpadded); for Gemma 4 Unified the padded 48-pixel (in
+miniature: p k pixel) patches [max_soft_tokens, 3 (p k)^2] with (-1, -1) at padding rows, as
+transformers' ``pixel_values`` / ``image_position_ids``. An engine that claims ``image_tower`` computes
+the image soft tokens itself from them (the embeddings' image rows are then only a reference), so its
+tower or embedder is graded too.
+
+**Vision-mask rule.** On ``use_bidirectional_attention == "vision"`` checkpoints the set's manifest
+(``oracle.vision_mask``) says how image blocks open the mask: ``sliding-clamped`` (the default: sliding
+layers only, the past side still bounded by the window, full layers causal; transformers' static-cache
+path, llama.cpp, vLLM) or ``all-unclamped`` (every layer, same-block keys visible whatever the window;
+transformers 5.24's default ``Gemma4UnifiedModel.forward``, mlx-vlm). An engine is graded against the
+rule of the set.
+
 Every kind may carry ``decode``: after the prefill, feed these tokens one at a time through the
 state the prefill left (teacher forcing: the harness gives the tokens), and answer the logits after
 each step (``decode_logits`` ``[len(decode), V]``; for ``multi``, ``decode`` and ``decode_logits``
@@ -84,6 +99,7 @@ class Capabilities:
     image_prompts: bool = False  # prompts with image blocks (soft tokens in the embeddings; see the module doc)
     audio_prompts: bool = False  # prompts with audio blocks (soft tokens in the embeddings)
     audio_tower: bool = False  # with audio_prompts: computes audio soft tokens itself from request.audio_inputs
+    image_tower: bool = False  # with image_prompts: computes image soft tokens itself from request.image_inputs
     default_profile: str = "fp32"
 
     def __post_init__(self):
@@ -100,6 +116,14 @@ class AudioInput:
 
     features: np.ndarray  # [T, F] log-mel features (float64)
     mask: np.ndarray  # [T] bool: valid frames
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """One image of an image prompt, as the processor gives it to the vision tower or embedder."""
+
+    pixel_values: np.ndarray  # [R, C] float64 in [0, 1]: patches, (row, column, channel) each
+    positions: np.ndarray  # [R, 2] int64 (x, y) per patch; (-1, -1) on padding rows
 
 
 @dataclass(frozen=True)
@@ -125,6 +149,7 @@ class Request:
     images: tuple[tuple[int, int], ...] = ()  # image prompts: (first position, soft tokens) of each block
     audio: tuple[tuple[int, int], ...] = ()  # audio prompts: (first position, soft tokens) of each block
     audio_inputs: tuple[AudioInput, ...] = field(default=(), compare=False)  # per audio block, in order
+    image_inputs: tuple[ImageInput, ...] = field(default=(), compare=False)  # per image block, in order
 
     def __post_init__(self):
         if self.kind not in KINDS:

@@ -20,7 +20,7 @@ import numpy as np
 
 from refimpl.safetensors_io import STORAGE, bf16_to_f32, read_header, write_safetensors
 
-from .types import AudioInput, CaseTimeout, Capabilities, Piece, Request
+from .types import AudioInput, CaseTimeout, Capabilities, ImageInput, Piece, Request
 
 PROTOCOL = "gemma4-conformance-subprocess"
 VERSIONS = (1,)  # the protocol versions spoken (the client offers them in hello, the server answers one)
@@ -29,8 +29,9 @@ RAW_DTYPES = {"float64": np.dtype("<f8"), "float32": np.dtype("<f4"), "float16":
 ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 CAPABILITY_FIELDS = tuple(f.name for f in fields(Capabilities))  # what the harness reads from hello
 # the capability fields of protocol version 1, frozen: a v1 engine must give each of them in hello. A
-# field added to Capabilities later (image_prompts, audio_prompts, audio_tower) is optional on the wire (absent: its default, i.e.
-# not claimed), so that a new flag never breaks a v1 engine (docs/subprocess-protocol.md, Versioning).
+# field added to Capabilities later (image_prompts, audio_prompts, audio_tower, image_tower) is optional on the wire
+# (absent: its default, i.e. not claimed), so that a new flag never breaks a v1 engine (docs/subprocess-protocol.md,
+# Versioning).
 V1_CAPABILITY_FIELDS = ("full_forward", "last_plain", "last_seq_id", "last_embeddings", "embedding_convention",
                         "interior_rows", "output_rows", "ubatch", "chunked_prefill", "multi_sequence", "decode",
                         "default_profile")
@@ -90,6 +91,17 @@ def _audio_input_json(clip: Any, out_dir: str | Path, k: int) -> dict[str, Any]:
             "mask": _embeddings_json(mask.astype(bool).astype("<f8"), out_dir, f"audio{k}.mask.f64")}
 
 
+def _image_input_json(image: Any, out_dir: str | Path, k: int) -> dict[str, Any]:
+    """One image's ``pixel_values`` [R, C] and ``positions`` [R, 2] written into out_dir as raw float64
+    (``image<k>.pixel_values.f64``, ``image<k>.positions.f64``; positions are small integers, exact)."""
+    pv, pos = np.asarray(image.pixel_values), np.asarray(image.positions)
+    if pv.ndim != 2 or pos.shape != (pv.shape[0], 2):
+        raise ValueError(f"image_inputs[{k}]: pixel_values {pv.shape} and positions {pos.shape} must be [R, C] and "
+                         "[R, 2]")
+    return {"pixel_values": _embeddings_json(pv, out_dir, f"image{k}.pixel_values.f64"),
+            "positions": _embeddings_json(pos.astype("<f8"), out_dir, f"image{k}.positions.f64")}
+
+
 def request_to_json(request: Request, out_dir: str | Path) -> dict[str, Any]:
     """The wire form of a Request (every field present); embeddings (the ``last`` request's and, for
     image and audio prompts, each piece's) are written to out_dir as raw float64 (``embeddings.f64``,
@@ -115,6 +127,7 @@ def request_to_json(request: Request, out_dir: str | Path) -> dict[str, Any]:
         "images": [[int(start), int(n)] for start, n in request.images],
         "audio": [[int(start), int(n)] for start, n in request.audio],
         "audio_inputs": [_audio_input_json(clip, out_dir, k) for k, clip in enumerate(request.audio_inputs)],
+        "image_inputs": [_image_input_json(image, out_dir, k) for k, image in enumerate(request.image_inputs)],
     }
     if request.embeddings is not None:
         d["embeddings"] = _embeddings_json(request.embeddings, out_dir, "embeddings.f64")
@@ -151,6 +164,9 @@ def request_from_json(d: dict, out_dir: Path) -> Request:
     audio = tuple((int(start), int(n)) for start, n in d.get("audio") or ())
     audio_inputs = tuple(AudioInput(read_input_array(a["features"], out_dir), read_input_array(a["mask"], out_dir) != 0)
                          for a in d.get("audio_inputs") or ())
+    image_inputs = tuple(ImageInput(read_input_array(a["pixel_values"], out_dir),
+                                    read_input_array(a["positions"], out_dir).astype(np.int64))
+                         for a in d.get("image_inputs") or ())
     return Request(
         kind=kind,
         tokens=tuple(int(t) for t in d.get("tokens") or ()),
@@ -166,6 +182,7 @@ def request_from_json(d: dict, out_dir: Path) -> Request:
         images=images,
         audio=audio,
         audio_inputs=audio_inputs,
+        image_inputs=image_inputs,
     )
 
 

@@ -31,8 +31,12 @@ float64 numbers, but organised the way a serving engine is (llama.cpp is the mod
   pruned row still sees the keys of its own block. On checkpoints with
   ``use_bidirectional_attention == "vision"`` the sliding layers open same-block keys
   (:meth:`Engine.opens_vision_blocks`: ``(k > q - W) and (k <= q or same block)``); full layers stay
-  causal. An image block runs in one micro-batch (image requests refuse ``ubatch`` and blocks that
-  straddle two pieces).
+  causal (the backend option ``vision_mask=all-unclamped`` opens whole blocks on every layer instead).
+  An image block runs in one micro-batch (image requests refuse ``ubatch`` and blocks that straddle
+  two pieces). The engine computes the image soft tokens itself from ``Request.image_inputs``
+  (:meth:`Engine.image_soft_tokens`): for Gemma 4 Unified step by step (``patch_values``,
+  ``patch_norm``, ``patch_position_embedding``, ``real_patches``), otherwise with the oracle's vision
+  tower; the rows of all images are handed to the blocks in order.
 * **Audio prompts** (``Request.audio``). Audio tokens are flagged in the batch (``Batch.audio``,
   ``MicroBatch.audio``): :meth:`Engine.ple_ids` takes the pad row there too, and they keep block id -1,
   so they are causal on every layer (an audio block is never a vision block). The engine has its own
@@ -41,7 +45,8 @@ float64 numbers, but organised the way a serving engine is (llama.cpp is the mod
   :meth:`Engine.audio_soft_tokens` (the oracle's conformer, ``refimpl.audio.audio_tower``, run with the
   config of :meth:`Engine.audio_config`, whose local-attention geometry and logit cap come from the
   hooks ``audio_chunk_size``, ``audio_context`` and ``audio_logit_cap``); it writes them into a copy of
-  the given embeddings at the block's rows. The given audio rows are ignored (see the backend). Same
+  the given embeddings at the block's rows (Gemma 4 Unified: its raw-waveform embedder,
+  ``audio_frame_norm`` then the projection). The given audio rows are ignored (see the backend). Same
   rules as images otherwise: ``last`` (entry ``embeddings``) and ``prefill`` only, no ``ubatch``, a
   block within one piece.
 
@@ -50,8 +55,9 @@ Every step is a small method, so a known engine bug is a few-line override in a 
 ``Engine.next_positions``, ``prune_layer``, ``prune``, ``input_embeddings``, ``ple_ids``, ``ple_table_rows``,
 ``rope_positions``, ``norm``, ``rope``, ``values``, ``value_norm``, ``kv_source``, ``window``,
 ``attention_mask``, ``opens_vision_blocks``, ``vision_overlay``, ``attend``, ``route``, ``layer_scalar``,
-``final_softcap``, ``audio_soft_tokens``, ``audio_tower``, ``audio_config``, ``audio_chunk_size``,
-``audio_context``, ``audio_logit_cap``; ``Engine.cache_set_class``
+``final_softcap``, ``image_soft_tokens``, ``patch_values``, ``patch_norm``, ``patch_position_embedding``,
+``real_patches``, ``audio_soft_tokens``, ``audio_frame_norm``, ``audio_tower``, ``audio_config``,
+``audio_chunk_size``, ``audio_context``, ``audio_logit_cap``; ``Engine.cache_set_class``
 (``CacheSet.get``); and on the backend ``engine_class``, ``last_row`` and ``piece_rows``.
 
     conformance check --backend numpy-engine            # must pass every bundled case at exact-f64
@@ -70,9 +76,12 @@ from refimpl import RefimplError
 from refimpl.audio import AudioConfig, AudioWeights, load_audio_tower
 from refimpl.audio import audio_tower as refimpl_audio_tower
 from refimpl.config import read_config_json
-from refimpl.model import Gemma4, LayerKV, experts, per_layer_inputs, rope_inv_freq, route
+from refimpl.frontends import ImageFrontEnd, image_front_end
+from refimpl.model import VISION_MASK_RULES, Gemma4, LayerKV, experts, per_layer_inputs, rope_inv_freq, route
 from refimpl.multimodal import MultimodalTokens, load_multimodal_tokens
-from refimpl.ops import apply_rope, attention, attention_mask, gelu_tanh, linear, mlp, rms_norm, rope_cos_sin, softcap
+from refimpl.ops import (apply_rope, attention, attention_mask, gelu_tanh, layer_norm, linear, mlp, rms_norm,
+                         rope_cos_sin, softcap)
+from refimpl.unified import AUDIO_PROJECTION, LAYER_NORM_EPS, UnifiedAudioConfig, is_unified, load_unified_audio
 
 from ..backends.refimpl_backend import all_capabilities, check_options
 from ..protocol.types import BackendError, Request, Response
@@ -254,10 +263,17 @@ class Engine:
 
     cache_set_class = CacheSet
 
-    def __init__(self, model: Gemma4, audio: tuple[AudioWeights, AudioConfig] | None = None):
-        """``audio``: the checkpoint's audio tower (``refimpl.audio.load_audio_tower``), None without one."""
+    def __init__(self, model: Gemma4, audio: tuple[AudioWeights, AudioConfig] | None = None,
+                 image: ImageFrontEnd | None = None):
+        """``audio``: the checkpoint's audio tower (``refimpl.audio.load_audio_tower``) or Gemma 4
+        Unified's audio embedder (``refimpl.unified.load_unified_audio``), None without one; ``image``:
+        its image front end (``refimpl.frontends``: the vision tower, or Unified's embedder, whose steps
+        this engine runs itself), None without one. The vision-mask rule is the model's
+        (``Gemma4.vision_mask``)."""
         self.model = model
         self.audio_weights, self.audio_cfg = audio if audio is not None else (None, None)
+        self.image = image
+        self.vision_mask = model.vision_mask
         self.cfg = model.cfg
         self.w = model.weights
         self.dtype = model.dtype
@@ -325,14 +341,67 @@ class Engine:
             nxt[id(cache)] = pos[t] + 1
         return pos
 
-    # -- the audio tower ------------------------------------------------------------------------
+    # -- the image tower or embedder ------------------------------------------------------------
+
+    def image_soft_tokens(self, pixel_values: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """One image's soft tokens [M, H] (unscaled) from its patches and positions: Gemma 4 Unified's
+        embedder run here step by step (``unified_vision``), or the oracle's vision tower."""
+        if self.image is None:
+            raise ValueError("this checkpoint has no vision tower or embedder (no 'vision_config' in config.json)")
+        if not self.image.unified:
+            return self.image.embed(pixel_values, positions)
+        return self.unified_vision(np.asarray(pixel_values, dtype=self.dtype), np.asarray(positions, dtype=np.int64))
+
+    def unified_vision(self, pv: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """[R, C] patches, [R, 2] (x, y) -> soft tokens of the real rows: LN -> dense + bias -> LN -> + the
+        position rows -> LN -> weightless RMSNorm -> projection."""
+        w = self.image.weights
+        h = self.patch_norm(self.patch_values(pv), w.tensor("patch_ln1", "weight"), w.tensor("patch_ln1", "bias"))
+        h = linear(h, w.tensor("patch_dense", "weight")) + w.tensor("patch_dense", "bias")
+        h = self.patch_norm(h, w.tensor("patch_ln2", "weight"), w.tensor("patch_ln2", "bias"))
+        h = self.patch_norm(h + self.patch_position_embedding(pos), w.tensor("pos_norm", "weight"),
+                            w.tensor("pos_norm", "bias"))
+        e = linear(rms_norm(h, None, self.image.cfg.rms_norm_eps), w.tensor("projection"))
+        return self.real_patches(e, pos)
+
+    def patch_values(self, pv: np.ndarray) -> np.ndarray:
+        """Each patch's values as the dense layer reads them: (row, column, channel), as given."""
+        return pv
+
+    def patch_norm(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
+        """The embedder's LayerNorms: mean and bias, torch's default eps 1e-5."""
+        return layer_norm(x, weight, bias, LAYER_NORM_EPS)
+
+    def patch_position_embedding(self, pos: np.ndarray) -> np.ndarray:
+        """[R, E] = T[x, 0] + T[y, 1], an axis at -1 adding nothing."""
+        valid = pos != -1
+        rows = self.image.weights.position_rows(np.where(valid, pos, 0))  # [R, 2, E]
+        return np.sum(rows * valid[:, :, None], axis=1)
+
+    def real_patches(self, e: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """The rows of real patches (padding rows have a -1 coordinate)."""
+        return e[(pos != -1).all(axis=1)]
+
+    # -- the audio tower or embedder ------------------------------------------------------------
+
+    @property
+    def unified_audio(self) -> bool:
+        return isinstance(self.audio_cfg, UnifiedAudioConfig)
 
     def audio_soft_tokens(self, features: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        """One clip's soft tokens [M, H] (text width, unscaled) from its log-mel features [T, F] and frame
-        mask [T]: the oracle's conformer (``refimpl.audio.audio_tower``) run with ``audio_config()``."""
+        """One clip's soft tokens [M, H] (text width, unscaled) from its features [T, F] and frame mask [T]:
+        the oracle's conformer (``refimpl.audio.audio_tower``) run with ``audio_config()`` over log-mel
+        features, or Gemma 4 Unified's embedder over raw frames (``audio_frame_norm``, projection)."""
         if self.audio_weights is None:
-            raise ValueError("this checkpoint has no audio tower (no 'audio_config' in config.json)")
+            raise ValueError("this checkpoint has no audio tower or embedder (no 'audio_config' in config.json)")
+        if self.unified_audio:
+            frames = np.asarray(features, dtype=self.dtype)[np.asarray(mask, dtype=bool)]
+            return linear(self.audio_frame_norm(frames), self.audio_weights[AUDIO_PROJECTION])
         return self.audio_tower(features, mask, self.audio_config())
+
+    def audio_frame_norm(self, frames: np.ndarray) -> np.ndarray:
+        """Unified: the weightless RMSNorm over each frame's samples."""
+        return rms_norm(frames, None, self.audio_cfg.rms_norm_eps)
 
     def audio_tower(self, features: np.ndarray, mask: np.ndarray, cfg: AudioConfig) -> np.ndarray:
         return refimpl_audio_tower(features, mask, self.audio_weights, cfg)
@@ -550,15 +619,18 @@ class Engine:
         return same_seq & allowed
 
     def opens_vision_blocks(self, i: int) -> bool:
-        """Whether layer i lets image tokens see their whole block: sliding layers of
-        ``use_bidirectional_attention == "vision"`` checkpoints (full layers stay causal)."""
-        return self.cfg.use_bidirectional_attention == "vision" and self.cfg.layers[i].is_sliding
+        """Whether layer i lets image tokens see their whole block on ``use_bidirectional_attention ==
+        "vision"`` checkpoints: sliding layers (rule "sliding-clamped", full layers causal), or every layer
+        (rule "all-unclamped")."""
+        return self.cfg.use_bidirectional_attention == "vision" and (
+            self.cfg.layers[i].is_sliding or self.vision_mask == "all-unclamped")
 
     def vision_overlay(self, rows: Rows, kv: KVView, window: int | None) -> np.ndarray:
-        """bool [R, S]: key in the query's own image block and (with a window) not W or more positions
-        back; the window bounds only the past side, later keys of the block are all visible."""
+        """bool [R, S]: key in the query's own image block and, under "sliding-clamped" with a window, not
+        W or more positions back (the window bounds only the past side, later keys of the block are all
+        visible); under "all-unclamped" the whole block, whatever the window."""
         same_block = (rows.block[:, None] == kv.block[None, :]) & (rows.block[:, None] != NO_BLOCK)
-        if window is not None:
+        if window is not None and self.vision_mask == "sliding-clamped":
             same_block &= (rows.mask_pos[:, None] - kv.pos[None, :]) < window
         return same_block
 
@@ -648,10 +720,14 @@ class NumpyEngineBackend:
     name = "numpy-engine"
     engine_class: type[Engine] = Engine
 
-    def __init__(self, dtype: str = "float64", embed_scale: str = "exact"):
+    def __init__(self, dtype: str = "float64", embed_scale: str = "exact", vision_mask: str = "sliding-clamped"):
         self.dtype, self.embed_scale = check_options("numpy-engine", dtype, embed_scale)
+        if vision_mask not in VISION_MASK_RULES:
+            raise ValueError(f"numpy-engine: vision_mask must be one of {', '.join(VISION_MASK_RULES)}, got "
+                             f"{vision_mask!r}")
+        self.vision_mask = vision_mask
         exact = self.dtype == "float64" and embed_scale == "exact"
-        self.capabilities = all_capabilities("exact-f64" if exact else "fp32")  # audio_tower included
+        self.capabilities = all_capabilities("exact-f64" if exact else "fp32")  # audio_tower, image_tower included
         self.engine: Engine | None = None
         self.tokens: MultimodalTokens | None = None
 
@@ -659,13 +735,15 @@ class NumpyEngineBackend:
 
     def open(self, model_dir: Path) -> None:
         try:
-            model = Gemma4(model_dir, dtype=self.dtype, embed_scale=self.embed_scale)
+            model = Gemma4(model_dir, dtype=self.dtype, embed_scale=self.embed_scale, vision_mask=self.vision_mask)
             self.tokens = load_multimodal_tokens(model_dir)
             _, raw = read_config_json(model_dir)
-            audio = load_audio_tower(model_dir, self.dtype) if raw.get("audio_config") is not None else None
+            load_audio = load_unified_audio if is_unified(model_dir) else load_audio_tower
+            audio = load_audio(model_dir, self.dtype) if raw.get("audio_config") is not None else None
+            image = image_front_end(model_dir, self.dtype) if raw.get("vision_config") is not None else None
         except (RefimplError, OSError) as exc:
             raise BackendError(f"numpy-engine cannot open {model_dir}: {exc}") from exc
-        self.engine = self.engine_class(model, audio)
+        self.engine = self.engine_class(model, audio, image)
 
     def close(self) -> None:
         self.engine = None
@@ -780,9 +858,26 @@ class NumpyEngineBackend:
             out.append(soft)
         return out
 
+    def _image_soft_tokens(self, request: Request) -> list[np.ndarray]:
+        """Each image block's soft tokens [M, H], computed by the engine's own tower or embedder from
+        ``request.image_inputs`` (one per block, in prompt order). The rows of all images are concatenated
+        and handed out to the blocks in order, as a scatter into the placeholder rows does."""
+        if not request.images:
+            return []
+        if len(request.image_inputs) != len(request.images):
+            raise ValueError(f"numpy-engine: {len(request.images)} image block(s) but {len(request.image_inputs)} "
+                             "image input(s); the engine computes the soft tokens itself from one ImageInput per block")
+        flat = np.concatenate([self.engine.image_soft_tokens(i.pixel_values, i.positions) for i in request.image_inputs])
+        need = sum(n for _, n in request.images)
+        if flat.shape[0] < need:
+            raise ValueError(f"numpy-engine: the images give {flat.shape[0]} soft tokens but the prompt's image blocks "
+                             f"hold {need} image tokens")
+        ends = np.cumsum([n for _, n in request.images])
+        return [flat[e - n:e] for (_, n), e in zip(request.images, ends)]
+
     @staticmethod
     def _with_audio(x0: np.ndarray, blocks: Sequence[tuple[int, int]], soft: Sequence[np.ndarray]) -> np.ndarray:
-        """A copy of the call's embeddings with each audio block's rows replaced by its soft tokens."""
+        """A copy of the call's embeddings with each audio (or image) block's rows replaced by its soft tokens."""
         x0 = np.array(x0, dtype=np.float64, copy=True)  # never write into the request's array
         for (s, n), e in zip(blocks, soft):
             x0[s:s + n] = e
@@ -805,6 +900,7 @@ class NumpyEngineBackend:
         out: dict[str, Any] = {}
         if request.images:
             out["images"] = list(request.images)
+            out["image_soft_tokens"] = "own vision tower or embedder (the embeddings' image rows are not read)"
         if request.audio:
             out["audio"] = list(request.audio)
             out["audio_soft_tokens"] = "own audio tower (the embeddings' audio rows are not read)"
@@ -837,6 +933,8 @@ class NumpyEngineBackend:
             what = "an image" if request.images else "an audio"
             raise ValueError(f"numpy-engine: {what} prompt needs entry 'embeddings', got {request.entry!r}")
         self._check_media_tokens(request.tokens, request.images, request.audio)
+        if request.images:
+            x0 = self._with_audio(x0, request.images, self._image_soft_tokens(request))
         if request.audio:
             x0 = self._with_audio(x0, request.audio, self._audio_soft_tokens(request))
         seq = PLAIN_SEQ if request.entry == "plain" else request.seq_id
@@ -854,8 +952,9 @@ class NumpyEngineBackend:
             raise ValueError("numpy-engine: prefill request has no pieces")
         piece_images, piece_audio = self._piece_media(request)
         soft = self._audio_soft_tokens(request)
+        image_soft = self._image_soft_tokens(request)
         media = self._media(request)
-        out, pieces, clip = [], [], 0
+        out, pieces, clip, image = [], [], 0, 0
         for p, piece in enumerate(request.pieces):
             rows = self.piece_rows(p, piece.rows)
             x0 = None
@@ -866,6 +965,9 @@ class NumpyEngineBackend:
                 x0 = np.asarray(piece.embeddings)
             elif piece.embeddings is not None:
                 raise ValueError(f"numpy-engine: piece {p} carries embeddings but the request has no images or audio")
+            if piece_images[p]:
+                x0 = self._with_audio(x0, piece_images[p], image_soft[image:image + len(piece_images[p])])
+                image += len(piece_images[p])
             if piece_audio[p]:
                 x0 = self._with_audio(x0, piece_audio[p], soft[clip:clip + len(piece_audio[p])])
                 clip += len(piece_audio[p])

@@ -12,6 +12,13 @@ a ``use_bidirectional_attention == "vision"`` checkpoint; the audio mutants: onl
 holds audio prompts, and its audio cases run the engine's own audio tower); empty: every mutant is
 killed on ``all-features``.
 
+The Gemma 4 Unified mutants (``gemma4-unified-and-mtp-spec.md`` E2: U2 window clamp, U4 a block split
+across micro-batches, U6 LayerNorm kind and eps, U7 patch order, U8 position axes, U9 padding rows, U10
+the audio embedder's norm; U1/U3/U5 are the vision-block and soft-token mutants above, also killed on
+``12b-mini``) override the engine's own embedder steps (``patch_norm``, ``patch_values``,
+``patch_position_embedding``, ``real_patches``, ``audio_frame_norm``), ``vision_overlay`` and ``split``.
+k_eq_v (U11) is ``keqv-v-is-rotated-k``, killed on every K=V set.
+
 The audio mutants (``gemma4-multimodal-spec.md`` section 9, traps 22-24) override the audio hooks of
 ``Engine``: ``audio_context`` (the local attention's chunk context), ``audio_logit_cap``,
 ``audio_soft_tokens`` and ``ple_ids``. A chunk size off by one (W + 1) is not among them: on the
@@ -35,13 +42,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from refimpl.ops import apply_rope, linear, rms_norm, rope_cos_sin, softmax
+from refimpl.ops import apply_rope, layer_norm, linear, rms_norm, rope_cos_sin, softmax
+from refimpl.unified import LAYER_NORM_EPS
 
 from ..protocol.types import Backend
 from .engine import CacheSet, Engine, KVView, MicroBatch, NumpyEngineBackend, Rows, SequenceCache
 
 __all__ = ["AUDIO_SET", "BACKENDS", "CLOSENESS", "EQUIVALENT", "IMAGE_SETS", "IMAGE_SET_BIDIRECTIONAL", "IMAGE_SET_PLE",
-           "MUTANTS", "Mutant", "mutant", "planted"]
+           "MUTANTS", "Mutant", "UNIFIED_SET", "mutant", "planted"]
 
 CLOSENESS = frozenset({"max_abs", "max_rel", "nmse", "cosine", "kl", "kl_mean", "delta_p"})
 IDENTITY = frozenset({"identity"})
@@ -353,6 +361,70 @@ VNormMissing = planted(
 
 
 # ----------------------------------------------------------------------------------------------
+# Gemma 4 Unified (gemma4-unified-and-mtp-spec.md E2): the engine's own encoder-free embedders, the vision
+# mask rule, blocks across micro-batches
+
+
+def _patch_values_chw(self, pv: np.ndarray) -> np.ndarray:
+    """Each patch read channel-major (C, row, column) instead of (row, column, C)."""
+    M = self.image.cfg.model_patch_size
+    return pv.reshape(-1, M, M, 3).transpose(0, 3, 1, 2).reshape(pv.shape)
+
+
+def _positions_swapped(self, pos: np.ndarray) -> np.ndarray:
+    return Engine.patch_position_embedding(self, pos[:, ::-1])
+
+
+def _vision_overlay_unclamped(self, rows: Rows, kv: KVView, window):
+    return Engine.vision_overlay(self, rows, kv, None)  # the whole block, past the window
+
+
+def _media_split(self, caches, batch, ubatch):
+    """Image prompts run in micro-batches of 16 tokens: a block longer than that is split."""
+    if ubatch is None and (batch.block != -1).any():
+        ubatch = 16
+    return Engine.split(self, caches, batch, ubatch)
+
+
+UnifiedWindowUnclamped = planted(
+    "vision-window-unclamped",
+    "Vision blocks on sliding layers open the whole block, past the window (the overlay after the window).",
+    engine={"vision_overlay": _vision_overlay_unclamped})
+
+UnifiedBlockSplit = planted(
+    "image-split-across-ubatches",
+    "Image prompts are split into micro-batches of 16 tokens, so a longer block is half-causal across them.",
+    engine={"split": _media_split})
+
+UnifiedPatchLayerNormEps = planted(
+    "patch-layernorm-eps-1e-6",
+    "Unified vision embedder: the LayerNorms use rms_norm_eps (1e-6) instead of torch's 1e-5.",
+    engine={"patch_norm": lambda self, x, w, b: layer_norm(x, w, b, 1e-6)})
+
+UnifiedPatchRmsNorm = planted(
+    "patch-rmsnorm",
+    "Unified vision embedder: RMSNorm (no mean, no bias) where the embedder has LayerNorms.",
+    engine={"patch_norm": lambda self, x, w, b: rms_norm(x, w, LAYER_NORM_EPS)})
+
+UnifiedPatchOrderChw = planted(
+    "patch-order-chw", "Unified vision embedder: patches flattened channel-major (CHW) instead of (row, column, channel).",
+    engine={"patch_values": _patch_values_chw})
+
+UnifiedPositionAxesSwapped = planted(
+    "position-axes-swapped", "Unified vision embedder: the position table is read with x and y swapped.",
+    engine={"patch_position_embedding": _positions_swapped})
+
+UnifiedPaddingRowsKept = planted(
+    "padding-rows-kept",
+    "Unified vision embedder: padding rows are not dropped, so a later image's block gets an earlier one's padding.",
+    engine={"real_patches": lambda self, e, pos: e})
+
+UnifiedAudioNoNorm = planted(
+    "audio-frames-not-normed", "Unified audio embedder: the 640-sample frames go to the projection without their RMSNorm.",
+    engine={"audio_frame_norm": lambda self, frames: frames})
+
+
+# ----------------------------------------------------------------------------------------------
 # the catalogue
 
 
@@ -381,6 +453,8 @@ IMAGE_SET_BIDIRECTIONAL = "31b-vision-mini"
 IMAGE_SETS = (IMAGE_SET_PLE, IMAGE_SET_BIDIRECTIONAL)
 #: the bundled audio set: E2B miniature with PLE and a tiny audio tower (audio bases S0, S1)
 AUDIO_SET = "e2b-audio-mini"
+#: the bundled Gemma 4 Unified set: encoder-free image and audio embedders, vision blocks longer than the window
+UNIFIED_SET = "12b-mini"
 
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -398,7 +472,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(ChunkLocalMask, "B4"),
     _m(ChunkLocalPositions, "B4"),
     _m(EmbeddingsScaledTwice, "B10"),
-    _m(SoftTokensScaled, "B10", kill_sets=(IMAGE_SET_PLE, IMAGE_SET_BIDIRECTIONAL)),
+    _m(SoftTokensScaled, "B10", kill_sets=(IMAGE_SET_PLE, IMAGE_SET_BIDIRECTIONAL, UNIFIED_SET)),
     _m(NormOnePlusW, "trap 1"),
     _m(AttentionScaleRsqrtD, "trap 2"),
     _m(RopeOrdinaryPartial, "trap 3"),
@@ -410,12 +484,20 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(LayerScalarSkipped, "trap 11"),
     _m(MoeRouterNormedInput, "trap 12"),
     _m(PlePlaceholderRow, "trap 17", kill_sets=(IMAGE_SET_PLE,)),
-    _m(VisionBlocksOnFullLayers, "trap 17", kill_sets=(IMAGE_SET_BIDIRECTIONAL,)),
-    _m(VisionBlocksMissing, "trap 17", kill_sets=(IMAGE_SET_BIDIRECTIONAL,)),
+    _m(VisionBlocksOnFullLayers, "trap 17", kill_sets=(IMAGE_SET_BIDIRECTIONAL, UNIFIED_SET)),
+    _m(VisionBlocksMissing, "trap 17", kill_sets=(IMAGE_SET_BIDIRECTIONAL, UNIFIED_SET)),
     _m(AudioChunkingWrong, "mm trap 24", kill_sets=(AUDIO_SET,)),
     _m(AudioLogitCapMissing, "mm §9", kill_sets=(AUDIO_SET,)),
     _m(AudioSoftTokensScaled, "B10", kill_sets=(AUDIO_SET,)),
     _m(AudioPlePlaceholderRow, "trap 17", kill_sets=(AUDIO_SET,)),
+    _m(UnifiedWindowUnclamped, "unified U2", kill_sets=(IMAGE_SET_BIDIRECTIONAL, UNIFIED_SET)),
+    _m(UnifiedBlockSplit, "unified U4", kill_sets=(IMAGE_SET_BIDIRECTIONAL, UNIFIED_SET)),
+    _m(UnifiedPatchLayerNormEps, "unified U6", kill_sets=(UNIFIED_SET,)),
+    _m(UnifiedPatchRmsNorm, "unified U6", kill_sets=(UNIFIED_SET,)),
+    _m(UnifiedPatchOrderChw, "unified U7", kill_sets=(UNIFIED_SET,)),
+    _m(UnifiedPositionAxesSwapped, "unified U8", kill_sets=(UNIFIED_SET,)),
+    _m(UnifiedPaddingRowsKept, "unified U9", kill_sets=(UNIFIED_SET,)),
+    _m(UnifiedAudioNoNorm, "unified U10", kill_sets=(UNIFIED_SET,)),
 )
 
 BACKENDS: dict[str, type] = {m.name: m.backend_class for m in MUTANTS}

@@ -178,6 +178,21 @@ def vision_units(vcfg, patches: int) -> int:
     return vcfg.patch_dim + 4 + vcfg.num_hidden_layers * layer + vcfg.pooling_kernel_size ** 2 + 2 * d + 4
 
 
+def unified_vision_units(vcfg) -> int:
+    """The path sum of Gemma 4 Unified's vision embedder (``refimpl.unified.UnifiedVisionConfig``), per
+    patch: the first LayerNorm over 3 M^2 values, the dense layer, two more LayerNorms over E (the
+    position rows added before the last), the weightless RMSNorm and the projection into the text width."""
+    C, E = vcfg.patch_dim, vcfg.mm_embed_dim
+    return (C + 4) + C + 2 * (E + 4) + 2 + E + E + 4
+
+
+def unified_audio_units(acfg) -> int:
+    """The path sum of Gemma 4 Unified's audio embedder (``refimpl.unified.UnifiedAudioConfig``): the
+    weightless RMSNorm over A samples and the projection."""
+    A = acfg.audio_embed_dim
+    return A + A + 4
+
+
 def audio_units(acfg, frames: int) -> int:
     """The path sum of the audio tower (``refimpl.audio.AudioConfig``) over ``frames`` feature frames: the
     two 3 x 3 subsampling convolutions with their channel norms and the input projection, every conformer

@@ -163,6 +163,7 @@ class BaseMedia:
     images: tuple[tuple[int, int], ...] = ()  # (first position, soft-token count) of each image block
     audio: tuple[tuple[int, int], ...] = ()  # (first position, soft-token count) of each audio block
     audio_inputs: tuple = ()  # conformance.backend.AudioInput per audio block (features, mask)
+    image_inputs: tuple = ()  # conformance.backend.ImageInput per image block (pixel_values, positions)
 
 
 def prompt_length(case: Case) -> int:

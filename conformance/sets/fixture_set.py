@@ -14,7 +14,7 @@ import numpy as np
 from refimpl.safetensors_io import TensorStore
 from refimpl.synth import write_checkpoint
 
-from ..protocol.types import AudioInput
+from ..protocol.types import AudioInput, ImageInput
 from .case import BaseMedia, Case
 from .format import (
     AUDIO_LEAVES, BASE_FILE_RE, EXPECTED, IMAGE_LEAVES, SYNTHETIC_CHECKED, FixtureError, sha256_file, versions,
@@ -149,8 +149,10 @@ class FixtureSet:
                 x = x / math.sqrt(x.shape[1])
             clips = tuple(AudioInput(np.asarray(c["features"], dtype=np.float64), np.asarray(c["mask"]).astype(bool))
                           for c in self.audio_inputs(b))
+            images = tuple(ImageInput(np.asarray(i["pixel_values"], dtype=np.float64),
+                                      np.asarray(i["positions"]).astype(np.int64)) for i in self.image_inputs(b))
             out[b] = BaseMedia(embeddings=x, images=tuple(blocks.get(b, ())), audio=tuple(audio.get(b, ())),
-                               audio_inputs=clips)
+                               audio_inputs=clips, image_inputs=images)
         return out
 
     def audio_inputs(self, base: str) -> list[dict[str, np.ndarray]]:

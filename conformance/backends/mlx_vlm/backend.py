@@ -12,12 +12,16 @@ request handling (validation, micro-batches, one prompt cache per sequence id, i
 ``conformance.protocol.serving.CachedBackend``'s.
 
 * **Image prompts** (``gemma4`` checkpoints with a ``vision_config``): the request's merged embeddings
-  (``E[ids] * sqrt(H)`` at text rows, the soft tokens unscaled at image rows: exactly the
-  ``inputs_embeds`` that ``Model.get_input_embeddings`` builds from pixels) go in as ``inputs_embeds``;
-  the per-layer inputs are ``get_input_embeddings``' own (token id 0 at image positions, the context
-  part projected from the given embeddings); ``mm_token_type_ids`` (the processor's: 1 at image tokens,
-  3 at audio tokens) of the whole sequence so far go to ``language_model``, which builds the vision
-  block masks itself on ``use_bidirectional_attention == "vision"`` checkpoints.
+  (``E[ids] * sqrt(H)`` at text rows, the soft tokens unscaled at image rows: the ``inputs_embeds``
+  that ``Model.get_input_embeddings`` builds from pixels) go in as ``inputs_embeds``; with
+  ``image_tower`` on (the default), each forward's images (``request.image_inputs``: patches and their
+  (x, y) positions, as the processor gives them) go into ``get_input_embeddings(input_ids,
+  pixel_values=[...], image_position_ids=[...])``, so mlx-vlm's own vision tower computes the image
+  rows (``executed``: ``image_rows_max_abs`` against the rows the request carried). The per-layer inputs
+  are ``get_input_embeddings``' own (token id 0 at image positions, the context part projected from the
+  embeddings); ``mm_token_type_ids`` (the processor's: 1 at image tokens, 3 at audio tokens) of the
+  whole sequence so far go to ``language_model``, which builds the vision block masks itself on
+  ``use_bidirectional_attention == "vision"`` checkpoints.
 * **Audio prompts** (``gemma4`` checkpoints with an ``audio_config``): as images; with ``audio_tower``
   on (the default), each forward's clips (``request.audio_inputs``: log-mel features, frame masks) go as
   one padded batch, as mlx-vlm's feature extractor pads them, into ``get_input_embeddings(input_ids,
@@ -36,7 +40,7 @@ request handling (validation, micro-batches, one prompt cache per sequence id, i
 Known divergences are listed, with their reasons, in
 ``conformance/backends/mlx_vlm/expectations/mlx-vlm-float32.json``.
 
-    conformance check --backend mlx-vlm [--backend-option audio_tower=off]
+    conformance check --backend mlx-vlm [--backend-option image_tower=off] [--backend-option audio_tower=off]
 """
 
 from __future__ import annotations
@@ -61,10 +65,10 @@ from ...protocol.types import BackendError, Capabilities, Request, Response
 from .config import checkpoint_view, config_patch, remove_view
 from .families import Family, family_for, geometry_problems
 
-__all__ = ["MlxVlmBackend", "DTYPES", "AUDIO_TOWER_OPTIONS", "EXPECTATIONS_DIR"]
+__all__ = ["MlxVlmBackend", "DTYPES", "TOWER_OPTIONS", "EXPECTATIONS_DIR"]
 
 DTYPES = ("float32",)
-AUDIO_TOWER_OPTIONS = ("on", "off")
+TOWER_OPTIONS = ("on", "off")
 EXPECTATIONS_DIR = Path(__file__).resolve().parent / "expectations"
 IMAGE_TYPE, AUDIO_TYPE = 1, 3  # mm_token_type_ids, as mlx-vlm's Gemma4Processor makes them (video: 2)
 
@@ -94,35 +98,40 @@ class SequenceState:
 class MlxVlmBackend(CachedBackend):
     """mlx-vlm behind the backend protocol (``conformance.protocol.Backend``).
 
-    Options: ``dtype`` ("float32"); ``audio_tower`` ("on", the default: mlx-vlm's audio tower computes
-    the audio soft tokens from ``request.audio_inputs`` and the backend claims ``audio_tower``; "off":
-    the request's soft tokens are used as given); ``default_profile`` (default "fp32").
+    Options: ``dtype`` ("float32"); ``image_tower`` ("on", the default: mlx-vlm's vision tower computes
+    the image soft tokens from ``request.image_inputs`` and the backend claims ``image_tower``; "off":
+    the request's soft tokens are used as given); ``audio_tower`` (the same for audio, from
+    ``request.audio_inputs``); ``default_profile`` (default "fp32").
     """
 
     who = "mlx-vlm backend"
 
-    def __init__(self, dtype: str = "float32", audio_tower: str = "on", default_profile: str | None = None):
+    def __init__(self, dtype: str = "float32", image_tower: str = "on", audio_tower: str = "on",
+                 default_profile: str | None = None):
         super().__init__()
         if dtype not in DTYPES:
             raise ValueError(f"mlx-vlm backend: option dtype must be one of {_allowed(DTYPES)}, got {dtype!r}")
-        if audio_tower not in AUDIO_TOWER_OPTIONS:
-            raise ValueError(f"mlx-vlm backend: option audio_tower must be one of {_allowed(AUDIO_TOWER_OPTIONS)}, "
-                             f"got {audio_tower!r}")
+        for option, value in (("image_tower", image_tower), ("audio_tower", audio_tower)):
+            if value not in TOWER_OPTIONS:
+                raise ValueError(f"mlx-vlm backend: option {option} must be one of {_allowed(TOWER_OPTIONS)}, "
+                                 f"got {value!r}")
         if default_profile is None:
             default_profile = "fp32"
         if default_profile not in PROFILES:
             raise ValueError(f"mlx-vlm backend: option default_profile must be one of {_allowed(list(PROFILES))}, "
                              f"got {default_profile!r}")
         self.dtype = dtype
-        self.audio_tower = audio_tower == "on"
-        self.name = f"mlx-vlm-{dtype}" + ("" if self.audio_tower else "-audio-tower-off")
+        self.image_tower, self.audio_tower = image_tower == "on", audio_tower == "on"
+        self.name = (f"mlx-vlm-{dtype}" + ("" if self.image_tower else "-image-tower-off")
+                     + ("" if self.audio_tower else "-audio-tower-off"))
         self.capabilities = Capabilities(
             full_forward=True, last_plain=True, last_seq_id=True, last_embeddings=True,
             embedding_convention="scaled", interior_rows=True, output_rows=True, ubatch=True,
             chunked_prefill=True, multi_sequence=True, decode=True, image_prompts=True, audio_prompts=True,
-            audio_tower=self.audio_tower, default_profile=default_profile,
+            audio_tower=self.audio_tower, image_tower=self.image_tower, default_profile=default_profile,
         )
-        shipped = EXPECTATIONS_DIR / f"{self.name}.json"
+        # the divergences are the vision mask's, whichever soft tokens are used: one file per dtype
+        shipped = EXPECTATIONS_DIR / f"mlx-vlm-{dtype}.json"
         self.expectations_file = shipped if shipped.is_file() else None
         self.family: Family | None = None
         self.text_config = None  # refimpl.config.TextConfig of the open checkpoint
@@ -277,6 +286,20 @@ class MlxVlmBackend(CachedBackend):
             x[b, :f.shape[0]], mask[b, :m.shape[0]] = f, m
         return mx.array(x), mx.array(mask)
 
+    def _image_pixels(self, image_inputs: Sequence) -> dict[str, list[mx.array]]:
+        """A forward's images as mlx-vlm's ``get_input_embeddings`` takes them from its processor: one
+        ``pixel_values`` ``[N, 3 p^2]`` (patches in [0, 1]) and one ``image_position_ids`` ``[N, 2]`` (x, y)
+        per image, as lists (``VisionModel`` encodes each image on its own)."""
+        pixels, positions = [], []
+        for k, image in enumerate(image_inputs):
+            pv, pos = np.asarray(image.pixel_values), np.asarray(image.positions)
+            if pv.ndim != 2 or pos.shape != (pv.shape[0], 2):
+                raise ValueError(f"{self.who}: image {k}: pixel_values {pv.shape} and positions {pos.shape} must "
+                                 f"be [N, C] and [N, 2]")
+            pixels.append(mx.array(pv.astype(np.float32)))
+            positions.append(mx.array(pos.astype(np.int32)))
+        return {"pixel_values": pixels, "image_position_ids": positions}
+
     @staticmethod
     def _logits_to_keep(rows: list[int], T: int) -> int | None:
         """mlx-vlm's ``logits_to_keep`` for a forward whose ``rows`` are wanted: the suffix from the first
@@ -288,18 +311,26 @@ class MlxVlmBackend(CachedBackend):
 
     def _forward(self, tokens: Sequence[int], rows: list[int], state: SequenceState,
                  embeddings: np.ndarray | None = None, images: Sequence[tuple[int, int]] = (),
-                 audio: Sequence[tuple[int, int]] = (), audio_inputs: Sequence = ()) -> tuple[np.ndarray, dict]:
+                 audio: Sequence[tuple[int, int]] = (), audio_inputs: Sequence = (),
+                 image_inputs: Sequence = ()) -> tuple[np.ndarray, dict]:
         """One prompt forward continuing ``state``; the logits of ``rows`` as float32 ``[R, V]`` and notes
-        (``logits_to_keep``, ``mm_token_type_ids``, ``audio_rows_max_abs``)."""
+        (``logits_to_keep``, ``mm_token_type_ids``, ``image_rows_max_abs``, ``audio_rows_max_abs``)."""
         T = len(tokens)
         id_list = [int(t) for t in tokens]
         types = self._token_types(id_list, images, audio)
         keep = self._logits_to_keep(rows, T)
-        features = self._audio_features(audio_inputs) if (audio and self.audio_tower) else None
+        towers: dict[str, Any] = {}
+        if images and self.image_tower:
+            if len(image_inputs) != len(images):
+                raise ValueError(f"{self.who}: {len(images)} image blocks but {len(image_inputs)} image_inputs")
+            towers["image"] = self._image_pixels(image_inputs)
+        if audio and self.audio_tower:
+            x, mask = self._audio_features(audio_inputs)
+            towers["audio"] = {"input_features": x, "input_features_mask": mask}
         before = self._state_len(state)
         ids = mx.array([id_list], dtype=mx.int32)
         logits, notes = self.family.prompt(self.model, ids, state.cache, embeddings, self.hidden_size, keep,
-                                           token_types=state.token_types + types, audio_features=features)
+                                           token_types=state.token_types + types, tower_inputs=towers)
         mx.eval(logits, [c.state for c in state.cache])
         after = self._state_len(state)
         if after != before + T:
@@ -351,10 +382,14 @@ class MlxVlmBackend(CachedBackend):
                                     "float32, as language_model(inputs_embeds=...)",
                    "per_layer_inputs": ("Model.get_input_embeddings(input_ids): token id 0 at image/audio/video "
                                         "token positions" if ple else None),
-                   "mm_token_type_ids": "the processor's rule (1 image, 3 audio), from the sequence's start; decode "
+                   "token_types": "mm_token_type_ids by the processor's rule (1 image, 3 audio), from the sequence's start; decode "
                                         "steps none"}
             if request.images:
                 out["images"] = [list(b) for b in request.images]
+                out["image_tower"] = ("mlx-vlm VisionModel + embed_vision via Model.get_input_embeddings("
+                                      "pixel_values, image_position_ids) on each forward's images, scattered into "
+                                      "the image token rows" if self.image_tower else
+                                      "none: the request's soft tokens are used as given")
                 out["image_mask"] = ("mlx-vlm Gemma4TextModel._make_masks: the same-block overlay OR-ed into the "
                                      "mask of every layer type (full and sliding), only when the forward's mask is "
                                      "square (no cached prefix)" if vision_masks else

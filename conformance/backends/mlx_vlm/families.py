@@ -13,8 +13,9 @@ backend: :data:`FAMILIES` maps each served model type to how that mlx-vlm model 
   ``inputs_embeds`` and the ``per_layer_inputs`` (token id 0 at image, audio and video token
   positions), then ``model.language_model(ids, inputs_embeds=..., per_layer_inputs=..., cache=...,
   mm_token_type_ids=..., logits_to_keep=...)``; decode steps are ``model.language_model(ids, cache=...,
-  logits_to_keep=1)``, as generate's ``_step``. With audio features, ``get_input_embeddings`` runs
-  mlx-vlm's own audio tower (``AudioEncoder`` + ``embed_audio``) and scatters its output into the audio
+  logits_to_keep=1)``, as generate's ``_step``. Given pixel values (patches and positions), or audio
+  features, ``get_input_embeddings`` runs mlx-vlm's own vision tower (``VisionModel`` + ``embed_vision``)
+  or audio tower (``AudioEncoder`` + ``embed_audio``) and scatters its output into the image or audio
   token positions.
 
 A model type that is not listed gets a one-line error at open (:func:`family_for`). Gemma 4 Unified
@@ -76,9 +77,10 @@ class Family:
 
     def prompt(self, model, ids: mx.array, cache: list, embeddings: np.ndarray | None, hidden_size: int,
                logits_to_keep: int | None, token_types: Sequence[int] | None = None,
-               audio_features: tuple[mx.array, mx.array] | None = None) -> tuple[mx.array, dict[str, Any]]:
+               tower_inputs: dict[str, Any] | None = None) -> tuple[mx.array, dict[str, Any]]:
         """One prompt forward: ``(logits [rows kept, V], notes)``. ``embeddings``: scaled input embeddings
-        ``[T, H]`` (float64), or None for the token lookup."""
+        ``[T, H]`` (float64), or None for the token lookup. ``tower_inputs``: {"image" | "audio": the
+        ``get_input_embeddings`` keywords of that modality}: mlx-vlm's own tower computes those rows."""
         raise NotImplementedError
 
     def decode(self, model, ids: mx.array, cache: list) -> mx.array:
@@ -97,7 +99,7 @@ class Gemma4Text(Family):
         return bool(model.language_model.tie_word_embeddings)
 
     def prompt(self, model, ids, cache, embeddings, hidden_size, logits_to_keep, token_types=None,
-               audio_features=None):
+               tower_inputs=None):
         kwargs: dict[str, Any] = {"logits_to_keep": logits_to_keep}
         notes: dict[str, Any] = {}
         if embeddings is not None:
@@ -127,21 +129,19 @@ class Gemma4(Family):
               cfg.use_bidirectional_attention)
 
     def prompt(self, model, ids, cache, embeddings, hidden_size, logits_to_keep, token_types=None,
-               audio_features=None):
-        features = {}
-        if audio_features is not None:
-            features = {"input_features": audio_features[0], "input_features_mask": audio_features[1]}
-        merged = model.get_input_embeddings(input_ids=ids, **features)
+               tower_inputs=None):
+        tower_inputs = tower_inputs or {}
+        merged = model.get_input_embeddings(input_ids=ids, **{k: v for kw in tower_inputs.values()
+                                                              for k, v in kw.items()})
         h = merged.inputs_embeds
         notes: dict[str, Any] = {}
         if embeddings is not None:
             given = mx.array(np.asarray(embeddings, dtype=np.float32)[None]).astype(h.dtype)
-            if audio_features is not None:  # the audio rows from mlx-vlm's tower, every other row as given
-                at_audio = mx.expand_dims(ids == model.config.audio_token_id, -1)
-                notes["audio_rows_max_abs"] = float(mx.max(mx.abs(mx.where(at_audio, h - given, 0.0))).item())
-                h = mx.where(at_audio, h, given)
-            else:
-                h = given
+            for what in tower_inputs:  # these rows from mlx-vlm's tower, every other row as given
+                at = mx.expand_dims(ids == getattr(model.config, f"{what}_token_id"), -1)
+                notes[f"{what}_rows_max_abs"] = float(mx.max(mx.abs(mx.where(at, h - given, 0.0))).item())
+                given = mx.where(at, h, given)
+            h = given
         kwargs: dict[str, Any] = {"logits_to_keep": logits_to_keep}
         if token_types is not None and any(token_types):
             kwargs["mm_token_type_ids"] = mx.array([list(token_types)], dtype=mx.int32)

@@ -143,14 +143,15 @@ from typing import Any
 import numpy as np
 import torch
 import transformers
-from transformers import DynamicCache, Gemma4ForCausalLM, Gemma4ForConditionalGeneration
+from transformers import (DynamicCache, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4UnifiedForCausalLM,
+                          Gemma4UnifiedForConditionalGeneration)
 
 from ...protocol.serving import CachedBackend
 from ...protocol.types import BackendError, Capabilities, Request, Response
 
 __all__ = ["ATTN_IMPLEMENTATIONS", "AUDIO_TOWER_OPTIONS", "DTYPES", "EXPERTS_IMPLEMENTATIONS", "TransformersBackend", "checkpoint_layout",
-           "has_audio", "has_vision", "load_gemma4_causal_lm", "load_gemma4_conditional_generation", "resolve_device",
-           "shipped_expectations"]
+           "has_audio", "has_vision", "is_unified", "load_gemma4_causal_lm", "load_gemma4_conditional_generation",
+           "load_gemma4_unified", "resolve_device", "shipped_expectations"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
@@ -192,9 +193,42 @@ def checkpoint_layout(model_dir: str | os.PathLike) -> tuple[str, dict]:
         layout, types = "conditional", (raw.get("model_type"), text.get("model_type"))
     else:
         layout, types = "causal", (raw.get("model_type"),)
-    if not all(t in ("gemma4", "gemma4_text", None) for t in types) or not any(types):
+    known = ("gemma4", "gemma4_text", None) if not is_unified(raw) else UNIFIED_MODEL_TYPES + (None,)
+    if not all(t in known for t in types) or not any(types):
         raise BackendError(f"{model_dir}: config.json is not a Gemma 4 config (model_type {raw.get('model_type')!r})")
     return layout, raw
+
+
+UNIFIED_MODEL_TYPES = ("gemma4_unified", "gemma4_unified_text")
+
+
+def is_unified(raw: dict) -> bool:
+    """Whether a raw config.json is a Gemma 4 Unified one (its architecture or model type)."""
+    archs = raw.get("architectures") or []
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    return (any(isinstance(a, str) and a.startswith("Gemma4Unified") for a in archs)
+            or raw.get("model_type") in UNIFIED_MODEL_TYPES or text.get("model_type") in UNIFIED_MODEL_TYPES)
+
+
+def load_gemma4_unified(model_dir: str | os.PathLike, dtype: str | torch.dtype = "float32", *,
+                        attn_implementation: str = "eager", experts_implementation: str | None = None,
+                        device: str | torch.device = "cpu"):
+    """Load a Gemma 4 Unified checkpoint as an eval-mode ``Gemma4UnifiedForConditionalGeneration``
+    (conditional layout: the text model and whichever encoder-free embedders the config has) or
+    ``Gemma4UnifiedForCausalLM`` (causal layout), by plain ``from_pretrained``; every weight must come
+    from the checkpoint. ``experts_implementation`` is ignored (no MoE). BackendError on any failure."""
+    kwargs = _load_kwargs(dtype, attn_implementation, None)
+    layout, raw = checkpoint_layout(model_dir)
+    _require_safetensors(model_dir)
+    cls = Gemma4UnifiedForConditionalGeneration if layout == "conditional" else Gemma4UnifiedForCausalLM
+    try:
+        with _quiet_progress_bar():
+            model, info = cls.from_pretrained(os.fspath(model_dir), **kwargs)
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raises, the checkpoint cannot be served
+        raise BackendError(f"transformers {transformers.__version__} cannot load {model_dir} (Gemma 4 Unified, "
+                           f"{layout} layout): {type(exc).__name__}: {exc}") from exc
+    text = model.model.language_model if layout == "conditional" else model.model
+    return _checked(model, info, text.embed_tokens, f"{model_dir} (Gemma 4 Unified, {layout} layout)", device)
 
 
 SAFETENSORS_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
@@ -454,6 +488,7 @@ class TransformersBackend(CachedBackend):
         self.layout: str | None = None
         self.vision = False  # the checkpoint has a vision tower: Gemma4ForConditionalGeneration
         self.audio = False  # the checkpoint has an audio tower: Gemma4ForConditionalGeneration
+        self.unified = False  # a Gemma 4 Unified checkpoint: Gemma4Unified{ForConditionalGeneration,ForCausalLM}
         self.text_config: Any = None
         self.text_model: Any = None  # the Gemma4TextModel (per-layer inputs)
         self.image_token_id: int | None = None
@@ -469,7 +504,9 @@ class TransformersBackend(CachedBackend):
             torch.set_num_threads(self.threads)
         self.layout, raw = checkpoint_layout(model_dir)
         self.vision, self.audio = has_vision(raw), has_audio(raw)
-        loader = load_gemma4_conditional_generation if self.conditional else load_gemma4_causal_lm
+        self.unified = is_unified(raw)
+        loader = (load_gemma4_unified if self.unified else
+                  load_gemma4_conditional_generation if self.conditional else load_gemma4_causal_lm)
         try:
             self.model = loader(model_dir, self.torch_dtype, attn_implementation=self.attn,
                                 experts_implementation=self.experts, device=self.device)
@@ -477,7 +514,8 @@ class TransformersBackend(CachedBackend):
             raise BackendError(f"transformers backend: {model_dir} does not fit on {self.device}: {exc}") from exc
         self._model_dir = Path(model_dir)
         self.text_config = self.model.config.get_text_config()
-        self.text_model = self.model.model.language_model if self.conditional else self.model.model
+        self.text_model = (self.model.model.language_model if self.conditional or self.layout == "conditional"
+                           and self.unified else self.model.model)
         self.image_token_id = int(self.model.config.image_token_id) if self.vision else None
         self.audio_token_id = int(self.model.config.audio_token_id) if self.audio else None
         params = inspect.signature(type(self.model).forward).parameters
@@ -495,7 +533,7 @@ class TransformersBackend(CachedBackend):
     def close(self) -> None:
         self.model = None
         self.layout = None
-        self.vision = self.audio = False
+        self.vision = self.audio = self.unified = False
         self.text_config = self.text_model = self.image_token_id = self.audio_token_id = self._model_dir = None
         self._states = {}
         if self.device.type == "cuda":  # pragma: no cover - needs a GPU
@@ -532,6 +570,11 @@ class TransformersBackend(CachedBackend):
         calls ``create_masks_for_vision_model`` when given ``mm_token_type_ids``; only types 1 and 2 form
         blocks, so audio tokens, type 3, stay causal)."""
         return self.conditional and self.text_config.use_bidirectional_attention == "vision"
+
+    @property
+    def ple(self) -> bool:
+        """Whether the text model has per-layer inputs (Gemma 4 Unified never has)."""
+        return bool(getattr(self.text_config, "hidden_size_per_layer_input", 0)) and not self.unified
 
     @property
     def pad_token_id(self) -> int:
@@ -671,7 +714,7 @@ class TransformersBackend(CachedBackend):
                 else:
                     notes["audio_soft_tokens"] = "given (the request's embeddings)"
             kwargs["inputs_embeds"] = inputs_embeds
-            if self.text_config.hidden_size_per_layer_input:
+            if self.ple:
                 # the token-identity part of the per-layer embeddings, looked up by id; at image and
                 # audio positions the pad row (Gemma4Model.forward's llm_input_ids)
                 ple_ids = ids
@@ -682,7 +725,10 @@ class TransformersBackend(CachedBackend):
             if self.conditional and any(token_types):
                 kwargs["mm_token_type_ids"] = torch.tensor([token_types], dtype=torch.long, device=self.device)
                 notes["mm_token_type_ids"] = len(token_types)
-                notes["mask_function"] = ("create_masks_for_vision_model" if self.vision_masks
+                notes["mask_function"] = ("create_masks_for_generate with block_sequence_ids (Gemma4UnifiedModel"
+                                          ".forward: the overlay on every layer, after the window)"
+                                          if self.unified and self.vision_masks else
+                                          "create_masks_for_vision_model" if self.vision_masks
                                           else "create_masks_for_generate")
         before = state.cache.get_seq_length()
         out = self.model(**kwargs)
@@ -704,7 +750,8 @@ class TransformersBackend(CachedBackend):
     def _executed(self, path: str, **extra) -> dict[str, Any]:
         return {"path": path, "engine": f"transformers {transformers.__version__}, torch {torch.__version__}",
                 "model": type(self.model).__name__, "layout": self.layout, "dtype": self.dtype,
-                "attn_implementation": self.attn, "experts_implementation": self.model.config._experts_implementation,
+                "attn_implementation": self.attn,
+                "experts_implementation": getattr(self.model.config, "_experts_implementation", None),
                 **({"audio_attn_implementation": self.model.config.audio_config._attn_implementation}
                    if self.audio else {}),
                 "device": str(self.device), **self._device_info, "cache": "DynamicCache", "fresh_state": True,
@@ -715,7 +762,7 @@ class TransformersBackend(CachedBackend):
         audio soft tokens), per-layer inputs and masks went in; multi: the caches."""
         if request.kind == "full":
             return {"rows": len(request.tokens)}
-        ple = bool(self.text_config.hidden_size_per_layer_input)
+        ple = self.ple
         out: dict[str, Any] = {}
         if request.audio:
             out = {"audio": [list(b) for b in request.audio],
@@ -736,6 +783,10 @@ class TransformersBackend(CachedBackend):
                     "per_layer_inputs": (f"get_per_layer_inputs(token ids, pad_token_id {self.pad_token_id} at "
                                          f"image positions)" if ple else None),
                     "image_mask": ("mm_token_type_ids (1 at image tokens, from the sequence's start; decode steps "
+                                   "none) -> Gemma4UnifiedModel.forward's create_masks_for_generate with block ids: "
+                                   "OR(causal or window, same block) on every layer (rule all-unclamped)"
+                                   if self.unified and self.vision_masks else
+                                   "mm_token_type_ids (1 at image tokens, from the sequence's start; decode steps "
                                    "none) -> create_masks_for_vision_model: sliding AND(window, OR(causal, same "
                                    "block)), full causal" if self.vision_masks else
                                    "causal (use_bidirectional_attention is not 'vision')"),
