@@ -138,15 +138,18 @@ class ImagePrompt:
                 for n, i in enumerate(self.audio_info)]
 
 
-def _config_has(model_dir: Path, key: str, what: str, flag: str) -> None:
-    """A clear InputError when config.json has no ``key`` section (no vision / audio part at all)."""
+def _config_has(model_dir: Path, key: str, kind: str, flag: str) -> None:
+    """A clear InputError when config.json has no ``key`` section (no vision / audio part at all);
+    ``kind``: "vision" or "audio"."""
     try:
         raw = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError):
         return  # let the front end's loader report it
     if isinstance(raw, dict) and raw.get(key) is None:
-        raise InputError(f"{model_dir} has no {what} (config.json has no {key}); {flag} needs a checkpoint with one "
-                         f"(Gemma4ForConditionalGeneration or Gemma4UnifiedForConditionalGeneration with its weights)")
+        text = "image" if kind == "vision" else "audio"
+        raise InputError(f"{model_dir} has no {kind} tower (config.json has no {key}); {flag} needs an {text}-text "
+                         f"checkpoint (Gemma4ForConditionalGeneration or Gemma4UnifiedForConditionalGeneration with its "
+                         f"{kind} weights)")
 
 
 def _check_markers(ids: list[int], tok: Tokenizer | None, mm: MultimodalTokens) -> None:
@@ -166,9 +169,9 @@ def _image_prompt(args, model_dir: Path, model: Gemma4) -> ImagePrompt:
     the model's input (log-mel features, or Unified's raw frames); no tower or embedder is run yet."""
     images, clips = list(args.image), list(args.audio)
     if images:
-        _config_has(model_dir, "vision_config", "vision tower or embedder", "--image")
+        _config_has(model_dir, "vision_config", "vision", "--image")
     if clips:
-        _config_has(model_dir, "audio_config", "audio tower or embedder", "--audio")
+        _config_has(model_dir, "audio_config", "audio", "--audio")
     front = image_front_end(model_dir, args.dtype) if images else None
     mm = load_multimodal_tokens(model_dir, (["image"] if images else []) + (["audio"] if clips else []))
     ids, tok = _prompt_ids(args, model_dir, len(images), mm, model.cfg.bos_token_id, len(clips))

@@ -10,7 +10,7 @@
 #                 cache, and the exact-GELU build with an f32 KV cache (scripts/build-llama-cpp.sh
 #                 --exact-gelu builds them)
 #   --all         also every other dtype and attention of transformers and mlx-lm, mlx-vlm with
-#                 the request's audio soft tokens (audio_tower=off), and (with
+#                 the request's soft tokens (image_tower=off audio_tower=off), and (with
 #                 --llama-cpp) llama.cpp's input embeddings (the scoreboard in docs/backends.md)
 #   --out DIR     where the reports go (default .cache/reports)
 #
@@ -53,7 +53,7 @@ if [ "$all" = 1 ]; then
     "transformers-bfloat16-sdpa|transformers|dtype=bfloat16 attn=sdpa threads=1"
     "mlx-lm-bfloat16|mlx-lm|dtype=bfloat16"
     "mlx-lm-float16|mlx-lm|dtype=float16"
-    "mlx-vlm-float32-audio-tower-off|mlx-vlm|dtype=float32 audio_tower=off"
+    "mlx-vlm-float32-towers-off|mlx-vlm|dtype=float32 image_tower=off audio_tower=off"
   )
 fi
 if [ "$llama" = 1 ]; then

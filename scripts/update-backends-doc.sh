@@ -12,6 +12,7 @@ for c in float32-eager float32-sdpa float64-eager float64-sdpa bfloat16-eager bf
   [ -f "$R/cuda/transformers-$c-cuda.json" ] && reports+=("$R/cuda/transformers-$c-cuda.json")
 done
 reports+=("$R/mlx-lm-float32.json" "$R/mlx-lm-bfloat16.json" "$R/mlx-lm-float16.json")
+reports+=("$R/mlx-vlm-float32.json" "$R/mlx-vlm-float32-towers-off.json")
 reports+=("$R/llama-cpp-f16kv.json" "$R/llama-cpp-f32kv.json" "$R/llama-cpp-f32kv-exact-gelu.json"
           "$R/llama-cpp-f32kv-exact-gelu-embd.json")
 conformance scoreboard "${reports[@]}" --into docs/backends.md --title "Scoreboard: every configuration on the bundled sets"

@@ -259,8 +259,10 @@ def image_prompt(model_dir: str | Path, grids=((9, 12),), seed: int = 0, text=(4
     grid per image) through the vision tower, merged into ``bos + text + (boi + image x M + eoi + text)``.
 
     Returns ``ids`` (with placeholders), ``embeddings`` [T, H] (scaled convention: E[id] * sqrt(H) at
-    text rows, soft tokens unscaled at image rows), ``images`` [(start, M), ...], ``soft`` (per image)
-    and ``logits`` [T, V] (the oracle's full forward, float64)."""
+    text rows, soft tokens unscaled at image rows), ``images`` [(start, M), ...], ``soft`` (per image),
+    ``inputs`` (the ``ImageInput`` of each image: its patches and positions) and ``logits`` [T, V] (the
+    oracle's full forward, float64)."""
+    from conformance.protocol.types import ImageInput
     from refimpl import Gemma4
     from refimpl.multimodal import image_spans, load_multimodal_tokens, multimodal_inputs
     from refimpl.vision import load_vision_tower, vision_tower
@@ -269,16 +271,18 @@ def image_prompt(model_dir: str | Path, grids=((9, 12),), seed: int = 0, text=(4
     weights, vcfg = load_vision_tower(model_dir)
     tokens = load_multimodal_tokens(model_dir)
     rng = np.random.default_rng(seed)
-    soft = []
+    soft, inputs = [], []
     for ph, pw in grids:
         pixels = rng.uniform(0.0, 1.0, (ph * pw, vcfg.patch_dim))
         gx, gy = np.meshgrid(np.arange(pw), np.arange(ph), indexing="xy")
-        soft.append(vision_tower(pixels, np.stack([gx, gy], -1).reshape(-1, 2), weights, vcfg))
+        positions = np.stack([gx, gy], -1).reshape(-1, 2)
+        soft.append(vision_tower(pixels, positions, weights, vcfg))
+        inputs.append(ImageInput(pixels, positions))
     words = lambda n: [int(t) for t in rng.integers(20, 400, n)]  # noqa: E731 - ordinary pieces of the tiny vocab
     ids = [2] + words(text[0])
     for s in soft:
         ids += [tokens.boi_token_id] + [tokens.image_token_id] * s.shape[0] + [tokens.eoi_token_id] + words(text[1])
     m = multimodal_inputs(model, ids, soft, tokens)
     logits = model.forward(m.ids, embeddings=m.embeddings, vision_blocks=m.vision_blocks)
-    return {"ids": np.asarray(ids, dtype=np.int64), "embeddings": m.embeddings, "soft": soft,
+    return {"ids": np.asarray(ids, dtype=np.int64), "embeddings": m.embeddings, "soft": soft, "inputs": inputs,
             "images": image_spans(ids, tokens), "logits": logits, "tokens": tokens}

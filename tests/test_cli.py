@@ -341,7 +341,7 @@ def test_max_soft_tokens_sets_the_image_budget(tmp_path, preset_dirs, pngs, caps
 @pytest.mark.parametrize("preset, argv, message", [
     ("e2b-mini", ["--prompt", "hi", "--image", "{a}"],
      "error: {model} has no vision tower (config.json has no vision_config); --image needs an image-text checkpoint "
-     "(Gemma4ForConditionalGeneration with its vision weights)\n"),
+     "(Gemma4ForConditionalGeneration or Gemma4UnifiedForConditionalGeneration with its vision weights)\n"),
     ("e2b-vision-mini", ["--prompt", "hi", "--image", "{tmp}/missing.png"],
      "error: image file {tmp}/missing.png does not exist; check the path\n"),
     ("e2b-vision-mini", ["--prompt", "hi", "--image", "{tmp}"],
@@ -516,7 +516,7 @@ def test_generate_with_audio_equals_argmax_of_full_forwards(preset_dirs, wavs, c
 @pytest.mark.parametrize("preset, argv, message", [
     ("e2b-mini", ["--prompt", "hi", "--audio", "{a}"],
      "error: {model} has no audio tower (config.json has no audio_config); --audio needs an audio-text checkpoint "
-     "(Gemma4ForConditionalGeneration with its audio weights)\n"),
+     "(Gemma4ForConditionalGeneration or Gemma4UnifiedForConditionalGeneration with its audio weights)\n"),
     ("e2b-audio-mini", ["--prompt", "hi", "--audio", "{tmp}/missing.wav"],
      "error: audio file {tmp}/missing.wav does not exist; check the path\n"),
     ("e2b-audio-mini", ["--prompt", "hi", "--audio", "{tmp}/notes.txt"],
@@ -541,7 +541,7 @@ def test_generate_with_audio_equals_argmax_of_full_forwards(preset_dirs, wavs, c
      "error: video placeholders are not supported yet (images and audio only)\n"),
     ("e2b-audio-mini", ["--prompt", "hi", "--audio", "{a}", "--image", "{a}"],
      "error: {model} has no vision tower (config.json has no vision_config); --image needs an image-text checkpoint "
-     "(Gemma4ForConditionalGeneration with its vision weights)\n"),
+     "(Gemma4ForConditionalGeneration or Gemma4UnifiedForConditionalGeneration with its vision weights)\n"),
     ("e2b-audio-mini", ["--prompt", "hi", "--audio", "{tiny}"],
      "error: audio file {tiny} is too short (100 samples): it gives no soft token; pass at least 40 ms of audio\n"),
 ])

@@ -78,7 +78,7 @@ def test_identity_capabilities_and_options():
     claimed = b.capabilities.to_dict()
     assert claimed.pop("embedding_convention") == "raw"
     claimed.pop("default_profile")
-    for media in ("image_prompts", "audio_prompts", "audio_tower"):  # mlx-lm is text only (media are mlx-vlm's)
+    for media in ("image_prompts", "audio_prompts", "audio_tower", "image_tower"):  # mlx-lm is text only (media are mlx-vlm's)
         assert claimed.pop(media) is False
     assert all(v is True for v in claimed.values()), claimed
     assert b.expectations_file is None

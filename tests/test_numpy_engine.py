@@ -31,7 +31,7 @@ from conformance.backend import AudioInput, Capabilities, Piece, Request
 from conformance.selftest.engine import NO_BLOCK, Engine, NumpyEngineBackend
 from conformance.backends.refimpl_backend import RefimplBackend
 from conformance.selftest.mutants import (
-    AUDIO_SET, BACKENDS, CLOSENESS, EQUIVALENT, IMAGE_SET_BIDIRECTIONAL, IMAGE_SET_PLE, IMAGE_SETS, MUTANTS, Mutant,
+    AUDIO_SET, BACKENDS, CLOSENESS, EQUIVALENT, IMAGE_SET_BIDIRECTIONAL, IMAGE_SET_PLE, IMAGE_SETS, MUTANTS, UNIFIED_SET, Mutant,
     mutant,
 )
 from refimpl.model import Gemma4
@@ -45,6 +45,7 @@ VISION_PRESETS = [p for p in PRESETS if "vision" in PRESETS[p]]
 TEXT_MUTANTS = [m for m in MUTANTS if not m.kill_sets]  # killed on all-features
 IMAGE_MUTANTS = [m for m in MUTANTS if set(m.kill_sets) & set(IMAGE_SETS)]  # need image prompts
 AUDIO_MUTANTS = [m for m in MUTANTS if AUDIO_SET in m.kill_sets]  # need audio prompts
+UNIFIED_MUTANTS = [m for m in MUTANTS if m.kill_sets == (UNIFIED_SET,)]  # need Gemma 4 Unified's embedders
 AUDIO_PRESET = "e2b-audio-mini"
 GRADING_CHECKS = CLOSENESS | {"count", "shape", "nonfinite", "identity", "top1", "topk", "generation"}
 
@@ -249,7 +250,7 @@ def test_mutant_catalogue():
     for m in MUTANTS:
         assert isinstance(m, Mutant) and m.breaks and "\n" not in m.breaks
         assert m.bug_class in {f"B{i}" for i in range(1, 13)} | {f"trap {i}" for i in range(1, 18)} | {
-            "mm trap 24", "mm §9"}
+            "mm trap 24", "mm §9"} | {f"unified U{i}" for i in range(1, 15)}
         assert m.expected_checks is None or m.expected_checks <= GRADING_CHECKS
         b = m.backend()
         assert isinstance(b, NumpyEngineBackend) and b.dtype == "float64" and b.name.endswith(m.name)
@@ -257,17 +258,23 @@ def test_mutant_catalogue():
         assert isinstance(registry.load_backend(f"conformance.selftest.mutants:{cls.__name__}"), cls)
     assert mutant("softcap-twice").expected_checks == CLOSENESS
     assert {m.name: m.kill_sets for m in IMAGE_MUTANTS} == {
-        "soft-tokens-scaled": (IMAGE_SET_PLE, IMAGE_SET_BIDIRECTIONAL),
+        "soft-tokens-scaled": (IMAGE_SET_PLE, IMAGE_SET_BIDIRECTIONAL, UNIFIED_SET),
         "ple-placeholder-row": (IMAGE_SET_PLE,),
-        "vision-blocks-on-full-layers": (IMAGE_SET_BIDIRECTIONAL,),
-        "vision-blocks-missing": (IMAGE_SET_BIDIRECTIONAL,),
+        "vision-blocks-on-full-layers": (IMAGE_SET_BIDIRECTIONAL, UNIFIED_SET),
+        "vision-blocks-missing": (IMAGE_SET_BIDIRECTIONAL, UNIFIED_SET),
+        "vision-window-unclamped": (IMAGE_SET_BIDIRECTIONAL, UNIFIED_SET),
+        "image-split-across-ubatches": (IMAGE_SET_BIDIRECTIONAL, UNIFIED_SET),
     }
+    assert {m.name for m in UNIFIED_MUTANTS} == {"patch-layernorm-eps-1e-6", "patch-rmsnorm", "patch-order-chw",
+                                                 "position-axes-swapped", "padding-rows-kept",
+                                                 "audio-frames-not-normed"}
+    assert all(m.kill_sets == (UNIFIED_SET,) for m in UNIFIED_MUTANTS)
     assert set(VISION_PRESETS) == {IMAGE_SET_PLE, IMAGE_SET_BIDIRECTIONAL}
     assert {m.name: m.kill_sets for m in AUDIO_MUTANTS} == {
         name: (AUDIO_SET,) for name in ("audio-chunking-wrong", "audio-logit-cap-missing", "audio-soft-tokens-scaled",
                                         "audio-ple-placeholder-row")}
     assert AUDIO_SET == AUDIO_PRESET and "audio" in PRESETS[AUDIO_PRESET]
-    assert len(MUTANTS) == len(TEXT_MUTANTS) + len(IMAGE_MUTANTS) + len(AUDIO_MUTANTS)
+    assert len(MUTANTS) == len(TEXT_MUTANTS) + len(IMAGE_MUTANTS) + len(AUDIO_MUTANTS) + len(UNIFIED_MUTANTS)
     assert "moe-no-renormalise" in EQUIVALENT and "moe-no-renormalise" not in BACKENDS
 
 
@@ -345,7 +352,8 @@ def prompts(preset_dirs):
 def _image_last(pr, T: int, last_pos: int, decode: int = 0) -> Request:
     ids, emb = pr["ids"], pr["embeddings"]
     return Request("last", tokens=tup(ids[:T]), entry="embeddings", seq_id=3, last_pos=last_pos,
-                   embeddings=emb[:T], images=tuple(pr["images"]), decode=tup(ids[T:T + decode]))
+                   embeddings=emb[:T], images=tuple(pr["images"]), decode=tup(ids[T:T + decode]),
+                   image_inputs=tuple(pr["inputs"][:len(pr["images"])]))
 
 
 def _image_prefill(pr, cuts, rows, decode: int = 0, images=None) -> tuple[Request, list[int]]:
@@ -357,8 +365,9 @@ def _image_prefill(pr, cuts, rows, decode: int = 0, images=None) -> tuple[Reques
         pieces.append(Piece(tup(ids[a:b]), tuple(r), emb[a:b]))
         expect += [a + x for x in r]
     end = cuts[-1]
-    req = Request("prefill", pieces=tuple(pieces), images=tuple(pr["images"] if images is None else images),
-                  decode=tup(ids[end:end + decode]))
+    images = tuple(pr["images"] if images is None else images)
+    req = Request("prefill", pieces=tuple(pieces), images=images, decode=tup(ids[end:end + decode]),
+                  image_inputs=tuple(pr["inputs"][:len(images)]))
     return req, expect
 
 

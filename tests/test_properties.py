@@ -151,11 +151,12 @@ def test_oracle_matches_naive(micro_factory, cfg, seed, ids):
 @pytest.mark.parametrize("preset", PRESET_NAMES)
 def test_preset_tensors_follow_spec_table(preset_dirs, preset):
     weights = read_weights(preset_dirs[preset])
-    towers = ("vision_tower.", "embed_vision.", "audio_tower.", "embed_audio.")
+    towers = ("vision_tower.", "embed_vision.", "audio_tower.", "embed_audio.", "vision_embedder.")
     text = {k: v.shape for k, v in weights.items() if not k.startswith(towers)}
     assert text == spec_tensor_shapes(read_config(preset_dirs[preset]))
-    # the towers: tests/test_vision_tower.py, tests/test_audio_tower.py
-    assert (len(text) < len(weights)) == preset.endswith(("-vision-mini", "-audio-mini"))
+    # the towers: tests/test_vision_tower.py, tests/test_audio_tower.py; Unified's embedders: tests/test_unified_*.py
+    media = preset.endswith(("-vision-mini", "-audio-mini")) or PRESETS[preset].get("family") == "gemma4_unified"
+    assert (len(text) < len(weights)) == media
 
 
 # ----------------------------------------------------------------------------------------------

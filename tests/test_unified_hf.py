@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from hf_unified_reference import (hf_audio_features, hf_image_features, hf_logits, hf_logits_incremental,  # noqa: E402
-                                  load_hf_unified)
+                                  load_hf_unified, recompute_float64_buffers, unified_float64_exact)
 from refimpl.frontends import audio_front_end, image_front_end  # noqa: E402
 from refimpl.model import VISION_MASK_RULES, Gemma4, KVCache  # noqa: E402
 from refimpl.multimodal import (expand_audio_placeholders, expand_image_placeholders, load_multimodal_tokens,  # noqa: E402
@@ -219,3 +219,81 @@ def test_drawn_configs_match_transformers(tmp_path_factory, config, seed, n_imag
         theirs = hf_logits(hf, ids, images=imgs, clips=clips, rule=rule)
         diff = np.abs(ours - theirs).max()
         assert diff < EXACT_BOUND, f"{rule}: {diff:.3g}"
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoints written by transformers itself (save_pretrained: the per_layer_config serialisation, no
+# global_head_dim; published tensor names), the module-name variant, and Gemma4UnifiedForCausalLM
+
+
+def _saved_by_transformers(tmp_path, seed=0):
+    from transformers import (Gemma4UnifiedAudioConfig, Gemma4UnifiedConfig, Gemma4UnifiedForConditionalGeneration,
+                              Gemma4UnifiedTextConfig, Gemma4UnifiedVisionConfig)
+    text = Gemma4UnifiedTextConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+        sliding_window=4, layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        final_logit_softcapping=30.0, max_position_embeddings=512)
+    config = Gemma4UnifiedConfig(
+        text_config=text, audio_config=Gemma4UnifiedAudioConfig(audio_embed_dim=20),
+        vision_config=Gemma4UnifiedVisionConfig(patch_size=4, pooling_kernel_size=2, mm_embed_dim=48, mm_posemb_size=16,
+                                                output_proj_dims=48),
+        boi_token_id=290, eoi_token_id=291, image_token_id=292, video_token_id=293, boa_token_id=294,
+        eoa_token_index=295, audio_token_id=296)
+    torch.manual_seed(seed)
+    model = Gemma4UnifiedForConditionalGeneration(config).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n and n.endswith("weight"):
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        for n, b in model.named_buffers():
+            if n.endswith("layer_scalar"):
+                b.copy_(0.5 + torch.rand(b.shape, generator=g))
+    out = tmp_path / "saved"
+    model.save_pretrained(out)
+    (out / "processor_config.json").write_text(json.dumps({"image_processor": {
+        "patch_size": 4, "pooling_kernel_size": 2, "max_soft_tokens": 70}}))
+    return out
+
+
+def test_checkpoints_written_by_transformers(tmp_path):
+    """Both tensor namings and both architectures, as transformers 5.24 writes and reads them."""
+    from safetensors.numpy import load_file, save_file
+
+    from transformers import Gemma4UnifiedForCausalLM
+    torch.set_num_threads(1)
+    d = _saved_by_transformers(tmp_path)
+    text = json.loads((d / "config.json").read_text())["text_config"]
+    assert "per_layer_config" in text and "global_head_dim" not in text  # the serialisation transformers writes
+    hf = load_hf_unified(d)
+    ids, imgs, clips, soft, asoft, mm = media_prompt(d, [image(9, 40, 24)], [wave(3, 20 * 6 + 7)])
+    ours = oracle(d, ids, soft, asoft, mm, "sliding-clamped")
+    assert np.abs(ours - hf_logits(hf, ids, images=imgs, clips=clips, rule="sliding-clamped")).max() < EXACT_BOUND
+
+    # the same weights under transformers' module names (model.embed_vision.*, ...multimodal_embedder...)
+    mod = tmp_path / "modules"
+    mod.mkdir()
+    for f in ("config.json", "processor_config.json"):
+        (mod / f).write_bytes((d / f).read_bytes())
+    renamed = {k.replace("model.vision_embedder.", "model.embed_vision.").replace(
+        "model.embed_vision.embedding_projection", "model.embed_vision.multimodal_embedder.embedding_projection"): v
+        for k, v in load_file(str(d / "model.safetensors")).items()}
+    save_file(renamed, str(mod / "model.safetensors"), metadata={"format": "pt"})
+    ids2, _, _, soft2, asoft2, _ = media_prompt(mod, [image(9, 40, 24)], [wave(3, 20 * 6 + 7)])
+    assert np.array_equal(oracle(mod, ids2, soft2, asoft2, mm, "sliding-clamped"), ours)
+
+    # Gemma4UnifiedForCausalLM: flat config, tensors under model.
+    causal = tmp_path / "causal"
+    lm = Gemma4UnifiedForCausalLM.from_pretrained(str(d), config=hf.config.text_config,
+                                                  key_mapping={"^model.language_model.": "model."})
+    lm.save_pretrained(causal)
+    text_ids = [2] + np.random.default_rng(4).integers(3, 290, 19).tolist()
+    lm = recompute_float64_buffers(lm.double().eval())
+    with torch.no_grad(), unified_float64_exact():
+        theirs = lm(torch.tensor([text_ids])).logits[0].numpy()
+    assert json.loads((causal / "config.json").read_text())["architectures"] == ["Gemma4UnifiedForCausalLM"]
+    diff = np.abs(Gemma4(causal).forward(text_ids) - theirs).max()
+    assert diff < EXACT_BOUND, f"{diff:.3g}"

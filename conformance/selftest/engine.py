@@ -951,6 +951,10 @@ class NumpyEngineBackend:
         if not request.pieces:
             raise ValueError("numpy-engine: prefill request has no pieces")
         piece_images, piece_audio = self._piece_media(request)
+        for p, piece in enumerate(request.pieces):  # every piece of a media prompt carries its embeddings
+            if self._media(request) and piece.embeddings is None:
+                what = "an image" if request.images else "an audio"
+                raise ValueError(f"numpy-engine: piece {p} of {what} prompt has no embeddings")
         soft = self._audio_soft_tokens(request)
         image_soft = self._image_soft_tokens(request)
         media = self._media(request)

@@ -380,46 +380,47 @@ def _vision_overlay_unclamped(self, rows: Rows, kv: KVView, window):
 
 
 def _media_split(self, caches, batch, ubatch):
-    """Image prompts run in micro-batches of 16 tokens: a block longer than that is split."""
-    if ubatch is None and (batch.block != -1).any():
+    """On vision-block checkpoints image prompts run in micro-batches of 16 tokens (as an engine whose
+    n_ubatch is small does): a longer block is split, its overlay built per micro-batch."""
+    if ubatch is None and (batch.block != -1).any() and self.cfg.use_bidirectional_attention == "vision":
         ubatch = 16
     return Engine.split(self, caches, batch, ubatch)
 
 
-UnifiedWindowUnclamped = planted(
+VisionWindowUnclamped = planted(
     "vision-window-unclamped",
     "Vision blocks on sliding layers open the whole block, past the window (the overlay after the window).",
     engine={"vision_overlay": _vision_overlay_unclamped})
 
-UnifiedBlockSplit = planted(
+ImageSplitAcrossUbatches = planted(
     "image-split-across-ubatches",
-    "Image prompts are split into micro-batches of 16 tokens, so a longer block is half-causal across them.",
+    "Vision-block image prompts are split into micro-batches of 16 tokens: a longer block is half-causal across them.",
     engine={"split": _media_split})
 
-UnifiedPatchLayerNormEps = planted(
+PatchLayernormEps1e6 = planted(
     "patch-layernorm-eps-1e-6",
     "Unified vision embedder: the LayerNorms use rms_norm_eps (1e-6) instead of torch's 1e-5.",
     engine={"patch_norm": lambda self, x, w, b: layer_norm(x, w, b, 1e-6)})
 
-UnifiedPatchRmsNorm = planted(
+PatchRmsnorm = planted(
     "patch-rmsnorm",
     "Unified vision embedder: RMSNorm (no mean, no bias) where the embedder has LayerNorms.",
     engine={"patch_norm": lambda self, x, w, b: rms_norm(x, w, LAYER_NORM_EPS)})
 
-UnifiedPatchOrderChw = planted(
+PatchOrderChw = planted(
     "patch-order-chw", "Unified vision embedder: patches flattened channel-major (CHW) instead of (row, column, channel).",
     engine={"patch_values": _patch_values_chw})
 
-UnifiedPositionAxesSwapped = planted(
+PositionAxesSwapped = planted(
     "position-axes-swapped", "Unified vision embedder: the position table is read with x and y swapped.",
     engine={"patch_position_embedding": _positions_swapped})
 
-UnifiedPaddingRowsKept = planted(
+PaddingRowsKept = planted(
     "padding-rows-kept",
     "Unified vision embedder: padding rows are not dropped, so a later image's block gets an earlier one's padding.",
     engine={"real_patches": lambda self, e, pos: e})
 
-UnifiedAudioNoNorm = planted(
+AudioFramesNotNormed = planted(
     "audio-frames-not-normed", "Unified audio embedder: the 640-sample frames go to the projection without their RMSNorm.",
     engine={"audio_frame_norm": lambda self, frames: frames})
 
@@ -490,14 +491,14 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(AudioLogitCapMissing, "mm §9", kill_sets=(AUDIO_SET,)),
     _m(AudioSoftTokensScaled, "B10", kill_sets=(AUDIO_SET,)),
     _m(AudioPlePlaceholderRow, "trap 17", kill_sets=(AUDIO_SET,)),
-    _m(UnifiedWindowUnclamped, "unified U2", kill_sets=(IMAGE_SET_BIDIRECTIONAL, UNIFIED_SET)),
-    _m(UnifiedBlockSplit, "unified U4", kill_sets=(IMAGE_SET_BIDIRECTIONAL, UNIFIED_SET)),
-    _m(UnifiedPatchLayerNormEps, "unified U6", kill_sets=(UNIFIED_SET,)),
-    _m(UnifiedPatchRmsNorm, "unified U6", kill_sets=(UNIFIED_SET,)),
-    _m(UnifiedPatchOrderChw, "unified U7", kill_sets=(UNIFIED_SET,)),
-    _m(UnifiedPositionAxesSwapped, "unified U8", kill_sets=(UNIFIED_SET,)),
-    _m(UnifiedPaddingRowsKept, "unified U9", kill_sets=(UNIFIED_SET,)),
-    _m(UnifiedAudioNoNorm, "unified U10", kill_sets=(UNIFIED_SET,)),
+    _m(VisionWindowUnclamped, "unified U2", kill_sets=(IMAGE_SET_BIDIRECTIONAL, UNIFIED_SET)),
+    _m(ImageSplitAcrossUbatches, "unified U4", kill_sets=(IMAGE_SET_BIDIRECTIONAL, UNIFIED_SET)),
+    _m(PatchLayernormEps1e6, "unified U6", kill_sets=(UNIFIED_SET,)),
+    _m(PatchRmsnorm, "unified U6", kill_sets=(UNIFIED_SET,)),
+    _m(PatchOrderChw, "unified U7", kill_sets=(UNIFIED_SET,)),
+    _m(PositionAxesSwapped, "unified U8", kill_sets=(UNIFIED_SET,)),
+    _m(PaddingRowsKept, "unified U9", kill_sets=(UNIFIED_SET,)),
+    _m(AudioFramesNotNormed, "unified U10", kill_sets=(UNIFIED_SET,)),
 )
 
 BACKENDS: dict[str, type] = {m.name: m.backend_class for m in MUTANTS}

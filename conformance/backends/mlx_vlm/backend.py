@@ -190,7 +190,7 @@ class MlxVlmBackend(CachedBackend):
             raise
         caches = [type(c).__name__ for c in make_prompt_cache(model.language_model)]
         self._prompt_cache = {kind: caches.count(kind) for kind in dict.fromkeys(caches)}
-        towers = {name: getattr(model, name, None) is not None for name in ("vision_tower", "audio_tower")}
+        towers = {name: getattr(model, name, None) is not None for name in family.towers}
         self.load_info = {
             "loader": "mlx_vlm.utils.load_model", "model_class": model_class, "model_type": family.model_type,
             "architecture": cfg.architecture, "serialisation": cfg.serialisation, "stored_dtypes": stored,
@@ -286,19 +286,19 @@ class MlxVlmBackend(CachedBackend):
             x[b, :f.shape[0]], mask[b, :m.shape[0]] = f, m
         return mx.array(x), mx.array(mask)
 
-    def _image_pixels(self, image_inputs: Sequence) -> dict[str, list[mx.array]]:
-        """A forward's images as mlx-vlm's ``get_input_embeddings`` takes them from its processor: one
-        ``pixel_values`` ``[N, 3 p^2]`` (patches in [0, 1]) and one ``image_position_ids`` ``[N, 2]`` (x, y)
-        per image, as lists (``VisionModel`` encodes each image on its own)."""
+    def _image_pixels(self, image_inputs: Sequence) -> dict[str, Any]:
+        """A forward's images as mlx-vlm's ``get_input_embeddings`` takes them from its processor: the
+        patches ``[N, C]`` (values in [0, 1]) and their (x, y) positions ``[N, 2]`` of each image, packed
+        as the family's model takes them (``Family.image_kwargs``)."""
         pixels, positions = [], []
         for k, image in enumerate(image_inputs):
             pv, pos = np.asarray(image.pixel_values), np.asarray(image.positions)
             if pv.ndim != 2 or pos.shape != (pv.shape[0], 2):
                 raise ValueError(f"{self.who}: image {k}: pixel_values {pv.shape} and positions {pos.shape} must "
                                  f"be [N, C] and [N, 2]")
-            pixels.append(mx.array(pv.astype(np.float32)))
-            positions.append(mx.array(pos.astype(np.int32)))
-        return {"pixel_values": pixels, "image_position_ids": positions}
+            pixels.append(pv)
+            positions.append(pos)
+        return self.family.image_kwargs(pixels, positions)
 
     @staticmethod
     def _logits_to_keep(rows: list[int], T: int) -> int | None:
@@ -386,7 +386,7 @@ class MlxVlmBackend(CachedBackend):
                                         "steps none"}
             if request.images:
                 out["images"] = [list(b) for b in request.images]
-                out["image_tower"] = ("mlx-vlm VisionModel + embed_vision via Model.get_input_embeddings("
+                out["image_tower"] = (f"mlx-vlm {self.family.tower_modules['image']} via Model.get_input_embeddings("
                                       "pixel_values, image_position_ids) on each forward's images, scattered into "
                                       "the image token rows" if self.image_tower else
                                       "none: the request's soft tokens are used as given")
@@ -396,7 +396,7 @@ class MlxVlmBackend(CachedBackend):
                                      "causal (use_bidirectional_attention is not 'vision')")
             if request.audio:
                 out["audio"] = [list(b) for b in request.audio]
-                out["audio_tower"] = ("mlx-vlm AudioEncoder + embed_audio via Model.get_input_embeddings("
+                out["audio_tower"] = (f"mlx-vlm {self.family.tower_modules['audio']} via Model.get_input_embeddings("
                                       "input_features, input_features_mask) on each forward's clips as one padded "
                                       "batch, scattered into the audio token rows" if self.audio_tower else
                                       "none: the request's soft tokens are used as given")

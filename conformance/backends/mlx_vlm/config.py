@@ -11,6 +11,11 @@ override, so :func:`checkpoint_view` writes the patched config.json into a tempo
 links to the checkpoint's other files (the checkpoint itself is never written), and mlx-vlm's own
 loader reads that directory.
 
+For Gemma 4 Unified (``gemma4_unified``) the embedders' keys are derived too (:func:`unified_tower_keys`):
+mlx-vlm's ``VisionConfig`` does not derive ``model_patch_size`` from ``patch_size x pooling_kernel_size``
+(its default is 48) and sizes both projections by ``output_proj_dims`` (default 3840 and 640), where
+the model (and refimpl) take ``mm_embed_dim`` and ``audio_embed_dim``.
+
 One top-level key is patched as well: an explicit ``"vision_config": null`` (an audio-text checkpoint).
 ``mlx_vlm.utils.load_model`` fills an absent ``vision_config`` with ``{}`` (``setdefault``) but keeps an
 explicit null, and ``mlx_vlm.models.gemma4.Model`` then fails building its vision tower from None
@@ -29,8 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from refimpl.config import FULL, SLIDING
+from refimpl.unified import parse_unified_audio_config, parse_unified_vision_config
 
-__all__ = ["ABSENT", "checkpoint_view", "config_patch", "mlx_vlm_text_keys", "patched_config", "remove_view", "same"]
+__all__ = ["ABSENT", "checkpoint_view", "config_patch", "mlx_vlm_text_keys", "patched_config", "remove_view", "same",
+           "unified_tower_keys"]
 
 ABSENT = "absent"  # how the patch shows a key the checkpoint does not have (or one the view removes)
 _MISSING = object()
@@ -103,6 +110,36 @@ def _rope_effective(entry: Any) -> Any:
     return out
 
 
+def unified_tower_keys(raw: dict) -> dict[str, Any]:
+    """The embedder keys mlx-vlm's ``gemma4_unified`` configs read, as ``{"<top>.SECTION.KEY": value}``,
+    derived with ``refimpl.unified`` (only for the towers the checkpoint has)."""
+    keys: dict[str, Any] = {}
+    if isinstance(raw.get("vision_config"), dict):
+        v = parse_unified_vision_config(raw)
+        keys.update({"<top>.vision_config.patch_size": v.patch_size,
+                     "<top>.vision_config.pooling_kernel_size": v.pooling_kernel_size,
+                     "<top>.vision_config.model_patch_size": v.model_patch_size,
+                     "<top>.vision_config.mm_embed_dim": v.mm_embed_dim,
+                     "<top>.vision_config.mm_posemb_size": v.mm_posemb_size,
+                     "<top>.vision_config.output_proj_dims": v.mm_embed_dim,
+                     "<top>.vision_config.rms_norm_eps": v.rms_norm_eps})
+    if isinstance(raw.get("audio_config"), dict):
+        a = parse_unified_audio_config(raw)
+        keys.update({"<top>.audio_config.audio_embed_dim": a.audio_embed_dim,
+                     "<top>.audio_config.output_proj_dims": a.audio_embed_dim,
+                     "<top>.audio_config.rms_norm_eps": a.rms_norm_eps})
+    return keys
+
+
+def _lookup(raw: dict, path: list[str]) -> Any:
+    node: Any = raw
+    for name in path:
+        if not isinstance(node, dict) or name not in node:
+            return _MISSING
+        node = node[name]
+    return node
+
+
 def config_patch(raw: dict, cfg, family: str) -> dict[str, dict[str, Any]]:
     """The keys to hand mlx-vlm so it builds the model refimpl derives from ``raw`` (a parsed config.json)
     and ``cfg`` (its ``TextConfig``), for mlx-vlm's model ``family``.
@@ -111,12 +148,14 @@ def config_patch(raw: dict, cfg, family: str) -> dict[str, dict[str, Any]]:
     section are plain names, top-level keys of the conditional layout ``"<top>.KEY"``. A key is patched
     when config.json lacks it or states it in a form mlx-vlm reads differently (``per_layer_config``
     instead of the legacy keys; a last layer that is not full attention, which transformers and refimpl
-    force to full), and ``<top>.vision_config`` when it is an explicit null (see the module docstring).
+    force to full), ``<top>.vision_config`` when it is an explicit null, and for ``gemma4_unified`` the
+    embedder keys ``<top>.vision_config.KEY`` / ``<top>.audio_config.KEY`` (see the module docstring).
     """
     conditional = isinstance(raw.get("text_config"), dict)
     text = raw["text_config"] if conditional else raw
     patch: dict[str, dict[str, Any]] = {}
-    for key, want in mlx_vlm_text_keys(cfg, family).items():
+    text_family = "gemma4" if family == "gemma4_unified" else family  # Unified's TextConfig is gemma4's
+    for key, want in mlx_vlm_text_keys(cfg, text_family).items():
         have = text.get(key, _MISSING)
         if key == "rope_parameters" and isinstance(have, dict):
             ok = all(same(_rope_effective(have.get(t)), want[t]) for t in want)
@@ -128,6 +167,11 @@ def config_patch(raw: dict, cfg, family: str) -> dict[str, dict[str, Any]]:
             patch[key] = {"was": ABSENT if have is _MISSING else have, "now": want}
     if conditional and "vision_config" in raw and raw["vision_config"] is None:
         patch["<top>.vision_config"] = {"was": None, "now": ABSENT}
+    if family == "gemma4_unified":
+        for key, want in unified_tower_keys(raw).items():
+            have = _lookup(raw, key.removeprefix("<top>.").split("."))
+            if have is _MISSING or not same(have, want):
+                patch[key] = {"was": ABSENT if have is _MISSING else have, "now": want}
     return patch
 
 
@@ -136,7 +180,13 @@ def patched_config(raw: dict, patch: dict[str, dict[str, Any]]) -> dict:
     out = json.loads(json.dumps(raw))
     text = out["text_config"] if isinstance(out.get("text_config"), dict) else out
     for key, change in patch.items():
-        target, name = (out, key.removeprefix("<top>.")) if key.startswith("<top>.") else (text, key)
+        if key.startswith("<top>."):
+            *parents, name = key.removeprefix("<top>.").split(".")
+            target = out
+            for parent in parents:
+                target = target[parent]
+        else:
+            target, name = text, key
         if change["now"] == ABSENT:
             target.pop(name, None)
         else:

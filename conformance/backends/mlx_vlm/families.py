@@ -18,11 +18,14 @@ backend: :data:`FAMILIES` maps each served model type to how that mlx-vlm model 
   or audio tower (``AudioEncoder`` + ``embed_audio``) and scatters its output into the image or audio
   token positions.
 
-A model type that is not listed gets a one-line error at open (:func:`family_for`). Gemma 4 Unified
-(``gemma4_unified``, ``mlx_vlm.models.gemma4_unified``) has the same text model class as ``gemma4``
-and can be added as a subclass of :class:`Gemma4` that differs in what ``get_input_embeddings`` takes
-(raw 48-px patches with ``image_position_ids``, raw 640-sample audio frames with a True-is-valid mask):
-see docs/backends.md.
+* ``gemma4_unified`` (``Gemma4UnifiedForConditionalGeneration``, Gemma 4 Unified 12B):
+  ``mlx_vlm.models.gemma4_unified.Model``, whose text model is the same ``gemma4.language.LanguageModel``
+  and is called the same way; ``get_input_embeddings`` takes padded model patches (``pixel_values``
+  ``[n, R, 3 M^2]``, ``image_position_ids`` ``[n, R, 2]``, (-1, -1) on padding rows) for its
+  encoder-free ``vision_embedder``, and raw waveform frames (``input_features`` ``[n, F, 640]``,
+  ``input_features_mask`` True at valid frames) for ``embed_audio``.
+
+A model type that is not listed gets a one-line error at open (:func:`family_for`).
 """
 
 from __future__ import annotations
@@ -44,9 +47,8 @@ __all__ = ["FAMILIES", "Family", "Gemma4", "Gemma4Text", "family_for"]
 
 # model types mlx-vlm has for Gemma 4 that this backend does not drive (yet), and why
 NOT_SERVED = {
-    "gemma4_unified": ("Gemma 4 Unified (mlx_vlm.models.gemma4_unified) is not wired into this backend yet "
-                       "(no fixture set grades it); see docs/backends.md, mlx-vlm"),
-    "gemma4_unified_text": "Gemma 4 Unified (text only) is not wired into this backend yet; see docs/backends.md, mlx-vlm",
+    "gemma4_unified_text": ("mlx-vlm 0.7.10 has no model for a Gemma4UnifiedForCausalLM checkpoint (its "
+                            "gemma4_unified model reads the conditional layout only)"),
 }
 
 
@@ -56,6 +58,8 @@ class Family:
     model_type = ""
     media = False  # serves image and audio prompts
     mlx_module = ""
+    towers: tuple[str, ...] = ()  # the attributes of mlx-vlm's model that compute soft tokens
+    tower_modules: dict[str, str] = {}  # modality -> what computes its soft tokens (for executed records)
 
     # -- structure ------------------------------------------------------------------------------
 
@@ -72,6 +76,10 @@ class Family:
 
     def extra_checks(self, model, cfg, check) -> None:
         """Family-specific geometry checks (``check(what, got, want)``)."""
+
+    def image_kwargs(self, pixels: list[np.ndarray], positions: list[np.ndarray]) -> dict[str, Any]:
+        """The ``get_input_embeddings`` keywords of a forward's images (patches [N, C], positions [N, 2])."""
+        raise NotImplementedError
 
     # -- calls ----------------------------------------------------------------------------------
 
@@ -117,6 +125,13 @@ class Gemma4(Family):
     model_type = "gemma4"
     mlx_module = "mlx_vlm.models.gemma4"
     media = True
+    towers = ("vision_tower", "audio_tower")
+    tower_modules = {"image": "VisionModel (vision_tower) + embed_vision", "audio": "AudioEncoder (audio_tower) + embed_audio"}
+
+    def image_kwargs(self, pixels, positions):
+        """One array per image (``VisionModel`` encodes a list image by image: sizes differ)."""
+        return {"pixel_values": [mx.array(p.astype(np.float32)) for p in pixels],
+                "image_position_ids": [mx.array(q.astype(np.int32)) for q in positions]}
 
     def owns_kv(self, attn) -> bool:
         return not attn.kv_shared_only
@@ -154,7 +169,28 @@ class Gemma4(Family):
         return model.language_model(ids, cache=cache, logits_to_keep=1).logits[0]
 
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (Gemma4Text(), Gemma4())}
+class Gemma4Unified(Gemma4):
+    """``mlx_vlm.models.gemma4_unified.Model``: the text model is ``gemma4.language.LanguageModel`` (called
+    as for ``gemma4``); no towers but the encoder-free ``vision_embedder`` (+ ``embed_vision``) on padded
+    model patches and ``embed_audio`` on raw waveform frames, both inside ``get_input_embeddings``."""
+
+    model_type = "gemma4_unified"
+    mlx_module = "mlx_vlm.models.gemma4_unified"
+    towers = ("vision_embedder", "embed_audio")
+    tower_modules = {"image": "VisionEmbedder (vision_embedder) + embed_vision",
+                     "audio": "embed_audio on the raw frames"}
+
+    def image_kwargs(self, pixels, positions):
+        """One batch ``[n, R, C]`` / ``[n, R, 2]``, as the Unified processor stacks its padded patches
+        (``get_image_features`` drops the (-1, -1) rows)."""
+        if len({p.shape for p in pixels}) != 1:
+            raise ValueError(f"mlx-vlm backend: the images' padded patches differ in shape "
+                             f"{sorted({p.shape for p in pixels})}; the Unified processor pads every image alike")
+        return {"pixel_values": mx.array(np.stack(pixels).astype(np.float32)),
+                "image_position_ids": mx.array(np.stack(positions).astype(np.int32))}
+
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (Gemma4Text(), Gemma4(), Gemma4Unified())}
 
 
 def family_for(raw: dict, where: str) -> Family:
