@@ -20,7 +20,7 @@ after the other, on the same checkpoint and the same prompt (``--tokens`` ids dr
   rows only (T -> R), as the oracle and transformers both do. Their summed best-of-``--repeat`` time is
   what a forward made of nothing but matmuls would take; the ratio roofline / oracle is the fraction
   of the matmul rate the oracle reaches.
-- ``transformers``: ``Gemma4ForCausalLM`` in float64 (``exact``: with the float32 spots patched as in
+- ``transformers``: ``Gemma4ForCausalLM`` (``Gemma4UnifiedForCausalLM`` for a Gemma 4 Unified checkpoint) in float64 (``exact``: with the float32 spots patched as in
   tests/hf_reference.py, the implementation the tests agree with at 1e-12; ``plain``: as shipped),
   eager attention, ``logits_to_keep`` for the requested rows, best of ``--repeat``; skipped, with the
   reason, when its float64 weights would not fit in the memory available. Its logits are compared with
@@ -177,11 +177,19 @@ def part_transformers(model: str, tokens: int, rows: str, repeat: int, flavour: 
     import torch
 
     sys.path.insert(0, str(ROOT / "tests"))
-    from hf_reference import float64_exact, load_hf_causal_lm
+    from refimpl.unified import is_unified
 
     torch.set_num_threads(cores())
     t = time.perf_counter()
-    hf = load_hf_causal_lm(model, "float64", exact=flavour == "exact")
+    if is_unified(model):  # Gemma 4 Unified: Gemma4Unified{ForCausalLM,ForConditionalGeneration}
+        from conformance.backends.transformers.backend import load_gemma4_unified
+        from hf_unified_reference import recompute_float64_buffers, unified_float64_exact as float64_exact
+        hf = load_gemma4_unified(model, torch.float64)
+        if flavour == "exact":
+            recompute_float64_buffers(hf)
+    else:
+        from hf_reference import float64_exact, load_hf_causal_lm
+        hf = load_hf_causal_lm(model, "float64", exact=flavour == "exact")
     load_s = time.perf_counter() - t
     ids = torch.tensor([prompt_ids(tokens).tolist()])
     keep = 1 if rows == "last" else 0  # 0 = every row

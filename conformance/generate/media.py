@@ -70,11 +70,12 @@ def synthetic_image(seed: int, k: int, height: int, width: int) -> np.ndarray:
 
 
 def flat_region_image(seed: int, k: int, height: int, width: int) -> np.ndarray:
-    """``synthetic_image`` with its left half replaced by one colour plus noise of +-1 (of 255): a
-    nearly flat region next to a textured one."""
+    """``synthetic_image`` with its left half replaced by one grey level plus noise of +-1 (of 255) per
+    sample: a nearly flat region next to a textured one. Grey, so that a patch's values (all three
+    channels) have a variance of about (1/255)^2, the size of the LayerNorm's eps (1e-5)."""
     img = synthetic_image(seed, k, height, width)
     rng = np.random.default_rng([seed, 150 + k])
-    flat = rng.integers(40, 216, 3) + rng.integers(-1, 2, (height, width // 2, 3))
+    flat = int(rng.integers(40, 216)) + rng.integers(-1, 2, (height, width // 2, 3))
     img[:, :width // 2] = flat.astype(np.uint8)
     return img
 

@@ -2,7 +2,9 @@
 
 The checkpoint is loaded with mlx-vlm's own loader (``mlx_vlm.utils.load_model``: its ``gemma4`` model for
 ``Gemma4ForConditionalGeneration`` checkpoints, with the vision and audio towers the config has, its
-``gemma4_text`` model for ``Gemma4ForCausalLM`` ones; its ``sanitize()``), and every request is served
+``gemma4_text`` model for ``Gemma4ForCausalLM`` ones, its ``gemma4_unified`` model for Gemma 4 Unified's
+``Gemma4UnifiedForConditionalGeneration``, with its encoder-free vision and audio embedders; its
+``sanitize()``), and every request is served
 through mlx-vlm's own prompt caches (``mlx_vlm.models.cache.make_prompt_cache(model.language_model)``:
 ``KVCache`` for full layers, ``RotatingKVCache(max_size=sliding_window)`` for sliding ones), the way
 ``mlx_vlm.generate``'s ``generate_step`` drives them: every prompt forward with ``logits_to_keep`` (which
@@ -11,28 +13,32 @@ How each model type is called is in ``families.py`` (one ``Family`` per config.j
 request handling (validation, micro-batches, one prompt cache per sequence id, interleaved decode) is
 ``conformance.protocol.serving.CachedBackend``'s.
 
-* **Image prompts** (``gemma4`` checkpoints with a ``vision_config``): the request's merged embeddings
+* **Image prompts** (``gemma4`` and ``gemma4_unified`` checkpoints with a ``vision_config``): the
+  request's merged embeddings
   (``E[ids] * sqrt(H)`` at text rows, the soft tokens unscaled at image rows: the ``inputs_embeds``
   that ``Model.get_input_embeddings`` builds from pixels) go in as ``inputs_embeds``; with
   ``image_tower`` on (the default), each forward's images (``request.image_inputs``: patches and their
   (x, y) positions, as the processor gives them) go into ``get_input_embeddings(input_ids,
-  pixel_values=[...], image_position_ids=[...])``, so mlx-vlm's own vision tower computes the image
-  rows (``executed``: ``image_rows_max_abs`` against the rows the request carried). The per-layer inputs
+  pixel_values=..., image_position_ids=...)``, so mlx-vlm's own vision tower (Unified: its
+  ``vision_embedder`` on the padded model patches) computes the image rows (``executed``:
+  ``image_rows_max_abs`` against the rows the request carried). The per-layer inputs
   are ``get_input_embeddings``' own (token id 0 at image positions, the context part projected from the
   embeddings); ``mm_token_type_ids`` (the processor's: 1 at image tokens, 3 at audio tokens) of the
   whole sequence so far go to ``language_model``, which builds the vision block masks itself on
   ``use_bidirectional_attention == "vision"`` checkpoints.
-* **Audio prompts** (``gemma4`` checkpoints with an ``audio_config``): as images; with ``audio_tower``
-  on (the default), each forward's clips (``request.audio_inputs``: log-mel features, frame masks) go as
-  one padded batch, as mlx-vlm's feature extractor pads them, into ``get_input_embeddings(input_ids,
-  input_features=..., input_features_mask=...)``, so mlx-vlm's own audio tower computes the audio rows
-  (``executed`` says ``audio_rows_max_abs``: against the rows the request carried).
-* **Text** (both model types): token ids as ids; the ``embeddings`` entry point takes the scaled
-  convention (``gemma4``'s ``inputs_embeds``; for ``gemma4_text``, whose ``input_embeddings`` are raw,
-  the backend divides by sqrt(H) in float64 first).
+* **Audio prompts** (checkpoints with an ``audio_config``): as images; with ``audio_tower`` on (the
+  default), each forward's clips (``request.audio_inputs``: log-mel features, or Unified's raw
+  640-sample frames, with frame masks) go as one padded batch, as mlx-vlm's feature extractors pad
+  them, into ``get_input_embeddings(input_ids, input_features=..., input_features_mask=...)``, so
+  mlx-vlm's own audio tower (Unified: ``embed_audio``) computes the audio rows (``executed``:
+  ``audio_rows_max_abs``).
+* **Text** (every model type): token ids as ids; the ``embeddings`` entry point takes the scaled
+  convention (``language_model(inputs_embeds=...)``; for ``gemma4_text``, whose ``input_embeddings`` are
+  raw, the backend divides by sqrt(H) in float64 first).
 * **Config keys.** mlx-vlm's config dataclasses read the legacy keys and have defaults of their own;
-  every key they read is derived with ``refimpl.config`` and, where config.json lacks it (or says
-  ``"vision_config": null``, which mlx-vlm's loader cannot build), mlx-vlm reads a patched config.json
+  every key they read is derived with ``refimpl.config`` (and ``refimpl.unified`` for Unified's
+  embedders) and, where config.json lacks it (or says ``"vision_config": null``, which mlx-vlm's loader
+  cannot build), mlx-vlm reads a patched config.json
   in a temporary view of the checkpoint (``config.py``). The built model is then checked layer by
   layer against refimpl's derivation: a checkpoint mlx-vlm cannot represent is a ``BackendError``.
 * **dtype.** float32 only (profile ``fp32``): weights are cast to float32 as they load.
@@ -157,9 +163,11 @@ class MlxVlmBackend(CachedBackend):
         try:
             model = load_model(view or model_dir)
         except Exception as exc:  # noqa: BLE001 - whatever mlx-vlm raises, name the loader and the directory
+            detail = " ".join(str(exc).split())  # one line, whatever mlx-vlm's message looks like
+            if len(detail) > 400:
+                detail = detail[:400] + " ..."
             raise BackendError(f"mlx-vlm backend: mlx_vlm.utils.load_model cannot load {model_dir}: "
-                               f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-                               ) from exc
+                               f"{type(exc).__name__}: {detail}") from exc
         finally:
             remove_view(view)  # the weights are in memory (load_model evaluates them)
         model_class = f"{type(model).__module__}.{type(model).__name__}"

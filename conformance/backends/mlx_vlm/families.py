@@ -43,7 +43,7 @@ from refimpl.model import rope_inv_freq
 from ...protocol.types import BackendError
 from .config import same
 
-__all__ = ["FAMILIES", "Family", "Gemma4", "Gemma4Text", "family_for"]
+__all__ = ["FAMILIES", "Family", "Gemma4", "Gemma4Text", "Gemma4Unified", "family_for", "geometry_problems", "inv_freq_of"]
 
 # model types mlx-vlm has for Gemma 4 that this backend does not drive (yet), and why
 NOT_SERVED = {
