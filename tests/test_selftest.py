@@ -475,11 +475,12 @@ def test_real_mutants_full_selftest(tmp_path, capsys):
 def test_image_mutants_declare_the_sets_that_kill_them():
     mutants_mod = pytest.importorskip("conformance.selftest.mutants")
     image = {m.name: m for m in _image_mutants(mutants_mod)}
-    assert image["soft-tokens-scaled"].kill_sets == ("e2b-vision-mini", "31b-vision-mini")
+    assert image["soft-tokens-scaled"].kill_sets == ("e2b-vision-mini", "31b-vision-mini", "12b-mini")
     assert image["ple-placeholder-row"].kill_sets == ("e2b-vision-mini",)
-    assert image["vision-blocks-on-full-layers"].kill_sets == ("31b-vision-mini",)
-    assert image["vision-blocks-missing"].kill_sets == ("31b-vision-mini",)
-    assert len(image) == 4
+    for name in ("vision-blocks-on-full-layers", "vision-blocks-missing", "vision-window-unclamped",
+                 "image-split-across-ubatches"):  # every vision-block set: the 31B's tower and Gemma 4 Unified
+        assert image[name].kill_sets == ("31b-vision-mini", "12b-mini"), name
+    assert len(image) == 6
 
 
 def test_a_survivor_without_its_kill_sets_is_told_so(sets):
@@ -489,17 +490,19 @@ def test_a_survivor_without_its_kill_sets_is_told_so(sets):
     m = next(x for x in mutants_mod.MUTANTS if x.name == "vision-blocks-missing")
     result = st.run_selftest(sets, [m], profiles=("fp32",), select=FEW)
     (r,) = result.mutants
-    assert not r.killed and r.kill_sets == ("31b-vision-mini",) and r.sets_run == ("e2b-mini",)
+    assert not r.killed and r.kill_sets == ("31b-vision-mini", "12b-mini") and r.sets_run == ("e2b-mini",)
     assert "SURVIVED" in r.problem()
-    assert "only the fixture set(s) 31b-vision-mini can kill it, and none of their cases was selected" in r.problem()
-    assert r.to_json()["kill_sets"] == ["31b-vision-mini"]
+    assert ("only the fixture set(s) 31b-vision-mini, 12b-mini can kill it, and none of their cases was selected"
+            in r.problem())
+    assert r.to_json()["kill_sets"] == ["31b-vision-mini", "12b-mini"]
     assert result.exit_code == 1
 
 
 # per image set: a row inside the image block and one right after it (last:embeddings), and an
 # output-row prefill with image and last rows; a full run (60 image cases) kills the four image mutants in
 # 60, 30, 14 and 30 cases; blocks-on-full-layers only by rows inside a block, as the full layer is last
-IMAGE_SUBSET = r"^(e2b|31b)-vision-mini/(last/embeddings/I0/T70/pos(6|37)|prefill/I0/T76/rows-image\+last)$"
+IMAGE_SUBSET = (r"^(?:(e2b|31b)-vision-mini/(last/embeddings/I0/T70/pos(6|37)|prefill/I0/T76/rows-image\+last)"
+                r"|12b-mini/(last/embeddings/I0/T71/pos(6|38)|prefill/I0/T77/rows-image\+last))$")
 
 
 def test_image_mutants_are_killed_by_their_bundled_sets(sets):
@@ -510,7 +513,7 @@ def test_image_mutants_are_killed_by_their_bundled_sets(sets):
     if missing:
         pytest.skip(f"bundled image sets not there yet: {', '.join(sorted(missing))}")
     result = st.run_selftest(sets, image, profiles=("fp32",), select=IMAGE_SUBSET)
-    assert result.cases == 6
+    assert result.cases == 9
     _assert_every_mutant_killed_by_a_matching_check(result, image)
     for m in result.mutants:  # killed on every set it declares, and only there
         killed_on = {case.split("/")[0] for case, _ in m.verdict.failing}

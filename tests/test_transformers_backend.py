@@ -296,11 +296,20 @@ def test_identity_and_capabilities():
     claimed = b.capabilities.to_dict()
     assert claimed.pop("embedding_convention") == "scaled"
     assert claimed.pop("default_profile") == "fp32"
+    assert claimed.pop("image_tower") is False  # on request only: Gemma 4 Unified's own embedder (image_tower=on)
     assert all(v is True for v in claimed.values()), claimed
     assert TransformersBackend(dtype="float64").capabilities.default_profile == "fp32"
     assert TransformersBackend(dtype="float64", attn="sdpa").name == "transformers-float64-sdpa"
     assert TransformersBackend(experts="batched_mm").name == "transformers-float32-eager-experts-batched_mm"
-    assert b.expectations_file is None
+    # float32 / float64: the Gemma 4 Unified vision-mask rule (transformers 5.24's default forward), only that
+    for dtype in ("float32", "float64"):
+        for attn in ("eager", "sdpa"):
+            t = TransformersBackend(dtype=dtype, attn=attn, device="cpu")
+            assert t.expectations_file == EXPECTATIONS_DIR / f"transformers-{dtype}-{attn}.json"
+            (entry,) = load_expectations(t.expectations_file).entries
+            assert entry.action == "known-failure" and entry.match.startswith("^12b\\-mini/") and "46711" in entry.issue
+            assert TransformersBackend(dtype=dtype, attn=attn, device="cpu",
+                                       image_tower="on").expectations_file == t.expectations_file
     for attn in ("eager", "sdpa"):  # bf16 known failures, measured on CPU
         bf16 = TransformersBackend(dtype="bfloat16", attn=attn, device="cpu")
         assert bf16.expectations_file == EXPECTATIONS_DIR / f"transformers-bfloat16-{attn}-cpu.json"

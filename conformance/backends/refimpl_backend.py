@@ -151,6 +151,8 @@ class RefimplBackend(CachedBackend):
                                                 [(i.pixel_values, i.positions) for i in image_inputs], self.vision,
                                                 "image", "vision_config")
             notes["image_soft_tokens"] = f"refimpl vision {self.vision.kind}"
+        elif images:
+            notes["image_soft_tokens"] = "given (the request carries no image_inputs)"
         if audio:
             embeddings = self._with_soft_tokens(np.array(embeddings, dtype=np.float64), audio,
                                                 [(c.features, c.mask) for c in audio_inputs], self.audio, "audio",
@@ -170,7 +172,8 @@ class RefimplBackend(CachedBackend):
         for (start, n), args in zip(spans, inputs):
             soft = front.embed(*args)
             if soft.shape[0] != n:
-                raise ValueError(f"{self.who}: the {what} block ({start}, {n}) has {n} tokens but its input gives "
+                source = "clip" if what == "audio" else "image"
+                raise ValueError(f"{self.who}: the {what} block ({start}, {n}) has {n} tokens but its {source} gives "
                                  f"{soft.shape[0]} soft tokens")
             embeddings[start:start + n] = soft
         return embeddings

@@ -139,7 +139,8 @@ class CachedBackend:
                  images: Sequence[tuple[int, int]] = (), audio: Sequence[tuple[int, int]] = (),
                  audio_inputs: Sequence[Any] = ()) -> tuple[np.ndarray, dict[str, Any]]:
         """One forward of ``tokens`` continuing ``state`` (every token enters it, whatever ``rows``).
-        A backend that claims ``image_tower`` also gets ``image_inputs`` (``ImageInput`` per image block).
+        A backend that claims ``image_tower`` also gets ``image_inputs`` (``ImageInput`` per image block;
+        empty when the request carries none, e.g. one built by hand: then the given rows are all there is).
 
         ``rows`` are positions within ``tokens`` (increasing; may be empty); ``embeddings`` [T, H],
         when given, replace the token lookups. ``images``: the image blocks of this forward as
@@ -226,7 +227,8 @@ class CachedBackend:
         if request.audio and len(request.audio_inputs) != len(request.audio):
             raise ValueError(f"{self.who}: {len(request.audio)} audio blocks but {len(request.audio_inputs)} "
                              "audio_inputs")
-        if request.images and self.capabilities.image_tower and len(request.image_inputs) != len(request.images):
+        if request.images and self.capabilities.image_tower and request.image_inputs and \
+                len(request.image_inputs) != len(request.images):
             raise ValueError(f"{self.who}: {len(request.images)} image blocks but {len(request.image_inputs)} "
                              "image_inputs")
 

@@ -65,7 +65,6 @@ Every step is a small method, so a known engine bug is a few-line override in a 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -74,17 +73,16 @@ import numpy as np
 
 from refimpl import RefimplError
 from refimpl.audio import AudioConfig, AudioWeights, load_audio_tower
-from refimpl.audio import audio_tower as refimpl_audio_tower
 from refimpl.config import read_config_json
 from refimpl.frontends import ImageFrontEnd, image_front_end
 from refimpl.model import VISION_MASK_RULES, Gemma4, LayerKV, experts, per_layer_inputs, rope_inv_freq, route
 from refimpl.multimodal import MultimodalTokens, load_multimodal_tokens
-from refimpl.ops import (apply_rope, attention, attention_mask, gelu_tanh, layer_norm, linear, mlp, rms_norm,
-                         rope_cos_sin, softcap)
-from refimpl.unified import AUDIO_PROJECTION, LAYER_NORM_EPS, UnifiedAudioConfig, is_unified, load_unified_audio
+from refimpl.ops import apply_rope, attention, attention_mask, gelu_tanh, linear, mlp, rms_norm, rope_cos_sin, softcap
+from refimpl.unified import is_unified, load_unified_audio
 
 from ..backends.refimpl_backend import all_capabilities, check_options
 from ..protocol.types import BackendError, Request, Response
+from .encoders import MediaEncoders
 
 __all__ = ["Batch", "CacheSet", "Engine", "KVView", "LayerKV", "MicroBatch", "NumpyEngineBackend", "Rows",
            "SequenceCache", "PLAIN_SEQ"]
@@ -258,8 +256,9 @@ class KVView:
 # the engine
 
 
-class Engine:
-    """Batched, cached Gemma 4 forward on the oracle's primitives (float64, or float32)."""
+class Engine(MediaEncoders):
+    """Batched, cached Gemma 4 forward on the oracle's primitives (float64, or float32); its image and
+    audio encoders are ``MediaEncoders``' (``conformance/selftest/encoders.py``)."""
 
     cache_set_class = CacheSet
 
@@ -340,92 +339,6 @@ class Engine:
             pos[t] = nxt.get(id(cache), cache.length)
             nxt[id(cache)] = pos[t] + 1
         return pos
-
-    # -- the image tower or embedder ------------------------------------------------------------
-
-    def image_soft_tokens(self, pixel_values: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """One image's soft tokens [M, H] (unscaled) from its patches and positions: Gemma 4 Unified's
-        embedder run here step by step (``unified_vision``), or the oracle's vision tower."""
-        if self.image is None:
-            raise ValueError("this checkpoint has no vision tower or embedder (no 'vision_config' in config.json)")
-        if not self.image.unified:
-            return self.image.embed(pixel_values, positions)
-        return self.unified_vision(np.asarray(pixel_values, dtype=self.dtype), np.asarray(positions, dtype=np.int64))
-
-    def unified_vision(self, pv: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        """[R, C] patches, [R, 2] (x, y) -> soft tokens of the real rows: LN -> dense + bias -> LN -> + the
-        position rows -> LN -> weightless RMSNorm -> projection."""
-        w = self.image.weights
-        h = self.patch_norm(self.patch_values(pv), w.tensor("patch_ln1", "weight"), w.tensor("patch_ln1", "bias"))
-        h = linear(h, w.tensor("patch_dense", "weight")) + w.tensor("patch_dense", "bias")
-        h = self.patch_norm(h, w.tensor("patch_ln2", "weight"), w.tensor("patch_ln2", "bias"))
-        h = self.patch_norm(h + self.patch_position_embedding(pos), w.tensor("pos_norm", "weight"),
-                            w.tensor("pos_norm", "bias"))
-        e = linear(rms_norm(h, None, self.image.cfg.rms_norm_eps), w.tensor("projection"))
-        return self.real_patches(e, pos)
-
-    def patch_values(self, pv: np.ndarray) -> np.ndarray:
-        """Each patch's values as the dense layer reads them: (row, column, channel), as given."""
-        return pv
-
-    def patch_norm(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
-        """The embedder's LayerNorms: mean and bias, torch's default eps 1e-5."""
-        return layer_norm(x, weight, bias, LAYER_NORM_EPS)
-
-    def patch_position_embedding(self, pos: np.ndarray) -> np.ndarray:
-        """[R, E] = T[x, 0] + T[y, 1], an axis at -1 adding nothing."""
-        valid = pos != -1
-        rows = self.image.weights.position_rows(np.where(valid, pos, 0))  # [R, 2, E]
-        return np.sum(rows * valid[:, :, None], axis=1)
-
-    def real_patches(self, e: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        """The rows of real patches (padding rows have a -1 coordinate)."""
-        return e[(pos != -1).all(axis=1)]
-
-    # -- the audio tower or embedder ------------------------------------------------------------
-
-    @property
-    def unified_audio(self) -> bool:
-        return isinstance(self.audio_cfg, UnifiedAudioConfig)
-
-    def audio_soft_tokens(self, features: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        """One clip's soft tokens [M, H] (text width, unscaled) from its features [T, F] and frame mask [T]:
-        the oracle's conformer (``refimpl.audio.audio_tower``) run with ``audio_config()`` over log-mel
-        features, or Gemma 4 Unified's embedder over raw frames (``audio_frame_norm``, projection)."""
-        if self.audio_weights is None:
-            raise ValueError("this checkpoint has no audio tower or embedder (no 'audio_config' in config.json)")
-        if self.unified_audio:
-            frames = np.asarray(features, dtype=self.dtype)[np.asarray(mask, dtype=bool)]
-            return linear(self.audio_frame_norm(frames), self.audio_weights[AUDIO_PROJECTION])
-        return self.audio_tower(features, mask, self.audio_config())
-
-    def audio_frame_norm(self, frames: np.ndarray) -> np.ndarray:
-        """Unified: the weightless RMSNorm over each frame's samples."""
-        return rms_norm(frames, None, self.audio_cfg.rms_norm_eps)
-
-    def audio_tower(self, features: np.ndarray, mask: np.ndarray, cfg: AudioConfig) -> np.ndarray:
-        return refimpl_audio_tower(features, mask, self.audio_weights, cfg)
-
-    def audio_config(self) -> AudioConfig:
-        """The tower's config with the local attention's geometry and cap taken from the hooks below."""
-        past, future = self.audio_context()
-        return dataclasses.replace(self.audio_cfg, attention_chunk_size=self.audio_chunk_size(),
-                                   attention_context_left=past + 1, attention_context_right=future,
-                                   attention_logit_cap=self.audio_logit_cap())
-
-    def audio_chunk_size(self) -> int:
-        """W: queries per block of the local attention."""
-        return self.audio_cfg.attention_chunk_size
-
-    def audio_context(self) -> tuple[int, int]:
-        """(past, future) keys of each block's context: L = attention_context_left - 1 and
-        attention_context_right. The mask admits ``0 <= q - k < L`` (trap 24: only context_left - 1 keys,
-        self + context_left - 2 past) or ``0 < k - q < R``."""
-        return self.audio_cfg.max_past, self.audio_cfg.attention_context_right
-
-    def audio_logit_cap(self) -> float | None:
-        """cap of the local attention's logit soft cap ``cap * tanh(x / cap)``."""
-        return self.audio_cfg.attention_logit_cap
 
     # -- prefill: the one path ----------------------------------------------------------------
 

@@ -86,6 +86,10 @@ Options (``--backend-option KEY=VALUE``):
             (``experts_implementation`` of the MoE blocks).
 ``threads`` ``None`` (default: leave torch's thread count alone) or an int for
             ``torch.set_num_threads`` (process-wide; 1 is fastest for the tiny synthetic sets).
+``image_tower`` ``"off"`` (default: the image soft tokens the request's embeddings carry) or ``"on"``
+            (Gemma 4 Unified only: transformers' own vision embedder,
+            ``Gemma4UnifiedModel.get_image_features``, computes them from ``request.image_inputs``, the
+            padded 48-pixel patches and positions; claims ``image_tower``). Named in the backend's name.
 ``audio_tower`` ``"auto"`` (default: ``"on"`` except for float64, where transformers' audio tower does not
             run), ``"on"`` (compute the audio soft tokens with transformers' audio tower from
             ``request.audio_inputs``; claims ``audio_tower``), ``"off"`` (use the soft tokens the
@@ -158,6 +162,7 @@ ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
 EXPERTS_IMPLEMENTATIONS = ("auto", "eager", "grouped_mm", "batched_mm")
 DEVICES = ("auto", "cpu", "cuda")
 AUDIO_TOWER_OPTIONS = ("auto", "on", "off")
+IMAGE_TOWER_OPTIONS = ("off", "on")
 # CUDA TF32: "off" (default) turns it off for matmuls and cuDNN convolutions (the audio tower's
 # subsampling Conv2d), so float32 means float32; "torch" keeps torch's defaults (matmuls off,
 # convolutions on: on an H200 that moves the audio soft tokens by ~0.1 and fails the fp32 profile)
@@ -402,7 +407,9 @@ def resolve_device(device: str) -> torch.device:
 def shipped_expectations(name: str, device: torch.device) -> Path | None:
     """The expectations file shipped for a configuration: ``<name>-<device type>.json`` (reduced-precision
     rounding is kernel-specific, so e.g. the bf16 known failures measured on CPU apply to CPU only), else
-    ``<name>.json``, else None."""
+    ``<name>.json``, else None. ``-image-tower-on`` is not part of the file name: computing the image soft
+    tokens with transformers' own embedder changes no recorded divergence (measured on 12b-mini)."""
+    name = name.removesuffix("-image-tower-on")
     for candidate in (EXPECTATIONS_DIR / f"{name}-{device.type}.json", EXPECTATIONS_DIR / f"{name}.json"):
         if candidate.is_file():
             return candidate
@@ -434,13 +441,15 @@ class TransformersBackend(CachedBackend):
     Options: ``dtype`` ("float32", "float64", "bfloat16"), ``attn`` ("eager", "sdpa"), ``device``
     ("auto", "cpu", "cuda", "cuda:N"), ``experts`` ("auto", "eager", "grouped_mm", "batched_mm"),
     ``threads`` (None or an int >= 1), ``audio_tower`` ("auto", "on", "off"), ``tf32`` ("off", "torch";
-    CUDA only). See the module docstring.
+    CUDA only), ``image_tower`` ("off", "on": Gemma 4 Unified's image soft tokens from transformers'
+    own embedder). See the module docstring.
     """
 
     who = "transformers backend"
 
     def __init__(self, dtype: str = "float32", attn: str = "eager", device: str = "auto",
-                 experts: str = "auto", threads: int | None = None, audio_tower: str = "auto", tf32: str = "off"):
+                 experts: str = "auto", threads: int | None = None, audio_tower: str = "auto", tf32: str = "off",
+                 image_tower: str = "off"):
         super().__init__()
         if dtype not in DTYPES:
             raise ValueError(f"transformers backend: dtype must be one of {_allowed(DTYPES)}, got {dtype!r}")
@@ -455,6 +464,10 @@ class TransformersBackend(CachedBackend):
         if audio_tower not in AUDIO_TOWER_OPTIONS:
             raise ValueError(f"transformers backend: audio_tower must be one of {_allowed(AUDIO_TOWER_OPTIONS)}, "
                              f"got {audio_tower!r}")
+        if image_tower not in IMAGE_TOWER_OPTIONS:
+            raise ValueError(f"transformers backend: image_tower must be one of {_allowed(IMAGE_TOWER_OPTIONS)}, "
+                             f"got {image_tower!r}")
+        self.image_tower = image_tower == "on"
         if tf32 not in TF32_OPTIONS:
             raise ValueError(f"transformers backend: tf32 must be one of {_allowed(TF32_OPTIONS)}, got {tf32!r}")
         self.tf32 = tf32
@@ -476,12 +489,14 @@ class TransformersBackend(CachedBackend):
         self.audio_tower = audio_tower == "on" or (audio_tower == "auto" and dtype != "float64")
         self.name = (f"transformers-{dtype}-{attn}" + ("" if experts == "auto" else f"-experts-{experts}")
                      + ("" if audio_tower == "auto" else f"-audio-tower-{audio_tower}")
-                     + ("" if tf32 == "off" else f"-tf32-{tf32}"))
+                     + ("" if tf32 == "off" else f"-tf32-{tf32}")
+                     + ("" if image_tower == "off" else "-image-tower-on"))
         self.capabilities = Capabilities(
             full_forward=True, last_plain=True, last_seq_id=True, last_embeddings=True,
             embedding_convention="scaled", interior_rows=True, output_rows=True, ubatch=True,
             chunked_prefill=True, multi_sequence=True, decode=True, image_prompts=True, audio_prompts=True,
-            audio_tower=self.audio_tower, default_profile="bf16" if dtype == "bfloat16" else "fp32",
+            audio_tower=self.audio_tower, image_tower=self.image_tower,
+            default_profile="bf16" if dtype == "bfloat16" else "fp32",
         )
         self.expectations_file = shipped_expectations(self.name, self.device)
         self.model: Gemma4ForCausalLM | Gemma4ForConditionalGeneration | None = None
@@ -505,6 +520,10 @@ class TransformersBackend(CachedBackend):
         self.layout, raw = checkpoint_layout(model_dir)
         self.vision, self.audio = has_vision(raw), has_audio(raw)
         self.unified = is_unified(raw)
+        if self.image_tower and not (self.unified and self.vision):
+            raise BackendError(f"transformers backend: image_tower=on computes the image soft tokens with Gemma 4 "
+                               f"Unified's vision embedder (get_image_features); {model_dir} is not a Gemma 4 Unified "
+                               "checkpoint with a vision_config")
         loader = (load_gemma4_unified if self.unified else
                   load_gemma4_conditional_generation if self.conditional else load_gemma4_causal_lm)
         try:
@@ -668,10 +687,32 @@ class TransformersBackend(CachedBackend):
                                  f"audio tower gives {c} soft tokens for its clip")
         return out.pooler_output[keep]
 
+    def _image_soft_tokens(self, images: Sequence[tuple[int, int]], image_inputs: Sequence) -> torch.Tensor:
+        """Gemma 4 Unified: the soft tokens of a forward's image blocks, ``[sum of lengths, H]``, from
+        transformers' own embedder: the images' padded patches and positions as one batch through
+        ``Gemma4UnifiedModel.get_image_features`` (padding rows dropped per image); each image must give as
+        many soft tokens as its block has."""
+        if len(image_inputs) != len(images):
+            raise ValueError(f"{self.who}: {len(images)} image blocks but {len(image_inputs)} image_inputs")
+        rows = {np.asarray(i.pixel_values).shape for i in image_inputs}
+        if len(rows) != 1:
+            raise ValueError(f"{self.who}: the images' pixel_values have different shapes {sorted(rows)}; Gemma 4 "
+                             "Unified's processor pads every image to max_soft_tokens rows")
+        pv = np.stack([np.asarray(i.pixel_values, dtype=np.float64) for i in image_inputs])
+        pos = np.stack([np.asarray(i.positions, dtype=np.int64) for i in image_inputs])
+        out = self.model.model.get_image_features(torch.from_numpy(pv).to(self.device, self.torch_dtype),
+                                                  torch.from_numpy(pos).to(self.device), return_dict=True)
+        parts = list(out.pooler_output)
+        for (start, n), part in zip(images, parts):
+            if part.shape[0] != n:
+                raise ValueError(f"{self.who}: the image block ({start}, {n}) has {n} tokens but transformers' vision "
+                                 f"embedder gives {part.shape[0]} soft tokens for its image")
+        return torch.cat(parts)
+
     def _forward(self, tokens: Sequence[int], rows: list[int], state: SequenceState,
                  embeddings: np.ndarray | None = None, images: Sequence[tuple[int, int]] = (),
                  audio: Sequence[tuple[int, int]] = (), audio_inputs: Sequence = (),
-                 logits_to_keep: Any = None) -> tuple[np.ndarray, dict]:
+                 logits_to_keep: Any = None, image_inputs: Sequence = ()) -> tuple[np.ndarray, dict]:
         """One forward of ``tokens`` continuing the cache of ``state``; returns (logits of ``rows``
         [R, V], notes: ``{"logits_to_keep": the logits_to_keep used, in JSON form}``, plus
         ``mm_token_type_ids`` (how many were passed) and ``mask_function`` (the one ``Gemma4Model.forward``
@@ -702,6 +743,13 @@ class TransformersBackend(CachedBackend):
             kwargs["input_ids"] = ids
         else:
             inputs_embeds = torch.tensor(np.asarray(embeddings)[None]).to(self.device, self.torch_dtype)
+            if images and self.image_tower:
+                at = [start + i for start, n in images for i in range(n)]
+                soft = self._image_soft_tokens(images, image_inputs)
+                notes["image_soft_tokens"] = "transformers vision embedder (Gemma4UnifiedModel.get_image_features)"
+                notes["image_rows_max_abs"] = float(np.abs(soft.double().cpu().numpy()
+                                                           - np.asarray(embeddings, dtype=np.float64)[at]).max())
+                inputs_embeds[0, at] = soft.to(inputs_embeds.dtype)
             if audio:
                 at = [start + i for start, n in audio for i in range(n)]
                 if self.audio_tower:
