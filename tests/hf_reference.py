@@ -192,6 +192,12 @@ def _router_forward_f64(self, hidden_states: torch.Tensor):
     return router_probabilities, top_k_weights, top_k_index
 
 
+# the float64 copies by name, for other modules that carry verbatim copies of these functions
+# (modeling_gemma4_unified: tests/hf_unified_reference.py)
+rmsnorm_forward_f64 = _rmsnorm_forward_f64
+rotary_forward_f64 = _rotary_forward_f64
+eager_attention_forward_f64 = _eager_attention_forward_f64
+
 # (owner, attribute, original, replacement, sha256 of the original's source in transformers 5.24.0)
 _PATCHES: list[tuple[object, str, Callable, Callable, str]] = [
     (_mg.Gemma4RMSNorm, "forward", _ORIG_RMSNORM_FORWARD, _rmsnorm_forward_f64,
@@ -276,7 +282,7 @@ def patched(patches):
 # buffers
 # ---------------------------------------------------------------------------
 
-def _inv_freq_f64(rope_type: str, rope_params: dict, head_dim: int) -> torch.Tensor:
+def inv_freq_f64(rope_type: str, rope_params: dict, head_dim: int) -> torch.Tensor:
     """transformers' RoPE inverse frequencies, same formula, in float64."""
     base = float(rope_params["rope_theta"])
     if rope_type == "default":
@@ -311,7 +317,7 @@ def recompute_float64_buffers(model: nn.Module) -> nn.Module:
         if isinstance(module, _mg.Gemma4TextRotaryEmbedding):
             for layer_type, rope_type in module.rope_type.items():
                 head_dim = module.config.per_layer_config[layer_type].head_dim
-                new = _inv_freq_f64(rope_type, module.config.rope_parameters[layer_type], head_dim)
+                new = inv_freq_f64(rope_type, module.config.rope_parameters[layer_type], head_dim)
                 for attr in (f"{layer_type}_inv_freq", f"{layer_type}_original_inv_freq"):
                     old = getattr(module, attr)
                     if old.shape != new.shape or not torch.allclose(old.to(_F64), new, rtol=1e-6, atol=0):

@@ -12,8 +12,9 @@ float64 reference, the counterpart of ``hf_reference.py`` for the 12B encoder-fr
 
 Checked and left alone: the vision embedder's ``nn.LayerNorm``s, dense layers and position table run in
 the model dtype; ``get_image_features`` / ``get_audio_features`` only gather and mask; the masks of
-``masking_utils`` are built in the embeddings' dtype. The replacements are copies of the 5.24.0 code
-with only the dtype changed (the sha256 of each original's source is checked before patching).
+``masking_utils`` are built in the embeddings' dtype. The replacements are hf_reference.py's copies of the 5.24.0 code with only
+the dtype changed (the sha256 of each original's source is checked before patching: the Unified module's
+three functions are verbatim copies of modeling_gemma4's).
 
 The two vision-mask rules of transformers 5.24 (unified spec A9) are both reachable: ``hf_logits(...,
 rule="all-unclamped")`` is the default ``forward`` (rule A), ``rule="sliding-clamped"`` forwards the mask
@@ -33,9 +34,9 @@ from torch import nn
 
 import transformers.models.gemma4_unified.modeling_gemma4_unified as _mu
 from transformers import DynamicCache, Gemma4UnifiedForConditionalGeneration
-from transformers.modeling_rope_utils import dynamic_rope_update
 
-from hf_reference import _inv_freq_f64, patched
+from hf_reference import (eager_attention_forward_f64, inv_freq_f64, patched, rmsnorm_forward_f64,
+                          rotary_forward_f64)
 
 _F64 = torch.float64
 _ORIG_RMSNORM = _mu.Gemma4UnifiedRMSNorm.forward
@@ -43,59 +44,16 @@ _ORIG_ROTARY = _mu.Gemma4UnifiedTextRotaryEmbedding.forward
 _ORIG_EAGER = _mu.eager_attention_forward
 
 
-def _rmsnorm_f64(self, hidden_states):
-    # Original: self._norm(hidden_states.float()) * self.weight.float()
-    if hidden_states.dtype != _F64:
-        return _ORIG_RMSNORM(self, hidden_states)
-    normed = self._norm(hidden_states)
-    if self.with_scale:
-        normed = normed * self.weight.to(_F64)
-    return normed.type_as(hidden_states)
-
-
-@dynamic_rope_update
-def _rotary_f64_core(self, x, position_ids, layer_type):
-    inv_freq = getattr(self, f"{layer_type}_inv_freq")
-    scaling = getattr(self, f"{layer_type}_attention_scaling")
-    freqs = position_ids[..., None].to(_F64) * inv_freq.to(device=x.device, dtype=_F64)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * scaling).to(x.dtype), (emb.sin() * scaling).to(x.dtype)
-
-
-def _rotary_f64(self, x, position_ids, layer_type):
-    if x.dtype != _F64:
-        return _ORIG_ROTARY(self, x, position_ids, layer_type)
-    return _rotary_f64_core(self, x, position_ids, layer_type)
-
-
-def _eager_f64(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
-    # Original: nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32)
-    if query.dtype != _F64:
-        return _ORIG_EAGER(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                           softcap=softcap, **kwargs)
-    if scaling is None:
-        scaling = module.head_dim ** -0.5
-    key_states = _mu.repeat_kv(key, module.num_key_value_groups)
-    value_states = _mu.repeat_kv(value, module.num_key_value_groups)
-    attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
-    if softcap is not None:
-        attn_weights = torch.tanh(attn_weights / softcap) * softcap
-    if attention_mask is not None:
-        attn_weights = attn_weights + attention_mask
-    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=_F64).to(query.dtype)
-    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
-    attn_output = torch.matmul(attn_weights, value_states).transpose(1, 2).contiguous()
-    return attn_output, attn_weights
-
-
-# (owner, attribute, original, replacement, sha256 of the original's source in transformers 5.24.0; the
-# same as modeling_gemma4's: the Unified module carries verbatim copies)
+# (owner, attribute, original, replacement, sha256 of the original's source in transformers 5.24.0). The
+# Unified module carries verbatim copies of modeling_gemma4's three functions (the same sha256), so
+# hf_reference.py's float64 copies serve it unchanged: they read only the module's own attributes
+# (``_norm``, ``with_scale``, ``weight``; the inv_freq buffers; ``head_dim``, ``num_key_value_groups``).
 _PATCHES = [
-    (_mu.Gemma4UnifiedRMSNorm, "forward", _ORIG_RMSNORM, _rmsnorm_f64,
+    (_mu.Gemma4UnifiedRMSNorm, "forward", _ORIG_RMSNORM, rmsnorm_forward_f64,
      "7db79da21ac2d7247b3bfaa8134eec6e49ae23d729d12a495d1010127911c4be"),
-    (_mu.Gemma4UnifiedTextRotaryEmbedding, "forward", _ORIG_ROTARY, _rotary_f64,
+    (_mu.Gemma4UnifiedTextRotaryEmbedding, "forward", _ORIG_ROTARY, rotary_forward_f64,
      "06ec09d340f9e670650a8428863e05012bf243c46b7c1dc301a5939f2fdd8ee5"),
-    (_mu, "eager_attention_forward", _ORIG_EAGER, _eager_f64,
+    (_mu, "eager_attention_forward", _ORIG_EAGER, eager_attention_forward_f64,
      "587d5b52cc6f75078b7bb7a4fa056f5c1ff74e2f5c22d1a6ad161f3282d1671f"),
 ]
 
@@ -122,7 +80,7 @@ def recompute_float64_buffers(model: nn.Module) -> nn.Module:
         if isinstance(module, _mu.Gemma4UnifiedTextRotaryEmbedding):
             for layer_type, rope_type in module.rope_type.items():
                 head_dim = module.config.per_layer_config[layer_type].head_dim
-                new = _inv_freq_f64(rope_type, module.config.rope_parameters[layer_type], head_dim)
+                new = inv_freq_f64(rope_type, module.config.rope_parameters[layer_type], head_dim)
                 for attr in (f"{layer_type}_inv_freq", f"{layer_type}_original_inv_freq"):
                     old = getattr(module, attr)
                     if old.shape != new.shape or not torch.allclose(old.to(_F64), new, rtol=1e-6, atol=0):

@@ -59,7 +59,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
 from refimpl import RefimplError, load_config
-from refimpl.config import FULL, SLIDING
+from refimpl.config import legacy_text_keys
 from refimpl.model import rope_inv_freq
 
 from ...check.profiles import PROFILES
@@ -99,43 +99,10 @@ def _same(a: Any, b: Any) -> bool:
 
 def _mlx_text_keys(cfg) -> dict[str, Any]:
     """The value of every text-config key mlx-lm's ``gemma4_text.ModelArgs`` reads, derived from a
-    ``refimpl.config.TextConfig`` (which resolves both serialisations and every default)."""
-    sliding = [layer for layer in cfg.layers if layer.layer_type == SLIDING]
-    full = [layer for layer in cfg.layers if layer.layer_type == FULL]
-    keys: dict[str, Any] = {
-        "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
-        "intermediate_size": cfg.intermediate_size, "num_attention_heads": cfg.num_attention_heads,
-        "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.rms_norm_eps, "sliding_window": cfg.sliding_window,
-        "final_logit_softcapping": cfg.final_logit_softcapping,
-        "hidden_size_per_layer_input": cfg.hidden_size_per_layer_input,
-        "num_kv_shared_layers": cfg.num_kv_shared_layers, "use_double_wide_mlp": cfg.use_double_wide_mlp,
-        "attention_k_eq_v": cfg.attention_k_eq_v, "enable_moe_block": cfg.enable_moe_block,
-        "tie_word_embeddings": cfg.tie_word_embeddings, "layer_types": list(cfg.layer_types),
-    }
-    if cfg.has_ple:
-        keys["vocab_size_per_layer_input"] = cfg.vocab_size_per_layer_input
-    if cfg.enable_moe_block:
-        keys.update(num_experts=cfg.num_experts, top_k_experts=cfg.top_k_experts,
-                    moe_intermediate_size=cfg.moe_intermediate_size)
-    # mlx-lm: sliding layers use head_dim / num_key_value_heads; full layers global_head_dim, and
-    # num_global_key_value_heads only with K=V (else num_key_value_heads). Geometry mlx-lm cannot
-    # express (e.g. per-layer overrides that differ within a type) is caught by _verify_geometry.
-    kv_layers = sliding or full
-    keys["head_dim"] = kv_layers[0].head_dim
-    keys["num_key_value_heads"] = kv_layers[0].num_kv_heads
-    if full:
-        keys["global_head_dim"] = full[0].head_dim
-        if cfg.attention_k_eq_v:
-            keys["num_global_key_value_heads"] = full[0].num_kv_heads
-    rope = {}
-    for layer in (sliding[:1] + full[:1]):
-        spec = layer.rope
-        entry: dict[str, Any] = {"rope_type": spec.rope_type, "rope_theta": spec.theta}
-        if spec.rope_type == "proportional":
-            entry.update(partial_rotary_factor=spec.partial_rotary_factor, factor=spec.factor)
-        rope[layer.layer_type] = entry
-    keys["rope_parameters"] = rope
-    return keys
+    ``refimpl.config.TextConfig`` (which resolves both serialisations and every default): the legacy
+    serialisation's keys (``refimpl.config.legacy_text_keys``). Geometry mlx-lm cannot express (e.g.
+    per-layer overrides that differ within a type) is caught by _verify_geometry."""
+    return legacy_text_keys(cfg)
 
 
 def _rope_effective(entry: Any) -> Any:

@@ -67,7 +67,7 @@ from refimpl import RefimplError, load_config
 
 from ...check.profiles import PROFILES
 from ...protocol.serving import CachedBackend
-from ...protocol.types import BackendError, Capabilities, Request, Response
+from ...protocol.types import BackendError, Capabilities, Request
 from .config import checkpoint_view, config_patch, remove_view
 from .families import Family, family_for, geometry_problems
 

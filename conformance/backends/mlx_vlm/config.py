@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from refimpl.config import FULL, SLIDING
+from refimpl.config import legacy_text_keys
 from refimpl.unified import parse_unified_audio_config, parse_unified_vision_config
 
 __all__ = ["ABSENT", "checkpoint_view", "config_patch", "mlx_vlm_text_keys", "patched_config", "remove_view", "same",
@@ -58,43 +58,12 @@ def same(a: Any, b: Any) -> bool:
 
 def mlx_vlm_text_keys(cfg, family: str) -> dict[str, Any]:
     """The value of every text-config key mlx-vlm's ``family`` ("gemma4_text" or "gemma4") reads,
-    derived from a ``refimpl.config.TextConfig`` (which resolves both serialisations and every default)."""
-    sliding = [layer for layer in cfg.layers if layer.layer_type == SLIDING]
-    full = [layer for layer in cfg.layers if layer.layer_type == FULL]
-    keys: dict[str, Any] = {
-        "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
-        "intermediate_size": cfg.intermediate_size, "num_attention_heads": cfg.num_attention_heads,
-        "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.rms_norm_eps, "sliding_window": cfg.sliding_window,
-        "final_logit_softcapping": cfg.final_logit_softcapping,
-        "hidden_size_per_layer_input": cfg.hidden_size_per_layer_input,
-        "num_kv_shared_layers": cfg.num_kv_shared_layers, "use_double_wide_mlp": cfg.use_double_wide_mlp,
-        "attention_k_eq_v": cfg.attention_k_eq_v, "enable_moe_block": cfg.enable_moe_block,
-        "tie_word_embeddings": cfg.tie_word_embeddings, "layer_types": list(cfg.layer_types),
-    }
+    derived from a ``refimpl.config.TextConfig`` (which resolves both serialisations and every default):
+    the legacy serialisation's keys (``refimpl.config.legacy_text_keys``, as for mlx-lm), and for the
+    conditional model the vision-block switch. Geometry it cannot express is caught after loading."""
+    keys = legacy_text_keys(cfg)
     if family == "gemma4":  # only the conditional model's text config has the vision-block switch
         keys["use_bidirectional_attention"] = cfg.use_bidirectional_attention
-    if cfg.has_ple:
-        keys["vocab_size_per_layer_input"] = cfg.vocab_size_per_layer_input
-    if cfg.enable_moe_block:
-        keys.update(num_experts=cfg.num_experts, top_k_experts=cfg.top_k_experts,
-                    moe_intermediate_size=cfg.moe_intermediate_size)
-    # mlx-vlm (as mlx-lm): sliding layers use head_dim / num_key_value_heads; full layers global_head_dim,
-    # and num_global_key_value_heads only with K=V. Geometry it cannot express is caught after loading.
-    kv_layers = sliding or full
-    keys["head_dim"] = kv_layers[0].head_dim
-    keys["num_key_value_heads"] = kv_layers[0].num_kv_heads
-    if full:
-        keys["global_head_dim"] = full[0].head_dim
-        if cfg.attention_k_eq_v:
-            keys["num_global_key_value_heads"] = full[0].num_kv_heads
-    rope = {}
-    for layer in (sliding[:1] + full[:1]):
-        spec = layer.rope
-        entry: dict[str, Any] = {"rope_type": spec.rope_type, "rope_theta": spec.theta}
-        if spec.rope_type == "proportional":
-            entry.update(partial_rotary_factor=spec.partial_rotary_factor, factor=spec.factor)
-        rope[layer.layer_type] = entry
-    keys["rope_parameters"] = rope
     return keys
 
 
