@@ -256,7 +256,9 @@ def cmd_synth(args) -> int:
                          f"{args.preset}")
     dtype = args.dtype or "f32"
     out = write_checkpoint(args.preset, args.seed, args.out, dtype, args.layout, overwrite=args.force)
-    print(f"wrote {args.preset} (seed {args.seed}, {dtype}, {args.layout}) to {out}")
+    media = any(k in PRESETS[args.preset] for k in ("vision", "audio", "unified_vision", "unified_audio"))
+    layout = "conditional" if media else args.layout  # image/audio models exist only in that layout
+    print(f"wrote {args.preset} (seed {args.seed}, {dtype}, {layout}) to {out}")
     return 0
 
 
