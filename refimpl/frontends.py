@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from .audio import audio_tower, load_audio_tower
-from .audio_features import (AudioFeatures, RESAMPLE_HINT, audio_features, audio_soft_token_count,
+from .audio_features import (AudioFeatures, RESAMPLE_HINT, audio_features, audio_soft_token_count, check_samples,
                              load_audio_feature_settings)
 from .errors import InputError
 from .image import ImageProcessorSettings, check_soft_token_budget, load_image_processor_settings, preprocess_image
@@ -106,12 +106,24 @@ class AudioFrontEnd:
     def kind(self) -> str:
         return "embedder" if self.unified else "tower"
 
+    def check(self, samples, rate: int) -> None:
+        """InputError for a clip the front end would refuse (another rate, not a finite float waveform),
+        without extracting its features."""
+        if self.unified:
+            self._check_rate(rate)
+            audio_frames(samples, self.cfg)  # framing is the whole front end: its checks are the cheap part
+        else:
+            check_samples(samples, rate, self.settings)
+
+    def _check_rate(self, rate: int) -> None:
+        if rate != self.sampling_rate:
+            raise InputError(f"the audio is sampled at {rate} Hz but the feature extractor needs {self.sampling_rate} Hz "
+                             f"({self.sampling_rate / 1000:g} kHz); {RESAMPLE_HINT}")
+
     def features(self, samples, rate: int) -> AudioFeatures | UnifiedClip:
         """The model input of one clip sampled at ``rate`` Hz (InputError for another rate)."""
-        if rate != self.sampling_rate:
-            raise InputError(f"the audio is sampled at {rate} Hz but the checkpoint needs {self.sampling_rate} Hz "
-                             f"({self.sampling_rate / 1000:g} kHz); {RESAMPLE_HINT}")
         if self.unified:
+            self._check_rate(rate)  # (audio_features checks the conformer's clips itself)
             frames = audio_frames(samples, self.cfg)
             return UnifiedClip(frames, np.ones(frames.shape[0], dtype=bool))
         return audio_features(samples, rate, self.settings)

@@ -40,8 +40,8 @@ import numpy as np
 
 from .config import check_positive, check_positive_float, config_family, get_field, read_config_json, tower_section
 from .errors import ConfigError, InputError
-from .image import (ImageProcessorSettings, aspect_ratio_preserving_size, check_image_array, load_image_processor_settings,
-                    patch_positions, patchify, rescale, resize_bicubic)
+from .image import (ImageProcessorSettings, aspect_ratio_preserving_size, check_image_array, patch_positions, patchify,
+                    rescale, resize_bicubic)
 from .ops import layer_norm, linear, rms_norm
 from .weights import TowerWeights
 
@@ -161,6 +161,8 @@ class UnifiedVisionWeights(TowerWeights):
     parse_config = staticmethod(parse_unified_vision_config)
 
     def expected(self) -> dict[str, tuple[int, ...]]:
+        """The tensors of the naming the checkpoint uses (``self.naming``, set here: ``TowerWeights``
+        calls this once, right after opening the store, to validate them)."""
         modules = VISION_NAMES[MODULES]["patch_dense"] + ".weight" in self.store
         self.naming = MODULES if modules else PUBLISHED
         return expected_unified_vision_tensors(self.cfg, self.naming)
@@ -181,11 +183,6 @@ class UnifiedAudioWeights(TowerWeights):
     prefixes = ("model.embed_audio.",)
     parse_config = staticmethod(parse_unified_audio_config)
     expected_tensors = staticmethod(expected_unified_audio_tensors)
-
-
-def load_unified_vision(model_dir: str | Path, dtype: str | np.dtype = "float64"
-                        ) -> tuple[UnifiedVisionWeights, UnifiedVisionConfig]:
-    return UnifiedVisionWeights.load(model_dir, dtype)
 
 
 def load_unified_audio(model_dir: str | Path, dtype: str | np.dtype = "float64"
@@ -227,11 +224,6 @@ def preprocess_unified_image(image: np.ndarray, settings: ImageProcessorSettings
     patches = patchify(rescale(pixels), M)  # [N, 3 M^2]: one M-pixel patch = k x k merged p-pixel patches
     values, positions = pad_patches(patches, patch_positions(h // M, w // M), budget)
     return UnifiedImage(pixels, values, positions, patches.shape[0])
-
-
-def load_unified_image_settings(model_dir: str | Path, cfg: UnifiedVisionConfig) -> ImageProcessorSettings:
-    """processor_config.json ("image_processor") or preprocessor_config.json, else the config and 280."""
-    return load_image_processor_settings(model_dir, cfg)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -318,7 +310,3 @@ def audio_embedder(frames, weights: UnifiedAudioWeights, cfg: UnifiedAudioConfig
     e = linear(rms_norm(f.astype(weights.dtype), None, cfg.rms_norm_eps), weights[AUDIO_PROJECTION])
     return weights.check_finite(e)
 
-
-def audio_soft_token_count(samples: int, cfg: UnifiedAudioConfig) -> int:
-    """ceil(samples / A): one soft token per frame, no downsampling."""
-    return -(-int(samples) // cfg.audio_embed_dim)

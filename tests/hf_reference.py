@@ -72,6 +72,7 @@ from torch import nn
 
 import transformers
 import transformers.models.gemma4.modeling_gemma4 as _mg
+import transformers.models.gemma4_unified.modeling_gemma4_unified as _mu
 from transformers import DynamicCache, Gemma4ForCausalLM
 from transformers.modeling_rope_utils import dynamic_rope_update
 
@@ -300,12 +301,17 @@ def inv_freq_f64(rope_type: str, rope_params: dict, head_dim: int) -> torch.Tens
     raise NotImplementedError(f"float64 inv_freq for rope_type {rope_type!r}")
 
 
+# the modules whose buffers transformers keeps in float32: Gemma 4's and Gemma 4 Unified's (verbatim copies)
+ROTARY_CLASSES = (_mg.Gemma4TextRotaryEmbedding, _mu.Gemma4UnifiedTextRotaryEmbedding)
+EMBEDDING_CLASSES = (_mg.Gemma4TextScaledWordEmbedding, _mu.Gemma4UnifiedTextScaledWordEmbedding)
+
+
 def recompute_float64_buffers(model: nn.Module) -> nn.Module:
     """Recompute, in float64 from the config, the buffers transformers keeps in float32.
 
-    * every ``Gemma4TextRotaryEmbedding``: ``<layer_type>_inv_freq`` and
+    * every ``Gemma4TextRotaryEmbedding`` (and Gemma 4 Unified's copy): ``<layer_type>_inv_freq`` and
       ``<layer_type>_original_inv_freq`` (default and proportional RoPE);
-    * every ``Gemma4TextScaledWordEmbedding``: ``embed_scale`` (sqrt(hidden_size)
+    * every ``Gemma4TextScaledWordEmbedding`` (and Unified's): ``embed_scale`` (sqrt(hidden_size)
       for ``embed_tokens``, sqrt(hidden_size_per_layer_input) for
       ``embed_tokens_per_layer``, both kept by the module as ``scalar_embed_scale``).
 
@@ -314,7 +320,7 @@ def recompute_float64_buffers(model: nn.Module) -> nn.Module:
     returns ``model``.
     """
     for name, module in model.named_modules():
-        if isinstance(module, _mg.Gemma4TextRotaryEmbedding):
+        if isinstance(module, ROTARY_CLASSES):
             for layer_type, rope_type in module.rope_type.items():
                 head_dim = module.config.per_layer_config[layer_type].head_dim
                 new = inv_freq_f64(rope_type, module.config.rope_parameters[layer_type], head_dim)
@@ -323,7 +329,7 @@ def recompute_float64_buffers(model: nn.Module) -> nn.Module:
                     if old.shape != new.shape or not torch.allclose(old.to(_F64), new, rtol=1e-6, atol=0):
                         raise RuntimeError(f"{name}.{attr}: float64 recomputation disagrees with transformers")
                     setattr(module, attr, new.to(old.device))
-        elif isinstance(module, _mg.Gemma4TextScaledWordEmbedding):
+        elif isinstance(module, EMBEDDING_CLASSES):
             scale = float(module.scalar_embed_scale)
             old = float(module.embed_scale)
             if abs(old - scale) > 1e-6 * scale:

@@ -9,6 +9,7 @@ float64 reference, the counterpart of ``hf_reference.py`` for the 12B encoder-fr
 * ``Gemma4UnifiedTextRotaryEmbedding.forward`` computes the angles in float32, from float32
   ``inv_freq`` buffers.                                  -> patched, buffers recomputed in float64
 * ``Gemma4UnifiedTextScaledWordEmbedding.embed_scale`` is a float32-rounded buffer. -> recomputed
+  (``hf_reference.recompute_float64_buffers`` handles both families' buffers)
 
 Checked and left alone: the vision embedder's ``nn.LayerNorm``s, dense layers and position table run in
 the model dtype; ``get_image_features`` / ``get_audio_features`` only gather and mask; the masks of
@@ -30,12 +31,11 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
-from torch import nn
 
 import transformers.models.gemma4_unified.modeling_gemma4_unified as _mu
 from transformers import DynamicCache, Gemma4UnifiedForConditionalGeneration
 
-from hf_reference import (eager_attention_forward_f64, inv_freq_f64, patched, rmsnorm_forward_f64,
+from hf_reference import (eager_attention_forward_f64, patched, recompute_float64_buffers, rmsnorm_forward_f64,
                           rotary_forward_f64)
 
 _F64 = torch.float64
@@ -72,23 +72,6 @@ def unified_float64_exact() -> Iterator[None]:
                            f"{', '.join(changed)} changed; re-read modeling_gemma4_unified.py")
     with patched(_PATCHES):
         yield
-
-
-def recompute_float64_buffers(model: nn.Module) -> nn.Module:
-    """The RoPE inverse frequencies and the embedding scale in float64 (checked against the float32 ones)."""
-    for name, module in model.named_modules():
-        if isinstance(module, _mu.Gemma4UnifiedTextRotaryEmbedding):
-            for layer_type, rope_type in module.rope_type.items():
-                head_dim = module.config.per_layer_config[layer_type].head_dim
-                new = inv_freq_f64(rope_type, module.config.rope_parameters[layer_type], head_dim)
-                for attr in (f"{layer_type}_inv_freq", f"{layer_type}_original_inv_freq"):
-                    old = getattr(module, attr)
-                    if old.shape != new.shape or not torch.allclose(old.to(_F64), new, rtol=1e-6, atol=0):
-                        raise RuntimeError(f"{name}.{attr}: float64 recomputation disagrees with transformers")
-                    setattr(module, attr, new)
-        elif isinstance(module, _mu.Gemma4UnifiedTextScaledWordEmbedding):
-            module.embed_scale = torch.tensor(float(module.scalar_embed_scale), dtype=_F64)
-    return model
 
 
 def load_hf_unified(model_dir, dtype=torch.float64) -> Gemma4UnifiedForConditionalGeneration:

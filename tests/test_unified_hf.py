@@ -152,9 +152,8 @@ def test_chunked_prefill_and_decode(unified):
     ids, imgs, clips, soft, asoft, mm = media_prompt(d, [image(6, 50, 70)], [wave(2, 640 * 3 + 5)],
                                                      text=(3, 4, 3, 9))
     first, last = ids.index(mm.boi_token_id), len(ids) - 1 - ids[::-1].index(mm.eoa_token_id)
-    cuts = [first, last + 1, last + 4] + list(range(len(ids) - 4, len(ids)))
-    theirs = hf_logits_incremental(hf, ids, [first, last + 1, last + 4, *range(len(ids) - 4, len(ids))],
-                                   images=imgs, clips=clips)
+    cuts = [first, last + 1, last + 4, *range(len(ids) - 4, len(ids))]
+    theirs = hf_logits_incremental(hf, ids, cuts, images=imgs, clips=clips)
     ours = oracle(d, ids, soft, asoft, mm, "all-unclamped", cuts=cuts)
     diff = np.abs(ours - theirs).max()
     assert diff < EXACT_BOUND, f"{diff:.3g}"
@@ -283,7 +282,8 @@ def test_checkpoints_written_by_transformers(tmp_path):
         for k, v in load_file(str(d / "model.safetensors")).items()}
     save_file(renamed, str(mod / "model.safetensors"), metadata={"format": "pt"})
     ids2, _, _, soft2, asoft2, _ = media_prompt(mod, [image(9, 40, 24)], [wave(3, 20 * 6 + 7)])
-    assert np.array_equal(oracle(mod, ids2, soft2, asoft2, mm, "sliding-clamped"), ours)
+    assert ids2 == ids
+    assert np.abs(oracle(mod, ids2, soft2, asoft2, mm, "sliding-clamped") - ours).max() < 1e-12  # same weights
 
     # Gemma4UnifiedForCausalLM: flat config, tensors under model.
     causal = tmp_path / "causal"

@@ -214,7 +214,7 @@ class AudioSide(Modality):
 
     def check(self, wave: np.ndarray, rate: int) -> None:
         """InputError for a clip the front end refuses (a wrong rate, an empty or non-finite waveform)."""
-        self.front.features(wave, rate)
+        self.front.check(wave, rate)
 
     def soft_tokens(self, source: tuple) -> tuple[Any, np.ndarray]:
         """(AudioFeatures or UnifiedClip, soft tokens [M, H]) of one clip (``source[0]`` at ``source[1]`` Hz)."""

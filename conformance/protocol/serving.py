@@ -83,6 +83,30 @@ def check_multi(request: Request, who: str) -> tuple[tuple, tuple]:
     return seq_ids, decode
 
 
+def padded_clips(audio_inputs: Sequence[Any], who: str) -> tuple[np.ndarray, np.ndarray]:
+    """A forward's audio clips as a feature extractor batches them: features ``[n, T, F]`` (float64) padded
+    at the end with zero frames to the longest clip, and the frame mask ``[n, T]`` (True at valid frames).
+    ValueError naming ``who`` for a clip that is not ``[T, F]`` with a ``[T]`` mask (T >= 1), or clips of
+    different feature widths."""
+    feats, masks = [], []
+    for k, clip in enumerate(audio_inputs):
+        f, m = np.asarray(clip.features), np.asarray(clip.mask, dtype=bool)
+        if f.ndim != 2 or m.shape != (f.shape[0],) or f.shape[0] < 1:
+            raise ValueError(f"{who}: audio clip {k}: features {f.shape} and mask {m.shape} must be "
+                             f"[T, F] and [T] (T >= 1)")
+        feats.append(f)
+        masks.append(m)
+    widths = sorted({f.shape[1] for f in feats})
+    if len(widths) != 1:
+        raise ValueError(f"{who}: the audio clips have different feature widths {widths}")
+    T = max(f.shape[0] for f in feats)
+    x = np.zeros((len(feats), T, widths[0]), dtype=np.float64)
+    mask = np.zeros((len(feats), T), dtype=bool)
+    for b, (f, m) in enumerate(zip(feats, masks)):
+        x[b, :f.shape[0]], mask[b, :m.shape[0]] = f, m
+    return x, mask
+
+
 class CachedBackend:
     """The backend protocol (``run``) on top of a few engine hooks; see the module docstring.
 

@@ -789,7 +789,7 @@ class NumpyEngineBackend:
         return [flat[e - n:e] for (_, n), e in zip(request.images, ends)]
 
     @staticmethod
-    def _with_audio(x0: np.ndarray, blocks: Sequence[tuple[int, int]], soft: Sequence[np.ndarray]) -> np.ndarray:
+    def _with_soft_tokens(x0: np.ndarray, blocks: Sequence[tuple[int, int]], soft: Sequence[np.ndarray]) -> np.ndarray:
         """A copy of the call's embeddings with each audio (or image) block's rows replaced by its soft tokens."""
         x0 = np.array(x0, dtype=np.float64, copy=True)  # never write into the request's array
         for (s, n), e in zip(blocks, soft):
@@ -847,9 +847,9 @@ class NumpyEngineBackend:
             raise ValueError(f"numpy-engine: {what} prompt needs entry 'embeddings', got {request.entry!r}")
         self._check_media_tokens(request.tokens, request.images, request.audio)
         if request.images:
-            x0 = self._with_audio(x0, request.images, self._image_soft_tokens(request))
+            x0 = self._with_soft_tokens(x0, request.images, self._image_soft_tokens(request))
         if request.audio:
-            x0 = self._with_audio(x0, request.audio, self._audio_soft_tokens(request))
+            x0 = self._with_soft_tokens(x0, request.audio, self._audio_soft_tokens(request))
         seq = PLAIN_SEQ if request.entry == "plain" else request.seq_id
         row = self.last_row(T, request.last_pos)
         batch = self._one_sequence(caches, seq, request.tokens, [row], x0, request.images, request.audio)
@@ -864,29 +864,24 @@ class NumpyEngineBackend:
         if not request.pieces:
             raise ValueError("numpy-engine: prefill request has no pieces")
         piece_images, piece_audio = self._piece_media(request)
-        for p, piece in enumerate(request.pieces):  # every piece of a media prompt carries its embeddings
-            if self._media(request) and piece.embeddings is None:
+        media = self._media(request)
+        for p, piece in enumerate(request.pieces):  # checked before any soft token is computed
+            if media and piece.embeddings is None:  # image / audio prompts: every piece carries its embeddings
                 what = "an image" if request.images else "an audio"
                 raise ValueError(f"numpy-engine: piece {p} of {what} prompt has no embeddings")
+            if not media and piece.embeddings is not None:
+                raise ValueError(f"numpy-engine: piece {p} carries embeddings but the request has no images or audio")
         soft = self._audio_soft_tokens(request)
         image_soft = self._image_soft_tokens(request)
-        media = self._media(request)
         out, pieces, clip, image = [], [], 0, 0
         for p, piece in enumerate(request.pieces):
             rows = self.piece_rows(p, piece.rows)
-            x0 = None
-            if media:  # image / audio prompts: every piece carries its input embeddings
-                if piece.embeddings is None:
-                    what = "an image" if request.images else "an audio"
-                    raise ValueError(f"numpy-engine: piece {p} of {what} prompt has no embeddings")
-                x0 = np.asarray(piece.embeddings)
-            elif piece.embeddings is not None:
-                raise ValueError(f"numpy-engine: piece {p} carries embeddings but the request has no images or audio")
+            x0 = np.asarray(piece.embeddings) if media else None
             if piece_images[p]:
-                x0 = self._with_audio(x0, piece_images[p], image_soft[image:image + len(piece_images[p])])
+                x0 = self._with_soft_tokens(x0, piece_images[p], image_soft[image:image + len(piece_images[p])])
                 image += len(piece_images[p])
             if piece_audio[p]:
-                x0 = self._with_audio(x0, piece_audio[p], soft[clip:clip + len(piece_audio[p])])
+                x0 = self._with_soft_tokens(x0, piece_audio[p], soft[clip:clip + len(piece_audio[p])])
                 clip += len(piece_audio[p])
             batch = self._one_sequence(caches, 0, piece.tokens, rows, x0, piece_images[p], piece_audio[p])
             out.append(self.engine.prefill(caches, batch, request.ubatch))

@@ -66,7 +66,7 @@ from mlx_vlm.utils import load_model
 from refimpl import RefimplError, load_config
 
 from ...check.profiles import PROFILES
-from ...protocol.serving import CachedBackend
+from ...protocol.serving import CachedBackend, padded_clips
 from ...protocol.types import BackendError, Capabilities, Request
 from .config import checkpoint_view, config_patch, remove_view
 from .families import Family, family_for, geometry_problems
@@ -276,23 +276,8 @@ class MlxVlmBackend(CachedBackend):
     def _audio_features(self, audio_inputs: Sequence) -> tuple[mx.array, mx.array]:
         """A forward's clips as mlx-vlm's feature extractor batches them: features ``[n, T, F]`` padded at the
         end with zero frames, ``input_features_mask`` ``[n, T]`` (True at valid frames)."""
-        feats, masks = [], []
-        for k, clip in enumerate(audio_inputs):
-            f, m = np.asarray(clip.features), np.asarray(clip.mask, dtype=bool)
-            if f.ndim != 2 or m.shape != (f.shape[0],) or f.shape[0] < 1:
-                raise ValueError(f"{self.who}: audio clip {k}: features {f.shape} and mask {m.shape} must be "
-                                 f"[T, F] and [T] (T >= 1)")
-            feats.append(f)
-            masks.append(m)
-        widths = sorted({f.shape[1] for f in feats})
-        if len(widths) != 1:
-            raise ValueError(f"{self.who}: the audio clips have different feature widths {widths}")
-        T = max(f.shape[0] for f in feats)
-        x = np.zeros((len(feats), T, widths[0]), dtype=np.float32)
-        mask = np.zeros((len(feats), T), dtype=bool)
-        for b, (f, m) in enumerate(zip(feats, masks)):
-            x[b, :f.shape[0]], mask[b, :m.shape[0]] = f, m
-        return mx.array(x), mx.array(mask)
+        x, mask = padded_clips(audio_inputs, self.who)
+        return mx.array(x.astype(np.float32)), mx.array(mask)
 
     def _image_pixels(self, image_inputs: Sequence) -> dict[str, Any]:
         """A forward's images as mlx-vlm's ``get_input_embeddings`` takes them from its processor: the

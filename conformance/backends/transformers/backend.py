@@ -150,7 +150,7 @@ import transformers
 from transformers import (DynamicCache, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4UnifiedForCausalLM,
                           Gemma4UnifiedForConditionalGeneration)
 
-from ...protocol.serving import CachedBackend
+from ...protocol.serving import CachedBackend, padded_clips
 from ...protocol.types import BackendError, Capabilities, Request, Response
 
 __all__ = ["ATTN_IMPLEMENTATIONS", "AUDIO_TOWER_OPTIONS", "DTYPES", "EXPERTS_IMPLEMENTATIONS", "TransformersBackend", "checkpoint_layout",
@@ -226,12 +226,7 @@ def load_gemma4_unified(model_dir: str | os.PathLike, dtype: str | torch.dtype =
     layout, raw = checkpoint_layout(model_dir)
     _require_safetensors(model_dir)
     cls = Gemma4UnifiedForConditionalGeneration if layout == "conditional" else Gemma4UnifiedForCausalLM
-    try:
-        with _quiet_progress_bar():
-            model, info = cls.from_pretrained(os.fspath(model_dir), **kwargs)
-    except Exception as exc:  # noqa: BLE001 - whatever transformers raises, the checkpoint cannot be served
-        raise BackendError(f"transformers {transformers.__version__} cannot load {model_dir} (Gemma 4 Unified, "
-                           f"{layout} layout): {type(exc).__name__}: {exc}") from exc
+    model, info = _from_pretrained(cls, model_dir, kwargs, f"Gemma 4 Unified, {layout} layout")
     text = model.model.language_model if layout == "conditional" else model.model
     return _checked(model, info, text.embed_tokens, f"{model_dir} (Gemma 4 Unified, {layout} layout)", device)
 
@@ -305,6 +300,17 @@ def load_gemma4_causal_lm(model_dir: str | os.PathLike, dtype: str | torch.dtype
     return _checked(model, info, model.model.embed_tokens, f"{model_dir} ({layout} layout)", device)
 
 
+def _from_pretrained(cls, model_dir: str | os.PathLike, kwargs: dict[str, Any], what: str):
+    """(model, loading info) of ``cls.from_pretrained(model_dir, **kwargs)`` without the progress bar;
+    whatever transformers raises is a BackendError naming the directory and ``what`` it was loaded as."""
+    try:
+        with _quiet_progress_bar():
+            return cls.from_pretrained(os.fspath(model_dir), **kwargs)
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raises, the checkpoint cannot be served
+        raise BackendError(f"transformers {transformers.__version__} cannot load {model_dir} ({what}): "
+                           f"{type(exc).__name__}: {exc}") from exc
+
+
 def _checked(model, info: dict, embed_tokens, what: str, device: str | torch.device):
     """The loaded model in eval mode on ``device``, after checking that every weight came from the
     checkpoint (``lm_head.weight`` aside: it is tied), none mismatched, and the head is tied."""
@@ -370,12 +376,7 @@ def load_gemma4_conditional_generation(model_dir: str | os.PathLike, dtype: str 
         # takes the one asked for, the audio tower eager
         kwargs["attn_implementation"] = {"text_config": attn_implementation, "audio_config": "eager",
                                          **({"vision_config": attn_implementation} if has_vision(raw) else {})}
-    try:
-        with _quiet_progress_bar():
-            model, info = Gemma4ForConditionalGeneration.from_pretrained(os.fspath(model_dir), **kwargs)
-    except Exception as exc:  # noqa: BLE001 - whatever transformers raises, the checkpoint cannot be served
-        raise BackendError(f"transformers {transformers.__version__} cannot load {model_dir} ({what}): "
-                           f"{type(exc).__name__}: {exc}") from exc
+    model, info = _from_pretrained(Gemma4ForConditionalGeneration, model_dir, kwargs, what)
     return _checked(model, info, model.model.language_model.embed_tokens, f"{model_dir} ({what})", device)
 
 
@@ -533,8 +534,10 @@ class TransformersBackend(CachedBackend):
             raise BackendError(f"transformers backend: {model_dir} does not fit on {self.device}: {exc}") from exc
         self._model_dir = Path(model_dir)
         self.text_config = self.model.config.get_text_config()
-        self.text_model = (self.model.model.language_model if self.conditional or self.layout == "conditional"
-                           and self.unified else self.model.model)
+        # the text model: under model.language_model when a conditional class was loaded (an image-text or
+        # audio-text Gemma 4, or any conditional-layout Gemma 4 Unified), else model.model
+        wraps_text = self.conditional or (self.unified and self.layout == "conditional")
+        self.text_model = self.model.model.language_model if wraps_text else self.model.model
         self.image_token_id = int(self.model.config.image_token_id) if self.vision else None
         self.audio_token_id = int(self.model.config.audio_token_id) if self.audio else None
         params = inspect.signature(type(self.model).forward).parameters
@@ -654,22 +657,7 @@ class TransformersBackend(CachedBackend):
         as many soft tokens as its block has."""
         if len(audio_inputs) != len(audio):
             raise ValueError(f"{self.who}: {len(audio)} audio blocks but {len(audio_inputs)} audio_inputs")
-        feats, masks = [], []
-        for k, clip in enumerate(audio_inputs):
-            f, m = np.asarray(clip.features), np.asarray(clip.mask, dtype=bool)
-            if f.ndim != 2 or m.shape != (f.shape[0],) or f.shape[0] < 1:
-                raise ValueError(f"{self.who}: audio clip {k}: features {f.shape} and mask {m.shape} must be "
-                                 f"[T, F] and [T] (T >= 1)")
-            feats.append(f)
-            masks.append(m)
-        T = max(f.shape[0] for f in feats)
-        F = {f.shape[1] for f in feats}
-        if len(F) != 1:
-            raise ValueError(f"{self.who}: the audio clips have different feature widths {sorted(F)}")
-        x = np.zeros((len(feats), T, F.pop()), dtype=np.float64)
-        mask = np.zeros((len(feats), T), dtype=bool)
-        for b, (f, m) in enumerate(zip(feats, masks)):
-            x[b, :f.shape[0]], mask[b, :m.shape[0]] = f, m
+        x, mask = padded_clips(audio_inputs, self.who)
         try:
             out = self.model.model.get_audio_features(torch.from_numpy(x).to(self.device, self.torch_dtype),
                                                       torch.from_numpy(mask).to(self.device), return_dict=True)
