@@ -126,6 +126,18 @@ class KVCache:
 
     length: int = 0
     layers: dict[int, LayerKV] = field(default_factory=dict)
+    keep_all: bool = False  # sliding layers keep every key too (the mask still applies the window): a
+    #                         speculative round can then roll back rejected tokens (``truncate``)
+
+    def truncate(self, length: int) -> None:
+        """Forget every position from ``length`` on (rejected drafts). Needs ``keep_all`` for sliding
+        layers: a cache trimmed to W - 1 keys no longer holds the keys before the rejected ones."""
+        if not 0 <= length <= self.length:
+            raise InputError(f"cannot truncate a cache of {self.length} positions to {length}")
+        for i, kv in self.layers.items():
+            keep = kv.pos < length
+            self.layers[i] = LayerKV(kv.k[keep], kv.v[keep], kv.pos[keep])
+        self.length = length
 
 
 # ----------------------------------------------------------------------------------------------
@@ -404,19 +416,28 @@ class Gemma4:
         # keep what future tokens can attend to: sliding layers their last W - 1 keys, full layers all
         end = cache.length + T  # (positions may be pruned by now; the call still covered T tokens)
         for i, kv in call_kv.items():
-            recent = kv.pos > end - cfg.sliding_window if cfg.layers[i].is_sliding else slice(None)
+            recent = kv.pos > end - cfg.sliding_window if cfg.layers[i].is_sliding and not cache.keep_all else slice(None)
             cache.layers[i] = LayerKV(kv.k[recent], kv.v[recent], kv.pos[recent])
         cache.length = end
         return x
+
+    def final_norm(self, x: np.ndarray) -> np.ndarray:
+        """The final norm: residual stream x [R, H] -> the LM head's input [R, H] (what an MTP drafter reads
+        of the target, and the protocol's hidden-state rows)."""
+        y = rms_norm(x, self.weights["norm.weight"], self.cfg.rms_norm_eps)
+        if not np.isfinite(y).all():
+            self._refuse_nonfinite("the final norm's output is", [("norm.weight", None)])
+        return y
 
     def head(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Final norm, tied LM head and softcap, streamed over the vocabulary: x [R, H] -> logits [R, V].
         Only HEAD_CHUNK rows of the head are decoded at a time; the [R, V] result is the only full-width array
         (``out``, when given: e.g. a memory-mapped file, written a block of columns at a time)."""
+        return self.logits_of(self.final_norm(x), out)
+
+    def logits_of(self, y: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Tied LM head and softcap of final-normed rows y [R, H] -> logits [R, V] (``head`` without the norm)."""
         cfg = self.cfg
-        y = rms_norm(x, self.weights["norm.weight"], cfg.rms_norm_eps)
-        if not np.isfinite(y).all():
-            self._refuse_nonfinite("the final norm's output is", [("norm.weight", None)])
         logits = out if out is not None else np.empty((y.shape[0], cfg.vocab_size), dtype=self.dtype)
         for start in range(0, cfg.vocab_size, HEAD_CHUNK):
             stop = min(start + HEAD_CHUNK, cfg.vocab_size)

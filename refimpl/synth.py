@@ -139,9 +139,31 @@ PRESETS["12b-mini"] = dict(
                         output_proj_dims=48, rms_norm_eps=1e-6, model_type="gemma4_unified_vision"),
     unified_audio=dict(audio_embed_dim=640, rms_norm_eps=1e-6, model_type="gemma4_unified_audio"),
 )
+# MTP pairs: a target preset with an assistant (drafter) written beside it in ``assistant/``. Its layers
+# read the target's last KV-owning layer of each type, so their head dims and KV heads are the target's.
+_ASSISTANT_COMMON = dict(
+    hidden_size=32, num_hidden_layers=4, layer_types=[S, S, S, F], num_attention_heads=4, head_dim=16,
+    global_head_dim=32, intermediate_size=64, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
+    final_logit_softcapping=None,
+)
+PRESETS["e2b-assistant-mini"] = dict(
+    PRESETS["e2b-mini"],
+    description="E2B in miniature with an MTP assistant: 4 q-only layers (3 S, 1 F) over the target's layers "
+                "3 and 4, and the centroid-masked head (16 clusters of 32 tokens, top 4)",
+    assistant=dict(_ASSISTANT_COMMON, family="gemma4_assistant", num_key_value_heads=1,
+                   use_ordered_embeddings=True, num_centroids=16, centroid_intermediate_top_k=4),
+)
+PRESETS["12b-assistant-mini"] = dict(
+    PRESETS["12b-mini"],
+    description="Gemma 4 Unified 12B in miniature with its MTP assistant: 4 q-only layers over the target's "
+                "layers 4 and 5 (K=V full layer, 1 global KV head), dense tied head",
+    assistant=dict(_ASSISTANT_COMMON, family="gemma4_unified_assistant", num_key_value_heads=2,
+                   attention_k_eq_v=True, num_global_key_value_heads=1, use_ordered_embeddings=False),
+)
+ASSISTANT_DIR = "assistant"  # where write_checkpoint puts a preset's drafter, inside the target's directory
 UNIFIED_ARCHITECTURES = {"causal": ("Gemma4UnifiedForCausalLM", "gemma4_unified_text"),
                          "conditional": ("Gemma4UnifiedForConditionalGeneration", "gemma4_unified")}
-PRESET_EXTRAS = ("description", "vision", "audio", "family", "unified_vision", "unified_audio")
+PRESET_EXTRAS = ("description", "vision", "audio", "family", "unified_vision", "unified_audio", "assistant")
 
 # ----------------------------------------------------------------------------------------------
 # published shapes (gemma4-text-spec.md section 1): real-size checkpoints for memory and speed work
@@ -392,6 +414,41 @@ def make_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
     return {name: _draw(name, shape, rng) for name, shape in sorted(expected_tensors(cfg).items())}
 
 
+def assistant_checkpoint(spec: dict, target_config: dict, seed: int) -> tuple[dict, dict[str, np.ndarray]]:
+    """(config.json, tensors) of a preset's drafter for the target ``target_config`` (written by
+    ``write_checkpoint``). Drawn like a text model, with a token ordering that is a random permutation (so a
+    port that reads the ordered table as the canonical one, or skips the cluster map, shows)."""
+    from .assistant import ASSISTANT_ARCHITECTURES, expected_assistant_tensors, parse_assistant_config
+
+    target = target_config.get("text_config", target_config)
+    family = spec["family"]
+    text_keys = {k: v for k, v in spec.items()
+                 if k not in ("family", "use_ordered_embeddings", "num_centroids", "centroid_intermediate_top_k")}
+    text = {**{k: v for k, v in _COMMON.items() if k not in text_keys}, **text_keys,
+            "vocab_size": target["vocab_size"], "sliding_window": target["sliding_window"],
+            "rope_parameters": target["rope_parameters"], "num_kv_shared_layers": text_keys["num_hidden_layers"],
+            "model_type": "gemma4_unified_text" if family == "gemma4_unified_assistant" else "gemma4_text",
+            "eos_token_id": target["eos_token_id"]}
+    config = {"architectures": [ASSISTANT_ARCHITECTURES[family]], "model_type": family, "text_config": text,
+              "backbone_hidden_size": target["hidden_size"], "tie_word_embeddings": True,
+              "use_ordered_embeddings": spec.get("use_ordered_embeddings", False),
+              "num_centroids": spec.get("num_centroids", 2048),
+              "centroid_intermediate_top_k": spec.get("centroid_intermediate_top_k", 32)}
+    acfg = parse_assistant_config(config, "assistant config")
+    rng = np.random.default_rng(seed + 7919)
+    tensors = {}
+    for name, shape in sorted(expected_assistant_tensors(acfg).items()):
+        if name == "masked_embedding.token_ordering":
+            tensors[name] = rng.permutation(shape[0]).astype(np.int64)
+        elif name.startswith("model."):
+            tensors[name] = _draw(name[len("model."):], shape, rng)
+        elif name == "masked_embedding.centroids.weight":
+            tensors[name] = rng.normal(0.0, 1.0, shape)  # clear cluster margins
+        else:
+            tensors[name] = rng.normal(0.0, shape[-1] ** -0.5, shape)
+    return config, tensors
+
+
 def _draw_vision(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     """One vision tensor: norms and std_scale in [0.5, 1.5], std_bias of a few units (so the pooler's
     sqrt(D) and the standardization both show), clip bounds that bite, projections ~ N(0, 1/fan_in)."""
@@ -576,7 +633,21 @@ def write_checkpoint(preset: str, seed: int, out: str | Path, dtype: str = "f32"
                                               "audio_samples_per_token": u_audio["audio_embed_dim"],
                                               "sampling_rate": 16000}
 
+    assistant = PRESETS[preset].get("assistant")
     with _atomic_directory(out) as tmp:
+        if assistant is not None:
+            a_config, a_tensors = assistant_checkpoint(assistant, config, seed)
+            a_config["dtype"] = config.get("dtype", "float32")
+            (tmp / ASSISTANT_DIR).mkdir()
+            (tmp / ASSISTANT_DIR / "config.json").write_text(json.dumps(a_config, indent=2, sort_keys=True) + "\n",
+                                                             encoding="utf-8")
+            write_safetensors(tmp / ASSISTANT_DIR / "model.safetensors", a_tensors, "BF16" if dtype == "bf16" else "F32",
+                              metadata={"format": "pt", "preset": preset, "seed": str(seed)})
+            (tmp / ASSISTANT_DIR / "tokenizer.model").write_bytes(tokenizer)
+            # transformers takes the drafts per round from the assistant's generation config (and fails without)
+            (tmp / ASSISTANT_DIR / "generation_config.json").write_text(
+                json.dumps({"num_assistant_tokens": 3, "num_assistant_tokens_schedule": "constant"}, indent=2) + "\n",
+                encoding="utf-8")
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         write_safetensors(tmp / "model.safetensors", tensors, "BF16" if dtype == "bf16" else "F32",
                           metadata={"format": "pt", "preset": preset, "seed": str(seed)})

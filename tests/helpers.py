@@ -286,3 +286,30 @@ def image_prompt(model_dir: str | Path, grids=((9, 12),), seed: int = 0, text=(4
     logits = model.forward(m.ids, embeddings=m.embeddings, vision_blocks=m.vision_blocks)
     return {"ids": np.asarray(ids, dtype=np.int64), "embeddings": m.embeddings, "soft": soft, "inputs": inputs,
             "images": image_spans(ids, tokens), "logits": logits, "tokens": tokens}
+
+
+def micro_assistant(out: str | Path, target_config: dict, seed: int, *, layer_types=(SLIDING, FULL),
+                    hidden: int = 8, centroids: int | None = None, top_k: int = 2) -> Path:
+    """A drafter checkpoint for the target ``target_config`` (a config.json dict) in ``out``: its layers take
+    the target's head dims, KV heads and K=V; the centroid head with ``centroids`` clusters when given
+    (``refimpl.synth.assistant_checkpoint`` draws the weights)."""
+    from refimpl.synth import assistant_checkpoint  # noqa: PLC0415  (test helper; keeps the module light)
+
+    text = target_config.get("text_config", target_config)
+    unified = str(text.get("model_type", "")).startswith("gemma4_unified") or str(
+        target_config.get("model_type", "")).startswith("gemma4_unified")
+    spec = dict(family="gemma4_unified_assistant" if unified else "gemma4_assistant", hidden_size=hidden,
+                num_hidden_layers=len(layer_types), layer_types=list(layer_types),
+                num_attention_heads=text["num_attention_heads"], head_dim=text["head_dim"],
+                global_head_dim=text["global_head_dim"], num_key_value_heads=text["num_key_value_heads"],
+                attention_k_eq_v=text.get("attention_k_eq_v", False),
+                num_global_key_value_heads=text.get("num_global_key_value_heads"), intermediate_size=2 * hidden,
+                hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, final_logit_softcapping=None,
+                use_ordered_embeddings=centroids is not None, num_centroids=centroids or 2048,
+                centroid_intermediate_top_k=top_k)
+    config, tensors = assistant_checkpoint(spec, target_config, seed)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    write_safetensors(out / "model.safetensors", tensors, "F32")
+    return out

@@ -1,0 +1,85 @@
+"""The MTP oracle (``refimpl.mtp`` with the ``transformers/P`` convention) against transformers 5.24's own
+assisted generation in float64: every drafter call of whole ``generate(assistant_model=...)`` runs, on the
+bundled MTP presets and on target/drafter pairs drawn by hypothesis (KV-shared targets whose layer pattern
+does not end in (sliding, full), K=V full layers, GQA, the centroid head with its cluster map).
+
+Per drafter call: the same query position and logits within 1e-12 of the row's largest logit (1e-14 to 2e-14
+measured on the presets, about 1e-12 on the smallest drawn shapes); the same drafts and accepted lengths,
+and the output of both runs equal to the oracle's plain greedy decoding. (transformers' own plain greedy
+``generate`` is not used: on a KV-shared target without per-layer inputs 5.24 slices ``per_layer_inputs``,
+which is None, and fails.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from hf_mtp_reference import hf_assisted_run, load_pair  # noqa: E402
+from helpers import FULL, SLIDING, micro_assistant, micro_checkpoint, micro_config  # noqa: E402
+from refimpl import Gemma4  # noqa: E402
+from refimpl.assistant import Drafter  # noqa: E402
+from refimpl.generate import greedy_generate  # noqa: E402
+from refimpl.mtp import assisted_greedy  # noqa: E402
+from refimpl.synth import ASSISTANT_DIR, write_checkpoint  # noqa: E402
+
+TOL = 1e-12
+
+
+def compare(model_dir, drafter_dir, prompt, max_new, k):
+    """Every drafter call of transformers' run against the oracle's; returns the oracle run."""
+    target, drafter = load_pair(model_dir, drafter_dir)
+    hf = hf_assisted_run(target, drafter, prompt, max_new, k)
+    run = assisted_greedy(Gemma4(model_dir), Drafter(drafter_dir), prompt, max_new, k, "transformers/P")
+    ours = [(r.query_position, row) for r in run.rounds for row in r.draft_logits]
+    assert len(hf.calls) == len(ours)
+    for call, (position, row) in zip(hf.calls, ours):
+        assert call.position == position
+        assert np.abs(call.logits - row).max() <= TOL * max(1.0, np.abs(row).max())
+    # the drafts (every step's argmax, as transformers drafted them), the accepted lengths (the rounds'
+    # positions follow from them) and the output: plain greedy decoding, by the oracle's own greedy loop
+    assert [int(np.argmax(c.logits)) for c in hf.calls] == [d for r in run.rounds for d in r.draft_argmax]
+    assert hf.output == run.output == tuple(greedy_generate(Gemma4(model_dir), prompt, max_new).tokens)
+    return run
+
+
+@pytest.mark.parametrize("preset", ["e2b-assistant-mini", "12b-assistant-mini"])
+@pytest.mark.parametrize("n", [5, 13])  # shorter than the window (8) and longer
+def test_presets_agree_with_transformers(tmp_path, preset, n):
+    model = write_checkpoint(preset, 0, tmp_path / "m")
+    prompt = [int(t) for t in np.random.default_rng(n).integers(3, 500, n)]
+    run = compare(model, model / ASSISTANT_DIR, prompt, 12, 3)
+    assert len(run.rounds) >= 3
+
+
+def _layouts():
+    """(layer_types, num_kv_shared_layers) of a target; transformers forces the last layer to be full, so a
+    pattern that does not end in (sliding, full) ends in (full, full)."""
+    return st.sampled_from([
+        ([SLIDING, SLIDING, FULL, SLIDING, FULL], 2),
+        ([SLIDING, FULL, SLIDING, SLIDING, FULL, FULL], 3),  # owning S, F, S: store S = 2, F = 1
+        ([FULL, SLIDING, SLIDING, FULL], 1),  # owning F, S, S: store S = 2, F = 0
+        ([SLIDING, FULL, SLIDING, FULL], 0),
+    ])
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(layout=_layouts(), seed=st.integers(0, 2**16), kv=st.sampled_from([1, 2]), k_eq_v=st.booleans(),
+       centroids=st.sampled_from([None, 4, 8]), n=st.integers(2, 12), k=st.integers(1, 4),
+       drafter_types=st.sampled_from([(SLIDING, FULL), (FULL, SLIDING, FULL)]))
+def test_drawn_pairs_agree_with_transformers(tmp_path_factory, layout, seed, kv, k_eq_v, centroids, n, k,
+                                            drafter_types):
+    types, shared = layout
+    cfg = micro_config(num_hidden_layers=len(types), layer_types=types, num_kv_shared_layers=shared,
+                       num_attention_heads=2, num_key_value_heads=kv, sliding_window=4, attention_k_eq_v=k_eq_v,
+                       num_global_key_value_heads=1 if k_eq_v else None)
+    root = tmp_path_factory.mktemp("pair")
+    model = micro_checkpoint(root / "t", cfg, seed)
+    drafter = micro_assistant(root / "d", cfg, seed + 1, layer_types=drafter_types, centroids=centroids)
+    prompt = [int(t) for t in np.random.default_rng(seed).integers(3, 64, n)]
+    compare(model, drafter, prompt, 9, k)
