@@ -453,16 +453,24 @@ class Gemma4:
         """Logits [R, V] for the requested rows of this call: "last", "all", or a list of indices.
         ``embeddings`` and ``vision_blocks`` as in ``hidden_states``. NaN or inf anywhere along the way
         raises NonFiniteError naming the step and the weight tensor responsible (docs/refimpl.md)."""
+        return self.forward_rows(ids, rows=rows, cache=cache, embeddings=embeddings, vision_blocks=vision_blocks,
+                                 trace=trace)[0]
+
+    def forward_rows(self, ids: Sequence[int] | np.ndarray, *, rows: str | Sequence[int] = "all",
+                     cache: KVCache | None = None, embeddings: np.ndarray | None = None,
+                     vision_blocks: Sequence[int] | np.ndarray | None = None,
+                     trace: Trace | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``forward`` and the final-normed hidden states of the same rows: (logits [R, V], hidden [R, H])."""
         ids = self.check_ids(ids)
         index = resolve_rows(rows, len(ids))
         with np.errstate(over="ignore", invalid="ignore"):  # a non-finite result is refused (NonFiniteError)
             if trace is not None or np.array_equal(index, np.arange(len(ids))):
                 x = self.hidden_states(ids, cache=cache, embeddings=embeddings, vision_blocks=vision_blocks,
-                                       trace=trace)
-                return self.head(x[index])
-            return self.head(self.hidden_states(ids, cache=cache, embeddings=embeddings, vision_blocks=vision_blocks,
-                                                keep=index))
-
+                                       trace=trace)[index]
+            else:
+                x = self.hidden_states(ids, cache=cache, embeddings=embeddings, vision_blocks=vision_blocks, keep=index)
+            y = self.final_norm(x)
+            return self.logits_of(y), y
 
 def resolve_rows(rows: str | Sequence[int], T: int) -> np.ndarray:
     """"last" | "all" | indices (negative counts from the end) -> index array into [0, T)."""

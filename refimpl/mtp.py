@@ -133,6 +133,70 @@ def _target_call(target: Gemma4, ids: Sequence[int], cache: KVCache, store: dict
     return logits, y, TargetCall(kv, first, cache.length - 1, prefill)
 
 
+class Assisted:
+    """One assisted run in progress: the target's cache (keeping every key, so rejected drafts can be
+    rolled back), the last target call, the pending token and the hidden state the next round starts
+    from. ``start`` prefills the prompt; each ``round`` drafts, verifies and rolls back."""
+
+    def __init__(self, target: Gemma4, drafter: Drafter, prompt: Sequence[int], convention: str = DEFAULT_CONVENTION):
+        self.kv_rule, self.pos_rule = parse_convention(convention)
+        self.target, self.drafter, self.convention = target, drafter, convention
+        self.ids = target.check_ids(prompt)
+        self.store = drafter.store_layers(target.cfg)
+        self.cache = KVCache(keep_all=True)
+        logits, y, self.call = _target_call(target, self.ids, self.cache, self.store, prefill=True)
+        self.run = MtpRun(tuple(int(t) for t in self.ids), convention, 0, logits[-1:], y[-1:])
+        self.token = int(np.argmax(logits[-1]))  # the pending token: the target's first
+        self.h, self.h_row = y[-1], len(self.ids) - 1
+
+    def round(self, k: int, forced: Sequence[int] | None = None, accept: int | None = None,
+              token: int | None = None, eos: frozenset[int] = frozenset(), budget: int | None = None) -> MtpRound:
+        """One round of ``k`` drafts (``forced``: the drafts to verify instead of the drafter's argmax chain).
+        ``accept`` forces how many drafts are kept (teacher forcing: the round's ``accepted`` is still the
+        target's own judgement) and ``token`` the pending token; ``budget`` cuts what is appended (tokens
+        still to generate) and ``eos`` ends it at an end-of-sequence id."""
+        target, drafter = self.target, self.drafter
+        t = self.token if token is None else int(token)
+        P = self.cache.length
+        kv = handed_over(self.call, P, target.cfg.sliding_window, self.kv_rule)
+        q_pos = P if self.pos_rule == "P" else P - 1
+        drafts, argmax, steps = [], [], []
+        tok, state = t, self.h
+        for j in range(k):
+            step = drafter.step(target.embed(np.array([tok]))[0], state, q_pos, kv)
+            argmax.append(int(np.argmax(step.logits)))
+            tok = int(forced[j]) if forced is not None else argmax[-1]
+            drafts.append(tok)
+            steps.append(step.logits)
+            state = step.h_next
+        v_logits, v_hidden, self.call = _target_call(target, np.array([t] + drafts), self.cache, self.store,
+                                                     prefill=False)
+        sel = np.argmax(v_logits, axis=-1)
+        n = 0
+        while n < k and drafts[n] == sel[n]:
+            n += 1
+        kept = n if accept is None else int(accept)
+        if not 0 <= kept <= k:
+            raise InputError(f"a round of {k} drafts cannot accept {kept}")
+        appended = list(drafts[:kept]) + [int(sel[kept])]
+        appended = appended[:budget] if budget is not None else appended
+        for i, a in enumerate(appended):
+            if a in eos:
+                appended = appended[:i + 1]
+                break
+        matches = len(appended) - 1
+        self.cache.truncate(P + matches + 1)  # keep t and the accepted drafts
+        rnd = MtpRound(
+            position=P, token=t, hidden_row=self.h_row, query_position=q_pos,
+            keys={kind: tuple(int(p) for p in kv[kind].pos) for kind in (SLIDING, FULL) if kind in kv},
+            drafts=tuple(drafts), draft_argmax=tuple(argmax),
+            draft_logits=np.array(steps).reshape(k, target.cfg.vocab_size), verify_logits=v_logits,
+            verify_hidden=v_hidden, accepted=n, appended=tuple(appended))
+        self.run.rounds.append(rnd)
+        self.token, self.h, self.h_row = appended[-1], v_hidden[matches], P + matches
+        return rnd
+
+
 def assisted_greedy(target: Gemma4, drafter: Drafter, prompt: Sequence[int], max_new_tokens: int,
                     num_drafts: int, convention: str = DEFAULT_CONVENTION,
                     forced: Sequence[Sequence[int]] | None = None, stop_at_eos: bool = True) -> MtpRun:
@@ -141,59 +205,34 @@ def assisted_greedy(target: Gemma4, drafter: Drafter, prompt: Sequence[int], max
 
     ``forced`` (teacher forcing): round r verifies ``forced[r]`` instead of the drafter's argmax chain, and
     each draft step reads the forced previous draft; the drafter's logits are still those of its own steps.
-    Rounds past the end of ``forced`` draft on their own.
-    The output is plain greedy decoding either way."""
-    kv_rule, pos_rule = parse_convention(convention)
-    ids = target.check_ids(prompt)
+    Rounds past the end of ``forced`` draft on their own. The output is plain greedy decoding either way."""
     if max_new_tokens < 1 or num_drafts < 1:
         raise InputError(f"max_new_tokens and num_drafts must be >= 1, got {max_new_tokens} and {num_drafts}")
-    store = drafter.store_layers(target.cfg)
-    W, eos = target.cfg.sliding_window, set(target.cfg.eos_token_ids) if stop_at_eos else set()
-    cache = KVCache(keep_all=True)
-    logits, y, call = _target_call(target, ids, cache, store, prefill=True)
-    run = MtpRun(tuple(int(t) for t in ids), convention, num_drafts, logits[-1:], y[-1:])
-    t = int(np.argmax(logits[-1]))
-    out = [t]
-    h, h_row = y[-1], len(ids) - 1
-    while len(out) < max_new_tokens and t not in eos:
-        P = cache.length
+    a = Assisted(target, drafter, prompt, convention)
+    a.run.num_drafts = num_drafts
+    eos = frozenset(target.cfg.eos_token_ids) if stop_at_eos else frozenset()
+    out = [a.token]
+    while len(out) < max_new_tokens and a.token not in eos:
         budget = max_new_tokens - len(out)  # tokens still to generate
-        force = forced[len(run.rounds)] if forced is not None and len(run.rounds) < len(forced) else None
+        r = len(a.run.rounds)
+        force = forced[r] if forced is not None and r < len(forced) else None
         k = min(num_drafts, budget - 1) if force is None else len(force)
         if force is not None and k > budget - 1:
-            raise InputError(f"round {len(run.rounds)}: {k} forced drafts, but only {budget - 1} fit the budget")
-        kv = handed_over(call, P, W, kv_rule)
-        q_pos = P if pos_rule == "P" else P - 1
-        drafts, argmax, steps = [], [], []
-        tok, state = t, h
-        for j in range(k):
-            step = drafter.step(target.embed(np.array([tok]))[0], state, q_pos, kv)
-            argmax.append(int(np.argmax(step.logits)))
-            tok = int(force[j]) if force is not None else argmax[-1]
-            drafts.append(tok)
-            steps.append(step.logits)
-            state = step.h_next
-        v_logits, v_hidden, call = _target_call(target, np.array([t] + drafts), cache, store, prefill=False)
-        sel = np.argmax(v_logits, axis=-1)
-        n = 0
-        while n < k and drafts[n] == sel[n]:
-            n += 1
-        appended = list(drafts[:n]) + [int(sel[n])]
-        appended = appended[:budget]
-        for i, tok in enumerate(appended):
-            if tok in eos:
-                appended = appended[:i + 1]
-                break
-        matches = len(appended) - 1
-        cache.truncate(P + matches + 1)  # keep t and the accepted drafts
-        V = target.cfg.vocab_size
-        run.rounds.append(MtpRound(
-            position=P, token=t, hidden_row=h_row, query_position=q_pos,
-            keys={kind: tuple(int(p) for p in kv[kind].pos) for kind in (SLIDING, FULL) if kind in kv},
-            drafts=tuple(drafts), draft_argmax=tuple(argmax),
-            draft_logits=np.array(steps).reshape(k, V), verify_logits=v_logits, verify_hidden=v_hidden,
-            accepted=n, appended=tuple(appended)))
-        out += appended
-        t, h, h_row = appended[-1], v_hidden[matches], P + matches
-    run.output = tuple(out)
-    return run
+            raise InputError(f"round {r}: {k} forced drafts, but only {budget - 1} fit the budget")
+        out += a.round(k, force, eos=eos, budget=budget).appended
+    a.run.output = tuple(out)
+    return a.run
+
+
+def run_rounds(target: Gemma4, drafter: Drafter, prompt: Sequence[int], rounds: Sequence[tuple[int, Sequence[int], int]],
+               convention: str = DEFAULT_CONVENTION) -> MtpRun:
+    """Teacher-forced rounds, exactly as given: each ``(token, drafts, accepted)`` is the pending token, the
+    drafts to verify and how many of them to keep (what an MTP case of the gate prescribes). Each recorded
+    round's ``accepted`` is the target's own judgement of those drafts; the output is the first round's token
+    and what every round appends (its kept drafts and the target's token after them)."""
+    a = Assisted(target, drafter, prompt, convention)
+    out = [int(rounds[0][0])] if rounds else [a.token]
+    for token, drafts, accepted in rounds:
+        out += a.round(len(drafts), drafts, accept=accepted, token=token).appended
+    a.run.output = tuple(out)
+    return a.run

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
+from .assistant import ASSISTANT_ARCHITECTURES, expected_assistant_tensors, parse_assistant_config
 from .audio import expected_audio_tensors, parse_audio_config
 from .config import FULL, SLIDING, parse_config
 from .errors import InputError
@@ -418,8 +419,6 @@ def assistant_checkpoint(spec: dict, target_config: dict, seed: int) -> tuple[di
     """(config.json, tensors) of a preset's drafter for the target ``target_config`` (written by
     ``write_checkpoint``). Drawn like a text model, with a token ordering that is a random permutation (so a
     port that reads the ordered table as the canonical one, or skips the cluster map, shows)."""
-    from .assistant import ASSISTANT_ARCHITECTURES, expected_assistant_tensors, parse_assistant_config
-
     target = target_config.get("text_config", target_config)
     family = spec["family"]
     text_keys = {k: v for k, v in spec.items()

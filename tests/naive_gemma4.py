@@ -185,8 +185,9 @@ def _visible(qi: int, kj: int, is_full: bool, window: int, blocks, rule: str) ->
 
 def naive_forward(config: dict, weights: dict, ids: list[int],
                   embed_scale: float | None = None, inputs=None, blocks=None,
-                  rule: str = "sliding-clamped") -> np.ndarray:
-    """Logits [T, V] (float64) for every position of the token list ``ids``.
+                  rule: str = "sliding-clamped", hidden: bool = False) -> np.ndarray:
+    """Logits [T, V] (float64) for every position of the token list ``ids``; with ``hidden``, the
+    final-normed hidden states [T, H] instead (the LM head's input).
 
     ``inputs`` (a [T, H] array): the input rows instead of the scaled token embeddings (image and audio
     soft tokens merged in); ``blocks`` / ``rule``: vision blocks and the mask rule (``_visible``). A
@@ -370,6 +371,8 @@ def naive_forward(config: dict, weights: dict, ids: list[int],
 
     # 4.8 final norm, tied head (unscaled embedding), soft-cap
     norm_w = w("norm.weight")
+    if hidden:
+        return np.array([_rmsnorm(x[t], norm_w, eps) for t in range(T)])
     out = np.zeros((T, V), dtype=np.float64)
     for t in range(T):
         y = _rmsnorm(x[t], norm_w, eps)

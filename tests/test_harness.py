@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conformance.backend import Capabilities, Response
+from conformance.backend import Capabilities
 from conformance.backends.refimpl_backend import RefimplBackend
 from conformance.cli import main
 from conformance.check.expectations import ExpectationsError, parse as parse_expectations
@@ -56,7 +56,7 @@ class NoSoftcapBackend(RefimplBackend):
         if request.kind == "last":
             cap = self.model.cfg.final_logit_softcapping
             raw = cap * np.arctanh(np.asarray(resp.logits, dtype=np.float64) / cap)
-            resp = Response(raw, resp.decode_logits, resp.executed)
+            resp = dataclasses.replace(resp, logits=raw)
         return resp
 
 
@@ -71,7 +71,7 @@ class NaNBackend(RefimplBackend):
         resp = super().run(request)
         logits = np.array(resp.logits, dtype=np.float64)
         logits[0, 7] = np.nan
-        return Response(logits, resp.decode_logits, resp.executed)
+        return dataclasses.replace(resp, logits=logits)
 
 
 class RaisesOnMultiBackend(RefimplBackend):

@@ -22,6 +22,8 @@ tower); refusals; each audio mutant far from the engine, and a no-op on an image
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from helpers import image_prompt, max_abs, micro_config, open_per_preset, tup
@@ -47,7 +49,8 @@ IMAGE_MUTANTS = [m for m in MUTANTS if set(m.kill_sets) & set(IMAGE_SETS)]  # ne
 AUDIO_MUTANTS = [m for m in MUTANTS if AUDIO_SET in m.kill_sets]  # need audio prompts
 UNIFIED_MUTANTS = [m for m in MUTANTS if m.kill_sets == (UNIFIED_SET,)]  # need Gemma 4 Unified's embedders
 AUDIO_PRESET = "e2b-audio-mini"
-GRADING_CHECKS = CLOSENESS | {"count", "shape", "nonfinite", "identity", "top1", "topk", "generation"}
+GRADING_CHECKS = CLOSENESS | {"count", "shape", "nonfinite", "identity", "top1", "topk", "generation", "hidden",
+                               "hidden_identity"}
 
 
 @pytest.fixture(scope="module")
@@ -250,7 +253,7 @@ def test_mutant_catalogue():
     for m in MUTANTS:
         assert isinstance(m, Mutant) and m.breaks and "\n" not in m.breaks
         assert m.bug_class in {f"B{i}" for i in range(1, 13)} | {f"trap {i}" for i in range(1, 18)} | {
-            "mm trap 24", "mm §9"} | {f"unified U{i}" for i in range(1, 15)}
+            "mm trap 24", "mm §9"} | {f"unified U{i}" for i in range(1, 15)} | {f"mtp M{i}" for i in range(1, 16)}
         assert m.expected_checks is None or m.expected_checks <= GRADING_CHECKS
         b = m.backend()
         assert isinstance(b, NumpyEngineBackend) and b.dtype == "float64" and b.name.endswith(m.name)
@@ -294,11 +297,11 @@ def _representative_requests(model, bases) -> list[Request]:
 def _answers(backend, requests) -> list[np.ndarray]:
     out = []
     for req in requests:
-        r = backend.run(req)
-        out.append(np.asarray(r.logits, dtype=np.float64))
-        if r.decode_logits is not None:
-            out += [np.asarray(d, dtype=np.float64) for d in
-                    (r.decode_logits if isinstance(r.decode_logits, list) else [r.decode_logits])]
+        r = backend.run(dataclasses.replace(req, hidden=True))  # the hidden-state rows are answers too
+        for rows, decode in ((r.logits, r.decode_logits), (r.hidden, r.decode_hidden)):
+            out.append(np.asarray(rows, dtype=np.float64))
+            if decode is not None:
+                out += [np.asarray(d, dtype=np.float64) for d in (decode if isinstance(decode, list) else [decode])]
     return out
 
 

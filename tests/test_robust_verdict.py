@@ -9,6 +9,8 @@ a hang) runs with ``--isolate``, or as a subprocess of its own.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import signal
@@ -82,29 +84,29 @@ class AllNaN(_Broken):
     def broken(self, request, response):
         bad = np.full(np.shape(response.logits), np.nan)
         bad[1] = np.inf  # one row all +inf
-        return Response(bad, response.decode_logits, response.executed)
+        return dataclasses.replace(response, logits=bad)
 
 
 class Complex(_Broken):
     def broken(self, request, response):
-        return Response(np.asarray(response.logits) + 1e6j, response.decode_logits, response.executed)
+        return dataclasses.replace(response, logits=np.asarray(response.logits) + 1e6j)
 
 
 class Objects(_Broken):
     def broken(self, request, response):
-        return Response(np.asarray(response.logits).astype(object), response.decode_logits, response.executed)
+        return dataclasses.replace(response, logits=np.asarray(response.logits).astype(object))
 
 
 class Strings(_Broken):
     def broken(self, request, response):
-        return Response(np.asarray(response.logits).astype(str), response.decode_logits, response.executed)
+        return dataclasses.replace(response, logits=np.asarray(response.logits).astype(str))
 
 
 class Float32(_Broken):
     """A legitimate return type: float32 logits are graded (and pass at fp32)."""
 
     def broken(self, request, response):
-        return Response(np.asarray(response.logits, dtype=np.float32), response.decode_logits, response.executed)
+        return dataclasses.replace(response, logits=np.asarray(response.logits, dtype=np.float32))
 
 
 class ControlChars(_Broken):
@@ -281,7 +283,9 @@ def test_all_nan_rows_fail_nonfinite_with_their_details(capsys, tmp_path, e2b_se
     assert code == 1, out + err
     bad = by_id(report)["e2b-mini/full/B/T19"]
     assert (bad["status"], bad["check"]) == ("fail", "nonfinite")
-    assert len(bad["rows"]) == 19 + 3  # every prefill row and the decode steps, each with its result
+    # every prefill row and the decode steps, each with its result, then their hidden-state rows
+    assert len(bad["rows"]) == 2 * (19 + 3)
+    assert all(r["label"].endswith(" hidden") and r["status"] == "pass" for r in bad["rows"][22:])
     first = bad["rows"][0]
     assert first["check"] == "nonfinite" and first["message"].startswith("row 0: 512 non-finite mismatch(es)")
     assert bad["rows"][1]["message"].startswith("row 1: 512 non-finite mismatch(es) (512 where the oracle is "
@@ -295,7 +299,8 @@ def test_all_nan_rows_through_the_protocol_fail_nonfinite(capsys, tmp_path, e2b_
     assert code == 1, out + err
     bad = by_id(report)["e2b-mini/full/B/T19"]
     assert (bad["status"], bad["check"]) == ("fail", "nonfinite")
-    assert len(bad["rows"]) == 22
+    assert len(bad["rows"]) == 2 * 22  # the logits rows and the hidden-state rows (correct: through the protocol too)
+    assert [r["status"] for r in bad["rows"][22:]] == ["pass"] * 22
 
 
 @pytest.mark.parametrize("backend, dtype", [("Complex", "complex128"), ("Objects", "object"), ("Strings", "<U")])

@@ -25,11 +25,13 @@ import numpy as np
 from refimpl import Gemma4, KVCache, RefimplError
 from refimpl.config import read_config_json
 from refimpl.frontends import audio_front_end, image_front_end
+from refimpl.assistant import Drafter
 from refimpl.model import VISION_MASK_RULES
+from refimpl.mtp import CONVENTIONS, assisted_greedy, run_rounds
 from refimpl.multimodal import llm_input_ids, load_multimodal_tokens
 
 from ..protocol.serving import CachedBackend
-from ..protocol.types import BackendError, Capabilities, Request
+from ..protocol.types import BackendError, Capabilities, MtpResponse, Request, Response
 
 __all__ = ["RefimplBackend", "RefimplFloat32Backend"]
 
@@ -50,7 +52,8 @@ def all_capabilities(default_profile: str) -> Capabilities:
         full_forward=True, last_plain=True, last_seq_id=True, last_embeddings=True,
         embedding_convention="scaled", interior_rows=True, output_rows=True, ubatch=True,
         chunked_prefill=True, multi_sequence=True, decode=True, image_prompts=True, audio_prompts=True,
-        audio_tower=True, image_tower=True, default_profile=default_profile,
+        audio_tower=True, image_tower=True, hidden_states=True, mtp=True, mtp_generate=True,
+        mtp_conventions=",".join(CONVENTIONS), default_profile=default_profile,
     )
 
 
@@ -124,7 +127,7 @@ class RefimplBackend(CachedBackend):
 
     def _forward(self, tokens: Sequence[int], rows: list[int], state, embeddings=None,
                  images: Sequence[tuple[int, int]] = (), audio: Sequence[tuple[int, int]] = (),
-                 audio_inputs: Sequence = (), image_inputs: Sequence = ()) -> tuple[np.ndarray, dict]:
+                 audio_inputs: Sequence = (), image_inputs: Sequence = ()) -> tuple[np.ndarray, dict, np.ndarray]:
         """The oracle's forward continuing the KV cache ``state``: only ``rows`` go through the LM
         head; a forward with no row (``rows=[]``) still writes K/V for all its tokens. Image and audio
         blocks: their per-layer-input rows come from the pad id; on ``use_bidirectional_attention ==
@@ -161,8 +164,9 @@ class RefimplBackend(CachedBackend):
         if placeholder.any():
             pad = self.model.cfg.pad_token_id if self.model.cfg.pad_token_id is not None else 0
             ids = llm_input_ids(ids, placeholder, pad)
-        logits = self.model.forward(ids, rows=rows, cache=state, embeddings=embeddings, vision_blocks=blocks)
-        return logits, notes
+        logits, hidden = self.model.forward_rows(ids, rows=rows, cache=state, embeddings=embeddings,
+                                                 vision_blocks=blocks)
+        return logits, notes, hidden
 
     def _with_soft_tokens(self, embeddings: np.ndarray, spans, inputs, front, what: str, key: str) -> np.ndarray:
         """``embeddings`` with each ``what`` block's rows replaced by the oracle's soft tokens of its
@@ -177,6 +181,58 @@ class RefimplBackend(CachedBackend):
                                  f"{soft.shape[0]} soft tokens")
             embeddings[start:start + n] = soft
         return embeddings
+
+    # -- MTP requests (the oracle's own round protocol, refimpl.mtp) ------------------------------
+
+    def run(self, request: Request) -> Response:
+        if request.kind == "mtp":
+            if self.model is None:
+                raise RuntimeError(f"{self.who}: run() called before open()")
+            return self._mtp(request)
+        return super().run(request)
+
+    def _drafter(self, path: str | None) -> Drafter:
+        """The assistant checkpoint at ``path``, loaded once per path."""
+        if not path:
+            raise ValueError(f"{self.who}: an mtp request needs the drafter's directory (request.drafter)")
+        if getattr(self, "_drafters", None) is None:
+            self._drafters: dict[str, Drafter] = {}
+        if path not in self._drafters:
+            try:
+                self._drafters[path] = Drafter(path, dtype=self.dtype)
+            except (RefimplError, OSError) as exc:
+                raise ValueError(f"{self.who}: cannot load the drafter {path}: {exc}") from exc
+        return self._drafters[path]
+
+    def _mtp(self, request: Request) -> Response:
+        spec = request.mtp
+        if spec is None:
+            raise ValueError(f"{self.who}: an mtp request needs its MtpRequest (request.mtp)")
+        if spec.convention not in CONVENTIONS:
+            raise ValueError(f"{self.who}: unknown MTP convention {spec.convention!r}; one of {', '.join(CONVENTIONS)}")
+        drafter = self._drafter(request.drafter)
+        try:
+            if spec.mode == "rounds":
+                run = run_rounds(self.model, drafter, request.tokens,
+                                 [(r.token, r.drafts, r.accepted) for r in spec.rounds], spec.convention)
+            else:
+                run = assisted_greedy(self.model, drafter, request.tokens, spec.max_new_tokens, spec.num_drafts,
+                                      spec.convention)
+        except RefimplError as exc:
+            raise ValueError(f"{self.who}: {exc}") from exc
+        rounds = run.rounds
+        white = spec.mode == "rounds"
+        mtp = MtpResponse(
+            output=run.output, accepted=[r.accepted for r in rounds],
+            drafts=[r.draft_argmax if white else r.drafts for r in rounds],
+            draft_logits=[r.draft_logits for r in rounds] if white else None,
+            verify_logits=[r.verify_logits for r in rounds] if white else None,
+            verify_hidden=[r.verify_hidden for r in rounds] if white and request.hidden else None)
+        return Response(run.prefill_logits, None, self._executed(
+            "mtp", mode=spec.mode, convention=spec.convention, rounds=len(rounds),
+            positions=[r.position for r in rounds], keys={kind: [len(r.keys[kind]) for r in rounds]
+                                                          for kind in (rounds[0].keys if rounds else {})}),
+            hidden=run.prefill_hidden if request.hidden else None, mtp=mtp)
 
     def _executed(self, path: str, **extra) -> dict[str, Any]:
         return {"path": path, "dtype": self.dtype, "embed_scale": self.embed_scale, "fresh_state": True, **extra}

@@ -45,7 +45,7 @@ from .profiles import Profile
 __all__ = ["RowResult", "CaseGrade", "grade_case", "CHECKS", "CASE_CHECKS", "METRIC_KEYS", "MOE_NEAR_TIE", "TOP_N"]
 
 CHECKS = ("count", "dtype", "shape", "nonfinite", "identity", "max_abs", "max_rel", "nmse", "cosine", "kl", "delta_p",
-          "top1", "topk")
+          "top1", "topk", "hidden", "hidden_identity")  # the last two: hidden-state rows (conformance.check.hidden)
 CASE_CHECKS = ("count", "dtype", "kl_mean", "generation")
 METRIC_KEYS = ("max_abs", "max_rel", "nmse", "cosine", "kl", "delta_p", "top1_agree", "topk_overlap", "margin",
                "identity_nearest", "identity_ratio")
@@ -97,7 +97,7 @@ class CaseGrade:
 # helpers
 
 
-def _num(x) -> float | None:
+def finite_or_none(x) -> float | None:
     """A Python float, or None when undefined / not finite (JSON has no inf or nan)."""
     if x is None:
         return None
@@ -105,7 +105,7 @@ def _num(x) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def _g(x: float | None) -> str:
+def show_value(x: float | None) -> str:
     """A metric value for messages: 0.41, 3.2e-03, n/a."""
     if x is None:
         return "n/a"
@@ -115,12 +115,12 @@ def _g(x: float | None) -> str:
     return f"{x:.3g}" if 1e-2 <= abs(x) < 1e4 else f"{x:.1e}"
 
 
-def _t(x: float) -> str:
+def show_threshold(x: float) -> str:
     """A threshold, printed compactly (1e-07, 0.02, 10)."""
     return f"{x:g}"
 
 
-def _empty_metrics() -> dict[str, float | int | None]:
+def empty_metrics() -> dict[str, float | int | None]:
     return {k: None for k in METRIC_KEYS}
 
 
@@ -227,7 +227,7 @@ def _grade_row(row: _Row, got_row: np.ndarray, base_rows: np.ndarray, base_cols:
     g = got if cols is None else got[cols]
     colmap = np.arange(ref.shape[-1]) if cols is None else np.flatnonzero(cols)
     m = res.metrics
-    m["margin"] = _num(M.top1_margin(ref))
+    m["margin"] = finite_or_none(M.top1_margin(ref))
     res.top_ref = M.topk_ids(ref, TOP_N).tolist()
     res.top_got = M.topk_ids(got, TOP_N).tolist()
     row.argmax_got = int(M.top1(got))
@@ -246,7 +246,7 @@ def _grade_row(row: _Row, got_row: np.ndarray, base_rows: np.ndarray, base_cols:
         else:
             nearest, ratio = M.row_identity(got[idcols], np.asarray(base_rows)[:, idcols], spec.position)
         m["identity_nearest"] = int(nearest)
-        m["identity_ratio"] = _num(ratio)
+        m["identity_ratio"] = finite_or_none(ratio)
     else:
         nearest, ratio = spec.position, math.inf
     ratio_short = None
@@ -255,10 +255,10 @@ def _grade_row(row: _Row, got_row: np.ndarray, base_rows: np.ndarray, base_cols:
         pair = np.asarray(base_rows[[nearest, spec.position]], dtype=np.float64)
         d_near, d_own = M.row_distances(a, pair if idcols.all() else pair[:, idcols])
         failures.append(("identity", f"{label}: identity: the returned row is nearest to oracle row {nearest} "
-                                     f"(distance {_g(d_near)}), not to row {spec.position} (distance "
-                                     f"{_g(d_own)}): a shifted or misindexed row"))
+                                     f"(distance {show_value(d_near)}), not to row {spec.position} (distance "
+                                     f"{show_value(d_own)}): a shifted or misindexed row"))
     elif ratio < profile.identity_ratio:
-        ratio_short = (f"{label}: identity ratio {_g(ratio)} < {_t(profile.identity_ratio)}: rows "
+        ratio_short = (f"{label}: identity ratio {show_value(ratio)} < {show_threshold(profile.identity_ratio)}: rows "
                        f"{spec.position}±1 are not clearly farther than row {spec.position} (the row cannot be "
                        f"told apart from its neighbours at this precision)")
 
@@ -272,33 +272,33 @@ def _grade_row(row: _Row, got_row: np.ndarray, base_rows: np.ndarray, base_cols:
     mr = float(rel[jr])
     nm = float(M.nmse(g, r))
     cs = float(M.cosine(g, r))
-    m["max_abs"], m["max_rel"], m["nmse"], m["cosine"] = _num(ma), _num(mr), _num(nm), _num(cs)
-    at = f"max_abs {_g(ma)} at token {tok}: got {got[tok]:.7g}, oracle {ref[tok]:.7g}"
+    m["max_abs"], m["max_rel"], m["nmse"], m["cosine"] = finite_or_none(ma), finite_or_none(mr), finite_or_none(nm), finite_or_none(cs)
+    at = f"max_abs {show_value(ma)} at token {tok}: got {got[tok]:.7g}, oracle {ref[tok]:.7g}"
     if not ma <= profile.max_abs:
-        failures.append(("max_abs", f"{label}: max_abs {_g(ma)} > {_t(profile.max_abs)} at token {tok} "
-                                    f"(got {got[tok]:.7g}, oracle {ref[tok]:.7g}; nmse {_g(nm)})"))
+        failures.append(("max_abs", f"{label}: max_abs {show_value(ma)} > {show_threshold(profile.max_abs)} at token {tok} "
+                                    f"(got {got[tok]:.7g}, oracle {ref[tok]:.7g}; nmse {show_value(nm)})"))
     if not mr <= profile.max_rel:
         tr = int(colmap[jr])
-        failures.append(("max_rel", f"{label}: max_rel {_g(mr)} > {_t(profile.max_rel)} at token {tr} "
-                                    f"(got {got[tr]:.7g}, oracle {ref[tr]:.7g}, floor {_t(profile.rel_floor)})"))
+        failures.append(("max_rel", f"{label}: max_rel {show_value(mr)} > {show_threshold(profile.max_rel)} at token {tr} "
+                                    f"(got {got[tr]:.7g}, oracle {ref[tr]:.7g}, floor {show_threshold(profile.rel_floor)})"))
     if not nm <= profile.nmse:
-        failures.append(("nmse", f"{label}: nmse {_g(nm)} > {_t(profile.nmse)} ({at})"))
+        failures.append(("nmse", f"{label}: nmse {show_value(nm)} > {show_threshold(profile.nmse)} ({at})"))
     if not cs >= profile.cosine_min:
         failures.append(("cosine", f"{label}: cosine {cs:.9f} < {profile.cosine_min:.9f} (1 - cosine "
-                                   f"{_g(1 - cs)}; nmse {_g(nm)})"))
+                                   f"{show_value(1 - cs)}; nmse {show_value(nm)})"))
 
     # -- distribution
     kl = float(M.kl(r, g))
     dp = float(M.delta_p(r, g))
-    m["kl"], m["delta_p"] = _num(kl), _num(dp)
+    m["kl"], m["delta_p"] = finite_or_none(kl), finite_or_none(dp)
     if not kl <= profile.kl_max:
-        failures.append(("kl", f"{label}: kl {_g(kl)} > {_t(profile.kl_max)} (delta_p {_g(dp)}; {at})"))
+        failures.append(("kl", f"{label}: kl {show_value(kl)} > {show_threshold(profile.kl_max)} (delta_p {show_value(dp)}; {at})"))
     if not dp <= profile.delta_p:
         jt = int(np.argmax(r))
         p_ref, p_got = float(M.softmax(r)[jt]), float(M.softmax(g)[jt])
-        failures.append(("delta_p", f"{label}: delta_p {_g(dp)} > {_t(profile.delta_p)} on the oracle's top "
+        failures.append(("delta_p", f"{label}: delta_p {show_value(dp)} > {show_threshold(profile.delta_p)} on the oracle's top "
                                     f"token {int(colmap[jt])} (p oracle {p_ref:.4g}, p got {p_got:.4g}; "
-                                    f"kl {_g(kl)})"))
+                                    f"kl {show_value(kl)})"))
 
     # -- token agreement
     ref_top = int(M.top1(ref))
@@ -306,17 +306,17 @@ def _grade_row(row: _Row, got_row: np.ndarray, base_rows: np.ndarray, base_cols:
     m["top1_agree"] = 1.0 if agree else 0.0
     plain, tie_aware, ids_ref, ids_got = _tie_aware_overlap(ref, np.nan_to_num(got, nan=-np.inf),
                                                             profile.topk, profile.tie_margin)
-    m["topk_overlap"] = _num(plain)
+    m["topk_overlap"] = finite_or_none(plain)
     if row.decided and not agree:
         gg = np.nan_to_num(got, nan=-np.inf)
         v = gg[ref_top]
         rank = 1 + int(np.count_nonzero(gg > v)) + int(np.count_nonzero(gg[:ref_top] == v))
         failures.append(("top1", f"{label}: top-1 differs on a decided row: got token {row.argmax_got}, oracle "
-                                 f"{ref_top} (oracle margin {_g(row.margin)} > {_t(profile.tie_margin)}; the "
+                                 f"{ref_top} (oracle margin {show_value(row.margin)} > {show_threshold(profile.tie_margin)}; the "
                                  f"oracle's token is rank {rank} in the returned row)"))
     if row.decided and tie_aware < profile.topk_overlap_min:
-        failures.append(("topk", f"{label}: top-{profile.topk} overlap {_g(tie_aware)} < "
-                                 f"{_t(profile.topk_overlap_min)} on a decided row: oracle {ids_ref}, got {ids_got}"))
+        failures.append(("topk", f"{label}: top-{profile.topk} overlap {show_value(tie_aware)} < "
+                                 f"{show_threshold(profile.topk_overlap_min)} on a decided row: oracle {ids_ref}, got {ids_got}"))
 
     if ratio_short is not None and not failures:
         failures.append(("identity", ratio_short))
@@ -331,8 +331,8 @@ def _finish(res: RowResult, failures: list[tuple[str, str]]) -> None:
     else:
         res.status, res.check = "pass", None
         m = res.metrics
-        res.message = (f"{res.label}: ok (max_abs {_g(m['max_abs'])}, nmse {_g(m['nmse'])}, "
-                       f"kl {_g(m['kl'])})")
+        res.message = (f"{res.label}: ok (max_abs {show_value(m['max_abs'])}, nmse {show_value(m['nmse'])}, "
+                       f"kl {show_value(m['kl'])})")
 
 
 def _group_sq_distances(bases: _BaseCache, specs: Sequence[Any], arr: np.ndarray) -> dict[int, np.ndarray]:
@@ -364,7 +364,7 @@ def _group_sq_distances(bases: _BaseCache, specs: Sequence[Any], arr: np.ndarray
 # one case
 
 
-def _real_array(gname: str, arr: Any) -> tuple[np.ndarray | None, str | None]:
+def real_array(gname: str, arr: Any) -> tuple[np.ndarray | None, str | None]:
     """A returned group as float64, or why it is not logits: only real floating and integer dtypes are
     (complex values, objects, strings and booleans are refused, never coerced)."""
     try:
@@ -397,7 +397,7 @@ def grade_case(case, groups: Sequence[tuple[str, Sequence[Any]]], got: Sequence[
         if arr is None:
             problem = "count", f"no rows returned for group '{gname}' (expected {len(specs)})"
         else:
-            arr, bad_dtype = _real_array(gname, arr)
+            arr, bad_dtype = real_array(gname, arr)
             if bad_dtype is not None:
                 problem = "dtype", bad_dtype
             elif arr.ndim != 2:
@@ -407,7 +407,7 @@ def grade_case(case, groups: Sequence[tuple[str, Sequence[Any]]], got: Sequence[
         approx = _group_sq_distances(bases, specs, arr) if problem is None else {}
         for ri, spec in enumerate(specs):
             res = RowResult(label=spec.label, position=int(spec.position), status="fail", check=None,
-                            metrics=_empty_metrics(), top_ref=[], top_got=[], message="")
+                            metrics=empty_metrics(), top_ref=[], top_got=[], message="")
             row = _Row(spec=spec, index=len(rows), result=res)
             rows.append(row)
             base_rows = bases.rows(spec.base)
@@ -426,12 +426,12 @@ def grade_case(case, groups: Sequence[tuple[str, Sequence[Any]]], got: Sequence[
     top1 = [a for r in rows if r.got is not None and r.decided
             and (a := r.result.metrics["top1_agree"]) is not None]
     summary: dict[str, float | None] = {
-        "kl_mean": _num(np.mean(kls)) if kls else None,
-        "kl_p99": _num(np.quantile(kls, 0.99)) if kls else None,
-        "kl_max": _num(max(kls)) if kls else None,
-        "max_abs": _num(max(mas)) if mas else None,
-        "nmse_max": _num(max(nms)) if nms else None,
-        "top1_rate": _num(np.mean(top1)) if top1 else None,
+        "kl_mean": finite_or_none(np.mean(kls)) if kls else None,
+        "kl_p99": finite_or_none(np.quantile(kls, 0.99)) if kls else None,
+        "kl_max": finite_or_none(max(kls)) if kls else None,
+        "max_abs": finite_or_none(max(mas)) if mas else None,
+        "nmse_max": finite_or_none(max(nms)) if nms else None,
+        "top1_rate": finite_or_none(np.mean(top1)) if top1 else None,
     }
 
     # -- generation: first decided step whose argmax is not the golden token
@@ -445,7 +445,7 @@ def grade_case(case, groups: Sequence[tuple[str, Sequence[Any]]], got: Sequence[
             if r.argmax_got != int(gold):
                 first_div = r.index
                 div_msg = (f"generation diverges at step {r.index} ({r.spec.label}): got token {r.argmax_got}, "
-                           f"golden {int(gold)} (oracle margin {_g(r.margin)} > {_t(profile.tie_margin)})")
+                           f"golden {int(gold)} (oracle margin {show_value(r.margin)} > {show_threshold(profile.tie_margin)})")
                 break
 
     failing = [r for r in results if r.status == "fail"]
@@ -466,15 +466,15 @@ def grade_case(case, groups: Sequence[tuple[str, Sequence[Any]]], got: Sequence[
         status, check, message = "fail", "generation", div_msg
     elif summary["kl_mean"] is not None and not summary["kl_mean"] <= profile.kl_mean:
         status, check = "fail", "kl_mean"
-        message = (f"kl_mean {_g(summary['kl_mean'])} > {_t(profile.kl_mean)} over {len(kls)} rows "
-                   f"(kl_max {_g(summary['kl_max'])})")
+        message = (f"kl_mean {show_value(summary['kl_mean'])} > {show_threshold(profile.kl_mean)} over {len(kls)} rows "
+                   f"(kl_max {show_value(summary['kl_max'])})")
     else:
-        message = (f"{n} row{'s' if n != 1 else ''} pass (max_abs {_g(summary['max_abs'])}, nmse_max "
-                   f"{_g(summary['nmse_max'])}, kl_mean {_g(summary['kl_mean'])})")
+        message = (f"{n} row{'s' if n != 1 else ''} pass (max_abs {show_value(summary['max_abs'])}, nmse_max "
+                   f"{show_value(summary['nmse_max'])}, kl_mean {show_value(summary['kl_mean'])})")
     moe = getattr(case, "moe_min_margin", None)
     if status == "fail" and moe is not None and moe < MOE_NEAR_TIE:
-        message += (f"; note: MoE router near-tie in this case (smallest router margin {_g(moe)} < "
-                    f"{_t(MOE_NEAR_TIE)}): rounding can flip an expert choice, which moves logits far beyond "
+        message += (f"; note: MoE router near-tie in this case (smallest router margin {show_value(moe)} < "
+                    f"{show_threshold(MOE_NEAR_TIE)}): rounding can flip an expert choice, which moves logits far beyond "
                     f"the tolerance")
     return CaseGrade(status=status, check=check, message=message, rows=results, summary=summary,
                      first_divergence=first_div)

@@ -31,11 +31,12 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from ..protocol.types import Backend, CaseTimeout, Response, required_capabilities
+from ..protocol.types import Backend, CaseTimeout, Response, claims, required_capabilities
 from ..protocol.wire import jsonable
 from ..sets.integrity import load_set
 from .expectations import Expectations
 from .grading import grade_case
+from .hidden import grade_hidden, hidden_groups
 from .profiles import with_overrides
 from .requests import build_request, response_groups, without_decode
 from ..sets.case import row_groups
@@ -313,7 +314,7 @@ def run_case(backend: Backend, claimed: dict, ctx: SetContext, case, profile,
     except BaseException as exc:  # noqa: BLE001 - a harness bug must not stop the run either
         return _harness_error(res, "build the request", exc)
     res.needs = required_capabilities(request)
-    res.missing = [n for n in res.needs if not claimed.get(n, False)]
+    res.missing = [n for n in res.needs if not claims(claimed, n)]
     if res.missing == ["decode"]:
         # a backend without decode still has its prefill rows graded; the decode steps are reported as
         # not claimed (in `missing`) rather than dropping the whole case
@@ -323,6 +324,8 @@ def run_case(backend: Backend, claimed: dict, ctx: SetContext, case, profile,
         res.status = "not-claimed"
         res.message = "needs " + ", ".join(res.missing) + " (not claimed by the backend)"
         return res
+    if claimed.get("hidden_states", False):
+        request = dataclasses.replace(request, hidden=True)  # the final-norm hidden state of every returned row
     if decision.skip is not None:
         res.status = "skipped"
         res.message = f"skipped by expectations entry {decision.skip.index}: {decision.skip.reason}"
@@ -372,9 +375,26 @@ def run_case(backend: Backend, claimed: dict, ctx: SetContext, case, profile,
     res.status = grade.status
     res.check = grade.check
     res.message = grade.message
+    hidden_rows = []
+    if request.hidden and all(r.base in ctx.base_hidden for _, rows in groups for r in rows):
+        try:
+            hidden_rows = grade_hidden(groups, hidden_groups(case, response), ctx.base_hidden, prof)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - malformed hidden rows the grader cannot read
+            res.status, res.check = "error", "response"
+            res.message = f"the response's hidden rows could not be graded: {type(exc).__name__}: {exc}"
+            res.error = _error_info(exc)
+            return _apply_known_failure(res, decision)
+        bad = [r for r in hidden_rows if r.status == "fail"]
+        if bad and res.status == "pass":
+            res.status, res.check = "fail", bad[0].check
+            res.message = bad[0].message + (f" (+{len(bad) - 1} more hidden rows fail)" if len(bad) > 1 else "")
+        elif bad:
+            res.message += f"; {len(bad)} hidden row{'s' if len(bad) > 1 else ''} fail too ({bad[0].message})"
     if res.missing:
         res.message = (res.message + "; " if res.message else "") + "decode not claimed: only the prefill rows were graded"
-    res.rows = [_row_json(r, ctx.pieces) for r in grade.rows]
+    res.rows = [_row_json(r, ctx.pieces) for r in grade.rows + hidden_rows]
     res.summary = {k: _finite(v) for k, v in (grade.summary or {}).items()}
     res.first_divergence = None if grade.first_divergence is None else int(grade.first_divergence)
     return _apply_known_failure(res, decision)

@@ -20,12 +20,13 @@ from refimpl.errors import RefimplError
 from refimpl.model import Gemma4
 from refimpl.tokenizer import Tokenizer
 
-from ..protocol.types import Backend, BackendError, required_capabilities
+from ..protocol.types import Backend, BackendError, claims, required_capabilities
 from ..sets.bounds import logit_scale, recorded_probes
 from ..sets.case import row_groups
 from ..sets.fixture_set import FixtureSet
 from ..sets.format import MANIFEST, FixtureError, sha256_file
 from ..sets.integrity import load_set
+from .hidden import OracleHidden
 from .profiles import scaled
 from .requests import Embedder, build_request
 from .results import SetInfo
@@ -98,6 +99,7 @@ class SetContext:
         self.embed = Embedder(model_dir, convention)
         self.media = fs.media(convention)
         self.pieces = token_pieces(model_dir)
+        self.base_hidden = OracleHidden(fs.hidden_states(), model_dir)  # final-norm rows, made on first use
 
     def prepare(self, cases, note: Callable[[str], None] | None = None) -> None:
         """The oracle logits of every base ``cases`` grade, made now: a set stored as hidden states has them
@@ -117,7 +119,7 @@ class SetContext:
             need = required_capabilities(build_request(case, self.bases, self.embed, self.media))
         except Exception:  # noqa: BLE001
             return True
-        return all(claimed.get(n, False) for n in need if n != "decode")
+        return all(claims(claimed, n) for n in need if n != "decode")
 
     def profile_for(self, profile, case):
         """``profile`` as it grades ``case``: a rounding-scaled profile (exact-f64; ``profiles.scaled``)

@@ -119,6 +119,8 @@ class CachedBackend:
     def __init__(self) -> None:
         self.model: Any = None
         self._states: dict[Any, Any] = {}
+        self._hidden: list[np.ndarray] | None = None  # the hidden rows of the request being served
+        self._decode_hidden: list[np.ndarray] | None = None  # multi: each sequence's decode hidden rows
 
     # -- protocol -------------------------------------------------------------------------------
 
@@ -126,12 +128,14 @@ class CachedBackend:
         if self.model is None:
             raise RuntimeError(f"{self.who}: run() called before open()")
         self._states = {}  # fresh state per request: nothing survives from an earlier one
+        self._hidden = [] if request.hidden and self.capabilities.hidden_states else None
         try:
             handler = {"full": self._full, "last": self._last, "prefill": self._prefill,
                        "multi": self._multi}[request.kind]
             return handler(request)
         finally:
             self._states = {}
+            self._hidden = None
 
     # -- engine hooks ---------------------------------------------------------------------------
 
@@ -178,6 +182,31 @@ class CachedBackend:
     def _forward_all(self, tokens: Sequence[int], state: Any) -> tuple[np.ndarray, dict[str, Any]]:
         """The ``full`` request's forward: every row of ``tokens``."""
         return self._forward(tokens, list(range(len(tokens))), state)
+
+    # A backend that claims ``hidden_states`` returns (logits, notes, hidden [len(rows), H]) from
+    # ``_forward`` and ``_forward_all``: the final-norm hidden state of each returned row.
+
+    def _rows(self, out: tuple) -> tuple[np.ndarray, dict[str, Any]]:
+        """A forward's (logits, notes); its hidden rows, when it gave them, go to ``self._hidden``."""
+        if self._hidden is not None:
+            if len(out) < 3 or out[2] is None:
+                raise ValueError(f"{self.who}: claims hidden_states, but a forward returned no hidden states")
+            self._hidden.append(np.asarray(out[2]))
+        return out[0], out[1]
+
+    def _decode_hidden_of(self, decode: np.ndarray | None) -> np.ndarray | None:
+        """The decode steps' hidden rows (collected by ``_decode``), when asked and decoded."""
+        return None if decode is None else self._take_hidden(decode.shape[0])
+
+    def _take_hidden(self, rows: int) -> np.ndarray | None:
+        """The hidden rows collected since the last take, as one [rows, H] array (None when not asked)."""
+        if self._hidden is None:
+            return None
+        got, self._hidden[:] = self._hidden[:], []
+        out = np.concatenate(got) if got else np.empty((0, self.hidden_size), dtype=self.out_dtype)
+        if out.shape[0] != rows:
+            raise ValueError(f"{self.who}: {out.shape[0]} hidden rows for {rows} returned rows")
+        return out
 
     def _executed(self, path: str, **extra) -> dict[str, Any]:
         """The ``executed`` record of a request served along ``path`` ("full", "last", ...)."""
@@ -291,7 +320,7 @@ class CachedBackend:
 
     def _decode_step(self, state: Any, token: int) -> np.ndarray:
         """One teacher-forced decode step: the logits row [V] after feeding ``token`` to ``state``."""
-        return self._forward([int(token)], [0], state)[0][0]
+        return self._rows(self._forward([int(token)], [0], state))[0][0]
 
     def _decode(self, state: Any, tokens: Sequence[int]) -> np.ndarray | None:
         """Teacher-forced decode of ``tokens``, one per forward: ``[len(tokens), V]``; None for none."""
@@ -306,10 +335,16 @@ class CachedBackend:
         """Decode steps interleaved across sequences (step j of every sequence, then step j + 1), as a
         server batches them; sequence i only ever reads and writes ``states[i]``."""
         out = [np.empty((len(d), self.vocab_size), dtype=self.out_dtype) for d in decode]
+        hidden: list[list[np.ndarray]] = [[] for _ in decode]
         for j in range(max(len(d) for d in decode)):
             for i, d in enumerate(decode):
                 if j < len(d):
                     out[i][j] = self._decode_step(states[i], d[j])
+                    if self._hidden is not None:
+                        hidden[i].append(self._take_hidden(1))
+        if self._hidden is not None:
+            self._decode_hidden = [np.concatenate(h) if h else np.empty((0, self.hidden_size), dtype=self.out_dtype)
+                                   for h in hidden]
         return out
 
     # -- request kinds --------------------------------------------------------------------------
@@ -317,12 +352,13 @@ class CachedBackend:
     def _full(self, request: Request) -> Response:
         self._check_tokens(request.tokens, "full request")
         state = self._state(None)
-        logits, notes = self._forward_all(request.tokens, state)
+        logits, notes = self._rows(self._forward_all(request.tokens, state))
+        hidden = self._take_hidden(len(request.tokens))
         state_len = self._state_len(state)
         decode = self._decode(state, request.decode)
         return Response(logits, decode, self._executed(
             "full", **notes, **self._notes(request), state_len_after_prefill=state_len,
-            decode_steps=len(request.decode)))
+            decode_steps=len(request.decode)), hidden=hidden, decode_hidden=self._decode_hidden_of(decode))
 
     def _last(self, request: Request) -> Response:
         self._check_last(request)
@@ -330,12 +366,15 @@ class CachedBackend:
         self._check_blocks(request, len(request.tokens))
         state = self._state(None if request.entry == "plain" else ("seq", request.seq_id))
         extra = self._media_kwargs(request.images, request.audio, request.audio_inputs, request.image_inputs)
-        logits, notes = self._forward(request.tokens, [request.last_pos], state, embeddings=embeddings, **extra)
+        logits, notes = self._rows(self._forward(request.tokens, [request.last_pos], state, embeddings=embeddings,
+                                                 **extra))
+        hidden = self._take_hidden(1)
         state_len = self._state_len(state)
         decode = self._decode(state, request.decode)
         return Response(logits, decode, self._executed(
             "last", entry=request.entry, seq_id=request.seq_id, last_pos=request.last_pos, **notes,
-            **self._notes(request), state_len_after_prefill=state_len, decode_steps=len(request.decode)))
+            **self._notes(request), state_len_after_prefill=state_len, decode_steps=len(request.decode)),
+            hidden=hidden, decode_hidden=self._decode_hidden_of(decode))
 
     def _prefill(self, request: Request) -> Response:
         self._check_prefill(request)
@@ -363,29 +402,34 @@ class CachedBackend:
                 raise ValueError(f"{self.who}: piece {p} carries embeddings but the request has no images or audio")
             ubatches = []
             for start, stop, local in micro_batches(len(piece.tokens), rows, request.ubatch):
-                logits, notes = self._forward(piece.tokens[start:stop], local, state, **extra)
+                logits, notes = self._rows(self._forward(piece.tokens[start:stop], local, state, **extra))
                 out.append(logits)
                 ubatches.append({"tokens": stop - start, "outputs": len(local), **notes})
             pieces_done.append({"tokens": len(piece.tokens), "rows": rows, "ubatches": ubatches})
         logits = np.concatenate(out) if out else np.empty((0, self.vocab_size), dtype=self.out_dtype)
+        hidden = self._take_hidden(logits.shape[0])
         state_len = self._state_len(state)
         decode = self._decode(state, request.decode)
         return Response(logits, decode, self._executed(
             "prefill", ubatch=request.ubatch, pieces=pieces_done,
             ubatches=[u["tokens"] for piece in pieces_done for u in piece["ubatches"]],
-            **self._notes(request), state_len_after_prefill=state_len, decode_steps=len(request.decode)))
+            **self._notes(request), state_len_after_prefill=state_len, decode_steps=len(request.decode)),
+            hidden=hidden, decode_hidden=self._decode_hidden_of(decode))
 
     def _multi(self, request: Request) -> Response:
         seq_ids, decode = self._check_multi(request)
         states, rows, notes = [], [], []
         for sid, tokens in zip(seq_ids, request.sequences):
             state = self._state(("seq", sid))  # one cache per sequence id
-            logits, forward_notes = self._forward(tokens, [len(tokens) - 1], state)
+            logits, forward_notes = self._rows(self._forward(tokens, [len(tokens) - 1], state))
             states.append(state)
             rows.append(logits)
             notes.append(forward_notes)
+        hidden = self._take_hidden(len(rows))
         state_lens = [self._state_len(s) for s in states]
+        self._decode_hidden = None
         decode_logits = self._decode_interleaved(states, decode) if decode else None
         return Response(np.concatenate(rows), decode_logits, self._executed(
             "multi", seq_ids=list(seq_ids), **per_sequence(notes), **self._notes(request),
-            state_len_after_prefill=state_lens, decode_steps=[len(d) for d in decode] if decode else 0))
+            state_len_after_prefill=state_lens, decode_steps=[len(d) for d in decode] if decode else 0),
+            hidden=hidden, decode_hidden=self._decode_hidden)

@@ -65,6 +65,41 @@ state the prefill left (teacher forcing: the harness gives the tokens), and answ
 each step (``decode_logits`` ``[len(decode), V]``; for ``multi``, ``decode`` and ``decode_logits``
 are per sequence). This proves the cache the prefill left is right.
 
+**MTP requests** (``kind == "mtp"``; gemma4-unified-and-mtp-spec.md B6-B7): greedy assisted decoding with
+the assistant (drafter) checkpoint at ``drafter``. ``tokens`` is the prompt; ``mtp`` (``MtpRequest``) says
+how: its ``convention`` (``refimpl.mtp``: which target keys the drafter attends to and its query position,
+e.g. ``target-cache/P``), ``num_drafts`` and ``max_new_tokens``, and a ``mode``:
+
+``rounds``    white box, teacher-forced (capability ``mtp``): the engine prefills the prompt, then runs
+              exactly the given ``rounds``. Round r gives the pending token ``token`` (at position P, the
+              first one the target has not seen), the ``drafts`` to verify (k of them) and how many to
+              keep (``accepted``). The engine runs its drafter k steps at the convention's query position,
+              reading ``(token, h)`` at step 0 and ``(drafts[j - 1], h_next)`` at step j, where h is the
+              target's final-norm hidden state of the last prompt row (round 1) or of row ``accepted`` of
+              the previous verification; it verifies ``[token, *drafts]`` on the target (k + 1 rows) and
+              removes the rejected positions from the target's cache (keeping ``token`` and the first
+              ``accepted`` drafts). Answer: ``logits`` the prompt's last row ``[1, V]``, and
+              ``Response.mtp`` with each round's ``draft_logits`` ``[k, V]``, ``verify_logits``
+              ``[k + 1, V]``, the target's own ``accepted`` count (leading drafts equal to its argmax),
+              ``drafts`` (the drafter's own argmax per step) and the ``output`` (the first token and what
+              every round appends: its kept drafts and the target's argmax after them).
+``generate``  black box (capability ``mtp_generate``): the engine runs its own greedy assisted loop for
+              ``max_new_tokens`` with ``num_drafts`` drafts a round (fewer when the budget ends: k =
+              min(num_drafts, budget - 1)) and answers ``logits`` ``[1, V]`` and ``Response.mtp`` with
+              ``output`` (which must equal plain greedy decoding), and per round ``drafts`` and
+              ``accepted`` (graded against the oracle's rounds under the convention).
+
+A backend declares the conventions it follows (``mtp_conventions``, comma-separated); a case of another
+convention is not claimed.
+
+**Hidden states.** A backend that claims ``hidden_states`` gets every request with ``hidden=True`` and
+answers, beside the logits, the final-norm hidden state of every row it returns: ``Response.hidden``
+``[R, H]`` row for row with ``logits``, and ``decode_hidden`` row for row with ``decode_logits`` (a list
+per sequence for ``multi``). The hidden state of a row is the input of the LM head, the output of the
+final RMSNorm (what llama.cpp calls ``h_nextn``, what an MTP drafter and an embedding user read); an
+engine that prunes rows before the KV-shared layers produces it for the rows it keeps. Graded row by
+row like logits (closeness and row identity).
+
 Logits are returned as float arrays (any float dtype; the harness grades in float64).
 """
 
@@ -76,7 +111,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-KINDS = ("full", "last", "prefill", "multi")
+KINDS = ("full", "last", "prefill", "multi", "mtp")
+MTP_MODES = ("rounds", "generate")
 ENTRIES = ("plain", "seq_id", "embeddings")
 EMBEDDING_CONVENTIONS = ("scaled", "raw")
 
@@ -100,6 +136,10 @@ class Capabilities:
     audio_prompts: bool = False  # prompts with audio blocks (soft tokens in the embeddings)
     audio_tower: bool = False  # with audio_prompts: computes audio soft tokens itself from request.audio_inputs
     image_tower: bool = False  # with image_prompts: computes image soft tokens itself from request.image_inputs
+    hidden_states: bool = False  # answers the final-norm hidden state of every returned row (Response.hidden)
+    mtp: bool = False  # MTP requests in mode "rounds": teacher-forced draft rounds, drafter and verify logits
+    mtp_generate: bool = False  # MTP requests in mode "generate": its own assisted loop, drafts and acceptance
+    mtp_conventions: str = ""  # the MTP conventions it follows, comma-separated (refimpl.mtp.CONVENTIONS)
     default_profile: str = "fp32"
 
     def __post_init__(self):
@@ -127,6 +167,42 @@ class ImageInput:
 
 
 @dataclass(frozen=True)
+class MtpRound:
+    """One teacher-forced round of an MTP request: the pending token, the drafts to verify, how many to keep."""
+
+    token: int
+    drafts: tuple[int, ...]
+    accepted: int
+
+
+@dataclass(frozen=True)
+class MtpRequest:
+    """What an MTP request asks (see the module doc)."""
+
+    mode: str  # one of MTP_MODES
+    convention: str  # "<kv>/<position>", refimpl.mtp.CONVENTIONS
+    num_drafts: int
+    max_new_tokens: int
+    rounds: tuple[MtpRound, ...] = ()  # mode "rounds"
+
+    def __post_init__(self):
+        if self.mode not in MTP_MODES:
+            raise ValueError(f"unknown MTP mode {self.mode!r}")
+
+
+@dataclass
+class MtpResponse:
+    """An engine's answer to an MTP request, round by round."""
+
+    output: tuple[int, ...]  # the generated tokens
+    accepted: list[int]  # per round: leading drafts equal to the target's argmax
+    drafts: list[tuple[int, ...]]  # per round: the drafter's own argmax of each step
+    draft_logits: list[np.ndarray] | None = None  # mode "rounds": per round [k, V]
+    verify_logits: list[np.ndarray] | None = None  # mode "rounds": per round [k + 1, V]
+    verify_hidden: list[np.ndarray] | None = None  # mode "rounds", request.hidden: per round [k + 1, H]
+
+
+@dataclass(frozen=True)
 class Piece:
     tokens: tuple[int, ...]
     rows: tuple[int, ...]  # output rows within this piece, increasing
@@ -150,6 +226,9 @@ class Request:
     audio: tuple[tuple[int, int], ...] = ()  # audio prompts: (first position, soft tokens) of each block
     audio_inputs: tuple[AudioInput, ...] = field(default=(), compare=False)  # per audio block, in order
     image_inputs: tuple[ImageInput, ...] = field(default=(), compare=False)  # per image block, in order
+    hidden: bool = False  # answer Response.hidden / decode_hidden too (set for backends claiming hidden_states)
+    drafter: str | None = None  # mtp: the assistant checkpoint's directory
+    mtp: MtpRequest | None = None  # mtp
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -163,6 +242,9 @@ class Response:
     logits: np.ndarray  # [R, V] rows as the request defines them
     decode_logits: np.ndarray | list[np.ndarray] | None = None  # [len(decode), V]; a list for multi
     executed: dict[str, Any] = field(default_factory=dict)  # the path the backend says it took
+    hidden: np.ndarray | None = None  # [R, H] final-norm hidden states of the logits rows (request.hidden)
+    decode_hidden: np.ndarray | list[np.ndarray] | None = None  # [len(decode), H]; a list for multi
+    mtp: MtpResponse | None = None  # mtp requests
 
 
 class BackendError(Exception):
@@ -194,8 +276,17 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
+def claims(capabilities: dict[str, Any], need: str) -> bool:
+    """Whether ``capabilities`` (``Capabilities.to_dict()``) claim one entry of ``required_capabilities``: a
+    flag, or ``"mtp_conventions=<c>"`` (``c`` among the comma-separated conventions declared)."""
+    if "=" in need:
+        key, _, value = need.partition("=")
+        return value in [c.strip() for c in str(capabilities.get(key, "")).split(",")]
+    return bool(capabilities.get(need, False))
+
+
 def required_capabilities(request: Request) -> list[str]:
-    """The capability flags a request needs; the harness runs it only if all are claimed."""
+    """The capability flags a request needs; the harness runs it only if all are claimed (``claims``)."""
     need: list[str] = []
     if request.kind == "full":
         need.append("full_forward")
@@ -213,6 +304,10 @@ def required_capabilities(request: Request) -> list[str]:
             need.append("ubatch")
     elif request.kind == "multi":
         need.append("multi_sequence")
+    elif request.kind == "mtp":
+        need.append("mtp" if request.mtp is None or request.mtp.mode == "rounds" else "mtp_generate")
+        if request.mtp is not None:
+            need.append(f"mtp_conventions={request.mtp.convention}")
     if request.decode:
         need.append("decode")
     if request.images:

@@ -20,7 +20,7 @@ import numpy as np
 
 from refimpl.safetensors_io import STORAGE, bf16_to_f32, read_header, write_safetensors
 
-from .types import AudioInput, CaseTimeout, Capabilities, ImageInput, Piece, Request
+from .types import AudioInput, CaseTimeout, Capabilities, ImageInput, MtpRequest, MtpResponse, MtpRound, Piece, Request
 
 PROTOCOL = "gemma4-conformance-subprocess"
 VERSIONS = (1,)  # the protocol versions spoken (the client offers them in hello, the server answers one)
@@ -31,7 +31,8 @@ CAPABILITY_FIELDS = tuple(f.name for f in fields(Capabilities))  # what the harn
 # the capability fields of protocol version 1, frozen: a v1 engine must give each of them in hello. A
 # field added to Capabilities later (image_prompts, audio_prompts, audio_tower, image_tower) is optional on the wire
 # (absent: its default, i.e. not claimed), so that a new flag never breaks a v1 engine (docs/subprocess-protocol.md,
-# Versioning).
+# Versioning). hidden_states likewise: the request's "hidden" flag and the reply's "hidden" / "decode_hidden"
+# ARRAYs exist only between a client and an engine that claims it.
 V1_CAPABILITY_FIELDS = ("full_forward", "last_plain", "last_seq_id", "last_embeddings", "embedding_convention",
                         "interior_rows", "output_rows", "ubatch", "chunked_prefill", "multi_sequence", "decode",
                         "default_profile")
@@ -128,6 +129,13 @@ def request_to_json(request: Request, out_dir: str | Path) -> dict[str, Any]:
         "audio": [[int(start), int(n)] for start, n in request.audio],
         "audio_inputs": [_audio_input_json(clip, out_dir, k) for k, clip in enumerate(request.audio_inputs)],
         "image_inputs": [_image_input_json(image, out_dir, k) for k, image in enumerate(request.image_inputs)],
+        "hidden": bool(request.hidden),
+        "drafter": request.drafter,
+        "mtp": None if request.mtp is None else {
+            "mode": request.mtp.mode, "convention": request.mtp.convention, "num_drafts": int(request.mtp.num_drafts),
+            "max_new_tokens": int(request.mtp.max_new_tokens),
+            "rounds": [{"token": int(r.token), "drafts": [int(t) for t in r.drafts], "accepted": int(r.accepted)}
+                       for r in request.mtp.rounds]},
     }
     if request.embeddings is not None:
         d["embeddings"] = _embeddings_json(request.embeddings, out_dir, "embeddings.f64")
@@ -183,7 +191,31 @@ def request_from_json(d: dict, out_dir: Path) -> Request:
         audio=audio,
         audio_inputs=audio_inputs,
         image_inputs=image_inputs,
+        hidden=bool(d.get("hidden", False)),  # after v1: absent means not asked
+        drafter=d.get("drafter"),  # mtp requests (after v1)
+        mtp=_mtp_request(d.get("mtp")),
     )
+
+
+def _mtp_request(d: Any) -> MtpRequest | None:
+    if d is None:
+        return None
+    return MtpRequest(mode=d["mode"], convention=d["convention"], num_drafts=int(d["num_drafts"]),
+                      max_new_tokens=int(d["max_new_tokens"]),
+                      rounds=tuple(MtpRound(int(r["token"]), tuple(int(t) for t in r["drafts"]), int(r["accepted"]))
+                                   for r in d.get("rounds") or ()))
+
+
+def mtp_reply(out_dir: Path, mtp: MtpResponse, fmt: str) -> dict:
+    """The reply's "mtp" object (server side): tokens as JSON, each round's logits as ARRAY files."""
+    def arrays(name: str, rows: list | None) -> list | None:
+        return None if rows is None else [write_array(out_dir, f"{name}.{r}", a, fmt) for r, a in enumerate(rows)]
+
+    return {"output": [int(t) for t in mtp.output], "accepted": [int(a) for a in mtp.accepted],
+            "drafts": [[int(t) for t in d] for d in mtp.drafts],
+            "draft_logits": arrays("draft_logits", mtp.draft_logits),
+            "verify_logits": arrays("verify_logits", mtp.verify_logits),
+            "verify_hidden": arrays("verify_hidden", mtp.verify_hidden)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -233,7 +265,7 @@ def expected_rows(request: Request) -> tuple[int, int | list[int] | None]:
     """(rows of ``logits``, rows of ``decode_logits``: an int, a list per sequence for multi, or None)."""
     if request.kind == "full":
         rows = len(request.tokens)
-    elif request.kind == "last":
+    elif request.kind in ("last", "mtp"):
         rows = 1
     elif request.kind == "prefill":
         rows = sum(len(p.rows) for p in request.pieces)
@@ -310,6 +342,37 @@ def _check_shape(where: str, what: Any, shape: Any, rows: int | None, vocab: int
     want_v = "V" if vocab is None else vocab
     if (rows is not None and shape[0] != rows) or (vocab is not None and shape[1] != vocab):
         raise ArrayError(f"{where}: {what} has shape {shape}, but the request defines [{want_r}, {want_v}]")
+
+
+def mtp_from_reply(d: Any, request: Request, out_dir: str | Path, vocab: int | None) -> MtpResponse:
+    """The reply's "mtp" object (client side), every round's arrays checked against the request
+    (ProtocolError / ArrayError naming the field)."""
+    if not isinstance(d, dict):
+        raise ProtocolError(f"the run reply of an mtp request needs an 'mtp' object, got {clip_text(repr(d))}")
+    for key in ("output", "accepted", "drafts"):
+        v = d.get(key)
+        if not isinstance(v, list):
+            raise ProtocolError(f"the run reply's mtp.{key} must be a list, got {clip_text(repr(v))}")
+    try:
+        output = tuple(int(t) for t in d["output"])
+        accepted = [int(a) for a in d["accepted"]]
+        drafts = [tuple(int(t) for t in x) for x in d["drafts"]]
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"the run reply's mtp tokens must be integers ({exc})") from None
+    ks = [len(r.drafts) for r in request.mtp.rounds] if request.mtp.mode == "rounds" else None
+
+    def rounds(key: str, extra: int, width: int | None) -> list[np.ndarray] | None:
+        refs = d.get(key)
+        if refs is None:
+            return None
+        if not isinstance(refs, list) or (ks is not None and len(refs) != len(ks)):
+            raise ProtocolError(f"the run reply's mtp.{key} must be a list of one ARRAY per round "
+                                f"({len(ks) if ks else 'the rounds run'}), got {clip_text(repr(refs))}")
+        return [read_array(ref, out_dir, f"run reply 'mtp.{key}'[{r}]", None if ks is None else ks[r] + extra, width)
+                for r, ref in enumerate(refs)]
+
+    return MtpResponse(output=output, accepted=accepted, drafts=drafts, draft_logits=rounds("draft_logits", 0, vocab),
+                       verify_logits=rounds("verify_logits", 1, vocab), verify_hidden=rounds("verify_hidden", 1, None))
 
 
 def capabilities_from_json(raw: Any) -> Capabilities:

@@ -281,6 +281,7 @@ class Engine(MediaEncoders):
         self.first_shared = model.cfg.first_shared_layer  # K (== L without KV sharing)
         self.inv_freq = [rope_inv_freq(spec.rope, spec.head_dim) for spec in model.cfg.layers]
         self.log: list[dict[str, Any]] = []  # one record per micro-batch (what actually ran)
+        self.hidden_log: list[np.ndarray] = []  # the final-normed rows of every LM-head call (hidden_state)
 
     # -- requests build batches ---------------------------------------------------------------
 
@@ -592,14 +593,20 @@ class Engine(MediaEncoders):
     # -- head ---------------------------------------------------------------------------------
 
     def lm_head(self, x: np.ndarray) -> np.ndarray:
-        """x [R, H] -> final norm, tied head streamed over the vocabulary, softcap -> logits [R, V]."""
+        """x [R, H] -> final norm, tied head streamed over the vocabulary, softcap -> logits [R, V]. The
+        final-normed rows go to ``hidden_log`` (the hidden-state output, ``hidden_state``)."""
         y = self.norm(x, self.w["norm.weight"])
+        self.hidden_log.append(self.hidden_state(x, y))
         V = self.cfg.vocab_size
         logits = np.empty((y.shape[0], V), dtype=self.dtype)
         for a in range(0, V, HEAD_CHUNK):
             b = min(a + HEAD_CHUNK, V)
             logits[:, a:b] = linear(y, self.w.head_rows(a, b))
         return self.final_softcap(logits)
+
+    def hidden_state(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """The hidden state an output row reports: the final norm's output y (x: the residual before it)."""
+        return y
 
     def final_softcap(self, logits: np.ndarray) -> np.ndarray:
         return softcap(logits, self.cfg.final_logit_softcapping)
@@ -674,9 +681,31 @@ class NumpyEngineBackend:
         if self.engine is None:
             raise RuntimeError("numpy-engine: run() called before open()")
         self.engine.log = []
+        self.engine.hidden_log = []
         caches = self.engine.new_caches()  # fresh state per request
         handler = {"full": self._full, "last": self._last, "prefill": self._prefill, "multi": self._multi}
-        return handler[request.kind](request, caches)
+        response = handler[request.kind](request, caches)
+        return self._with_hidden(request, response) if request.hidden else response
+
+    def _with_hidden(self, request: Request, response: Response) -> Response:
+        """``response`` with the hidden rows of every LM-head call (``Engine.hidden_log``, in call order:
+        the prefill's output rows, then one decode step after another; multi steps batch the live sequences)."""
+        log = self.engine.hidden_log
+        flat = np.concatenate(log) if log else np.empty((0, self.engine.cfg.hidden_size), dtype=self.dtype)
+        R = np.asarray(response.logits).shape[0]
+        response.hidden, rest = flat[:R], flat[R:]
+        if request.kind == "multi" and request.decode:
+            per_seq: list[list[np.ndarray]] = [[] for _ in request.decode]
+            at = 0
+            for j in range(max(len(d) for d in request.decode)):
+                for i, d in enumerate(request.decode):
+                    if j < len(d):
+                        per_seq[i].append(rest[at:at + 1])
+                        at += 1
+            response.decode_hidden = [np.concatenate(h) if h else rest[:0] for h in per_seq]
+        elif request.decode:
+            response.decode_hidden = rest
+        return response
 
     # -- request hooks (what a request adapter decides) -------------------------------------------
 

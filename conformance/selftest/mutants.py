@@ -53,6 +53,7 @@ __all__ = ["AUDIO_SET", "BACKENDS", "CLOSENESS", "EQUIVALENT", "IMAGE_SETS", "IM
 
 CLOSENESS = frozenset({"max_abs", "max_rel", "nmse", "cosine", "kl", "kl_mean", "delta_p"})
 IDENTITY = frozenset({"identity"})
+HIDDEN = frozenset({"hidden", "hidden_identity"})
 
 
 def planted(name: str, breaks: str, *, engine: dict | None = None, backend: dict | None = None) -> type:
@@ -458,6 +459,18 @@ AUDIO_SET = "e2b-audio-mini"
 UNIFIED_SET = "12b-mini"
 
 
+# ----------------------------------------------------------------------------------------------
+# the hidden-state output (MTP spec B6, E1 M1): what an engine hands a drafter or an embedding user
+
+HiddenPreNorm = planted(
+    "hidden-pre-norm", "Hidden-state rows: the residual stream before the final norm instead of its output.",
+    engine={"hidden_state": lambda self, x, y: x})
+
+HiddenNormWeightSkipped = planted(
+    "hidden-norm-weight-skipped", "Hidden-state rows: the final norm without its weight (scale-free RMSNorm).",
+    engine={"hidden_state": lambda self, x, y: rms_norm(x, None, self.cfg.rms_norm_eps)})
+
+
 MUTANTS: tuple[Mutant, ...] = (
     _m(ShiftInteriorRow, "B1", IDENTITY),
     _m(ShiftLastRow, "B1", IDENTITY),
@@ -499,6 +512,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(PositionAxesSwapped, "unified U8", kill_sets=(UNIFIED_SET,)),
     _m(PaddingRowsKept, "unified U9", kill_sets=(UNIFIED_SET,)),
     _m(AudioFramesNotNormed, "unified U10", kill_sets=(UNIFIED_SET,)),
+    _m(HiddenPreNorm, "mtp M1", HIDDEN),
+    _m(HiddenNormWeightSkipped, "mtp M1", HIDDEN),
 )
 
 BACKENDS: dict[str, type] = {m.name: m.backend_class for m in MUTANTS}

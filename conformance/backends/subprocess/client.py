@@ -41,8 +41,6 @@ refimpl``: the oracle behind the protocol, which must pass every bundled case at
 
 from __future__ import annotations
 
-from __future__ import annotations
-
 import atexit
 import json
 import math
@@ -66,7 +64,7 @@ from refimpl.config import load_config
 from ...protocol.types import BackendError, Capabilities, Request, Response
 from ...protocol.wire import (
     PROTOCOL, VERSIONS, EngineCrash, EngineError, EngineFailure, EngineTimeout, ProtocolError,
-    capabilities_from_json, clip_text, expected_rows, read_array, request_to_json,
+    capabilities_from_json, clip_text, expected_rows, mtp_from_reply, read_array, request_to_json,
 )
 from .process import _Died, _Garbage, _Process, _TimedOut
 
@@ -453,7 +451,30 @@ class SubprocessBackend:
             executed = {}
         if not isinstance(executed, dict):
             raise ProtocolError(f"the run reply's 'executed' must be an object, got {clip_text(repr(executed))}")
-        return Response(logits, decode, executed)
+        hidden, decode_hidden = self._hidden(reply, request, out_dir, rows, decode_rows)
+        mtp = mtp_from_reply(reply.get("mtp"), request, out_dir, vocab) if request.kind == "mtp" else None
+        return Response(logits, decode, executed, hidden=hidden, decode_hidden=decode_hidden, mtp=mtp)
+
+    @staticmethod
+    def _hidden(reply: dict, request: Request, out_dir: str, rows: int, decode_rows) -> tuple[Any, Any]:
+        """The reply's hidden rows (an engine that claims hidden_states, asked with the request's "hidden"
+        flag): "hidden" [rows, H] and "decode_hidden" like "decode_logits"; (None, None) when not asked."""
+        if not request.hidden:
+            return None, None
+        if reply.get("hidden") is None:
+            raise ProtocolError("the engine claims hidden_states, but the run reply has no 'hidden' ARRAY")
+        hidden = read_array(reply["hidden"], out_dir, "run reply 'hidden'", rows)
+        dh = reply.get("decode_hidden")
+        if decode_rows is None or dh is None:
+            if decode_rows is not None:
+                raise ProtocolError("the run reply has 'hidden' but no 'decode_hidden' for the decode steps")
+            return hidden, None
+        if isinstance(decode_rows, list):
+            if not isinstance(dh, list) or len(dh) != len(decode_rows):
+                raise ProtocolError(f"the run reply's 'decode_hidden' must be a list of {len(decode_rows)} ARRAYs")
+            return hidden, [read_array(a, out_dir, f"run reply 'decode_hidden'[{i}]", n)
+                            for i, (a, n) in enumerate(zip(dh, decode_rows))]
+        return hidden, read_array(dh, out_dir, "run reply 'decode_hidden'", decode_rows)
 
     def close(self) -> None:
         self._model_dir = None

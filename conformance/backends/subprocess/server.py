@@ -18,7 +18,7 @@ import traceback
 from pathlib import Path
 from typing import Any, TextIO
 
-from ...protocol.wire import PROTOCOL, VERSIONS, jsonable, request_from_json, write_array
+from ...protocol.wire import PROTOCOL, VERSIONS, jsonable, mtp_reply, request_from_json, write_array
 
 def handle(backend: Any, msg: dict, fmt: str) -> dict:
     """Answer one request message (without "id" and "ok"); raise on failure."""
@@ -48,6 +48,14 @@ def handle(backend: Any, msg: dict, fmt: str) -> dict:
             reply["decode_logits"] = [write_array(out_dir, f"decode_logits.{i}", a, fmt) for i, a in enumerate(dl)]
         elif dl is not None:
             reply["decode_logits"] = write_array(out_dir, "decode_logits", dl, fmt)
+        if response.mtp is not None:
+            reply["mtp"] = mtp_reply(out_dir, response.mtp, fmt)
+        if request.hidden and response.hidden is not None:  # hidden_states: the same rows' final-norm states
+            reply["hidden"] = write_array(out_dir, "hidden", response.hidden, fmt)
+            dh = response.decode_hidden
+            reply["decode_hidden"] = (None if dh is None else
+                                      [write_array(out_dir, f"decode_hidden.{i}", a, fmt) for i, a in enumerate(dh)]
+                                      if request.kind == "multi" else write_array(out_dir, "decode_hidden", dh, fmt))
         return reply
     if op == "close":
         backend.close()
