@@ -290,7 +290,7 @@ def test_all_nan_rows_fail_nonfinite_with_their_details(capsys, tmp_path, e2b_se
     assert first["check"] == "nonfinite" and first["message"].startswith("row 0: 512 non-finite mismatch(es)")
     assert bad["rows"][1]["message"].startswith("row 1: 512 non-finite mismatch(es) (512 where the oracle is "
                                                 "finite); first at token 0: +inf")
-    assert [r["status"] for r in bad["rows"][19:]] == ["pass"] * 3  # the decode steps were fine
+    assert [r["status"] for r in bad["rows"][19:22]] == ["pass"] * 3  # the decode steps were fine
     assert_valid(report)
 
 
