@@ -103,6 +103,7 @@ class MtpRound:
     drafts: tuple[int, ...]  # the tokens verified after ``token`` (the drafter's, or the forced ones)
     draft_argmax: tuple[int, ...]  # the drafter's own argmax of each step
     draft_logits: np.ndarray  # [k, V]
+    draft_states: np.ndarray  # [k, H_a] the drafter's final-normed states (its head's input)
     verify_logits: np.ndarray  # [k + 1, V] the target's rows for [token, d_1 .. d_k]
     verify_hidden: np.ndarray  # [k + 1, H_t] their final-normed states
     accepted: int  # n: leading drafts equal to the target's argmax
@@ -160,7 +161,7 @@ class Assisted:
         P = self.cache.length
         kv = handed_over(self.call, P, target.cfg.sliding_window, self.kv_rule)
         q_pos = P if self.pos_rule == "P" else P - 1
-        drafts, argmax, steps = [], [], []
+        drafts, argmax, steps, states = [], [], [], []
         tok, state = t, self.h
         for j in range(k):
             step = drafter.step(target.embed(np.array([tok]))[0], state, q_pos, kv)
@@ -168,6 +169,7 @@ class Assisted:
             tok = int(forced[j]) if forced is not None else argmax[-1]
             drafts.append(tok)
             steps.append(step.logits)
+            states.append(step.z_hat)
             state = step.h_next
         v_logits, v_hidden, self.call = _target_call(target, np.array([t] + drafts), self.cache, self.store,
                                                      prefill=False)
@@ -190,7 +192,8 @@ class Assisted:
             position=P, token=t, hidden_row=self.h_row, query_position=q_pos,
             keys={kind: tuple(int(p) for p in kv[kind].pos) for kind in (SLIDING, FULL) if kind in kv},
             drafts=tuple(drafts), draft_argmax=tuple(argmax),
-            draft_logits=np.array(steps).reshape(k, target.cfg.vocab_size), verify_logits=v_logits,
+            draft_logits=np.array(steps).reshape(k, target.cfg.vocab_size),
+            draft_states=np.array(states).reshape(k, drafter.cfg.hidden_size), verify_logits=v_logits,
             verify_hidden=v_hidden, accepted=n, appended=tuple(appended))
         self.run.rounds.append(rnd)
         self.token, self.h, self.h_row = appended[-1], v_hidden[matches], P + matches

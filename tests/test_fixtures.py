@@ -30,7 +30,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from conformance.backend import Response, required_capabilities  # noqa: E402
+from conformance.backend import MtpResponse, Response, required_capabilities  # noqa: E402
 from conformance.check.requests import build_request, response_groups  # noqa: E402
 from conformance.generate.matrix import generate_cases  # noqa: E402
 from conformance.sets.case import GENERATION_STEPS, TIE_MARGIN, Case, check_case, row_groups  # noqa: E402
@@ -38,7 +38,9 @@ from conformance.fixtures import (  # noqa: E402
     CASES, MANIFEST, RECOMPUTE_BOUND, FixtureError, PromptError, bundled_sets, generate_set, load_prompts,
     load_set, sha256_file, verify_set,
 )
+from refimpl.assistant import Drafter  # noqa: E402
 from refimpl.model import Gemma4, KVCache  # noqa: E402
+from refimpl.mtp import assisted_greedy, run_rounds  # noqa: E402
 from refimpl.synth import PRESETS  # noqa: E402
 
 BUNDLED = list(PRESETS)  # one bundled set per preset
@@ -83,7 +85,16 @@ def _decode(model, cache, tokens):
 
 
 def oracle_answer(model, request) -> Response:
-    """What an exact backend answers: a fresh cache per request (per sequence for multi)."""
+    """What an exact backend answers: a fresh cache per request (per sequence for multi); MTP requests
+    through refimpl.mtp's teacher-forced rounds (mode rounds) or its own assisted run (mode generate)."""
+    if request.kind == "mtp":
+        spec, drafter = request.mtp, Drafter(request.drafter)
+        run = (run_rounds(model, drafter, request.tokens, [(r.token, r.drafts, r.accepted) for r in spec.rounds],
+                          spec.convention) if spec.mode == "rounds" else
+               assisted_greedy(model, drafter, request.tokens, spec.max_new_tokens, spec.num_drafts, spec.convention))
+        return Response(run.prefill_logits, mtp=MtpResponse(
+            run.output, [r.accepted for r in run.rounds], [r.draft_argmax for r in run.rounds],
+            [r.draft_logits for r in run.rounds], [r.verify_logits for r in run.rounds]))
     if request.kind == "multi":
         rows, decodes = [], []
         for k, seq in enumerate(request.sequences):
@@ -156,6 +167,8 @@ def small_set(sets) -> Path:
 def bundled_cases(preset: str) -> str:
     """The bundled set of a vision (audio) preset holds the image (audio) matrix only (its text model is a
     text preset's)."""
+    if PRESETS[preset].get("assistant"):
+        return "mtp"  # the MTP matrix only: its target is another preset's
     if PRESETS[preset].get("family") == "gemma4_unified":
         return "all"  # its own decoder: the text matrix, and the image and audio matrices of its embedders
     if PRESETS[preset].get("audio"):
@@ -176,11 +189,15 @@ def _copy(src: Path, tmp_path: Path) -> Path:
 @pytest.mark.parametrize("preset", BUNDLED)
 def test_expected_rows_equal_the_oracle_run_directly(sets, preset, tmp_path):
     fs = load_set(sets[preset])
-    model = Gemma4(fs.model_dir(tmp_path))  # a fresh model, regenerated from preset and seed
-    bases, base_logits = fs.bases(), fs.base_logits()
+    model_dir = fs.model_dir(tmp_path)
+    model = Gemma4(model_dir)  # a fresh model, regenerated from preset and seed
+    drafter = fs.drafter_dir(model_dir)
+    # an MTP base's rows: rebuilt from the stored states through the two heads, not the logits of the run
+    mtp_logits = fs.mtp_rows(model, Drafter(drafter))[0] if drafter is not None else {}
+    bases, base_logits = fs.bases(), {**fs.base_logits(), **mtp_logits}
     kinds = set()
     for case in fs.cases:
-        request = build_request(case, bases, model.embed, fs.media())
+        request = build_request(case, bases, model.embed, fs.media(), drafter)
         got = response_groups(case, oracle_answer(model, request))
         want = expected_groups(case, base_logits)
         assert len(got) == len(want), case.id
@@ -189,6 +206,9 @@ def test_expected_rows_equal_the_oracle_run_directly(sets, preset, tmp_path):
             err = float(np.max(np.abs(g - w))) if rows else 0.0
             assert err <= ROW_BOUND, f"{case.id} {name}: {err}"
         kinds.add((case.kind, case.entry, len(case.pieces) > 1, case.ubatch))
+    if bundled_cases(preset) == "mtp":
+        assert kinds == {("mtp", "plain", False, None)}
+        return
     if bundled_cases(preset) in ("images", "audio"):
         assert kinds == {("last", "embeddings", False, None), ("prefill", "embeddings", False, None),
                          ("prefill", "embeddings", True, None)}
@@ -208,6 +228,8 @@ def test_cases_are_structurally_sound_and_annotated(sets):
         for case in fs.cases:
             assert check_case(case, lengths, {**fs.image_blocks(), **fs.audio_blocks()}) == []
             assert case.id.startswith(f"{preset}/{case.kind}/")
+            if case.kind == "mtp":
+                continue  # their rows and margins: tests/test_mtp_sets.py
             # ties: exactly the rows whose oracle top-2 margin is below TIE_MARGIN
             labels = {r.label: top2_margin(base_logits[r.base][r.position]) for _, rows in row_groups(case)
                       for r in rows}
@@ -757,6 +779,8 @@ def hf_cross_check(model_dir, bases, base_logits, images=None, audio=None):
         import transformers  # noqa: F401
     except ImportError:
         return None
+    if not bases:
+        return []  # an MTP set: its rows are checked against transformers' assisted generation by tests/test_mtp_hf.py
     if json.loads((Path(model_dir) / "config.json").read_text()).get("model_type") == "gemma4_unified":
         return hf_unified_cross_check(model_dir, bases, base_logits, images or {}, audio or {})
     text = {b: ids for b, ids in bases.items() if b not in (images or {}) and b not in (audio or {})}

@@ -80,6 +80,9 @@ def test_identity_capabilities_and_options():
     claimed.pop("default_profile")
     for media in ("image_prompts", "audio_prompts", "audio_tower", "image_tower"):  # mlx-lm is text only (media are mlx-vlm's)
         assert claimed.pop(media) is False
+    for later in ("hidden_states", "mtp", "mtp_generate"):  # not served (yet): docs/backends.md
+        assert claimed.pop(later) is False
+    assert claimed.pop("mtp_conventions") == ""
     assert all(v is True for v in claimed.values()), claimed
     assert b.expectations_file is None
     for dtype in ("bfloat16", "float16"):

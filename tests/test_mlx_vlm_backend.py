@@ -12,6 +12,12 @@ soft tokens are shown to be the towers' own (blanking the request's rows changes
 patch (per_layer_config, ``"vision_config": null``, Unified's embedder keys) against refimpl's
 derivation; option and checkpoint errors message for message.
 
+MTP (mode ``generate``, mlx-vlm's own assisted decoding loop): the output is plain greedy decoding, and the
+recorded rounds make it; the gate on the bundled assistant sets under the declared convention ``rotating/P-1``
+and claiming ``target-cache/P`` and ``transformers/P``, as measured (the e2b target is a ``gemma4_text`` model,
+on which mlx-vlm has no MTP: every case an error); every drafter state is refimpl's replaying mlx-vlm's rounds
+with the keys ``mtp.py`` describes (on the e2b weights through the conditional layout too: its centroid head).
+
 Measured on 2 cores: about 45 s (mlx-vlm's vision tower runs on the 90 image cases of the first test).
 """
 
@@ -32,7 +38,11 @@ from helpers import FULL, SLIDING, max_abs, micro_checkpoint, micro_config, tup
 pytest.importorskip("mlx_vlm")
 
 import mlx.core as mx  # noqa: E402
+from mlx_vlm.generate import generate_step  # noqa: E402
 from mlx_vlm.models.gemma4 import language as gemma4_language  # noqa: E402
+from mlx_vlm.speculative.drafters.gemma4_assistant import Gemma4AssistantDraftModel  # noqa: E402
+
+import refimpl.mtp as refimpl_mtp  # noqa: E402
 
 from conformance import registry  # noqa: E402
 from conformance.backends.mlx_vlm.backend import EXPECTATIONS_DIR, MlxVlmBackend  # noqa: E402
@@ -47,6 +57,8 @@ from conformance.generate import generate_set  # noqa: E402
 from conformance.protocol import Backend, BackendError, Request  # noqa: E402
 from conformance.sets import load_set  # noqa: E402
 from refimpl import Gemma4, load_config  # noqa: E402
+from refimpl.assistant import Drafter  # noqa: E402
+from refimpl.model import LayerKV  # noqa: E402
 from refimpl.synth import write_checkpoint  # noqa: E402
 
 MEDIA = ("e2b-vision-mini", "31b-vision-mini", "e2b-audio-mini", "12b-mini")  # 12b-mini: Gemma 4 Unified
@@ -73,7 +85,7 @@ def test_media_sets_pass_except_the_recorded_divergences(tmp_path):
             assert (r.status == "xfail") == ("image" in r.features)  # its text and audio cases pass
     assert unified == {"pass": 82, "xfail": 30}
     assert len(result.cases) == 90 + 112 and result.exit_code == 0
-    assert all(entry.matched for entry in shipped.entries)  # no stale entry
+    assert all(entry.matched for entry in shipped.entries if "_make_masks" in entry.reason)  # no stale mask entry
     features = set().union(*(r.features for r in result.cases))
     assert {"image", "audio", "vision-blocks", "inside-image", "inside-audio", "chunked", "decode", "ple"} <= features
     for what, n in (("image", 90), ("audio", 60)):  # mlx-vlm's own tower (embedder) ran on every media forward
@@ -132,9 +144,10 @@ ORIGINAL_MASKS = gemma4_language.Gemma4TextModel._make_masks
 def test_the_recorded_divergence_is_the_vision_mask(tmp_path, monkeypatch):
     shipped = json.loads((EXPECTATIONS_DIR / "mlx-vlm-float32.json").read_text())
     assert {e["action"] for e in shipped["entries"]} == {"known-failure"}
-    assert all("_make_masks" in e["reason"] for e in shipped["entries"])
-    # mlx-vlm's rule is all-unclamped, except in a forward that continues a cache (the last entry's cases)
-    continued = re.compile(shipped["entries"][-1]["match"])
+    masks = [e for e in shipped["entries"] if "_make_masks" in e["reason"]]
+    assert len(masks) == 3 and all("mtp" in e["match"] for e in shipped["entries"] if e not in masks)
+    # mlx-vlm's rule is all-unclamped, except in a forward that continues a cache (the last mask entry's cases)
+    continued = re.compile(masks[-1]["match"])
     for preset in VISION_BLOCKS:
         unclamped = tmp_path / f"{preset}-unclamped"
         generate_set(unclamped, preset=preset, seed=0, cases="images", vision_mask="all-unclamped", workers=1)
@@ -160,9 +173,13 @@ def test_identity_capabilities_and_options():
     assert (b.name, b.dtype, b.capabilities.default_profile) == ("mlx-vlm-float32", "float32", "fp32")
     claimed = b.capabilities.to_dict()
     assert claimed.pop("embedding_convention") == "scaled"
+    assert claimed.pop("mtp_conventions") == "rotating/P-1"  # what mlx-vlm follows (mtp.py)
     claimed.pop("default_profile")
-    assert all(v is True for v in claimed.values()), claimed  # image and audio prompts, and both towers
+    # image and audio prompts, both towers, MTP in mode generate; not the hidden rows nor the white-box rounds
+    assert {k for k, v in claimed.items() if v is not True} == {"hidden_states", "mtp"}, claimed
     assert b.expectations_file == EXPECTATIONS_DIR / "mlx-vlm-float32.json"
+    claim = MlxVlmBackend(mtp_convention="target-cache/P")
+    assert (claim.name, claim.capabilities.mtp_conventions) == ("mlx-vlm-float32-mtp-target-cache-P", "target-cache/P")
     off = MlxVlmBackend(image_tower="off", audio_tower="off")
     caps = off.capabilities
     assert (off.name, caps.image_tower, caps.audio_tower, caps.image_prompts, caps.audio_prompts) == (
@@ -179,6 +196,10 @@ def test_bad_options_have_exact_messages():
         with pytest.raises(ValueError) as e:
             MlxVlmBackend(**{tower: "auto"})
         assert str(e.value) == f"mlx-vlm backend: option {tower} must be one of 'on', 'off', got 'auto'"
+    with pytest.raises(ValueError) as e:
+        MlxVlmBackend(mtp_convention="mlx")
+    assert str(e.value) == ("mlx-vlm backend: option mtp_convention must be one of "
+                            + ", ".join(repr(c) for c in refimpl_mtp.CONVENTIONS) + ", got 'mlx'")
     with pytest.raises(ValueError) as e:
         MlxVlmBackend(default_profile="fp64")
     assert str(e.value) == ("mlx-vlm backend: option default_profile must be one of "
@@ -411,5 +432,201 @@ def test_config_patch_is_refimpl_derivation(tmp_path):
         assert "sliding_window: mlx-vlm has 3, the config means 4" in geometry_problems(b.family, b.model,
                                                                                       b.text_config)
         b.text_config = good
+    finally:
+        b.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# MTP: mlx-vlm's own assisted decoding loop
+
+MTP_SETS = ("e2b-assistant-mini", "12b-assistant-mini")
+NO_MTP_ON_GEMMA4_TEXT = ("RuntimeError: mlx-vlm backend: mlx-vlm's MTP loop (generate_step, draft_kind='mtp') fails on "
+                         "mlx_vlm.models.gemma4_text.gemma4_text.Model: TypeError: 'NoneType' object is not subscriptable")
+FIRST_DIFFERENCE = {  # convention claimed -> 12b-assistant-mini base -> how its mtp_trace message starts (None: pass)
+    # M0, M2 (prompts up to W) follow rotating/P-1 until the budget ends; M1, M3 (longer) differ in round 0's keys
+    "rotating/P-1": {"M0": "round 8: 3 drafts, the oracle 2", "M1": "round 0 step 0: drafted 478, the oracle drafts 94",
+                     "M2": "round 6: 1 drafts, the oracle 0", "M3": "round 0 step 0: drafted 485, the oracle drafts 424"},
+    "target-cache/P": {"M0": "round 1 step 0: drafted 52, the oracle drafts 68",
+                       "M1": "round 0 step 0: drafted 478, the oracle drafts 437",
+                       "M2": "round 6: 1 drafts, the oracle 0", "M3": "round 0 step 0: drafted 485, the oracle drafts 343"},
+    "transformers/P": {"M0": "round 1 step 0: drafted 52, the oracle drafts 293",
+                       "M1": "round 0 step 0: drafted 478, the oracle drafts 437",
+                       "M2": "round 6: 1 drafts, the oracle 0",
+                       "M3": None},  # the oracle's first draft is undecided (margin 0.011): nothing graded after it
+}
+
+
+def _mtp_request(name: str, base: str, path: Path, convention: str = "rotating/P-1"):
+    fs = load_set(bundled_set(name))
+    case = next(c for c in fs.cases if c.id == f"{name}/mtp/generate/{base}/{convention}")
+    return case, build_request(case, fs.bases(), None, None, path / "assistant")
+
+
+@pytest.mark.parametrize("convention", list(FIRST_DIFFERENCE))
+def test_mtp_gate_on_the_bundled_assistant_sets(tmp_path, convention):
+    result = run(MlxVlmBackend(mtp_convention=convention), [bundled_set(s) for s in MTP_SETS], PROFILES["fp32"],
+                 workdir=tmp_path)
+    ran = {r.id: r for r in result.cases if r.status != "not-claimed"}
+    assert len(result.cases) == 96 and sorted(ran) == sorted(f"{s}/mtp/generate/M{i}/{convention}" for s in MTP_SETS
+                                                             for i in range(4))
+    for base, want in FIRST_DIFFERENCE[convention].items():
+        r = ran[f"e2b-assistant-mini/mtp/generate/{base}/{convention}"]
+        assert (r.status, r.message) == ("error", NO_MTP_ON_GEMMA4_TEXT)
+        r = ran[f"12b-assistant-mini/mtp/generate/{base}/{convention}"]
+        if want is None:
+            assert r.status == "pass"
+        else:  # the output is plain greedy decoding (mtp_output passed); the rounds differ
+            assert (r.status, r.check) == ("fail", "mtp_trace") and r.message.startswith(want), r.message
+
+
+def _rounds_make_the_output(mtp) -> None:
+    """Each round appends its accepted drafts, then the target's own token, until the budget ends."""
+    at = 1  # the first token comes from the prompt
+    for drafts, accepted in zip(mtp.drafts, mtp.accepted):
+        kept = mtp.output[at:at + accepted + 1]
+        assert kept[:accepted] == drafts[:len(kept[:accepted])]
+        if accepted < len(drafts) and len(kept) > accepted:
+            assert kept[accepted] != drafts[accepted]  # the target's token, where it rejected the draft
+        at += accepted + 1
+    assert at >= len(mtp.output) > at - (mtp.accepted[-1] + 1)
+
+
+def test_mtp_output_is_plain_greedy_decoding(tmp_path, monkeypatch):
+    """On the bundled cases (whose random drafter is never right: every draft rejected, by the oracle too), and
+    with drafts forced into mlx-vlm's loop so that rounds accept 1, 3, 0, 2 of them (its verification and the
+    rollback of its caches past the window): the output is plain greedy decoding, the recorded rounds make it."""
+    path = write_checkpoint("12b-assistant-mini", 0, tmp_path / "12b")
+    b = MlxVlmBackend()
+    b.open(path)
+    try:
+        for base in ("M0", "M1"):  # a prompt shorter than the window and one longer
+            case, request = _mtp_request("12b-assistant-mini", base, path)
+            r = b.run(request)
+            plain = [t for t, _ in generate_step(mx.array([list(request.tokens)]), b.model, None, None,
+                                                 max_tokens=case.mtp.max_new_tokens, temperature=0.0)]
+            assert r.mtp.output == tuple(plain) == case.mtp.output
+            assert r.mtp.accepted == [c.accepted for c in case.mtp.rounds[:len(r.mtp.accepted)]] == [0] * 11
+            _rounds_make_the_output(r.mtp)
+            want = Gemma4(path).forward(np.asarray(request.tokens), rows="all")[-1:]
+            assert max_abs(r.logits, want) < F32
+            assert r.executed["drafter"].endswith("Gemma4AssistantDraftModel")
+            assert r.executed["drafts_per_round"] == [len(d) for d in r.mtp.drafts]
+
+            full, pattern = list(request.tokens) + plain, (1, 3, 0, 2)
+            rounds = []
+
+            def forced(self, last_bonus, hidden, cache, block_size, *args, **kwargs):
+                P, k = self._kv_offset, block_size - 1  # the pending token's position, the drafts
+                right = pattern[len(rounds) % len(pattern)]
+                rounds.append(min(right, k))
+                drafts = [full[P + 1 + j] if j < right else (full[P + 1 + j] + 1) % b.vocab_size
+                          for j in range(k)]
+                return mx.array([drafts], dtype=mx.int32)
+
+            with monkeypatch.context() as m:
+                m.setattr(Gemma4AssistantDraftModel, "draft_block", forced)
+                r = b.run(request)
+            assert r.mtp.output == tuple(plain) and r.mtp.accepted == rounds and 3 in rounds and 0 in rounds
+            _rounds_make_the_output(r.mtp)
+    finally:
+        b.close()
+
+
+def _mlx_vlm_keys(prompt_length: int):
+    """``refimpl.mtp.handed_over`` as mlx-vlm 0.7.10 hands the target's keys over (``mtp.py``): full layers
+    0 .. P-1; sliding layers P-W .. P-1, except P-W .. P-2 in the first round after a prompt longer than W and
+    P-W+1 .. P-1 in its later rounds."""
+    def handed_over(call, P, window, kv_rule):
+        out = {}
+        for kind, kv in call.kv.items():
+            if kind == FULL:
+                first, last = 0, P - 1
+            elif call.prefill:
+                first, last = P - window, P - 2 if P > window else P - 1
+            else:
+                first, last = P - window + (prompt_length > window), P - 1
+            keep = (kv.pos >= first) & (kv.pos <= last)
+            out[kind] = LayerKV(kv.k[keep], kv.v[keep], kv.pos[keep])
+        return out
+    return handed_over
+
+
+def _replay(target, drafter, request, got, handed_over, convention, monkeypatch):
+    """refimpl's rounds with mlx-vlm's drafts and counts under the key rule ``handed_over``: every drafter
+    state, the drafter's own argmax per round, the target's acceptance, the output."""
+    with monkeypatch.context() as m:
+        m.setattr(refimpl_mtp, "handed_over", handed_over)
+        a = refimpl_mtp.Assisted(target, drafter, request.tokens, convention)
+        out, states, argmax, accepted = [a.token], [], [], []
+        for drafts in got.drafts:
+            r = a.round(len(drafts), forced=drafts, budget=request.mtp.max_new_tokens - len(out))
+            out += r.appended
+            states += list(r.draft_states)
+            argmax.append(r.draft_argmax)
+            accepted.append(r.accepted)
+    return np.array(states), argmax, accepted, tuple(out)
+
+
+@pytest.mark.parametrize("name, layout", [("12b-assistant-mini", "causal"),  # Unified: always conditional
+                                          ("e2b-assistant-mini", "conditional")])  # the published E2B layout
+def test_mtp_rounds_are_refimpls_under_mlx_vlms_keys(tmp_path, monkeypatch, name, layout):
+    """Every drafter state of mlx-vlm's run (its final-normed z_hat) is refimpl's, replaying mlx-vlm's rounds
+    with ``_mlx_vlm_keys`` queried at P-1, and only so: the oracle's rotating keys miss on the long prompts
+    (M1, M3) and agree on the short ones, the query at P misses on all. The e2b weights run through mlx-vlm's
+    ``gemma4`` model in the conditional layout (its ``gemma4_text`` has no MTP): the centroid head too."""
+    path = write_checkpoint(name, 0, tmp_path / name, layout=layout)
+    states: list[np.ndarray] = []
+    forward = Gemma4AssistantDraftModel._forward_hidden
+
+    def recorded(self, *args, **kwargs):
+        last, z = forward(self, *args, **kwargs)
+        states.append(np.array(z.astype(mx.float32)).reshape(-1))
+        return last, z
+
+    monkeypatch.setattr(Gemma4AssistantDraftModel, "_forward_hidden", recorded)
+    target, drafter = Gemma4(path), Drafter(path / "assistant")
+    b = MlxVlmBackend()
+    b.open(path)
+    try:
+        assert b.load_info["model_class"].startswith("mlx_vlm.models.gemma4")
+        assert (b._drafters == {}) and (drafter.acfg.use_ordered_embeddings == (name == "e2b-assistant-mini"))
+        for base in ("M0", "M1", "M2", "M3"):
+            case, request = _mtp_request(name, base, path)
+            states.clear()
+            got = b.run(request).mtp
+            assert got.output == case.mtp.output  # plain greedy decoding
+            mlx_keys = _mlx_vlm_keys(len(request.tokens))
+            want, argmax, accepted, output = _replay(target, drafter, request, got, mlx_keys, "rotating/P-1",
+                                                     monkeypatch)
+            assert np.max(np.abs(np.array(states) - want)) < 1e-4, base
+            assert (argmax, accepted, output) == ([tuple(d) for d in got.drafts], got.accepted, got.output)
+            for rule, convention, agrees in ((refimpl_mtp.handed_over, "rotating/P-1", base in ("M0", "M2")),
+                                             (mlx_keys, "rotating/P", False)):
+                other = _replay(target, drafter, request, got, rule, convention, monkeypatch)[0]
+                assert (np.max(np.abs(np.array(states) - other)) < 1e-4) == agrees, (base, convention)
+    finally:
+        b.close()
+
+
+def test_mtp_requests_it_does_not_serve_are_one_line_errors(tmp_path):
+    path = write_checkpoint("12b-assistant-mini", 0, tmp_path / "12b")
+    _, request = _mtp_request("12b-assistant-mini", "M3", path)
+    b = MlxVlmBackend()
+    b.open(path)
+    try:
+        for mode, convention in (("rounds", "rotating/P-1"), ("generate", "target-cache/P")):
+            spec = dataclasses.replace(request.mtp, mode=mode, convention=convention)
+            with pytest.raises(ValueError) as e:
+                b.run(dataclasses.replace(request, mtp=spec))
+            assert str(e.value) == ("mlx-vlm backend: serves MTP requests in mode 'generate' with convention "
+                                    f"rotating/P-1 (mlx-vlm's own MTP loop), got mode {mode!r} with convention "
+                                    f"{convention!r}")
+        with pytest.raises(ValueError) as e:
+            b.run(dataclasses.replace(request, drafter=None))
+        assert str(e.value) == "mlx-vlm backend: an mtp request needs the drafter's directory (request.drafter)"
+        with pytest.raises(BackendError) as e:
+            b.run(dataclasses.replace(request, drafter=str(path)))
+        assert str(e.value) == (f"mlx-vlm backend: {path} is not a Gemma 4 assistant (model_type 'gemma4_unified'; "
+                                "expected one of gemma4_assistant, gemma4_unified_assistant)")
     finally:
         b.close()

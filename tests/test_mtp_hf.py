@@ -22,6 +22,8 @@ pytest.importorskip("transformers")
 
 from hf_mtp_reference import hf_assisted_run, load_pair  # noqa: E402
 from helpers import FULL, SLIDING, micro_assistant, micro_checkpoint, micro_config  # noqa: E402
+from conformance.sets.bundled import bundled_set  # noqa: E402
+from conformance.sets.integrity import load_set  # noqa: E402
 from refimpl import Gemma4  # noqa: E402
 from refimpl.assistant import Drafter  # noqa: E402
 from refimpl.generate import greedy_generate  # noqa: E402
@@ -83,3 +85,21 @@ def test_drawn_pairs_agree_with_transformers(tmp_path_factory, layout, seed, kv,
     drafter = micro_assistant(root / "d", cfg, seed + 1, layer_types=drafter_types, centroids=centroids)
     prompt = [int(t) for t in np.random.default_rng(seed).integers(3, 64, n)]
     compare(model, drafter, prompt, 9, k)
+
+
+@pytest.mark.parametrize("name", ["e2b-assistant-mini", "12b-assistant-mini"])
+def test_bundled_generate_cases_are_transformers_own_runs(name, tmp_path):
+    """Every ``transformers/P`` generate case of a bundled MTP set: the rounds (drafts, accepted lengths) and the
+    output transformers' own ``generate(assistant_model=...)`` produces."""
+    fs = load_set(bundled_set(name))
+    model_dir = fs.model_dir(tmp_path)
+    target, drafter = load_pair(model_dir, fs.drafter_dir(model_dir))
+    bases = fs.bases()
+    cases = [c for c in fs.cases if c.mtp.mode == "generate" and c.mtp.convention == "transformers/P"]
+    assert len(cases) == 4
+    for case in cases:
+        m = case.mtp
+        hf = hf_assisted_run(target, drafter, [int(t) for t in bases[case.base][:case.length]], m.max_new_tokens,
+                             m.num_drafts)
+        assert hf.output == m.output, case.id
+        assert [int(np.argmax(c.logits)) for c in hf.calls] == [t for r in m.rounds for t in r.drafts], case.id

@@ -33,10 +33,12 @@ from conformance.backend import AudioInput, Capabilities, Piece, Request
 from conformance.selftest.engine import NO_BLOCK, Engine, NumpyEngineBackend
 from conformance.backends.refimpl_backend import RefimplBackend
 from conformance.selftest.mutants import (
-    AUDIO_SET, BACKENDS, CLOSENESS, EQUIVALENT, IMAGE_SET_BIDIRECTIONAL, IMAGE_SET_PLE, IMAGE_SETS, MUTANTS, UNIFIED_SET, Mutant,
+    AUDIO_SET, BACKENDS, CLOSENESS, EQUIVALENT, IMAGE_SET_BIDIRECTIONAL, IMAGE_SET_PLE, IMAGE_SETS, MTP_SET_CENTROID, MTP_SETS,
+    MUTANTS, UNIFIED_SET, Mutant,
     mutant,
 )
 from refimpl.model import Gemma4
+from refimpl.mtp import CONVENTIONS
 from refimpl.synth import PRESETS
 
 TOL = 1e-12
@@ -47,10 +49,11 @@ VISION_PRESETS = [p for p in PRESETS if "vision" in PRESETS[p]]
 TEXT_MUTANTS = [m for m in MUTANTS if not m.kill_sets]  # killed on all-features
 IMAGE_MUTANTS = [m for m in MUTANTS if set(m.kill_sets) & set(IMAGE_SETS)]  # need image prompts
 AUDIO_MUTANTS = [m for m in MUTANTS if AUDIO_SET in m.kill_sets]  # need audio prompts
+MTP_MUTANTS = [m for m in MUTANTS if set(m.kill_sets) & set(MTP_SETS)]  # need MTP requests
 UNIFIED_MUTANTS = [m for m in MUTANTS if m.kill_sets == (UNIFIED_SET,)]  # need Gemma 4 Unified's embedders
 AUDIO_PRESET = "e2b-audio-mini"
 GRADING_CHECKS = CLOSENESS | {"count", "shape", "nonfinite", "identity", "top1", "topk", "generation", "hidden",
-                               "hidden_identity"}
+                               "hidden_identity", "mtp", "mtp_output", "mtp_accepted", "mtp_trace"}
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +77,7 @@ def test_identity_capabilities_and_registry():
     assert isinstance(b.capabilities, Capabilities)
     assert claimed.pop("embedding_convention") == "scaled"
     assert claimed.pop("default_profile") == "exact-f64"
+    assert claimed.pop("mtp_conventions") == ",".join(CONVENTIONS)  # it serves every MTP convention
     assert all(v is True for v in claimed.values()), claimed
     assert NumpyEngineBackend(dtype="float32").capabilities.default_profile == "fp32"
     assert "numpy-engine" in registry.available_backends()
@@ -277,7 +281,11 @@ def test_mutant_catalogue():
         name: (AUDIO_SET,) for name in ("audio-chunking-wrong", "audio-logit-cap-missing", "audio-soft-tokens-scaled",
                                         "audio-ple-placeholder-row")}
     assert AUDIO_SET == AUDIO_PRESET and "audio" in PRESETS[AUDIO_PRESET]
-    assert len(MUTANTS) == len(TEXT_MUTANTS) + len(IMAGE_MUTANTS) + len(AUDIO_MUTANTS) + len(UNIFIED_MUTANTS)
+    assert {m.name for m in MTP_MUTANTS} == {n for n in BACKENDS if n.startswith("mtp-")}
+    assert all(m.kill_sets == (MTP_SET_CENTROID,) if "centroid" in m.name else m.kill_sets == MTP_SETS
+               for m in MTP_MUTANTS)
+    assert len(MUTANTS) == len(TEXT_MUTANTS) + len(IMAGE_MUTANTS) + len(AUDIO_MUTANTS) + len(UNIFIED_MUTANTS) + \
+        len(MTP_MUTANTS)
     assert "moe-no-renormalise" in EQUIVALENT and "moe-no-renormalise" not in BACKENDS
 
 

@@ -139,6 +139,24 @@ def test_subset_passes_fp32(dtype, tmp_path):
     assert multi["caches"] == "one DynamicCache per seq_id"
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_assisted_generation_and_hidden_rows(dtype, tmp_path):
+    """transformers' own generate(assistant_model=...) on the bundled MTP sets: every transformers/P generate
+    case passes (drafts and acceptance round by round, the output plain greedy), and so do the hidden-state
+    rows (its hidden_states[-1], the final norm's output) of a text subset."""
+    backend = TransformersBackend(dtype=dtype)
+    mtp = run_subset(backend, "fp32", tmp_path, select=r"/mtp/generate/M\d/transformers/P$",
+                     sets=("e2b-assistant-mini", "12b-assistant-mini"))
+    assert len(mtp.cases) == 8 and not failures(mtp), failures(mtp)
+    assert {c.executed["drafter"] for c in mtp.cases} == {"Gemma4AssistantForCausalLM",
+                                                          "Gemma4UnifiedAssistantForCausalLM"}
+    text = run_subset(backend, "fp32", tmp_path, select=r"^e2b-mini/(last/plain/A/T9/pos4|multi/A-T3\+B-T8\+C-T13)$",
+                      sets=("e2b-mini",))
+    hidden = [r for c in text.cases for r in c.rows if r["label"].endswith(" hidden")]
+    assert not failures(text) and len(hidden) == 4 + 3 + 9  # the rows, their decode steps, all graded
+    assert max(r["metrics"]["nmse"] for r in hidden) < 1e-10
+
+
 class ExactFloat64(TransformersBackend):
     """The float64 backend with transformers' float32 spots made float64 (tests/hf_reference.py)."""
 
@@ -297,6 +315,8 @@ def test_identity_and_capabilities():
     assert claimed.pop("embedding_convention") == "scaled"
     assert claimed.pop("default_profile") == "fp32"
     assert claimed.pop("image_tower") is False  # on request only: Gemma 4 Unified's own embedder (image_tower=on)
+    assert claimed.pop("mtp") is False  # MTP: its own assisted generation only (mode generate)
+    assert claimed.pop("mtp_conventions") == "transformers/P"
     assert all(v is True for v in claimed.values()), claimed
     assert TransformersBackend(dtype="float64").capabilities.default_profile == "fp32"
     assert TransformersBackend(dtype="float64", attn="sdpa").name == "transformers-float64-sdpa"

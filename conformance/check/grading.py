@@ -46,7 +46,7 @@ __all__ = ["RowResult", "CaseGrade", "grade_case", "CHECKS", "CASE_CHECKS", "MET
 
 CHECKS = ("count", "dtype", "shape", "nonfinite", "identity", "max_abs", "max_rel", "nmse", "cosine", "kl", "delta_p",
           "top1", "topk", "hidden", "hidden_identity")  # the last two: hidden-state rows (conformance.check.hidden)
-CASE_CHECKS = ("count", "dtype", "kl_mean", "generation")
+CASE_CHECKS = ("count", "dtype", "kl_mean", "generation", "mtp", "mtp_output", "mtp_accepted", "mtp_trace")
 METRIC_KEYS = ("max_abs", "max_rel", "nmse", "cosine", "kl", "delta_p", "top1_agree", "topk_overlap", "margin",
                "identity_nearest", "identity_ratio")
 #: top-N ids reported in every RowResult (``top_ref`` / ``top_got``)

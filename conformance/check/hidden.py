@@ -30,11 +30,14 @@ class OracleHidden(Mapping):
     stored residual stream through the checkpoint's final norm (``Gemma4.final_norm``). Empty for a set
     that stores no hidden states (schema 1)."""
 
-    def __init__(self, stored: Mapping[str, np.ndarray], model_dir):
+    def __init__(self, stored: Mapping[str, np.ndarray], model_dir, normed: Mapping[str, np.ndarray] | None = None):
         self._stored, self._model_dir, self._done = stored, model_dir, {}
+        self._normed = dict(normed or {})  # rows stored final-normed already (the MTP bases')
         self._model = None
 
     def __getitem__(self, base: str) -> np.ndarray:
+        if base in self._normed:
+            return self._normed[base]
         if base not in self._done:
             if self._model is None:
                 self._model = Gemma4(self._model_dir)
@@ -42,14 +45,24 @@ class OracleHidden(Mapping):
         return self._done[base]
 
     def __iter__(self):
-        return iter(self._stored)
+        return iter([*self._stored, *self._normed])
 
     def __len__(self) -> int:
-        return len(self._stored)
+        return len(self._stored) + len(self._normed)
+
+    def __contains__(self, base) -> bool:
+        return base in self._stored or base in self._normed
 
 
-def hidden_groups(case, response) -> list[Any]:
-    """The response's hidden rows as arrays matching ``row_groups(case)`` (logits rows, then decode group(s))."""
+def hidden_groups(case, groups, response) -> tuple[list, list[Any]]:
+    """(the groups that have hidden rows, the response's hidden rows of each): ``row_groups(case)``'s logits
+    rows, then its decode group(s); for an MTP case the prompt's row and every round's verification rows
+    (draft steps have none)."""
+    if case.kind == "mtp":
+        mtp = response.mtp
+        verify = [] if mtp is None else (mtp.verify_hidden or [])
+        picked = [groups[0]] + [g for g in groups[1:] if g[0].endswith(" verify")]
+        return picked, [response.hidden] + [verify[r] if r < len(verify) else None for r in range(len(picked) - 1)]
     out: list[Any] = [response.hidden]
     dh = response.decode_hidden
     n_decode = (len(case.sequences) if case.kind == "multi" and any(d for *_, d in case.sequences)
@@ -58,7 +71,7 @@ def hidden_groups(case, response) -> list[Any]:
         out += [None if dh is None or s >= len(dh) else dh[s] for s in range(n_decode)]
     elif n_decode:
         out.append(dh)
-    return out
+    return list(groups), out
 
 
 def _fail(res: RowResult, check: str, message: str) -> None:

@@ -14,7 +14,7 @@ import numpy as np
 from refimpl.config import load_config
 from refimpl.weights import Gemma4Weights
 
-from ..protocol.types import Piece, Request, Response
+from ..protocol.types import MtpRequest, MtpRound, Piece, Request, Response
 from ..sets.case import BaseMedia, Case, prompt_length, row_groups
 
 def _ids(x) -> tuple[int, ...]:
@@ -27,12 +27,18 @@ def _images_within(images: Sequence[tuple[int, int]], T: int) -> tuple[tuple[int
 
 
 def build_request(case: Case, bases: Mapping[str, np.ndarray], embed: Callable[[np.ndarray], np.ndarray],
-                  media: Mapping[str, BaseMedia] | None = None) -> Request:
+                  media: Mapping[str, BaseMedia] | None = None, drafter: Path | None = None) -> Request:
     """The backend request. bases maps base id -> token ids (np int64). embed(ids) -> [T, H] float64
     embeddings in the backend's convention (scaled or raw); only called for entry 'embeddings' on text
     bases. ``media`` maps each image base to its ``BaseMedia`` (embeddings already in the backend's
     convention): a case on an image base sends those rows and the image blocks it contains."""
     m = (media or {}).get(case.base) if case.kind != "multi" else None
+    if case.kind == "mtp":
+        spec = case.mtp
+        rounds = tuple(MtpRound(r.token, r.drafts, r.accepted) for r in spec.rounds) if spec.mode == "rounds" else ()
+        return Request(kind="mtp", tokens=_ids(bases[case.base][:case.length]),
+                       drafter=None if drafter is None else str(drafter),
+                       mtp=MtpRequest(spec.mode, spec.convention, spec.num_drafts, spec.max_new_tokens, rounds))
     if case.kind == "multi":
         return Request(
             kind="multi",
@@ -83,6 +89,12 @@ def response_groups(case: Case, response: Response) -> list[np.ndarray | None]:
     """
     groups = row_groups(case)
     out: list[np.ndarray | None] = [_array(response.logits)]
+    if case.kind == "mtp":  # then each round's draft logits and verification logits
+        mtp = response.mtp
+        for g in range(len(groups) - 1):
+            rows = None if mtp is None else (mtp.draft_logits if g % 2 == 0 else mtp.verify_logits)
+            out.append(None if rows is None or g // 2 >= len(rows) else _array(rows[g // 2]))
+        return out
     if len(groups) == 1:
         return out
     dl = response.decode_logits

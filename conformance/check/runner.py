@@ -37,6 +37,7 @@ from ..sets.integrity import load_set
 from .expectations import Expectations
 from .grading import grade_case
 from .hidden import grade_hidden, hidden_groups
+from .mtp import grade_mtp
 from .profiles import with_overrides
 from .requests import build_request, response_groups, without_decode
 from ..sets.case import row_groups
@@ -200,6 +201,7 @@ def run(
     case_timeout: float | None = None,
     model: str | Path | None = None,
     rehash: bool = False,
+    drafter: str | Path | None = None,
 ) -> RunResult:
     """Run the selected cases of ``sets`` (paths or loaded ``FixtureSet``s) on ``backend``.
 
@@ -210,7 +212,8 @@ def run(
     may take (see ``conformance.backend.CaseTimeout``); past it the case is an error with check
     ``timeout``, and the run goes on where the backend restarts its engine, else it ends there.
     ``model``: the directory of every external set's checkpoint (``--model``; default: each set's recorded
-    path); ``rehash``: read the checkpoint files again instead of trusting the digest cache (``Checkpoints``).
+    path); ``rehash``: read the checkpoint files again instead of trusting the digest cache (``Checkpoints``);
+    ``drafter``: the MTP assistant of sets with MTP cases (``--drafter``; default: the path each set records).
     """
     started = _dt.datetime.now(_dt.timezone.utc)
     t0 = time.perf_counter()
@@ -227,7 +230,7 @@ def run(
     in_flight: list[str] = []  # the case being run, while it runs
     interrupted = None
     with tempfile.TemporaryDirectory(prefix="gemma4-conformance-", dir=workdir) as tmp:
-        session = Session(backend, Checkpoints(tmp, model=model, rehash=rehash), calls)
+        session = Session(backend, Checkpoints(tmp, model=model, rehash=rehash, drafter=drafter), calls)
         try:
             for (fs, chosen), info in zip(plan, infos):
                 if chosen:
@@ -308,7 +311,7 @@ def run_case(backend: Backend, claimed: dict, ctx: SetContext, case, profile,
     res.expectation = decision.to_json()
 
     try:
-        request = build_request(case, ctx.bases, ctx.embed, ctx.media)
+        request = build_request(case, ctx.bases, ctx.embed, ctx.media, ctx.drafter)
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # noqa: BLE001 - a harness bug must not stop the run either
@@ -319,7 +322,7 @@ def run_case(backend: Backend, claimed: dict, ctx: SetContext, case, profile,
         # a backend without decode still has its prefill rows graded; the decode steps are reported as
         # not claimed (in `missing`) rather than dropping the whole case
         case = without_decode(case)
-        request = build_request(case, ctx.bases, ctx.embed, ctx.media)
+        request = build_request(case, ctx.bases, ctx.embed, ctx.media, ctx.drafter)
     elif res.missing:
         res.status = "not-claimed"
         res.message = "needs " + ", ".join(res.missing) + " (not claimed by the backend)"
@@ -375,10 +378,17 @@ def run_case(backend: Backend, claimed: dict, ctx: SetContext, case, profile,
     res.status = grade.status
     res.check = grade.check
     res.message = grade.message
+    if case.kind == "mtp":
+        failure = grade_mtp(case, response, prof)
+        if failure is not None and res.status == "pass":
+            res.status, res.check, res.message = "fail", failure[0], failure[1]
+        elif failure is not None:
+            res.message += f"; {failure[1]}"
     hidden_rows = []
-    if request.hidden and all(r.base in ctx.base_hidden for _, rows in groups for r in rows):
+    if request.hidden and all(r.base in ctx.base_hidden for _, rows in hidden_groups(case, groups, response)[0]
+                              for r in rows):
         try:
-            hidden_rows = grade_hidden(groups, hidden_groups(case, response), ctx.base_hidden, prof)
+            hidden_rows = grade_hidden(*hidden_groups(case, groups, response), ctx.base_hidden, prof)
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # noqa: BLE001 - malformed hidden rows the grader cannot read

@@ -13,10 +13,11 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from refimpl.config import load_config
 from refimpl.errors import RefimplError
+from refimpl.assistant import Drafter
 from refimpl.model import Gemma4
 from refimpl.tokenizer import Tokenizer
 
@@ -86,20 +87,44 @@ def _model_summary(manifest: dict) -> dict[str, Any]:
     return keep
 
 
-class SetContext:
-    """What grading the cases of one opened fixture set needs: bases, oracle logits, embedder, tokenizer."""
+class Rows(Mapping):
+    """Base id -> oracle rows: ``first`` (the MTP bases' stored rows, by their grading names), then ``rest``."""
 
-    def __init__(self, fs, model_dir: Path, convention: str, base_logits):
+    def __init__(self, first: Mapping, rest: Mapping):
+        self.first, self.rest = first, rest
+
+    def __getitem__(self, base):
+        return self.first[base] if base in self.first else self.rest[base]
+
+    def __contains__(self, base) -> bool:
+        return base in self.first or base in self.rest
+
+    def __iter__(self):
+        return iter([*self.first, *self.rest])
+
+    def __len__(self) -> int:
+        return len(self.first) + len(self.rest)
+
+
+class SetContext:
+    """What grading the cases of one opened fixture set needs: bases, oracle logits, embedder, tokenizer, and
+    for a set with MTP cases the assistant checkpoint (``drafter``)."""
+
+    def __init__(self, fs, model_dir: Path, convention: str, base_logits, drafter: Path | None = None,
+                 mtp_rows: tuple[dict, dict] = ({}, {})):
         self.fs = fs
         self.name = str(fs.manifest.get("name", Path(fs.path).name))
         self.model_dir = model_dir
+        self.drafter = drafter
         self.bases = fs.bases()
-        self.base_logits = base_logits  # stored, or rebuilt through the checkpoint's head on first use
+        mtp_logits, mtp_hidden = mtp_rows
+        # stored, or rebuilt through the checkpoint's head on first use; the MTP bases' rows first
+        self.base_logits = Rows(mtp_logits, base_logits) if mtp_logits else base_logits
         self._scales: dict[str, float] = {}  # base -> its logit scale (logit_scale)
         self.embed = Embedder(model_dir, convention)
         self.media = fs.media(convention)
         self.pieces = token_pieces(model_dir)
-        self.base_hidden = OracleHidden(fs.hidden_states(), model_dir)  # final-norm rows, made on first use
+        self.base_hidden = OracleHidden(fs.hidden_states(), model_dir, mtp_hidden)  # final-norm rows, made on first use
 
     def prepare(self, cases, note: Callable[[str], None] | None = None) -> None:
         """The oracle logits of every base ``cases`` grade, made now: a set stored as hidden states has them
@@ -116,7 +141,7 @@ class SetContext:
         """Whether the backend claims what ``case`` needs (decode aside, which is dropped when unclaimed).
         A case whose request cannot be built counts as claimable: running it reports the harness error."""
         try:
-            need = required_capabilities(build_request(case, self.bases, self.embed, self.media))
+            need = required_capabilities(build_request(case, self.bases, self.embed, self.media, self.drafter))
         except Exception:  # noqa: BLE001
             return True
         return all(claims(claimed, n) for n in need if n != "decode")
@@ -129,10 +154,11 @@ class SetContext:
         its rounding (every miniature), as it is."""
         if getattr(profile, "scaling", "fixed") == "fixed":
             return profile
-        bases = sorted({r.base for _, rows in row_groups(case) for r in rows if r.base in self.bases})
+        bases = sorted({r.base for _, rows in row_groups(case) for r in rows
+                        if r.base.split("@")[0] in self.bases})  # an MTP base's rows: scaled by its length
         if not bases:
             return profile
-        n = max(len(self.bases[b]) for b in bases)
+        n = max(len(self.bases[b.split("@")[0]]) for b in bases)
         probes = recorded_probes(self.fs.manifest)
         probe = max((probes[b] for b in bases if b in probes), default=None)
         return scaled(profile, self.text_config, n, max(self.logit_scale(b) for b in bases), probe)
@@ -177,13 +203,16 @@ class Checkpoints:
     path); synthetic sets ignore it and regenerate theirs. ``rehash``: read every checkpoint file again
     instead of trusting the digest cache."""
 
-    def __init__(self, workdir: str | Path, *, model: str | Path | None = None, rehash: bool = False):
+    def __init__(self, workdir: str | Path, *, model: str | Path | None = None, rehash: bool = False,
+                 drafter: str | Path | None = None):
         self.workdir = Path(workdir)
         self.model = model
+        self.drafter = drafter
         self.rehash = rehash
         self._dirs: dict[int, Path] = {}
         self._contexts: dict[tuple[int, str], SetContext] = {}
         self._logits: dict[int, Any] = {}
+        self._mtp: dict[int, tuple[dict, dict]] = {}
 
     def model_dir(self, fs) -> Path:
         key = id(fs)
@@ -208,10 +237,27 @@ class Checkpoints:
             self._logits[key] = fs.oracle_logits(model, self.workdir / f"rebuilt{len(self._logits)}")
         return self._logits[key]
 
+    def mtp_rows(self, fs, model_dir: Path, drafter: Path | None) -> tuple[dict, dict]:
+        """The set's MTP rows (``FixtureSet.mtp_rows``), their logits rebuilt through the target's and the
+        drafter's heads, once per set; FixtureError when either checkpoint cannot be read."""
+        key = id(fs)
+        if key not in self._mtp:
+            self._mtp[key] = ({}, {})
+            if fs.has_mtp():
+                try:
+                    self._mtp[key] = fs.mtp_rows(Gemma4(model_dir), Drafter(drafter))
+                except RefimplError as e:
+                    raise FixtureError(f"{fs.path}: the set's MTP rows are rebuilt through the target's and the "
+                                       f"drafter's heads, which the oracle cannot read: {e}") from None
+        return self._mtp[key]
+
     def context(self, fs, convention: str) -> SetContext:
         key = (id(fs), convention)
         if key not in self._contexts:
-            self._contexts[key] = SetContext(fs, self.model_dir(fs), convention, self.oracle_logits(fs))
+            model_dir = self.model_dir(fs)
+            drafter = fs.drafter_dir(model_dir, drafter=self.drafter, rehash=self.rehash)
+            self._contexts[key] = SetContext(fs, model_dir, convention, self.oracle_logits(fs), drafter,
+                                             self.mtp_rows(fs, model_dir, drafter))
         return self._contexts[key]
 
 

@@ -6,7 +6,7 @@ scoreboard).
                       [--json FILE] [--junit-xml FILE] [--backend-option KEY=VALUE ...] [-q] [-v]
     conformance list backends|cases|profiles [--fixtures DIR ...] [-k REGEX]
     conformance generate (--model DIR | --preset NAME [--seed N]) [--prompts FILE.jsonl] --out DIR
-                         [--name N] [--version V] [--cases auto|text|images|audio|all] [--image FILE ...]
+                         [--name N] [--version V] [--cases auto|text|images|audio|mtp|all] [--drafter DIR] [--image FILE ...]
                          [--audio FILE.wav ...] [--workers N | --cluster ADDRESS]
     conformance verify DIR ... [--model DIR] [--rehash] [--recompute]
     conformance selftest [--fixtures DIR ...] [--mutant REGEX] [-k REGEX] [--json FILE] [-q]
@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--fixtures", nargs="+", action="extend", metavar="DIR",
                    help="fixture set directories, or directories holding sets (default: the bundled sets)")
     c.add_argument("--model", metavar="DIR", help=MODEL_HELP)
+    c.add_argument("--drafter", metavar="DIR",
+                   help="the MTP assistant checkpoint of sets with MTP cases (default: the path the set records, "
+                        "relative to the checkpoint; checked by its sha256 like the checkpoint)")
     c.add_argument("--rehash", action="store_true", help=REHASH_HELP)
     c.add_argument("--profile", metavar="P", help="grading profile (default: the backend's default_profile)")
     c.add_argument("--expectations", metavar="FILE", help="expectations file (JSON, or TOML for *.toml); "
@@ -84,9 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--preset", metavar="NAME", help="a refimpl synthetic preset (see 'refimpl synth')")
     g.add_argument("--seed", type=int, default=None, help="weights seed for --preset (default 0)")
     g.add_argument("--prompts", metavar="FILE.jsonl", help="extra bases from your prompts (one JSON object a line)")
-    g.add_argument("--cases", choices=("auto", "text", "images", "audio", "all"), default="auto",
+    g.add_argument("--cases", choices=("auto", "text", "images", "audio", "mtp", "all"), default="auto",
                    help="which case matrix: text, images (image prompts: bases I0, I1), audio (audio prompts: bases "
-                        "S0, S1), or all (text plus what the checkpoint's towers allow; auto, the default, is the same)")
+                        "S0, S1), mtp (assisted decoding with the drafter: bases M0..M3), or all (text plus what the "
+                        "checkpoint's towers and drafter allow; auto, the default, is the same)")
+    g.add_argument("--drafter", metavar="DIR",
+                   help="an MTP assistant checkpoint for --model (gemma4_assistant, gemma4_unified_assistant): adds the "
+                        "MTP matrix (docs/fixtures.md); a preset with an assistant brings its own")
     g.add_argument("--image", action="append", metavar="FILE",
                    help="an image for the image bases (repeat for more; PNG/PPM natively, other formats with "
                         "pillow); default: synthetic images")

@@ -51,6 +51,7 @@ def cmd_check(args, argv: Sequence[str]) -> int:
             raise UsageError(str(e)) from None
 
     model = model_dir_arg(args.model)
+    drafter = model_dir_arg(args.drafter, "--drafter")
     sets = load_fixture_sets(args)
     if sets is None:
         return EXIT_FIXTURE
@@ -87,7 +88,7 @@ def cmd_check(args, argv: Sequence[str]) -> int:
     bar = ProgressBar(sys.stderr, tty=is_tty(sys.stderr), enabled=not args.quiet)
     result, failed = guarded(bar, lambda: run(backend, sets, profile, expectations, pattern, bar,
                                                backend_options=options, case_timeout=args.case_timeout,
-                                               model=model, rehash=args.rehash))
+                                               model=model, rehash=args.rehash, drafter=drafter))
     if failed is not None:
         return failed
 

@@ -122,10 +122,10 @@ def positive_seconds(value: str) -> float:
     return seconds
 
 
-def model_dir_arg(value: str | None) -> str | None:
-    """--model DIR of check and verify: an existing directory (UsageError otherwise), or None."""
+def model_dir_arg(value: str | None, flag: str = "--model") -> str | None:
+    """--model DIR (or --drafter DIR) of check and verify: an existing directory (UsageError otherwise), or None."""
     if value is not None and not Path(value).is_dir():
-        raise UsageError(f"--model: no such directory: {value}")
+        raise UsageError(f"{flag}: no such directory: {value}")
     return value
 
 

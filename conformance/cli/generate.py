@@ -68,6 +68,10 @@ def cmd_generate(args) -> int:
         raise UsageError(f"--prompts: no such file: {args.prompts}")
     if args.model is not None and not Path(args.model).is_dir():
         raise UsageError(f"--model: no such directory: {args.model}")
+    if args.drafter is not None and args.model is None:
+        raise UsageError("--drafter applies to --model only (a preset with an assistant brings its own)")
+    if args.drafter is not None and not Path(args.drafter).is_dir():
+        raise UsageError(f"--drafter: no such directory: {args.drafter}")
     for flag, paths in (("--image", args.image), ("--audio", args.audio)):
         for path in paths or ():
             if not Path(path).is_file():
@@ -81,7 +85,7 @@ def cmd_generate(args) -> int:
                           "prompts": args.prompts, "name": args.name, "progress": progress,
                           "cases": args.cases, "images": args.image or None, "audio": args.audio or None,
                           "workers": args.workers, "cluster": args.cluster, "store": args.store,
-                          "vision_mask": args.vision_mask}
+                          "vision_mask": args.vision_mask, "drafter": args.drafter}
     if args.version is not None:
         kw["version"] = args.version
     try:

@@ -29,6 +29,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from refimpl.synth import write_checkpoint
+
 from ..sets.format import FixtureError
 
 PARTIAL_SCHEMA = "gemma4-conformance/partial-run"
@@ -202,6 +204,19 @@ class PartialRun:
     @property
     def model_dir(self) -> Path:
         return self.path / MODEL
+
+    def synthetic_model(self, preset: str, seed: int) -> tuple[Path, bool]:
+        """The preset's checkpoint in the partial run (deterministic: written once, renamed into place when
+        complete), and whether an earlier run had written it."""
+        src = self.model_dir
+        if src.is_dir():
+            return src, True
+        tmp = Path(tempfile.mkdtemp(prefix=".model.tmp-", dir=self.path))
+        try:
+            os.rename(write_checkpoint(preset, seed, tmp / "model", dtype="f32"), src)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return src, False
 
     def job_dir(self, base: str) -> Path:
         return self.path / JOBS / base

@@ -10,7 +10,6 @@ import os
 import shlex
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
@@ -21,7 +20,7 @@ from refimpl.audio_features import AudioFeatures
 from refimpl.image import ProcessedImage
 from refimpl.model import VISION_MASK_RULES, Gemma4
 from refimpl.safetensors_io import write_safetensors
-from refimpl.synth import PRESETS, write_checkpoint
+from refimpl.synth import PRESETS
 from refimpl.tokenizer import Tokenizer
 from refimpl.unified import is_unified
 
@@ -31,8 +30,8 @@ from ..sets.case import (
 )
 from ..sets.checkpoint import checkpoint_record
 from ..sets.format import (
-    AUDIO_LEAVES, CASES, IMAGE_LEAVES, MANIFEST, NAME_RE, SCHEMA, SCHEMA_VERSION, SEMVER_RE, STORAGES,
-    SYNTHETIC_FILES, FixtureError, base_file, hash_files, model_files, sha256_file, versions, write_json,
+    AUDIO_LEAVES, CASES, IMAGE_LEAVES, MANIFEST, MTP_FILE, NAME_RE, SCHEMA, SCHEMA_VERSION, SEMVER_RE,
+    STORAGES, SYNTHETIC_FILES, FixtureError, base_file, hash_files, model_files, sha256_file, versions, write_json,
 )
 from ..sets.head import SUMMARY_LEAVES, RebuiltLogits
 from . import executors, partial
@@ -41,6 +40,7 @@ from .jobs import JobContext, job_versions
 from .matrix import annotate, generate_cases, generate_image_cases, random_base_length
 from .media import AudioSide, VisionSide, audio_sources, has_audio_tower, has_vision_tower, image_sources, media_order
 from .media import AUDIO_TEXT, IMAGE_TEXT
+from .mtp import SCENARIOS, checked_drafter, mtp_drafter, mtp_matrix
 from .prompts import encode_prompt, prompt_entries
 
 
@@ -55,7 +55,7 @@ CHAT_PROMPT = "What does the sliding window attention cache keep?"  # base G whe
 G_RANDOM_PROMPT = 16  # base G prompt length when the model has no tokenizer
 
 
-CASE_KINDS = ("auto", "text", "images", "audio", "all")  # generate_set(cases=...); auto = all
+CASE_KINDS = ("auto", "text", "images", "audio", "mtp", "all")  # generate_set(cases=...); auto = all
 
 
 Progress = Callable[[int, int, str], None]
@@ -110,7 +110,8 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
                  prompts=None, name: str | None = None, version: str = "1.0.0", progress: Progress | None = None,
                  cross_check: CrossCheck | None = None, command: str | None = None, cases: str = "auto",
                  images=None, audio=None, workers: int | None = None, cluster: str | None = None,
-                 store: str = "hidden", vision_mask: str = VISION_MASK_RULES[0]) -> Path:
+                 store: str = "hidden", vision_mask: str = VISION_MASK_RULES[0],
+                 drafter: str | Path | None = None) -> Path:
     """Write a fixture set to ``out``: the only writer. Refuses an existing ``out`` (an empty directory
     is allowed). The work is split into one job per base (docs/distributed-generation.md), run in
     parallel, and resumable: every finished job's result is kept in ``<out.parent>/.<out.name>.partial/``
@@ -137,10 +138,12 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
     ``store``: "hidden" (default: per row the float64 hidden state and a summary; the logits are rebuilt
     through the checkpoint's head when the set is used, docs/fixtures.md) or "logits" (also the full
     float64 logits, so the set can be read without its checkpoint: N x V x 8 bytes per base).
+    ``drafter``: an MTP assistant for ``model_dir`` (a preset with one has its own): the MTP matrix too
+    (conformance.generate.mtp; cases auto, all or mtp), the drafter recorded by its files' sha256.
     ``vision_mask``: the rule the oracle opens vision blocks with on "vision" checkpoints
     (refimpl.model.VISION_MASK_RULES; default "sliding-clamped"), recorded in the manifest.
     ``cases``: "text" (the text matrix), "images" (the image matrix only: image bases I0, I1), "audio"
-    (the audio matrix only: audio bases S0, S1), "all" or "auto" (the text matrix plus the image and
+    (the audio matrix only: audio bases S0, S1), "mtp" (the MTP matrix only: MTP bases M0, M1, ...), "all" or "auto" (the text matrix plus the image and
     audio matrices the checkpoint's towers allow). ``images``: the images of the image bases (file
     paths or uint8 [h, w, 3] arrays; default: synthetic images from ``seed``); ``audio``: the clips
     of the audio bases (WAV paths or float arrays at 16 kHz; default: synthetic clips). With image or
@@ -182,6 +185,7 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
         model_dir = Path(model_dir).resolve()
         if not model_dir.is_dir():
             raise ValueError(f"{model_dir}: not a directory")
+    drafter = checked_drafter(drafter, preset)
     if cases == "images" and entries:
         raise ValueError("prompts make text bases, but cases='images' writes the image matrix only; use cases='all'")
     if images is not None and cases in ("text", "audio"):
@@ -205,6 +209,7 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
             return _generate(out, target, model_dir=model_dir, preset=preset, seed=seed, entries=entries, name=name,
                              version=version, progress=progress, cross_check=cross_check, command=command,
                              cases=cases, images=images, audio=audio, store=store, vision_mask=vision_mask,
+                             drafter=drafter,
                              workers=workers if workers is not None else (os.cpu_count() or 1), dask=dask)
         finally:
             if dask is not None:
@@ -265,7 +270,8 @@ class _Assembled:
 
 def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str | None, seed: int, entries: list[dict],
               name: str, version: str, progress: Progress | None, cross_check: CrossCheck | None, command: str | None,
-              cases: str, images, audio, workers: int, dask, store: str, vision_mask: str) -> Path:
+              cases: str, images, audio, workers: int, dask, store: str, vision_mask: str,
+              drafter: Path | None = None) -> Path:
     """generate_set after argument checks, under the run's lock: plan the jobs, run the missing ones, assemble,
     publish to ``out_abs`` (publish_path(out))."""
     model = None
@@ -284,13 +290,15 @@ def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str |
     staging = None
     try:
         if preset is not None:
-            src, reused = _synthetic_model(run, preset, seed)
+            src, reused = run.synthetic_model(preset, seed)
             model_info = {**model_key, "sha256": hash_files(src, SYNTHETIC_FILES)}
             model = Gemma4(src, vision_mask=vision_mask)
         else:
             src, reused, model_info = model_dir, False, model_key
         plan = _plan(run, src, model, seed, entries, name, cases, images, audio, store)
-        steps.total = (1 if preset is not None else 0) + len(plan.jobs) + (1 if cross_check is not None else 0) + 1
+        drafter_dir = mtp_drafter(src, preset is not None, drafter, cases)
+        steps.total = (1 if preset is not None else 0) + len(plan.jobs) + (1 if cross_check is not None else 0) + 1 + \
+            (len(SCENARIOS) if drafter_dir is not None else 0)
         if preset is not None:
             steps("model: reused from an earlier run" if reused else "model")
         _run_pending(run, plan, src, model, name, workers, dask, steps)
@@ -307,11 +315,13 @@ def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str |
             (generate_image_cases(name, cfg, got.bases, got.audio_spans, kind="audio") if plan.audio else [])
         top2 = {b: s["margin"] for b, s in got.summaries.items()}
         set_cases = [annotate(c, top2, got.margins or None) for c in matrix]
+        mtp = mtp_matrix(name, model, drafter_dir, seed, steps, synthetic=preset is not None)
+        set_cases += mtp.cases if mtp is not None else []
         staging = run.staging()
         staged = staging / "set"
         staged.mkdir()
         _write_set(staged, got, results, set_cases, plan, cfg, name=name, version=version, checks=checks,
-                   command=command, model_info=model_info, store=store, vision_mask=vision_mask)
+                   command=command, model_info=model_info, store=store, vision_mask=vision_mask, mtp=mtp)
         steps("write")
         try:
             os.replace(staged, out_abs)
@@ -325,20 +335,6 @@ def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str |
         raise
     run.remove()  # published: the partial run is done
     return out
-
-
-def _synthetic_model(run: partial.PartialRun, preset: str, seed: int) -> tuple[Path, bool]:
-    """The preset's checkpoint in the partial run (deterministic: written once, renamed into place when
-    complete), and whether an earlier run had written it."""
-    src = run.model_dir
-    if src.is_dir():
-        return src, True
-    tmp = Path(tempfile.mkdtemp(prefix=".model.tmp-", dir=run.path))
-    try:
-        os.rename(write_checkpoint(preset, seed, tmp / "model", dtype="f32"), src)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return src, False
 
 
 def _plan(run: partial.PartialRun, src: Path, model, seed: int, entries: list[dict], name: str, cases: str,
@@ -540,7 +536,7 @@ def _cross_check(cross_check: CrossCheck, src: Path, got: _Assembled, results: M
 
 def _write_set(staged: Path, got: _Assembled, results: Mapping[str, partial.JobResult], set_cases: list[Case],
                plan: _Plan, cfg, *, name: str, version: str, checks: list[dict], command: str | None,
-               model_info: dict, store: str, vision_mask: str) -> None:
+               model_info: dict, store: str, vision_mask: str, mtp=None) -> None:
     """The set's files in ``staged``: one base-<id>.safetensors per base, cases.json and the manifest
     (written last, with the sha256 of the others)."""
     media = {**{b: ("image", IMAGE_LEAVES, "images", s) for b, s in got.spans.items()},
@@ -563,6 +559,8 @@ def _write_set(staged: Path, got: _Assembled, results: Mapping[str, partial.JobR
                     tensors[f"{kind}/{j}/{leaf}"] = np.asarray(a, dtype=np.uint8) if leaf == "mask" else a
         write_safetensors(staged / base_file(b), tensors, "F64", metadata={"schema": SCHEMA, "name": name, "base": b})
     write_json(staged / CASES, {"cases": [c.to_json() for c in set_cases]})
+    if mtp is not None:
+        write_safetensors(staged / MTP_FILE, mtp.tensors, "F64", metadata={"schema": SCHEMA, "name": name})
     recorded = versions()
     manifest = {
         "schema": SCHEMA,
@@ -586,7 +584,9 @@ def _write_set(staged: Path, got: _Assembled, results: Mapping[str, partial.JobR
         **({"images": plan.vision.manifest(cfg.use_bidirectional_attention == "vision", vision_mask)}
            if plan.vision else {}),
         **({"audio": plan.audio.manifest()} if plan.audio else {}),
+        **({"mtp": mtp.manifest} if mtp is not None else {}),
         "cases": len(set_cases),
-        "files": {f: sha256_file(staged / f) for f in (CASES, *(base_file(b) for b in got.bases))},
+        "files": {f: sha256_file(staged / f) for f in (CASES, *(base_file(b) for b in got.bases),
+                                                       *((MTP_FILE,) if mtp is not None else ()))},
     }
     write_json(staged / MANIFEST, manifest)

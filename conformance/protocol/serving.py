@@ -186,7 +186,7 @@ class CachedBackend:
     # A backend that claims ``hidden_states`` returns (logits, notes, hidden [len(rows), H]) from
     # ``_forward`` and ``_forward_all``: the final-norm hidden state of each returned row.
 
-    def _rows(self, out: tuple) -> tuple[np.ndarray, dict[str, Any]]:
+    def _forward_rows(self, out: tuple) -> tuple[np.ndarray, dict[str, Any]]:
         """A forward's (logits, notes); its hidden rows, when it gave them, go to ``self._hidden``."""
         if self._hidden is not None:
             if len(out) < 3 or out[2] is None:
@@ -320,7 +320,7 @@ class CachedBackend:
 
     def _decode_step(self, state: Any, token: int) -> np.ndarray:
         """One teacher-forced decode step: the logits row [V] after feeding ``token`` to ``state``."""
-        return self._rows(self._forward([int(token)], [0], state))[0][0]
+        return self._forward_rows(self._forward([int(token)], [0], state))[0][0]
 
     def _decode(self, state: Any, tokens: Sequence[int]) -> np.ndarray | None:
         """Teacher-forced decode of ``tokens``, one per forward: ``[len(tokens), V]``; None for none."""
@@ -352,7 +352,7 @@ class CachedBackend:
     def _full(self, request: Request) -> Response:
         self._check_tokens(request.tokens, "full request")
         state = self._state(None)
-        logits, notes = self._rows(self._forward_all(request.tokens, state))
+        logits, notes = self._forward_rows(self._forward_all(request.tokens, state))
         hidden = self._take_hidden(len(request.tokens))
         state_len = self._state_len(state)
         decode = self._decode(state, request.decode)
@@ -366,7 +366,7 @@ class CachedBackend:
         self._check_blocks(request, len(request.tokens))
         state = self._state(None if request.entry == "plain" else ("seq", request.seq_id))
         extra = self._media_kwargs(request.images, request.audio, request.audio_inputs, request.image_inputs)
-        logits, notes = self._rows(self._forward(request.tokens, [request.last_pos], state, embeddings=embeddings,
+        logits, notes = self._forward_rows(self._forward(request.tokens, [request.last_pos], state, embeddings=embeddings,
                                                  **extra))
         hidden = self._take_hidden(1)
         state_len = self._state_len(state)
@@ -402,7 +402,7 @@ class CachedBackend:
                 raise ValueError(f"{self.who}: piece {p} carries embeddings but the request has no images or audio")
             ubatches = []
             for start, stop, local in micro_batches(len(piece.tokens), rows, request.ubatch):
-                logits, notes = self._rows(self._forward(piece.tokens[start:stop], local, state, **extra))
+                logits, notes = self._forward_rows(self._forward(piece.tokens[start:stop], local, state, **extra))
                 out.append(logits)
                 ubatches.append({"tokens": stop - start, "outputs": len(local), **notes})
             pieces_done.append({"tokens": len(piece.tokens), "rows": rows, "ubatches": ubatches})
@@ -421,7 +421,7 @@ class CachedBackend:
         states, rows, notes = [], [], []
         for sid, tokens in zip(seq_ids, request.sequences):
             state = self._state(("seq", sid))  # one cache per sequence id
-            logits, forward_notes = self._rows(self._forward(tokens, [len(tokens) - 1], state))
+            logits, forward_notes = self._forward_rows(self._forward(tokens, [len(tokens) - 1], state))
             states.append(state)
             rows.append(logits)
             notes.append(forward_notes)

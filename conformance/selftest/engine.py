@@ -65,7 +65,7 @@ Every step is a small method, so a known engine bug is a few-line override in a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -83,6 +83,7 @@ from refimpl.unified import is_unified, load_unified_audio
 from ..backends.refimpl_backend import all_capabilities, check_options
 from ..protocol.types import BackendError, Request, Response
 from .encoders import MediaEncoders
+from .mtp import CONVENTIONS_SERVED, DraftModel, MtpDriver, load_draft_model, serve_mtp
 
 __all__ = ["Batch", "CacheSet", "Engine", "KVView", "LayerKV", "MicroBatch", "NumpyEngineBackend", "Rows",
            "SequenceCache", "PLAIN_SEQ"]
@@ -141,6 +142,12 @@ class SequenceCache:
     def entries(self, layer: int) -> int:
         kv = self.layers.get(layer)
         return 0 if kv is None else int(kv.pos.shape[0])
+
+    def truncate(self, length: int) -> None:
+        """Remove every position from ``length`` on (an MTP round's rejected drafts), as llama.cpp's seq_rm."""
+        for layer, kv in self.layers.items():
+            self.layers[layer] = _take(kv, kv.pos < length)
+        self.length = min(self.length, length)
 
 
 class CacheSet:
@@ -282,6 +289,8 @@ class Engine(MediaEncoders):
         self.inv_freq = [rope_inv_freq(spec.rope, spec.head_dim) for spec in model.cfg.layers]
         self.log: list[dict[str, Any]] = []  # one record per micro-batch (what actually ran)
         self.hidden_log: list[np.ndarray] = []  # the final-normed rows of every LM-head call (hidden_state)
+        self.residual_log: list[np.ndarray] = []  # the same rows before the final norm
+        self.spare_keys = 0  # sliding layers keep W - 1 + this many keys (an MTP run's rollback needs them)
 
     # -- requests build batches ---------------------------------------------------------------
 
@@ -413,7 +422,7 @@ class Engine(MediaEncoders):
             cache.advance(mb.pos[mb.slot == s])
             for i, spec in enumerate(self.cfg.layers):
                 if spec.owns_kv and spec.is_sliding:
-                    cache.trim(i, self.window(i) - 1)
+                    cache.trim(i, self.window(i) - 1 + self.spare_keys)
 
     # -- inputs -------------------------------------------------------------------------------
 
@@ -597,6 +606,7 @@ class Engine(MediaEncoders):
         final-normed rows go to ``hidden_log`` (the hidden-state output, ``hidden_state``)."""
         y = self.norm(x, self.w["norm.weight"])
         self.hidden_log.append(self.hidden_state(x, y))
+        self.residual_log.append(x)
         V = self.cfg.vocab_size
         logits = np.empty((y.shape[0], V), dtype=self.dtype)
         for a in range(0, V, HEAD_CHUNK):
@@ -639,6 +649,8 @@ class NumpyEngineBackend:
 
     name = "numpy-engine"
     engine_class: type[Engine] = Engine
+    draft_model_class: type[DraftModel] = DraftModel  # the MTP drafter's graph (conformance/selftest/mtp.py)
+    driver_class: type[MtpDriver] = MtpDriver  # the MTP round loop
 
     def __init__(self, dtype: str = "float64", embed_scale: str = "exact", vision_mask: str = "sliding-clamped"):
         self.dtype, self.embed_scale = check_options("numpy-engine", dtype, embed_scale)
@@ -650,6 +662,8 @@ class NumpyEngineBackend:
         self.capabilities = all_capabilities("exact-f64" if exact else "fp32")  # audio_tower, image_tower included
         self.engine: Engine | None = None
         self.tokens: MultimodalTokens | None = None
+        self._drafters: dict[str, DraftModel] = {}
+        self.capabilities = replace(self.capabilities, mtp_conventions=",".join(CONVENTIONS_SERVED))
 
     # -- protocol -------------------------------------------------------------------------------
 
@@ -681,11 +695,25 @@ class NumpyEngineBackend:
         if self.engine is None:
             raise RuntimeError("numpy-engine: run() called before open()")
         self.engine.log = []
-        self.engine.hidden_log = []
+        self.engine.hidden_log, self.engine.residual_log = [], []
+        self.engine.spare_keys = 0
         caches = self.engine.new_caches()  # fresh state per request
+        if request.kind == "mtp":
+            return self._mtp(request, caches)
         handler = {"full": self._full, "last": self._last, "prefill": self._prefill, "multi": self._multi}
         response = handler[request.kind](request, caches)
         return self._with_hidden(request, response) if request.hidden else response
+
+    # -- MTP (conformance/selftest/mtp.py) ------------------------------------------------------
+
+    def sequence_batch(self, caches: CacheSet, seq: Any, ids: Sequence[int], rows: Iterable[int]) -> Batch:
+        """A text batch of one sequence with output ``rows`` (the MTP driver's prefill and verification)."""
+        return self._one_sequence(caches, seq, ids, rows)
+
+    def _mtp(self, request: Request, caches: CacheSet) -> Response:
+        if request.drafter not in self._drafters or self._drafters[request.drafter].engine is not self.engine:
+            self._drafters = {request.drafter: load_draft_model(self.draft_model_class, request.drafter, self.engine)}
+        return serve_mtp(self, self._drafters[request.drafter], request, caches)
 
     def _with_hidden(self, request: Request, response: Response) -> Response:
         """``response`` with the hidden rows of every LM-head call (``Engine.hidden_log``, in call order:

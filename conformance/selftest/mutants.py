@@ -47,25 +47,20 @@ from refimpl.unified import LAYER_NORM_EPS
 
 from ..protocol.types import Backend
 from .engine import CacheSet, Engine, KVView, MicroBatch, NumpyEngineBackend, Rows, SequenceCache
+from .mtp_mutants import (HiddenNormWeightSkipped, HiddenPreNorm, MtpCentroidTopKMinus1, MtpDrafterReadsPreNorm,
+                          MtpEmbeddingUnscaled, MtpFirstRoundZeroHidden, MtpFirstStoreLayer, MtpFixedTargetState,
+                          MtpKeysRerotated, MtpLastRowAfterPartial, MtpNoRollback, MtpPositionAdvances,
+                          MtpPositionPMinus1)
+from .planting import planted
 
-__all__ = ["AUDIO_SET", "BACKENDS", "CLOSENESS", "EQUIVALENT", "IMAGE_SETS", "IMAGE_SET_BIDIRECTIONAL", "IMAGE_SET_PLE",
+__all__ = ["AUDIO_SET", "BACKENDS", "MTP_SETS", "MTP_SET_CENTROID", "CLOSENESS", "EQUIVALENT", "IMAGE_SETS", "IMAGE_SET_BIDIRECTIONAL", "IMAGE_SET_PLE",
            "MUTANTS", "Mutant", "UNIFIED_SET", "mutant", "planted"]
 
 CLOSENESS = frozenset({"max_abs", "max_rel", "nmse", "cosine", "kl", "kl_mean", "delta_p"})
 IDENTITY = frozenset({"identity"})
 HIDDEN = frozenset({"hidden", "hidden_identity"})
-
-
-def planted(name: str, breaks: str, *, engine: dict | None = None, backend: dict | None = None) -> type:
-    """A mutant backend class: ``NumpyEngineBackend`` named ``mutant/<name>`` whose engine has the ``engine``
-    hooks replaced (``Engine`` methods or attributes) and whose request hooks ``backend`` replaces. ``breaks``,
-    one line, says what it breaks. The class is named after ``name`` in CamelCase and lives in this module, so
-    ``conformance check --backend conformance.selftest.mutants:<Class>`` runs it."""
-    cls_name = "".join(part.capitalize() for part in name.split("-"))
-    attrs: dict = {"name": f"mutant/{name}", "__doc__": breaks, "__module__": __name__, **(backend or {})}
-    if engine:
-        attrs["engine_class"] = type(f"{cls_name}Engine", (Engine,), {"__module__": __name__, **engine})
-    return type(cls_name, (NumpyEngineBackend,), attrs)
+MTP = CLOSENESS | IDENTITY | frozenset({"top1", "topk", "mtp_output", "mtp_accepted", "mtp_trace"})
+# the MTP and hidden-state mutants are defined in mtp_mutants.py (they replace hooks of selftest/mtp.py)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -457,18 +452,9 @@ IMAGE_SETS = (IMAGE_SET_PLE, IMAGE_SET_BIDIRECTIONAL)
 AUDIO_SET = "e2b-audio-mini"
 #: the bundled Gemma 4 Unified set: encoder-free image and audio embedders, vision blocks longer than the window
 UNIFIED_SET = "12b-mini"
-
-
-# ----------------------------------------------------------------------------------------------
-# the hidden-state output (MTP spec B6, E1 M1): what an engine hands a drafter or an embedding user
-
-HiddenPreNorm = planted(
-    "hidden-pre-norm", "Hidden-state rows: the residual stream before the final norm instead of its output.",
-    engine={"hidden_state": lambda self, x, y: x})
-
-HiddenNormWeightSkipped = planted(
-    "hidden-norm-weight-skipped", "Hidden-state rows: the final norm without its weight (scale-free RMSNorm).",
-    engine={"hidden_state": lambda self, x, y: rms_norm(x, None, self.cfg.rms_norm_eps)})
+#: the bundled MTP sets: an E2B-like target with the centroid-head drafter, a Unified one with a dense drafter
+MTP_SET_CENTROID = "e2b-assistant-mini"
+MTP_SETS = (MTP_SET_CENTROID, "12b-assistant-mini")
 
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -514,6 +500,17 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(AudioFramesNotNormed, "unified U10", kill_sets=(UNIFIED_SET,)),
     _m(HiddenPreNorm, "mtp M1", HIDDEN),
     _m(HiddenNormWeightSkipped, "mtp M1", HIDDEN),
+    _m(MtpDrafterReadsPreNorm, "mtp M1", MTP, kill_sets=MTP_SETS),
+    _m(MtpLastRowAfterPartial, "mtp M2", MTP, kill_sets=MTP_SETS),
+    _m(MtpFirstRoundZeroHidden, "mtp M3", MTP, kill_sets=MTP_SETS),
+    _m(MtpPositionPMinus1, "mtp M4", MTP, kill_sets=MTP_SETS),
+    _m(MtpPositionAdvances, "mtp M4", MTP, kill_sets=MTP_SETS),
+    _m(MtpFirstStoreLayer, "mtp M5", MTP, kill_sets=MTP_SETS),
+    _m(MtpKeysRerotated, "mtp M6", MTP, kill_sets=MTP_SETS),
+    _m(MtpCentroidTopKMinus1, "mtp M9", MTP, kill_sets=(MTP_SET_CENTROID,)),
+    _m(MtpEmbeddingUnscaled, "mtp M11", MTP, kill_sets=MTP_SETS),
+    _m(MtpFixedTargetState, "mtp M12", MTP, kill_sets=MTP_SETS),
+    _m(MtpNoRollback, "mtp M13", MTP, kill_sets=MTP_SETS),
 )
 
 BACKENDS: dict[str, type] = {m.name: m.backend_class for m in MUTANTS}

@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ..protocol.types import ENTRIES, KINDS
+from ..protocol.types import ENTRIES, KINDS, MTP_MODES
 
 DECODE_STEPS = 3  # teacher-forced decode steps after every prefill
 UBATCH = 5  # the micro-batch size U of the ubatch cases
@@ -31,7 +31,81 @@ IMAGE_PREFIX = "I"  # image bases I0, I1, ...: prompts with image blocks (see ge
 AUDIO_PREFIX = "S"  # audio (sound) bases S0, S1, ...: prompts with audio blocks
 MEDIA_PREFIX = {"image": IMAGE_PREFIX, "audio": AUDIO_PREFIX}
 MEDIA_OPEN = {"image": "boi", "audio": "boa"}  # the tag of the row before a block
+MTP_PREFIX = "M"  # MTP bases M0, M1, ...: prompts with assisted-decoding rounds (mtp.safetensors)
 _FIELD = object()
+
+
+def mtp_rows(base: str, what: str, convention: str | None = None) -> str:
+    """The name under which an MTP base's stored rows are graded: ``M0@prompt`` (the prompt's rows),
+    ``M0@verify`` (every round's verification rows), ``M0@draft:<convention>`` (every draft step's logits)."""
+    return f"{base}@{what}" + (f":{convention}" if convention else "")
+
+
+@dataclass(frozen=True)
+class MtpRoundCase:
+    """One round of an MTP case, as the oracle ran it."""
+
+    token: int  # the pending token
+    drafts: tuple[int, ...]  # the drafts verified (forced in mode "rounds", the drafter's own in "generate")
+    accepted: int  # how many the target accepted
+    draft_argmax: tuple[int, ...]  # the drafter's argmax of each step
+    draft_margins: tuple[float, ...]  # its top-1 minus top-2 logit at each step (ties are not graded)
+    verify_margins: tuple[float, ...]  # the target's top-1 minus top-2 at each verification row
+
+    def to_json(self) -> list:
+        return [self.token, list(self.drafts), self.accepted, list(self.draft_argmax), list(self.draft_margins),
+                list(self.verify_margins)]
+
+
+@dataclass(frozen=True)
+class MtpCase:
+    """What an MTP case asks (``conformance.protocol.types.MtpRequest``) and what the oracle did."""
+
+    mode: str  # "rounds" (white box, teacher-forced) | "generate" (black box, the engine's own loop)
+    convention: str  # refimpl.mtp convention, "<kv>/<position>"
+    num_drafts: int
+    max_new_tokens: int
+    rounds: tuple[MtpRoundCase, ...]
+    output: tuple[int, ...]  # the generated tokens: plain greedy decoding
+
+    def to_json(self) -> dict:
+        return {"mode": self.mode, "convention": self.convention, "num_drafts": self.num_drafts,
+                "max_new_tokens": self.max_new_tokens, "rounds": [r.to_json() for r in self.rounds],
+                "output": list(self.output)}
+
+    @staticmethod
+    def from_json(d: Any, where: str) -> "MtpCase":
+        def bad(what: str):
+            return ValueError(f"{where}: field 'mtp' {what}")
+
+        if not isinstance(d, dict) or set(d) != {"mode", "convention", "num_drafts", "max_new_tokens", "rounds",
+                                                 "output"}:
+            raise bad("must be an object with mode, convention, num_drafts, max_new_tokens, rounds and output")
+        if d["mode"] not in MTP_MODES or not isinstance(d["convention"], str):
+            raise bad(f"has mode {d['mode']!r} (one of {', '.join(MTP_MODES)}) and convention {d['convention']!r}")
+
+        def ints(v, what):
+            if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+                raise bad(f"{what} must be a list of integers, got {v!r}")
+            return tuple(v)
+
+        def nums(v, what):
+            if not isinstance(v, list) or not all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in v):
+                raise bad(f"{what} must be a list of numbers, got {v!r}")
+            return tuple(float(t) for t in v)
+
+        for key in ("num_drafts", "max_new_tokens"):
+            if not isinstance(d[key], int) or isinstance(d[key], bool) or d[key] < 1:
+                raise bad(f"{key} must be a positive integer, got {d[key]!r}")
+        rounds = []
+        for r in d["rounds"] if isinstance(d["rounds"], list) else [None]:
+            if not (isinstance(r, list) and len(r) == 6 and isinstance(r[0], int) and isinstance(r[2], int)):
+                raise bad(f"rounds must hold [token, drafts, accepted, draft_argmax, draft_margins, verify_margins], "
+                          f"got {r!r}")
+            rounds.append(MtpRoundCase(r[0], ints(r[1], "drafts"), r[2], ints(r[3], "draft_argmax"),
+                                       nums(r[4], "draft_margins"), nums(r[5], "verify_margins")))
+        return MtpCase(d["mode"], d["convention"], d["num_drafts"], d["max_new_tokens"], tuple(rounds),
+                       ints(d["output"], "output"))
 
 
 @dataclass(frozen=True)
@@ -54,6 +128,7 @@ class Case:
     # generation cases: the golden tokens base[T:T+d+1], one per returned row (an addition to the contract:
     # row_groups(case) has no bases, so the case carries them)
     golden_tokens: tuple[int, ...] = ()
+    mtp: MtpCase | None = None  # kind "mtp": the assisted-decoding request and the oracle's rounds
 
     def to_json(self) -> dict:
         return {
@@ -64,6 +139,7 @@ class Case:
             "generation": self.generation, "features": list(self.features),
             "ties": [[label, margin] for label, margin in self.ties], "moe_min_margin": self.moe_min_margin,
             "golden_tokens": list(self.golden_tokens),
+            **({"mtp": self.mtp.to_json()} if self.mtp is not None else {}),
         }
 
     @staticmethod
@@ -143,6 +219,8 @@ class Case:
             raise ValueError(f"{where}: field 'moe_min_margin' must be a number or null, got {m!r}")
         kw["moe_min_margin"] = None if m is None else float(m)
         kw["golden_tokens"] = tuple(i("golden_tokens", t) for t in lst("golden_tokens"))
+        if d.get("mtp") is not None:
+            kw["mtp"] = MtpCase.from_json(d["mtp"], where)
         return Case(**kw)
 
 
@@ -193,6 +271,8 @@ def row_groups(case: Case) -> list[tuple[str, list[RowSpec]]]:
         return groups
 
     T = prompt_length(case)
+    if case.kind == "mtp":
+        return mtp_groups(case)
     if case.kind == "full":
         rows = [spec(f"row {i}", case.base, i) for i in range(T)]
     elif case.kind == "last":
@@ -210,6 +290,42 @@ def row_groups(case: Case) -> list[tuple[str, list[RowSpec]]]:
     if case.decode_len > 0:
         groups.append(("decode", [spec(f"decode {j}", case.base, T + j) for j in range(case.decode_len)]))
     return groups
+
+
+def mtp_groups(case: Case) -> list[tuple[str, list[RowSpec]]]:
+    """An MTP case's rows: the prompt's last row, then per round (mode "rounds") its draft steps' logits and
+    its verification rows, read from the base's stored MTP rows (``mtp_rows``)."""
+    m = case.mtp
+    groups = [("logits", [RowSpec("prompt last", mtp_rows(case.base, "prompt"), case.length - 1)])]
+    if m is None or m.mode != "rounds":
+        return groups
+    drafts, verify = mtp_rows(case.base, "draft", m.convention), mtp_rows(case.base, "verify")
+    d = v = 0
+    for r, rnd in enumerate(m.rounds):
+        k = len(rnd.drafts)
+        groups.append((f"round {r} drafts", [RowSpec(f"round {r} draft {j}", drafts, d + j) for j in range(k)]))
+        groups.append((f"round {r} verify", [RowSpec(f"round {r} verify {i}", verify, v + i) for i in range(k + 1)]))
+        d, v = d + k, v + k + 1
+    return groups
+
+
+def _check_mtp_case(case: Case, where: str) -> list[str]:
+    m = case.mtp
+    if m is None:
+        return [f"{where}: an mtp case needs its 'mtp' field"]
+    out = []
+    if not case.base.startswith(MTP_PREFIX):
+        out.append(f"{where}: an mtp case must be on an MTP base ({MTP_PREFIX}0, {MTP_PREFIX}1, ...), not {case.base}")
+    for r, rnd in enumerate(m.rounds):
+        k = len(rnd.drafts)
+        if k > m.num_drafts or not 0 <= rnd.accepted <= k or len(rnd.draft_argmax) != k or \
+                len(rnd.draft_margins) != k or len(rnd.verify_margins) != k + 1:
+            out.append(f"{where}: round {r} has {k} drafts (at most {m.num_drafts}), accepted {rnd.accepted}, and "
+                       f"{len(rnd.draft_argmax)} argmax, {len(rnd.draft_margins)} draft and {len(rnd.verify_margins)} "
+                       "verify margins")
+    if not 1 <= len(m.output) <= m.max_new_tokens:
+        out.append(f"{where}: {len(m.output)} output tokens for max_new_tokens {m.max_new_tokens}")
+    return out
 
 
 def _check_image_case(case: Case, blocks: Sequence[tuple[int, int]], where: str) -> list[str]:
@@ -243,6 +359,16 @@ def check_case(case: Case, base_lengths: Mapping[str, int],
         out += _check_image_case(case, blocks, where)
     if case.kind not in KINDS:
         return [f"{where}: unknown kind {case.kind!r}"]
+    if case.kind == "mtp" or case.mtp is not None:
+        if case.kind != "mtp":
+            return [f"{where}: field 'mtp' on a {case.kind} case"]
+        out += _check_mtp_case(case, where)
+        if case.base not in base_lengths:
+            out.append(f"{where}: base {case.base!r} is not in the set")
+        elif case.length + len(case.mtp.output if case.mtp else ()) > base_lengths[case.base] or case.length < 1:
+            out.append(f"{where}: the prompt ({case.length}) and output need more tokens than base {case.base} has "
+                       f"({base_lengths[case.base]})")
+        return out
     if case.entry not in ENTRIES:
         out.append(f"{where}: unknown entry point {case.entry!r}")
     if case.ubatch is not None and case.ubatch < 1:

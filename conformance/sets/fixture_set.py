@@ -15,9 +15,9 @@ from refimpl.safetensors_io import TensorStore
 from refimpl.synth import write_checkpoint
 
 from ..protocol.types import AudioInput, ImageInput
-from .case import BaseMedia, Case
+from .case import BaseMedia, Case, mtp_rows
 from .format import (
-    AUDIO_LEAVES, BASE_FILE_RE, EXPECTED, IMAGE_LEAVES, SYNTHETIC_CHECKED, FixtureError, sha256_file, versions,
+    AUDIO_LEAVES, BASE_FILE_RE, EXPECTED, IMAGE_LEAVES, MTP_FILE, SYNTHETIC_CHECKED, FixtureError, sha256_file, versions,
 )
 from .checkpoint import checkpoint_problems, find_checkpoint
 from .head import SUMMARY_LEAVES, RebuiltLogits, summaries_of
@@ -31,6 +31,7 @@ class FixtureSet:
     warnings: list[str] = field(default_factory=list)  # e.g. a regenerated tokenizer that differs
     _tensors: dict | None = field(default=None, repr=False)
     _summaries: dict | None = field(default=None, repr=False)
+    _mtp: dict | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
@@ -86,8 +87,42 @@ class FixtureSet:
         return out
 
     def bases(self) -> dict[str, np.ndarray]:
-        """Base id -> token ids (int64)."""
-        return {b: np.asarray(a, dtype=np.int64) for b, a in self.stored("tokens").items()}
+        """Base id -> token ids (int64); the MTP bases (M0, ...: prompt and plain greedy output) too."""
+        out = {b: np.asarray(a, dtype=np.int64) for b, a in self.stored("tokens").items()}
+        out.update({b: np.asarray(t[f"{b}/tokens"], dtype=np.int64) for b, t in self._mtp_bases().items()})
+        return out
+
+    def _mtp_bases(self) -> dict[str, dict[str, np.ndarray]]:
+        """MTP base id -> its tensors in mtp.safetensors (names "<id>/<leaf>"; memory-mapped, nothing copied)."""
+        if self._mtp is None:
+            self._mtp = {}
+            if MTP_FILE in self.manifest.get("files", {}):
+                store = TensorStore(self.path / MTP_FILE)
+                for n in store.names:
+                    self._mtp.setdefault(n.split("/", 1)[0], {})[n] = store.raw(n)
+        return self._mtp
+
+    def mtp_rows(self, model, drafter) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """The MTP bases' rows under their grading names (``case.mtp_rows``): (logits, hidden). ``M0@prompt``
+        and ``M0@verify`` logits are rebuilt from their stored final-norm hidden states through the target's
+        head (``model``: refimpl.model.Gemma4), ``M0@draft:<kv>/<position>`` from the stored drafter states
+        through the drafter's head (``drafter``: refimpl.assistant.Drafter); the hidden rows are the stored
+        ones. Empty for a set without MTP cases."""
+        logits, hidden = {}, {}
+        for b, tensors in self._mtp_bases().items():
+            for name, a in tensors.items():
+                leaf = name[len(b) + 1:]
+                a = np.asarray(a, dtype=np.float64)
+                if leaf in ("prompt_hidden", "verify_hidden"):
+                    key = mtp_rows(b, leaf.split("_")[0])
+                    hidden[key], logits[key] = a, model.logits_of(a)
+                elif leaf.startswith("draft/"):
+                    logits[mtp_rows(b, "draft", leaf[len("draft/"):])] = drafter.head(a)[0] if len(a) else \
+                        np.empty((0, model.cfg.vocab_size))
+        return logits, hidden
+
+    def has_mtp(self) -> bool:
+        return MTP_FILE in self.manifest.get("files", {})
 
     def base_logits(self) -> dict[str, np.ndarray]:
         """Base id -> the stored [N, V] float64 logits (read-only memory maps). A set stored as hidden
@@ -172,6 +207,19 @@ class FixtureSet:
             j = len(out)
             out.append({leaf: store[f"image/{base}/{j}/{leaf}"] for leaf in IMAGE_LEAVES})
         return out
+
+    def drafter_dir(self, model_dir: Path, *, drafter: str | Path | None = None, rehash: bool = False) -> Path | None:
+        """The assistant checkpoint of a set with MTP cases (None for other sets), FixtureError when it does
+        not match the sha256 the manifest records (``mtp.drafter``): ``drafter`` when given (``--drafter``),
+        else the recorded path, relative to the checkpoint directory ``model_dir`` (a synthetic preset writes
+        its assistant there) or absolute."""
+        rec = (self.manifest.get("mtp") or {}).get("drafter")
+        if rec is None:
+            return None
+        if drafter is None:
+            drafter = Path(rec["path"]) if Path(rec["path"]).is_absolute() else Path(model_dir) / rec["path"]
+        return find_checkpoint({"sha256": rec["sha256"], "path": str(drafter)}, drafter, where=f"{self.path} (drafter)",
+                               rehash=rehash)
 
     def model_dir(self, workdir: Path, *, model: str | Path | None = None, rehash: bool = False) -> Path:
         """The checkpoint, FixtureError when it does not match the set. External sets: ``model`` (a

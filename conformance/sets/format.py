@@ -14,6 +14,14 @@ Schema version 2::
                                 image/<j>/{pixels [h, w, 3] U8, pixel_values [P, 3p^2] F64, positions [P, 2] I64,
                                 soft_tokens [M, H] F64}; per clip j audio/<j>/{waveform, features, mask, soft_tokens}
 
+    <set>/mtp.safetensors       sets with MTP cases (an assistant beside the checkpoint): per MTP base M<i>
+                                <id>/tokens [n + m] I64 (the prompt, then plain greedy's m tokens),
+                                <id>/prompt_hidden [n, H] (final-norm hidden states), <id>/verify_hidden
+                                [R, H] (every round's verification rows), <id>/draft/<kv>/<position>
+                                [S, H_a] (every draft step's final-normed drafter state under that
+                                convention), all F64; the logits are rebuilt through the target's and the
+                                drafter's heads (FixtureSet.mtp_rows)
+
 Schema version 1 (still read): one ``expected.safetensors`` with the same tensors of every base under
 ``base/<id>/``, ``image/<id>/<j>/`` and ``audio/<id>/<j>/``, full logits and no summaries or hidden states.
 """
@@ -41,9 +49,12 @@ CASES = "cases.json"
 EXPECTED = "expected.safetensors"  # schema 1: every base in one file
 SET_FILES = (CASES, EXPECTED)  # schema 1
 STORAGES = ("hidden", "logits")  # schema 2: manifest "storage"; generate --store
+MTP_FILE = "mtp.safetensors"  # the MTP bases' tokens and rows (schema 2, optional)
+MTP_TENSOR_RE = re.compile(r"^(M\d+)/(tokens|prompt_hidden|verify_hidden|draft/[a-z-]+/[A-Za-z0-9-]+)$")
 BASE_FILE_RE = re.compile(r"^base-([A-Za-z0-9][A-Za-z0-9_-]*)\.safetensors$")
 SYNTHETIC_FILES = ("config.json", "model.safetensors", "tokenizer.model")
-SYNTHETIC_CHECKED = ("config.json", "model.safetensors")  # a tokenizer mismatch is only a warning
+SYNTHETIC_CHECKED = ("config.json", "model.safetensors")
+DRAFTER_FILES = ("config.json", "model.safetensors")  # an MTP assistant's files the manifest records (mtp.drafter)  # a tokenizer mismatch is only a warning
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 SEMVER_RE = re.compile(
     r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from refimpl.errors import WeightsError
-from refimpl.safetensors_io import read_header
+from refimpl.safetensors_io import TensorStore, read_header
 from refimpl.synth import PRESETS
 
 from .case import Case, check_case
@@ -20,7 +20,8 @@ from .checkpoint import not_checked_note, recorded_dir
 from .fixture_set import FixtureSet
 from .archive import is_archive, unpack
 from .format import (
-    AUDIO_LEAVES, BASE_FILE_RE, BASE_LEAVES, CASES, EXPECTED, IMAGE_LEAVES, MANIFEST, MEDIA_LEAVES, NAME_RE,
+    AUDIO_LEAVES, BASE_FILE_RE, BASE_LEAVES, CASES, EXPECTED, IMAGE_LEAVES, MANIFEST, MEDIA_LEAVES, MTP_FILE,
+    MTP_TENSOR_RE, NAME_RE,
     READABLE_SCHEMA_VERSIONS, SCHEMA, SCHEMA_VERSION, SEMVER_RE, SET_FILES, SHA_RE, STORAGES, SYNTHETIC_CHECKED,
     FixtureError, checkpoint_name_problem, read_json, sha256_file,
 )
@@ -95,11 +96,11 @@ def _check_manifest(m: Any, where: str) -> list[str]:
         for f in (SET_FILES if sv == 1 else (CASES,)):
             if f not in files:
                 out.append(f"{where}: files lacks {f}")
-        if sv >= 2 and not any(isinstance(f, str) and BASE_FILE_RE.match(f) for f in files):
+        if sv >= 2 and not any(isinstance(f, str) and (BASE_FILE_RE.match(f) or f == MTP_FILE) for f in files):
             out.append(f"{where}: files lists no base file (base-<id>.safetensors)")
         for f, h in files.items():
             if not isinstance(f, str) or Path(f).name != f or f in (".", "..", MANIFEST) or \
-                    (sv >= 2 and f != CASES and not BASE_FILE_RE.match(f)):
+                    (sv >= 2 and f not in (CASES, MTP_FILE) and not BASE_FILE_RE.match(f)):
                 out.append(f"{where}: files entry {f!r} is not a file name of the set")
             elif not isinstance(h, str) or not SHA_RE.match(h):
                 out.append(f"{where}: files[{f!r}] is not a sha256 hex digest")
@@ -271,6 +272,41 @@ def _check_schema2_rows(infos: Mapping[str, Any], b: str, N: int, storage: str, 
     return out
 
 
+def _check_mtp_file(path: Path, hidden: Any) -> tuple[dict[str, int], list[str]]:
+    """The MTP bases' lengths and the problems of mtp.safetensors (names, dtypes, shapes, finiteness)."""
+    try:
+        infos = read_header(path)
+    except Exception as e:  # noqa: BLE001 - WeightsError naming the problem
+        return {}, [f"{path}: {e}"]
+    problems, lengths, groups = [], {}, {}
+    for n, info in infos.items():
+        m = MTP_TENSOR_RE.match(n)
+        if m is None:
+            problems.append(f"{path}: unexpected tensor '{n}'")
+            continue
+        groups.setdefault(m.group(1), {})[m.group(2)] = info
+    store = TensorStore(path) if not problems else None
+    for b, leaves in sorted(groups.items()):
+        t = leaves.get("tokens")
+        if t is None or t.dtype != "I64" or len(t.shape) != 1 or t.shape[0] < 2:
+            problems.append(f"{path}: MTP base {b} needs tokens, a I64 vector of at least 2")
+            continue
+        lengths[b] = t.shape[0]
+        for leaf, info in leaves.items():
+            if leaf == "tokens":
+                continue
+            width = hidden if leaf.endswith("hidden") else None  # a drafter state: the drafter's width
+            if info.dtype != "F64" or len(info.shape) != 2 or (isinstance(width, int) and info.shape[1] != width):
+                problems.append(f"{path}: {b}/{leaf} must be F64 [rows, {width if isinstance(width, int) else 'H'}], "
+                                f"got {info.dtype} {list(info.shape)}")
+            elif store is not None and not _all_finite(store.raw(f"{b}/{leaf}")):
+                problems.append(f"{path}: {b}/{leaf} holds non-finite values")
+        for need in ("prompt_hidden", "verify_hidden"):
+            if need not in leaves:
+                problems.append(f"{path}: MTP base {b} lacks {need}")
+    return lengths, problems
+
+
 def _read_dir(path: Path) -> tuple[list[str], FixtureSet | None]:
     if not path.is_dir():
         return [f"{path}: not a directory (a fixture set is a directory with {MANIFEST}, or a .tar of one)"], None
@@ -350,6 +386,10 @@ def _read_dir(path: Path) -> tuple[list[str], FixtureSet | None]:
             problems.append(f"{epath}: base/{b}/router_margin must be F64 [{t.shape[0]}]")
         problems += _check_image_tensors(infos, b, t.shape[0], str(epath))
         lengths[b] = t.shape[0]
+    if v2 and MTP_FILE in manifest["files"]:
+        mtp_lengths, mtp_problems = _check_mtp_file(path / MTP_FILE, config.get("hidden_size"))
+        problems += mtp_problems
+        lengths.update(mtp_lengths)
     if not lengths:
         problems.append(f"{epath}: holds no base")
     declared = manifest.get("bases")

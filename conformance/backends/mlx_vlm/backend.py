@@ -42,11 +42,16 @@ request handling (validation, micro-batches, one prompt cache per sequence id, i
   in a temporary view of the checkpoint (``config.py``). The built model is then checked layer by
   layer against refimpl's derivation: a checkpoint mlx-vlm cannot represent is a ``BackendError``.
 * **dtype.** float32 only (profile ``fp32``): weights are cast to float32 as they load.
+* **MTP** (mode ``generate``, capability ``mtp_generate``): mlx-vlm's own assisted decoding loop with the
+  assistant at ``request.drafter``, loaded by mlx-vlm's drafter loader (``mtp.py``, which also says how far
+  mlx-vlm follows the convention it claims, ``rotating/P-1``; option ``mtp_convention`` claims another one);
+  the prompt's last row from a forward of its own. On a ``gemma4_text`` target mlx-vlm has no MTP (an error).
 
 Known divergences are listed, with their reasons, in
 ``conformance/backends/mlx_vlm/expectations/mlx-vlm-float32.json``.
 
     conformance check --backend mlx-vlm [--backend-option image_tower=off] [--backend-option audio_tower=off]
+                                        [--backend-option mtp_convention=target-cache/P]
 """
 
 from __future__ import annotations
@@ -64,12 +69,15 @@ from mlx_vlm.models.cache import make_prompt_cache
 from mlx_vlm.utils import load_model
 
 from refimpl import RefimplError, load_config
+from refimpl.mtp import CONVENTIONS
 
 from ...check.profiles import PROFILES
 from ...protocol.serving import CachedBackend, padded_clips
-from ...protocol.types import BackendError, Capabilities, Request
+from ...protocol.types import BackendError, Capabilities, Request, Response
 from .config import checkpoint_view, config_patch, remove_view
 from .families import Family, family_for, geometry_problems
+from .mtp import CONVENTION as MTP_CONVENTION
+from .mtp import assisted_generate, load_assistant
 
 __all__ = ["MlxVlmBackend", "DTYPES", "TOWER_OPTIONS", "EXPECTATIONS_DIR"]
 
@@ -107,13 +115,15 @@ class MlxVlmBackend(CachedBackend):
     Options: ``dtype`` ("float32"); ``image_tower`` ("on", the default: mlx-vlm's vision tower computes
     the image soft tokens from ``request.image_inputs`` and the backend claims ``image_tower``; "off":
     the request's soft tokens are used as given); ``audio_tower`` (the same for audio, from
-    ``request.audio_inputs``); ``default_profile`` (default "fp32").
+    ``request.audio_inputs``); ``mtp_convention`` (the MTP convention claimed, one of ``refimpl.mtp.CONVENTIONS``;
+    default ``rotating/P-1``, the one mlx-vlm follows: ``mtp.py``; another one shows where and how far
+    mlx-vlm departs from it); ``default_profile`` (default "fp32").
     """
 
     who = "mlx-vlm backend"
 
     def __init__(self, dtype: str = "float32", image_tower: str = "on", audio_tower: str = "on",
-                 default_profile: str | None = None):
+                 mtp_convention: str = MTP_CONVENTION, default_profile: str | None = None):
         super().__init__()
         if dtype not in DTYPES:
             raise ValueError(f"mlx-vlm backend: option dtype must be one of {_allowed(DTYPES)}, got {dtype!r}")
@@ -121,6 +131,9 @@ class MlxVlmBackend(CachedBackend):
             if value not in TOWER_OPTIONS:
                 raise ValueError(f"mlx-vlm backend: option {option} must be one of {_allowed(TOWER_OPTIONS)}, "
                                  f"got {value!r}")
+        if mtp_convention not in CONVENTIONS:
+            raise ValueError(f"mlx-vlm backend: option mtp_convention must be one of {_allowed(CONVENTIONS)}, "
+                             f"got {mtp_convention!r}")
         if default_profile is None:
             default_profile = "fp32"
         if default_profile not in PROFILES:
@@ -128,13 +141,16 @@ class MlxVlmBackend(CachedBackend):
                              f"got {default_profile!r}")
         self.dtype = dtype
         self.image_tower, self.audio_tower = image_tower == "on", audio_tower == "on"
+        self.mtp_convention = mtp_convention
         self.name = (f"mlx-vlm-{dtype}" + ("" if self.image_tower else "-image-tower-off")
-                     + ("" if self.audio_tower else "-audio-tower-off"))
+                     + ("" if self.audio_tower else "-audio-tower-off")
+                     + ("" if mtp_convention == MTP_CONVENTION else "-mtp-" + mtp_convention.replace("/", "-")))
         self.capabilities = Capabilities(
             full_forward=True, last_plain=True, last_seq_id=True, last_embeddings=True,
             embedding_convention="scaled", interior_rows=True, output_rows=True, ubatch=True,
             chunked_prefill=True, multi_sequence=True, decode=True, image_prompts=True, audio_prompts=True,
-            audio_tower=self.audio_tower, image_tower=self.image_tower, default_profile=default_profile,
+            audio_tower=self.audio_tower, image_tower=self.image_tower, mtp_generate=True,
+            mtp_conventions=mtp_convention, default_profile=default_profile,
         )
         # the divergences are the vision mask's, whichever soft tokens are used: one file per dtype
         shipped = EXPECTATIONS_DIR / f"mlx-vlm-{dtype}.json"
@@ -147,6 +163,7 @@ class MlxVlmBackend(CachedBackend):
         self.media_ids: dict[str, int | None] = {}
         self._model_dir: Path | None = None
         self._prompt_cache: dict[str, int] = {}
+        self._drafters: dict[str, Any] = {}  # the drafter of the last MTP request, by directory
 
     # -- protocol -------------------------------------------------------------------------------
 
@@ -213,7 +230,35 @@ class MlxVlmBackend(CachedBackend):
         self.vision = self.audio = False
         self.media_ids = {}
         self._prompt_cache = {}
+        self._drafters = {}
         self._states = {}
+
+    def run(self, request: Request) -> Response:
+        """CachedBackend's request handling; MTP requests (mode ``generate``) through mlx-vlm's own MTP loop
+        (``conformance.backends.mlx_vlm.mtp``)."""
+        if request.kind == "mtp":
+            return self._mtp(request)
+        return super().run(request)
+
+    def _mtp(self, request: Request) -> Response:
+        if self.model is None:
+            raise RuntimeError(f"{self.who}: run() called before open()")
+        spec = request.mtp
+        if spec is None:
+            raise ValueError(f"{self.who}: an mtp request needs its MtpRequest (request.mtp)")
+        if spec.mode != "generate" or spec.convention != self.mtp_convention:
+            raise ValueError(f"{self.who}: serves MTP requests in mode 'generate' with convention "
+                             f"{self.mtp_convention} (mlx-vlm's own MTP loop), got mode {spec.mode!r} with "
+                             f"convention {spec.convention!r}")
+        if not request.drafter:
+            raise ValueError(f"{self.who}: an mtp request needs the drafter's directory (request.drafter)")
+        if request.drafter not in self._drafters:
+            self._drafters = {request.drafter: load_assistant(request.drafter, self.dtype)}
+        # the prompt's last row from a plain forward of its own
+        logits, _ = self._forward(request.tokens, [len(request.tokens) - 1], self._new_state())
+        mtp, notes = assisted_generate(self.model, self._drafters[request.drafter], request,
+                                       set(self.text_config.eos_token_ids))
+        return Response(logits, None, self._executed("mtp", convention=self.mtp_convention, **notes), mtp=mtp)
 
     # -- checks at open -------------------------------------------------------------------------
 
@@ -334,7 +379,7 @@ class MlxVlmBackend(CachedBackend):
         if logits.shape != (kept, self.vocab_size):
             raise RuntimeError(f"{self.who}: logits_to_keep={keep} gave logits of shape {tuple(logits.shape)}, "
                                f"expected {(kept, self.vocab_size)}")
-        return self._rows(logits, [r - (T - kept) for r in rows]), {"logits_to_keep": keep or 0, **notes}
+        return self._logit_rows(logits, [r - (T - kept) for r in rows]), {"logits_to_keep": keep or 0, **notes}
 
     def _decode_step(self, state: SequenceState, token: int) -> np.ndarray:
         """One teacher-forced decode step as generate's ``_step``: the id alone, ``logits_to_keep=1``."""
@@ -344,10 +389,10 @@ class MlxVlmBackend(CachedBackend):
         if self._state_len(state) != before + 1:
             raise RuntimeError(f"{self.who}: the prompt cache did not grow by one token in a decode step")
         state.token_types.append(0)
-        return self._rows(logits, [logits.shape[0] - 1])[0]
+        return self._logit_rows(logits, [logits.shape[0] - 1])[0]
 
     @staticmethod
-    def _rows(logits: mx.array, rows: Sequence[int]) -> np.ndarray:
+    def _logit_rows(logits: mx.array, rows: Sequence[int]) -> np.ndarray:
         if not rows:
             return np.empty((0, logits.shape[-1]), dtype=np.float32)
         return np.array(logits[mx.array([int(r) for r in rows], dtype=mx.int32)].astype(mx.float32))

@@ -152,6 +152,8 @@ from transformers import (DynamicCache, Gemma4ForCausalLM, Gemma4ForConditionalG
 
 from ...protocol.serving import CachedBackend, padded_clips
 from ...protocol.types import BackendError, Capabilities, Request, Response
+from .mtp import CONVENTION as MTP_CONVENTION
+from .mtp import assisted_generate, load_assistant
 
 __all__ = ["ATTN_IMPLEMENTATIONS", "AUDIO_TOWER_OPTIONS", "DTYPES", "EXPERTS_IMPLEMENTATIONS", "TransformersBackend", "checkpoint_layout",
            "has_audio", "has_vision", "is_unified", "load_gemma4_causal_lm", "load_gemma4_conditional_generation",
@@ -496,8 +498,8 @@ class TransformersBackend(CachedBackend):
             full_forward=True, last_plain=True, last_seq_id=True, last_embeddings=True,
             embedding_convention="scaled", interior_rows=True, output_rows=True, ubatch=True,
             chunked_prefill=True, multi_sequence=True, decode=True, image_prompts=True, audio_prompts=True,
-            audio_tower=self.audio_tower, image_tower=self.image_tower,
-            default_profile="bf16" if dtype == "bfloat16" else "fp32",
+            audio_tower=self.audio_tower, image_tower=self.image_tower, hidden_states=True, mtp_generate=True,
+            mtp_conventions=MTP_CONVENTION, default_profile="bf16" if dtype == "bfloat16" else "fp32",
         )
         self.expectations_file = shipped_expectations(self.name, self.device)
         self.model: Gemma4ForCausalLM | Gemma4ForConditionalGeneration | None = None
@@ -512,6 +514,7 @@ class TransformersBackend(CachedBackend):
         self._model_dir: Path | None = None
         self._cache_kw = "cache"
         self._device_info: dict[str, Any] = {}
+        self._drafters: dict[str, Any] = {}
 
     # -- protocol -------------------------------------------------------------------------------
 
@@ -554,6 +557,7 @@ class TransformersBackend(CachedBackend):
 
     def close(self) -> None:
         self.model = None
+        self._drafters = {}
         self.layout = None
         self.vision = self.audio = self.unified = False
         self.text_config = self.text_model = self.image_token_id = self.audio_token_id = self._model_dir = None
@@ -562,9 +566,33 @@ class TransformersBackend(CachedBackend):
             torch.cuda.empty_cache()
 
     def run(self, request: Request) -> Response:
-        """CachedBackend's request handling, under ``torch.inference_mode()``."""
+        """CachedBackend's request handling, under ``torch.inference_mode()``; MTP requests (mode ``generate``)
+        through transformers' own assisted generation (``conformance.backends.transformers.mtp``)."""
         with torch.inference_mode():
+            if request.kind == "mtp":
+                return self._mtp(request)
             return super().run(request)
+
+    def _mtp(self, request: Request) -> Response:
+        if self.model is None:
+            raise RuntimeError(f"{self.who}: run() called before open()")
+        spec = request.mtp
+        if spec is None or spec.mode != "generate" or spec.convention != MTP_CONVENTION:
+            raise ValueError(f"{self.who}: serves MTP requests in mode 'generate' with convention {MTP_CONVENTION} "
+                             f"(transformers' own assisted generation), got {spec}")
+        if not request.drafter:
+            raise ValueError(f"{self.who}: an mtp request needs the drafter's directory (request.drafter)")
+        if request.drafter not in self._drafters:
+            self._drafters = {request.drafter: load_assistant(request.drafter, self.torch_dtype, self.attn,
+                                                              self.device)}
+        self._hidden = [] if request.hidden else None
+        try:  # the prompt's last row (and its hidden state) from a forward of its own
+            logits, _ = self._forward_rows(self._forward(request.tokens, [len(request.tokens) - 1], self._new_state()))
+            hidden = self._take_hidden(1)
+        finally:
+            self._hidden = None
+        mtp, notes = assisted_generate(self.model, self._drafters[request.drafter], request, self.pad_token_id)
+        return Response(logits, None, self._executed("mtp", **notes), hidden=hidden, mtp=mtp)
 
     # -- engine hooks ---------------------------------------------------------------------------
 
@@ -766,6 +794,8 @@ class TransformersBackend(CachedBackend):
                                           if self.unified and self.vision_masks else
                                           "create_masks_for_vision_model" if self.vision_masks
                                           else "create_masks_for_generate")
+        if self._hidden is not None:
+            kwargs["output_hidden_states"] = True  # hidden_states[-1]: the final norm's output (capture_outputs)
         before = state.cache.get_seq_length()
         out = self.model(**kwargs)
         after = state.cache.get_seq_length()
@@ -777,6 +807,8 @@ class TransformersBackend(CachedBackend):
         if logits.shape != (len(rows), self.vocab_size):
             raise RuntimeError(f"transformers backend: logits_to_keep={shown!r} gave logits of shape "
                                f"{tuple(logits.shape)}, expected {(len(rows), self.vocab_size)}")
+        if self._hidden is not None:
+            return self._numpy(logits), notes, self._numpy(out.hidden_states[-1][0, rows])
         return self._numpy(logits), notes
 
     def _forward_all(self, tokens: Sequence[int], state: SequenceState) -> tuple[np.ndarray, dict]:

@@ -1,0 +1,142 @@
+"""The MTP cases of a fixture set (bundled ``e2b-assistant-mini`` and ``12b-assistant-mini``) and how the gate
+grades them.
+
+* The rows a set stores (the prompt's, every verification row, every draft step's: rebuilt through the
+  target's and the drafter's heads) are the rows the oracle's round protocol computes when run on the request
+  (``refimpl.mtp.run_rounds``), within float64 rounding; the recorded margins are those rows' top-2 margins.
+* Requests: a rounds case needs ``mtp`` and its convention, a generate case ``mtp_generate``; a backend that
+  declares only some conventions has the others reported as not claimed.
+* Grading: a wrong acceptance (``mtp_accepted``), an output that is not plain greedy (``mtp_output``), a draft
+  that differs from the oracle's in a generate case (``mtp_trace``, located by round and step), a drafter row
+  off by a step (``identity``), a missing MTP answer (``mtp``); each with its message.
+* Malformed MTP cases are refused with the field named.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conformance.backends.refimpl_backend import RefimplBackend
+from conformance.check.profiles import get_profile
+from conformance.check.runner import run
+from conformance.protocol.types import Capabilities, MtpRequest, Request, Response, required_capabilities
+from conformance.sets.bundled import bundled_set
+from conformance.sets.case import Case, mtp_rows, row_groups
+from conformance.sets.integrity import load_set
+from refimpl import Gemma4
+from refimpl.assistant import Drafter
+from refimpl.mtp import CONVENTIONS, run_rounds
+
+MTP_SETS = ("e2b-assistant-mini", "12b-assistant-mini")
+EXACT = get_profile("exact-f64")
+
+
+def margins(rows: np.ndarray) -> np.ndarray:
+    top = -np.sort(-rows, axis=-1)[:, :2]
+    return top[:, 0] - top[:, 1]
+
+
+@pytest.mark.parametrize("name", MTP_SETS)
+def test_stored_rows_are_the_round_protocol_run_again(name, tmp_path):
+    fs = load_set(bundled_set(name))
+    model_dir = fs.model_dir(tmp_path)
+    target, drafter = Gemma4(model_dir), Drafter(fs.drafter_dir(model_dir))
+    logits, hidden = fs.mtp_rows(target, drafter)
+    bases = fs.bases()
+    seen = set()
+    for case in fs.cases:
+        m = case.mtp
+        prompt = bases[case.base][:case.length]
+        assert list(bases[case.base][case.length:]) == list(m.output)  # the base: prompt, then plain greedy
+        if m.mode != "rounds":
+            continue
+        got = run_rounds(target, drafter, prompt, [(r.token, r.drafts, r.accepted) for r in m.rounds], m.convention)
+        draft = logits[mtp_rows(case.base, "draft", m.convention)]
+        verify = logits[mtp_rows(case.base, "verify")]
+        d = np.concatenate([r.draft_logits for r in got.rounds])
+        v = np.concatenate([r.verify_logits for r in got.rounds])
+        assert draft.shape == d.shape and verify.shape == v.shape
+        assert np.abs(draft - d).max() <= 1e-12 and np.abs(verify - v).max() <= 1e-12
+        assert np.abs(hidden[mtp_rows(case.base, "verify")] - np.concatenate([r.verify_hidden for r in got.rounds])
+                      ).max() <= 1e-12
+        assert [r.accepted for r in got.rounds] == [r.accepted for r in m.rounds]
+        assert got.output == m.output
+        assert np.allclose(np.concatenate([r.draft_margins for r in m.rounds]), margins(d), atol=1e-12)
+        seen.add(m.convention)
+    assert seen == set(CONVENTIONS)
+
+
+def test_requests_need_mtp_and_their_convention():
+    fs = load_set(bundled_set("e2b-assistant-mini"))
+    rounds = next(c for c in fs.cases if c.mtp.mode == "rounds" and c.mtp.convention == "rotating/P-1")
+    gen = next(c for c in fs.cases if c.mtp.mode == "generate")
+    def request(c):
+        return Request(kind="mtp", tokens=(1, 2),
+                       mtp=MtpRequest(c.mtp.mode, c.mtp.convention, c.mtp.num_drafts, c.mtp.max_new_tokens))
+
+    assert required_capabilities(request(rounds)) == ["mtp", "mtp_conventions=rotating/P-1"]
+    assert required_capabilities(request(gen))[0] == "mtp_generate"
+
+
+class _OnlyDefault(RefimplBackend):
+    def __init__(self):
+        super().__init__()
+        self.capabilities = Capabilities(**{**self.capabilities.to_dict(), "mtp_conventions": "target-cache/P"})
+
+
+def test_undeclared_conventions_are_not_claimed():
+    result = run(_OnlyDefault(), [bundled_set("e2b-assistant-mini")], EXACT)
+    by = {}
+    for c in result.cases:
+        by.setdefault(c.status, set()).add(c.id.split("/")[-2] + "/" + c.id.split("/")[-1])
+    assert by["pass"] == {"target-cache/P"} and "target-cache/P" not in by["not-claimed"]
+    assert result.exit_code == 0
+
+
+class _Tampered(RefimplBackend):
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+
+    def run(self, request: Request) -> Response:
+        r = super().run(request)
+        if request.kind != "mtp":
+            return r
+        m = r.mtp
+        if self.how == "accepted":
+            m.accepted = [a + 1 for a in m.accepted]
+        elif self.how == "output":
+            m.output = m.output[:-1] + ((m.output[-1] + 1) % 512,)
+        elif self.how == "draft":
+            m.drafts = [tuple((t + 1) % 512 for t in d) for d in m.drafts]
+        elif self.how == "shift" and m.draft_logits:
+            m.draft_logits = [np.roll(d, 1, axis=0) for d in m.draft_logits]
+        elif self.how == "none":
+            r.mtp = None
+        return r
+
+
+@pytest.mark.parametrize("how, mode, check, says", [
+    ("accepted", "rounds", "mtp_accepted", "round 0 (pending token at position"),
+    ("output", "rounds", "mtp_output", "the assisted output is not plain greedy decoding at token"),
+    ("draft", "generate", "mtp_trace", "round 0 step 0: drafted"),
+    ("shift", "rounds", "identity", "round 0 draft 0: identity: the returned row is nearest to oracle row 2 "),
+    ("none", "generate", "mtp", "the response has no MTP answer"),
+])
+def test_grading_names_what_differs(how, mode, check, says):
+    result = run(_Tampered(how), [bundled_set("e2b-assistant-mini")], EXACT,
+                 select=f"/mtp/{mode}/M0/target-cache/P$")
+    (case,) = result.cases
+    assert (case.status, case.check) == ("fail", check)
+    assert says in case.message
+
+
+def test_malformed_mtp_cases_are_refused():
+    good = load_set(bundled_set("e2b-assistant-mini")).cases[0].to_json()
+    with pytest.raises(ValueError, match="field 'mtp' has mode 'beam'"):
+        Case.from_json({**good, "mtp": {**good["mtp"], "mode": "beam"}})
+    with pytest.raises(ValueError, match="rounds must hold \\[token, drafts, accepted"):
+        Case.from_json({**good, "mtp": {**good["mtp"], "rounds": [[1, 2]]}})
+    case = Case.from_json(good)
+    assert [g for g, _ in row_groups(case)][:3] == ["logits", "round 0 drafts", "round 0 verify"]
