@@ -140,3 +140,17 @@ def test_malformed_mtp_cases_are_refused():
         Case.from_json({**good, "mtp": {**good["mtp"], "rounds": [[1, 2]]}})
     case = Case.from_json(good)
     assert [g for g, _ in row_groups(case)][:3] == ["logits", "round 0 drafts", "round 0 verify"]
+
+
+def test_the_subprocess_protocol_carries_mtp_requests():
+    """The reference server (``python -m conformance.serve``) answers MTP requests through the protocol: every
+    case of a bundled MTP set passes, its rows, hidden rows, acceptances and traces read back from files."""
+    import sys
+
+    from conformance.backends.subprocess_backend import SubprocessBackend
+
+    engine = SubprocessBackend(command=[sys.executable, "-m", "conformance.serve", "--backend", "refimpl"])
+    result = run(engine, [bundled_set("12b-assistant-mini")], EXACT, select="/M[03]/")
+    assert len(result.cases) == 24 and result.exit_code == 0, [c.message for c in result.cases if c.status != "pass"]
+    rounds = next(c for c in result.cases if c.id.endswith("rounds/M0/transformers/P"))
+    assert sum(r["label"].endswith(" hidden") for r in rounds.rows) == 1 + 4 * 4 + 1

@@ -402,7 +402,9 @@ def _assert_every_mutant_killed_by_a_matching_check(result, mutants):
         case, check = m.caught_by
         assert m.killed and m.matching, m.problem()
         assert m.expected_checks is None or check in m.expected_checks, (m.name, check)
-        assert m.run_calls == result.cases  # one backend.run per case, graded three times
+        # one backend.run per case of the sets it runs on (its kill sets, or all), graded three times
+        runs_on = [d["cases_selected"] for d in result.sets if not m.kill_sets or d["name"] in m.kill_sets]
+        assert m.run_calls == sum(runs_on)
     assert result.problems() == [] and result.exit_code == 0
 
 
@@ -550,3 +552,25 @@ def test_audio_mutants_are_killed_by_the_bundled_audio_set(sets):
     _assert_every_mutant_killed_by_a_matching_check(result, audio)
     for m in result.mutants:
         assert m.verdict.failing_cases == 3, (m.name, m.verdict.failing)
+
+
+# ----------------------------------------------------------------------------------------------
+# the MTP mutants: only the bundled MTP sets can kill them
+
+# per MTP set, base M0 (a partial acceptance, a full one, a rejection of all, then two of three; a prompt
+# shorter than W - 1 that grows past the window): the rounds case and the generate case under target-cache/P
+# and transformers/P; a full run of the 96 MTP cases kills each MTP mutant in 41 to 94 of them
+MTP_SUBSET = r"^(e2b|12b)-assistant-mini/mtp/(rounds|generate)/M0/(target-cache|transformers)/P$"
+
+
+def test_mtp_mutants_are_killed_by_the_bundled_mtp_sets(sets):
+    """Each MTP mutant on 8 MTP cases, run on its kill sets only (the text sets hold no MTP request)."""
+    mutants_mod = pytest.importorskip("conformance.selftest.mutants")
+    mtp = [m for m in mutants_mod.MUTANTS if set(m.kill_sets) & set(mutants_mod.MTP_SETS)]
+    assert len(mtp) == 11 and not _missing_kill_sets(mutants_mod, mtp)
+    result = st.run_selftest(sets, mtp, profiles=("fp32",), select=MTP_SUBSET)
+    assert result.cases == 8
+    _assert_every_mutant_killed_by_a_matching_check(result, mtp)
+    by = _by_name(result)
+    assert by["mtp-centroid-top-k-minus-1"].run_calls == 4  # the centroid-head set only
+    assert by["mtp-no-rollback"].killed and by["mtp-position-p-minus-1"].killed

@@ -23,8 +23,9 @@ a looser profile gives up.
 The mutants are duck-typed: anything with ``name``, ``breaks``, ``bug_class``, ``expected_checks``
 and ``backend()`` (a fresh, unopened backend) will do. An optional ``kill_sets`` (names of fixture sets)
 says that only those sets can kill the mutant (the image mutants: only the image sets hold image
-prompts; the audio mutants: only ``e2b-audio-mini`` holds audio prompts); it changes no verdict, but a
-survivor none of whose kill sets had a case selected is told so.
+prompts; the audio mutants: only ``e2b-audio-mini`` holds audio prompts; the MTP mutants: only the MTP
+sets hold MTP requests): such a mutant runs on those sets' cases alone (the others cannot show its bug),
+and a survivor none of whose kill sets had a case selected is told so.
 """
 
 from __future__ import annotations
@@ -343,9 +344,17 @@ class _Counter:
             self.progress(self.done, self.total, label, result)
 
 
+def _sets_of(selection: Selection, kill_sets: Sequence[str]) -> list[tuple]:
+    """(set, chosen cases) of the selection a mutant runs on: its kill sets' (every set when it has none)."""
+    return [(fs, chosen) for fs, chosen in zip(selection.sets, selection.chosen)
+            if chosen and (not kill_sets or fs.name in kill_sets)]
+
+
 def _run_backend(backend: Backend, selection: Selection, checkpoints: Checkpoints, expectations: Expectations,
-                 profiles: Sequence, count: _Counter, label: str) -> tuple[dict[str, Verdict], int]:
-    """Run every selected case once on ``backend`` and grade it with every profile.
+                 profiles: Sequence, count: _Counter, label: str,
+                 kill_sets: Sequence[str] = ()) -> tuple[dict[str, Verdict], int]:
+    """Run every selected case (of ``kill_sets`` only, when given) once on ``backend`` and grade it with every
+    profile.
 
     Returns ({profile name: Verdict}, backend.run calls). BackendError when the backend cannot be opened.
     """
@@ -354,9 +363,7 @@ def _run_backend(backend: Backend, selection: Selection, checkpoints: Checkpoint
     replay = _Replay(backend)
     session = Session(backend, checkpoints)
     try:
-        for fs, chosen in zip(selection.sets, selection.chosen):
-            if not chosen:
-                continue
+        for fs, chosen in _sets_of(selection, kill_sets):
             ctx = session.enter(fs)
             for case in chosen:
                 count(f"{label}: {case.id}", None)
@@ -443,7 +450,11 @@ def run_selftest(
     with tempfile.TemporaryDirectory(prefix="gemma4-selftest-", dir=workdir) as tmp:
         selection = Selection(sets, select)
         checkpoints, expectations = Checkpoints(tmp), Expectations()
-        count = _Counter(selection.total * (1 + len(mutants) + len(equivalents)), progress)
+        def cases_of(m) -> int:
+            return sum(len(chosen) for _, chosen in _sets_of(selection, tuple(getattr(m, "kill_sets", ()) or ())))
+
+        count = _Counter(selection.total + sum(map(cases_of, mutants)) + sum(cases_of(m) for m, _ in equivalents),
+                         progress)
 
         note = control_note
         if control is None:
@@ -473,13 +484,14 @@ def run_selftest(
                                     {p.name: Verdict(p.name) for p in mprofs}, profs[0].name, equivalent=reason,
                                     kill_sets=tuple(getattr(m, "kill_sets", ()) or ()), sets_run=sets_run)
                 t = time.perf_counter()
+                done_before = count.done
                 try:
                     backend = m.backend()
                     mres.verdicts, mres.run_calls = _run_backend(backend, selection, checkpoints, expectations, mprofs,
-                                                                 count, m.name)
+                                                                 count, m.name, mres.kill_sets)
                 except Exception as exc:  # noqa: BLE001 - a broken mutant fails the self-test, the rest go on
                     mres.error = _error_text(exc)
-                    count.done = selection.total * (len(results) + 2)  # as if its cases had run
+                    count.done = done_before + cases_of(m)  # as if its cases had run
                 mres.duration = time.perf_counter() - t
                 results.append(mres)
                 if progress is not None:
