@@ -8,8 +8,9 @@ The same preset and seed give the same bytes.
 Weights are drawn so that every parameter matters: norm weights, layer scalars and router scales
 lie in [0.5, 1.5] (so a ``1 + w`` norm or a skipped scalar shows), the final norm is large enough that
 logits reach the non-linear part of the softcap, and router projections are wide enough to give
-clear expert margins. Every preset ends its KV-owning prefix with (sliding, full), so the HF rule
-and the llama.cpp / JAX positional rule pick the same KV source.
+clear expert margins. Every preset but ``mtp-layout-mini`` ends its KV-owning prefix with (sliding, full), so
+the HF rule and the llama.cpp / JAX positional rule pick the same KV source; ``mtp-layout-mini`` is the MTP
+pair where they do not.
 
 Presets with a ``vision`` (or ``audio``) entry are image-text (audio-text) models: they are always written in the published
 Gemma4ForConditionalGeneration layout (``text_config``, ``vision_config`` and the placeholder token ids
@@ -160,6 +161,15 @@ PRESETS["12b-assistant-mini"] = dict(
                 "layers 4 and 5 (K=V full layer, 1 global KV head), dense tied head",
     assistant=dict(_ASSISTANT_COMMON, family="gemma4_unified_assistant", num_key_value_heads=2,
                    attention_k_eq_v=True, num_global_key_value_heads=1, use_ordered_embeddings=False),
+)
+PRESETS["mtp-layout-mini"] = dict(
+    description="an MTP pair whose target's KV-owning prefix does not end in (sliding, full): layers S F S | S F F "
+                "with the last 3 KV-shared, so the drafter's store layers are 2 (sliding) and 1 (full), while "
+                "llama.cpp's positional rule (n_layer - 2 for sliding, n_layer - 1 for full) and the literal last "
+                "layer point elsewhere; PLE, MQA; a dense drafter",
+    num_hidden_layers=6, layer_types=[S, F, S, S, F, F], num_key_value_heads=1, intermediate_size=128,
+    hidden_size_per_layer_input=8, num_kv_shared_layers=3,
+    assistant=dict(_ASSISTANT_COMMON, family="gemma4_assistant", num_key_value_heads=1, use_ordered_embeddings=False),
 )
 ASSISTANT_DIR = "assistant"  # where write_checkpoint puts a preset's drafter, inside the target's directory
 UNIFIED_ARCHITECTURES = {"causal": ("Gemma4UnifiedForCausalLM", "gemma4_unified_text"),

@@ -87,7 +87,7 @@ def test_drawn_pairs_agree_with_transformers(tmp_path_factory, layout, seed, kv,
     compare(model, drafter, prompt, 9, k)
 
 
-@pytest.mark.parametrize("name", ["e2b-assistant-mini", "12b-assistant-mini"])
+@pytest.mark.parametrize("name", ["e2b-assistant-mini", "12b-assistant-mini", "mtp-layout-mini"])
 def test_bundled_generate_cases_are_transformers_own_runs(name, tmp_path):
     """Every ``transformers/P`` generate case of a bundled MTP set: the rounds (drafts, accepted lengths) and the
     output transformers' own ``generate(assistant_model=...)`` produces."""

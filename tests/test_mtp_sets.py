@@ -28,7 +28,7 @@ from refimpl import Gemma4
 from refimpl.assistant import Drafter
 from refimpl.mtp import CONVENTIONS, run_rounds
 
-MTP_SETS = ("e2b-assistant-mini", "12b-assistant-mini")
+MTP_SETS = ("e2b-assistant-mini", "12b-assistant-mini", "mtp-layout-mini")
 EXACT = get_profile("exact-f64")
 
 

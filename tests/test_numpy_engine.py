@@ -33,7 +33,7 @@ from conformance.backend import AudioInput, Capabilities, Piece, Request
 from conformance.selftest.engine import NO_BLOCK, Engine, NumpyEngineBackend
 from conformance.backends.refimpl_backend import RefimplBackend
 from conformance.selftest.mutants import (
-    AUDIO_SET, BACKENDS, CLOSENESS, EQUIVALENT, IMAGE_SET_BIDIRECTIONAL, IMAGE_SET_PLE, IMAGE_SETS, MTP_SET_CENTROID, MTP_SETS,
+    AUDIO_SET, BACKENDS, CLOSENESS, EQUIVALENT, IMAGE_SET_BIDIRECTIONAL, IMAGE_SET_PLE, IMAGE_SETS, MTP_SET_CENTROID, MTP_SET_LAYOUT, MTP_SETS,
     MUTANTS, UNIFIED_SET, Mutant,
     mutant,
 )
@@ -282,8 +282,8 @@ def test_mutant_catalogue():
                                         "audio-ple-placeholder-row")}
     assert AUDIO_SET == AUDIO_PRESET and "audio" in PRESETS[AUDIO_PRESET]
     assert {m.name for m in MTP_MUTANTS} == {n for n in BACKENDS if n.startswith("mtp-")}
-    assert all(m.kill_sets == (MTP_SET_CENTROID,) if "centroid" in m.name else m.kill_sets == MTP_SETS
-               for m in MTP_MUTANTS)
+    special = {"mtp-centroid-top-k-minus-1": (MTP_SET_CENTROID,), "mtp-positional-store-layers": (MTP_SET_LAYOUT,)}
+    assert all(m.kill_sets == special.get(m.name, MTP_SETS) for m in MTP_MUTANTS)
     assert len(MUTANTS) == len(TEXT_MUTANTS) + len(IMAGE_MUTANTS) + len(AUDIO_MUTANTS) + len(UNIFIED_MUTANTS) + \
         len(MTP_MUTANTS)
     assert "moe-no-renormalise" in EQUIVALENT and "moe-no-renormalise" not in BACKENDS

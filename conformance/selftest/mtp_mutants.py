@@ -59,6 +59,12 @@ MtpFirstStoreLayer = planted(
     draft={"store_layer": lambda self, t: min(s.index for s in self.engine.cfg.layers
                                                 if s.owns_kv and s.layer_type == t)})
 
+MtpPositionalStoreLayers = planted(
+    "mtp-positional-store-layers", "MTP: the store layers by position, n_layer - 2 (sliding) and n_layer - 1 (full), "
+    "through the KV-sharing map, as llama.cpp's rule (M5).",
+    draft={"store_layer": lambda self, t: self.engine.cfg.layers[
+        self.engine.n_layers - (2 if t == "sliding_attention" else 1)].kv_source})
+
 MtpKeysRerotated = planted(
     "mtp-keys-rerotated", "MTP: the drafter rotates the target's keys again (M6).", draft={"keys": _rerotated})
 

@@ -50,10 +50,10 @@ from .engine import CacheSet, Engine, KVView, MicroBatch, NumpyEngineBackend, Ro
 from .mtp_mutants import (HiddenNormWeightSkipped, HiddenPreNorm, MtpCentroidTopKMinus1, MtpDrafterReadsPreNorm,
                           MtpEmbeddingUnscaled, MtpFirstRoundZeroHidden, MtpFirstStoreLayer, MtpFixedTargetState,
                           MtpKeysRerotated, MtpLastRowAfterPartial, MtpNoRollback, MtpPositionAdvances,
-                          MtpPositionPMinus1)
+                          MtpPositionalStoreLayers, MtpPositionPMinus1)
 from .planting import planted
 
-__all__ = ["AUDIO_SET", "BACKENDS", "MTP_SETS", "MTP_SET_CENTROID", "CLOSENESS", "EQUIVALENT", "IMAGE_SETS", "IMAGE_SET_BIDIRECTIONAL", "IMAGE_SET_PLE",
+__all__ = ["AUDIO_SET", "BACKENDS", "MTP_SETS", "MTP_SET_CENTROID", "MTP_SET_LAYOUT", "CLOSENESS", "EQUIVALENT", "IMAGE_SETS", "IMAGE_SET_BIDIRECTIONAL", "IMAGE_SET_PLE",
            "MUTANTS", "Mutant", "UNIFIED_SET", "mutant", "planted"]
 
 CLOSENESS = frozenset({"max_abs", "max_rel", "nmse", "cosine", "kl", "kl_mean", "delta_p"})
@@ -454,7 +454,8 @@ AUDIO_SET = "e2b-audio-mini"
 UNIFIED_SET = "12b-mini"
 #: the bundled MTP sets: an E2B-like target with the centroid-head drafter, a Unified one with a dense drafter
 MTP_SET_CENTROID = "e2b-assistant-mini"
-MTP_SETS = (MTP_SET_CENTROID, "12b-assistant-mini")
+MTP_SET_LAYOUT = "mtp-layout-mini"  # a target whose KV-owning prefix does not end in (sliding, full)
+MTP_SETS = (MTP_SET_CENTROID, "12b-assistant-mini", MTP_SET_LAYOUT)
 
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -506,6 +507,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(MtpPositionPMinus1, "mtp M4", MTP, kill_sets=MTP_SETS),
     _m(MtpPositionAdvances, "mtp M4", MTP, kill_sets=MTP_SETS),
     _m(MtpFirstStoreLayer, "mtp M5", MTP, kill_sets=MTP_SETS),
+    _m(MtpPositionalStoreLayers, "mtp M5", None, kill_sets=(MTP_SET_LAYOUT,)),
     _m(MtpKeysRerotated, "mtp M6", MTP, kill_sets=MTP_SETS),
     _m(MtpCentroidTopKMinus1, "mtp M9", MTP, kill_sets=(MTP_SET_CENTROID,)),
     _m(MtpEmbeddingUnscaled, "mtp M11", MTP, kill_sets=MTP_SETS),

@@ -211,15 +211,14 @@ class MutantResult:
                 return f"equivalent mutant {self.name!r} ({self.bug_class}) is not caught even at {CONTROL_PROFILE}"
             return None
         v = self.verdict
+        if self.kill_sets and not set(self.kill_sets) & set(self.sets_run):
+            return (f"mutant {self.name!r} ({self.bug_class}: {self.breaks}) SURVIVED at {self.primary}: only the "
+                    f"fixture set(s) {', '.join(self.kill_sets)} can kill it, and none of their cases was selected")
         if v.cases_run == 0:
             return f"mutant {self.name!r} ran no case (every selected case not claimed or skipped)"
         if not v.killed:
-            why = ""
-            if self.kill_sets and not set(self.kill_sets) & set(self.sets_run):
-                why = (f"; only the fixture set(s) {', '.join(self.kill_sets)} can kill it, and none of their cases "
-                       "was selected")
             return (f"mutant {self.name!r} ({self.bug_class}: {self.breaks}) SURVIVED at {self.primary}: all "
-                    f"{v.cases_run} case(s) passed{why}")
+                    f"{v.cases_run} case(s) passed")
         if not self.matching:
             want = ", ".join(sorted(self.expected_checks or ()))
             got = ", ".join(f"{k} ({n})" for k, n in v.checks.items())

@@ -25,8 +25,10 @@ from ``scripts/build-llama-cpp.sh --exact-gelu``) or a directory.
 
 ``expectations_file`` is ``conformance/backends/llama_cpp/expectations/<name>.json`` when one ships for the
 configuration (the CLI uses it when no ``--expectations`` is given). The three default configurations
-pass every case they claim and ship none; ``embeddings=true`` ships ``llama-cpp-<config>-embd.json``
-(Gemma 4's graph takes no input embeddings together with the ids its per-layer inputs need).
+pass every text case they claim, hidden-state rows included, and the MTP cases of the dense-head drafter
+(``12b-assistant-mini``); their files declare the MTP cases of ``e2b-assistant-mini``, whose centroid head
+llama.cpp's converter drops. ``embeddings=true`` ships ``llama-cpp-<config>-embd.json`` (also: Gemma 4's
+graph takes no input embeddings together with the ids its per-layer inputs need).
 
     scripts/build-llama-cpp.sh --exact-gelu      # once: ~5 min wheel + ~2 min exact-GELU library
     conformance check --backend llama-cpp                                   # f16 KV, profile fp16-kv

@@ -43,6 +43,21 @@ Serving requests (low-level API, ``llama_batch_init`` / ``llama_decode`` / ``lla
     attention, library), every ``llama_decode`` call (tokens, outputs, sequence ids), and the state
     length llama.cpp reports after the prefill (``llama_memory_seq_pos_max + 1``).
 
+Hidden states (``hidden_states``)
+    A request with ``hidden`` gets a context that keeps the output of the final norm for every token
+    (``llama_set_embeddings_nextn(ctx, true, masked=false)``, llama.cpp's staging API reached by its
+    C++ names: ``ext``): Gemma 4's graph names that tensor ``h_nextn`` (always a graph output) and
+    takes the head's input rows (``result_norm``) from it, so the graph and the logits are unchanged;
+    each output row's state is ``llama_get_embeddings_nextn_ith`` of its batch index, read beside its
+    logits. Not ``embeddings=true`` with pooling none (``cparams.embeddings``): that forces every token
+    to be an output, which would change the rows llama.cpp computes.
+
+MTP (``mtp``, ``mtp_generate``; convention ``target-cache/P``)
+    ``mtp.run_mtp``: the drafter checkpoint converted like the target (architecture
+    ``gemma4-assistant``, without the centroid head), a context of type MTP over the target's KV cache,
+    and llama.cpp's ``draft-mtp`` loop ported to Python (``common_speculative`` is not in libllama);
+    see ``conformance.backends.llama_cpp.mtp``.
+
 Input embeddings (``last_embeddings``): not claimed by default
     llama.cpp's Gemma 4 graph (``src/models/gemma4.cpp``) does not take ``batch.embd`` together with
     the token ids the per-layer embeddings (PLE) need. A batch with ``embd`` and no tokens takes the
@@ -123,6 +138,9 @@ from ...check.profiles import PROFILES
 from ...protocol.serving import check_multi
 from ...protocol.types import BackendError, Capabilities, Request, Response
 from ...sets.format import sha256_file
+from .ext import Ext
+from .mtp import CONVENTION as MTP_CONVENTION
+from .mtp import check_assistant, run_mtp
 
 __all__ = [
     "DEFAULT_SOURCE",
@@ -163,6 +181,8 @@ CTX_PAD = 256  # llama.cpp pads n_ctx and n_ctx_seq to a multiple of 256
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json")
 GGUF_FORMAT = 1  # bump to invalidate every cached GGUF
+HIDDEN_SOURCE = ("llama_get_embeddings_nextn_ith: t_h_nextn (the output of output_norm, the head's input), "
+                 "llama_set_embeddings_nextn(ctx, true, masked=false)")
 CONVERT_TIMEOUT_S = 7200  # a real checkpoint's f32 conversion takes minutes; the tiny presets take seconds
 
 
@@ -281,7 +301,8 @@ def capabilities_for(default_profile: str, embeddings: bool) -> Capabilities:
     return Capabilities(
         full_forward=True, last_plain=True, last_seq_id=True, last_embeddings=embeddings,
         embedding_convention="scaled", interior_rows=True, output_rows=True, ubatch=True,
-        chunked_prefill=True, multi_sequence=True, decode=True, default_profile=default_profile,
+        chunked_prefill=True, multi_sequence=True, decode=True, hidden_states=True,
+        mtp=True, mtp_generate=True, mtp_conventions=MTP_CONVENTION, default_profile=default_profile,
     )
 
 
@@ -557,6 +578,9 @@ class LlamaCppEngine:
         self.model = None
         self.n_vocab = 0
         self.n_embd = 0
+        self.ext: Ext | None = None
+        self._hidden = False  # the request being served asks for hidden rows (Request.hidden)
+        self._drafters: dict[str, tuple[Any, dict[str, Any]]] = {}  # drafter directory -> (model, GGUF info)
         self.has_ple = False
         self.gguf_info: dict[str, Any] = {}
         self._log_lines: deque[str] = deque(maxlen=60)
@@ -594,6 +618,7 @@ class LlamaCppEngine:
         L = self.L = _import_llama_cpp(self.lib_kind, self.lib_dir)
         self._install_logger()
         L.llama_backend_init()
+        self.ext = Ext(L)
         path, info = convert_to_gguf(model_dir, source, self.options["outtype"], self.cache_dir,
                                      log=(lambda m: sys.stderr.write(m + "\n")) if self.options["verbose"] else None)
         cfg = read_text_config(model_dir)
@@ -617,22 +642,49 @@ class LlamaCppEngine:
                         "llama_cpp_python": getattr(L, "__version__", None)}
 
     def close(self) -> None:
+        if self.L is not None:
+            for model, _ in self._drafters.values():
+                self.L.llama_model_free(model)
+        self._drafters = {}
         if self.model is not None and self.L is not None:
             self.L.llama_model_free(self.model)
         self.model = None
 
+    def drafter_model(self, path: str | None):
+        """The assistant checkpoint at ``path`` as a llama_model (converted to GGUF like the target; loaded
+        once per directory)."""
+        if not path:
+            raise ValueError("llama-cpp backend: an mtp request needs the drafter's directory (request.drafter)")
+        if path not in self._drafters:
+            d = Path(path)
+            check_assistant(d)
+            gguf, info = convert_to_gguf(d, resolve_source(self.source_option), self.options["outtype"],
+                                         self.cache_dir)
+            model = self.L.llama_model_load_from_file(str(gguf).encode(), self.L.llama_model_default_params())
+            if not model:
+                raise BackendError(f"llama-cpp backend: llama_model_load_from_file({gguf}) failed for the drafter "
+                                   f"{d}: {self._log_tail()}")
+            self._drafters[path] = (model, {k: info.get(k) for k in ("key", "outtype", "cached")})
+        return self._drafters[path][0]
+
+    def drafter_info(self, path: str) -> dict[str, Any]:
+        return {"dir": path, "gguf": self._drafters[path][1]}
+
     def run(self, request: Request) -> Response:
         if self.model is None:
             raise RuntimeError("llama-cpp backend: run() called before open()")
-        handler = {"full": self._full, "last": self._last, "prefill": self._prefill, "multi": self._multi}[request.kind]
+        handler = {"full": self._full, "last": self._last, "prefill": self._prefill, "multi": self._multi,
+                   "mtp": lambda r: run_mtp(self, r)}[request.kind]
+        self._hidden = bool(request.hidden)
         return handler(request)
 
     # -- context and batches --------------------------------------------------------------------
 
     def _new_context(self, n_seq_max: int, longest: int, n_batch: int, n_ubatch: int | None,
-                     total: int | None = None) -> _Ctx:
+                     total: int | None = None, hidden: bool | None = None) -> _Ctx:
         """A context for one request: ``longest`` tokens per sequence, ``total`` over all sequences
-        (a unified KV cache holds them all in one stream), batches of up to ``n_batch`` tokens."""
+        (a unified KV cache holds them all in one stream), batches of up to ``n_batch`` tokens; keeping the
+        final-norm states when ``hidden`` (default: when the request asks for them)."""
         L = self.L
         o = self.options
         if not 1 <= n_seq_max <= LLAMA_MAX_SEQ:
@@ -653,7 +705,8 @@ class LlamaCppEngine:
         ctx = L.llama_init_from_model(self.model, p)
         if not ctx:
             raise RuntimeError(f"llama-cpp backend: llama_init_from_model failed: {self._log_tail()}")
-        c = _Ctx(self, ctx)
+        c = _Ctx(self, ctx, hidden=self._hidden if hidden is None else hidden)
+        c.type_kv = p.type_k
         c.info = {"n_ctx": int(L.llama_n_ctx(ctx)), "n_ctx_seq": int(L.llama_n_ctx_seq(ctx)),
                   "n_seq_max": int(L.llama_n_seq_max(ctx)), "n_batch": int(L.llama_n_batch(ctx)),
                   "n_ubatch": int(L.llama_n_ubatch(ctx))}
@@ -666,7 +719,8 @@ class LlamaCppEngine:
                 "threads": o["threads"], "library": self.library,
                 "gguf": {k: self.gguf_info.get(k) for k in ("key", "outtype", "cached")},
                 "fresh_state": True, "state": "a new llama_context (and KV cache) for this request",
-                "context": c.info, "decode_calls": c.calls, **extra}
+                "context": c.info, "decode_calls": c.calls,
+                **({"hidden": HIDDEN_SOURCE} if c.hidden is not None else {}), **extra}
 
     # -- request kinds --------------------------------------------------------------------------
 
@@ -680,10 +734,12 @@ class LlamaCppEngine:
         self._check_tokens(request.tokens, "full request")
         with self._new_context(1, T + len(request.decode), T, None) as c:
             rows = c.decode_tokens(request.tokens, 0, 0, range(T))
+            hidden = c.take_hidden()
             state = c.seq_len(0)
             dec = c.decode_steps(0, request.decode, T)
             return Response(rows, dec, self._executed("full", c, rows=T, state_len_after_prefill=state,
-                                                      decode_steps=len(request.decode)))
+                                                      decode_steps=len(request.decode)),
+                            hidden=hidden, decode_hidden=c.take_hidden() if dec is not None else None)
 
     def _last(self, request: Request) -> Response:
         T = len(request.tokens)
@@ -705,6 +761,7 @@ class LlamaCppEngine:
                 rows = c.decode_embeddings(emb, seq, 0, [request.last_pos])
             else:
                 rows = c.decode_tokens(request.tokens, seq, 0, [request.last_pos])
+            hidden = c.take_hidden()
             state = c.seq_len(seq)
             dec = c.decode_steps(seq, request.decode, T)
             extra = {}
@@ -713,7 +770,8 @@ class LlamaCppEngine:
                     "; llama.cpp takes the per-layer embeddings of token 0 for every position" if self.has_ple else "")
             return Response(rows, dec, self._executed(
                 "last", c, entry=request.entry, seq_id=seq, last_pos=request.last_pos, output_rows=[request.last_pos],
-                state_len_after_prefill=state, decode_steps=len(request.decode), **extra))
+                state_len_after_prefill=state, decode_steps=len(request.decode), **extra),
+                hidden=hidden, decode_hidden=c.take_hidden() if dec is not None else None)
 
     def _prefill(self, request: Request) -> Response:
         if not request.pieces:
@@ -737,13 +795,15 @@ class LlamaCppEngine:
                 pieces_done.append({"tokens": T, "rows": rows, "pos0": pos,
                                     "ubatches": [min(ub, T - s) for s in range(0, T, ub)]})
                 pos += T
+            hidden = c.take_hidden()
             state = c.seq_len(0)
             dec = c.decode_steps(0, request.decode, pos)
             logits = np.concatenate(out) if out else np.empty((0, self.n_vocab), dtype=np.float32)
             return Response(logits, dec, self._executed(
                 "prefill", c, ubatch=request.ubatch, pieces=pieces_done,
                 ubatches=[u for p in pieces_done for u in p["ubatches"]],
-                state_len_after_prefill=state, decode_steps=len(request.decode)))
+                state_len_after_prefill=state, decode_steps=len(request.decode)),
+                hidden=hidden, decode_hidden=c.take_hidden() if dec is not None else None)
 
     def _multi(self, request: Request) -> Response:
         seq_ids, decode = check_multi(request, "llama-cpp backend")
@@ -755,24 +815,34 @@ class LlamaCppEngine:
         total = sum(lens) + sum(len(d) for d in decode)
         with self._new_context(max(seq_ids) + 1, longest, sum(lens), None, total) as c:
             logits = c.decode_multi(request.sequences, seq_ids)
+            hidden = c.take_hidden()
             states = [c.seq_len(s) for s in seq_ids]
-            decode_logits = None
+            decode_logits = decode_hidden = None
             if decode:
-                decode_logits = c.decode_multi_steps(seq_ids, decode, lens, self.options["multi_decode"])
+                decode_logits, decode_hidden = c.decode_multi_steps(seq_ids, decode, lens, self.options["multi_decode"])
             return Response(logits, decode_logits, self._executed(
                 "multi", c, seq_ids=list(seq_ids), one_batch=True, multi_decode=self.options["multi_decode"],
-                state_len_after_prefill=states, decode_steps=[len(d) for d in decode] if decode else 0))
+                state_len_after_prefill=states, decode_steps=[len(d) for d in decode] if decode else 0),
+                hidden=hidden, decode_hidden=decode_hidden)
 
 
 class _Ctx:
-    """One llama_context for one request; freed on exit."""
+    """One llama_context for one request; freed on exit.
 
-    def __init__(self, engine: LlamaCppEngine, ctx):
+    ``hidden``: the context keeps every token's final-norm state (``llama_set_embeddings_nextn(ctx, true,
+    false)``: ``t_h_nextn``, the LM head's input, with the graph unchanged; see ``ext``), and every batch
+    collects the rows of its outputs beside their logits, for ``take_hidden``."""
+
+    def __init__(self, engine: LlamaCppEngine, ctx, hidden: bool = False):
         self.e = engine
         self.L = engine.L
         self.ctx = ctx
         self.calls: list[dict[str, Any]] = []
         self.info: dict[str, Any] = {}
+        self.type_kv = KV_TYPES["f16"]  # the ggml type of its K and V cache (set by _new_context)
+        self.hidden: list[np.ndarray] | None = [] if hidden else None
+        if hidden:
+            engine.ext.llama_set_embeddings_nextn(ctx, True, False)
 
     def __enter__(self):
         return self
@@ -798,7 +868,28 @@ class _Ctx:
             if not ptr:
                 raise RuntimeError(f"llama-cpp backend: llama_get_logits_ith({i}) returned NULL: {self.e._log_tail()}")
             out[k] = np.ctypeslib.as_array(ptr, shape=(V,))
+        if self.hidden is not None:
+            self.hidden.append(self.hidden_rows(idx))
         return out
+
+    def hidden_rows(self, idx: Sequence[int]) -> np.ndarray:
+        """The final-norm states [len(idx), H] of the last batch's tokens at batch indices ``idx``."""
+        H = self.e.n_embd
+        out = np.empty((len(idx), H), dtype=np.float32)
+        for k, i in enumerate(idx):
+            ptr = self.e.ext.llama_get_embeddings_nextn_ith(self.ctx, int(i))
+            if not ptr:
+                raise RuntimeError(f"llama-cpp backend: llama_get_embeddings_nextn_ith({i}) returned NULL: "
+                                   f"{self.e._log_tail()}")
+            out[k] = np.ctypeslib.as_array(ptr, shape=(H,))
+        return out
+
+    def take_hidden(self) -> np.ndarray | None:
+        """The hidden rows collected since the last take, [rows, H] (None when the request asks none)."""
+        if self.hidden is None:
+            return None
+        got, self.hidden[:] = self.hidden[:], []
+        return np.concatenate(got) if got else np.empty((0, self.e.n_embd), dtype=np.float32)
 
     def _batch(self, items: Sequence[tuple[int, int, int, bool]], embd: np.ndarray | None = None) -> np.ndarray:
         """Decode one batch of (token, pos, seq, output) items; returns the logits of the outputs in order."""
@@ -842,19 +933,26 @@ class _Ctx:
             items += [(int(t), i, s, i == len(toks) - 1) for i, t in enumerate(toks)]
         return self._batch(items)
 
-    def decode_multi_steps(self, seq_ids, decode, lens, mode: str) -> list[np.ndarray]:
-        V = self.e.n_vocab
+    def decode_multi_steps(self, seq_ids, decode, lens, mode: str) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+        """Each sequence's decode logits [len(decode[i]), V], and its hidden rows when the context keeps them."""
+        V, H = self.e.n_vocab, self.e.n_embd
         out = [np.empty((len(d), V), dtype=np.float32) for d in decode]
+        hid = None if self.hidden is None else [np.empty((len(d), H), dtype=np.float32) for d in decode]
         for j in range(max(len(d) for d in decode)):
             live = [i for i, d in enumerate(decode) if j < len(d)]
             if mode == "batched":
                 rows = self._batch([(int(decode[i][j]), lens[i] + j, seq_ids[i], True) for i in live])
+                h = self.take_hidden()
                 for k, i in enumerate(live):
                     out[i][j] = rows[k]
+                    if hid is not None:
+                        hid[i][j] = h[k]
             else:
                 for i in live:
                     out[i][j] = self._batch([(int(decode[i][j]), lens[i] + j, seq_ids[i], True)])[0]
-        return out
+                    if hid is not None:
+                        hid[i][j] = self.take_hidden()[0]
+        return out, hid
 
     def seq_len(self, seq: int) -> int:
         mem = self.L.llama_get_memory(self.ctx)
