@@ -87,7 +87,7 @@ class DraftContext:
 
     Create it before the target's first decode: its KV cache takes over the target's cells and resets them."""
 
-    def __init__(self, engine: LlamaCppEngine, model, target: _Ctx):
+    def __init__(self, engine: Any, model, target: Any):
         L, o = engine.L, engine.options
         self.e, self.L, self.target = engine, L, target
         p = L.llama_context_default_params()
@@ -171,7 +171,7 @@ def _sizes(request: Request) -> tuple[int, int]:
     return T + spec.max_new_tokens + spec.num_drafts + 1, max(T, spec.num_drafts + 1)
 
 
-def _check(engine: LlamaCppEngine, request: Request) -> None:
+def _check(engine: Any, request: Request) -> None:
     spec = request.mtp
     if spec is None:
         raise ValueError(f"{WHO}: an mtp request needs its MtpRequest (request.mtp)")
@@ -189,7 +189,7 @@ def _check(engine: LlamaCppEngine, request: Request) -> None:
 class _Run:
     """One assisted run: the target's context ``c`` (hidden rows on), the drafter's ``d``, the position P."""
 
-    def __init__(self, engine: LlamaCppEngine, c: _Ctx, d: DraftContext, prompt):
+    def __init__(self, engine: Any, c: Any, d: DraftContext, prompt):
         self.e, self.c, self.d = engine, c, d
         self.prefill = c.decode_tokens(prompt, 0, 0, [len(prompt) - 1])
         self.prefill_hidden = c.take_hidden()
@@ -268,7 +268,7 @@ def _generate(run: _Run, request: Request) -> MtpResponse:
     return MtpResponse(output=tuple(output), accepted=accepted, drafts=drafts)
 
 
-def run_mtp(engine: LlamaCppEngine, request: Request) -> Response:
+def run_mtp(engine: Any, request: Request) -> Response:
     """An MTP request (module doc): a fresh target context and a drafter context over it, the prompt, the rounds."""
     _check(engine, request)
     spec = request.mtp
