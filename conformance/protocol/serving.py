@@ -42,7 +42,7 @@ import numpy as np
 
 from .types import Request, Response
 
-__all__ = ["CachedBackend", "micro_batches"]
+__all__ = ["CachedBackend", "check_mtp_generate", "micro_batches"]
 
 
 def micro_batches(T: int, rows: Sequence[int], ubatch: int | None) -> Iterator[tuple[int, int, list[int]]]:
@@ -81,6 +81,19 @@ def check_multi(request: Request, who: str) -> tuple[tuple, tuple]:
         if len(tokens) == 0:
             raise ValueError(f"{who}: sequence {i} has no tokens")
     return seq_ids, decode
+
+
+def check_mtp_generate(request: Request, who: str, convention: str, how: str) -> None:
+    """ValueError naming ``who`` unless ``request`` is an MTP request in mode ``generate`` under ``convention``
+    with a drafter: what a backend that runs its engine's own assisted loop (``how``) serves."""
+    spec = request.mtp
+    if spec is None:
+        raise ValueError(f"{who}: an mtp request needs its MtpRequest (request.mtp)")
+    if spec.mode != "generate" or spec.convention != convention:
+        raise ValueError(f"{who}: serves MTP requests in mode 'generate' with convention {convention} ({how}), got "
+                         f"mode {spec.mode!r} with convention {spec.convention!r}")
+    if not request.drafter:
+        raise ValueError(f"{who}: an mtp request needs the drafter's directory (request.drafter)")
 
 
 def padded_clips(audio_inputs: Sequence[Any], who: str) -> tuple[np.ndarray, np.ndarray]:

@@ -72,7 +72,7 @@ from refimpl import RefimplError, load_config
 from refimpl.mtp import CONVENTIONS
 
 from ...check.profiles import PROFILES
-from ...protocol.serving import CachedBackend, padded_clips
+from ...protocol.serving import CachedBackend, check_mtp_generate, padded_clips
 from ...protocol.types import BackendError, Capabilities, Request, Response
 from .config import checkpoint_view, config_patch, remove_view
 from .families import Family, family_for, geometry_problems
@@ -243,15 +243,7 @@ class MlxVlmBackend(CachedBackend):
     def _mtp(self, request: Request) -> Response:
         if self.model is None:
             raise RuntimeError(f"{self.who}: run() called before open()")
-        spec = request.mtp
-        if spec is None:
-            raise ValueError(f"{self.who}: an mtp request needs its MtpRequest (request.mtp)")
-        if spec.mode != "generate" or spec.convention != self.mtp_convention:
-            raise ValueError(f"{self.who}: serves MTP requests in mode 'generate' with convention "
-                             f"{self.mtp_convention} (mlx-vlm's own MTP loop), got mode {spec.mode!r} with "
-                             f"convention {spec.convention!r}")
-        if not request.drafter:
-            raise ValueError(f"{self.who}: an mtp request needs the drafter's directory (request.drafter)")
+        check_mtp_generate(request, self.who, self.mtp_convention, "mlx-vlm's own MTP loop")
         if request.drafter not in self._drafters:
             self._drafters = {request.drafter: load_assistant(request.drafter, self.dtype)}
         # the prompt's last row from a plain forward of its own

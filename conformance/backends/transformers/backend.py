@@ -150,7 +150,7 @@ import transformers
 from transformers import (DynamicCache, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4UnifiedForCausalLM,
                           Gemma4UnifiedForConditionalGeneration)
 
-from ...protocol.serving import CachedBackend, padded_clips
+from ...protocol.serving import CachedBackend, check_mtp_generate, padded_clips
 from ...protocol.types import BackendError, Capabilities, Request, Response
 from .mtp import CONVENTION as MTP_CONVENTION
 from .mtp import assisted_generate, load_assistant
@@ -576,12 +576,7 @@ class TransformersBackend(CachedBackend):
     def _mtp(self, request: Request) -> Response:
         if self.model is None:
             raise RuntimeError(f"{self.who}: run() called before open()")
-        spec = request.mtp
-        if spec is None or spec.mode != "generate" or spec.convention != MTP_CONVENTION:
-            raise ValueError(f"{self.who}: serves MTP requests in mode 'generate' with convention {MTP_CONVENTION} "
-                             f"(transformers' own assisted generation), got {spec}")
-        if not request.drafter:
-            raise ValueError(f"{self.who}: an mtp request needs the drafter's directory (request.drafter)")
+        check_mtp_generate(request, self.who, MTP_CONVENTION, "transformers' own assisted generation")
         if request.drafter not in self._drafters:
             self._drafters = {request.drafter: load_assistant(request.drafter, self.torch_dtype, self.attn,
                                                               self.device)}
