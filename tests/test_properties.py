@@ -308,6 +308,8 @@ def test_float32_agrees_with_float64(preset_dirs, preset_models):
     worst = 0.0
     rng = np.random.default_rng(1)
     for preset, path in preset_dirs.items():
+        if preset.endswith("-assistant-mini"):
+            continue  # its target is e2b-mini's or 12b-mini's (the drafter beside it is not run here)
         m64, m32 = preset_models[preset], Gemma4(path, dtype="float32")
         for _ in range(16):
             T = int(rng.integers(1, 41))

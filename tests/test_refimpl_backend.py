@@ -21,6 +21,7 @@ from helpers import max_abs, open_per_preset, tup
 from conformance import registry
 from conformance.backend import Backend, BackendError, Capabilities, Piece, Request, required_capabilities
 from conformance.backends.refimpl_backend import RefimplBackend, RefimplFloat32Backend
+from refimpl.mtp import CONVENTIONS
 from refimpl.synth import PRESETS
 
 TOL = 1e-12
@@ -56,6 +57,7 @@ def test_identity_and_capabilities():
     claimed = caps.to_dict()
     assert claimed.pop("embedding_convention") == "scaled"
     assert claimed.pop("default_profile") == "exact-f64"
+    assert claimed.pop("mtp_conventions") == ",".join(CONVENTIONS)  # the oracle follows every MTP convention
     assert all(v is True for v in claimed.values()), claimed
     f32 = RefimplFloat32Backend()
     assert (f32.name, f32.dtype, f32.capabilities.default_profile) == ("refimpl-float32", "float32", "fp32")

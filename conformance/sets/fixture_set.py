@@ -142,7 +142,7 @@ class FixtureSet:
         if self._summaries is None:
             stored = {leaf: self.stored(leaf) for leaf in SUMMARY_LEAVES}
             out = {}
-            for b in self.bases():
+            for b in self.stored("tokens"):  # the bases of base files (an MTP base's rows are states: mtp_rows)
                 if all(b in stored[leaf] for leaf in SUMMARY_LEAVES):
                     out[b] = {leaf: stored[leaf][b] for leaf in SUMMARY_LEAVES}
                 else:
