@@ -117,10 +117,12 @@ def test_subprocess_protocol_carries_hidden_rows(model_dir, backend):
         ids = (3, 4, 5, 6, 7)
         for request in (Request(kind="prefill", pieces=(Piece(ids, (1, 4)),), decode=(8,), hidden=True),
                         Request(kind="multi", sequences=(ids, ids[:2]), decode=((8,), (9, 10)), hidden=True)):
-            got, want = engine.run(request), backend.run(request)
-            assert np.abs(got.hidden - want.hidden).max() == 0.0  # the same float64 rows, written and read back
+            got, want = engine.run(request), backend.run(request)  # float64 rows of two processes: rounding apart
             dh_got = got.decode_hidden if isinstance(got.decode_hidden, list) else [got.decode_hidden]
             dh_want = want.decode_hidden if isinstance(want.decode_hidden, list) else [want.decode_hidden]
-            assert all(np.array_equal(a, b) for a, b in zip(dh_got, dh_want))
+            assert len(dh_got) == len(dh_want)
+            for a, b in zip([got.hidden, *dh_got], [want.hidden, *dh_want]):
+                assert a.dtype == np.float64 and a.shape == b.shape
+                assert np.abs(a - b).max() <= 1e-12 * np.abs(b).max()
     finally:
         engine.close()

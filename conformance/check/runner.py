@@ -371,43 +371,51 @@ def run_case(backend: Backend, claimed: dict, ctx: SetContext, case, profile,
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # noqa: BLE001 - a malformed response the grader cannot read
-        res.status, res.check = "error", "response"
-        res.message = f"the response could not be graded: {type(exc).__name__}: {exc}"
-        res.error = _error_info(exc)
-        return _apply_known_failure(res, decision)
+        return _apply_known_failure(_ungradable(res, "the response", exc), decision)
     res.status = grade.status
     res.check = grade.check
     res.message = grade.message
     if case.kind == "mtp":
         failure = grade_mtp(case, response, prof)
-        if failure is not None and res.status == "pass":
-            res.status, res.check, res.message = "fail", failure[0], failure[1]
-        elif failure is not None:
-            res.message += f"; {failure[1]}"
+        if failure is not None:
+            _fold(res, failure[0], failure[1], failure[1])
     hidden_rows = []
-    if request.hidden and all(r.base in ctx.base_hidden for _, rows in hidden_groups(case, groups, response)[0]
-                              for r in rows):
+    hidden_of = hidden_groups(case, groups, response) if request.hidden else None
+    if hidden_of is not None and all(r.base in ctx.base_hidden for _, rows in hidden_of[0] for r in rows):
         try:
-            hidden_rows = grade_hidden(*hidden_groups(case, groups, response), ctx.base_hidden, prof)
+            hidden_rows = grade_hidden(*hidden_of, ctx.base_hidden, prof)
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # noqa: BLE001 - malformed hidden rows the grader cannot read
-            res.status, res.check = "error", "response"
-            res.message = f"the response's hidden rows could not be graded: {type(exc).__name__}: {exc}"
-            res.error = _error_info(exc)
-            return _apply_known_failure(res, decision)
+            return _apply_known_failure(_ungradable(res, "the response's hidden rows", exc), decision)
         bad = [r for r in hidden_rows if r.status == "fail"]
-        if bad and res.status == "pass":
-            res.status, res.check = "fail", bad[0].check
-            res.message = bad[0].message + (f" (+{len(bad) - 1} more hidden rows fail)" if len(bad) > 1 else "")
-        elif bad:
-            res.message += f"; {len(bad)} hidden row{'s' if len(bad) > 1 else ''} fail too ({bad[0].message})"
+        if bad:
+            more = f" (+{len(bad) - 1} more hidden rows fail)" if len(bad) > 1 else ""
+            _fold(res, bad[0].check, bad[0].message + more,
+                  f"{len(bad)} hidden row{'s' if len(bad) > 1 else ''} fail too ({bad[0].message})")
     if res.missing:
         res.message = (res.message + "; " if res.message else "") + "decode not claimed: only the prefill rows were graded"
     res.rows = [_row_json(r, ctx.pieces) for r in grade.rows + hidden_rows]
     res.summary = {k: _finite(v) for k, v in (grade.summary or {}).items()}
     res.first_divergence = None if grade.first_divergence is None else int(grade.first_divergence)
     return _apply_known_failure(res, decision)
+
+
+def _ungradable(res: CaseResult, what: str, exc: BaseException) -> CaseResult:
+    """``res`` as the error of a response whose ``what`` ("the response") the grader cannot read."""
+    res.status, res.check = "error", "response"
+    res.message = f"{what} could not be graded: {type(exc).__name__}: {exc}"
+    res.error = _error_info(exc)
+    return res
+
+
+def _fold(res: CaseResult, check: str, message: str, also: str) -> None:
+    """A failure found after the rows were graded (an MTP answer, hidden rows): the case's failure when it
+    passed so far, else ``also`` noted in its message."""
+    if res.status == "pass":
+        res.status, res.check, res.message = "fail", check, message
+    else:
+        res.message += f"; {also}"
 
 
 def _apply_known_failure(res: CaseResult, decision) -> CaseResult:

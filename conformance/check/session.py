@@ -11,9 +11,10 @@ after the last.
 from __future__ import annotations
 
 import functools
+from collections import ChainMap
 import re
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable
 
 from refimpl.config import load_config
 from refimpl.errors import RefimplError
@@ -87,25 +88,6 @@ def _model_summary(manifest: dict) -> dict[str, Any]:
     return keep
 
 
-class Rows(Mapping):
-    """Base id -> oracle rows: ``first`` (the MTP bases' stored rows, by their grading names), then ``rest``."""
-
-    def __init__(self, first: Mapping, rest: Mapping):
-        self.first, self.rest = first, rest
-
-    def __getitem__(self, base):
-        return self.first[base] if base in self.first else self.rest[base]
-
-    def __contains__(self, base) -> bool:
-        return base in self.first or base in self.rest
-
-    def __iter__(self):
-        return iter([*self.first, *self.rest])
-
-    def __len__(self) -> int:
-        return len(self.first) + len(self.rest)
-
-
 class SetContext:
     """What grading the cases of one opened fixture set needs: bases, oracle logits, embedder, tokenizer, and
     for a set with MTP cases the assistant checkpoint (``drafter``)."""
@@ -119,12 +101,13 @@ class SetContext:
         self.bases = fs.bases()
         mtp_logits, mtp_hidden = mtp_rows
         # stored, or rebuilt through the checkpoint's head on first use; the MTP bases' rows first
-        self.base_logits = Rows(mtp_logits, base_logits) if mtp_logits else base_logits
+        self.base_logits = ChainMap(mtp_logits, base_logits) if mtp_logits else base_logits
         self._scales: dict[str, float] = {}  # base -> its logit scale (logit_scale)
         self.embed = Embedder(model_dir, convention)
         self.media = fs.media(convention)
         self.pieces = token_pieces(model_dir)
-        self.base_hidden = OracleHidden(fs.hidden_states(), model_dir, mtp_hidden)  # final-norm rows, made on first use
+        # final-norm rows: the MTP bases' as stored, the others made on first use from the residual stream
+        self.base_hidden = ChainMap(mtp_hidden, OracleHidden(fs.hidden_states(), model_dir))
 
     def prepare(self, cases, note: Callable[[str], None] | None = None) -> None:
         """The oracle logits of every base ``cases`` grade, made now: a set stored as hidden states has them

@@ -235,7 +235,10 @@ def serve_mtp(backend, draft: DraftModel, request: Request, caches) -> Response:
     if spec is None or spec.convention not in CONVENTIONS_SERVED:
         raise ValueError(f"numpy-engine: MTP convention {None if spec is None else spec.convention!r} is not "
                          f"one of {', '.join(CONVENTIONS_SERVED)}")
-    draft.store_layer(SLIDING), draft.store_layer(FULL)  # a target without both kinds fails here, clearly
+    try:  # the drafter fits the target: a KV-owning layer of each type, the same head dims and KV heads
+        draft.d.store_layers(engine.cfg)
+    except RefimplError as exc:
+        raise ValueError(f"numpy-engine: {exc}") from exc
     driver = backend.driver_class(backend, draft, caches, spec.convention, spare=spec.num_drafts + 1)
     logits = driver.prefill(request.tokens)
     prompt_hidden = engine.hidden_log[-1][-1:]

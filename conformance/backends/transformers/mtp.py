@@ -13,6 +13,7 @@ without drafts, as the oracle records it.
 from __future__ import annotations
 
 import json
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -79,22 +80,14 @@ def assisted_generate(target, drafter, request: Request, pad_token_id: int) -> t
     n = len(request.tokens)
     output = tuple(int(t) for t in out[0, n:])
     sizes = chunks[1:]  # after the prefill: one call a round, k + 1 tokens
-    drafts, at = [], 0
-    for size in sizes:
-        drafts.append(tuple(t for _, t in calls[at:at + size - 1]))
-        at += size - 1
-    accepted, g = [], 1  # tokens generated when the round starts (the first from the prefill)
-    positions = []
-    for r, size in enumerate(sizes):
-        positions.append(n + g - 1)
-        if r + 1 < len(sizes):
-            nxt = calls[sum(s - 1 for s in sizes[:r + 1])][0] - n + 1 if sizes[r + 1] > 1 else len(output) - 1
-        else:
-            nxt = len(output)
-        accepted.append(nxt - g - 1)
-        g = nxt
-    if at != len(calls) or any(p != q for (p, _), q in zip(calls, [positions[r] for r, s in enumerate(sizes)
-                                                                    for _ in range(s - 1)])):
+    firsts = list(accumulate((size - 1 for size in sizes), initial=0))  # each round's first drafter call
+    drafts = [tuple(t for _, t in calls[a:a + size - 1]) for a, size in zip(firsts, sizes)]
+    # P of a round: its drafter calls' position; a round without drafts (the budget's last token) is the last one
+    positions = [calls[a][0] if size > 1 else n + len(output) - 2 for a, size in zip(firsts, sizes)]
+    ends = positions[1:] + [n + len(output) - 1]  # P of the round after each (the last: past the output)
+    accepted = [end - start - 1 for start, end in zip(positions, ends)]
+    if firsts[-1] != len(calls) or (positions and positions[0] != n) or any(
+            p != start for a, size, start in zip(firsts, sizes, positions) for p, _ in calls[a:a + size - 1]):
         raise RuntimeError("transformers backend: the drafter calls do not line up with the target's verification "
                            f"chunks (calls at {[p for p, _ in calls]}, chunks of {sizes})")
     return MtpResponse(output=output, accepted=accepted, drafts=drafts), {
