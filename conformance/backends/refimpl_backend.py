@@ -26,11 +26,12 @@ from refimpl import Gemma4, KVCache, RefimplError
 from refimpl.config import read_config_json
 from refimpl.frontends import audio_front_end, image_front_end
 from refimpl.assistant import Drafter
-from refimpl.model import VISION_MASK_RULES
+from refimpl.model import VISION_MASK_RULES, Trace
 from refimpl.mtp import CONVENTIONS, assisted_greedy, run_rounds
 from refimpl.multimodal import llm_input_ids, load_multimodal_tokens
 
 from ..protocol.serving import CachedBackend
+from ..protocol.trace import FINAL, split_point
 from ..protocol.types import BackendError, Capabilities, MtpResponse, Request, Response
 
 __all__ = ["RefimplBackend", "RefimplFloat32Backend"]
@@ -53,8 +54,20 @@ def all_capabilities(default_profile: str) -> Capabilities:
         embedding_convention="scaled", interior_rows=True, output_rows=True, ubatch=True,
         chunked_prefill=True, multi_sequence=True, decode=True, image_prompts=True, audio_prompts=True,
         audio_tower=True, image_tower=True, hidden_states=True, mtp=True, mtp_generate=True,
-        mtp_conventions=",".join(CONVENTIONS), default_profile=default_profile,
+        mtp_conventions=",".join(CONVENTIONS), traces=True, default_profile=default_profile,
     )
+
+
+def protocol_points(trace: Trace, rows: Sequence[int]) -> dict[str, np.ndarray]:
+    """The points of an oracle ``Trace`` that the protocol's trace vocabulary names, at ``rows`` of the call."""
+    out = {}
+    for name, value in trace.tensors.items():
+        try:
+            split_point(name)
+        except ValueError:
+            continue  # the oracle's own extras (the per-layer inputs, the router's margin)
+        out[name] = value[list(rows)]
+    return out
 
 
 class RefimplBackend(CachedBackend):
@@ -127,14 +140,15 @@ class RefimplBackend(CachedBackend):
 
     def _forward(self, tokens: Sequence[int], rows: list[int], state, embeddings=None,
                  images: Sequence[tuple[int, int]] = (), audio: Sequence[tuple[int, int]] = (),
-                 audio_inputs: Sequence = (), image_inputs: Sequence = ()) -> tuple[np.ndarray, dict, np.ndarray]:
+                 audio_inputs: Sequence = (), image_inputs: Sequence = ()) -> tuple:
         """The oracle's forward continuing the KV cache ``state``: only ``rows`` go through the LM
         head; a forward with no row (``rows=[]``) still writes K/V for all its tokens. Image and audio
         blocks: their per-layer-input rows come from the pad id; on ``use_bidirectional_attention ==
         "vision"`` checkpoints the image blocks are the forward's vision blocks (audio stays causal).
         Image and audio soft tokens are computed here with the oracle's tower or embedder from
         ``image_inputs`` and ``audio_inputs`` (the given embeddings' media rows are replaced), so the
-        stored soft tokens are checked too."""
+        stored soft tokens are checked too. When the request asks for traces, the forward records every point
+        of ``refimpl.Trace`` that the protocol's vocabulary names (conformance.protocol.trace) at ``rows``."""
         ids = np.asarray(tokens, dtype=np.int64)
         placeholder = np.zeros(ids.shape[0], dtype=bool)
         blocks, notes = None, {}
@@ -164,9 +178,12 @@ class RefimplBackend(CachedBackend):
         if placeholder.any():
             pad = self.model.cfg.pad_token_id if self.model.cfg.pad_token_id is not None else 0
             ids = llm_input_ids(ids, placeholder, pad)
+        trace = Trace() if self._trace is not None else None
         logits, hidden = self.model.forward_rows(ids, rows=rows, cache=state, embeddings=embeddings,
-                                                 vision_blocks=blocks)
-        return logits, notes, hidden
+                                                 vision_blocks=blocks, trace=trace)
+        if trace is None:
+            return logits, notes, hidden
+        return logits, notes, hidden, {**protocol_points(trace, rows), FINAL: hidden}
 
     def _with_soft_tokens(self, embeddings: np.ndarray, spans, inputs, front, what: str, key: str) -> np.ndarray:
         """``embeddings`` with each ``what`` block's rows replaced by the oracle's soft tokens of its

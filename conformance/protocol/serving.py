@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from .trace import check_trace, trace_rows
 from .types import Request, Response
 
 __all__ = ["CachedBackend", "check_mtp_generate", "micro_batches"]
@@ -134,6 +135,8 @@ class CachedBackend:
         self._states: dict[Any, Any] = {}
         self._hidden: list[np.ndarray] | None = None  # the hidden rows of the request being served
         self._decode_hidden: list[np.ndarray] | None = None  # multi: each sequence's decode hidden rows
+        self._trace: list[dict[str, np.ndarray]] | None = None  # the traces of the request being served, per forward
+        self._decode_trace: list[dict[str, np.ndarray]] | None = None  # multi: each sequence's decode trace
 
     # -- protocol -------------------------------------------------------------------------------
 
@@ -142,13 +145,14 @@ class CachedBackend:
             raise RuntimeError(f"{self.who}: run() called before open()")
         self._states = {}  # fresh state per request: nothing survives from an earlier one
         self._hidden = [] if request.hidden and self.capabilities.hidden_states else None
+        self._trace = [] if request.trace and getattr(self.capabilities, "traces", False) else None
         try:
             handler = {"full": self._full, "last": self._last, "prefill": self._prefill,
                        "multi": self._multi}[request.kind]
             return handler(request)
         finally:
             self._states = {}
-            self._hidden = None
+            self._hidden = self._trace = None
 
     # -- engine hooks ---------------------------------------------------------------------------
 
@@ -197,19 +201,36 @@ class CachedBackend:
         return self._forward(tokens, list(range(len(tokens))), state)
 
     # A backend that claims ``hidden_states`` returns (logits, notes, hidden [len(rows), H]) from
-    # ``_forward`` and ``_forward_all``: the final-norm hidden state of each returned row.
+    # ``_forward`` and ``_forward_all``: the final-norm hidden state of each returned row. One that claims
+    # ``traces`` reads ``self._trace is not None`` (the request asks for traces) and then returns a fourth
+    # element: its trace of the forward's rows, point name -> [len(rows), ...] (conformance.protocol.trace).
 
     def _forward_rows(self, out: tuple) -> tuple[np.ndarray, dict[str, Any]]:
-        """A forward's (logits, notes); its hidden rows, when it gave them, go to ``self._hidden``."""
+        """A forward's (logits, notes); its hidden rows, when it gave them, go to ``self._hidden``, its trace
+        to ``self._trace``."""
         if self._hidden is not None:
             if len(out) < 3 or out[2] is None:
                 raise ValueError(f"{self.who}: claims hidden_states, but a forward returned no hidden states")
             self._hidden.append(np.asarray(out[2]))
+        if self._trace is not None:
+            rows = np.asarray(out[0]).shape[0]
+            self._trace.append(check_trace(out[3] if len(out) > 3 and out[3] is not None else {}, rows, "trace"))
         return out[0], out[1]
+
+    def _take_trace(self) -> dict[str, np.ndarray] | None:
+        """The traces collected since the last take as one map (None when not asked)."""
+        if self._trace is None:
+            return None
+        got, self._trace[:] = self._trace[:], []
+        return trace_rows(got)
 
     def _decode_hidden_of(self, decode: np.ndarray | None) -> np.ndarray | None:
         """The decode steps' hidden rows (collected by ``_decode``), when asked and decoded."""
         return None if decode is None else self._take_hidden(decode.shape[0])
+
+    def _decode_trace_of(self, decode: np.ndarray | None) -> dict[str, np.ndarray] | None:
+        """The decode steps' trace (collected by ``_decode``), when asked and decoded."""
+        return None if decode is None else self._take_trace()
 
     def _take_hidden(self, rows: int) -> np.ndarray | None:
         """The hidden rows collected since the last take, as one [rows, H] array (None when not asked)."""
@@ -349,15 +370,20 @@ class CachedBackend:
         server batches them; sequence i only ever reads and writes ``states[i]``."""
         out = [np.empty((len(d), self.vocab_size), dtype=self.out_dtype) for d in decode]
         hidden: list[list[np.ndarray]] = [[] for _ in decode]
+        traces: list[list[dict[str, np.ndarray]]] = [[] for _ in decode]
         for j in range(max(len(d) for d in decode)):
             for i, d in enumerate(decode):
                 if j < len(d):
                     out[i][j] = self._decode_step(states[i], d[j])
                     if self._hidden is not None:
                         hidden[i].append(self._take_hidden(1))
+                    if self._trace is not None:
+                        traces[i].append(self._take_trace())
         if self._hidden is not None:
             self._decode_hidden = [np.concatenate(h) if h else np.empty((0, self.hidden_size), dtype=self.out_dtype)
                                    for h in hidden]
+        if self._trace is not None:
+            self._decode_trace = [trace_rows(t) for t in traces]
         return out
 
     # -- request kinds --------------------------------------------------------------------------
@@ -366,12 +392,13 @@ class CachedBackend:
         self._check_tokens(request.tokens, "full request")
         state = self._state(None)
         logits, notes = self._forward_rows(self._forward_all(request.tokens, state))
-        hidden = self._take_hidden(len(request.tokens))
+        hidden, trace = self._take_hidden(len(request.tokens)), self._take_trace()
         state_len = self._state_len(state)
         decode = self._decode(state, request.decode)
         return Response(logits, decode, self._executed(
             "full", **notes, **self._notes(request), state_len_after_prefill=state_len,
-            decode_steps=len(request.decode)), hidden=hidden, decode_hidden=self._decode_hidden_of(decode))
+            decode_steps=len(request.decode)), hidden=hidden, decode_hidden=self._decode_hidden_of(decode),
+            trace=trace, decode_trace=self._decode_trace_of(decode))
 
     def _last(self, request: Request) -> Response:
         self._check_last(request)
@@ -381,13 +408,14 @@ class CachedBackend:
         extra = self._media_kwargs(request.images, request.audio, request.audio_inputs, request.image_inputs)
         logits, notes = self._forward_rows(self._forward(request.tokens, [request.last_pos], state, embeddings=embeddings,
                                                  **extra))
-        hidden = self._take_hidden(1)
+        hidden, trace = self._take_hidden(1), self._take_trace()
         state_len = self._state_len(state)
         decode = self._decode(state, request.decode)
         return Response(logits, decode, self._executed(
             "last", entry=request.entry, seq_id=request.seq_id, last_pos=request.last_pos, **notes,
             **self._notes(request), state_len_after_prefill=state_len, decode_steps=len(request.decode)),
-            hidden=hidden, decode_hidden=self._decode_hidden_of(decode))
+            hidden=hidden, decode_hidden=self._decode_hidden_of(decode), trace=trace,
+            decode_trace=self._decode_trace_of(decode))
 
     def _prefill(self, request: Request) -> Response:
         self._check_prefill(request)
@@ -420,14 +448,15 @@ class CachedBackend:
                 ubatches.append({"tokens": stop - start, "outputs": len(local), **notes})
             pieces_done.append({"tokens": len(piece.tokens), "rows": rows, "ubatches": ubatches})
         logits = np.concatenate(out) if out else np.empty((0, self.vocab_size), dtype=self.out_dtype)
-        hidden = self._take_hidden(logits.shape[0])
+        hidden, trace = self._take_hidden(logits.shape[0]), self._take_trace()
         state_len = self._state_len(state)
         decode = self._decode(state, request.decode)
         return Response(logits, decode, self._executed(
             "prefill", ubatch=request.ubatch, pieces=pieces_done,
             ubatches=[u["tokens"] for piece in pieces_done for u in piece["ubatches"]],
             **self._notes(request), state_len_after_prefill=state_len, decode_steps=len(request.decode)),
-            hidden=hidden, decode_hidden=self._decode_hidden_of(decode))
+            hidden=hidden, decode_hidden=self._decode_hidden_of(decode), trace=trace,
+            decode_trace=self._decode_trace_of(decode))
 
     def _multi(self, request: Request) -> Response:
         seq_ids, decode = self._check_multi(request)
@@ -438,11 +467,11 @@ class CachedBackend:
             states.append(state)
             rows.append(logits)
             notes.append(forward_notes)
-        hidden = self._take_hidden(len(rows))
+        hidden, trace = self._take_hidden(len(rows)), self._take_trace()
         state_lens = [self._state_len(s) for s in states]
-        self._decode_hidden = None
+        self._decode_hidden = self._decode_trace = None
         decode_logits = self._decode_interleaved(states, decode) if decode else None
         return Response(np.concatenate(rows), decode_logits, self._executed(
             "multi", seq_ids=list(seq_ids), **per_sequence(notes), **self._notes(request),
             state_len_after_prefill=state_lens, decode_steps=[len(d) for d in decode] if decode else 0),
-            hidden=hidden, decode_hidden=self._decode_hidden)
+            hidden=hidden, decode_hidden=self._decode_hidden, trace=trace, decode_trace=self._decode_trace)

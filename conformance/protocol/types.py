@@ -100,6 +100,12 @@ final RMSNorm (what llama.cpp calls ``h_nextn``, what an MTP drafter and an embe
 engine that prunes rows before the KV-shared layers produces it for the rows it keeps. Graded row by
 row like logits (closeness and row identity).
 
+**Traces** (capability ``traces``; ``conformance explain``): a request with ``trace=True`` asks, beside the
+logits, for named intermediate tensors of every row it returns: ``Response.trace`` maps a point of the
+forward (``conformance.protocol.trace``: ``embed``, ``layers.{i}.attn_out`` ... ``final_norm``) to an array
+row for row with ``logits``, ``decode_trace`` row for row with ``decode_logits`` (a list per sequence for
+``multi``). A backend returns any subset of the points; the check never asks for traces.
+
 Logits are returned as float arrays (any float dtype; the harness grades in float64).
 """
 
@@ -140,6 +146,7 @@ class Capabilities:
     mtp: bool = False  # MTP requests in mode "rounds": teacher-forced draft rounds, drafter and verify logits
     mtp_generate: bool = False  # MTP requests in mode "generate": its own assisted loop, drafts and acceptance
     mtp_conventions: str = ""  # the MTP conventions it follows, comma-separated (refimpl.mtp.CONVENTIONS)
+    traces: bool = False  # answers request.trace: named intermediates of every returned row (Response.trace)
     default_profile: str = "fp32"
 
     def __post_init__(self):
@@ -227,6 +234,7 @@ class Request:
     audio_inputs: tuple[AudioInput, ...] = field(default=(), compare=False)  # per audio block, in order
     image_inputs: tuple[ImageInput, ...] = field(default=(), compare=False)  # per image block, in order
     hidden: bool = False  # answer Response.hidden / decode_hidden too (set for backends claiming hidden_states)
+    trace: bool = False  # answer Response.trace / decode_trace too (conformance explain, backends claiming traces)
     drafter: str | None = None  # mtp: the assistant checkpoint's directory
     mtp: MtpRequest | None = None  # mtp
 
@@ -245,6 +253,8 @@ class Response:
     hidden: np.ndarray | None = None  # [R, H] final-norm hidden states of the logits rows (request.hidden)
     decode_hidden: np.ndarray | list[np.ndarray] | None = None  # [len(decode), H]; a list for multi
     mtp: MtpResponse | None = None  # mtp requests
+    trace: dict[str, np.ndarray] | None = None  # request.trace: point name -> [R, ...] (conformance.protocol.trace)
+    decode_trace: dict[str, np.ndarray] | list[dict[str, np.ndarray]] | None = None  # per decode row; a list for multi
 
 
 class BackendError(Exception):

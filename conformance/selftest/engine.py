@@ -81,6 +81,7 @@ from refimpl.ops import apply_rope, attention, attention_mask, gelu_tanh, linear
 from refimpl.unified import is_unified, load_unified_audio
 
 from ..backends.refimpl_backend import all_capabilities, check_options
+from ..protocol.trace import trace_rows
 from ..protocol.types import BackendError, Request, Response
 from .encoders import MediaEncoders
 from .mtp import CONVENTIONS_SERVED, DraftModel, MtpDriver, load_draft_model, serve_mtp
@@ -291,6 +292,10 @@ class Engine(MediaEncoders):
         self.hidden_log: list[np.ndarray] = []  # the final-normed rows of every LM-head call (hidden_state)
         self.residual_log: list[np.ndarray] = []  # the same rows before the final norm
         self.spare_keys = 0  # sliding layers keep W - 1 + this many keys (an MTP run's rollback needs them)
+        # the trace of every LM-head call, output rows only (conformance.protocol.trace); None: not tracing
+        self.trace_log: list[dict[str, np.ndarray]] | None = None
+        self._mb: MicroBatch | None = None  # the micro-batch in flight
+        self._mb_trace: dict[str, np.ndarray] = {}  # its trace, while tracing
 
     # -- requests build batches ---------------------------------------------------------------
 
@@ -395,7 +400,10 @@ class Engine(MediaEncoders):
                   "layer_rows": [], "head_rows": 0}
         self.log.append(record)
         K = self.prune_layer
-        rows = self.run_layers(range(0, K), self.initial_rows(mb), mb, record)  # every K/V write happens here
+        rows = self.initial_rows(mb)
+        self._mb, self._mb_trace = mb, {}
+        self.trace_point("embed", rows.x)
+        rows = self.run_layers(range(0, K), rows, mb, record)  # every K/V write happens here
         if mb.output_index.size == 0:
             logits = np.empty((0, self.cfg.vocab_size), dtype=self.dtype)
         else:
@@ -403,8 +411,17 @@ class Engine(MediaEncoders):
             rows = self.run_layers(range(K, self.n_layers), rows, mb, record)  # KV-shared layers read only
             record["head_rows"] = len(rows)
             logits = self.lm_head(rows.x)
+            if self.trace_log is not None:
+                self.trace_log.append({**self._mb_trace, "final_norm": self.hidden_log[-1]})
         self.commit(mb)  # trim after the shared layers have read this micro-batch's keys
         return logits
+
+    def trace_point(self, name: str, value: np.ndarray) -> None:
+        """Record a trace point at the output rows of the micro-batch in flight (``value`` covers every token
+        before the pruning, the output rows after it), when tracing."""
+        mb = self._mb
+        if self.trace_log is not None and mb.output_index.size:
+            self._mb_trace[name] = value[mb.output_index] if value.shape[0] == len(mb) else value
 
     def run_layers(self, layers: Iterable[int], rows: Rows, mb: MicroBatch, record: dict) -> Rows:
         for i in layers:
@@ -460,12 +477,20 @@ class Engine(MediaEncoders):
     # -- one decoder layer --------------------------------------------------------------------
 
     def layer(self, i: int, rows: Rows, mb: MicroBatch) -> np.ndarray:
-        x = rows.x
-        r = x + self.attention_block(i, rows, mb)
-        x = r + self.ffn_block(i, r)
+        x, p = rows.x, f"layers.{i}."
+        a = self.attention_block(i, rows, mb)
+        r = x + a
+        m = self.ffn_block(i, r)
+        x = r + m
+        self.trace_point(p + "attn_out", a)
+        self.trace_point(p + "ffn_out", m)
         if rows.ple is not None:
-            x = x + self.ple_block(i, x, rows.ple[:, i, :])
-        return x * self.layer_scalar(i)
+            g = self.ple_block(i, x, rows.ple[:, i, :])
+            x = x + g
+            self.trace_point(p + "ple_add", g)
+        x = x * self.layer_scalar(i)
+        self.trace_point(p + "residual", x)
+        return x
 
     def norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
         """RMSNorm with weight w (Gemma 4: w, not 1 + w)."""
@@ -576,6 +601,7 @@ class Engine(MediaEncoders):
         """The experts' weighted sum [R, H], routed on the un-normalised residual r."""
         p = f"layers.{i}."
         idx, weight = self.route(i, r)  # [R, k] each
+        self.trace_point(p + "router.experts", idx)
         u = self.norm(r, self.w[p + "pre_feedforward_layernorm_2.weight"])
 
         def expert_weights(e: int) -> tuple[np.ndarray, np.ndarray]:
@@ -696,13 +722,25 @@ class NumpyEngineBackend:
             raise RuntimeError("numpy-engine: run() called before open()")
         self.engine.log = []
         self.engine.hidden_log, self.engine.residual_log = [], []
+        self.engine.trace_log = [] if request.trace else None
         self.engine.spare_keys = 0
         caches = self.engine.new_caches()  # fresh state per request
         if request.kind == "mtp":
             return self._mtp(request, caches)
         handler = {"full": self._full, "last": self._last, "prefill": self._prefill, "multi": self._multi}
         response = handler[request.kind](request, caches)
-        return self._with_hidden(request, response) if request.hidden else response
+        if request.hidden:
+            response.hidden, response.decode_hidden = self._head_rows(request, response, self.engine.hidden_log)
+        if request.trace:
+            points = trace_rows(self.engine.trace_log)
+            split = {name: self._head_rows(request, response, [rows]) for name, rows in points.items()}
+            response.trace = {name: got for name, (got, _) in split.items()}
+            if request.kind == "multi" and request.decode:
+                response.decode_trace = [{name: dec[i] for name, (_, dec) in split.items()}
+                                         for i in range(len(request.decode))]
+            elif request.decode:
+                response.decode_trace = {name: dec for name, (_, dec) in split.items()}
+        return response
 
     # -- MTP (conformance/selftest/mtp.py) ------------------------------------------------------
 
@@ -715,13 +753,14 @@ class NumpyEngineBackend:
             self._drafters = {request.drafter: load_draft_model(self.draft_model_class, request.drafter, self.engine)}
         return serve_mtp(self, self._drafters[request.drafter], request, caches)
 
-    def _with_hidden(self, request: Request, response: Response) -> Response:
-        """``response`` with the hidden rows of every LM-head call (``Engine.hidden_log``, in call order:
-        the prefill's output rows, then one decode step after another; multi steps batch the live sequences)."""
-        log = self.engine.hidden_log
+    def _head_rows(self, request: Request, response: Response, log: list[np.ndarray]) -> tuple[np.ndarray, Any]:
+        """Rows logged at every LM-head call (``Engine.hidden_log``, or one trace point), in call order: the
+        prefill's output rows, then one decode step after another (multi steps batch the live sequences),
+        split as the response's (rows of ``logits``, rows of ``decode_logits``: None without decode, a list
+        per sequence for multi)."""
         flat = np.concatenate(log) if log else np.empty((0, self.engine.cfg.hidden_size), dtype=self.dtype)
         R = np.asarray(response.logits).shape[0]
-        response.hidden, rest = flat[:R], flat[R:]
+        got, rest = flat[:R], flat[R:]
         if request.kind == "multi" and request.decode:
             per_seq: list[list[np.ndarray]] = [[] for _ in request.decode]
             at = 0
@@ -730,10 +769,8 @@ class NumpyEngineBackend:
                     if j < len(d):
                         per_seq[i].append(rest[at:at + 1])
                         at += 1
-            response.decode_hidden = [np.concatenate(h) if h else rest[:0] for h in per_seq]
-        elif request.decode:
-            response.decode_hidden = rest
-        return response
+            return got, [np.concatenate(h) if h else rest[:0] for h in per_seq]
+        return got, (rest if request.decode else None)
 
     # -- request hooks (what a request adapter decides) -------------------------------------------
 
