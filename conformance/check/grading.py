@@ -48,7 +48,7 @@ CHECKS = ("count", "dtype", "shape", "nonfinite", "identity", "max_abs", "max_re
           "top1", "topk", "hidden", "hidden_identity")  # the last two: hidden-state rows (conformance.check.hidden)
 CASE_CHECKS = ("count", "dtype", "kl_mean", "generation", "mtp", "mtp_output", "mtp_accepted", "mtp_trace")
 METRIC_KEYS = ("max_abs", "max_rel", "nmse", "cosine", "kl", "delta_p", "top1_agree", "topk_overlap", "margin",
-               "identity_nearest", "identity_ratio")
+               "identity_nearest", "identity_ratio", "got_max_abs")  # got_max_abs: the row's largest finite |logit|
 #: top-N ids reported in every RowResult (``top_ref`` / ``top_got``)
 TOP_N = 5
 #: a failing MoE case whose smallest router margin (probability gap between the k-th chosen and the
@@ -228,6 +228,7 @@ def _grade_row(row: _Row, got_row: np.ndarray, base_rows: np.ndarray, base_cols:
     colmap = np.arange(ref.shape[-1]) if cols is None else np.flatnonzero(cols)
     m = res.metrics
     m["margin"] = finite_or_none(M.top1_margin(ref))
+    m["got_max_abs"] = finite_or_none(np.abs(g).max()) if g.size else None
     res.top_ref = M.topk_ids(ref, TOP_N).tolist()
     res.top_got = M.topk_ids(got, TOP_N).tolist()
     row.argmax_got = int(M.top1(got))

@@ -46,6 +46,7 @@ class CaseResult:
     missing: list[str] = field(default_factory=list)  # of those, not claimed by the backend
     expectation: dict[str, Any] | None = None  # the expectations entries that applied
     error: dict[str, str] | None = None  # status error: {"type", "message", "traceback"}
+    diagnosis: str | None = None  # failed cases: the likely bug classes (conformance.check.diagnosis)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -55,7 +56,7 @@ class CaseResult:
             "first_divergence": self.first_divergence, "executed": self.executed,
             "duration": self.duration, "moe_min_margin": self.moe_min_margin,
             "ties": [list(t) for t in self.ties], "needs": list(self.needs), "missing": list(self.missing),
-            "expectation": self.expectation, "error": self.error,
+            "expectation": self.expectation, "error": self.error, "diagnosis": self.diagnosis,
         }
 
     @property

@@ -35,6 +35,7 @@ from ..protocol.types import Backend, CaseTimeout, Response, claims, required_ca
 from ..protocol.wire import jsonable
 from ..sets.integrity import load_set
 from .expectations import Expectations
+from .diagnosis import diagnose_set
 from .grading import grade_case
 from .hidden import grade_hidden, hidden_groups
 from .mtp import grade_mtp
@@ -280,6 +281,7 @@ def _run_set(session: Session, claimed: dict, fs, chosen: list, info: SetInfo, p
         return None
     session.enter(fs)
     calls = session.calls
+    first = len(results)
     for case in chosen:
         if progress is not None:
             progress(len(results), total, case.id, None)
@@ -287,6 +289,11 @@ def _run_set(session: Session, claimed: dict, fs, chosen: list, info: SetInfo, p
         res = run_case(calls, claimed, ctx, case, profile, expectations)
         in_flight.clear()
         record(res)
+        if res.status in ("fail", "xfail"):  # refreshed with every failure: a run ended early keeps its diagnoses
+            cfg = ctx.text_config
+            diagnose_set(results[first:], softcap=cfg.final_logit_softcapping,
+                         kv_shared=cfg.first_shared_layer < cfg.num_hidden_layers,
+                         unified=cfg.family == "gemma4_unified")
         if res.check == "timeout" and not calls.restarts:
             return {"reason": "timeout", "case": case.id,
                     "message": (f"case {case.id} did not finish within {calls.timeout:g} s: an in-process "

@@ -11,6 +11,8 @@ scoreboard).
     conformance verify DIR ... [--model DIR] [--rehash] [--recompute]
     conformance selftest [--fixtures DIR ...] [--mutant REGEX] [-k REGEX] [--json FILE] [-q]
     conformance scoreboard REPORT.json ... [--out FILE.md | --into PAGE.md] [--title T]
+    conformance explain --backend NAME|module:attr [-k REGEX] [--fixtures DIR ...] [--from REPORT.json]
+                        [--json OUT] [--plot OUT.png] [--profile P] [--backend-option KEY=VALUE ...] [-q] [-v]
 
 Exit codes: 0 all selected cases pass (xfail, skipped and not-claimed allowed); 1 some case is fail,
 error or xpass; 2 usage error (bad arguments, bad expectations file, unknown profile, bad regex);
@@ -27,6 +29,7 @@ from typing import Sequence
 
 from ..check.runner import interrupt_signal, stop_signals
 from .check import cmd_check, cmd_list, cmd_scoreboard
+from .explain import cmd_explain
 from .common import EXIT_PIPE, EXIT_USAGE, PROG, Parser, UsageError, err, positive_seconds, silence_stdout
 from .generate import cmd_generate, cmd_verify
 from .selftest import cmd_selftest
@@ -40,7 +43,7 @@ REHASH_HELP = "read every checkpoint file again instead of trusting the digest c
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog=PROG, description="Conformance gate for Gemma 4 inference engines against the exact "
                                        "float64 refimpl oracle. See docs/conformance.md.")
-    sub = p.add_subparsers(dest="command", metavar="{check,list,generate,verify,selftest,scoreboard}", parser_class=Parser)
+    sub = p.add_subparsers(dest="command", metavar="{check,explain,list,generate,verify,selftest,scoreboard}", parser_class=Parser)
     sub.required = True
 
     c = sub.add_parser("check", help="run the fixture sets' cases on a backend and grade them",
@@ -74,6 +77,32 @@ def build_parser() -> argparse.ArgumentParser:
                         "process (--isolate, subprocess, llama-cpp) is restarted, an in-process one ends the run")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     c.add_argument("-v", "--verbose", action="store_true", help="details of every failing case, not only the first")
+
+    ex = sub.add_parser("explain", help="re-run cases with traces and name where the backend first leaves the oracle",
+                        description="Re-run the selected cases (by default the failed ones of --from REPORT.json) "
+                                    "with traces (capability traces), compare every traced point inside the model "
+                                    "with the oracle's, row by row, and report the first point where the backend "
+                                    "leaves the profile's noise floor: layer, sub-block, rows, and how the error "
+                                    "grows from there. Exit codes: 0 every case within the floor, 1 a case "
+                                    "diverges or errs, 2 usage, 3 fixture integrity, 4 backend, 5 no case selected. "
+                                    "See docs/conformance.md.")
+    ex.add_argument("--backend", required=True, metavar="NAME|module:attr",
+                    help="a registered backend name (see 'conformance list backends') or module:attr")
+    ex.add_argument("-k", metavar="REGEX", help="only the cases whose id matches REGEX (re.search)")
+    ex.add_argument("--fixtures", nargs="+", action="extend", metavar="DIR",
+                    help="fixture sets (default: the report's sets with --from, else the bundled sets)")
+    ex.add_argument("--from", dest="from_report", metavar="REPORT.json",
+                    help="explain the failed cases (fail, error, xfail, xpass) of this 'conformance check --json' report")
+    ex.add_argument("--model", metavar="DIR", help=MODEL_HELP)
+    ex.add_argument("--rehash", action="store_true", help=REHASH_HELP)
+    ex.add_argument("--profile", metavar="P", help="the profile whose nmse is the floor (default: the backend's)")
+    ex.add_argument("--json", metavar="OUT", help="write every case's comparison as JSON; - for standard output")
+    ex.add_argument("--plot", metavar="OUT.png",
+                    help="draw the error per point and row as a heat map (needs matplotlib: the plot extra)")
+    ex.add_argument("--backend-option", action="append", metavar="KEY=VALUE",
+                    help="keyword argument for the backend's class or factory (repeatable)")
+    ex.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    ex.add_argument("-v", "--verbose", action="store_true", help="the table of every case, not only diverging ones")
 
     ls = sub.add_parser("list", help="list backends, cases or profiles")
     ls.add_argument("what", choices=("backends", "cases", "profiles"))
@@ -169,7 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args = parser.parse_args(argv)
         except SystemExit as e:  # --help / --version
             return int(e.code or 0) if not isinstance(e.code, str) else EXIT_USAGE
-        commands = {"check": lambda: cmd_check(args, argv), "list": lambda: cmd_list(args),
+        commands = {"check": lambda: cmd_check(args, argv), "explain": lambda: cmd_explain(args),
+                    "list": lambda: cmd_list(args),
                     "generate": lambda: cmd_generate(args), "verify": lambda: cmd_verify(args),
                     "selftest": lambda: cmd_selftest(args, argv), "scoreboard": lambda: cmd_scoreboard(args)}
         if args.command not in commands:

@@ -32,7 +32,8 @@ CAPABILITY_FIELDS = tuple(f.name for f in fields(Capabilities))  # what the harn
 # field added to Capabilities later (image_prompts, audio_prompts, audio_tower, image_tower) is optional on the wire
 # (absent: its default, i.e. not claimed), so that a new flag never breaks a v1 engine (docs/subprocess-protocol.md,
 # Versioning). hidden_states likewise: the request's "hidden" flag and the reply's "hidden" / "decode_hidden"
-# ARRAYs exist only between a client and an engine that claims it.
+# ARRAYs exist only between a client and an engine that claims it; traces too (the request's "trace" flag, the
+# reply's "trace" / "decode_trace" maps of point name -> ARRAY).
 V1_CAPABILITY_FIELDS = ("full_forward", "last_plain", "last_seq_id", "last_embeddings", "embedding_convention",
                         "interior_rows", "output_rows", "ubatch", "chunked_prefill", "multi_sequence", "decode",
                         "default_profile")
@@ -130,6 +131,7 @@ def request_to_json(request: Request, out_dir: str | Path) -> dict[str, Any]:
         "audio_inputs": [_audio_input_json(clip, out_dir, k) for k, clip in enumerate(request.audio_inputs)],
         "image_inputs": [_image_input_json(image, out_dir, k) for k, image in enumerate(request.image_inputs)],
         "hidden": bool(request.hidden),
+        "trace": bool(request.trace),
         "drafter": request.drafter,
         "mtp": None if request.mtp is None else {
             "mode": request.mtp.mode, "convention": request.mtp.convention, "num_drafts": int(request.mtp.num_drafts),
@@ -192,6 +194,7 @@ def request_from_json(d: dict, out_dir: Path) -> Request:
         audio_inputs=audio_inputs,
         image_inputs=image_inputs,
         hidden=bool(d.get("hidden", False)),  # after v1: absent means not asked
+        trace=bool(d.get("trace", False)),  # likewise
         drafter=d.get("drafter"),  # mtp requests (after v1)
         mtp=_mtp_request(d.get("mtp")),
     )
@@ -241,6 +244,18 @@ def write_array(out_dir: Path, name: str, x: Any, fmt: str) -> dict:
     data = x.view(np.uint16) if dtype == "bfloat16" else x
     data.astype(RAW_DTYPES[dtype], copy=False).tofile(out_dir / path)
     return {"path": path, "format": "raw", "dtype": dtype, "shape": list(x.shape)}
+
+
+def write_trace(out_dir: Path, name: str, trace: dict[str, Any], fmt: str) -> dict[str, dict]:
+    """A trace map (point name -> [rows, ...]) as a map of ARRAY references, one file per point."""
+    return {point: write_array(out_dir, f"{name}.{point}", value, fmt) for point, value in trace.items()}
+
+
+def read_trace(refs: Any, out_dir: str | Path, where: str, rows: int) -> dict[str, np.ndarray]:
+    """A reply's trace map (point name -> ARRAY), each array read and checked to have ``rows`` rows."""
+    if not isinstance(refs, dict):
+        raise ArrayError(f"{where}: expected an object of point name -> ARRAY, got {clip_text(repr(refs))}")
+    return {str(point): read_array(ref, out_dir, f"{where}[{point!r}]", rows) for point, ref in refs.items()}
 
 
 def jsonable(x: Any, depth: int = 0) -> Any:

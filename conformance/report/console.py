@@ -116,12 +116,31 @@ def _tokens(ids: list[int], pieces: list[str] | None) -> str:
     return "  ".join(str(i) for i in ids)
 
 
-def failure_details(c: CaseResult) -> list[str]:
-    """Lines describing one non-passing case: its first failing row, metrics and top tokens."""
+ROW_METRICS = ("max_abs", "nmse", "kl", "got_max_abs")  # the columns of -v's failing-row list
+
+
+def failing_rows(c: CaseResult) -> list[str]:
+    """Every failing row of a case, one line each: label, position, check and the main metrics."""
+    bad = [r for r in c.rows if r.get("status") == "fail"]
+    if not bad:
+        return []
+    out = [f"  failing rows ({len(bad)} of {len(c.rows)}):"]
+    for r in bad:
+        m = r.get("metrics") or {}
+        shown = ", ".join(f"{k}={fmt(m[k])}" for k in ROW_METRICS if m.get(k) is not None)
+        out.append(f"    {r.get('label')} (position {r.get('position')}): {r.get('check')}" + (f"; {shown}" if shown else ""))
+    return out
+
+
+def failure_details(c: CaseResult, verbose: bool = False) -> list[str]:
+    """Lines describing one non-passing case: its diagnosis, its first failing row, metrics and top tokens
+    (``verbose``: every failing row too)."""
     out = [f"{c.status.upper()}: {c.id}", f"  entry {c.entry}; features {', '.join(c.features) or '-'}"]
     if c.check:
         out.append(f"  check: {c.check}")
     out.append(f"  {one_line(c.message, 400)}")
+    if c.diagnosis:
+        out.append(f"  diagnosis: {one_line(c.diagnosis, 500)}")
     if c.status == "error" and c.error:
         tb = (c.error.get("traceback") or "").rstrip().splitlines()[-4:]
         out += ["  | " + line for line in tb]
@@ -134,6 +153,8 @@ def failure_details(c: CaseResult) -> list[str]:
             out.append("  metrics: " + ", ".join(f"{k}={fmt(v)}" for k, v in metrics.items()))
         out.append(f"  oracle  top-{len(row.get('top_ref') or [])}: {_tokens(row.get('top_ref') or [], row.get('top_ref_pieces'))}")
         out.append(f"  backend top-{len(row.get('top_got') or [])}: {_tokens(row.get('top_got') or [], row.get('top_got_pieces'))}")
+    if verbose:
+        out += failing_rows(c)
     if c.first_divergence is not None:
         out.append(f"  generation diverges at step {c.first_divergence}")
     if c.executed:
@@ -174,7 +195,7 @@ def console_summary(result: RunResult, *, verbose: bool = False) -> str:
     first = result.first_failure()
     if first is not None:
         lines.append("")
-        lines += failure_details(first)
+        lines += failure_details(first, verbose)
         others = [c for c in result.cases if c.status in FAILING and c is not first]
         if others and not verbose:
             lines.append("")
@@ -187,7 +208,7 @@ def console_summary(result: RunResult, *, verbose: bool = False) -> str:
         others = [c for c in result.cases if c.status in FAILING and c is not first]
         for c in others:
             lines.append("")
-            lines += failure_details(c)
+            lines += failure_details(c, verbose)
     exp = result.expectations or {}
     if exp.get("expired"):
         lines.append("")

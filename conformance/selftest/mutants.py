@@ -433,15 +433,21 @@ class Mutant:
     expected_checks: frozenset[str] | None  # grading checks that count as "caught by the matching check"; None = any
     backend_class: type = field(repr=False, compare=False, default=NumpyEngineBackend)
     kill_sets: tuple[str, ...] = ()  # the bundled sets that can kill it, when only some can; () = any (all-features)
+    # where its code changed, as a trace point (conformance.protocol.trace) with a layer rule: "embed", "logits",
+    # "final_norm", or "<sub-block>@<rule>", rule a layer index or first-of: full, sliding, shared (the first
+    # KV-shared layer), shared-1, keqv, wrong-source (the first shared layer whose last and first KV-owning
+    # layers of its type differ); None: not a point of the model (a row selection, an MTP round)
+    where: str | None = None
 
     def backend(self) -> Backend:
         """A fresh mutated numpy-engine (float64), not yet opened."""
         return self.backend_class()
 
 
-def _m(cls: type, bug_class: str, expected: frozenset[str] | None = None, kill_sets: tuple[str, ...] = ()) -> Mutant:
+def _m(cls: type, bug_class: str, expected: frozenset[str] | None = None, kill_sets: tuple[str, ...] = (),
+       where: str | None = None) -> Mutant:
     name = cls.name.removeprefix("mutant/")
-    return Mutant(name, cls.__doc__.strip().splitlines()[0], bug_class, expected, cls, tuple(kill_sets))
+    return Mutant(name, cls.__doc__.strip().splitlines()[0], bug_class, expected, cls, tuple(kill_sets), where)
 
 
 #: the bundled image sets: PLE with image tokens causal (E-series), and bidirectional vision blocks (31B)
@@ -462,45 +468,45 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(ShiftInteriorRow, "B1", IDENTITY),
     _m(ShiftLastRow, "B1", IDENTITY),
     _m(ChunkBoundaryRow, "B1", IDENTITY),
-    _m(SoftcapDroppedSingleRow, "B2", CLOSENESS),
-    _m(SoftcapTwice, "B2", CLOSENESS),
-    _m(PruneHiddenNotPositions, "B7"),
-    _m(PruneHiddenNotMask, "B7"),
-    _m(PruneHiddenNotPle, "B7"),
-    _m(PruneOneLayerEarly, "B7"),
-    _m(SeqStateLeak, "B5"),
-    _m(SeqWrongOffsets, "B6"),
-    _m(ChunkLocalMask, "B4"),
-    _m(ChunkLocalPositions, "B4"),
-    _m(EmbeddingsScaledTwice, "B10"),
-    _m(SoftTokensScaled, "B10", kill_sets=(IMAGE_SET_PLE, IMAGE_SET_BIDIRECTIONAL, UNIFIED_SET)),
-    _m(NormOnePlusW, "trap 1"),
-    _m(AttentionScaleRsqrtD, "trap 2"),
-    _m(RopeOrdinaryPartial, "trap 3"),
-    _m(VNormMissing, "trap 4"),
-    _m(KeqvVIsRotatedK, "trap 5"),
-    _m(SlidingWindowOffByOne, "trap 7"),
-    _m(SharedWrongSource, "trap 8"),
-    _m(PleMissingSqrtP, "trap 10"),
-    _m(LayerScalarSkipped, "trap 11"),
-    _m(MoeRouterNormedInput, "trap 12"),
-    _m(PlePlaceholderRow, "trap 17", kill_sets=(IMAGE_SET_PLE,)),
-    _m(VisionBlocksOnFullLayers, "trap 17", kill_sets=(IMAGE_SET_BIDIRECTIONAL, UNIFIED_SET)),
-    _m(VisionBlocksMissing, "trap 17", kill_sets=(IMAGE_SET_BIDIRECTIONAL, UNIFIED_SET)),
-    _m(AudioChunkingWrong, "mm trap 24", kill_sets=(AUDIO_SET,)),
-    _m(AudioLogitCapMissing, "mm §9", kill_sets=(AUDIO_SET,)),
-    _m(AudioSoftTokensScaled, "B10", kill_sets=(AUDIO_SET,)),
-    _m(AudioPlePlaceholderRow, "trap 17", kill_sets=(AUDIO_SET,)),
-    _m(VisionWindowUnclamped, "unified U2", kill_sets=(IMAGE_SET_BIDIRECTIONAL, UNIFIED_SET)),
-    _m(ImageSplitAcrossUbatches, "unified U4", kill_sets=(IMAGE_SET_BIDIRECTIONAL, UNIFIED_SET)),
-    _m(PatchLayernormEps1e6, "unified U6", kill_sets=(UNIFIED_SET,)),
-    _m(PatchRmsnorm, "unified U6", kill_sets=(UNIFIED_SET,)),
-    _m(PatchOrderChw, "unified U7", kill_sets=(UNIFIED_SET,)),
-    _m(PositionAxesSwapped, "unified U8", kill_sets=(UNIFIED_SET,)),
-    _m(PaddingRowsKept, "unified U9", kill_sets=(UNIFIED_SET,)),
-    _m(AudioFramesNotNormed, "unified U10", kill_sets=(UNIFIED_SET,)),
-    _m(HiddenPreNorm, "mtp M1", HIDDEN),
-    _m(HiddenNormWeightSkipped, "mtp M1", HIDDEN),
+    _m(SoftcapDroppedSingleRow, "B2", CLOSENESS, where="logits"),
+    _m(SoftcapTwice, "B2", CLOSENESS, where="logits"),
+    _m(PruneHiddenNotPositions, "B7", where="attn_out@shared"),
+    _m(PruneHiddenNotMask, "B7", where="attn_out@shared"),
+    _m(PruneHiddenNotPle, "B7", where="ple_add@shared"),
+    _m(PruneOneLayerEarly, "B7", where="attn_out@shared-1"),
+    _m(SeqStateLeak, "B5", where="attn_out@0"),
+    _m(SeqWrongOffsets, "B6", where="attn_out@0"),
+    _m(ChunkLocalMask, "B4", where="attn_out@0"),
+    _m(ChunkLocalPositions, "B4", where="attn_out@0"),
+    _m(EmbeddingsScaledTwice, "B10", where="embed"),
+    _m(SoftTokensScaled, "B10", kill_sets=(IMAGE_SET_PLE, IMAGE_SET_BIDIRECTIONAL, UNIFIED_SET), where="embed"),
+    _m(NormOnePlusW, "trap 1", where="attn_out@0"),
+    _m(AttentionScaleRsqrtD, "trap 2", where="attn_out@0"),
+    _m(RopeOrdinaryPartial, "trap 3", where="attn_out@full"),
+    _m(VNormMissing, "trap 4", where="attn_out@0"),
+    _m(KeqvVIsRotatedK, "trap 5", where="attn_out@keqv"),
+    _m(SlidingWindowOffByOne, "trap 7", where="attn_out@sliding"),
+    _m(SharedWrongSource, "trap 8", where="attn_out@wrong-source"),
+    _m(PleMissingSqrtP, "trap 10", where="ple_add@0"),
+    _m(LayerScalarSkipped, "trap 11", where="residual@0"),
+    _m(MoeRouterNormedInput, "trap 12", where="ffn_out@0"),
+    _m(PlePlaceholderRow, "trap 17", kill_sets=(IMAGE_SET_PLE,), where="ple_add@0"),
+    _m(VisionBlocksOnFullLayers, "trap 17", kill_sets=(IMAGE_SET_BIDIRECTIONAL, UNIFIED_SET), where="attn_out@full"),
+    _m(VisionBlocksMissing, "trap 17", kill_sets=(IMAGE_SET_BIDIRECTIONAL, UNIFIED_SET), where="attn_out@sliding"),
+    _m(AudioChunkingWrong, "mm trap 24", kill_sets=(AUDIO_SET,), where="embed"),
+    _m(AudioLogitCapMissing, "mm §9", kill_sets=(AUDIO_SET,), where="embed"),
+    _m(AudioSoftTokensScaled, "B10", kill_sets=(AUDIO_SET,), where="embed"),
+    _m(AudioPlePlaceholderRow, "trap 17", kill_sets=(AUDIO_SET,), where="ple_add@0"),
+    _m(VisionWindowUnclamped, "unified U2", kill_sets=(IMAGE_SET_BIDIRECTIONAL, UNIFIED_SET), where="attn_out@sliding"),
+    _m(ImageSplitAcrossUbatches, "unified U4", kill_sets=(IMAGE_SET_BIDIRECTIONAL, UNIFIED_SET), where="attn_out@sliding"),
+    _m(PatchLayernormEps1e6, "unified U6", kill_sets=(UNIFIED_SET,), where="embed"),
+    _m(PatchRmsnorm, "unified U6", kill_sets=(UNIFIED_SET,), where="embed"),
+    _m(PatchOrderChw, "unified U7", kill_sets=(UNIFIED_SET,), where="embed"),
+    _m(PositionAxesSwapped, "unified U8", kill_sets=(UNIFIED_SET,), where="embed"),
+    _m(PaddingRowsKept, "unified U9", kill_sets=(UNIFIED_SET,), where="embed"),
+    _m(AudioFramesNotNormed, "unified U10", kill_sets=(UNIFIED_SET,), where="embed"),
+    _m(HiddenPreNorm, "mtp M1", HIDDEN, where="final_norm"),
+    _m(HiddenNormWeightSkipped, "mtp M1", HIDDEN, where="final_norm"),
     _m(MtpDrafterReadsPreNorm, "mtp M1", MTP, kill_sets=MTP_SETS),
     _m(MtpLastRowAfterPartial, "mtp M2", MTP, kill_sets=MTP_SETS),
     _m(MtpFirstRoundZeroHidden, "mtp M3", MTP, kill_sets=MTP_SETS),

@@ -29,6 +29,12 @@ What mlx-lm does not do, and how this backend handles it:
 * **Input embeddings.** ``Model.__call__(inputs, cache, input_embeddings=...)`` takes raw
   ``E[ids]`` (it multiplies by sqrt(H) itself) and, given the ids too, looks the per-layer
   embeddings up by id; the backend passes both (convention ``"raw"``).
+* **Traces** (capability ``traces``). mlx-lm's model has no hooks; a traced forward is the same
+  ``Model.__call__`` with some of its modules replaced, for that call only, by functions that call them
+  unchanged and keep an input or output (``MlxLmBackend._tapped``), so every point is the engine's own
+  array. Every point of ``conformance.protocol.trace`` maps exactly and is served (``ple_add`` on
+  checkpoints with per-layer inputs, ``router.experts`` on MoE ones); a forward without ``trace`` runs
+  untouched.
 * **dtype.** ``float32`` (default, profile ``fp32``), ``bfloat16`` and ``float16`` (profile
   ``bf16``). ``float64`` is not offered: on the CPU build mlx's fast kernels (rms_norm, rope,
   scaled_dot_product_attention) and tanh/softmax compute in float32 whatever the array dtype (a
@@ -46,6 +52,7 @@ from __future__ import annotations
 
 import json
 import math
+from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Sequence
@@ -202,7 +209,7 @@ class MlxLmBackend(CachedBackend):
         self.capabilities = Capabilities(
             full_forward=True, last_plain=True, last_seq_id=True, last_embeddings=True,
             embedding_convention="raw", interior_rows=True, output_rows=True, ubatch=True,
-            chunked_prefill=True, multi_sequence=True, decode=True, default_profile=default_profile,
+            chunked_prefill=True, multi_sequence=True, decode=True, traces=True, default_profile=default_profile,
         )
         # the shipped expectations were measured on (and are about) mlx's CPU build
         shipped = EXPECTATIONS_DIR / f"{self.name}.json"
@@ -377,10 +384,65 @@ class MlxLmBackend(CachedBackend):
         return np.array(picked)
 
     def _forward(self, tokens: Sequence[int], rows: list[int], state: list,
-                 embeddings: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
+                 embeddings: np.ndarray | None = None) -> tuple:
         """mlx-lm computes every row of the call (its K/V enter the prompt cache ``state``); the
-        requested ``rows`` are selected from its logits."""
-        return self._rows(self._call(tokens, state, embeddings), rows), {}
+        requested ``rows`` are selected from its logits. When the request asks for traces, the same call
+        runs tapped (``_tapped``) and the trace of ``rows`` comes fourth (no hidden states: third None)."""
+        if self._trace is None:
+            return self._rows(self._call(tokens, state, embeddings), rows), {}
+        with self._tapped() as taps:
+            logits = self._call(tokens, state, embeddings)
+        trace = {name: _take(value, rows) for name, value in taps.items()} if rows else {}
+        return self._rows(logits, rows), {}, None, trace
+
+    @contextmanager
+    def _tapped(self):
+        """While the context is open, mlx-lm's forward records every trace point (conformance.protocol.trace)
+        in the dict it yields, point -> [1, T, ...] over every row of the call: each module named below is
+        replaced, as the item of its parent module, by a function that calls it unchanged and keeps its
+        input or output; the originals are put back on exit. What is recorded is the arrays mlx-lm itself
+        computes and goes on with, so the traced values are the engine's:
+
+        * ``embed``, ``layers.{i-1}.residual``: the input of layer i's ``input_layernorm`` (the decoder input
+          ``E[ids] * embed_scale``; the stream a layer returns, ``layer_scalar`` applied);
+        * ``layers.{L-1}.residual``, ``final_norm``: the input and output of the final ``norm``;
+        * ``attn_out``, ``ffn_out``, ``ple_add``: the outputs of ``post_attention_layernorm``,
+          ``post_feedforward_layernorm`` (on MoE layers applied to the dense and the normed expert branch's
+          sum: the whole term added) and ``post_per_layer_input_norm`` (layers with per-layer inputs);
+        * ``router.experts``: the first output of the MoE ``router`` (its top-k indices)."""
+        inner = self._text_model().model
+        taps: dict[str, mx.array] = {}
+        swapped: list[tuple[Any, str, Any]] = []
+
+        def tap(parent, key: str, takes_input: str | None = None, output: str | None = None) -> None:
+            module = parent[key]
+
+            def call(x, *args, **kwargs):
+                out = module(x, *args, **kwargs)
+                if takes_input:
+                    taps[takes_input] = x
+                if output:
+                    taps[output] = out[0] if isinstance(out, tuple) else out
+                return out
+
+            swapped.append((parent, key, module))
+            parent[key] = call  # a Module is a dict of its children: the call resolves self.<key> to this
+
+        for i, layer in enumerate(inner.layers):
+            p = f"layers.{i}."
+            tap(layer, "input_layernorm", takes_input=f"layers.{i - 1}.residual" if i else "embed")
+            tap(layer, "post_attention_layernorm", output=p + "attn_out")
+            tap(layer, "post_feedforward_layernorm", output=p + "ffn_out")
+            if layer.enable_moe:
+                tap(layer, "router", output=p + "router.experts")
+            if layer.get("post_per_layer_input_norm") is not None:
+                tap(layer, "post_per_layer_input_norm", output=p + "ple_add")
+        tap(inner, "norm", takes_input=f"layers.{len(inner.layers) - 1}.residual", output="final_norm")
+        try:
+            yield taps
+        finally:
+            for parent, key, module in swapped:
+                parent[key] = module
 
     def _executed(self, path: str, **extra) -> dict[str, Any]:
         out = {"path": path, "dtype": self.dtype, "fresh_state": True,
@@ -403,6 +465,13 @@ class MlxLmBackend(CachedBackend):
         if request.kind == "multi":
             return {"interleaved_decode": bool(request.decode)}
         return {}
+
+
+def _take(value: mx.array, rows: Sequence[int]) -> np.ndarray:
+    """``rows`` of a recorded [1, T, ...] array as NumPy: floats as float32 (bfloat16/float16 widen
+    exactly), integers (the router's expert indices) as they are."""
+    picked = value[0][mx.array([int(r) for r in rows], dtype=mx.int32)]
+    return np.array(picked.astype(mx.float32) if mx.issubdtype(picked.dtype, mx.floating) else picked)
 
 
 def _cast(params, dtype, cast_predicate):

@@ -64,7 +64,7 @@ from refimpl.config import load_config
 from ...protocol.types import BackendError, Capabilities, Request, Response
 from ...protocol.wire import (
     PROTOCOL, VERSIONS, EngineCrash, EngineError, EngineFailure, EngineTimeout, ProtocolError,
-    capabilities_from_json, clip_text, expected_rows, mtp_from_reply, read_array, request_to_json,
+    capabilities_from_json, clip_text, expected_rows, mtp_from_reply, read_array, read_trace, request_to_json,
 )
 from .process import _Died, _Garbage, _Process, _TimedOut
 
@@ -452,8 +452,28 @@ class SubprocessBackend:
         if not isinstance(executed, dict):
             raise ProtocolError(f"the run reply's 'executed' must be an object, got {clip_text(repr(executed))}")
         hidden, decode_hidden = self._hidden(reply, request, out_dir, rows, decode_rows)
+        trace, decode_trace = self._trace(reply, request, out_dir, rows, decode_rows)
         mtp = mtp_from_reply(reply.get("mtp"), request, out_dir, vocab) if request.kind == "mtp" else None
-        return Response(logits, decode, executed, hidden=hidden, decode_hidden=decode_hidden, mtp=mtp)
+        return Response(logits, decode, executed, hidden=hidden, decode_hidden=decode_hidden, mtp=mtp, trace=trace,
+                        decode_trace=decode_trace)
+
+    @staticmethod
+    def _trace(reply: dict, request: Request, out_dir: str, rows: int, decode_rows) -> tuple[Any, Any]:
+        """The reply's traces (an engine that claims traces, asked with the request's "trace" flag): "trace" a
+        map of point name -> ARRAY [rows, ...], "decode_trace" one such map (a list of them for multi); (None,
+        None) when not asked. An engine may serve any subset of the points, none included."""
+        if not request.trace or reply.get("trace") is None:
+            return None, None
+        trace = read_trace(reply["trace"], out_dir, "run reply 'trace'", rows)
+        dt = reply.get("decode_trace")
+        if decode_rows is None or dt is None:
+            return trace, None
+        if isinstance(decode_rows, list):
+            if not isinstance(dt, list) or len(dt) != len(decode_rows):
+                raise ProtocolError(f"the run reply's 'decode_trace' must be a list of {len(decode_rows)} maps")
+            return trace, [read_trace(t, out_dir, f"run reply 'decode_trace'[{i}]", n)
+                           for i, (t, n) in enumerate(zip(dt, decode_rows))]
+        return trace, read_trace(dt, out_dir, "run reply 'decode_trace'", decode_rows)
 
     @staticmethod
     def _hidden(reply: dict, request: Request, out_dir: str, rows: int, decode_rows) -> tuple[Any, Any]:

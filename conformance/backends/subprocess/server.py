@@ -18,7 +18,7 @@ import traceback
 from pathlib import Path
 from typing import Any, TextIO
 
-from ...protocol.wire import PROTOCOL, VERSIONS, jsonable, mtp_reply, request_from_json, write_array
+from ...protocol.wire import PROTOCOL, VERSIONS, jsonable, mtp_reply, request_from_json, write_array, write_trace
 
 def handle(backend: Any, msg: dict, fmt: str) -> dict:
     """Answer one request message (without "id" and "ok"); raise on failure."""
@@ -56,6 +56,12 @@ def handle(backend: Any, msg: dict, fmt: str) -> dict:
             reply["decode_hidden"] = (None if dh is None else
                                       [write_array(out_dir, f"decode_hidden.{i}", a, fmt) for i, a in enumerate(dh)]
                                       if request.kind == "multi" else write_array(out_dir, "decode_hidden", dh, fmt))
+        if request.trace and response.trace is not None:  # traces: point name -> the same rows' values
+            reply["trace"] = write_trace(out_dir, "trace", response.trace, fmt)
+            dt = response.decode_trace
+            reply["decode_trace"] = (None if dt is None else
+                                     [write_trace(out_dir, f"decode_trace.{i}", t, fmt) for i, t in enumerate(dt)]
+                                     if request.kind == "multi" else write_trace(out_dir, "decode_trace", dt, fmt))
         return reply
     if op == "close":
         backend.close()

@@ -1,0 +1,86 @@
+"""``conformance explain``: re-run cases with traces and name where the backend first leaves the oracle."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from ..check.profiles import PROFILES
+from ..explain import ReportError, console_lines, explain, explain_json, failed_in_report, plot_explanations
+from ..explain.plot import PlotError
+from ..protocol.types import BackendError
+from ..registry import load_backend
+from ..report import ProgressBar, is_tty, printable
+from .common import (EXIT_BACKEND, EXIT_FAIL, EXIT_OK, EXIT_USAGE, UsageError, backend_option, compile_k, err, guarded,
+                     load_fixture_sets, model_dir_arg, output_path, write_stdout)
+
+__all__ = ["cmd_explain"]
+
+
+def cmd_explain(args) -> int:
+    pattern = compile_k(args.k)
+    options = dict(backend_option(o) for o in args.backend_option or [])
+    if args.profile is not None and args.profile not in PROFILES:
+        raise UsageError(f"unknown profile {args.profile!r}; choose one of {', '.join(PROFILES)}")
+    json_path = output_path("--json", args.json)
+    plot_path = output_path("--plot", args.plot)
+    if plot_path == "-":
+        raise UsageError("--plot needs a file name (a PNG), not standard output")
+    ids = None
+    if args.from_report is not None:
+        try:
+            ids, report_sets = failed_in_report(args.from_report)
+        except ReportError as e:
+            raise UsageError(str(e)) from None
+        if not ids:
+            err(f"--from: the report {args.from_report} has no failed case to explain")
+            return EXIT_OK
+        if not args.fixtures:
+            args.fixtures = report_sets or None
+    model = model_dir_arg(args.model)
+    sets = load_fixture_sets(args)
+    if sets is None:
+        return 3
+    try:
+        backend = load_backend(args.backend, **options)
+    except BackendError as e:
+        err(str(e))
+        return EXIT_BACKEND
+    profile = PROFILES[args.profile or backend.capabilities.default_profile]
+    if not backend.capabilities.traces and not args.quiet:
+        sys.stderr.write(printable(f"backend {backend.name!r} serves no traces (capability traces): only its logits "
+                                   "are compared, and no point inside the model can be named") + "\n")
+    bar = ProgressBar(sys.stderr, tty=is_tty(sys.stderr), enabled=not args.quiet)
+    results, failed = guarded(bar, lambda: explain(
+        backend, sets, profile, select=pattern, ids=ids, model=model, rehash=args.rehash,
+        progress=lambda done, total, case: bar(done, total, case, None)))
+    if failed is not None:
+        return failed
+    code = EXIT_FAIL if any(r.status in ("diverges", "error") for r in results) else EXIT_OK
+    if json_path is not None:
+        text = json.dumps(explain_json(results, backend, profile), indent=1, allow_nan=False) + "\n"
+        if json_path == "-":
+            write_stdout(text)
+        else:
+            try:
+                with open(json_path, "w") as f:
+                    f.write(text)
+            except OSError as e:
+                err(f"cannot write {json_path}: {e.strerror or e}")
+                return EXIT_USAGE
+            sys.stderr.write(printable(f"wrote {json_path}") + "\n")
+    if plot_path is not None:
+        try:
+            sys.stderr.write(printable(f"wrote {plot_explanations(results, plot_path)}") + "\n")
+        except PlotError as e:
+            err(str(e))
+            return EXIT_USAGE
+        except OSError as e:
+            err(f"cannot write {plot_path}: {e.strerror or e}")
+            return EXIT_USAGE
+    text = printable("\n".join(console_lines(results, verbose=args.verbose))) + "\n"
+    if json_path == "-":
+        sys.stderr.write(text)
+    else:
+        write_stdout(text)
+    return code
