@@ -69,6 +69,15 @@ forward, and with it how each request kind reaches transformers:
 * ``multi``: one ``DynamicCache`` per sequence id, each sequence prefilled on its own; decode steps
   are interleaved across the sequences, as a server batches them.
 * decode: one token per forward through the cache the prefill left, ``logits_to_keep=1``.
+* traces (``request.trace``; the points of ``conformance.protocol.trace``): forward hooks on the text
+  model's modules, installed for one forward and removed after it (:meth:`TransformersBackend._tracing`):
+  ``embed`` the input of decoder layer 0 (a forward pre-hook: ``inputs_embeds``, soft tokens merged), per
+  layer ``attn_out`` / ``ffn_out`` / ``ple_add`` the outputs of ``post_attention_layernorm`` /
+  ``post_feedforward_layernorm`` (on MoE layers after the expert branch is added) /
+  ``post_per_layer_input_norm``, ``router.experts`` the top-k indices of ``router``, ``residual`` the
+  layer's output (``layer_scalar`` applied), ``final_norm`` the output of the final ``norm``. Each keeps
+  the forward's output rows; a layer after ``_maybe_slice_kv_shared_inputs`` sees only the last ``k``
+  positions, so a row is taken at its offset from the end.
 
 Options (``--backend-option KEY=VALUE``):
 
@@ -499,7 +508,7 @@ class TransformersBackend(CachedBackend):
             embedding_convention="scaled", interior_rows=True, output_rows=True, ubatch=True,
             chunked_prefill=True, multi_sequence=True, decode=True, image_prompts=True, audio_prompts=True,
             audio_tower=self.audio_tower, image_tower=self.image_tower, hidden_states=True, mtp_generate=True,
-            mtp_conventions=MTP_CONVENTION, default_profile="bf16" if dtype == "bfloat16" else "fp32",
+            mtp_conventions=MTP_CONVENTION, traces=True, default_profile="bf16" if dtype == "bfloat16" else "fp32",
         )
         self.expectations_file = shipped_expectations(self.name, self.device)
         self.model: Gemma4ForCausalLM | Gemma4ForConditionalGeneration | None = None
@@ -720,15 +729,59 @@ class TransformersBackend(CachedBackend):
                                  f"embedder gives {part.shape[0]} soft tokens for its image")
         return torch.cat(parts)
 
+    @contextlib.contextmanager
+    def _tracing(self, rows: list[int], T: int):
+        """While tracing (``self._trace`` is not None): forward hooks on the text model for one ``T``-token
+        forward, yielding the dict they fill, point name -> numpy [len(rows), ...] at ``rows``; the hooks are
+        removed on exit. Otherwise yields None and hooks nothing.
+
+        A hooked tensor covers the forward's ``S`` positions, ``S == T`` or, in the KV-shared layers after
+        ``_maybe_slice_kv_shared_inputs`` (integer ``logits_to_keep``), the last ``S`` (= the output rows):
+        row ``r`` is at ``r - (T - S)``."""
+        if self._trace is None:
+            yield None
+            return
+        trace: dict[str, np.ndarray] = {}
+
+        def keep(name: str, x: torch.Tensor) -> None:
+            x = x.detach().reshape(-1, x.shape[-1])  # [1, S, D] (the router's indices: [S, k]) -> [S, D]
+            at = torch.tensor([r - (T - x.shape[0]) for r in rows], dtype=torch.long, device=x.device)
+            x = x.index_select(0, at)
+            trace[name] = x.cpu().numpy() if not x.is_floating_point() else self._numpy(x)
+
+        def on_output(name: str, pick=lambda out: out):
+            return lambda module, args, out: keep(name, pick(out))
+
+        model = self.text_model
+        hooks = [model.layers[0].register_forward_pre_hook(
+            lambda module, args, kwargs: keep("embed", args[0] if args else kwargs["hidden_states"]),
+            with_kwargs=True)]
+        for i, layer in enumerate(model.layers[:self.text_config.num_hidden_layers]):
+            p = f"layers.{i}."
+            hooks += [layer.post_attention_layernorm.register_forward_hook(on_output(p + "attn_out")),
+                      layer.post_feedforward_layernorm.register_forward_hook(on_output(p + "ffn_out")),
+                      layer.register_forward_hook(on_output(p + "residual"))]
+            if getattr(layer, "router", None) is not None:  # MoE: (probabilities, top-k weights, top-k index)
+                hooks.append(layer.router.register_forward_hook(on_output(p + "router.experts", lambda out: out[2])))
+            if getattr(layer, "post_per_layer_input_norm", None) is not None:  # per-layer inputs
+                hooks.append(layer.post_per_layer_input_norm.register_forward_hook(on_output(p + "ple_add")))
+        hooks.append(model.norm.register_forward_hook(on_output("final_norm")))
+        try:
+            yield trace
+        finally:
+            for hook in hooks:
+                hook.remove()
+
     def _forward(self, tokens: Sequence[int], rows: list[int], state: SequenceState,
                  embeddings: np.ndarray | None = None, images: Sequence[tuple[int, int]] = (),
                  audio: Sequence[tuple[int, int]] = (), audio_inputs: Sequence = (),
-                 logits_to_keep: Any = None, image_inputs: Sequence = ()) -> tuple[np.ndarray, dict]:
+                 logits_to_keep: Any = None, image_inputs: Sequence = ()) -> tuple:
         """One forward of ``tokens`` continuing the cache of ``state``; returns (logits of ``rows``
         [R, V], notes: ``{"logits_to_keep": the logits_to_keep used, in JSON form}``, plus
         ``mm_token_type_ids`` (how many were passed) and ``mask_function`` (the one ``Gemma4Model.forward``
         picks with them) when they were passed). A forward with no output row still runs every layer and writes the cache
-        (logits_to_keep = an empty index tensor).
+        (logits_to_keep = an empty index tensor). With hidden states asked, a third element: the final norm's
+        output at ``rows``; with traces asked (:meth:`_tracing`), a fourth: the trace of ``rows``.
 
         Image blocks (``images``, with ``embeddings``): the per-layer inputs' token part is looked up at
         ``pad_token_id`` in the blocks; on an image-text model every embeddings forward of a sequence
@@ -792,7 +845,8 @@ class TransformersBackend(CachedBackend):
         if self._hidden is not None:
             kwargs["output_hidden_states"] = True  # hidden_states[-1]: the final norm's output (capture_outputs)
         before = state.cache.get_seq_length()
-        out = self.model(**kwargs)
+        with self._tracing(rows, T) as trace:
+            out = self.model(**kwargs)
         after = state.cache.get_seq_length()
         if after != before + T:
             raise RuntimeError(f"transformers backend: the cache holds {after} tokens after a {T}-token forward "
@@ -802,11 +856,14 @@ class TransformersBackend(CachedBackend):
         if logits.shape != (len(rows), self.vocab_size):
             raise RuntimeError(f"transformers backend: logits_to_keep={shown!r} gave logits of shape "
                                f"{tuple(logits.shape)}, expected {(len(rows), self.vocab_size)}")
-        if self._hidden is not None:
-            return self._numpy(logits), notes, self._numpy(out.hidden_states[-1][0, rows])
+        hidden = self._numpy(out.hidden_states[-1][0, rows]) if self._hidden is not None else None
+        if trace is not None:
+            return self._numpy(logits), notes, hidden, trace
+        if hidden is not None:
+            return self._numpy(logits), notes, hidden
         return self._numpy(logits), notes
 
-    def _forward_all(self, tokens: Sequence[int], state: SequenceState) -> tuple[np.ndarray, dict]:
+    def _forward_all(self, tokens: Sequence[int], state: SequenceState) -> tuple:
         """The full forward: ``logits_to_keep=0`` (all rows)."""
         return self._forward(tokens, list(range(len(tokens))), state, logits_to_keep=0)
 
