@@ -81,7 +81,8 @@ def _case_patterns(c, cap: float | None) -> list[tuple[str, list[str]]]:
     out: list[tuple[str, list[str]]] = []
     bad, rows = _failing(c), c.rows
     if c.kind == "mtp":
-        return [("an MTP case", ["mtp M1-M13"])]
+        return [("an MTP case" + (" whose request the backend could not serve" if c.status in ("error", "xfail")
+                                   and c.error is not None else ""), ["mtp M1-M13"])]
     if not bad:
         return out
     logits_bad = [r for r in bad if not r["label"].endswith(" hidden")]
@@ -154,9 +155,10 @@ def _line(patterns: list[tuple[str, list[str]]]) -> str:
 
 
 def diagnose_set(results: Iterable, *, softcap: float | None, kv_shared: bool, unified: bool) -> None:
-    """Set ``diagnosis`` on every failed case (fail, xfail) of one set's results."""
+    """Set ``diagnosis`` on every failed case (fail, xfail; and an MTP case the backend raised on) of one set's
+    results. Any other error carries its own message and traceback instead."""
     results = list(results)
-    failed = [c for c in results if c.status in FAILED]
+    failed = [c for c in results if c.status in FAILED or (c.status == "error" and c.kind == "mtp" and c.check is None)]
     passed = [c for c in results if c.status in ("pass", "xpass")]
     across = _set_patterns(failed, passed, kv_shared, unified)
     cap = softcap if softcap and math.isfinite(softcap) else None

@@ -282,25 +282,34 @@ def _run_set(session: Session, claimed: dict, fs, chosen: list, info: SetInfo, p
     session.enter(fs)
     calls = session.calls
     first = len(results)
-    for case in chosen:
-        if progress is not None:
-            progress(len(results), total, case.id, None)
-        in_flight[:] = [case.id]
-        res = run_case(calls, claimed, ctx, case, profile, expectations)
-        in_flight.clear()
-        record(res)
-        if res.status in ("fail", "xfail"):  # refreshed with every failure: a run ended early keeps its diagnoses
-            cfg = ctx.text_config
-            diagnose_set(results[first:], softcap=cfg.final_logit_softcapping,
-                         kv_shared=cfg.first_shared_layer < cfg.num_hidden_layers,
-                         unified=cfg.family == "gemma4_unified")
-        if res.check == "timeout" and not calls.restarts:
-            return {"reason": "timeout", "case": case.id,
-                    "message": (f"case {case.id} did not finish within {calls.timeout:g} s: an in-process "
-                                "backend cannot be stopped or restarted, so the run ended there "
-                                "(--isolate runs the backend in a child process that is killed and "
-                                "restarted)")}
+    try:
+        for case in chosen:
+            if progress is not None:
+                progress(len(results), total, case.id, None)
+            in_flight[:] = [case.id]
+            res = run_case(calls, claimed, ctx, case, profile, expectations)
+            in_flight.clear()
+            record(res)
+            if res.check == "timeout" and not calls.restarts:
+                return {"reason": "timeout", "case": case.id,
+                        "message": (f"case {case.id} did not finish within {calls.timeout:g} s: an in-process "
+                                    "backend cannot be stopped or restarted, so the run ended there "
+                                    "(--isolate runs the backend in a child process that is killed and "
+                                    "restarted)")}
+    finally:  # also when the run is interrupted: the cases it finished keep their diagnoses
+        _diagnose(ctx, results[first:])
     return None
+
+
+def _diagnose(ctx: SetContext, results: list[CaseResult]) -> None:
+    """The diagnosis line of every failed case of one set (conformance.check.diagnosis); a diagnosis that
+    cannot be made (a checkpoint whose config cannot be read again) leaves the results as they are."""
+    try:
+        cfg = ctx.text_config
+        diagnose_set(results, softcap=cfg.final_logit_softcapping,
+                     kv_shared=cfg.first_shared_layer < cfg.num_hidden_layers, unified=cfg.family == "gemma4_unified")
+    except Exception:  # noqa: BLE001 - a diagnosis is advice; it never costs the verdict
+        pass
 
 
 def run_case(backend: Backend, claimed: dict, ctx: SetContext, case, profile,

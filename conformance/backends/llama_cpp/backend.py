@@ -21,7 +21,8 @@ line rather than a gdb backtrace), plus the subprocess backend's ``timeout`` (60
 ``open_timeout`` (default 7200 s: ``open`` converts the checkpoint to GGUF) and ``stderr_log``. ``lib`` becomes the child's
 ``LLAMA_CPP_LIB_PATH`` (llama-cpp-python loads ``libllama.so`` from there at import): ``stock``
 (the library inside the llama_cpp package), ``exact-gelu`` (``.cache/llama-cpp/exact-gelu/build/bin``
-from ``scripts/build-llama-cpp.sh --exact-gelu``) or a directory.
+from ``scripts/build-llama-cpp.sh --exact-gelu``) or a directory. The child serves traces (capability ``traces``)
+through the subprocess protocol like everything else.
 
 ``expectations_file`` is ``conformance/backends/llama_cpp/expectations/<name>.json`` when one ships for the
 configuration (the CLI uses it when no ``--expectations`` is given). The three default configurations

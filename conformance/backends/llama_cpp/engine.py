@@ -52,6 +52,14 @@ Hidden states (``hidden_states``)
     logits. Not ``embeddings=true`` with pooling none (``cparams.embeddings``): that forces every token
     to be an output, which would change the rows llama.cpp computes.
 
+Traces (``traces``)
+    A request with ``trace`` (not MTP) gets a context whose graph evaluation callback (``cb_eval``) copies
+    the tensors of Gemma 4's graph that are the trace points (``inp_scaled``, ``attn_post_norm-i``,
+    ``ffn_post_norm-i``, ``ffn_moe_topk-i``, ``per_layer_embd_out-i``, ``l_out-i``, ``result_norm``: every point
+    of ``conformance.protocol.trace``) at each batch's output rows, lined up with the logits rows; see
+    ``conformance.backends.llama_cpp.trace``. Other contexts get no callback. The ``llama-cpp`` backend's
+    child serves them through the subprocess protocol.
+
 MTP (``mtp``, ``mtp_generate``; convention ``target-cache/P``)
     ``mtp.run_mtp``: the drafter checkpoint converted like the target (architecture
     ``gemma4-assistant``, without the centroid head), a context of type MTP over the target's KV cache,
@@ -88,6 +96,7 @@ Options (``--backend-option KEY=VALUE``)
     ``embeddings``     ``false`` (default) or ``true`` (see above).
     ``default_profile`` override the profile chosen below.
     ``verbose``        ``false`` (default): llama.cpp's log goes to stderr at level error only.
+    ``traces``         ``true`` (default): claim and serve traces (see above).
 
 Profiles
     ``fp16-kv`` for an f16 KV cache (either library). ``fp32`` for an f32 KV cache with the exact-GELU
@@ -136,11 +145,14 @@ import numpy as np
 
 from ...check.profiles import PROFILES
 from ...protocol.serving import check_multi
+from ...protocol.trace import trace_rows
 from ...protocol.types import BackendError, Capabilities, Request, Response
 from ...sets.format import sha256_file
 from .ext import Ext
 from .mtp import CONVENTION as MTP_CONVENTION
 from .mtp import check_assistant, run_mtp
+from .trace import SOURCE as TRACE_SOURCE
+from .trace import Tracer
 
 __all__ = [
     "DEFAULT_SOURCE",
@@ -201,7 +213,7 @@ def _bool(name: str, value: Any) -> bool:
 def check_options(kv_type: Any = "f16", lib: Any = "stock", threads: Any = 2, flash_attn: Any = False,
                   outtype: Any = "f32", swa_full: Any = True, kv_unified: Any = False,
                   multi_decode: Any = "interleaved", embeddings: Any = False,
-                  default_profile: Any = None, verbose: Any = False) -> dict[str, Any]:
+                  default_profile: Any = None, verbose: Any = False, traces: Any = True) -> dict[str, Any]:
     """Validate the options shared by the engine and the subprocess backend; ValueError on a bad one."""
     if kv_type not in KV_TYPES:
         raise ValueError(f"llama-cpp backend: kv_type must be 'f16' or 'f32', got {kv_type!r}")
@@ -221,7 +233,7 @@ def check_options(kv_type: Any = "f16", lib: Any = "stock", threads: Any = 2, fl
     return {"kv_type": kv_type, "lib": lib, "threads": threads, "flash_attn": _bool("flash_attn", flash_attn),
             "outtype": outtype, "swa_full": _bool("swa_full", swa_full), "kv_unified": _bool("kv_unified", kv_unified),
             "multi_decode": multi_decode, "embeddings": _bool("embeddings", embeddings),
-            "default_profile": default_profile, "verbose": _bool("verbose", verbose)}
+            "default_profile": default_profile, "verbose": _bool("verbose", verbose), "traces": _bool("traces", traces)}
 
 
 def stock_lib_dir() -> Path | None:
@@ -297,12 +309,12 @@ def expectations_for(name: str) -> Path | None:
     return p if p.is_file() else None
 
 
-def capabilities_for(default_profile: str, embeddings: bool) -> Capabilities:
+def capabilities_for(default_profile: str, embeddings: bool, traces: bool = True) -> Capabilities:
     return Capabilities(
         full_forward=True, last_plain=True, last_seq_id=True, last_embeddings=embeddings,
         embedding_convention="scaled", interior_rows=True, output_rows=True, ubatch=True,
         chunked_prefill=True, multi_sequence=True, decode=True, hidden_states=True,
-        mtp=True, mtp_generate=True, mtp_conventions=MTP_CONVENTION, default_profile=default_profile,
+        mtp=True, mtp_generate=True, mtp_conventions=MTP_CONVENTION, traces=traces, default_profile=default_profile,
     )
 
 
@@ -561,9 +573,10 @@ class LlamaCppEngine:
     def __init__(self, kv_type: str = "f16", lib: str = "stock", threads: int = 2, flash_attn: bool = False,
                  outtype: str = "f32", source: str | None = None, cache_dir: str | None = None,
                  swa_full: bool = True, kv_unified: bool = False, multi_decode: str = "interleaved",
-                 embeddings: bool = False, default_profile: str | None = None, verbose: bool = False):
+                 embeddings: bool = False, default_profile: str | None = None, verbose: bool = False,
+                 traces: bool = True):
         o = check_options(kv_type, lib, threads, flash_attn, outtype, swa_full, kv_unified, multi_decode,
-                          embeddings, default_profile, verbose)
+                          embeddings, default_profile, verbose, traces)
         self.options = o
         self.lib_kind, self.lib_dir = resolve_lib(o["lib"])
         self.source_option = source
@@ -572,7 +585,7 @@ class LlamaCppEngine:
                                 o["kv_unified"], o["embeddings"])
         profile = o["default_profile"] or default_profile_for(o["kv_type"], self.lib_kind, o["outtype"],
                                                               o["flash_attn"])
-        self.capabilities = capabilities_for(profile, o["embeddings"])
+        self.capabilities = capabilities_for(profile, o["embeddings"], o["traces"])
         self.expectations_file = expectations_for(self.name)
         self.L = None
         self.model = None
@@ -580,6 +593,7 @@ class LlamaCppEngine:
         self.n_embd = 0
         self.ext: Ext | None = None
         self._hidden = False  # the request being served asks for hidden rows (Request.hidden)
+        self._trace = False  # ... and for its trace (Request.trace; not for MTP requests)
         self._drafters: dict[str, tuple[Any, dict[str, Any]]] = {}  # drafter directory -> (model, GGUF info)
         self.has_ple = False
         self.gguf_info: dict[str, Any] = {}
@@ -676,6 +690,7 @@ class LlamaCppEngine:
         handler = {"full": self._full, "last": self._last, "prefill": self._prefill, "multi": self._multi,
                    "mtp": lambda r: run_mtp(self, r)}[request.kind]
         self._hidden = bool(request.hidden)
+        self._trace = bool(request.trace) and self.capabilities.traces and request.kind != "mtp"
         return handler(request)
 
     # -- context and batches --------------------------------------------------------------------
@@ -684,7 +699,8 @@ class LlamaCppEngine:
                      total: int | None = None, hidden: bool | None = None) -> _Ctx:
         """A context for one request: ``longest`` tokens per sequence, ``total`` over all sequences
         (a unified KV cache holds them all in one stream), batches of up to ``n_batch`` tokens; keeping the
-        final-norm states when ``hidden`` (default: when the request asks for them)."""
+        final-norm states when ``hidden`` (default: when the request asks for them), tracing when the request asks
+        for a trace (``trace.Tracer`` as its ``cb_eval``; no callback otherwise)."""
         L = self.L
         o = self.options
         if not 1 <= n_seq_max <= LLAMA_MAX_SEQ:
@@ -702,10 +718,13 @@ class LlamaCppEngine:
         p.swa_full = o["swa_full"]
         p.kv_unified = o["kv_unified"]
         p.no_perf = True
+        tracer = Tracer(L) if self._trace else None
+        if tracer is not None:
+            p.cb_eval = tracer.callback
         ctx = L.llama_init_from_model(self.model, p)
         if not ctx:
             raise RuntimeError(f"llama-cpp backend: llama_init_from_model failed: {self._log_tail()}")
-        c = _Ctx(self, ctx, hidden=self._hidden if hidden is None else hidden)
+        c = _Ctx(self, ctx, hidden=self._hidden if hidden is None else hidden, tracer=tracer)
         c.type_kv = p.type_k
         c.info = {"n_ctx": int(L.llama_n_ctx(ctx)), "n_ctx_seq": int(L.llama_n_ctx_seq(ctx)),
                   "n_seq_max": int(L.llama_n_seq_max(ctx)), "n_batch": int(L.llama_n_batch(ctx)),
@@ -720,7 +739,8 @@ class LlamaCppEngine:
                 "gguf": {k: self.gguf_info.get(k) for k in ("key", "outtype", "cached")},
                 "fresh_state": True, "state": "a new llama_context (and KV cache) for this request",
                 "context": c.info, "decode_calls": c.calls,
-                **({"hidden": HIDDEN_SOURCE} if c.hidden is not None else {}), **extra}
+                **({"hidden": HIDDEN_SOURCE} if c.hidden is not None else {}),
+                **({"trace": TRACE_SOURCE} if c.tracer is not None else {}), **extra}
 
     # -- request kinds --------------------------------------------------------------------------
 
@@ -734,12 +754,13 @@ class LlamaCppEngine:
         self._check_tokens(request.tokens, "full request")
         with self._new_context(1, T + len(request.decode), T, None) as c:
             rows = c.decode_tokens(request.tokens, 0, 0, range(T))
-            hidden = c.take_hidden()
+            hidden, trace = c.take_hidden(), c.take_trace()
             state = c.seq_len(0)
             dec = c.decode_steps(0, request.decode, T)
             return Response(rows, dec, self._executed("full", c, rows=T, state_len_after_prefill=state,
                                                       decode_steps=len(request.decode)),
-                            hidden=hidden, decode_hidden=c.take_hidden() if dec is not None else None)
+                            hidden=hidden, decode_hidden=c.take_hidden() if dec is not None else None,
+                            trace=trace, decode_trace=c.take_trace() if dec is not None else None)
 
     def _last(self, request: Request) -> Response:
         T = len(request.tokens)
@@ -761,7 +782,7 @@ class LlamaCppEngine:
                 rows = c.decode_embeddings(emb, seq, 0, [request.last_pos])
             else:
                 rows = c.decode_tokens(request.tokens, seq, 0, [request.last_pos])
-            hidden = c.take_hidden()
+            hidden, trace = c.take_hidden(), c.take_trace()
             state = c.seq_len(seq)
             dec = c.decode_steps(seq, request.decode, T)
             extra = {}
@@ -771,7 +792,8 @@ class LlamaCppEngine:
             return Response(rows, dec, self._executed(
                 "last", c, entry=request.entry, seq_id=seq, last_pos=request.last_pos, output_rows=[request.last_pos],
                 state_len_after_prefill=state, decode_steps=len(request.decode), **extra),
-                hidden=hidden, decode_hidden=c.take_hidden() if dec is not None else None)
+                hidden=hidden, decode_hidden=c.take_hidden() if dec is not None else None,
+                trace=trace, decode_trace=c.take_trace() if dec is not None else None)
 
     def _prefill(self, request: Request) -> Response:
         if not request.pieces:
@@ -795,7 +817,7 @@ class LlamaCppEngine:
                 pieces_done.append({"tokens": T, "rows": rows, "pos0": pos,
                                     "ubatches": [min(ub, T - s) for s in range(0, T, ub)]})
                 pos += T
-            hidden = c.take_hidden()
+            hidden, trace = c.take_hidden(), c.take_trace()
             state = c.seq_len(0)
             dec = c.decode_steps(0, request.decode, pos)
             logits = np.concatenate(out) if out else np.empty((0, self.n_vocab), dtype=np.float32)
@@ -803,7 +825,8 @@ class LlamaCppEngine:
                 "prefill", c, ubatch=request.ubatch, pieces=pieces_done,
                 ubatches=[u for p in pieces_done for u in p["ubatches"]],
                 state_len_after_prefill=state, decode_steps=len(request.decode)),
-                hidden=hidden, decode_hidden=c.take_hidden() if dec is not None else None)
+                hidden=hidden, decode_hidden=c.take_hidden() if dec is not None else None,
+                trace=trace, decode_trace=c.take_trace() if dec is not None else None)
 
     def _multi(self, request: Request) -> Response:
         seq_ids, decode = check_multi(request, "llama-cpp backend")
@@ -815,15 +838,16 @@ class LlamaCppEngine:
         total = sum(lens) + sum(len(d) for d in decode)
         with self._new_context(max(seq_ids) + 1, longest, sum(lens), None, total) as c:
             logits = c.decode_multi(request.sequences, seq_ids)
-            hidden = c.take_hidden()
+            hidden, trace = c.take_hidden(), c.take_trace()
             states = [c.seq_len(s) for s in seq_ids]
-            decode_logits = decode_hidden = None
+            decode_logits = decode_hidden = decode_trace = None
             if decode:
-                decode_logits, decode_hidden = c.decode_multi_steps(seq_ids, decode, lens, self.options["multi_decode"])
+                decode_logits, decode_hidden, decode_trace = c.decode_multi_steps(seq_ids, decode, lens,
+                                                                                  self.options["multi_decode"])
             return Response(logits, decode_logits, self._executed(
                 "multi", c, seq_ids=list(seq_ids), one_batch=True, multi_decode=self.options["multi_decode"],
                 state_len_after_prefill=states, decode_steps=[len(d) for d in decode] if decode else 0),
-                hidden=hidden, decode_hidden=decode_hidden)
+                hidden=hidden, decode_hidden=decode_hidden, trace=trace, decode_trace=decode_trace)
 
 
 class _Ctx:
@@ -831,9 +855,12 @@ class _Ctx:
 
     ``hidden``: the context keeps every token's final-norm state (``llama_set_embeddings_nextn(ctx, true,
     false)``: ``t_h_nextn``, the LM head's input, with the graph unchanged; see ``ext``), and every batch
-    collects the rows of its outputs beside their logits, for ``take_hidden``."""
+    collects the rows of its outputs beside their logits, for ``take_hidden``.
 
-    def __init__(self, engine: LlamaCppEngine, ctx, hidden: bool = False):
+    ``tracer``: the ``trace.Tracer`` the context was made with (its ``cb_eval``); every batch then collects the
+    trace of its outputs beside their logits, for ``take_trace``."""
+
+    def __init__(self, engine: LlamaCppEngine, ctx, hidden: bool = False, tracer: Tracer | None = None):
         self.e = engine
         self.L = engine.L
         self.ctx = ctx
@@ -841,6 +868,8 @@ class _Ctx:
         self.info: dict[str, Any] = {}
         self.type_kv = KV_TYPES["f16"]  # the ggml type of its K and V cache (set by _new_context)
         self.hidden: list[np.ndarray] | None = [] if hidden else None
+        self.tracer = tracer  # kept alive with the context: llama.cpp holds its callback
+        self.traces: list[dict[str, np.ndarray]] | None = [] if tracer is not None else None
         if hidden:
             engine.ext.llama_set_embeddings_nextn(ctx, True, False)
 
@@ -870,6 +899,8 @@ class _Ctx:
             out[k] = np.ctypeslib.as_array(ptr, shape=(V,))
         if self.hidden is not None:
             self.hidden.append(self.hidden_rows(idx))
+        if self.tracer is not None:
+            self.traces.append(self.tracer.take(out))
         return out
 
     def hidden_rows(self, idx: Sequence[int]) -> np.ndarray:
@@ -890,6 +921,13 @@ class _Ctx:
             return None
         got, self.hidden[:] = self.hidden[:], []
         return np.concatenate(got) if got else np.empty((0, self.e.n_embd), dtype=np.float32)
+
+    def take_trace(self) -> dict[str, np.ndarray] | None:
+        """The trace of the rows collected since the last take, point -> [rows, ...] (None when not tracing)."""
+        if self.traces is None:
+            return None
+        got, self.traces[:] = self.traces[:], []
+        return trace_rows(got)
 
     def _batch(self, items: Sequence[tuple[int, int, int, bool]], embd: np.ndarray | None = None) -> np.ndarray:
         """Decode one batch of (token, pos, seq, output) items; returns the logits of the outputs in order."""
@@ -933,26 +971,33 @@ class _Ctx:
             items += [(int(t), i, s, i == len(toks) - 1) for i, t in enumerate(toks)]
         return self._batch(items)
 
-    def decode_multi_steps(self, seq_ids, decode, lens, mode: str) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
-        """Each sequence's decode logits [len(decode[i]), V], and its hidden rows when the context keeps them."""
+    def decode_multi_steps(self, seq_ids, decode, lens, mode: str) -> tuple[list[np.ndarray], list[np.ndarray] | None,
+                                                                            list[dict[str, np.ndarray]] | None]:
+        """Each sequence's decode logits [len(decode[i]), V], its hidden rows when the context keeps them, and its
+        trace when it traces."""
         V, H = self.e.n_vocab, self.e.n_embd
         out = [np.empty((len(d), V), dtype=np.float32) for d in decode]
         hid = None if self.hidden is None else [np.empty((len(d), H), dtype=np.float32) for d in decode]
+        trc: list[list[dict[str, np.ndarray]]] | None = None if self.traces is None else [[] for _ in decode]
         for j in range(max(len(d) for d in decode)):
             live = [i for i, d in enumerate(decode) if j < len(d)]
             if mode == "batched":
                 rows = self._batch([(int(decode[i][j]), lens[i] + j, seq_ids[i], True) for i in live])
-                h = self.take_hidden()
+                h, t = self.take_hidden(), self.take_trace()
                 for k, i in enumerate(live):
                     out[i][j] = rows[k]
                     if hid is not None:
                         hid[i][j] = h[k]
+                    if trc is not None:
+                        trc[i].append({name: a[k:k + 1] for name, a in t.items()})
             else:
                 for i in live:
                     out[i][j] = self._batch([(int(decode[i][j]), lens[i] + j, seq_ids[i], True)])[0]
                     if hid is not None:
                         hid[i][j] = self.take_hidden()[0]
-        return out, hid
+                    if trc is not None:
+                        trc[i].append(self.take_trace())
+        return out, hid, None if trc is None else [trace_rows(t) for t in trc]
 
     def seq_len(self, seq: int) -> int:
         mem = self.L.llama_get_memory(self.ctx)
