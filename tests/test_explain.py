@@ -229,3 +229,25 @@ def test_verbose_check_lists_every_failing_row(capsys):
         assert f"    decode {j} (position {position}): max_abs; max_abs=" in out
     assert "diagnosis: logits beyond the final softcap on 2 row(s) (|logit| up to 34.79 > cap 30)" in out
     assert "Likely B2 (the head in the single-row path" in out
+
+
+class PerturbedEngine(NumpyEngineBackend):
+    """numpy-engine on its own copy of the checkpoint, layer 3's ``mlp.gate_proj.weight`` scaled by 1.01."""
+
+    def open(self, model_dir):
+        self._copy = tempfile.TemporaryDirectory()
+        super().open(_perturbed_copy(Path(model_dir), Path(self._copy.name) / "ckpt", "layers.3.mlp.gate_proj.weight"))
+
+
+def test_explain_names_the_perturbed_layer(tmp_path, capsys):
+    out = tmp_path / "e.json"
+    code = main(["explain", "--backend", "test_explain:PerturbedEngine", "--fixtures", str(SETS["e2b-mini"]),
+                 "-k", "full/A/T9$|last/plain/A/T19/pos18", "--profile", "fp32", "-q", "--json", str(out)])
+    assert code == 1
+    cases = json.loads(out.read_text())["cases"]
+    assert len(cases) == 2
+    for c in cases:
+        assert (c["first_divergence"]["layer"], c["first_divergence"]["point"]) == (3, "layers.3.ffn_out")
+        growth = c["comparison"]["growth"]
+        assert growth[0]["point"] == "layers.3.ffn_out" and growth[-1]["point"] == "logits"
+    assert "first leaves the floor at layer 3, feed-forward block (layers.3.ffn_out)" in capsys.readouterr().out

@@ -103,6 +103,8 @@ def one_line(s: str, limit: int = 500) -> str:
 
 def _failure_text(c: CaseResult) -> str:
     lines = [c.message]
+    if c.diagnosis:
+        lines.append(f"diagnosis: {c.diagnosis}")
     row = c.first_failing_row
     if row is not None:
         lines.append(f"first failing row: {row.get('label')} (position {row.get('position')}), "
