@@ -31,6 +31,7 @@ from ..sets.integrity import load_set
 from .hidden import OracleHidden
 from .profiles import scaled
 from .requests import Embedder, build_request
+from .select import CaseFilter
 from .results import SetInfo
 
 
@@ -50,13 +51,18 @@ def compile_select(select: str | re.Pattern | None) -> re.Pattern | None:
 
 class Selection:
     """The fixture sets of a run (paths or loaded ``FixtureSet``s; each loaded and verified: FixtureError)
-    and the cases ``select`` (a -k regex) chooses of each. NoCasesSelected when it chooses none."""
+    and the cases ``select`` chooses of each: a ``CaseFilter`` (-k expression, --match regex), or a regular
+    expression searched in the case id. ``select`` records it (the report's "select")."""
 
-    def __init__(self, sets: Iterable, select: str | re.Pattern | None = None):
-        pattern = compile_select(select)
-        self.select = pattern.pattern if pattern is not None else None
+    def __init__(self, sets: Iterable, select: CaseFilter | str | re.Pattern | None = None):
+        if isinstance(select, CaseFilter):
+            take, self.select = select, select.describe()
+        else:
+            pattern = compile_select(select)
+            self.select = None if pattern is None else CaseFilter(regex=pattern.pattern).describe()
+            take = (lambda case, name: pattern is None or pattern.search(case.id) is not None)
         self.sets = [s if isinstance(s, FixtureSet) else load_set(Path(s)) for s in sets]
-        self.chosen = [[c for c in fs.cases if pattern is None or pattern.search(c.id)] for fs in self.sets]
+        self.chosen = [[c for c in fs.cases if take(c, str(fs.manifest.get("name", "")))] for fs in self.sets]
         self.total = sum(len(c) for c in self.chosen)
         if self.total == 0:
             what = f"-k {pattern.pattern!r}" if pattern is not None else "the selection"

@@ -25,12 +25,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib import metadata
 from typing import Sequence
 
 from ..check.runner import interrupt_signal, stop_signals
+from ..protocol.wire import VERSIONS
+from ..report.json_report import SCHEMA_VERSION as REPORT_SCHEMA_VERSION
+from ..sets.format import SCHEMA_VERSION as SET_SCHEMA_VERSION
 from .check import cmd_check, cmd_list, cmd_scoreboard
 from .explain import cmd_explain
-from .common import EXIT_PIPE, EXIT_USAGE, PROG, Parser, UsageError, err, positive_seconds, silence_stdout
+from .common import (EXIT_PIPE, EXIT_USAGE, PROG, Parser, UsageError, add_selection, err, positive_seconds,
+                     silence_stdout)
 from .generate import cmd_generate, cmd_verify
 from .selftest import cmd_selftest
 
@@ -38,11 +43,13 @@ __all__ = ["build_parser", "main"]
 
 MODEL_HELP = ("the checkpoint of every external fixture set: a directory anywhere whose files have the size and "
               "sha256 the set records (default: the path the set records); synthetic sets ignore it")
+LIST_WHAT = ("backends", "cases", "profiles")
 REHASH_HELP = "read every checkpoint file again instead of trusting the digest cache (docs/fixtures.md)"
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog=PROG, description="Conformance gate for Gemma 4 inference engines against the exact "
                                        "float64 refimpl oracle. See docs/conformance.md.")
+    p.add_argument("--version", action=_Version, nargs=0, help="print the version and the formats it speaks, then exit")
     sub = p.add_subparsers(dest="command", metavar="{check,explain,list,generate,verify,selftest,scoreboard}", parser_class=Parser)
     sub.required = True
 
@@ -64,9 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "default: the file the backend ships for its configuration, if any")
     c.add_argument("--no-shipped-expectations", action="store_true",
                    help="grade without the expectations file the backend ships")
-    c.add_argument("-k", metavar="REGEX", help="run only the cases whose id matches REGEX (re.search)")
+    add_selection(c)
     c.add_argument("--json", metavar="FILE", help="write the JSON report (schema v1); - for standard output")
     c.add_argument("--junit-xml", metavar="FILE", help="write a JUnit XML report; - for standard output")
+    c.add_argument("--junit-properties", action="store_true",
+                   help="also write each case's record as <properties> of its <testcase> (outside the common JUnit "
+                        "schema, which allows properties on a <testsuite> only)")
+    c.add_argument("--summary-md", metavar="FILE",
+                   help="write a Markdown summary (verdict, tables, the first failing cases with their diagnosis); "
+                        "- for standard output. Under GitHub Actions it is also appended to $GITHUB_STEP_SUMMARY")
     c.add_argument("--backend-option", action="append", metavar="KEY=VALUE",
                    help="keyword argument for the backend's class or factory (repeatable)")
     c.add_argument("--isolate", action="store_true",
@@ -88,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "See docs/conformance.md.")
     ex.add_argument("--backend", required=True, metavar="NAME|module:attr",
                     help="a registered backend name (see 'conformance list backends') or module:attr")
-    ex.add_argument("-k", metavar="REGEX", help="only the cases whose id matches REGEX (re.search)")
+    add_selection(ex)
     ex.add_argument("--fixtures", nargs="+", action="extend", metavar="DIR",
                     help="fixture sets (default: the report's sets with --from, else the bundled sets)")
     ex.add_argument("--from", dest="from_report", metavar="REPORT.json",
@@ -105,10 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("-v", "--verbose", action="store_true", help="the table of every case, not only diverging ones")
 
     ls = sub.add_parser("list", help="list backends, cases or profiles")
-    ls.add_argument("what", choices=("backends", "cases", "profiles"))
+    ls.add_argument("what", choices=LIST_WHAT, nargs="?")
     ls.add_argument("--fixtures", nargs="+", action="extend", metavar="DIR",
                     help="fixture sets for 'list cases' (default: the bundled sets)")
-    ls.add_argument("-k", metavar="REGEX", help="only the cases whose id matches REGEX")
+    add_selection(ls)
 
     g = sub.add_parser("generate", help="generate a fixture set with the oracle (the only writer of goldens)")
     src = g.add_mutually_exclusive_group(required=True)
@@ -172,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fixture set directories, or directories holding sets (default: the bundled sets)")
     st.add_argument("--mutant", metavar="REGEX", help="only the mutants whose name matches REGEX (re.search), "
                                                      "or whose bug class is REGEX")
-    st.add_argument("-k", metavar="REGEX", help="run only the cases whose id matches REGEX (re.search)")
+    add_selection(st)
     st.add_argument("--json", metavar="FILE", help="write the self-test table as JSON")
     st.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     st.add_argument("-v", "--verbose", action="store_true", help="do not wrap the 'breaks' column")
@@ -190,6 +203,34 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def version_line() -> str:
+    """``conformance --version``: the package's version and the formats it speaks."""
+    try:
+        version = metadata.version("gemma4-conformance")
+    except metadata.PackageNotFoundError:
+        version = "unknown (not installed)"
+    return (f"{PROG} {version} (gemma4-conformance; JSON report schema v{REPORT_SCHEMA_VERSION}, subprocess protocol "
+            f"v{max(VERSIONS)}, fixture set schema v{SET_SCHEMA_VERSION})")
+
+
+class _Version(argparse.Action):
+    """--version on one line (argparse's own version action wraps it to the terminal's width)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        sys.stdout.write(version_line() + "\n")
+        parser.exit(0)
+
+
+def _list_what(args):
+    """``list``'s word, also where ``--fixtures DIR ...`` took it as one more directory (``list --fixtures DIR
+    cases``): a subcommand's words are never a fixture directory."""
+    if args.what is None and args.fixtures and args.fixtures[-1] in LIST_WHAT:
+        args.what = args.fixtures.pop()
+    if args.what is None:
+        raise UsageError(f"list: say what to list: {', '.join(LIST_WHAT)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -199,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except SystemExit as e:  # --help / --version
             return int(e.code or 0) if not isinstance(e.code, str) else EXIT_USAGE
         commands = {"check": lambda: cmd_check(args, argv), "explain": lambda: cmd_explain(args),
-                    "list": lambda: cmd_list(args),
+                    "list": lambda: cmd_list(_list_what(args)),
                     "generate": lambda: cmd_generate(args), "verify": lambda: cmd_verify(args),
                     "selftest": lambda: cmd_selftest(args, argv), "scoreboard": lambda: cmd_scoreboard(args)}
         if args.command not in commands:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -14,7 +15,9 @@ from ..check.results import entry_point
 from ..check.runner import load_sets, run
 from ..protocol.types import BackendError
 from ..registry import available_backends, load_backend
-from ..report import ProgressBar, console_summary, is_tty, printable, write_json, write_junit
+from ..report import (ProgressBar, colorize, console_summary, is_tty, printable, use_color, verdict_line, write_json,
+                      write_junit)
+from ..report.markdown import append_summary, write_summary
 from ..report.scoreboard import ScoreboardError, embed, load_report, render
 from ..sets import FixtureError
 from .common import (
@@ -34,15 +37,16 @@ def _load_checked_backend(args, options: dict[str, Any]):
 
 def cmd_check(args, argv: Sequence[str]) -> int:
 
-    pattern = compile_k(args.k)
+    pattern = compile_k(args)
     options = dict(backend_option(o) for o in args.backend_option or [])
     profiles = dict(PROFILES)
     if args.profile is not None and args.profile not in profiles:
         raise UsageError(f"unknown profile {args.profile!r}; choose one of {', '.join(profiles)}")
     json_path = output_path("--json", args.json)
     junit_path = output_path("--junit-xml", args.junit_xml)
-    if json_path == "-" and junit_path == "-":
-        raise UsageError("--json - and --junit-xml - cannot both go to standard output")
+    summary_path = output_path("--summary-md", args.summary_md)
+    if [json_path, junit_path, summary_path].count("-") > 1:
+        raise UsageError("only one of --json, --junit-xml and --summary-md can go to standard output (-)")
     expectations = None
     if args.expectations:
         try:
@@ -98,7 +102,10 @@ def cmd_check(args, argv: Sequence[str]) -> int:
              f"case{'s' if len(result.cases) != 1 else ''}")
     # files first, standard output last: a reader that stops early loses nothing that went to a file
     writers = ((json_path, lambda p: write_json(result, p, argv=list(argv)), "JSON report"),
-               (junit_path, lambda p: write_junit(result, p), "JUnit XML"))
+               (junit_path, lambda p: write_junit(result, p, args.junit_properties), "JUnit XML"),
+               (summary_path, lambda p: write_summary(result, p), "Markdown summary"),
+               (os.environ.get("GITHUB_STEP_SUMMARY") or None, lambda p: append_summary(result, p),
+                "the job summary"))
     for path, write, what in sorted(writers, key=lambda w: w[0] == "-"):
         if path is None:
             continue
@@ -113,8 +120,12 @@ def cmd_check(args, argv: Sequence[str]) -> int:
             continue
         if path != "-":
             sys.stderr.write(printable(f"wrote {what} {written}") + "\n")
-    summary = printable(console_summary(result, verbose=args.verbose)) + "\n"
-    if "-" in (json_path, junit_path):  # standard output carries the report: the summary goes to stderr
+    # -q: the verdict line alone (-v still asks for everything)
+    text = verdict_line(result) if args.quiet and not args.verbose else console_summary(result, verbose=args.verbose)
+    stream = sys.stderr if "-" in (json_path, junit_path, summary_path) else sys.stdout  # stdout may carry a report
+    summary = printable(text)
+    summary = (colorize(summary) if use_color(stream) else summary) + "\n"
+    if stream is sys.stderr:
         sys.stderr.write(summary)
     else:
         write_stdout(summary)
@@ -141,7 +152,7 @@ def cmd_list(args) -> int:
         return EXIT_OK
     # cases
 
-    pattern = compile_k(args.k)
+    pattern = compile_k(args)
     try:
         sets = load_sets(fixture_paths(args.fixtures))
     except FixtureError as e:
@@ -150,7 +161,7 @@ def cmd_list(args) -> int:
     n = 0
     for fs in sets:
         for c in fs.cases:
-            if pattern is not None and not pattern.search(c.id):
+            if pattern is not None and not pattern(c, str(fs.manifest.get("name", ""))):
                 continue
             n += 1
             print(printable(f"{c.id}  [{entry_point(c)}] {','.join(c.features)}"))

@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
 from ..check.runner import load_sets
+from ..check.select import CaseFilter, SelectError
 from ..check.session import NoCasesSelected
 from ..protocol.types import BackendError
 from ..registry import parse_option
@@ -77,13 +77,24 @@ def backend_option(text: str) -> tuple[str, Any]:
         raise UsageError(f"--backend-option {e}") from None
 
 
-def compile_k(regex: str | None) -> re.Pattern | None:
-    if regex is None:
-        return None
+K_HELP = ("only the cases this pytest-style expression selects: words (a substring of the case id, or a feature tag, "
+          "kind, entry point or set name) joined by and, or, not and parentheses, e.g. 'last and not embeddings'")
+MATCH_HELP = "only the cases whose id matches this regular expression (re.search)"
+
+
+def add_selection(parser) -> None:
+    """-k EXPRESSION and --match REGEX (conformance.check.select)."""
+    parser.add_argument("-k", metavar="EXPRESSION", help=K_HELP)
+    parser.add_argument("--match", metavar="REGEX", help=MATCH_HELP)
+
+
+def compile_k(args) -> CaseFilter | None:
+    """The case filter of -k and --match (None: every case); UsageError for an unreadable one."""
     try:
-        return re.compile(regex)
-    except re.error as e:
-        raise UsageError(f"-k: not a valid regular expression ({e}): {regex!r}") from None
+        chosen = CaseFilter(args.k, getattr(args, "match", None))
+    except SelectError as e:
+        raise UsageError(str(e)) from None
+    return None if chosen.empty else chosen
 
 
 def fixture_paths(dirs: Sequence[str] | None) -> list[Path]:

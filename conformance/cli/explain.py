@@ -18,7 +18,7 @@ __all__ = ["cmd_explain"]
 
 
 def cmd_explain(args) -> int:
-    pattern = compile_k(args.k)
+    pattern = compile_k(args)
     options = dict(backend_option(o) for o in args.backend_option or [])
     if args.profile is not None and args.profile not in PROFILES:
         raise UsageError(f"unknown profile {args.profile!r}; choose one of {', '.join(PROFILES)}")

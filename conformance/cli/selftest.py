@@ -47,7 +47,7 @@ class _SelftestProgress:
 
 
 def cmd_selftest(args, argv: Sequence[str]) -> int:
-    pattern = compile_k(args.k)
+    pattern = compile_k(args)
     json_path = output_path("--json", args.json)
     try:
         mutant_pattern = re.compile(args.mutant) if args.mutant is not None else None

@@ -6,11 +6,13 @@ text that comes from backends and sets. Reads ``conformance.check``'s result rec
     from conformance.report import write_json, write_junit, console_summary, validate
 """
 
-from .console import ProgressBar, console_summary, exit_line, failure_details, is_tty
+from .console import (ProgressBar, colorize, console_summary, exit_line, failure_details, is_tty, use_color,
+                      verdict_line)
 from .json_report import SCHEMA_PATH, clean, load_schema, to_json, validate, versions, write_json, write_output
 from .junit import junit_tree, write_junit
 from .text import printable
 
-__all__ = ["SCHEMA_PATH", "ProgressBar", "clean", "console_summary", "exit_line", "failure_details", "is_tty",
+__all__ = ["SCHEMA_PATH", "ProgressBar", "clean", "colorize", "console_summary", "exit_line", "failure_details",
+           "is_tty", "use_color", "verdict_line",
            "junit_tree", "load_schema", "printable", "to_json", "validate", "versions", "write_json", "write_junit",
            "write_output"]

@@ -181,7 +181,7 @@ def console_summary(result: RunResult, *, verbose: bool = False) -> str:
         sets += f" ({unused} other set{'s' if unused > 1 else ''} with no selected case)"
     lines.append(f"backend {b.get('name')} | profile {prof} | fixture sets: {sets}")
     if result.select:
-        lines.append(f"selected with -k {result.select!r}")
+        lines.append(f"selected with {result.select}")
     for s in result.sets:
         for w in s.warnings:
             lines.append(f"warning: {w}")
@@ -223,11 +223,8 @@ def console_summary(result: RunResult, *, verbose: bool = False) -> str:
                      "matched no case:")
         for e in exp["unused"]:
             lines.append(f"  entry {e['index']} ({e['action']}, match {e['match']!r}): {e['reason']}")
-    counts = result.counts()
     lines.append("")
-    parts = [f"{counts[s]} {s}" for s in ("pass", "fail", "error", "xfail", "xpass", "skipped", "not-claimed")
-             if counts[s]]
-    lines.append(f"{len(result.cases)} cases: " + ", ".join(parts) + f" in {result.duration:.1f}s")
+    lines.append(counts_line(result))
     if result.interrupted is not None:
         stop = result.interrupted
         lines.append(f"the run ended early: {stop['message']}; {stop['cases_not_run']} selected "
@@ -236,6 +233,49 @@ def console_summary(result: RunResult, *, verbose: bool = False) -> str:
         lines.append("no case was run: every selected case is not claimed by the backend or skipped")
     lines.append(exit_line(result.exit_code))
     return "\n".join(lines)
+
+
+def counts_line(result: RunResult) -> str:
+    """"606 cases: 600 pass, 6 fail in 19.8s"."""
+    counts = result.counts()
+    parts = [f"{counts[s]} {s}" for s in ("pass", "fail", "error", "xfail", "xpass", "skipped", "not-claimed")
+             if counts[s]]
+    return f"{len(result.cases)} cases: " + ", ".join(parts) + f" in {result.duration:.1f}s"
+
+
+def verdict_line(result: RunResult) -> str:
+    """The one line of ``-q``: the exit status, what it means, and the counts."""
+    return f"{exit_line(result.exit_code)} ({counts_line(result)})"
+
+
+# ANSI colours of the summary's own line openings (applied after ``printable``, so that text from backends
+# and sets can never carry an escape sequence of its own)
+_RED, _GREEN, _YELLOW, _RESET = "\x1b[31;1m", "\x1b[32;1m", "\x1b[33m", "\x1b[0m"
+_PAINT = ((("FAIL: ", "ERROR: ", "XPASS: "), _RED), (("  diagnosis: ",), _YELLOW), (("exit 0",), _GREEN),
+          (("exit ",), _RED))
+
+
+def colorize(text: str) -> str:
+    """The summary with its verdict lines coloured: failing cases' headers and a failing exit line red, the
+    diagnosis yellow, a passing exit line green."""
+    out = []
+    for line in text.split("\n"):
+        for openings, colour in _PAINT:
+            if line.startswith(openings):
+                line = colour + line + _RESET
+                break
+        out.append(line)
+    return "\n".join(out)
+
+
+def use_color(stream: TextIO) -> bool:
+    """Colour on a terminal, unless NO_COLOR is set (https://no-color.org) or TERM is dumb; FORCE_COLOR (non-empty)
+    asks for it anywhere, e.g. in a CI log that renders ANSI colours."""
+    if os.environ.get("NO_COLOR"):
+        return False
+    if os.environ.get("FORCE_COLOR"):
+        return True
+    return is_tty(stream) and os.environ.get("TERM") != "dumb"
 
 
 def is_tty(stream: TextIO) -> bool:

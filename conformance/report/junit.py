@@ -1,6 +1,14 @@
-"""JUnit XML of a check run: one ``<testsuite>`` per fixture set, one ``<testcase>`` per case (classname
-``<set>/<kind>``), ``<failure>`` for fail and xpass, ``<error>`` for error, ``<skipped>`` for not-claimed,
-skipped and xfail. Text from backends and sets is made printable (XML 1.0 holds no control characters)."""
+"""JUnit XML of a check run: one ``<testsuite>`` per fixture set with selected cases, one ``<testcase>`` per
+case (classname ``<set>/<kind>``), ``<failure>`` for fail and xpass, ``<error>`` for error, ``<skipped>``
+for not-claimed, skipped and xfail. Text from backends and sets is made printable (XML 1.0 holds no control
+characters).
+
+It follows the common JUnit schema that Jenkins, GitLab and the test-report actions read (the Jenkins xunit
+plugin's ``junit-10.xsd``, which pytest's ``xunit2`` family also targets): properties only on a
+``<testsuite>``, a case's record (status, entry point, features, check, key metrics) in its ``<system-out>``,
+counts (``tests``, ``failures``, ``errors``, ``skipped``) on each suite and all but ``skipped`` on the root,
+timestamps in ISO 8601 with their UTC offset. ``case_properties=True`` (``--junit-properties``) also writes
+each case's record as ``<properties>`` inside its ``<testcase>``, as before: richer, outside that schema."""
 
 from __future__ import annotations
 
@@ -24,14 +32,16 @@ def fmt(x: Any) -> str:
     return str(x)
 
 
-def junit_tree(result: RunResult) -> ET.ElementTree:
-    """JUnit XML: <testsuites> with one <testsuite> per fixture set."""
+def junit_tree(result: RunResult, case_properties: bool = False) -> ET.ElementTree:
+    """JUnit XML: <testsuites> with one <testsuite> per fixture set that had selected cases."""
     root = ET.Element("testsuites", name="gemma4-conformance")
     totals = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
-    timestamp = result.started.strftime("%Y-%m-%dT%H:%M:%S")
+    timestamp = result.started.isoformat(timespec="seconds")  # with its UTC offset: "2026-12-02T05:09:00+00:00"
     host = socket.gethostname()
     for info in result.sets:
         cases = [c for c in result.cases if c.set == info.name]
+        if not cases:  # a set -k left out, or one the run did not reach: no empty suite
+            continue
         counts = {
             "tests": len(cases),
             "failures": sum(c.status in ("fail", "xpass") for c in cases),
@@ -58,9 +68,10 @@ def junit_tree(result: RunResult) -> ET.ElementTree:
             cprops += [(k, fmt(c.summary[k])) for k in _KEY_METRICS if k in c.summary]
             if c.first_divergence is not None:
                 cprops.append(("first_divergence", str(c.first_divergence)))
-            pe = ET.SubElement(tc, "properties")
-            for k, v in cprops:
-                ET.SubElement(pe, "property", name=k, value=str(v))
+            if case_properties:
+                pe = ET.SubElement(tc, "properties")
+                for k, v in cprops:
+                    ET.SubElement(pe, "property", name=k, value=str(v))
             msg = one_line(c.message)
             if c.status == "fail":
                 el = ET.SubElement(tc, "failure", message=msg, type=c.check or "fail")
@@ -78,8 +89,9 @@ def junit_tree(result: RunResult) -> ET.ElementTree:
                 ET.SubElement(tc, "skipped", message=msg, type="skipped")
             elif c.status == "not-claimed":
                 ET.SubElement(tc, "skipped", message=f"not claimed: {msg}", type="not-claimed")
-    for k, v in totals.items():
-        root.set(k, str(v))
+            ET.SubElement(tc, "system-out").text = "; ".join(f"{k} {v}" for k, v in cprops)
+    for k in ("tests", "failures", "errors"):  # the schema has no "skipped" on <testsuites>
+        root.set(k, str(totals[k]))
     root.set("time", f"{result.duration:.3f}")
     for el in root.iter():  # text from backends and sets: XML 1.0 cannot hold control characters
         el.text = None if el.text is None else printable(el.text)
@@ -88,9 +100,9 @@ def junit_tree(result: RunResult) -> ET.ElementTree:
     return ET.ElementTree(root)
 
 
-def write_junit(result: RunResult, path: str | Path) -> Path:
+def write_junit(result: RunResult, path: str | Path, case_properties: bool = False) -> Path:
     """Write the JUnit XML to ``path`` (``-``: standard output)."""
-    tree = junit_tree(result)
+    tree = junit_tree(result, case_properties)
     ET.indent(tree, space=" ")
     text = ET.tostring(tree.getroot(), encoding="unicode", xml_declaration=False)
     return write_output(path, "<?xml version='1.0' encoding='utf-8'?>\n" + text + "\n")

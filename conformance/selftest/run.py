@@ -581,7 +581,7 @@ def console_summary(result: SelftestResult, breaks_width: int | None = 48) -> st
              f"(verdict) and {', '.join(result.profiles[1:]) or 'no other profile'} (information); "
              f"{result.cases} case(s) from {sets or 'no set'}"]
     if result.select:
-        lines.append(f"selected with -k {result.select!r}")
+        lines.append(f"selected with {result.select}")
     if result.control.note:
         lines.append(f"note: {result.control.note}")
     lines.append("")
