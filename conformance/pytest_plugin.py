@@ -2,40 +2,56 @@
 
     pytest --conformance-backend refimpl
     pytest --conformance-backend mypkg.engine:MyBackend --conformance-fixtures sets/ \\
-           --conformance-profile q8 --conformance-expectations expectations.json -k "last/"
+           --conformance-profile q8 --conformance-expectations expectations.json -k "last and not embeddings"
     pytest --conformance-backend refimpl --conformance-fixtures my-set/ --conformance-model /data/ckpt
+    pytest --conformance-backend refimpl --conformance-json report.json
 
 The plugin is registered through the ``pytest11`` entry point, so it is loaded in every pytest run
 once the package is installed; without ``--conformance-backend`` it only adds its options and does
 nothing else (the harness modules are imported lazily, only when the option is given).
 
 With the option, one item is collected per case of the fixture sets (the bundled sets unless
-``--conformance-fixtures`` is given), named by the case id, under one collector per set. Each item
-runs its case through the harness runner: ``pass`` passes; ``fail``, ``error`` and ``xpass`` fail
-with the grading message; ``not-claimed`` and expectations ``skip`` are skipped; a known failure
-that fails is an xfail. The backend is opened once per set (on the set's model), when the set's
-first item runs, and closed when the next set starts or the session ends. ``--conformance-only``
-deselects every other test of the session.
+``--conformance-fixtures`` is given), named by the case id, under one file collector per set: the set's
+``manifest.json`` (or the set's ``.tar``). An item's node id is therefore ``<manifest path>::<case id>``
+(the path relative to the rootdir, or absolute for a set outside it), which pytest resolves like any
+other: ``pytest "<node id>" --conformance-backend X`` runs that one case. A command-line argument that
+points into a set (its manifest, a node id, the set's directory) chooses that set's cases; otherwise
+every set's cases are added to the session's other tests. Each item carries its feature tags, its kind,
+its entry point (``last:embeddings``) and its set's name as ``-k`` keywords.
+
+Each item runs its case through the harness runner: ``pass`` passes; ``fail``, ``error`` and ``xpass``
+fail with the console summary's details of the case (``conformance.report.console.failure_details``:
+message, diagnosis, first failing row with its metrics, top-5 tokens, every failing row, what the backend
+executed); ``not-claimed`` and expectations ``skip`` are skipped; a known failure that fails is an xfail.
+The backend is opened once per set (on the set's model), when the set's first item runs, and closed when
+the next set starts or the session ends. ``--conformance-only`` deselects every other test of the
+session; ``--conformance-json FILE`` writes the versioned JSON report of ``conformance check --json``
+(``conformance/report/schemas/report-v1.json``) of the cases that ran, at the end of the session.
 """
 
 from __future__ import annotations
 
+import datetime as _dt
 import json
+import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from .check import expectations
+from .check.diagnosis import diagnose_set
 from .check.profiles import PROFILES
+from .check.results import CaseResult, RunResult, entry_point
 from .check.runner import run_case
-from .check.session import Checkpoints, Session
+from .check.session import Checkpoints, Selection, Session
 from .protocol.types import BackendError
 from .registry import load_backend, parse_option
-from .report import printable
-from .sets import load_set, set_paths
+from .report import failure_details, printable, write_json
+from .sets import MANIFEST, load_set, set_paths
 
 PLUGIN_NAME = "gemma4-conformance-session"
 
@@ -63,6 +79,9 @@ def pytest_addoption(parser):
                     help="read every checkpoint file again instead of trusting the digest cache")
     group.addoption("--conformance-only", action="store_true", default=False,
                     help="deselect every test that is not a conformance case")
+    group.addoption("--conformance-json", metavar="FILE", default=None,
+                    help="write the JSON report of the cases that ran (the schema of `conformance check --json`) "
+                         "to FILE at the end of the session")
 
 
 def pytest_configure(config):
@@ -93,8 +112,25 @@ def _set_dirs(args: list[str] | None) -> list[Path]:
         raise pytest.UsageError(str(e)) from None
 
 
+def _absolute(path: str | Path) -> Path:
+    """An absolute path as pytest makes them (normalised, symbolic links kept), so that they compare equal."""
+    return Path(os.path.abspath(path))
+
+
+def _anchor(set_path: Path) -> Path:
+    """The file a set's items hang under: its manifest (or the set's .tar). A node id must name a file for
+    pytest to take ``::`` parts after it; a directory that is no set (no manifest) stays itself, and its
+    collection reports what is missing."""
+    manifest = set_path / MANIFEST
+    return manifest if manifest.is_file() else set_path
+
+
+def _set_name(fs) -> str:
+    return str(fs.manifest.get("name", Path(fs.path).name))
+
+
 class ConformanceSession:
-    """Per-session state: the backend, the profile, the expectations, and the set now open."""
+    """Per-session state: the backend, the profile, the expectations, the set now open and the results."""
 
     def __init__(self, config):
         self.config = config
@@ -110,13 +146,26 @@ class ConformanceSession:
             path = getattr(self.backend, "expectations_file", None)  # as conformance check does
         self.expectations = self._expectations(path)
         self.only = config.getoption("--conformance-only")
-        self.fixture_args = config.getoption("--conformance-fixtures")
+        # every set, by the file its items hang under (see _anchor), in the order given
+        self.sets: dict[Path, Path] = {_anchor(p): p for p in map(_absolute, _set_dirs(
+            config.getoption("--conformance-fixtures")))}
         self.model = config.getoption("--conformance-model")
         if self.model is not None and not Path(self.model).is_dir():
             raise pytest.UsageError(f"--conformance-model: no such directory: {self.model}")
         self.rehash = config.getoption("--conformance-rehash")
+        json_path = config.getoption("--conformance-json")
+        self.json_path = None if json_path is None else config.invocation_params.dir / json_path
+        self.json_written: Path | None = None
+        self.json_error: str | None = None
         self.claimed = self.backend.capabilities.to_dict()
         self.counts: dict[str, int] = {}
+        self.results: list[CaseResult] = []  # every case that ran, in order (the JSON report's cases)
+        self.loaded: dict[Path, Any] = {}  # anchor -> the FixtureSet its collector loaded
+        self.selected: dict[Path, int] = {}  # anchor -> its items left after deselection
+        self._collected: set[Path] = set()  # anchors pytest's own collection reached (an argument, a directory)
+        self._in_flight: str | None = None
+        self._started = _dt.datetime.now(_dt.timezone.utc)
+        self._t0 = time.perf_counter()
         self._open_set = None  # the FixtureSet the backend is open on
         self._ctx = None
         self._open_error: str | None = None
@@ -145,25 +194,61 @@ class ConformanceSession:
 
     # -- collection -----------------------------------------------------------------------------
 
+    def nodeid(self, anchor: Path) -> str:
+        """A set collector's node id: its file's path relative to the rootdir (pytest's own rule), or its
+        absolute path when the set is outside the rootdir; either way a path ``pytest`` resolves."""
+        try:
+            return anchor.relative_to(self.config.rootpath).as_posix()
+        except ValueError:
+            return anchor.as_posix()
+
+    def set_collector(self, parent, anchor: Path) -> ConformanceSet:
+        return ConformanceSet.from_parent(parent, path=anchor, name=self.sets[anchor].name,
+                                          nodeid=self.nodeid(anchor), conformance=self, set_path=self.sets[anchor])
+
+    def pytest_collect_file(self, file_path: Path, parent):
+        """A set's manifest reached by pytest's collection: a node id or path argument, or a directory walked."""
+        anchor = _absolute(file_path)
+        if anchor in self.sets:
+            self._collected.add(anchor)
+            return self.set_collector(parent, anchor)
+        return None
+
+    def _addressed(self, config) -> bool:
+        """Whether a command-line argument points into a fixture set (its manifest, a node id under it, the
+        set's directory or a file in it): then the arguments choose the cases, as for any pytest test."""
+        for arg in config.args:
+            path = _absolute(config.invocation_params.dir / arg.partition("[")[0].split("::")[0])
+            for anchor, set_path in self.sets.items():
+                if path in (anchor, set_path) or set_path in path.parents:
+                    return True
+        return False
+
     @pytest.hookimpl(tryfirst=True)  # before -k / -m deselection
     def pytest_collection_modifyitems(self, session, config, items):
-        ours, names = [], set()
-        for path in _set_dirs(self.fixture_args):
-            name, n = path.name, 1
-            while name in names:  # two sets in directories of the same name
-                n += 1
-                name = f"{path.name}-{n}"
-            names.add(name)
-            node = ConformanceSet.from_parent(session, path=path, name=name, nodeid=f"conformance/{name}",
-                                              conformance=self)
-            ours.extend(session.genitems(node))
+        added = []
+        if not self._addressed(config):
+            for anchor in self.sets:
+                if anchor not in self._collected:  # not already collected through a directory argument
+                    self._collected.add(anchor)
+                    added.extend(session.genitems(self.set_collector(session, anchor)))
+        ours = [item for item in items if isinstance(item, ConformanceCase)] + added
         self.expectations.observe(item.case.id for item in ours)
         if self.only:
-            if items:
-                config.hook.pytest_deselected(items=list(items))
+            others = [item for item in items if not isinstance(item, ConformanceCase)]
+            if others:
+                config.hook.pytest_deselected(items=others)
             items[:] = ours
         else:
-            items.extend(ours)
+            items.extend(added)
+
+    def pytest_collection_finish(self, session):
+        """How many cases of each set are left after -k, -m and the other deselections (the report's
+        ``cases_selected``)."""
+        self.selected = {}
+        for item in session.items:
+            if isinstance(item, ConformanceCase):
+                self.selected[item.parent.path] = self.selected.get(item.parent.path, 0) + 1
 
     # -- running --------------------------------------------------------------------------------
 
@@ -189,10 +274,38 @@ class ConformanceSession:
             raise ConformanceFailure(self._open_error) from None
         return self._ctx
 
-    def run_case(self, fs, case):
-        result = run_case(self.backend, self.claimed, self.context(fs), case, self.profile, self.expectations)
-        self.counts[result.status] = self.counts.get(result.status, 0) + 1
+    def run_case(self, fs, case) -> CaseResult:
+        self._in_flight = case.id
+        try:
+            ctx = self.context(fs)
+        except ConformanceFailure as exc:  # the set could not be opened: the case is an error of the report too
+            self._record(CaseResult(id=case.id, set=_set_name(fs), kind=case.kind, entry=entry_point(case),
+                                    features=list(case.features), status="error", message=str(exc)))
+            raise
+        result = run_case(self.backend, self.claimed, ctx, case, self.profile, self.expectations)
+        self._diagnose(ctx, result)
+        self._record(result)
         return result
+
+    @staticmethod
+    def _diagnose(ctx, result: CaseResult) -> None:
+        """The diagnosis line of a failed case, as conformance check's runner makes it (runner._diagnose),
+        but from this one case: each item is its own test here, so only the per-case patterns (a shifted row,
+        logits beyond the softcap, only decode rows or later pieces failing, ...) can be seen. The cross-case
+        patterns (only the multi-sequence cases fail, only the micro-batched ones, ...) need the whole set's
+        results and are left to ``conformance check``."""
+        try:
+            cfg = ctx.text_config
+            diagnose_set([result], softcap=cfg.final_logit_softcapping,
+                         kv_shared=cfg.first_shared_layer < cfg.num_hidden_layers,
+                         unified=cfg.family == "gemma4_unified")
+        except Exception:  # noqa: BLE001 - a diagnosis is advice; it never costs the verdict
+            pass
+
+    def _record(self, result: CaseResult) -> None:
+        self._in_flight = None
+        self.results.append(result)
+        self.counts[result.status] = self.counts.get(result.status, 0) + 1
 
     def close(self):
         """Close the backend on the set it is open on (the next set opens it again)."""
@@ -200,11 +313,47 @@ class ConformanceSession:
             self._session.close()
         self._open_set = self._ctx = self._open_error = None
 
-    def pytest_sessionfinish(self, session):
+    def pytest_sessionfinish(self, session, exitstatus):
         self.close()
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
         self._session = self._tmp = None
+        if self.json_path is not None:
+            try:
+                self.json_written = write_json(self.run_result(exitstatus), self.json_path,
+                                               argv=["pytest", *self.config.invocation_params.args])
+            except OSError as exc:
+                self.json_error = f"{type(exc).__name__}: {exc}"
+                if session.exitstatus == pytest.ExitCode.OK:
+                    session.exitstatus = pytest.ExitCode.USAGE_ERROR
+
+    def run_result(self, exitstatus=None) -> RunResult:
+        """The run as ``conformance check`` records it (``RunResult``): the cases that ran, the sets they
+        came from, the profile, the backend, the expectations and the timing."""
+        infos = []
+        for anchor, fs in self.loaded.items():
+            if not self.selected.get(anchor):
+                continue  # collected, but every case deselected (-k): no part of this run
+            info = Selection([fs]).infos()[0]
+            info.cases_selected = self.selected[anchor]
+            info.warnings = [str(w) for w in getattr(fs, "warnings", [])]
+            infos.append(info)
+        interrupted = None
+        if exitstatus == pytest.ExitCode.INTERRUPTED:
+            case = self._in_flight
+            not_run = max(sum(self.selected.values()) - len(self.results), 0)
+            interrupted = {"reason": "SIGINT", "case": case, "cases_not_run": not_run,
+                           "message": "interrupted by SIGINT" + (
+                               f" while case {case} was running (it is not reported)" if case else "")}
+        keyword = self.config.getoption("keyword", default="") or ""
+        return RunResult(
+            backend={"name": getattr(self.backend, "name", type(self.backend).__name__),
+                     "capabilities": self.claimed, "options": dict(self.options)},
+            profile=self.profile, sets=infos, cases=list(self.results), expectations=self.expectations.report(),
+            select=f"-k {keyword.strip()!r}" if keyword.strip() else None,
+            started=self._started, finished=_dt.datetime.now(_dt.timezone.utc),
+            duration=time.perf_counter() - self._t0, interrupted=interrupted,
+        )
 
     def pytest_report_header(self, config):
         return (f"conformance: backend {self.backend.name!r} ({self.spec}), profile {self.profile.name}"
@@ -219,36 +368,44 @@ class ConformanceSession:
                                         f"{e.expires.isoformat()} and no longer applies")
         for e in self.expectations.unused:
             terminalreporter.write_line(f"conformance: expectations entry {e.index} ({e.match!r}) matches no case")
+        if self.json_written is not None:
+            terminalreporter.write_line(f"conformance: JSON report written to {self.json_written}")
+        if self.json_error is not None:
+            terminalreporter.write_line(f"conformance: --conformance-json: cannot write the report: {self.json_error}",
+                                        red=True)
 
 
 class ConformanceFailure(Exception):
     """A case that did not pass; its message is the report (no traceback)."""
 
 
-class ConformanceSet(pytest.Collector):
-    """The cases of one fixture set."""
+class ConformanceSet(pytest.File):
+    """The cases of one fixture set, under the set's manifest (``path``; the set's .tar for an archive)."""
 
-    def __init__(self, *, conformance: ConformanceSession, **kwargs):
+    def __init__(self, *, conformance: ConformanceSession, set_path: Path, **kwargs):
         super().__init__(**kwargs)
         self.conformance = conformance
+        self.set_path = set_path
 
     def collect(self):
-        fs = load_set(self.path)
+        fs = load_set(self.set_path)
+        self.conformance.loaded[self.path] = fs
         return [ConformanceCase.from_parent(self, name=case.id, fixture_set=fs, case=case) for case in fs.cases]
 
     def repr_failure(self, excinfo):
-        return f"fixture set {self.path}: {type(excinfo.value).__name__}: {excinfo.value}"
+        return f"fixture set {self.set_path}: {type(excinfo.value).__name__}: {excinfo.value}"
 
 
 class ConformanceCase(pytest.Item):
-    """One conformance case."""
+    """One conformance case. Its ``-k`` keywords, besides its id: its feature tags, its kind, its entry point
+    (``last:plain``, ``last:seq_id``, ``last:embeddings``) and its set's name, as ``conformance check -k``."""
 
     def __init__(self, *, fixture_set, case, **kwargs):
         super().__init__(**kwargs)
         self.fixture_set = fixture_set
         self.case = case
-        for feature in getattr(case, "features", ()):
-            self.extra_keyword_matches.add(feature)
+        keywords = {*getattr(case, "features", ()), case.kind, entry_point(case), _set_name(fixture_set)}
+        self.extra_keyword_matches.update(k for k in keywords if k)
 
     def runtest(self):
         res = self.parent.conformance.run_case(self.fixture_set, self.case)
@@ -261,11 +418,14 @@ class ConformanceCase(pytest.Item):
             pytest.skip(printable(f"{res.status}: {res.message}"))
         if res.status == "xfail":
             pytest.xfail(printable(res.message))
-        lines = [f"{res.status}" + (f" [{res.check}]" if res.check else "") + f": {res.message}"]
-        if res.executed:
-            lines.append(f"executed: {json.dumps(res.executed, sort_keys=True)}")
-        if res.error and res.error.get("traceback"):
-            lines.append(res.error["traceback"].rstrip())
+        # the verdict in one line, then what the console summary of `conformance check -v` shows of the case
+        lines = [f"{res.status}" + (f" [{res.check}]" if res.check else "") + f": {res.message}", ""]
+        details = failure_details(res, verbose=True)
+        tb = ((res.error or {}).get("traceback") or "").rstrip().splitlines()
+        if len(tb) > 4:  # instead of the last 4 lines of the traceback failure_details shows, all of it
+            details = [line for line in details if not line.startswith("  | ")]
+            details += ["  traceback:"] + ["  | " + line for line in tb]
+        lines += details
         raise ConformanceFailure(printable("\n".join(lines)))  # backend text reaches pytest's terminal
 
     def repr_failure(self, excinfo, style=None):
@@ -274,4 +434,4 @@ class ConformanceCase(pytest.Item):
         return super().repr_failure(excinfo, style=style)
 
     def reportinfo(self):
-        return self.fixture_set.path, None, f"conformance {self.case.id}"
+        return self.path, None, f"conformance {self.case.id}"

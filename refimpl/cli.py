@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from .audio_features import RESAMPLE_HINT, read_wav
+from .chat import encode_conversation, user_turn
 from .config import load_config
 from .errors import InputError, RefimplError, TokenizerError
 from .generate import greedy_generate, greedy_generate_multimodal
@@ -51,7 +52,10 @@ def _prompt_ids(args, model_dir: Path, images: int = 0, mm: MultimodalTokens | N
     image is put in front of the text: after <bos> (for --tokens, when the ids start with it), or at the
     start of the user turn's content with --chat, as the Gemma 4 chat template places image items.
     Audio clips (``clips`` > 0) follow the same rule with the audio placeholder; when both kinds go in
-    front, the images come first, then the clips (the chat template's order of image and audio items)."""
+    front, the images come first, then the clips (the chat template's order of image and audio items).
+    --chat renders the checkpoint's own chat template when it has one (``refimpl.chat``; media in front
+    go as ``{"type": "image"}`` / ``{"type": "audio"}`` items before the text item), else the
+    hand-written Gemma 4 format with the placeholders at the start of the user turn's text."""
     tok = Tokenizer.from_dir(model_dir)
     if args.tokens is not None:
         if args.chat:
@@ -72,11 +76,28 @@ def _prompt_ids(args, model_dir: Path, images: int = 0, mm: MultimodalTokens | N
     kinds = [] if mm is None else [k for k in (
         (images, "image", mm.image_token_id, mm.boi_token_id, mm.eoi_token_id),
         (clips, "audio", mm.audio_token_id, mm.boa_token_id, mm.eoa_token_id)) if k[0]]
-    text = "".join(_placeholders_in_front(tok, text, *k) for k in kinds) + text
-    ids = tok.encode_chat([{"role": "user", "content": text}]) if args.chat else tok.encode(text)
-    for n, what, token, _, _ in kinds:
+    # per kind: (what, placeholder token, how many placeholders go in front of the text)
+    front = [(what, token, _placeholders_in_front(tok, text, n, what, token, begin, end))
+             for n, what, token, begin, end in kinds]
+    chat = None
+    if args.chat:
+        chat = encode_conversation(tok, model_dir, user_turn(text, [what for what, _, n in front for _ in range(n)]),
+                                   placeholders={what: tok.piece(token) for what, token, _ in front})
+        if chat.warning:
+            print(f"warning: {chat.warning}", file=sys.stderr)
+        ids = chat.ids
+    else:
+        ids = tok.encode("".join(tok.piece(token) * n for _, token, n in front) + text)
+    for what, token, n in front:
         placeholder = tok.piece(token)
-        if ids.count(token) != text.count(placeholder):
+        want = text.count(placeholder) + n
+        if ids.count(token) != want:
+            if chat is not None and chat.template is not None:
+                raise TokenizerError(
+                    f"{chat.template}: the chat template wrote {ids.count(token)} {what} placeholder(s) "
+                    f"{placeholder!r} for {want} {what} item(s); write the placeholders into --prompt, or pass the "
+                    "token ids with --tokens"
+                )
             raise TokenizerError(
                 f"the tokenizer does not encode {placeholder!r} as the single {what} token {token}; "
                 "pass the token ids with --tokens instead of --prompt"
@@ -90,14 +111,14 @@ _AUDIO_MARKERS_GIVEN = ("the prompt already holds begin/end-of-audio markers ({b
                         "where each clip goes and refimpl expands it to {boi} + {image} x M + {eoi}")
 
 
-def _placeholders_in_front(tok: Tokenizer, text: str, n: int, what: str, token: int, begin: int, end: int) -> str:
-    """What goes in front of the --prompt text for ``n`` images / clips: refuses begin/end markers; one
-    placeholder per item when the text has none, else nothing."""
+def _placeholders_in_front(tok: Tokenizer, text: str, n: int, what: str, token: int, begin: int, end: int) -> int:
+    """How many placeholders go in front of the --prompt text for ``n`` images / clips: refuses
+    begin/end markers; one per item when the text has none, else none."""
     b, e, placeholder = (tok.piece(i) for i in (begin, end, token))
     if b in text or e in text:
         raise InputError((_MARKERS_GIVEN if what == "image" else _AUDIO_MARKERS_GIVEN).format(
             boi=b, eoi=e, image=placeholder))
-    return "" if placeholder in text else placeholder * n
+    return 0 if placeholder in text else n
 
 
 def _piece(tok: Tokenizer | None, i: int) -> str:
@@ -473,7 +494,10 @@ def _add_prompt(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--tokens", help="comma-separated token ids, e.g. 2,17,300 (used as given: no BOS added)")
     src.add_argument("--prompt", help="text, encoded with <bos> prepended")
-    p.add_argument("--chat", action="store_true", help="render --prompt as one user turn of the Gemma 4 chat format")
+    p.add_argument("--chat", action="store_true",
+                   help="render --prompt as one user turn with the generation prompt, through the checkpoint's chat "
+                        "template (chat_template.jinja or tokenizer_config.json; needs jinja2: pip install "
+                        "'gemma4-conformance[chat]') or, without one, the hand-written Gemma 4 chat format")
     p.add_argument("--dtype", choices=["float64", "float32"], default="float64")
     p.add_argument("--embed-scale", choices=["exact", "bf16"], default="exact",
                    help="sqrt(hidden_size) exactly (default, as HF float32) or rounded to bfloat16 (HF bf16, JAX)")

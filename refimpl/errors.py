@@ -27,3 +27,7 @@ class InputError(RefimplError):
 class NonFiniteError(RefimplError):
     """The forward produced NaN or inf: the message names the first place (embedding, layer, logits)
     and the weight tensor that is not finite there, or says that the values overflowed."""
+
+
+class ChatTemplateError(RefimplError):
+    """The checkpoint's chat template is malformed, fails to render, or raises (``raise_exception``)."""

@@ -9,12 +9,15 @@ Chat prompts are rendered turn by turn::
     <|turn>model\\n                              (the generation prompt)
 
 Special markers are inserted by id and only the text between them goes through SentencePiece, as the
-Hugging Face tokenizer does when it splits special tokens out before tokenising.
+Hugging Face tokenizer does when it splits special tokens out before tokenising. ``encode_rendered`` does
+the same for a string that a chat template rendered (``refimpl.chat``).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Iterable
 
 import sentencepiece as spm
 
@@ -23,6 +26,11 @@ from .errors import TokenizerError
 TOKENIZER_FILE = "tokenizer.model"
 TURN_START, TURN_END = "<|turn>", "<turn|>"
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "model", "model": "model"}
+# Gemma 4's markers (gemma4-text-spec.md section 7): added tokens of the Hugging Face tokenizer, split out of
+# rendered chat text whatever their type in tokenizer.model
+MARKERS = ("<mask>", TURN_START, TURN_END, "<|image>", "<image|>", "<|image|>", "<|audio>", "<audio|>", "<|audio|>",
+           "<|video|>", "<|channel>", "<channel|>", "<|think|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
+           "<tool_response|>", "<|tool>", "<tool|>", '<|"|>')
 
 
 class Tokenizer:
@@ -52,6 +60,32 @@ class Tokenizer:
         if i == self.sp.unk_id() and piece != self.sp.IdToPiece(i):
             raise TokenizerError(f"{self.path}: the tokenizer has no '{piece}' piece, needed for the chat format")
         return i
+
+    def has_piece(self, piece: str) -> bool:
+        i = self.sp.PieceToId(piece)
+        return not (i == self.sp.unk_id() and piece != self.sp.IdToPiece(i))
+
+    def encode_rendered(self, text: str, specials: Iterable[str] = ()) -> list[int]:
+        """Token ids of text a chat template rendered (no <bos> added: the template writes it). The
+        tokenizer's control pieces (<bos>, <eos>, <pad>), Gemma 4's markers and ``specials`` (strings
+        that are pieces of the vocabulary) are split out and inserted by id, longest first at each place,
+        and only the text between them goes through SentencePiece, as the Hugging Face tokenizer does
+        with its added tokens (``add_special_tokens=False``)."""
+        pieces = {self.sp.IdToPiece(i) for i in range(self.vocab_size) if self.sp.IsControl(i)}
+        pieces |= {p for p in (*MARKERS, *specials) if p and self.has_piece(p)}
+        if not pieces:
+            return self.encode(text, add_bos=False)
+        pattern = re.compile("|".join(re.escape(p) for p in sorted(pieces, key=lambda p: (-len(p), p))))
+        ids: list[int] = []
+        at = 0
+        for m in pattern.finditer(text):
+            if m.start() > at:
+                ids += self.encode(text[at:m.start()], add_bos=False)
+            ids.append(self.sp.PieceToId(m.group()))
+            at = m.end()
+        if at < len(text):
+            ids += self.encode(text[at:], add_bos=False)
+        return ids
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         ids = list(self.sp.EncodeAsIds(text))

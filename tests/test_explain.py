@@ -158,7 +158,7 @@ def test_explain_a_mutant_from_its_report(tmp_path, capsys):
 
 
 def test_explain_the_oracle_and_a_backend_without_traces(capsys):
-    fixtures = ["--fixtures", str(SETS["e2b-mini"]), "-k", "full/A/T9$"]
+    fixtures = ["--fixtures", str(SETS["e2b-mini"]), "--match", "full/A/T9$"]
     assert main(["explain", "--backend", "refimpl", *fixtures, "-q"]) == 0
     assert "within: every compared point is within the floor" in capsys.readouterr().out
     assert main(["explain", "--backend", "test_explain:NoTraces", *fixtures]) == 0
@@ -197,7 +197,7 @@ def test_explain_plot(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "e.png"
     code = main(["explain", "--backend", "conformance.selftest.mutants:SoftcapTwice", "--fixtures", str(SETS["e2b-mini"]),
-                 "-k", "full/A/T9$", "-q", "--plot", str(png)])
+                 "--match", "full/A/T9$", "-q", "--plot", str(png)])
     assert code == 1 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
@@ -221,7 +221,7 @@ def test_mutants_are_diagnosed_and_located(name):
 
 def test_verbose_check_lists_every_failing_row(capsys):
     code = main(["check", "--backend", "conformance.selftest.mutants:SoftcapDroppedSingleRow", "--fixtures",
-                 str(SETS["e2b-mini"]), "-k", "full/A/T9$", "-q", "-v"])
+                 str(SETS["e2b-mini"]), "--match", "full/A/T9$", "-q", "-v"])
     out = capsys.readouterr().out
     assert code == 1
     assert "failing rows (3 of 24):" in out  # 12 logits rows and their 12 hidden rows; the 3 decode rows fail
@@ -242,7 +242,7 @@ class PerturbedEngine(NumpyEngineBackend):
 def test_explain_names_the_perturbed_layer(tmp_path, capsys):
     out = tmp_path / "e.json"
     code = main(["explain", "--backend", "test_explain:PerturbedEngine", "--fixtures", str(SETS["e2b-mini"]),
-                 "-k", "full/A/T9$|last/plain/A/T19/pos18", "--profile", "fp32", "-q", "--json", str(out)])
+                 "--match", "full/A/T9$|last/plain/A/T19/pos18", "--profile", "fp32", "-q", "--json", str(out)])
     assert code == 1
     cases = json.loads(out.read_text())["cases"]
     assert len(cases) == 2

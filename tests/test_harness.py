@@ -146,7 +146,7 @@ def check(capsys, *argv):
 
 def check_json(capsys, tmp_path, *argv, name="report.json"):
     path = tmp_path / name
-    code, out, err = check(capsys, *argv, "--json", str(path), "-q")
+    code, out, err = check(capsys, *argv, "--json", str(path))  # the whole summary (-q would print the verdict only)
     report = json.loads(path.read_text()) if path.exists() else None
     return code, out, err, report
 
@@ -244,7 +244,7 @@ def test_dropped_softcap_fails_closeness_not_top1(small_set, capsys, tmp_path):
 
 def test_nan_is_nonfinite(small_set, capsys, tmp_path):
     code, out, err, report = check_json(capsys, tmp_path, *backend("NaNBackend"), "--fixtures", str(small_set),
-                                        "--profile", "exact-f64", "-k", "/full/|/multi/")
+                                        "--profile", "exact-f64", "--match", "/full/|/multi/")
     assert code == 1
     assert report["cases"] and all(c["status"] == "fail" and c["check"] == "nonfinite" for c in report["cases"])
     assert validate(report) == []  # NaN metrics are written as strings the schema allows
@@ -254,7 +254,7 @@ def test_nan_is_nonfinite(small_set, capsys, tmp_path):
 def test_backend_exception_is_an_error_and_the_run_goes_on(small_set, capsys, tmp_path):
     junit = tmp_path / "junit.xml"
     code, out, err, report = check_json(capsys, tmp_path, *backend("RaisesOnMultiBackend"), "--fixtures",
-                                        str(small_set), "--profile", "exact-f64", "-k", "/multi/|/full/",
+                                        str(small_set), "--profile", "exact-f64", "--match", "/multi/|/full/",
                                         "--junit-xml", str(junit))
     assert code == 1
     st = statuses(report)
@@ -296,7 +296,7 @@ def test_unclaimed_cases_are_never_passed(small_set, capsys, tmp_path):
     assert "n/c" in out
     root = ET.parse(junit).getroot()
     n_nc = sum(c["status"] == "not-claimed" for c in report["cases"])
-    assert int(root.get("skipped")) == n_nc and int(root.get("failures")) == 0
+    assert sum(int(s.get("skipped")) for s in root) == n_nc and int(root.get("failures")) == 0
     assert len(root.findall(".//testcase/skipped")) == n_nc
     # without decode, the full forward's rows are still graded and the decode steps reported as not claimed
     code, out, err, report = check_json(capsys, tmp_path, *backend("FullOnlyBackend"), "--fixtures", str(small_set),
@@ -353,7 +353,10 @@ def test_backend_errors_are_exit_4(small_set, capsys):
 
 @pytest.mark.parametrize("argv, needle", [
     (["--profile", "no-such-profile"], "unknown profile"),
-    (["-k", "("], "regular expression"),
+    (["--match", "("], "regular expression"),
+    (["-k", "("], "-k: the expression '(' ends where a word was expected"),
+    (["-k", "(last"], "-k: a '(' without its ')' in '(last'"),
+    (["-k", "/full/|/multi/"], "looks like a regular expression"),
     (["--backend-option", "novalue"], "KEY=VALUE"),
     (["--no-such-flag"], "unrecognized arguments"),
 ])

@@ -93,7 +93,7 @@ def test_subset_passes_through_the_subprocess(gguf_cache, tmp_path, options, nam
     ships (embeddings=true: the PLE checkpoints' embeddings cases are known failures)."""
     from conformance.cli import main
 
-    argv = ["check", "--backend", "llama-cpp", "-q", "-k", SUBSET, "--json", str(tmp_path / "r.json"),
+    argv = ["check", "--backend", "llama-cpp", "-q", "--match", SUBSET, "--json", str(tmp_path / "r.json"),
             "--backend-option", "embeddings=true"]
     for k, v in options.items():
         argv += ["--backend-option", f"{k}={v}"]
@@ -136,7 +136,7 @@ def test_mtp_sets_through_the_subprocess(gguf_cache, tmp_path, options, name, ge
     passes every case, the centroid-head drafter's are the shipped known failures (no centroid head)."""
     from conformance.cli import main
 
-    argv = ["check", "--backend", "llama-cpp", "-q", "-k", r"^(e2b|12b)-assistant-mini/mtp/",
+    argv = ["check", "--backend", "llama-cpp", "-q", "--match", r"^(e2b|12b)-assistant-mini/mtp/",
             "--json", str(tmp_path / "r.json")]
     for k, v in options.items():
         argv += ["--backend-option", f"{k}={v}"]

@@ -149,7 +149,7 @@ def child_path(monkeypatch):
 def check(capsys, tmp_path, e2b_set, backend, *extra, select=FULL):
     """``conformance check`` in this process: (exit code, stdout, stderr, JSON report, JUnit root)."""
     js, xml = tmp_path / "report.json", tmp_path / "junit.xml"
-    code = main(["check", "--backend", f"{HERE}:{backend}", "--fixtures", e2b_set, "-k", select, "-q",
+    code = main(["check", "--backend", f"{HERE}:{backend}", "--fixtures", e2b_set, "--match", select, "-q",
                  "--json", str(js), "--junit-xml", str(xml), *extra])
     out, err = capsys.readouterr()
     report = json.loads(js.read_text()) if js.exists() else None
@@ -249,7 +249,7 @@ def test_a_hang_under_isolate_times_out_and_the_child_restarts(capsys, tmp_path,
 def test_a_hang_in_process_times_out_and_ends_the_run(tmp_path, e2b_set, child_path):
     js = tmp_path / "r.json"
     t = time.monotonic()
-    proc = subprocess.run(cli("check", "--backend", f"{HERE}:Hang", "--fixtures", e2b_set, "-k", "/full/|/last/plain/A/T7/",
+    proc = subprocess.run(cli("check", "--backend", f"{HERE}:Hang", "--fixtures", e2b_set, "--match", "/full/|/last/plain/A/T7/",
                               "-q", "--case-timeout", "5", "--json", str(js)),
                           capture_output=True, text=True, timeout=120)
     assert time.monotonic() - t < 60
@@ -416,7 +416,7 @@ def test_report_paths_are_checked_before_the_run(capsys, tmp_path, e2b_set):
 
 @pytest.mark.parametrize("flag", ["--json", "--junit-xml"])
 def test_dash_is_standard_output(capsys, tmp_path, e2b_set, flag):
-    code = main(["check", "--backend", "refimpl", "--fixtures", e2b_set, "-k", FULL, "-q", flag, "-"])
+    code = main(["check", "--backend", "refimpl", "--fixtures", e2b_set, "--match", FULL, "-q", flag, "-"])
     out, err = capsys.readouterr()
     assert code == 0
     assert not (tmp_path / "-").exists() and not Path("-").exists()
@@ -434,7 +434,7 @@ def test_dash_is_standard_output(capsys, tmp_path, e2b_set, flag):
 
 
 def test_a_failing_run_into_a_closed_pipe_keeps_its_exit_code(e2b_set, child_path):
-    proc = subprocess.Popen(cli("check", "--backend", f"{HERE}:AllNaN", "--fixtures", e2b_set, "-k", FULL, "-q"),
+    proc = subprocess.Popen(cli("check", "--backend", f"{HERE}:AllNaN", "--fixtures", e2b_set, "--match", FULL, "-q"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # the pager quit before the summary came
     err = proc.stderr.read().decode()

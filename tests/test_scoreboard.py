@@ -46,7 +46,7 @@ def reports(tmp_path_factory):
                        ("shifted", ["--backend", f"{HERE}:ShiftedFullBackend", "--profile", "exact-f64",
                                     "--expectations", str(exp)])]:
         out = tmp / f"{name}.json"
-        main(["check", *argv, "-k", SELECT, "-q", "--json", str(out)])
+        main(["check", *argv, "--match", SELECT, "-q", "--json", str(out)])
         paths.append(out)
     return paths
 

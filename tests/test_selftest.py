@@ -290,7 +290,7 @@ def standins(monkeypatch):
 
 def test_cli_table_json_and_exit_code(standins, tmp_path, capsys):
     out_json = tmp_path / "selftest.json"
-    argv = ["selftest", "-k", FEW, "--json", str(out_json)]
+    argv = ["selftest", "--match", FEW, "--json", str(out_json)]
     code = main(argv)
     out, err = capsys.readouterr()
     assert code == 1  # 'correct' survives
@@ -308,7 +308,7 @@ def test_cli_table_json_and_exit_code(standins, tmp_path, capsys):
     assert doc["schema"] == "gemma4-conformance/selftest" and doc["schema_version"] == 1
     assert doc["exit_code"] == 1 and doc["valid"] is True and doc["command"] == argv
     assert doc["profiles"] == ["fp32", "bf16", "q8"] and doc["primary_profile"] == "fp32"
-    assert doc["cases"] == 5 and doc["select"] == FEW
+    assert doc["cases"] == 5 and doc["select"] == f"--match {FEW!r}"
     assert {s["name"]: s["cases_selected"] for s in doc["fixture_sets"] if s["cases_selected"]} == {"e2b-mini": 5}
     assert doc["control"]["passed"] is True and doc["control"]["profile"] == "exact-f64"
     assert doc["control"]["cases_run"] == 5 and doc["control"]["failing_cases"] == 0
@@ -335,7 +335,7 @@ def test_cli_table_json_and_exit_code(standins, tmp_path, capsys):
 
 
 def test_cli_exit_zero_when_every_mutant_is_killed_by_a_matching_check(standins, capsys):
-    code = main(["selftest", "-k", FEW, "--mutant", "shift|softcap", "-q"])
+    code = main(["selftest", "--match", FEW, "--mutant", "shift|softcap", "-q"])
     out, err = capsys.readouterr()
     assert code == 0, out
     assert err == ""
@@ -344,7 +344,7 @@ def test_cli_exit_zero_when_every_mutant_is_killed_by_a_matching_check(standins,
 
 
 @pytest.mark.parametrize("argv, code, message", [
-    (["selftest", "-k", "("], 2, "-k: not a valid regular expression"),
+    (["selftest", "--match", "("], 2, "--match: not a valid regular expression"),
     (["selftest", "--mutant", "("], 2, "--mutant: not a valid regular expression"),
     (["selftest", "--mutant", "nope"], 2, "matches none of the 3 mutants: shift-interior-row, drop-softcap-last"),
     (["selftest", "-k", "no-such-case"], 5, "no case selected"),
@@ -371,7 +371,7 @@ def test_cli_control_failure_exits_1(monkeypatch, capsys):
     monkeypatch.setattr(st, "load_mutants", lambda: (SHIFT,))
     monkeypatch.setattr(st, "load_equivalents", lambda: ())
     monkeypatch.setattr(st, "default_control", lambda: (ShiftInteriorRow(), None))
-    assert main(["selftest", "-k", FEW, "-q"]) == 1
+    assert main(["selftest", "--match", FEW, "-q"]) == 1
     out = capsys.readouterr().out
     assert "SELF-TEST INVALID" in out and "the mutants were not run" in out
 
@@ -460,7 +460,7 @@ def test_real_mutants_full_selftest(tmp_path, capsys):
     docs = []
     for names, cases in ((others, r"^(?!.*/mtp/)"), (mtp, r"/mtp/")):
         out_json = tmp_path / f"selftest-{len(docs)}.json"
-        argv = ["selftest", "-q", "--json", str(out_json), "-k", cases,
+        argv = ["selftest", "-q", "--json", str(out_json), "--match", cases,
                 "--mutant", "^(" + "|".join(map(re.escape, names)) + ")$"]
         assert main(argv) == 0, capsys.readouterr().out
         docs.append(json.loads(out_json.read_text()))

@@ -8,6 +8,7 @@ import gc
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ from conformance.backends.refimpl_backend import RefimplBackend, all_capabilitie
 from conformance.backends.subprocess_backend import (
     PROTOCOL,
     ArrayError,
+    EngineCrash,
     EngineError,
     EngineTimeout,
     RefimplSubprocessBackend,
@@ -84,7 +86,8 @@ def _bundled_count() -> int:
     return sum(len(json.loads((s / "cases.json").read_text())["cases"]) for s in bundled_sets())
 
 
-@pytest.mark.parametrize("fmt, select, n", [("raw", [], None), ("safetensors", ["-k", "^all-features/"], 52)])
+@pytest.mark.parametrize("fmt, select, n", [("raw", [], None),
+                                             ("safetensors", ["--fixtures", str(ROOT / "fixtures" / "all-features")], 52)])
 def test_refimpl_subprocess_passes_the_bundled_cases(fmt, select, n, tmp_path, capsys):
     """Every bundled case through raw files (image cases included: images and per-piece embeddings
     through the protocol); the set with every feature through safetensors (the whole bundle passes that
@@ -308,7 +311,7 @@ def test_after_a_crash_during_open_the_next_model_opens_again(e2b, tmp_path, bac
                  "replies, one per line; logs belong on stderr)")),
     ("bad-version", "the engine speaks protocol version 2; this harness speaks 1 (offered in hello 'versions')"),
     ("bad-protocol", f"the hello reply names protocol 'other-protocol', not '{PROTOCOL}'"),
-    ("missing-caps", "the hello reply is malformed: 'capabilities' lacks decode (a v1 engine gives every field: "),
+    ("missing-caps", "the hello reply's 'capabilities' lacks decode (a v1 engine gives every field: "),
 ])
 def test_engine_that_cannot_say_hello_is_a_backend_error(mode, fragment):
     with pytest.raises(BackendError) as info:
@@ -383,6 +386,35 @@ def test_bad_replies_are_clear_errors(mode, type_, pattern, model_dir, backends)
         with pytest.raises(type_, match=pattern):
             b.run(Request(kind="full", tokens=(2, 3, 4)))
     assert b.restarts == 0 and b._alive()
+
+
+def test_a_crash_message_quotes_only_the_stderr_of_its_own_request(model_dir, tmp_path, backends):
+    """The reference server logs an ok:false error's traceback on stderr; a later crash's message must not quote
+    it again (it belongs to the earlier case, whose message already holds the error)."""
+    b = make(backends, fake("abort-run", 2, tmp_path / "marker"), timeout=60)
+    b.open(model_dir)
+    with pytest.raises(EngineError) as info:
+        b.run(Request(kind="last", tokens=(2, 3), last_pos=7))
+    assert str(info.value) == ("the engine failed on this request: ValueError: refimpl backend: last_pos 7 is outside "
+                               "the 2 tokens of the call")  # the error alone, once, without the stderr
+    with pytest.raises(EngineCrash) as info:
+        b.run(Request(kind="full", tokens=(2, 3)))
+    assert str(info.value) == ("the engine process died during run: it was killed by signal SIGABRT (6); it is "
+                               "restarted for the next request\nengine stderr:\n  fake engine: misbehaving (abort-run) "
+                               "on run 2")
+
+
+def test_an_engine_error_through_two_protocol_hops_is_wrapped_once(tmp_path, capsys):
+    """--isolate over a backend that is itself a subprocess client (llama-cpp, or subprocess as here): the engine's
+    ok:false error reaches the report once, wrapped once."""
+    report = tmp_path / "report.json"
+    code = cli_main(["check", "--isolate", "--backend", "subprocess", "--backend-option",
+                     f"command={shlex.join(fake('fail-run'))}", "--fixtures", str(ROOT / "fixtures" / "e2b-mini"),
+                     "-k", "full/A", "--json", str(report), "-q"])
+    assert code == 1, capsys.readouterr()
+    case = json.loads(report.read_text())["cases"][0]
+    assert case["message"] == "EngineError: the engine failed on this request: RuntimeError: out of memory"
+    assert case["error"]["message"] == "the engine failed on this request: RuntimeError: out of memory"
 
 
 def test_read_array_formats_and_checks(tmp_path):

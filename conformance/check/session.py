@@ -65,7 +65,7 @@ class Selection:
         self.chosen = [[c for c in fs.cases if take(c, str(fs.manifest.get("name", "")))] for fs in self.sets]
         self.total = sum(len(c) for c in self.chosen)
         if self.total == 0:
-            what = f"-k {pattern.pattern!r}" if pattern is not None else "the selection"
+            what = self.select or "the selection"
             n_all = sum(len(fs.cases) for fs in self.sets)
             raise NoCasesSelected(f"no case selected: {what} matched none of the {n_all} cases of "
                                   f"{len(self.sets)} fixture set(s)")

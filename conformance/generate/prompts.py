@@ -7,6 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from refimpl.chat import encode_conversation
+from refimpl.errors import RefimplError
+
 
 class PromptError(ValueError):
     """A bad prompts file or prompt entry (a usage error, not an integrity one); names the file and line."""
@@ -91,7 +94,24 @@ def prompt_entries(prompts) -> list[dict]:
     return [check_prompt(p, f"prompt {n}") for n, p in enumerate(prompts)]
 
 
-def encode_prompt(p: dict, tokenizer, vocab: int) -> list[int]:
+def chat_ids(tokenizer, model_dir: str | Path | None, messages: list[dict], where: str) -> list[int]:
+    """A conversation's token ids through the checkpoint's own chat template (``refimpl.chat``), or the hand-written
+    Gemma 4 format when it has none. Golden ids follow the checkpoint: a template that cannot be used (jinja2
+    missing) is a PromptError, never a silent fallback."""
+    if model_dir is None:
+        return tokenizer.encode_chat(messages)
+    try:
+        prompt = encode_conversation(tokenizer, model_dir, messages)
+    except RefimplError as e:
+        raise PromptError(f"{where}: {e}") from None
+    if prompt.warning is not None:
+        raise PromptError(f"{where}: {prompt.warning.split('; the hand-written')[0]}: install jinja2 "
+                          "(pip install 'gemma4-conformance[chat]') so that the set follows the checkpoint's template")
+    return prompt.ids
+
+
+def encode_prompt(p: dict, tokenizer, vocab: int, model_dir: str | Path | None = None) -> list[int]:
+    """A prompt's token ids; chat prompts through ``model_dir``'s chat template when it has one (``chat_ids``)."""
     where = p["where"]
     if p["kind"] == "tokens":
         ids = list(p["value"])
@@ -100,11 +120,13 @@ def encode_prompt(p: dict, tokenizer, vocab: int) -> list[int]:
             raise PromptError(f"{where}: the model directory has no tokenizer.model, so only 'tokens' prompts work")
         try:
             if p["kind"] == "messages":
-                ids = tokenizer.encode_chat(p["value"])
+                ids = chat_ids(tokenizer, model_dir, p["value"], where)
             elif p["chat"]:
-                ids = tokenizer.encode_chat([{"role": "user", "content": p["value"]}])
+                ids = chat_ids(tokenizer, model_dir, [{"role": "user", "content": p["value"]}], where)
             else:
                 ids = tokenizer.encode(p["value"])
+        except PromptError:
+            raise
         except Exception as e:  # noqa: BLE001 - TokenizerError and friends: report with the line
             raise PromptError(f"{where}: {e}") from None
     bad = [t for t in ids if not 0 <= t < vocab]

@@ -41,7 +41,7 @@ from .matrix import annotate, generate_cases, generate_image_cases, random_base_
 from .media import AudioSide, VisionSide, audio_sources, has_audio_tower, has_vision_tower, image_sources, media_order
 from .media import AUDIO_TEXT, IMAGE_TEXT
 from .mtp import SCENARIOS, checked_drafter, mtp_drafter, mtp_matrix
-from .prompts import encode_prompt, prompt_entries
+from .prompts import chat_ids, encode_prompt, prompt_entries
 
 
 # chunked prefill + decode vs full forward inside the oracle (float64): per base the larger of this floor (the
@@ -356,7 +356,7 @@ def _plan(run: partial.PartialRun, src: Path, model, seed: int, entries: list[di
     plan = _Plan(with_text=cases in ("text", "all", "auto"))
     with_images = cases == "images" or (cases in ("all", "auto") and vision_tower)
     with_audio = cases == "audio" or (cases in ("all", "auto") and audio_tower)
-    prompt_ids = [encode_prompt(p, tokenizer, cfg.vocab_size) for p in entries]
+    prompt_ids = [encode_prompt(p, tokenizer, cfg.vocab_size, src) for p in entries]
     bos = bos_id(cfg, tokenizer)
     common = {"key": run.key, "partial": str(run.path), "model_dir": str(src), "seed": seed, "bos": bos,
               "vision_mask": model.vision_mask,
@@ -371,7 +371,7 @@ def _plan(run: partial.PartialRun, src: Path, model, seed: int, entries: list[di
                                                   "rng": f"numpy default_rng([{seed}, {k}])"},
                      ids=[bos] + [int(t) for t in rng.choice(pool, n - 1)], greedy=0)
         if tokenizer is not None:
-            prompt = tokenizer.encode_chat([{"role": "user", "content": CHAT_PROMPT}])
+            prompt = chat_ids(tokenizer, src, [{"role": "user", "content": CHAT_PROMPT}], "base G")
             source = {"source": "chat", "text": CHAT_PROMPT}
         else:
             rng = np.random.default_rng([seed, len(RANDOM_BASES)])

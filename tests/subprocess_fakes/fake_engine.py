@@ -28,6 +28,19 @@ Hand-written protocol loops that are broken from the start:
                        request fields it does not know ignored); appends every run request to LOG
   spawn-worker 0 PIDS  at start, a worker child in the process group; "ENGINE_PID WORKER_PID" goes to
                        PIDS; then serves like the modes above (a well-behaved engine)
+  bare-hello           hello gives the required fields only (protocol, version, capabilities): no name,
+                       no engine
+  no-protocol, no-version, no-capabilities   hello without that required field
+  bad-name             hello's name is a number
+  fail-run-bare        run answers ok:false without an error
+  ignore-shutdown      a v1 engine that ignores shutdown (ok:false, unknown op) and end of input: it
+                       sleeps until it is killed
+  multi-FORM 0 LOG     claims multi_sequence and decode; answers multi requests with zero logits, appending
+                       each request's "decode" to LOG; decode_logits by FORM: canonical (null without
+                       steps, else one ARRAY per sequence), empty-list ([] without steps), per-seq (one
+                       [0, V] ARRAY per sequence without steps), nulls (null per sequence without steps;
+                       with steps, null for a sequence without any), bad (without steps one ARRAY, not a
+                       list; with steps null for every sequence)
 """
 
 import json
@@ -118,8 +131,16 @@ def hand_written():
             caps = dict(CAPS)
             if MODE == "missing-caps":
                 del caps["decode"]
-            reply(msg, ok=True, protocol="other-protocol" if MODE == "bad-protocol" else msg["protocol"],
-                  version=2 if MODE == "bad-version" else 1, name="fake", capabilities=caps, engine={})
+            if MODE.startswith("multi-"):
+                caps.update(multi_sequence=True, decode=True)
+            fields = dict(protocol="other-protocol" if MODE == "bad-protocol" else msg["protocol"],
+                          version=2 if MODE == "bad-version" else 1, name=7 if MODE == "bad-name" else "fake",
+                          capabilities=caps, engine={})
+            if MODE == "bare-hello":
+                del fields["name"], fields["engine"]
+            if MODE.startswith("no-"):
+                del fields[MODE[3:]]
+            reply(msg, ok=True, **fields)
         elif op == "open":
             if MODE == "refuse-open":
                 reply(msg, ok=False, error="unsupported architecture gemma4")
@@ -133,7 +154,13 @@ def hand_written():
             if MODE == "fail-run":
                 reply(msg, ok=False, error="RuntimeError: out of memory")
                 continue
+            if MODE == "fail-run-bare":
+                reply(msg, ok=False)
+                continue
             req = msg["request"]
+            if MODE.startswith("multi-"):
+                reply(msg, ok=True, **multi_reply(req, Path(msg["out_dir"]), vocab, MODE[6:]))
+                continue
             if MODE == "v1-record":
                 with open(MARKER, "a") as log:
                     log.write(json.dumps(req) + "\n")
@@ -146,10 +173,37 @@ def hand_written():
             (out / "logits.bin").write_bytes(b"\0" * (4 * n))
             reply(msg, ok=True, logits={"path": path, "format": "raw", "dtype": "float32",
                                         "shape": [rows, vocab]}, decode_logits=None, executed={})
+        elif op == "shutdown" and MODE == "ignore-shutdown":
+            reply(msg, ok=False, error="unknown op 'shutdown'")
         else:
             reply(msg, ok=True)
             if op == "shutdown":
                 return
+    if MODE == "ignore-shutdown":  # nor does it exit at end of input
+        time.sleep(3600)
+
+
+def multi_reply(req, out: Path, vocab: int, form: str) -> dict:
+    """A multi request's reply (zero logits) with decode_logits in the given form; the request's "decode" is
+    appended to MARKER."""
+    with open(MARKER, "a") as log:
+        log.write(json.dumps(req["decode"]) + "\n")
+
+    def array(name: str, rows: int) -> dict:
+        (out / name).write_bytes(b"\0" * (4 * rows * vocab))
+        return {"path": name, "format": "raw", "dtype": "float32", "shape": [rows, vocab]}
+
+    n = len(req["sequences"])
+    decode = req["decode"]
+    if not decode:  # no decode steps
+        dl = {"canonical": None, "empty-list": [], "per-seq": [array(f"d{i}.bin", 0) for i in range(n)],
+              "nulls": [None] * n, "bad": array("d.bin", 0)}[form]
+    elif form == "bad":
+        dl = [None] * n
+    else:
+        dl = [None if form == "nulls" and not steps else array(f"d{i}.bin", len(steps))
+              for i, steps in enumerate(decode)]
+    return {"logits": array("logits.bin", n), "decode_logits": dl, "executed": {}}
 
 
 if __name__ == "__main__":

@@ -26,7 +26,15 @@ from its stdout closing: the workers of a multi-process engine may keep stdout o
 process aborts. Killing is by process group; a helper that left the group (a new session) survives
 it, but never blocks the harness (stdout and stderr are only closed by their reader threads). On
 SIGTERM or SIGHUP of the harness the engine process groups are killed before it dies (see
-``_install_signal_cleanup``); at a normal exit they are shut down by ``atexit``.
+``_install_signal_cleanup``).
+
+The end of a run: ``close`` only releases the fixture set's model (one process serves every set of a run),
+so the engine is ended when the backend is done with it: ``shutdown()``, called by the owner, when the
+backend object is collected (``conformance check`` drops it when the run is over) and at interpreter exit
+(``atexit``). Each sends ``shutdown``, closes the engine's stdin, waits ``shutdown_grace`` seconds (5 by
+default) for it to exit by itself and then kills its process group (``_Process.shutdown``): an engine that
+honours ``shutdown`` exits with code 0 and is never killed; a v1 engine that ignores it is killed after the
+grace.
 
 Image prompts travel as fields added after v1 (``images`` on the request, ``embeddings`` on each
 piece, the ``image_prompts`` capability, read as not claimed when a v1 engine's hello leaves it out);
@@ -42,13 +50,13 @@ refimpl``: the oracle behind the protocol, which must pass every bundled case at
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import math
 import os
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -66,7 +74,11 @@ from ...protocol.wire import (
     PROTOCOL, VERSIONS, EngineCrash, EngineError, EngineFailure, EngineTimeout, ProtocolError,
     capabilities_from_json, clip_text, expected_rows, mtp_from_reply, read_array, read_trace, request_to_json,
 )
-from .process import _Died, _Garbage, _Process, _TimedOut
+from .process import SHUTDOWN_GRACE_S, _Died, _Garbage, _Process, _TimedOut
+
+# What each reply must carry besides "id" and "ok" (docs/subprocess-protocol.md, one table per message). A reply
+# with "ok": false must carry "error" (a string); "run" needs more, depending on the request (``_response``).
+HELLO_REQUIRED = ("protocol", "version", "capabilities")  # "name" and "engine" are optional
 
 def _vocab_size(model_dir: Path) -> int | None:
     """The checkpoint's full vocabulary (V of every logits row), or None when it cannot be read."""
@@ -102,6 +114,64 @@ def _command_list(command: Any) -> list[str]:
     return argv
 
 
+def _engine_error(op: str, reply: dict) -> str:
+    """The ``error`` of an ``ok: false`` reply to ``op``: required, a string (ProtocolError otherwise)."""
+    if "error" not in reply:
+        raise ProtocolError(f"the {op} reply (ok: false) lacks the required field 'error'")
+    error = reply["error"]
+    if not isinstance(error, str):
+        raise ProtocolError(f"the {op} reply's 'error' must be a string, got {clip_text(repr(error))}")
+    return error
+
+
+def _failed(error: str) -> EngineError:
+    """The EngineError of a run the engine answered with ``ok: false``; ``engine_error`` keeps the engine's own
+    message, so that a protocol server whose backend is itself a subprocess client passes it on as it is
+    instead of wrapping it a second time (``server._error_text``)."""
+    exc = EngineError(f"the engine failed on this request: {error}")
+    exc.engine_error = error
+    return exc
+
+
+def _decode_arrays(refs: Any, decode_rows: int | list[int] | None, n_seq: int, field: str, read,
+                   empty=None) -> Any:
+    """A run reply's decode field (``decode_logits``, ``decode_hidden``, ``decode_trace``) as the run reply table
+    says; ``read(ref, where, rows)`` reads one entry, ``decode_rows`` is ``expected_rows``' second value.
+
+    * No decode steps (``decode_rows`` None; for ``multi``, ``"decode": []``): null or absent; a ``multi`` reply
+      may also give ``[]`` or one entry per sequence, each null or ``[0, ...]`` (read, checked, dropped). None.
+    * Steps, not ``multi``: one entry with ``decode_rows`` rows (null is an error).
+    * Steps, ``multi``: a list of one entry per sequence, in order; a sequence without steps has ``[0, ...]``
+      or null (then ``empty()``, or None without ``empty``), one with steps may not be null."""
+    if decode_rows is None:
+        if refs is None or (n_seq and isinstance(refs, list) and not refs):
+            return None
+        if n_seq and isinstance(refs, list) and len(refs) == n_seq:
+            for i, ref in enumerate(refs):
+                if ref is not None:
+                    read(ref, f"run reply {field!r}[{i}]", 0)
+            return None
+        raise ProtocolError(f"the run reply's {field!r} must be null: the request has no decode steps, got "
+                            f"{clip_text(repr(refs))}")
+    if isinstance(decode_rows, int):
+        if refs is None:
+            raise ProtocolError(f"the run reply's {field!r} is null, but the request has {decode_rows} decode steps")
+        return read(refs, f"run reply {field!r}", decode_rows)
+    if not isinstance(refs, list) or len(refs) != len(decode_rows):
+        raise ProtocolError(f"the run reply's {field!r} must be a list of {len(decode_rows)} entries (one per "
+                            f"sequence of the multi request), got {clip_text(repr(refs))}")
+    out = []
+    for i, (ref, n) in enumerate(zip(refs, decode_rows)):
+        if ref is None:
+            if n:
+                raise ProtocolError(f"the run reply's {field!r}[{i}] is null, but sequence {i} of the multi request "
+                                    f"has {n} decode steps")
+            out.append(None if empty is None else empty())
+        else:
+            out.append(read(ref, f"run reply {field!r}[{i}]", n))
+    return out
+
+
 def _env(env: Any) -> dict[str, str] | None:
     """Extra environment variables (a dict, or a JSON object as text) on top of the harness's own."""
     if env is None or env == "":
@@ -123,10 +193,10 @@ _LIVE: weakref.WeakSet[SubprocessBackend] = weakref.WeakSet()
 
 
 @atexit.register
-def _shutdown_all() -> None:  # no engine process outlives the harness
+def _shutdown_all() -> None:  # no engine process outlives the harness: shutdown, the grace, then killed
     for backend in list(_LIVE):
         try:
-            backend.shutdown(timeout=2.0)
+            backend.shutdown()
         except Exception:  # noqa: BLE001
             pass
 
@@ -187,17 +257,28 @@ def _seconds(label: str, v: Any) -> float:
     return float(v)
 
 
+def _grace(v: Any) -> float:
+    """The shutdown_grace option: a finite number of seconds, 0 or more (BackendError otherwise)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0 or not math.isfinite(v):
+        raise BackendError(f"the subprocess backend's shutdown_grace must be a finite number of seconds, 0 or more, "
+                           f"got {v!r}")
+    return float(v)
+
+
 class SubprocessBackend:
     """An engine in another process, spoken to with the subprocess protocol (docs/subprocess-protocol.md).
 
     ``command``: the engine's argv (a list, a string split with shlex, or a JSON array as text). ``name``: overrides the
-    name the engine gives in hello. ``timeout``: seconds for one open or run (past it the process
-    group is killed; the case is an error; the next run restarts the engine). ``env``: extra
+    name the engine gives in hello (an engine that gives none is named after its program, ``command[0]``).
+    ``timeout``: seconds for one open or run (past it the process group is killed; the case is an error; the
+    next run restarts the engine). ``env``: extra
     environment variables (a dict, or a JSON object as text). ``cwd``: the engine's working
     directory. ``startup_timeout``: seconds from start to the hello reply. ``open_timeout``: seconds
     for one open (None: ``timeout``; an engine that converts the checkpoint while opening may need much
     longer than one request). ``stderr_log``: a file that receives the engine's whole stderr
     (appended), besides the last lines kept for messages; it is opened (created) in the constructor.
+    ``shutdown_grace``: seconds the engine has to exit by itself after ``shutdown`` (at the end: ``shutdown()``,
+    the object collected, interpreter exit) before its process group is killed; 0 kills it at once.
     Timeouts are finite positive numbers (BackendError otherwise).
 
     Subclasses build their own command and pass it to ``__init__``; ``self._command`` is the argv
@@ -207,9 +288,10 @@ class SubprocessBackend:
     def __init__(self, command: str | Sequence[str] | None = None, name: str | None = None,
                  timeout: float = 600.0, env: Mapping[str, str] | str | None = None,
                  cwd: str | None = None, startup_timeout: float = 60.0, stderr_log: str | None = None,
-                 open_timeout: float | None = None):
+                 open_timeout: float | None = None, shutdown_grace: float = SHUTDOWN_GRACE_S):
         self._command = _command_list(command)
         self.timeout = _seconds("timeout", timeout)
+        self.shutdown_grace = _grace(shutdown_grace)
         self.startup_timeout = _seconds("startup_timeout", startup_timeout)
         self.open_timeout = None if open_timeout is None else _seconds("open_timeout", open_timeout)
         self._env = _env(env)
@@ -237,7 +319,8 @@ class SubprocessBackend:
         self.version = hello["version"]
         self.capabilities: Capabilities = hello["capabilities"]
         self.engine = hello["engine"]
-        self.name: str = name if name else hello["name"]
+        # the name option, else the engine's (optional in hello), else its program's
+        self.name: str = name if name else (hello["name"] or Path(self._command[0]).name)
 
     # -- process lifecycle ----------------------------------------------------------------------
 
@@ -297,29 +380,40 @@ class SubprocessBackend:
             garbage=lambda exc: f"{what} {exc}")
         try:
             return self._check_hello(reply)
-        except (ProtocolError, EngineError) as exc:
+        except EngineError as exc:  # ok: false: the engine's own message, shown once, as it is
             self._discard()
-            raise type(exc)(f"{what}: {exc}{proc.stderr_text()}") from None
+            raise EngineError(f"{what}: {exc}") from None
+        except ProtocolError as exc:
+            self._discard()
+            raise ProtocolError(f"{what}: {exc}{proc.stderr_text()}") from None
 
-    def _check_hello(self, reply: dict) -> dict[str, Any]:
+    @staticmethod
+    def _check_hello(reply: dict) -> dict[str, Any]:
+        """The hello reply's fields, checked as docs/subprocess-protocol.md's hello table says: ``protocol``,
+        ``version`` and ``capabilities`` (with every v1 field) required; ``name`` (None when absent, null or
+        empty) and ``engine`` ({} when absent or null; another value than an object as {"info": value})
+        optional; anything else ignored."""
         if not reply["ok"]:
-            raise EngineError(f"the engine refused hello: {reply.get('error', '(no error message)')}")
-        if reply.get("protocol") != PROTOCOL:
-            raise ProtocolError(f"the hello reply names protocol {reply.get('protocol')!r}, not {PROTOCOL!r}")
-        version = reply.get("version")
-        if version not in VERSIONS:
+            raise EngineError(f"the engine refused hello: {_engine_error('hello', reply)}")
+        for key in HELLO_REQUIRED:
+            if key not in reply:
+                raise ProtocolError(f"the hello reply lacks the required field {key!r}")
+        if reply["protocol"] != PROTOCOL:
+            raise ProtocolError(f"the hello reply names protocol {reply['protocol']!r}, not {PROTOCOL!r}")
+        version = reply["version"]
+        if isinstance(version, bool) or version not in VERSIONS:
             raise ProtocolError(f"the engine speaks protocol version {version!r}; this harness speaks "
                                 f"{', '.join(map(str, VERSIONS))} (offered in hello 'versions')")
-        name = reply.get("name")
-        if not isinstance(name, str) or not name:
-            raise ProtocolError(f"the hello reply needs a non-empty string 'name', got {name!r}")
-        try:
-            caps = capabilities_from_json(reply.get("capabilities"))
+        try:  # every v1 field required, later ones optional: "the hello reply's 'capabilities' lacks decode (...)"
+            caps = capabilities_from_json(reply["capabilities"])
         except (ValueError, TypeError) as exc:
-            raise ProtocolError(f"the hello reply is malformed: {exc}") from None
-        engine = reply.get("engine", {})
-        return {"version": version, "name": name, "capabilities": caps,
-                "engine": engine if isinstance(engine, dict) else {"info": engine}}
+            raise ProtocolError(f"the hello reply's {exc}") from None
+        name = reply.get("name")
+        if name is not None and not isinstance(name, str):
+            raise ProtocolError(f"the hello reply's 'name' must be a string, got {clip_text(repr(name))}")
+        engine = reply.get("engine")
+        return {"version": version, "name": name or None, "capabilities": caps,
+                "engine": {} if engine is None else engine if isinstance(engine, dict) else {"info": engine}}
 
     def _open_engine(self, model_dir: Path) -> None:
         """Send open on the current process. Raises EngineError (ok false), EngineCrash, EngineTimeout
@@ -333,8 +427,7 @@ class SubprocessBackend:
                        "its process group was killed"),
             garbage=lambda exc: f"while opening {model_dir} the engine {exc}")
         if not reply["ok"]:
-            raise EngineError(f"the engine could not open {model_dir}: "
-                              f"{reply.get('error', '(no error message)')}")
+            raise EngineError(f"the engine could not open {model_dir}: {_engine_error('open', reply)}")
 
     def _start_again(self) -> None:
         """Start a fresh process; it must declare the same capabilities and version as the first one."""
@@ -398,6 +491,8 @@ class SubprocessBackend:
             # likewise: an engine without audio_prompts would answer the prompt as text
             raise ValueError(f"subprocess backend {self.name!r}: the engine does not claim audio_prompts; an "
                              f"audio request is not sent to it")
+        if request.kind == "multi" and request.decode and not any(request.decode):
+            request = dataclasses.replace(request, decode=())  # no sequence has a step: sent as "decode": []
         if not self._alive():
             try:
                 self._restart()
@@ -416,36 +511,26 @@ class SubprocessBackend:
                            "was killed and it is restarted for the next request"),
                 garbage=lambda exc: f"during run the engine {exc}; it was killed and is restarted for the next request")
             if not reply["ok"]:
-                raise EngineError(f"the engine failed on this request: {reply.get('error', '(no error message)')}")
+                raise _failed(_engine_error("run", reply))
             return self._response(reply, request, out_dir)
         finally:
             shutil.rmtree(out_dir, ignore_errors=True)
 
     def _response(self, reply: dict, request: Request, out_dir: str) -> Response:
+        """The run reply, checked as the run reply table says: ``logits`` required; ``decode_logits`` required
+        when the request has decode steps (else absent or null; ``_decode_arrays``); ``executed`` optional;
+        ``hidden`` / ``decode_hidden``, ``trace`` / ``decode_trace`` and ``mtp`` as the request asks."""
         rows, decode_rows = expected_rows(request)
-        for key in ("logits", "decode_logits"):
-            if key not in reply:
-                raise ProtocolError(f"the run reply has no {key!r} field")
+        if "logits" not in reply:
+            raise ProtocolError("the run reply lacks the required field 'logits'")
         logits = read_array(reply["logits"], out_dir, "run reply 'logits'", rows, self._vocab)
         vocab = self._vocab if self._vocab is not None else logits.shape[1]
-        dl = reply["decode_logits"]
-        decode: np.ndarray | list[np.ndarray] | None
-        if decode_rows is None:
-            if dl is not None:
-                raise ProtocolError("the run reply has 'decode_logits' but the request has no decode tokens "
-                                    "(it must be null)")
-            decode = None
-        elif isinstance(decode_rows, list):
-            if not isinstance(dl, list) or len(dl) != len(decode_rows):
-                raise ProtocolError(f"the run reply's 'decode_logits' must be a list of {len(decode_rows)} "
-                                    f"ARRAYs (one per sequence of the multi request), got {clip_text(repr(dl))}")
-            decode = [read_array(a, out_dir, f"run reply 'decode_logits'[{i}]", n, vocab)
-                      for i, (a, n) in enumerate(zip(dl, decode_rows))]
-        else:
-            if dl is None:
-                raise ProtocolError(f"the run reply's 'decode_logits' is null but the request has "
-                                    f"{decode_rows} decode tokens")
-            decode = read_array(dl, out_dir, "run reply 'decode_logits'", decode_rows, vocab)
+        if decode_rows is not None and "decode_logits" not in reply:
+            raise ProtocolError("the run reply lacks the required field 'decode_logits' (the request has decode "
+                                "steps)")
+        decode = _decode_arrays(reply.get("decode_logits"), decode_rows, len(request.sequences), "decode_logits",
+                                lambda ref, where, n: read_array(ref, out_dir, where, n, vocab),
+                                empty=lambda: np.empty((0, vocab), dtype=logits.dtype))
         executed = reply.get("executed", {})
         if executed is None:
             executed = {}
@@ -453,6 +538,8 @@ class SubprocessBackend:
             raise ProtocolError(f"the run reply's 'executed' must be an object, got {clip_text(repr(executed))}")
         hidden, decode_hidden = self._hidden(reply, request, out_dir, rows, decode_rows)
         trace, decode_trace = self._trace(reply, request, out_dir, rows, decode_rows)
+        if request.kind == "mtp" and "mtp" not in reply:
+            raise ProtocolError("the run reply lacks the required field 'mtp' (the request is an mtp request)")
         mtp = mtp_from_reply(reply.get("mtp"), request, out_dir, vocab) if request.kind == "mtp" else None
         return Response(logits, decode, executed, hidden=hidden, decode_hidden=decode_hidden, mtp=mtp, trace=trace,
                         decode_trace=decode_trace)
@@ -468,12 +555,8 @@ class SubprocessBackend:
         dt = reply.get("decode_trace")
         if decode_rows is None or dt is None:
             return trace, None
-        if isinstance(decode_rows, list):
-            if not isinstance(dt, list) or len(dt) != len(decode_rows):
-                raise ProtocolError(f"the run reply's 'decode_trace' must be a list of {len(decode_rows)} maps")
-            return trace, [read_trace(t, out_dir, f"run reply 'decode_trace'[{i}]", n)
-                           for i, (t, n) in enumerate(zip(dt, decode_rows))]
-        return trace, read_trace(dt, out_dir, "run reply 'decode_trace'", decode_rows)
+        return trace, _decode_arrays(dt, decode_rows, len(request.sequences), "decode_trace",
+                                     lambda ref, where, n: read_trace(ref, out_dir, where, n), empty=dict)
 
     @staticmethod
     def _hidden(reply: dict, request: Request, out_dir: str, rows: int, decode_rows) -> tuple[Any, Any]:
@@ -482,19 +565,16 @@ class SubprocessBackend:
         if not request.hidden:
             return None, None
         if reply.get("hidden") is None:
-            raise ProtocolError("the engine claims hidden_states, but the run reply has no 'hidden' ARRAY")
+            raise ProtocolError("the run reply lacks the required field 'hidden' (the request asks for hidden states)")
         hidden = read_array(reply["hidden"], out_dir, "run reply 'hidden'", rows)
-        dh = reply.get("decode_hidden")
-        if decode_rows is None or dh is None:
-            if decode_rows is not None:
-                raise ProtocolError("the run reply has 'hidden' but no 'decode_hidden' for the decode steps")
+        if decode_rows is None:  # no decode steps: a decode_hidden is ignored
             return hidden, None
-        if isinstance(decode_rows, list):
-            if not isinstance(dh, list) or len(dh) != len(decode_rows):
-                raise ProtocolError(f"the run reply's 'decode_hidden' must be a list of {len(decode_rows)} ARRAYs")
-            return hidden, [read_array(a, out_dir, f"run reply 'decode_hidden'[{i}]", n)
-                            for i, (a, n) in enumerate(zip(dh, decode_rows))]
-        return hidden, read_array(dh, out_dir, "run reply 'decode_hidden'", decode_rows)
+        if reply.get("decode_hidden") is None:
+            raise ProtocolError("the run reply lacks the required field 'decode_hidden' (the request asks for hidden "
+                                "states and has decode steps)")
+        return hidden, _decode_arrays(reply.get("decode_hidden"), decode_rows, len(request.sequences), "decode_hidden",
+                                      lambda ref, where, n: read_array(ref, out_dir, where, n),
+                                      empty=lambda: np.empty((0, hidden.shape[1]), dtype=hidden.dtype))
 
     def close(self) -> None:
         self._model_dir = None
@@ -513,35 +593,24 @@ class SubprocessBackend:
         if not reply["ok"]:
             self._discard()
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Ask the engine to exit (``shutdown``), then make sure its process group is gone."""
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        try:
-            if proc.alive() and not proc.killed:
-                try:
-                    proc.call("shutdown", {}, timeout)
-                except (_Died, _TimedOut, _Garbage):
-                    pass
-                try:
-                    proc.proc.stdin.close()
-                except OSError:
-                    pass
-                try:
-                    proc.proc.wait(timeout=timeout)
-                except subprocess.TimeoutExpired:
-                    pass
-        finally:
-            proc.kill()
+    def shutdown(self, grace: float | None = None) -> str | None:
+        """End the engine: send ``shutdown``, close its stdin, wait ``grace`` seconds (default: the
+        ``shutdown_grace`` option) for it to exit by itself, then kill its process group. Returns how it ended
+        ("exited with code 0 after shutdown", "was killed after a grace of 5 s ..."), None when no engine ran.
+        Also done when the object is collected and at interpreter exit. The next ``open`` starts a new engine.
+        An engine started by another process (this one is a fork of the harness) is left alone."""
+        proc, self._proc = getattr(self, "_proc", None), None
+        if proc is None or proc.owner != os.getpid():
+            return None
+        return proc.shutdown(self.shutdown_grace if grace is None else grace)
 
     def __del__(self):
-        proc = getattr(self, "_proc", None)
-        if proc is not None:
-            try:
-                proc.kill()
-            except Exception:  # noqa: BLE001
-                pass
+        # the owner dropped the backend (``conformance check`` at the end of its run): the engine is ended the
+        # same way as by shutdown()
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 class RefimplSubprocessBackend(SubprocessBackend):
@@ -578,6 +647,12 @@ class IsolatedBackend(SubprocessBackend):
             raise BackendError(f"--isolate: the backend options cannot be sent to the child process: {exc}") from None
         command = [sys.executable, "-m", "conformance.serve", "--backend", spec,
                    "--backend-options-json", encoded]
+        # the child may end an engine of its own at its exit (a SubprocessBackend behind the server gets its own
+        # shutdown and grace): wait for that before killing the child
+        inner = (options or {}).get("shutdown_grace", SHUTDOWN_GRACE_S)
+        if not isinstance(inner, (int, float)) or isinstance(inner, bool) or not math.isfinite(inner) or inner < 0:
+            inner = SHUTDOWN_GRACE_S
+        kwargs.setdefault("shutdown_grace", SHUTDOWN_GRACE_S + inner)
         super().__init__(command, **kwargs)
         shipped = self.engine.get("expectations_file")
         self.expectations_file = Path(shipped) if isinstance(shipped, str) and shipped else None

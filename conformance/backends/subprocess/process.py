@@ -1,6 +1,8 @@
 """One engine process of the subprocess backend: started in its own process group, its stdout read as
 JSON lines on a thread, a ring buffer of its last stderr lines, a request awaited while the process is
-polled for an exit (``_Process.call``: the reply, or ``_Died``, ``_TimedOut``, ``_Garbage``)."""
+polled for an exit (``_Process.call``: the reply, or ``_Died``, ``_TimedOut``, ``_Garbage``), and its end
+(``_Process.shutdown``: the ``shutdown`` request, a grace period to exit by itself, then the process group
+killed)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,9 @@ POLL_S = 0.25  # while waiting for a reply: how often the engine process is chec
 
 
 EXIT_GRACE_S = 0.5  # after the engine process exited: how long a reply already on its way may take
+
+
+SHUTDOWN_GRACE_S = 5.0  # after "shutdown": how long the engine may take to exit by itself before it is killed
 
 
 class _Died(Exception):
@@ -86,8 +91,11 @@ class _Process:
         self.lines: queue.Queue = queue.Queue()
         self.tail: deque[str] = deque(maxlen=STDERR_LINES)
         self.stderr_count = 0
+        self.stderr_mark = 0  # stderr_count when the request being answered was sent (see stderr_text)
+        self.op = "start"  # the op of that request
         self.next_id = 0
         self.killed = False
+        self.ended: str | None = None  # after shutdown(): how the process ended
         self._err_fd = self.proc.stderr.fileno()
         self._err_waiting = False  # the stderr thread is blocked in os.read (holds no unprocessed bytes)
         self._out = threading.Thread(target=self._read_stdout, daemon=True)
@@ -168,6 +176,10 @@ class _Process:
         return self._err_waiting and _pipe_empty(self._err_fd)
 
     def stderr_text(self) -> str:
+        """The engine's stderr lines written since the request being answered was sent (at most the last
+        STDERR_LINES of them), as a block to append to a message about that request. Earlier lines belong to
+        earlier requests (the reference server logs each ``ok: false`` error there), so they are left out: an
+        engine error is then quoted once, with its own case."""
         # after a death: let the last lines arrive. The pipe reaches EOF once the whole process group
         # is gone; a helper in another session may hold it open, so stop as soon as it is drained.
         deadline = time.monotonic() + 2.0
@@ -177,11 +189,13 @@ class _Process:
             settled = settled + 1 if self._stderr_settled() else 0
             if settled >= 2:
                 break
-        lines = list(self.tail)
+        count = self.stderr_count - self.stderr_mark
+        tail = list(self.tail)
+        lines = tail[len(tail) - min(count, len(tail)):]
         if not lines:
-            return "\n(the engine wrote nothing on stderr)"
-        skipped = self.stderr_count - len(lines)
-        head = f"engine stderr (last {len(lines)} of {self.stderr_count} lines):" if skipped else "engine stderr:"
+            during = f" during {self.op}" if self.stderr_count else ""
+            return f"\n(the engine wrote nothing on stderr{during})"
+        head = f"engine stderr (last {len(lines)} of {count} lines):" if count > len(lines) else "engine stderr:"
         return "\n" + head + "\n" + "\n".join("  " + line for line in lines)
 
     def kill(self) -> None:
@@ -221,6 +235,7 @@ class _Process:
         way gets EXIT_GRACE_S seconds, then the death is reported (and the process group killed)."""
         mid = self.next_id
         self.next_id += 1
+        self.op, self.stderr_mark = op, (self.stderr_count if mid > 0 else 0)  # hello: since the start
         data = (json.dumps({"id": mid, "op": op, **fields_}, separators=(",", ":")) + "\n").encode("utf-8")
         try:
             self.proc.stdin.write(data)
@@ -257,11 +272,41 @@ class _Process:
                                "only JSON replies, one per line; logs belong on stderr)") from None
             if not isinstance(reply, dict):
                 raise _Garbage(f"wrote a JSON line on stdout that is not an object: {clip_text(text)!r}")
-            if reply.get("id") != mid:
-                raise _Garbage(f"answered {op} (id {mid}) with a reply whose id is {reply.get('id')!r}: "
+            if "id" not in reply:
+                raise _Garbage(f"answered {op} (id {mid}) without the required field 'id': {clip_text(text)!r}")
+            if reply["id"] != mid:
+                raise _Garbage(f"answered {op} (id {mid}) with a reply whose id is {reply['id']!r}: "
                                f"{clip_text(text)!r}")
             if not isinstance(reply.get("ok"), bool):
-                raise _Garbage(f"answered {op} without a boolean 'ok': {clip_text(text)!r}")
+                raise _Garbage(f"answered {op} without the required field 'ok' (true or false): {clip_text(text)!r}")
             return reply
 
-
+    def shutdown(self, grace: float = SHUTDOWN_GRACE_S) -> str:
+        """End the engine: send ``shutdown``, close its stdin (end of input also means "exit"), give it
+        ``grace`` seconds in all to exit by itself, then SIGKILL its process group (the engine if it is still
+        running, e.g. a v1 engine that ignores shutdown, and any helper left in the group). Returns how it
+        ended (also kept in ``self.ended``): "exited with code 0 after shutdown", or "was killed after ...".
+        Never raises for the engine's behaviour; a process already killed is left as it is."""
+        if self.killed:
+            return self.ended or "was killed"
+        deadline = time.monotonic() + max(0.0, grace)
+        try:
+            if self.alive():
+                try:
+                    self.call("shutdown", {}, max(0.0, grace))
+                except (_Died, _TimedOut, _Garbage):
+                    pass  # died at once, ignored it, or answered something else: it still gets its grace
+            try:
+                self.proc.stdin.close()
+            except (OSError, ValueError):
+                pass
+            try:
+                self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            rc = self.proc.poll()
+        finally:  # an interrupt while waiting still leaves nothing running
+            self.kill()
+        self.ended = (f"{_exit_text(rc)} after shutdown" if rc is not None
+                      else f"was killed after a grace of {grace:g} s (it did not exit after shutdown)")
+        return self.ended

@@ -11,6 +11,7 @@ true or false), write logits as files into the request's "out_dir", log only to 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -18,7 +19,9 @@ import traceback
 from pathlib import Path
 from typing import Any, TextIO
 
-from ...protocol.wire import PROTOCOL, VERSIONS, jsonable, mtp_reply, request_from_json, write_array, write_trace
+from ...protocol.wire import (
+    PROTOCOL, VERSIONS, EngineError, jsonable, mtp_reply, request_from_json, write_array, write_trace,
+)
 
 def handle(backend: Any, msg: dict, fmt: str) -> dict:
     """Answer one request message (without "id" and "ok"); raise on failure."""
@@ -40,10 +43,13 @@ def handle(backend: Any, msg: dict, fmt: str) -> dict:
     if op == "run":
         out_dir = Path(msg["out_dir"])
         request = request_from_json(msg["request"], out_dir)
+        if request.kind == "multi" and not any(request.decode):
+            # "decode": [] and a list of empty lists alike mean no decode steps (docs/subprocess-protocol.md)
+            request = dataclasses.replace(request, decode=())
         response = backend.run(request)
         reply = {"logits": write_array(out_dir, "logits", response.logits, fmt), "decode_logits": None,
                  "executed": jsonable(response.executed or {})}
-        dl = response.decode_logits
+        dl = response.decode_logits if request.decode else None  # no steps: null, whatever the backend gave
         if dl is not None and request.kind == "multi":  # one ARRAY per sequence
             reply["decode_logits"] = [write_array(out_dir, f"decode_logits.{i}", a, fmt) for i, a in enumerate(dl)]
         elif dl is not None:
@@ -52,13 +58,13 @@ def handle(backend: Any, msg: dict, fmt: str) -> dict:
             reply["mtp"] = mtp_reply(out_dir, response.mtp, fmt)
         if request.hidden and response.hidden is not None:  # hidden_states: the same rows' final-norm states
             reply["hidden"] = write_array(out_dir, "hidden", response.hidden, fmt)
-            dh = response.decode_hidden
+            dh = response.decode_hidden if request.decode else None
             reply["decode_hidden"] = (None if dh is None else
                                       [write_array(out_dir, f"decode_hidden.{i}", a, fmt) for i, a in enumerate(dh)]
                                       if request.kind == "multi" else write_array(out_dir, "decode_hidden", dh, fmt))
         if request.trace and response.trace is not None:  # traces: point name -> the same rows' values
             reply["trace"] = write_trace(out_dir, "trace", response.trace, fmt)
-            dt = response.decode_trace
+            dt = response.decode_trace if request.decode else None
             reply["decode_trace"] = (None if dt is None else
                                      [write_trace(out_dir, f"decode_trace.{i}", t, fmt) for i, t in enumerate(dt)]
                                      if request.kind == "multi" else write_trace(out_dir, "decode_trace", dt, fmt))
@@ -69,6 +75,14 @@ def handle(backend: Any, msg: dict, fmt: str) -> dict:
     if op == "shutdown":
         return {}
     raise ValueError(f"unknown op {op!r}")
+
+
+def _error_text(exc: BaseException) -> str:
+    """The ``error`` of an ``ok: false`` reply: ``"<Type>: <message>"``. An EngineError (the backend is itself a
+    subprocess client, e.g. llama-cpp under ``conformance check --isolate``, whose engine answered ``ok: false``)
+    passes its engine's own message on as it is, so that the client does not wrap it a second time."""
+    inner = getattr(exc, "engine_error", None) if isinstance(exc, EngineError) else None
+    return inner if isinstance(inner, str) else f"{type(exc).__name__}: {exc}"
 
 
 def serve(backend: Any, stdin: TextIO, stdout: TextIO, format: str = "raw") -> int:
@@ -93,7 +107,7 @@ def serve(backend: Any, stdin: TextIO, stdout: TextIO, format: str = "raw") -> i
             tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
             sys.stderr.write(f"protocol_server: {op} failed:\n{''.join(tb[-2:])}")
             sys.stderr.flush()
-            reply = {"id": mid, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            reply = {"id": mid, "ok": False, "error": _error_text(exc)}
         stdout.write(json.dumps(reply, separators=(",", ":")) + "\n")
         stdout.flush()
         if op == "shutdown":
