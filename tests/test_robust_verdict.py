@@ -149,8 +149,8 @@ def child_path(monkeypatch):
 def check(capsys, tmp_path, e2b_set, backend, *extra, select=FULL):
     """``conformance check`` in this process: (exit code, stdout, stderr, JSON report, JUnit root)."""
     js, xml = tmp_path / "report.json", tmp_path / "junit.xml"
-    code = main(["check", "--backend", f"{HERE}:{backend}", "--fixtures", e2b_set, "--match", select, "-q",
-                 "--json", str(js), "--junit-xml", str(xml), *extra])
+    code = main(["check", "--backend", f"{HERE}:{backend}", "--fixtures", e2b_set, "--match", select,
+                 "--json", str(js), "--junit-xml", str(xml), *extra])  # the whole summary (-q: the verdict only)
     out, err = capsys.readouterr()
     report = json.loads(js.read_text()) if js.exists() else None
     junit = ET.parse(xml).getroot() if xml.exists() else None
@@ -411,7 +411,7 @@ def test_report_paths_are_checked_before_the_run(capsys, tmp_path, e2b_set):
     assert not missing.parent.exists()
     code = main(["check", "--backend", "refimpl", "--fixtures", e2b_set, "--json", "-", "--junit-xml", "-"])
     assert code == 2
-    assert capsys.readouterr().err == "conformance: error: --json - and --junit-xml - cannot both go to standard output\n"
+    assert capsys.readouterr().err == "conformance: error: only one of --json, --junit-xml and --summary-md can go to standard output (-)\n"
 
 
 @pytest.mark.parametrize("flag", ["--json", "--junit-xml"])

@@ -99,8 +99,9 @@ def _row_json(row: Any, pieces: Callable[[list[int]], list[str] | None] | None) 
 
 
 def _error_info(exc: BaseException) -> dict[str, str]:
-    tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
-    short = "".join(tb[-6:])
+    """The error record of a case: the exception's type and message, and the last frames of its traceback
+    without the exception's text again (the message holds it: an engine error is shown once)."""
+    short = "".join(traceback.format_tb(exc.__traceback__)[-5:])
     if len(short) > 4000:
         short = "..." + short[-4000:]
     return {"type": type(exc).__name__, "message": str(exc), "traceback": short}

@@ -4,9 +4,11 @@
 An expression is words joined by ``and``, ``or``, ``not`` and parentheses, as pytest's ``-k``. A word
 matches a case when it is a substring of the case's id (case-insensitively, as in pytest), or equals one of
 its keywords: its feature tags (``last``, ``interior``, ``ubatch``, ``decode``, ...), its kind, its entry
-point (``last:embeddings``) and its set's name. ``-k 'last and not embeddings'`` takes the last-logits cases
-that are not the embeddings entry; ``-k 'e2b-mini and (chunked or ubatch)'`` the chunked and micro-batched
-prefill cases of one set.
+point (``last:embeddings``) and its set's name. As in pytest, a word is also a substring: ``last`` takes
+the last-logits cases and the prefill cases whose id holds ``rows-last``; ``-k '/last/ and not embeddings'``
+(a piece of the id) or ``-k 'last:plain or last:seq_id'`` (entry points) take the last-logits cases other than
+the embeddings entry, ``-k 'e2b-mini and (chunked or ubatch)'`` the chunked and micro-batched prefill cases of
+one set.
 """
 
 from __future__ import annotations

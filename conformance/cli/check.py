@@ -35,6 +35,17 @@ def _load_checked_backend(args, options: dict[str, Any]):
     return IsolatedBackend(args.backend, options, timeout=1e9, startup_timeout=300.0)
 
 
+def _shutdown(backend) -> None:
+    """End a backend's engine process now (the subprocess protocol's ``shutdown``, a grace period, then a kill)
+    rather than whenever the backend object is collected; an in-process backend has nothing to end."""
+    shutdown = getattr(backend, "shutdown", None)
+    if callable(shutdown):
+        try:
+            shutdown()
+        except Exception:  # noqa: BLE001 - the verdict is made; ending the engine cannot change it
+            pass
+
+
 def cmd_check(args, argv: Sequence[str]) -> int:
 
     pattern = compile_k(args)
@@ -93,6 +104,7 @@ def cmd_check(args, argv: Sequence[str]) -> int:
     result, failed = guarded(bar, lambda: run(backend, sets, profile, expectations, pattern, bar,
                                                backend_options=options, case_timeout=args.case_timeout,
                                                model=model, rehash=args.rehash, drafter=drafter))
+    _shutdown(backend)
     if failed is not None:
         return failed
 

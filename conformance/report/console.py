@@ -244,8 +244,11 @@ def counts_line(result: RunResult) -> str:
 
 
 def verdict_line(result: RunResult) -> str:
-    """The one line of ``-q``: the exit status, what it means, and the counts."""
-    return f"{exit_line(result.exit_code)} ({counts_line(result)})"
+    """The one line of ``-q``: the exit status, what it means, the counts, and a run that ended early."""
+    stop = result.interrupted
+    early = "" if stop is None else (f"; the run ended early: {stop['message']}; {stop['cases_not_run']} selected "
+                                     f"case{'s' if stop['cases_not_run'] != 1 else ''} not run")
+    return f"{exit_line(result.exit_code)} ({counts_line(result)}){early}"
 
 
 # ANSI colours of the summary's own line openings (applied after ``printable``, so that text from backends

@@ -82,7 +82,7 @@ def junit_tree(result: RunResult, case_properties: bool = False) -> ET.ElementTr
             elif c.status == "error":
                 err = c.error or {}
                 el = ET.SubElement(tc, "error", message=msg, type=err.get("type") or c.check or "error")
-                el.text = err.get("traceback") or c.message
+                el.text = c.message + ("\n" + err["traceback"] if err.get("traceback") else "")
             elif c.status == "xfail":
                 ET.SubElement(tc, "skipped", message=f"[XFAIL] {msg}", type="xfail")
             elif c.status == "skipped":
