@@ -76,7 +76,7 @@ import transformers.models.gemma4_unified.modeling_gemma4_unified as _mu
 from transformers import DynamicCache, Gemma4ForCausalLM
 from transformers.modeling_rope_utils import dynamic_rope_update
 
-from conformance.backends.transformers_backend import load_gemma4_causal_lm
+from conformance.backends.transformers_backend import TransformersBackend, load_gemma4_causal_lm
 
 __all__ = [
     "load_hf_causal_lm",
@@ -471,3 +471,19 @@ def hf_trace(model: Gemma4ForCausalLM, ids: Sequence[int], exact: bool = True) -
         for h in handles:
             h.remove()
     return dict(sorted(found.items()))
+
+
+class ExactFloat64Backend(TransformersBackend):
+    """The transformers backend in float64 with transformers' float32 spots made float64 (``float64_exact``,
+    ``recompute_float64_buffers``): what the oracle must match to float64 rounding."""
+
+    def __init__(self, **options):
+        super().__init__(dtype="float64", **options)
+
+    def open(self, model_dir):
+        super().open(model_dir)
+        recompute_float64_buffers(self.model)
+
+    def run(self, request):
+        with float64_exact():
+            return super().run(request)

@@ -157,19 +157,7 @@ def test_assisted_generation_and_hidden_rows(dtype, tmp_path):
     assert max(r["metrics"]["nmse"] for r in hidden) < 1e-10
 
 
-class ExactFloat64(TransformersBackend):
-    """The float64 backend with transformers' float32 spots made float64 (tests/hf_reference.py)."""
-
-    def __init__(self, **options):
-        super().__init__(dtype="float64", **options)
-
-    def open(self, model_dir):
-        super().open(model_dir)
-        H.recompute_float64_buffers(self.model)
-
-    def run(self, request):
-        with H.float64_exact():
-            return super().run(request)
+ExactFloat64 = H.ExactFloat64Backend
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])

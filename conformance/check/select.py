@@ -47,21 +47,20 @@ def parse_expression(text: str) -> Predicate:
         pos += 1
         return tokens[pos - 1]
 
-    def expr() -> Predicate:  # or_expr
-        left = and_expr()
-        while peek() == "or":
+    def joined(word: str, operand: Callable[[], Predicate], combine: Callable[[bool, bool], bool]) -> Predicate:
+        """``operand (word operand)*``, left to right."""
+        left = operand()
+        while peek() == word:
             take()
-            right, prev = and_expr(), left
-            left = lambda k, i, a=prev, b=right: a(k, i) or b(k, i)  # noqa: E731
+            right, prev = operand(), left
+            left = lambda k, i, a=prev, b=right: combine(a(k, i), b(k, i))  # noqa: E731
         return left
 
+    def expr() -> Predicate:  # or binds loosest, then and, then not
+        return joined("or", and_expr, lambda a, b: a or b)
+
     def and_expr() -> Predicate:
-        left = not_expr()
-        while peek() == "and":
-            take()
-            right, prev = not_expr(), left
-            left = lambda k, i, a=prev, b=right: a(k, i) and b(k, i)  # noqa: E731
-        return left
+        return joined("and", not_expr, lambda a, b: a and b)
 
     def not_expr() -> Predicate:
         if peek() == "not":
