@@ -80,11 +80,14 @@ def failed_in_report(path: str | Path) -> tuple[set[str], list[str]]:
     return ids, sets
 
 
-def row_roles(case, media) -> tuple[list[str], list[str]]:
+def row_roles(case, media, kv_shared: bool = False) -> tuple[list[str], list[str]]:
     """(labels, roles) of every row a case returns, in order: role decode, image, audio (a row inside a
-    media block of its base), last (the prompt's last row) or interior."""
+    media block of its base), pruned (a row of an output-row prefill on a model with KV-shared layers: an
+    engine may run only such rows through those layers), last (the prompt's last row) or interior."""
     labels, roles = [], []
-    for gname, specs in row_groups(case):
+    groups = row_groups(case)
+    pruned = kv_shared and case.kind == "prefill" and len(groups[0][1]) < prompt_length(case)
+    for gname, specs in groups:
         for spec in specs:
             labels.append(spec.label)
             if gname.startswith("decode"):
@@ -96,6 +99,8 @@ def row_roles(case, media) -> tuple[list[str], list[str]]:
                 roles.append("image")
             elif m is not None and inside(m.audio):
                 roles.append("audio")
+            elif pruned:
+                roles.append("pruned")
             elif spec.label.endswith("last") or spec.position == prompt_length(case) - 1:
                 roles.append("last")
             else:
@@ -177,7 +182,8 @@ def _explain_case(backend: Backend, oracle: Backend, bctx, octx, case, profile, 
         return result("error", f"the backend failed on the traced request: {type(exc).__name__}: {exc}")
     ref = oracle.run(dataclasses.replace(build_request(case, octx.bases, octx.embed, octx.media, octx.drafter),
                                          trace=True))
-    labels, roles = row_roles(case, octx.media)
+    cfg = octx.text_config
+    labels, roles = row_roles(case, octx.media, cfg.first_shared_layer < cfg.num_hidden_layers)
     got_traces, got_logits = _groups(case, got)
     ref_traces, ref_logits = _groups(case, ref)
     floor = float(bctx.profile_for(profile, case).nmse)
