@@ -70,7 +70,7 @@ def _base_env(tmp: Path, work: Path, args: str) -> dict[str, str]:
 
 def _gate(env: dict[str, str], work: Path) -> dict[str, str]:
     """The example's sources of the gate, pointed at the clone."""
-    return {**env, "CONFORMANCE_SOURCE": f"{work}[plot]", "CONFORMANCE_CONSTRAINTS": str(work / "constraints/engines.txt")}
+    return {**env, "CONFORMANCE_SOURCE": str(work), "CONFORMANCE_CONSTRAINTS": str(work / "constraints/engines.txt")}
 
 
 def _expand(value: str, names: dict[str, str]) -> str:

@@ -176,7 +176,7 @@ def test_identity_capabilities_and_options():
     assert claimed.pop("mtp_conventions") == "rotating/P-1"  # what mlx-vlm follows (mtp.py)
     claimed.pop("default_profile")
     # image and audio prompts, both towers, MTP in mode generate; not the hidden rows nor the white-box rounds
-    assert {k for k, v in claimed.items() if v is not True} == {"hidden_states", "mtp"}, claimed
+    assert {k for k, v in claimed.items() if v is not True} == {"hidden_states", "mtp", "traces"}, claimed
     assert b.expectations_file == EXPECTATIONS_DIR / "mlx-vlm-float32.json"
     claim = MlxVlmBackend(mtp_convention="target-cache/P")
     assert (claim.name, claim.capabilities.mtp_conventions) == ("mlx-vlm-float32-mtp-target-cache-P", "target-cache/P")

@@ -118,5 +118,5 @@ def test_unwritable_output_is_a_usage_error(reports, tmp_path, capsys):
 def test_commands_are_shell_quoted(reports):
     text = render([load_report(p) for p in reports])
     escaped = SELECT.replace("|", "\\|")  # a table cell escapes '|'; rendered, the command pastes as is
-    assert f"-k '{escaped}'" in text  # the regex is shell-quoted, the report paths are left out
+    assert f"--match '{escaped}'" in text  # the regex is shell-quoted, the report paths are left out
     assert "--json" not in text.split("## Runs")[1].split("## By")[0]
