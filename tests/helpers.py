@@ -313,3 +313,11 @@ def micro_assistant(out: str | Path, target_config: dict, seed: int, *, layer_ty
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     write_safetensors(out / "model.safetensors", tensors, "F32")
     return out
+
+
+def same_run(a, b, what: str = "") -> None:
+    """Two runs of the same engine computation (e.g. traced and not): equal to float32 rounding, never asserted
+    bit for bit (another call may take other kernels or thread splits)."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    assert a.shape == b.shape, what
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * max(1.0, float(np.abs(b).max(initial=0.0))), err_msg=what)

@@ -33,6 +33,7 @@ import pytest
 if importlib.util.find_spec("llama_cpp") is None:  # looked up, not imported: importing it loads a library
     pytest.skip("llama-cpp-python is not installed (scripts/build-llama-cpp.sh)", allow_module_level=True)
 
+from helpers import same_run  # noqa: E402
 from conformance.backend import BackendError, Request  # noqa: E402
 from conformance.backends import llama_cpp_engine as eng  # noqa: E402
 from conformance.backends.refimpl_backend import RefimplBackend  # noqa: E402
@@ -179,13 +180,13 @@ def test_every_oracle_point_within_the_profile(served, oracle):
         for case, plain in untraced[name].items():  # the trace changes nothing, and is only there when asked
             assert plain.trace is None and plain.decode_trace is None and "trace" not in plain.executed
             for (a, _), (b, _) in zip(groups(plain), groups(traced[name][case])):
-                np.testing.assert_array_equal(a, b)
+                same_run(a, b)
         # with hidden states too (llama_set_embeddings_nextn): the same trace, and its final_norm is the hidden state
         both, alone = hidden[name], traced[name]["full/A/T9"]
         np.testing.assert_array_equal(both.hidden, both.trace["final_norm"])
         assert both.trace.keys() == alone.trace.keys()
         for point, value in alone.trace.items():
-            np.testing.assert_array_equal(both.trace[point], value, err_msg=point)
+            same_run(both.trace[point], value, point)
     print(f"\n{profile} ({options}): worst point_errors per point kind: "
           + ", ".join(f"{k} {v:.2g}" for k, v in sorted(worst.items())))
     assert set(worst) == {"embed", "attn_out", "ffn_out", "ple_add", "residual", "final_norm"}
