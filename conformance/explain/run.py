@@ -29,8 +29,7 @@ import numpy as np
 from ..backends.refimpl_backend import RefimplBackend
 from ..check.requests import build_request, without_decode
 from ..check.session import Checkpoints, NoCasesSelected, Selection, Session
-from ..check.traces import TraceComparison, compare_traces
-from ..check.traces import point_order
+from ..check.traces import TraceComparison, compare_traces, point_order
 from ..protocol.types import Backend, Piece, Request, claims, required_capabilities
 from ..sets.case import prompt_length, row_groups
 
@@ -159,6 +158,29 @@ def _groups(case, response) -> tuple[list[Any], list[Any]]:
     return traces, logits
 
 
+def _every_prompt_row(backend: Backend, oracle: Backend, request: Request, oracle_request: Request, claimed: dict,
+                      floor: float) -> TraceComparison | None:
+    """The comparison of the ``widened`` request (every prompt row traced), or None when the case has no such
+    form, the backend does not claim what it needs, or fails on it (the case's own comparison then stands)."""
+    wide, oracle_wide = widened(request), widened(oracle_request)
+    if wide is None or not all(claims(claimed, n) for n in required_capabilities(wide)):
+        return None
+    try:
+        got = backend.run(wide)
+    except KeyboardInterrupt:
+        raise
+    except BaseException:  # noqa: BLE001 - the case's own comparison stands
+        return None
+    ref = oracle.run(dataclasses.replace(oracle_wide, trace=True))
+    labels, roles = prompt_roles(oracle_wide)
+    try:
+        out = compare_traces([got.trace], [ref.trace], [got.logits], [ref.logits], labels, roles, floor)
+    except ValueError:
+        return None
+    out.traced = "every prompt row"
+    return out
+
+
 def _explain_case(backend: Backend, oracle: Backend, bctx, octx, case, profile, claimed: dict) -> CaseExplanation:
     def result(status: str, message: str, **kw) -> CaseExplanation:
         return CaseExplanation(case.id, bctx.name, case.kind, status, message, **kw)
@@ -180,8 +202,8 @@ def _explain_case(backend: Backend, oracle: Backend, bctx, octx, case, profile, 
         raise
     except BaseException as exc:  # noqa: BLE001 - the backend's failure is this case's finding
         return result("error", f"the backend failed on the traced request: {type(exc).__name__}: {exc}")
-    ref = oracle.run(dataclasses.replace(build_request(case, octx.bases, octx.embed, octx.media, octx.drafter),
-                                         trace=True))
+    oracle_request = build_request(case, octx.bases, octx.embed, octx.media, octx.drafter)
+    ref = oracle.run(dataclasses.replace(oracle_request, trace=True))
     cfg = octx.text_config
     labels, roles = row_roles(case, octx.media, cfg.first_shared_layer < cfg.num_hidden_layers)
     got_traces, got_logits = _groups(case, got)
@@ -194,25 +216,9 @@ def _explain_case(backend: Backend, oracle: Backend, bctx, octx, case, profile, 
         return result("error", f"the backend's trace cannot be compared: {exc}")
     served = sorted(set().union(*(t.keys() for t in got_traces if t))) if traced else []
     first, returned = comparison.first_divergence, None
-    wide, owide = widened(request), widened(build_request(case, octx.bases, octx.embed, octx.media, octx.drafter))
-    if traced and wide is not None and all(claims(claimed, n) for n in required_capabilities(wide)):
-        try:
-            got_all = backend.run(wide)
-        except KeyboardInterrupt:
-            raise
-        except BaseException:  # noqa: BLE001 - the case's own comparison stands
-            got_all = None
-        if got_all is not None:
-            ref_all = oracle.run(dataclasses.replace(owide, trace=True))
-            labels_all, roles_all = prompt_roles(owide)
-            try:
-                everywhere = compare_traces([got_all.trace], [ref_all.trace], [got_all.logits], [ref_all.logits],
-                                            labels_all, roles_all, floor)
-            except ValueError:
-                everywhere = None
-            if everywhere is not None and _earlier(everywhere.first_divergence, first):
-                everywhere.traced = "every prompt row"
-                returned, comparison, first = comparison, everywhere, everywhere.first_divergence
+    everywhere = _every_prompt_row(backend, oracle, request, oracle_request, claimed, floor) if traced else None
+    if everywhere is not None and _earlier(everywhere.first_divergence, first):
+        returned, comparison, first = comparison, everywhere, everywhere.first_divergence
     if first is None:
         message = f"every compared point is within the floor {floor:.3g}"
     else:
