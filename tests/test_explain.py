@@ -25,13 +25,12 @@ import pytest
 
 from conformance.backends.refimpl_backend import RefimplBackend
 from conformance.check.profiles import PROFILES
-from conformance.check.requests import build_request
+from conformance.check.requests import build_request, response_groups, trace_groups
 from conformance.check.session import Checkpoints, Session
 from conformance.check.traces import compare_traces, point_errors
 from conformance.cli import main
 from conformance.explain import explain, row_roles
 from conformance.explain.mutants import locate
-from conformance.explain.run import _groups
 from conformance.protocol.trace import point_names, split_point
 from conformance.selftest.engine import NumpyEngineBackend
 from conformance.selftest.mutants import mutant
@@ -81,7 +80,7 @@ def test_numpy_engine_traces_match_the_oracle(opened, name):
     for case in cases:
         ref, got = traced(oracle, octx, case), traced(engine, ectx, case)
         floor = octx.profile_for(PROFILES["exact-f64"], case).nmse
-        (rt, _), (gt, _) = _groups(case, ref), _groups(case, got)
+        rt, gt = trace_groups(case, ref), trace_groups(case, got)
         assert len(rt) == len(gt)
         for r, g in zip(rt, gt):
             assert set(r) == set(g)  # the same points
@@ -126,7 +125,8 @@ def test_a_perturbed_layer_is_named(opened, tmp_path, tensor, point):
     case = next(c for c in fs.cases if c.id == "e2b-mini/prefill/A/T19/rows-middle+last")
     ref, got = traced(oracle, octx, case), traced(engine, octx, case)
     labels, roles = row_roles(case, octx.media)
-    (rt, rl), (gt, gl) = _groups(case, ref), _groups(case, got)
+    rt, rl = trace_groups(case, ref), response_groups(case, ref)
+    gt, gl = trace_groups(case, got), response_groups(case, got)
     comparison = compare_traces(gt, rt, gl, rl, labels, roles, PROFILES["fp32"].nmse)
     first = comparison.first_divergence
     assert first is not None and first["point"] == point

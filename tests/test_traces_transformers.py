@@ -55,12 +55,8 @@ NOT_SERVED: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one thread is ~5x faster than the default on a 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def one_thread(torch_one_thread):
+    """Tiny models: torch on one thread for the module (conftest's torch_one_thread; ~5x faster on 2 cores)."""
 
 
 ExactFloat64 = H.ExactFloat64Backend

@@ -114,6 +114,19 @@ def response_groups(case: Case, response: Response) -> list[np.ndarray | None]:
     return out
 
 
+def trace_groups(case: Case, response: Response) -> list[dict | None]:
+    """Split a Response's traces (``trace``, ``decode_trace``) like ``response_groups`` splits its logits: the
+    trace map of the returned rows, then of each decode group; a missing group is None. MTP cases carry none."""
+    if case.kind == "mtp":
+        return [None] * len(row_groups(case))
+    n_decode = len(row_groups(case)) - 1
+    dt = response.decode_trace
+    if case.kind != "multi":
+        return [response.trace] + ([dt if isinstance(dt, dict) else None] * n_decode)
+    return [response.trace] + [dt[s] if isinstance(dt, (list, tuple)) and s < len(dt) else None
+                               for s in range(n_decode)]
+
+
 class Embedder:
     """Input embeddings for the 'embeddings' entry, in the backend's convention, from the checkpoint.
 

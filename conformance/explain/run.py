@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from ..backends.refimpl_backend import RefimplBackend
-from ..check.requests import build_request, without_decode
+from ..check.requests import build_request, response_groups, trace_groups, without_decode
 from ..check.session import Checkpoints, NoCasesSelected, Selection, Session
 from ..check.traces import TraceComparison, compare_traces, point_order
 from ..protocol.types import Backend, Piece, Request, claims, required_capabilities
@@ -144,20 +144,6 @@ def _earlier(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
     return order[0] == a["point"] and a["point"] != b["point"]
 
 
-def _groups(case, response) -> tuple[list[Any], list[Any]]:
-    """(trace maps, logits arrays) per row group of ``row_groups(case)``: the prompt's rows, then decode."""
-    traces, logits = [response.trace], [response.logits]
-    dt, dl = response.decode_trace, response.decode_logits
-    if case.kind == "multi":
-        n = sum(1 for g, _ in row_groups(case)[1:])
-        traces += [dt[s] if isinstance(dt, list) and s < len(dt) else None for s in range(n)]
-        logits += [dl[s] if isinstance(dl, list) and s < len(dl) else None for s in range(n)]
-    elif case.decode_len > 0:
-        traces.append(dt if isinstance(dt, dict) else None)
-        logits.append(dl)
-    return traces, logits
-
-
 def _every_prompt_row(backend: Backend, oracle: Backend, request: Request, oracle_request: Request, claimed: dict,
                       floor: float) -> TraceComparison | None:
     """The comparison of the ``widened`` request (every prompt row traced), or None when the case has no such
@@ -206,8 +192,8 @@ def _explain_case(backend: Backend, oracle: Backend, bctx, octx, case, profile, 
     ref = oracle.run(dataclasses.replace(oracle_request, trace=True))
     cfg = octx.text_config
     labels, roles = row_roles(case, octx.media, cfg.first_shared_layer < cfg.num_hidden_layers)
-    got_traces, got_logits = _groups(case, got)
-    ref_traces, ref_logits = _groups(case, ref)
+    got_traces, got_logits = trace_groups(case, got), response_groups(case, got)
+    ref_traces, ref_logits = trace_groups(case, ref), response_groups(case, ref)
     floor = float(bctx.profile_for(profile, case).nmse)
     try:
         comparison = compare_traces(got_traces if traced else [None] * len(ref_traces), ref_traces, got_logits,
