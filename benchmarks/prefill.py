@@ -1,7 +1,8 @@
 """Oracle prefill at real size: speed against the float64 matmul roofline and transformers, and peak memory.
 
     python benchmarks/prefill.py --model DIR [--tokens 512] [--rows last|all] [--repeat 2]
-                                 [--transformers exact|plain|off] [--cached on|off] [--json OUT.json]
+                                 [--transformers exact|plain|off] [--cached on|off] [--baseline DIR]
+                                 [--json OUT.json]
 
 Every part runs in a fresh child process (so each peak resident set is its own, ``ru_maxrss``), one
 after the other, on the same checkpoint and the same prompt (``--tokens`` ids drawn from
@@ -20,6 +21,8 @@ after the other, on the same checkpoint and the same prompt (``--tokens`` ids dr
   rows only (T -> R), as the oracle and transformers both do. Their summed best-of-``--repeat`` time is
   what a forward made of nothing but matmuls would take; the ratio roofline / oracle is the fraction
   of the matmul rate the oracle reaches.
+- ``baseline`` (``--baseline DIR``): the ``oracle`` part again with the refimpl of another checkout
+  (e.g. ``git worktree add /tmp/before HEAD~3``): before and after a change, side by side in one run.
 - ``transformers``: ``Gemma4ForCausalLM`` (``Gemma4UnifiedForCausalLM`` for a Gemma 4 Unified checkpoint) in float64 (``exact``: with the float32 spots patched as in
   tests/hf_reference.py, the implementation the tests agree with at 1e-12; ``plain``: as shipped),
   eager attention, ``logits_to_keep`` for the requested rows, best of ``--repeat``; skipped, with the
@@ -44,7 +47,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# the oracle part of --baseline runs with another checkout's refimpl (BENCH_REFIMPL_ROOT)
+sys.path.insert(0, os.environ.get("BENCH_REFIMPL_ROOT") or str(ROOT))
 
 import refimpl  # noqa: E402,F401  (first: it sets OpenBLAS's thread timeout before NumPy loads OpenBLAS)
 import numpy as np  # noqa: E402
@@ -209,10 +213,13 @@ def part_transformers(model: str, tokens: int, rows: str, repeat: int, flavour: 
 # the driver
 
 
-def run_part(part: str, args, extra: list[str], logits_path: Path | None = None) -> dict:
+def run_part(part: str, args, extra: list[str], logits_path: Path | None = None, root: str | None = None) -> dict:
     cmd = [sys.executable, __file__, "--model", args.model, "--tokens", str(args.tokens), "--rows", args.rows,
            "--repeat", str(args.repeat), "--part", part, *extra]
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=(root or str(ROOT)) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("BENCH_REFIMPL_ROOT", None)
+    if root is not None:
+        env["BENCH_REFIMPL_ROOT"] = root
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env.setdefault(var, str(cores()))  # OpenBLAS may count the machine's cores, not this process's
     if logits_path is not None:
@@ -270,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transformers", choices=("exact", "plain", "off"), default="exact")
     ap.add_argument("--cached", choices=("on", "off"), default="on",
                     help="also time the oracle with every weight decoded once and kept (weight_cache='all')")
+    ap.add_argument("--baseline", metavar="DIR", help="also time the oracle of another checkout (its refimpl/)")
     ap.add_argument("--json", metavar="OUT", help="write every number here")
     ap.add_argument("--part", choices=("oracle", "oracle-cached", "roofline", "transformers"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -277,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--model: {args.model} is not a checkpoint directory (no config.json)")
     if args.tokens < 1 or args.repeat < 1:
         ap.error("--tokens and --repeat must be at least 1")
+    if args.baseline is not None and not Path(args.baseline, "refimpl", "model.py").is_file():
+        ap.error(f"--baseline: {args.baseline} is not a checkout of this project (no refimpl/model.py)")
 
     if args.part == "oracle":
         print(json.dumps(part_oracle(args.model, args.tokens, args.rows, args.repeat)))
@@ -300,6 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         ours = Path(tmp, "oracle.npy")
         result["oracle"] = run_part("oracle", args, [], ours)
+        if args.baseline is not None:
+            before = Path(tmp, "baseline.npy")
+            result["baseline"] = run_part("oracle", args, [], before, root=str(Path(args.baseline).resolve()))
+            result["baseline"]["checkout"] = str(Path(args.baseline).resolve())
+            if "error" not in result["baseline"]:
+                result["baseline"]["max_abs_diff_vs_oracle"] = float(np.max(np.abs(np.load(ours) - np.load(before))))
         result["roofline"] = run_part("roofline", args, [])
         if args.cached == "on":
             need, avail = cacheable_gib(args.model) * 1.1, mem_available_gib()
@@ -328,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
         result["oracle_gflops_per_s"] = r["flops"] / o["best_s"] / 1e9
     if "best_s" in o and "best_s" in h:
         result["transformers_over_oracle"] = h["best_s"] / o["best_s"]
+    b = result.get("baseline", {})
+    if "best_s" in b and "matmul_s" in r:
+        result["baseline_fraction_of_roofline"] = r["matmul_s"] / b["best_s"]
     c = result.get("oracle_cached", {})
     if "best_s" in c and "matmul_s" in r:
         result["oracle_cached_fraction_of_roofline"] = r["matmul_s"] / c["best_s"]
@@ -350,6 +369,14 @@ def report(r: dict) -> str:
                      f"{100 * r.get('oracle_fraction_of_roofline', float('nan')):.0f}% of the roofline |")
     else:
         lines.append(f"| oracle float64 | - | - | - | {o.get('error')} |")
+    b = r.get("baseline", {})
+    if "best_s" in b:
+        lines.append(f"| oracle float64, baseline ({Path(b['checkout']).name}) | {b['best_s']:.2f} | "
+                     f"{f.get('flops', 0) / b['best_s'] / 1e9:.1f} | {b['peak_rss_gib']:.2f} | first run "
+                     f"{b['first_s']:.2f} s; {100 * r.get('baseline_fraction_of_roofline', float('nan')):.0f}% of the "
+                     f"roofline; max |logit diff| vs oracle {b['max_abs_diff_vs_oracle']:.1e} |")
+    elif b:
+        lines.append(f"| oracle float64, baseline | - | - | - | {b.get('error')} |")
     c = r.get("oracle_cached", {})
     if "best_s" in c:
         lines.append(f"| oracle float64, weight cache | {c['best_s']:.2f} | {f.get('flops', 0) / c['best_s'] / 1e9:.1f} | "

@@ -27,7 +27,7 @@ import numpy as np
 from .config import FULL, SLIDING, TextConfig, check_positive, get_field, parse_config, read_config_json
 from .errors import ConfigError, InputError, WeightsError
 from .model import LayerKV, rope_inv_freq
-from .ops import apply_rope, attention, gelu_tanh, linear, rms_norm, rope_cos_sin
+from .ops import apply_rope, attention, geglu, linear, rms_norm, rope_cos_sin
 from .safetensors_io import TensorStore
 from .weights import FLOAT_DTYPES
 
@@ -273,7 +273,7 @@ class Drafter:
         o = linear(attention(q, kv.k, kv.v, mask).reshape(1, N * D), self[p + "self_attn.o_proj.weight"])
         z = z + rms_norm(o, self[p + "post_attention_layernorm.weight"], eps)
         u = rms_norm(z, self[p + "pre_feedforward_layernorm.weight"], eps)
-        m = linear(gelu_tanh(linear(u, self[p + "mlp.gate_proj.weight"])) * linear(u, self[p + "mlp.up_proj.weight"]),
+        m = linear(geglu(linear(u, self[p + "mlp.gate_proj.weight"]), linear(u, self[p + "mlp.up_proj.weight"])),
                    self[p + "mlp.down_proj.weight"])
         z = z + rms_norm(m, self[p + "post_feedforward_layernorm.weight"], eps)
         return z * self[p + "layer_scalar"][0]

@@ -21,10 +21,10 @@ import numpy as np
 
 from .config import RopeSpec, TextConfig, load_config
 from .errors import InputError, NonFiniteError
-from .ops import (apply_rope, attention, attention_mask, bf16_round, gelu_tanh, linear, rms_norm, rope_cos_sin,
-                  softcap, softmax, vision_block_mask, vision_overlay_mask)
-from .ops import mlp  # noqa: F401  (unused here; refimpl.model.mlp stays importable, as the primitives above)
-from .weights import Gemma4Weights, expected_tensors, nonfinite_error, weight_cache_bytes
+from .ops import (apply_rope, attention, attention_mask, bf16_round, geglu, linear, rms_norm, rope_cos_sin, softcap,
+                  softmax, vision_block_mask, vision_overlay_mask)
+from .ops import gelu_tanh, mlp  # noqa: F401  (unused here; refimpl.model.gelu_tanh and .mlp stay importable)
+from .weights import FEW_ROWS, Gemma4Weights, expected_tensors, nonfinite_error, weight_cache_bytes
 
 # how vision blocks open the decoder mask (Unified spec A9). "sliding-clamped" (rule B, the default): on
 # sliding layers only, inside the window; transformers' static-cache path, Gemma4Model, google/gemma,
@@ -32,6 +32,9 @@ from .weights import Gemma4Weights, expected_tensors, nonfinite_error, weight_ca
 # Gemma4UnifiedModel.forward, mlx-vlm, mlxcel.
 VISION_MASK_RULES = ("sliding-clamped", "all-unclamped")
 HEAD_CHUNK = 2_048  # vocabulary rows decoded per step of the streamed LM head (25 MB of float64 at H 1536)
+# ... when at most FEW_ROWS rows ask (a last-row prefill, a decode step): the head is then streamed a block
+# at a time by every thread (Gemma4Weights.product) and no decoded chunk is kept, so a step can be long
+FEW_ROWS_HEAD_CHUNK = 32_768
 
 
 # ----------------------------------------------------------------------------------------------
@@ -88,7 +91,7 @@ def experts(u: np.ndarray, idx: np.ndarray, weight: np.ndarray, expert_weights) 
         gate_up, down = expert_weights(int(e))
         gu = linear(u[tok], gate_up)  # [n, 2 Im]
         half = gu.shape[-1] // 2
-        y = linear(gelu_tanh(gu[:, :half]) * gu[:, half:], down)  # [n, H]
+        y = linear(geglu(gu[:, :half], gu[:, half:]), down)  # [n, H]
         out[tok] += weight[tok, slot][:, None] * y
     return out
 
@@ -314,7 +317,7 @@ class Gemma4:
         p = f"layers.{i}."
         u = rms_norm(r, w[p + "pre_feedforward_layernorm.weight"], eps)
         # GeGLU (``mlp``), each projection through ``w.linear`` (decoded from the checkpoint as it runs)
-        m = w.linear(gelu_tanh(w.linear(u, p + "mlp.gate_proj.weight")) * w.linear(u, p + "mlp.up_proj.weight"),
+        m = w.linear(geglu(w.linear(u, p + "mlp.gate_proj.weight"), w.linear(u, p + "mlp.up_proj.weight")),
                      p + "mlp.down_proj.weight")
         if cfg.enable_moe_block:
             m1 = rms_norm(m, w[p + "post_feedforward_layernorm_1.weight"], eps)
@@ -335,7 +338,7 @@ class Gemma4:
     def ple_block(self, i: int, x: np.ndarray, ple_i: np.ndarray) -> np.ndarray:
         """gelu(x gate^T) * ple_l -> proj -> norm; returns the term added to the residual [T, H]."""
         w, p = self.weights, f"layers.{i}."
-        g = gelu_tanh(w.linear(x, p + "per_layer_input_gate.weight")) * ple_i
+        g = geglu(w.linear(x, p + "per_layer_input_gate.weight"), ple_i)
         g = w.linear(g, p + "per_layer_projection.weight")
         return rms_norm(g, w[p + "post_per_layer_input_norm.weight"], self.cfg.rms_norm_eps)
 
@@ -436,11 +439,13 @@ class Gemma4:
         return self.logits_of(self.final_norm(x), out)
 
     def logits_of(self, y: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """Tied LM head and softcap of final-normed rows y [R, H] -> logits [R, V] (``head`` without the norm)."""
+        """Tied LM head and softcap of final-normed rows y [R, H] -> logits [R, V] (``head`` without the norm),
+        HEAD_CHUNK vocabulary rows at a time (FEW_ROWS_HEAD_CHUNK for at most FEW_ROWS rows of y)."""
         cfg = self.cfg
         logits = out if out is not None else np.empty((y.shape[0], cfg.vocab_size), dtype=self.dtype)
-        for start in range(0, cfg.vocab_size, HEAD_CHUNK):
-            stop = min(start + HEAD_CHUNK, cfg.vocab_size)
+        chunk = HEAD_CHUNK if y.shape[0] > FEW_ROWS else FEW_ROWS_HEAD_CHUNK
+        for start in range(0, cfg.vocab_size, chunk):
+            stop = min(start + chunk, cfg.vocab_size)
             z = self.weights.head_linear(y, start, stop)
             if not np.isfinite(z).all():  # before the softcap, which turns +-inf into +-cap
                 self._refuse_nonfinite("the logits are", [(self.weights.head_name, None)])

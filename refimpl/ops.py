@@ -10,6 +10,9 @@ Every function computes in the dtype of its inputs (float64 for the exact oracle
 and evaluates its formula in the order written: the oracle's results are bit-for-bit those of these
 definitions, so an edit here is an edit to every golden.
 
+The steps marked ``@rowwise`` have independent rows: on a large input each core runs the same function
+on its own block of rows (``threads.py``), which computes every element exactly as one call would.
+
 Shapes: T queries, S keys, N query heads, K KV heads (G = N / K), D head dim, in/out feature widths.
 """
 
@@ -20,6 +23,7 @@ import math
 import numpy as np
 
 from .safetensors_io import bf16_to_f32, f32_to_bf16
+from .threads import rowwise
 
 # ----------------------------------------------------------------------------------------------
 # linear maps
@@ -42,6 +46,7 @@ def clipped_linear(x: np.ndarray, weight: np.ndarray, bounds: tuple[float, float
 # norms, activations, caps
 
 
+@rowwise(flat=True)
 def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
     """x [..., D] -> x / sqrt(mean(x^2) + eps) * weight. Gemma 4 uses w, not 1 + w; None = scale-free.
 
@@ -52,6 +57,7 @@ def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray
     return y
 
 
+@rowwise(flat=True)
 def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
     """x [..., D] -> (x - mean(x)) / sqrt(var(x) + eps) * weight + bias, population variance over the
     last axis (torch's nn.LayerNorm; Gemma 4 Unified's vision embedder, eps 1e-5)."""
@@ -59,6 +65,7 @@ def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) 
     return c / np.sqrt(np.mean(c * c, axis=-1, keepdims=True) + eps) * weight + bias
 
 
+@rowwise(flat=True)
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
     """gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
 
@@ -93,6 +100,7 @@ def softplus(x: np.ndarray) -> np.ndarray:
     return np.logaddexp(np.zeros((), dtype=x.dtype), x)
 
 
+@rowwise(flat=True)
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     """exp(x - max) / sum(exp(x - max)) along ``axis``, in one new buffer."""
     e = x - np.max(x, axis=axis, keepdims=True)
@@ -101,6 +109,7 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return e
 
 
+@rowwise(flat=True)
 def softcap(logits: np.ndarray, cap: float | None) -> np.ndarray:
     """cap * tanh(logits / cap); identity when the config has no cap."""
     return logits if cap is None else cap * np.tanh(logits / cap)
@@ -112,9 +121,15 @@ def clamp(x: np.ndarray, limit: float) -> np.ndarray:
     return np.clip(x, -g, g)
 
 
+@rowwise(aligned=2)
+def geglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """The gated activation of a GeGLU MLP: gelu_tanh(gate) * up, both [T, I]."""
+    return gelu_tanh.whole(gate) * up  # (the row blocks are this function's; gelu_tanh runs whole on each)
+
+
 def mlp(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
     """GeGLU: (gelu_tanh(x gate^T) * (x up^T)) down^T; x [T, H] -> [T, H]."""
-    return linear(gelu_tanh(linear(x, gate)) * linear(x, up), down)
+    return linear(geglu(linear(x, gate), linear(x, up)), down)
 
 
 def bf16_round(x: float) -> float:
@@ -132,6 +147,7 @@ def rope_cos_sin(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarra
     return np.cos(angles), np.sin(angles)
 
 
+@rowwise(aligned=3)
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """x [T, heads, D]; rotate-half (NeoX): out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin."""
     half = x.shape[-1] // 2

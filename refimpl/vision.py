@@ -47,7 +47,7 @@ import numpy as np
 from .config import check_positive_float, get_field, required_positive, tower_section
 from .errors import ConfigError, InputError
 from .model import Trace
-from .ops import apply_rope_2d, attention, gelu_tanh, linear, rms_norm, rope_cos_sin
+from .ops import apply_rope_2d, attention, geglu, linear, rms_norm, rope_cos_sin
 from .weights import TowerWeights, clippable_tensors
 
 TOWER = "model.vision_tower."
@@ -285,7 +285,7 @@ def encoder_mlp(x: np.ndarray, p: str, w: VisionWeights) -> np.ndarray:
     m = p + "mlp."
     gate = w.clippable(x, m + "gate_proj")
     up = w.clippable(x, m + "up_proj")
-    return w.clippable(gelu_tanh(gate) * up, m + "down_proj")
+    return w.clippable(geglu(gate, up), m + "down_proj")
 
 
 def encoder_layer(i: int, h: np.ndarray, w: VisionWeights, cfg: VisionConfig,

@@ -20,7 +20,8 @@ import numpy as np
 from .config import TEXT_PREFIXES, TextConfig, read_config_json
 from .errors import InputError, NonFiniteError, WeightsError
 from .ops import clipped_linear
-from .safetensors_io import TensorStore, in_parts
+from .safetensors_io import STORAGE, TensorStore
+from .threads import in_parts, scaled
 
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # weight storage the oracle decodes exactly
 # multimodal towers of Gemma4ForConditionalGeneration; the text oracle does not read them
@@ -213,11 +214,13 @@ class Gemma4Weights:
         """x [R, in] @ W[start:stop]^T for the tensor named ``full`` (rows [start, stop) of W, all by default).
 
         Many rows: W is decoded whole into a buffer reused from call to call (the only float64 copy of
-        a weight, sized by the largest one) and multiplied in one BLAS call. At most FEW_ROWS rows
-        (decode steps, KV-shared layers pruned to the output rows, the head of a last-row prefill):
-        a matrix-vector product is bound by the bytes it reads, so W is decoded STREAM_VALUES at a time
-        and each block multiplied while it is in cache; the blocks are split between
-        ``decode_threads()`` threads, each with its own block buffer, and no full float64 copy is made."""
+        a weight, sized by the largest one; the decoding split between threads) and multiplied in one
+        BLAS call. At most FEW_ROWS rows (decode steps, KV-shared layers pruned to the output rows, the
+        head of a last-row prefill): a matrix-vector product is bound by the bytes it reads, so W's rows
+        are split between ``threads()`` threads, each decoding STREAM_VALUES at a time into its own block
+        and multiplying the block while it is in cache, BLAS on that thread alone (``own_blas``);
+        no full float64 copy is made. (``np.dot``: the same BLAS call as ``@``, which keeps the GIL while
+        it multiplies and so would run the threads' products one at a time.)"""
         rows, cols = self.store.infos[full].shape
         stop = rows if stop is None else stop
         W = self._cached(full, start, stop)
@@ -227,16 +230,20 @@ class Gemma4Weights:
             W = self.store.read(full, start, stop, self.dtype, out=self._buffer((stop - start, cols)))
             return x @ W.T
         out = np.empty((x.shape[0], stop - start), dtype=np.result_type(x.dtype, self.dtype))
-        step = max(1, STREAM_VALUES // cols)
+        unit = max(1, STREAM_VALUES // cols)  # rows of a block on a few threads: parts are whole units
+        step = max(1, scaled(STREAM_VALUES) // cols)  # rows of a block of a part
+        info = self.store.infos[full]
+        row_bytes = cols * STORAGE[info.dtype].itemsize
 
         def work(first: int, last: int) -> None:  # output columns [first, last) of out
-            block = np.empty((step, cols), dtype=self.dtype)
+            block = self._block(step * cols)
             for a in range(first, last, step):
                 b = min(a + step, last)
-                W = self.store.read(full, start + a, start + b, self.dtype, out=block[:b - a])
-                out[:, a:b] = x @ W.T
+                W = block[:(b - a) * cols]
+                self.store.decode_into(info, info.begin + (start + a) * row_bytes, W)
+                out[:, a:b] = np.dot(x, W.reshape(b - a, cols).T)
 
-        in_parts(stop - start, work, unit=step, least=4)  # a thread gets at least four blocks
+        in_parts(stop - start, work, unit=unit, own_blas=True)
         return out
 
     def _cached(self, full: str, start: int, stop: int) -> np.ndarray | None:
@@ -253,6 +260,13 @@ class Gemma4Weights:
         W = self.cache[key] = self.store.read(full, start, stop, self.dtype)
         self.cache_bytes += nbytes
         return W
+
+    def _block(self, size: int) -> np.ndarray:
+        """This thread's block of a streamed product: ``size`` floats, kept from call to call."""
+        block = getattr(self._local, "block", None)
+        if block is None or block.size < size:
+            block = self._local.block = np.empty(size, dtype=self.dtype)
+        return block[:size]
 
     def _buffer(self, shape: tuple[int, int]) -> np.ndarray:
         """A float array of ``shape`` reused by this thread's next call (grown to the largest shape asked)."""

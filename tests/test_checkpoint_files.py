@@ -328,11 +328,12 @@ def test_bf16_decode_in_blocks_and_threads_is_exact(monkeypatch, threads):
     """Large BF16 tensors are decoded a block at a time, on several threads: the same bits as the plain
     decode (every bit pattern but NaNs, whose payload may differ)."""
     import refimpl.safetensors_io as sio
+    from refimpl.threads import use_threads
 
-    monkeypatch.setattr(sio, "decode_threads", lambda: threads)
     bits = np.random.default_rng(1).integers(0, 1 << 16, 30 * sio.DECODE_BLOCK + 5, dtype=np.uint16)
     bits = np.where((bits & 0x7F80) == 0x7F80, bits & 0x807F, bits).astype(np.uint16)  # no inf/NaN exponent
-    got = sio.decode(bits.reshape(5, -1) if bits.size % 5 == 0 else bits, "BF16", np.float64)
+    with use_threads(threads):
+        got = sio.decode(bits.reshape(5, -1) if bits.size % 5 == 0 else bits, "BF16", np.float64)
     want = bf16_to_f32(bits).astype(np.float64).reshape(got.shape)
     assert np.array_equal(got.view(np.uint64), want.view(np.uint64))
 

@@ -276,6 +276,7 @@ def test_chunked_equals_full_forward_on_micro_configs(micro_factory, cfg, seed, 
 @pytest.mark.parametrize("chunk", [1, 7, 511, 512, 100_000])
 def test_streamed_head_matches_dense_head(preset_dirs, preset_models, monkeypatch, chunk):
     monkeypatch.setattr(model_mod, "HEAD_CHUNK", chunk)
+    monkeypatch.setattr(model_mod, "FEW_ROWS_HEAD_CHUNK", chunk)  # the prompts here are at most FEW_ROWS rows
     for preset, model in preset_models.items():
         ids = prompt(11, 13)
         x = model.hidden_states(ids)

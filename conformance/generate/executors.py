@@ -14,6 +14,8 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+from refimpl.threads import cores
+
 from ..sets.format import FixtureError
 from .jobs import JobContext, run_job
 
@@ -72,7 +74,7 @@ def blas_threads(n: int) -> Iterator[None]:
 
 def _run_local(specs: list[dict], workers: int, on_done: OnDone) -> None:
     n = min(workers, len(specs))
-    threads = max(1, (os.cpu_count() or 1) // n)
+    threads = max(1, cores() // n)  # BLAS and the oracle's own steps (refimpl.threads) in each worker
     futures: dict[cf.Future, str] = {}
     with blas_threads(threads):  # the children start during submit (spawn context), inheriting these
         pool = cf.ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("spawn"),

@@ -21,6 +21,7 @@ from refimpl.image import ProcessedImage
 from refimpl.model import VISION_MASK_RULES, Gemma4
 from refimpl.safetensors_io import write_safetensors
 from refimpl.synth import PRESETS
+from refimpl.threads import cores
 from refimpl.tokenizer import Tokenizer
 from refimpl.unified import is_unified
 
@@ -121,7 +122,7 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
     into place) only when every job is done and assembly succeeded; the partial directory is then
     removed. A failure before any job finished leaves nothing behind.
 
-    ``workers``: local processes (default ``os.cpu_count()``; 1 runs everything in this process).
+    ``workers``: local processes (default: the cores this process may run on; 1 runs everything in this process).
     ``cluster``: the address of a Dask distributed scheduler (e.g. ``tcp://host:8786``) whose workers
     run the jobs instead; they must see the model directory and ``out``'s parent at the same absolute
     paths. Not both. Whatever the executor, the set is the same, byte for byte (the manifest's
@@ -210,7 +211,7 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
                              version=version, progress=progress, cross_check=cross_check, command=command,
                              cases=cases, images=images, audio=audio, store=store, vision_mask=vision_mask,
                              drafter=drafter,
-                             workers=workers if workers is not None else (os.cpu_count() or 1), dask=dask)
+                             workers=workers if workers is not None else cores(), dask=dask)
         finally:
             if dask is not None:
                 dask.close()

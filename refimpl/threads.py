@@ -1,0 +1,247 @@
+"""The oracle's threads: one pool per process, and row blocks for the steps outside BLAS.
+
+BLAS runs its products on every core by itself; NumPy runs everything else (norms, GELU, softmax, RoPE,
+the softcap, the bf16 decoding of weights) on one. The steps here spread that work over the cores:
+
+- ``in_parts(total, work)`` splits a range of rows into contiguous parts, one per thread, and runs
+  ``work(first, last)`` on each (the decoding of weights and the streamed products of ``weights.py``).
+- ``rowwise`` wraps a step of ``ops.py`` whose rows are independent (an elementwise formula, or one along
+  the last axis): on a large input each thread runs the unchanged function on its own block of rows and
+  writes that block of the result. Every element is computed by the same NumPy calls, in the same order,
+  as in one call over the whole input, so the result does not depend on the thread count.
+
+NumPy releases the GIL inside its loops, so the parts run on separate cores. The pool is made once per
+process (again after a fork), and work that a part starts in turn runs in that part's thread.
+
+How many threads: ``threads()``: the ``REFIMPL_THREADS`` environment variable, else the BLAS variables
+(``OPENBLAS_NUM_THREADS``, ``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``, as ``conformance generate`` sets them
+for its worker processes), else the cores this process may run on; ``use_threads(n)`` sets it within a
+block (tests compare thread counts with it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import inspect
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Callable, Iterator
+
+import numpy as np
+
+from .errors import InputError
+
+THREADS_ENV = "REFIMPL_THREADS"
+BLAS_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+ROWWISE_BLOCK = 1 << 16  # values per block of a row-blocked step (512 KiB of float64: about a core's L2 cache)
+
+_override: int | None = None  # use_threads()
+_pool: ThreadPoolExecutor | None = None
+_pool_pid = 0
+_pool_size = 0
+_pool_lock = threading.Lock()
+_inside = threading.local()  # .part: this thread is running a part (nested work runs inline)
+
+
+def cores() -> int:
+    """The cores this process may run on (taskset, cgroup affinity), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def threads() -> int:
+    """Threads the oracle's own steps use (see the module's docstring)."""
+    if _override is not None:
+        return _override
+    value = os.environ.get(THREADS_ENV, "").strip()
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise InputError(f"{THREADS_ENV}={value!r}: the oracle's thread count must be a positive integer")
+        return int(value)
+    for var in BLAS_VARS:
+        value = os.environ.get(var, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return cores()
+
+
+@contextlib.contextmanager
+def use_threads(n: int) -> Iterator[None]:
+    """Within the block, the oracle's steps use ``n`` threads (BLAS keeps its own count)."""
+    global _override
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"threads must be a positive integer, got {n!r}")
+    saved, _override = _override, n
+    try:
+        yield
+    finally:
+        _override = saved
+
+
+def scaled(base: int) -> int:
+    """Values per block for a step that ``base`` suits on a few cores, grown with the thread count (x1 up
+    to 7 threads, x2 from 8, x4 from 16): every block costs some Python under the GIL, and with many
+    threads bigger blocks keep them from queueing for it (the caches of such machines hold them)."""
+    return base * min(4, max(1, threads() // 4))
+
+
+def _openblas_threads() -> tuple[Callable[[], int], Callable[[int], None]] | None:
+    """(get, set) of the thread count of the OpenBLAS loaded in this process (NumPy's scipy-openblas, or
+    a system OpenBLAS), found among the mapped libraries; None elsewhere (another BLAS, no /proc)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "openblas" in line.rsplit("/", 1)[-1].lower()}
+    except OSError:
+        return None
+    names = [("scipy_openblas_get_num_threads64_", "scipy_openblas_set_num_threads64_"),
+             ("openblas_get_num_threads64_", "openblas_set_num_threads64_"),
+             ("openblas_get_num_threads", "openblas_set_num_threads")]
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for get, set_ in names:
+            if hasattr(lib, get) and hasattr(lib, set_):
+                getter, setter = getattr(lib, get), getattr(lib, set_)
+                getter.restype, getter.argtypes = ctypes.c_int, []
+                setter.restype, setter.argtypes = None, [ctypes.c_int]
+                return getter, setter
+    return None
+
+
+_openblas: list = []  # [(get, set) or None], looked up once
+
+
+@contextlib.contextmanager
+def blas_on_one_thread() -> Iterator[None]:
+    """Within the block, OpenBLAS runs each call on the calling thread alone: for products made by many
+    threads at once (the streamed matrix-vector products), whose calls would otherwise queue for
+    OpenBLAS's one pool of workers. Process-wide while it lasts; a no-op without OpenBLAS."""
+    if not _openblas:
+        _openblas.append(_openblas_threads())
+    api = _openblas[0]
+    if api is None:
+        yield
+        return
+    get, set_ = api
+    saved = get()
+    set_(1)
+    try:
+        yield
+    finally:
+        set_(saved)
+
+
+def _executor(workers: int) -> ThreadPoolExecutor:
+    """The process's pool with at least ``workers`` threads (made again after a fork: threads do not
+    survive one)."""
+    global _pool, _pool_pid, _pool_size
+    with _pool_lock:
+        if _pool is None or _pool_pid != os.getpid() or _pool_size < workers:
+            old = _pool if _pool_pid == os.getpid() else None
+            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="refimpl")
+            _pool_pid, _pool_size = os.getpid(), workers
+            if old is not None:
+                old.shutdown(wait=False)
+        return _pool
+
+
+def _run_part(work: Callable[[int, int], None], first: int, last: int) -> None:
+    _inside.part = True
+    try:
+        work(first, last)
+    finally:
+        _inside.part = False
+
+
+def bounds(total: int, parts: int, unit: int = 1) -> list[int]:
+    """Edges of ``parts`` contiguous parts of [0, total), each but the last a whole number of ``unit``s:
+    [0, e1, ..., total]."""
+    return [total * i // parts // unit * unit for i in range(parts)] + [total]
+
+
+def in_parts(total: int, work: Callable[[int, int], None], unit: int = 1, least: int = 1,
+             own_blas: bool = False) -> None:
+    """Run ``work(first, last)`` over [0, total) in contiguous parts of whole ``unit``s, one per thread,
+    each part at least ``least`` units; this thread runs the first. Inside a part, ``in_parts`` runs its
+    work whole in the calling thread (no nesting on the pool). ``own_blas``: the parts call BLAS, each on
+    its own thread (``blas_on_one_thread`` while they run)."""
+    parts = min(threads(), total // max(1, least * unit))
+    if parts <= 1 or getattr(_inside, "part", False):
+        work(0, total)
+        return
+    edges = bounds(total, parts, unit)
+    pool = _executor(parts - 1)
+    with blas_on_one_thread() if own_blas else contextlib.nullcontext():
+        futures = [pool.submit(_run_part, work, a, b) for a, b in zip(edges[1:-1], edges[2:])]
+        try:
+            _run_part(work, edges[0], edges[1])
+        finally:
+            wait(futures)  # every part has ended before this returns or raises
+        for f in futures:
+            f.result()  # the first part's error, if one failed
+
+
+def rowwise(aligned: int = 1, flat: bool = False) -> Callable[[Callable[..., np.ndarray]], Callable[..., np.ndarray]]:
+    """Decorator for a step whose output has its first argument's shape and dtype and whose rows are
+    independent along the first axis of its first ``aligned`` arguments (``apply_rope``'s x, cos and sin
+    share their first axis). ``flat``: the step works along the last axis only (an elementwise formula, a
+    norm), so a contiguous input of any rank is taken as rows of its last axis (attention's scores
+    [K, G, T, S] as [K G T, S]); a step with an ``axis`` argument is split only when that is the last.
+
+    With two threads or more, on an input of at least two blocks of ``ROWWISE_BLOCK`` values, the rows
+    are split between the threads and each runs the step on blocks of its rows of about ``ROWWISE_BLOCK``
+    values, writing them into the result: the step's passes over a block stay in the core's cache. On one
+    thread, on a smaller input, or inside another part, the step runs in one call (the copy of each block
+    into the result costs more than the cache saves on one core for the cheap steps, the norms)."""
+
+    if flat and aligned != 1:
+        raise ValueError("a flat step has one row-aligned argument")
+
+    def wrap(fn: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
+        signature = inspect.signature(fn)
+        has_axis = "axis" in signature.parameters
+
+        @functools.wraps(fn)
+        def blocked(*args, **kwargs) -> np.ndarray:
+            x = args[0]
+            if (not isinstance(x, np.ndarray) or x.ndim == 0 or x.size < 2 * ROWWISE_BLOCK or threads() < 2
+                    or getattr(_inside, "part", False)):
+                return fn(*args, **kwargs)
+            if has_axis:
+                axis = signature.bind(*args, **kwargs).arguments.get("axis", signature.parameters["axis"].default)
+                if axis not in (-1, x.ndim - 1):
+                    return fn(*args, **kwargs)
+            rows = x
+            if flat and x.ndim > 2 and x.flags.c_contiguous:
+                rows = x.reshape(-1, x.shape[-1])
+            per_row = rows.size // rows.shape[0]
+            unit = max(1, ROWWISE_BLOCK // per_row)  # rows per block on a few threads
+            step = max(1, scaled(ROWWISE_BLOCK) // per_row)  # rows per block of a part
+            if rows.shape[0] < 2 * unit:
+                return fn(*args, **kwargs)
+            out = np.empty(rows.shape, dtype=x.dtype)
+            row_args = (rows, *args[1:aligned]) if rows is not x else args[:aligned]
+
+            def work(first: int, last: int) -> None:
+                for a in range(first, last, step):
+                    b = min(a + step, last)
+                    block = fn(*(arg[a:b] for arg in row_args), *args[aligned:], **kwargs)
+                    if block.dtype != out.dtype or block.shape != out[a:b].shape:
+                        raise TypeError(f"{fn.__name__} is not row-wise: rows of {x.dtype} {list(rows[a:b].shape)} "
+                                        f"gave {block.dtype} {list(block.shape)}")
+                    out[a:b] = block
+
+            in_parts(rows.shape[0], work, unit=unit)
+            return out.reshape(x.shape)
+
+        blocked.whole = fn  # type: ignore[attr-defined]  # the step in one call (tests compare the two)
+        return blocked
+
+    return wrap

@@ -1,0 +1,260 @@
+"""refimpl.threads: the oracle's own steps on many threads compute what one thread computes.
+
+Row blocks run the unchanged step on each block, so every element is computed by the same NumPy calls
+in the same order; the tests still bound the differences by the rounding of float64 (or float32) rather
+than asserting equal bits. The whole forward on one and on several threads also differs in its BLAS
+calls (a matrix-vector product split into blocks), so it is held to the bound other tests use for
+BLAS's blocking (1e-12 on logits of about 10)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import refimpl.safetensors_io as sio
+import refimpl.weights as weights
+from refimpl import ops, threads
+from refimpl.errors import InputError
+from refimpl.model import KVCache, rope_cos_sin
+
+ULPS = 2  # a row-blocked step against the step in one call, in units of the dtype's epsilon (relative)
+
+
+def within_rounding(got: np.ndarray, want: np.ndarray) -> bool:
+    eps = np.finfo(want.dtype).eps
+    scale = np.maximum(np.abs(want), np.finfo(want.dtype).tiny)
+    return got.shape == want.shape and got.dtype == want.dtype and bool(np.all(np.abs(got - want) <= ULPS * eps * scale))
+
+
+@pytest.fixture
+def recorded_parts(monkeypatch):
+    """Every in_parts call that split its work: (total, [(first, last), ...]) from the parts' own records."""
+    calls = []
+    real = threads.in_parts
+
+    def in_parts(total, work, *args, **kwargs):
+        seen = []
+
+        def recording(first, last):
+            seen.append((first, last))
+            work(first, last)
+
+        real(total, recording, *args, **kwargs)
+        if len(seen) > 1:
+            calls.append((total, sorted(seen)))
+
+    monkeypatch.setattr(threads, "in_parts", in_parts)
+    return calls
+
+
+# ----------------------------------------------------------------------------------------------
+# in_parts and the pool
+
+
+@settings(max_examples=60, deadline=None)
+@given(total=st.integers(0, 400), unit=st.integers(1, 17), least=st.integers(1, 3), n=st.integers(1, 6))
+def test_in_parts_covers_the_range_once_in_whole_units(total, unit, least, n):
+    seen, lock = [], threading.Lock()
+
+    def work(first, last):
+        with lock:
+            seen.append((first, last))
+
+    with threads.use_threads(n):
+        threads.in_parts(total, work, unit=unit, least=least)
+    seen.sort()
+    assert seen[0][0] == 0 and seen[-1][1] == total
+    assert all(a[1] == b[0] for a, b in zip(seen, seen[1:]))  # contiguous, no overlap
+    assert len(seen) <= n
+    if len(seen) > 1:
+        assert all(first % unit == 0 and last - first >= least * unit for first, last in seen[:-1])
+        assert seen[-1][1] - seen[-1][0] >= least * unit
+
+
+def test_in_parts_runs_on_several_threads_and_nested_work_inline():
+    idents, nested = {}, []
+    together = threading.Barrier(4, timeout=30)  # the four parts run at the same time
+
+    def work(first, last):
+        idents[(first, last)] = threading.get_ident()
+        together.wait()
+        threads.in_parts(100, lambda a, b: nested.append((a, b, threading.get_ident())), unit=1)
+
+    with threads.use_threads(4):
+        threads.in_parts(40, work, unit=10)
+    assert len(idents) == 4 and len(set(idents.values())) == 4
+    assert idents[(0, 10)] == threading.get_ident()  # the caller runs the first part
+    # a part's own in_parts runs its whole range in the part's thread
+    assert sorted((a, b) for a, b, _ in nested) == [(0, 100)] * 4
+    assert {t for _, _, t in nested} == set(idents.values())
+
+
+def test_in_parts_raises_a_failing_part_after_every_part_ends():
+    done = []
+
+    def work(first, last):
+        if first == 10:
+            raise ValueError("part 2 failed")
+        time.sleep(0.2)  # the failing part ends first
+        done.append(first)
+
+    with threads.use_threads(3), pytest.raises(ValueError, match="part 2 failed"):
+        threads.in_parts(30, work, unit=10)
+    assert sorted(done) == [0, 20]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_the_pool_is_made_again_in_a_forked_child():
+    with threads.use_threads(3):
+        threads.in_parts(3, lambda a, b: None)  # the parent's pool exists
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: the parent's pool threads did not survive the fork
+            idents, together = set(), threading.Barrier(3, timeout=30)
+            threads.in_parts(3, lambda a, b: idents.add(threading.get_ident()) or together.wait())
+            os.write(write, str(len(idents)).encode())
+            os._exit(0)
+        os.close(write)
+        got = os.read(read, 16).decode()
+        os.waitpid(pid, 0)
+    assert got == "3"
+
+
+def test_thread_count_from_the_environment(monkeypatch):
+    for var in (threads.THREADS_ENV, *threads.BLAS_VARS):
+        monkeypatch.delenv(var, raising=False)
+    assert threads.threads() == threads.cores() == len(os.sched_getaffinity(0))
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads.threads() == 3  # as conformance generate sets it for a worker
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "64")
+    assert threads.threads() == 64
+    monkeypatch.setenv(threads.THREADS_ENV, "5")
+    assert threads.threads() == 5
+    with threads.use_threads(2):
+        assert threads.threads() == 2
+    assert threads.threads() == 5
+    monkeypatch.setenv(threads.THREADS_ENV, "many")
+    with pytest.raises(InputError) as e:
+        threads.threads()
+    assert str(e.value) == "REFIMPL_THREADS='many': the oracle's thread count must be a positive integer"
+    with pytest.raises(ValueError, match="threads must be a positive integer, got 0"):
+        with threads.use_threads(0):
+            pass
+
+
+def test_blas_on_one_thread_restores_the_count():
+    api = threads._openblas_threads()
+    if api is None:
+        pytest.skip("NumPy does not use OpenBLAS here: blas_on_one_thread is a no-op")
+    get, _ = api
+    before = get()
+    with threads.blas_on_one_thread():
+        assert get() == 1
+    assert get() == before
+
+
+def test_scaled_blocks_grow_with_threads():
+    sizes = {}
+    for n in (1, 2, 4, 7, 8, 15, 16, 64):
+        with threads.use_threads(n):
+            sizes[n] = threads.scaled(1000)
+    assert sizes == {1: 1000, 2: 1000, 4: 1000, 7: 1000, 8: 2000, 15: 3000, 16: 4000, 64: 4000}
+
+
+# ----------------------------------------------------------------------------------------------
+# row-blocked steps
+
+
+def _steps(rng, dtype):
+    T, N, D, H = 37, 4, 16, 24
+    x = rng.standard_normal((T, H)).astype(dtype)
+    q = rng.standard_normal((T, N, D)).astype(dtype)
+    scores = rng.standard_normal((2, 3, T, T)).astype(dtype)
+    scores[..., np.triu_indices(T, 1)[0], np.triu_indices(T, 1)[1]] = -np.inf
+    cos, sin = (a.astype(dtype) for a in rope_cos_sin(np.arange(T), 1.0 / 10000 ** (np.arange(0, D, 2) / D)))
+    return {
+        "rms_norm [T, H]": (ops.rms_norm, (x, rng.standard_normal(H).astype(dtype), 1e-6), {}),
+        "rms_norm [T, N, D], no weight": (ops.rms_norm, (q, None, 1e-6), {}),
+        "layer_norm": (ops.layer_norm, (x, rng.standard_normal(H).astype(dtype), rng.standard_normal(H).astype(dtype), 1e-5), {}),
+        "gelu_tanh": (ops.gelu_tanh, (4 * x,), {}),
+        "softmax of masked scores": (ops.softmax, (scores,), {"axis": -1}),
+        "softmax along axis 0": (ops.softmax, (np.nan_to_num(scores, neginf=-5.0),), {"axis": 0}),
+        "softcap": (ops.softcap, (40 * x, 30.0), {}),
+        "apply_rope": (ops.apply_rope, (q, cos, sin), {}),
+    }
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_rowwise_steps_equal_the_step_in_one_call(monkeypatch, recorded_parts, dtype, n):
+    monkeypatch.setattr(threads, "ROWWISE_BLOCK", 64)  # blocks of a few rows: these small inputs split
+    for name, (fn, args, kwargs) in _steps(np.random.default_rng(n), dtype).items():
+        recorded_parts.clear()
+        with threads.use_threads(n):
+            got = fn(*args, **kwargs)
+        want = fn.whole(*args, **kwargs)
+        assert within_rounding(got, want), name
+        split = name != "softmax along axis 0"  # not along its rows: one call
+        assert bool(recorded_parts) == split, name
+        if split:
+            ((total, parts),) = recorded_parts
+            assert 1 < len(parts) <= n, name
+
+
+def test_rowwise_steps_run_in_one_call_on_one_thread_or_small_inputs(monkeypatch, recorded_parts):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((50, 30))
+    with threads.use_threads(1):
+        ops.gelu_tanh(x)
+    monkeypatch.setattr(threads, "ROWWISE_BLOCK", x.size)  # one block: nothing to split
+    with threads.use_threads(4):
+        ops.gelu_tanh(x)
+    assert recorded_parts == []
+
+
+def test_rowwise_refuses_a_step_that_is_not_row_wise(monkeypatch):
+    monkeypatch.setattr(threads, "ROWWISE_BLOCK", 8)
+
+    @threads.rowwise()
+    def widen(x):
+        return x.astype(np.float64)
+
+    with threads.use_threads(2), pytest.raises(TypeError, match=r"widen is not row-wise: rows of float32 \[\d+, 4\] gave float64"):
+        widen(np.ones((20, 4), dtype=np.float32))
+    with pytest.raises(ValueError, match="a flat step has one row-aligned argument"):
+        threads.rowwise(aligned=2, flat=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# the whole forward
+
+
+@pytest.mark.parametrize("preset", ["e2b-mini", "26b-a4b-mini"])
+def test_forward_on_one_and_on_four_threads_agree(preset_models, monkeypatch, recorded_parts, preset):
+    """Prefill (all rows, the last row, some rows) and decode steps through the KV cache, with every threaded
+    step splitting (small blocks): equal to one thread's within BLAS rounding."""
+    monkeypatch.setattr(threads, "ROWWISE_BLOCK", 64)
+    monkeypatch.setattr(weights, "STREAM_VALUES", 300)
+    monkeypatch.setattr(sio, "DECODE_BLOCK", 256)
+    model = preset_models[preset]
+    ids = np.random.default_rng(7).integers(3, model.cfg.vocab_size, 23)
+    runs = {}
+    for n in (1, 4):
+        with threads.use_threads(n):
+            cache = KVCache()
+            prefill = model.forward(ids[:20], rows="all", cache=cache)
+            steps = [model.forward(ids[i:i + 1], rows="last", cache=cache) for i in range(20, 23)]
+            some = model.forward(ids, rows=[3, -1])
+            runs[n] = [prefill, *steps, some]
+        if n == 1:
+            assert recorded_parts == []
+            assert np.max(np.abs(runs[1][0])) > 1.0  # logits of a real size
+    assert len({total for total, _ in recorded_parts}) > 3  # decoding, streamed products, row-blocked steps split
+    for one, four in zip(runs[1], runs[4]):
+        assert np.max(np.abs(one - four)) < 1e-12
