@@ -339,7 +339,7 @@ class TensorStore:
         file offset ``offset``, decoded: read ``scaled(DECODE_BLOCK)`` values at a time into this thread's buffers
         (``_Buffers``), decoded from there. The inner loop of ``read`` and of the streamed products."""
         stored = STORAGE[info.dtype]
-        block = scaled(DECODE_BLOCK)
+        block = DECODE_BLOCK if dst.size <= DECODE_BLOCK else scaled(DECODE_BLOCK)
         buf, scratch = _BUFFERS.get(stored, min(block, dst.size))
         for a in range(0, dst.size, block):
             b = min(a + block, dst.size)

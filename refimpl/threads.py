@@ -172,8 +172,9 @@ def in_parts(total: int, work: Callable[[int, int], None], unit: int = 1, least:
     each part at least ``least`` units; this thread runs the first. Inside a part, ``in_parts`` runs its
     work whole in the calling thread (no nesting on the pool). ``own_blas``: the parts call BLAS, each on
     its own thread (``blas_on_one_thread`` while they run)."""
-    parts = min(threads(), total // max(1, least * unit))
-    if parts <= 1 or getattr(_inside, "part", False):
+    most = total // max(1, least * unit)  # parts the range allows (before asking how many threads: cheap)
+    parts = 1 if most <= 1 or getattr(_inside, "part", False) else min(threads(), most)
+    if parts <= 1:
         work(0, total)
         return
     edges = bounds(total, parts, unit)

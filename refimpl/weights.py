@@ -231,7 +231,7 @@ class Gemma4Weights:
             return x @ W.T
         out = np.empty((x.shape[0], stop - start), dtype=np.result_type(x.dtype, self.dtype))
         unit = max(1, STREAM_VALUES // cols)  # rows of a block on a few threads: parts are whole units
-        step = max(1, scaled(STREAM_VALUES) // cols)  # rows of a block of a part
+        step = unit if stop - start <= unit else max(1, scaled(STREAM_VALUES) // cols)  # rows of a block of a part
         info = self.store.infos[full]
         row_bytes = cols * STORAGE[info.dtype].itemsize
 

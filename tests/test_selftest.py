@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ from conformance import selftest as st
 from conformance.backends.refimpl_backend import RefimplBackend
 from conformance.cli import main
 from conformance.fixtures import bundled_sets
+from refimpl.threads import cores
 
 CLOSENESS = frozenset({"max_abs", "max_rel", "nmse", "cosine", "kl", "kl_mean", "delta_p"})
 # two full forwards, a final and an interior last-logits row, an interior prefill row: 5 cases
@@ -194,6 +196,31 @@ def test_a_correct_mutant_survives_and_fails_the_selftest(counted):
     assert "SELF-TEST FAILED" in table and "exit 1" in table
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="workers fork, on Linux only")
+def test_forked_workers_give_the_verdicts_of_one_process(sets):
+    """``workers``: each mutant in a process forked after the control; the same verdicts, in the same order, as
+    one process running them one after the other, and a mutant that raises is still a broken mutant."""
+    class Broken(StandIn):
+        def backend(self):
+            raise ImportError("no such engine")
+
+    mutants = [SHIFT, SOFTCAP, CORRECT, Broken("broken", "cannot be built", "B1", None, None)]
+    one = st.run_selftest(sets, mutants, select=FEW, control=_control())
+    seen = []
+    forked = st.run_selftest(sets, mutants, select=FEW, control=_control(), workers=3,
+                             progress=lambda done, total, label, res: seen.append((done, label)))
+
+    def verdicts(result):
+        return [(m.name, m.error is None, {p: (v.cases_run, v.failing_cases, v.first_case, v.check, v.checks)
+                                           for p, v in m.verdicts.items()}, m.run_calls) for m in result.mutants]
+
+    assert verdicts(forked) == verdicts(one)
+    assert [m.name for m in forked.mutants] == ["shift-interior-row", "drop-softcap-last", "correct", "broken"]
+    assert forked.mutants[3].error == "ImportError: no such engine" and forked.exit_code == one.exit_code == 1
+    assert forked.mutants[0].ok and forked.mutants[1].ok and forked.mutants[0].duration > 0
+    assert seen[-1] == (5 * forked.cases, "broken")  # the progress reaches the total: the control and 4 mutants
+
+
 def test_profiles_are_regraded_without_rerunning_the_backend(counted):
     result, calls = counted
     # one backend.run per case, not one per case and profile
@@ -349,6 +376,7 @@ def test_cli_exit_zero_when_every_mutant_is_killed_by_a_matching_check(standins,
     (["selftest", "--mutant", "nope"], 2, "matches none of the 3 mutants: shift-interior-row, drop-softcap-last"),
     (["selftest", "-k", "no-such-case"], 5, "no case selected"),
     (["selftest", "--fixtures", "/no/such/dir"], 2, "--fixtures: no such directory"),
+    (["selftest", "--workers", "0"], 2, "--workers must be at least 1, got 0"),
 ])
 def test_cli_usage_errors(standins, capsys, argv, code, message):
     assert main(argv) == code
@@ -449,6 +477,9 @@ def _audio_mutants(mutants_mod) -> list:
     return [m for m in mutants_mod.MUTANTS if mutants_mod.AUDIO_SET in m.kill_sets]
 
 
+WORKERS = min(8, max(2, cores()))  # the full self-test's mutants at a time (forked processes)
+
+
 def test_real_mutants_full_selftest(tmp_path, capsys):
     """The issue's claim, on every bundled case, in two runs: the mutants of the forward on every case but the
     MTP ones (whose target rows take the prefill path the other cases kill them on already, and which cost a
@@ -460,7 +491,7 @@ def test_real_mutants_full_selftest(tmp_path, capsys):
     docs = []
     for names, cases in ((others, r"^(?!.*/mtp/)"), (mtp, r"/mtp/")):
         out_json = tmp_path / f"selftest-{len(docs)}.json"
-        argv = ["selftest", "-q", "--json", str(out_json), "--match", cases,
+        argv = ["selftest", "-q", "--json", str(out_json), "--match", cases, "--workers", str(WORKERS),
                 "--mutant", "^(" + "|".join(map(re.escape, names)) + ")$"]
         assert main(argv) == 0, capsys.readouterr().out
         docs.append(json.loads(out_json.read_text()))

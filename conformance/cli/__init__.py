@@ -9,7 +9,7 @@ scoreboard).
                          [--name N] [--version V] [--cases auto|text|images|audio|mtp|all] [--drafter DIR] [--image FILE ...]
                          [--audio FILE.wav ...] [--workers N | --cluster ADDRESS]
     conformance verify DIR ... [--model DIR] [--rehash] [--recompute]
-    conformance selftest [--fixtures DIR ...] [--mutant REGEX] [-k REGEX] [--json FILE] [-q]
+    conformance selftest [--fixtures DIR ...] [--mutant REGEX] [-k REGEX] [--json FILE] [--workers N] [-q]
     conformance scoreboard REPORT.json ... [--out FILE.md | --into PAGE.md] [--title T]
     conformance explain --backend NAME|module:attr [-k REGEX] [--fixtures DIR ...] [--from REPORT.json]
                         [--json OUT] [--plot OUT.png] [--profile P] [--backend-option KEY=VALUE ...] [-q] [-v]
@@ -187,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "or whose bug class is REGEX")
     add_selection(st)
     st.add_argument("--json", metavar="FILE", help="write the self-test table as JSON")
+    st.add_argument("--workers", type=int, default=1, metavar="N",
+                    help="run N mutants at a time, each in a process forked after the control (Linux; default 1)")
     st.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     st.add_argument("-v", "--verbose", action="store_true", help="do not wrap the 'breaks' column")
 

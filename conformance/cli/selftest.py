@@ -49,6 +49,8 @@ class _SelftestProgress:
 def cmd_selftest(args, argv: Sequence[str]) -> int:
     pattern = compile_k(args)
     json_path = output_path("--json", args.json)
+    if args.workers < 1:
+        raise UsageError(f"--workers must be at least 1, got {args.workers}")
     try:
         mutant_pattern = re.compile(args.mutant) if args.mutant is not None else None
     except re.error as e:
@@ -73,7 +75,7 @@ def cmd_selftest(args, argv: Sequence[str]) -> int:
     control, note = st.default_control()
     result, failed = guarded(bar, lambda: st.run_selftest(sets, mutants, select=pattern, progress=bar,
                                                            equivalents=equivalents, control=control,
-                                                           control_note=note))
+                                                           control_note=note, workers=args.workers))
     if failed is not None:
         return failed
 

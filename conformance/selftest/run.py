@@ -30,9 +30,13 @@ and a survivor none of whose kill sets had a case selected is told so.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import datetime as _dt
 import json
+import multiprocessing
+import os
 import re
+import sys
 import tempfile
 import textwrap
 import time
@@ -379,6 +383,61 @@ def _run_backend(backend: Backend, selection: Selection, checkpoints: Checkpoint
     return verdicts, replay.calls
 
 
+# What a forked worker reads: set by _run_forked before its pool forks, inherited by the children (fork
+# copies memory), never pickled: the selection, checkpoints and oracle logits the control materialised.
+_FORKED: dict[str, Any] = {}
+
+
+def _run_forked(planned: list, workers: int, selection: Selection, checkpoints: Checkpoints,
+                expectations: Expectations, tmp: Path) -> "_Forked | None":
+    """Start every planned (mutant, reason, profiles) on ``workers`` forked processes; None when they run in
+    this process instead (one worker, one mutant, or no fork on this platform)."""
+    if workers <= 1 or len(planned) <= 1 or not sys.platform.startswith("linux"):
+        return None
+    _FORKED.update(planned=planned, selection=selection, checkpoints=checkpoints, expectations=expectations, tmp=tmp)
+    pool = cf.ProcessPoolExecutor(max_workers=min(workers, len(planned)), mp_context=multiprocessing.get_context("fork"))
+    return _Forked(pool, [pool.submit(_run_planned, i) for i in range(len(planned))])
+
+
+@dataclass
+class _Forked:
+    pool: cf.ProcessPoolExecutor
+    futures: list
+
+    def __getitem__(self, i: int) -> cf.Future:
+        return self.futures[i]
+
+    def shutdown(self) -> None:
+        """After every outcome was read: the workers exit. Interrupted: the mutants not started are cancelled
+        and the ones running end with their mutant (this returns at once)."""
+        done = all(f.done() for f in self.futures)
+        self.pool.shutdown(wait=done, cancel_futures=not done)
+        _FORKED.clear()
+
+
+def _run_planned(i: int) -> tuple[dict[str, Verdict] | None, int, str | None, float]:
+    """In a forked worker: run planned mutant ``i`` as the sequential loop does; (verdicts, run calls, error,
+    seconds). A checkpoint the control did not materialise goes under this worker's own directory."""
+    m, _, mprofs = _FORKED["planned"][i]
+    checkpoints = _FORKED["checkpoints"]
+    checkpoints.workdir = _FORKED["tmp"] / f"worker-{os.getpid()}"
+    t = time.perf_counter()
+    try:
+        verdicts, calls = _run_backend(m.backend(), _FORKED["selection"], checkpoints, _FORKED["expectations"], mprofs,
+                                       _Counter(0, None), m.name, tuple(getattr(m, "kill_sets", ()) or ()))
+        return verdicts, calls, None, time.perf_counter() - t
+    except Exception as exc:  # noqa: BLE001 - as in the sequential loop: the mutant is broken, the rest go on
+        return None, 0, _error_text(exc), time.perf_counter() - t
+
+
+def _outcome(future: cf.Future) -> tuple[dict[str, Verdict] | None, int, str | None, float]:
+    """A worker's result; a worker that died (a crash, a kill) makes its mutant broken."""
+    try:
+        return future.result()
+    except Exception as exc:  # noqa: BLE001 - BrokenProcessPool and the like
+        return None, 0, f"the worker process running this mutant died: {type(exc).__name__}: {exc}", 0.0
+
+
 def default_control() -> tuple[Backend, str | None]:
     """The unmutated numpy engine (float64), and no note."""
     return NumpyEngineBackend(), None
@@ -422,13 +481,16 @@ def run_selftest(
     control_profile: str = CONTROL_PROFILE,
     workdir: str | Path | None = None,
     equivalents: Iterable = (),
+    workers: int = 1,
 ) -> SelftestResult:
     """Run the control, then every mutant, on the selected cases of ``sets`` (paths or ``FixtureSet``s).
 
     ``profiles``: names or ``Profile``s; the first is the primary one. ``control``: the unmutated
     backend (default: ``numpy-engine``), ``control_note`` a note on it for the report. ``equivalents``: (mutant, reason) pairs for planted bugs that no
     float profile can see; they run after the mutants, are graded at every profile and at exact-f64,
-    and count as a problem only if even exact-f64 misses them. Raises FixtureError (a broken set), NoCasesSelected,
+    and count as a problem only if even exact-f64 misses them. ``workers``: mutants run at the same time, each in
+    a process forked after the control (``_run_forked``; Linux; elsewhere, or with 1, one after the other in
+    this process). Raises FixtureError (a broken set), NoCasesSelected,
     ValueError (bad regex or unknown profile), BackendError when the default control cannot be
     loaded. A control or mutant that cannot be opened is recorded in the result, not raised.
     """
@@ -477,24 +539,35 @@ def run_selftest(
             planned = [(m, None, profs) for m in mutants]
             with_exact = profs + ([] if cprof.name in {p.name for p in profs} else [cprof])
             planned += [(m, str(reason), with_exact) for m, reason in equivalents]
-            for m, reason, mprofs in planned:
-                exp = None if m.expected_checks is None else frozenset(m.expected_checks)
-                mres = MutantResult(m.name, str(m.breaks), str(m.bug_class), exp,
-                                    {p.name: Verdict(p.name) for p in mprofs}, profs[0].name, equivalent=reason,
-                                    kill_sets=tuple(getattr(m, "kill_sets", ()) or ()), sets_run=sets_run)
-                t = time.perf_counter()
-                done_before = count.done
-                try:
-                    backend = m.backend()
-                    mres.verdicts, mres.run_calls = _run_backend(backend, selection, checkpoints, expectations, mprofs,
-                                                                 count, m.name, mres.kill_sets)
-                except Exception as exc:  # noqa: BLE001 - a broken mutant fails the self-test, the rest go on
-                    mres.error = _error_text(exc)
-                    count.done = done_before + cases_of(m)  # as if its cases had run
-                mres.duration = time.perf_counter() - t
-                results.append(mres)
-                if progress is not None:
-                    progress(count.done, count.total, m.name, mres)
+            forked = _run_forked(planned, workers, selection, checkpoints, expectations, Path(tmp))
+            try:
+                for i, (m, reason, mprofs) in enumerate(planned):
+                    exp = None if m.expected_checks is None else frozenset(m.expected_checks)
+                    mres = MutantResult(m.name, str(m.breaks), str(m.bug_class), exp,
+                                        {p.name: Verdict(p.name) for p in mprofs}, profs[0].name, equivalent=reason,
+                                        kill_sets=tuple(getattr(m, "kill_sets", ()) or ()), sets_run=sets_run)
+                    t = time.perf_counter()
+                    done_before = count.done
+                    if forked is not None:  # run in a worker: its outcome arrives whole
+                        verdicts, mres.run_calls, mres.error, mres.duration = _outcome(forked[i])
+                        if verdicts is not None:
+                            mres.verdicts = verdicts
+                        count.done = done_before + cases_of(m)
+                    else:
+                        try:
+                            backend = m.backend()
+                            mres.verdicts, mres.run_calls = _run_backend(backend, selection, checkpoints, expectations,
+                                                                         mprofs, count, m.name, mres.kill_sets)
+                        except Exception as exc:  # noqa: BLE001 - a broken mutant fails the self-test, the rest go on
+                            mres.error = _error_text(exc)
+                            count.done = done_before + cases_of(m)  # as if its cases had run
+                        mres.duration = time.perf_counter() - t
+                    results.append(mres)
+                    if progress is not None:
+                        progress(count.done, count.total, m.name, mres)
+            finally:
+                if forked is not None:
+                    forked.shutdown()
 
     return SelftestResult(
         control=cres, mutants=results, profiles=[p.name for p in profs], sets=sets_info, select=selection.select,
