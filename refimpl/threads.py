@@ -116,26 +116,33 @@ def _openblas_threads() -> tuple[Callable[[], int], Callable[[int], None]] | Non
 
 
 _openblas: list = []  # [(get, set) or None], looked up once
+_blas_lock = threading.Lock()
+_blas_users = [0, 0]  # [users inside blas_on_one_thread, the count to restore]
 
 
 @contextlib.contextmanager
 def blas_on_one_thread() -> Iterator[None]:
     """Within the block, OpenBLAS runs each call on the calling thread alone: for products made by many
     threads at once (the streamed matrix-vector products), whose calls would otherwise queue for
-    OpenBLAS's one pool of workers. Process-wide while it lasts; a no-op without OpenBLAS."""
-    if not _openblas:
-        _openblas.append(_openblas_threads())
-    api = _openblas[0]
-    if api is None:
-        yield
-        return
-    get, set_ = api
-    saved = get()
-    set_(1)
+    OpenBLAS's one pool of workers. Process-wide while it lasts (overlapping blocks restore the count when
+    the last one ends); a no-op without OpenBLAS."""
+    with _blas_lock:
+        if not _openblas:
+            _openblas.append(_openblas_threads())
+        api = _openblas[0]
+        if api is not None:
+            if _blas_users[0] == 0:
+                _blas_users[1] = api[0]()
+                api[1](1)
+            _blas_users[0] += 1
     try:
         yield
     finally:
-        set_(saved)
+        if api is not None:
+            with _blas_lock:
+                _blas_users[0] -= 1
+                if _blas_users[0] == 0:
+                    api[1](_blas_users[1])
 
 
 def _executor(workers: int) -> ThreadPoolExecutor:
@@ -144,11 +151,9 @@ def _executor(workers: int) -> ThreadPoolExecutor:
     global _pool, _pool_pid, _pool_size
     with _pool_lock:
         if _pool is None or _pool_pid != os.getpid() or _pool_size < workers:
-            old = _pool if _pool_pid == os.getpid() else None
+            # a larger pool replaces a smaller one (use_threads); the old one is left to finish what it has
             _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="refimpl")
             _pool_pid, _pool_size = os.getpid(), workers
-            if old is not None:
-                old.shutdown(wait=False)
         return _pool
 
 
@@ -193,8 +198,9 @@ def rowwise(aligned: int = 1, flat: bool = False) -> Callable[[Callable[..., np.
     """Decorator for a step whose output has its first argument's shape and dtype and whose rows are
     independent along the first axis of its first ``aligned`` arguments (``apply_rope``'s x, cos and sin
     share their first axis). ``flat``: the step works along the last axis only (an elementwise formula, a
-    norm), so a contiguous input of any rank is taken as rows of its last axis (attention's scores
-    [K, G, T, S] as [K G T, S]); a step with an ``axis`` argument is split only when that is the last.
+    norm), so a contiguous input of two axes or more is taken as rows of its last axis (attention's scores
+    [K, G, T, S] as [K G T, S]; a 1-D input is one row: never split); a step with an ``axis`` argument is
+    split only when that is the last. The result takes the dtype the step gives.
 
     With two threads or more, on an input of at least two blocks of ``ROWWISE_BLOCK`` values, the rows
     are split between the threads and each runs the step on blocks of its rows of about ``ROWWISE_BLOCK``
@@ -207,40 +213,48 @@ def rowwise(aligned: int = 1, flat: bool = False) -> Callable[[Callable[..., np.
 
     def wrap(fn: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
         signature = inspect.signature(fn)
+        names = list(signature.parameters)[:aligned]  # the row-aligned parameters
         has_axis = "axis" in signature.parameters
 
         @functools.wraps(fn)
         def blocked(*args, **kwargs) -> np.ndarray:
-            x = args[0]
-            if (not isinstance(x, np.ndarray) or x.ndim == 0 or x.size < 2 * ROWWISE_BLOCK or threads() < 2
-                    or getattr(_inside, "part", False)):
+            x = args[0] if args else kwargs.get(names[0])
+            if (not isinstance(x, np.ndarray) or x.ndim < (2 if flat else 1) or x.size < 2 * ROWWISE_BLOCK
+                    or threads() < 2 or getattr(_inside, "part", False)):
                 return fn(*args, **kwargs)
+            call = signature.bind(*args, **kwargs)
+            call.apply_defaults()
+            params = dict(call.arguments)
             if has_axis:
-                axis = signature.bind(*args, **kwargs).arguments.get("axis", signature.parameters["axis"].default)
-                if axis not in (-1, x.ndim - 1):
+                if params["axis"] not in (-1, x.ndim - 1):
                     return fn(*args, **kwargs)
-            rows = x
+                params["axis"] = -1  # (a block may have fewer axes than x)
             if flat and x.ndim > 2 and x.flags.c_contiguous:
-                rows = x.reshape(-1, x.shape[-1])
+                params[names[0]] = x.reshape(-1, x.shape[-1])
+            rows = params[names[0]]
             per_row = rows.size // rows.shape[0]
             unit = max(1, ROWWISE_BLOCK // per_row)  # rows per block on a few threads
             step = max(1, scaled(ROWWISE_BLOCK) // per_row)  # rows per block of a part
             if rows.shape[0] < 2 * unit:
                 return fn(*args, **kwargs)
-            out = np.empty(rows.shape, dtype=x.dtype)
-            row_args = (rows, *args[1:aligned]) if rows is not x else args[:aligned]
+            result: list[np.ndarray] = []  # made by the first block done: its dtype is the step's
+            lock = threading.Lock()
 
             def work(first: int, last: int) -> None:
                 for a in range(first, last, step):
                     b = min(a + step, last)
-                    block = fn(*(arg[a:b] for arg in row_args), *args[aligned:], **kwargs)
+                    block = fn(**{**params, **{n: params[n][a:b] for n in names}})
+                    with lock:
+                        if not result:
+                            result.append(np.empty(rows.shape, dtype=block.dtype))
+                    out = result[0]
                     if block.dtype != out.dtype or block.shape != out[a:b].shape:
-                        raise TypeError(f"{fn.__name__} is not row-wise: rows of {x.dtype} {list(rows[a:b].shape)} "
+                        raise TypeError(f"{fn.__name__} is not row-wise: rows of {rows.dtype} {list(rows[a:b].shape)} "
                                         f"gave {block.dtype} {list(block.shape)}")
                     out[a:b] = block
 
             in_parts(rows.shape[0], work, unit=unit)
-            return out.reshape(x.shape)
+            return result[0].reshape(x.shape)
 
         blocked.whole = fn  # type: ignore[attr-defined]  # the step in one call (tests compare the two)
         return blocked

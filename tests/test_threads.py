@@ -34,7 +34,8 @@ def within_rounding(got: np.ndarray, want: np.ndarray) -> bool:
 
 @pytest.fixture
 def recorded_parts(monkeypatch):
-    """Every in_parts call that split its work: (total, [(first, last), ...]) from the parts' own records."""
+    """Every in_parts call that split its work: (the caller's module, total, [(first, last), ...]) from the parts'
+    own records."""
     calls = []
     real = threads.in_parts
 
@@ -47,9 +48,10 @@ def recorded_parts(monkeypatch):
 
         real(total, recording, *args, **kwargs)
         if len(seen) > 1:
-            calls.append((total, sorted(seen)))
+            calls.append((work.__module__.rsplit(".", 1)[-1], total, sorted(seen)))
 
-    monkeypatch.setattr(threads, "in_parts", in_parts)
+    for module in (threads, weights, sio):  # each module calls the name it imported
+        monkeypatch.setattr(module, "in_parts", in_parts)
     return calls
 
 
@@ -116,10 +118,12 @@ def test_the_pool_is_made_again_in_a_forked_child():
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: the parent's pool threads did not survive the fork
-            idents, together = set(), threading.Barrier(3, timeout=30)
-            threads.in_parts(3, lambda a, b: idents.add(threading.get_ident()) or together.wait())
-            os.write(write, str(len(idents)).encode())
-            os._exit(0)
+            try:
+                idents, together = set(), threading.Barrier(3, timeout=30)
+                threads.in_parts(3, lambda a, b: idents.add(threading.get_ident()) or together.wait())
+                os.write(write, str(len(idents)).encode())
+            finally:
+                os._exit(0)  # never back into pytest
         os.close(write)
         got = os.read(read, 16).decode()
         os.waitpid(pid, 0)
@@ -203,8 +207,32 @@ def test_rowwise_steps_equal_the_step_in_one_call(monkeypatch, recorded_parts, d
         split = name != "softmax along axis 0"  # not along its rows: one call
         assert bool(recorded_parts) == split, name
         if split:
-            ((total, parts),) = recorded_parts
+            ((_, total, parts),) = recorded_parts
             assert 1 < len(parts) <= n, name
+
+
+def test_rowwise_takes_keywords_the_last_axis_by_number_and_the_step_s_dtype(monkeypatch, recorded_parts):
+    monkeypatch.setattr(threads, "ROWWISE_BLOCK", 64)
+    rng = np.random.default_rng(5)
+    x, w = rng.standard_normal((40, 24)), rng.standard_normal(24)
+    q = rng.standard_normal((40, 4, 16))
+    cos, sin = rope_cos_sin(np.arange(40), 1.0 / 10000 ** (np.arange(0, 16, 2) / 16))
+    scores = rng.standard_normal((2, 3, 40, 40))
+    with threads.use_threads(3):
+        got = {
+            "keywords": (ops.rms_norm(x=x, weight=w, eps=1e-6), ops.rms_norm.whole(x, w, 1e-6)),
+            "aligned keywords": (ops.apply_rope(q, cos=cos, sin=sin), ops.apply_rope.whole(q, cos, sin)),
+            "axis by number": (ops.softmax(scores, 3), ops.softmax.whole(scores, -1)),
+            "float32 x, float64 weights": (ops.layer_norm(x.astype(np.float32), w, w, 1e-5),
+                                           ops.layer_norm.whole(x.astype(np.float32), w, w, 1e-5)),
+        }
+    assert len(recorded_parts) == len(got)  # each one split
+    for name, (blocked, whole) in got.items():
+        assert within_rounding(blocked, whole), name
+    recorded_parts.clear()
+    with threads.use_threads(3):
+        flat = ops.softmax(rng.standard_normal(4096))  # one row of a flat step: never split
+    assert recorded_parts == [] and abs(flat.sum() - 1.0) < 1e-12
 
 
 def test_rowwise_steps_run_in_one_call_on_one_thread_or_small_inputs(monkeypatch, recorded_parts):
@@ -222,11 +250,11 @@ def test_rowwise_refuses_a_step_that_is_not_row_wise(monkeypatch):
     monkeypatch.setattr(threads, "ROWWISE_BLOCK", 8)
 
     @threads.rowwise()
-    def widen(x):
-        return x.astype(np.float64)
+    def narrow(x):
+        return x[:, :2]
 
-    with threads.use_threads(2), pytest.raises(TypeError, match=r"widen is not row-wise: rows of float32 \[\d+, 4\] gave float64"):
-        widen(np.ones((20, 4), dtype=np.float32))
+    with threads.use_threads(2), pytest.raises(TypeError, match=r"narrow is not row-wise: rows of float32 \[\d+, 4\] gave float32 \[\d+, 2\]"):
+        narrow(np.ones((20, 4), dtype=np.float32))
     with pytest.raises(ValueError, match="a flat step has one row-aligned argument"):
         threads.rowwise(aligned=2, flat=True)
 
@@ -255,6 +283,7 @@ def test_forward_on_one_and_on_four_threads_agree(preset_models, monkeypatch, re
         if n == 1:
             assert recorded_parts == []
             assert np.max(np.abs(runs[1][0])) > 1.0  # logits of a real size
-    assert len({total for total, _ in recorded_parts}) > 3  # decoding, streamed products, row-blocked steps split
+    # decoding, streamed products and row-blocked steps all split
+    assert {kind for kind, _, _ in recorded_parts} == {"threads", "weights", "safetensors_io"}
     for one, four in zip(runs[1], runs[4]):
         assert np.max(np.abs(one - four)) < 1e-12

@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from refimpl.threads import cores, use_threads
+
 from ..check.expectations import Expectations
 from ..check.profiles import get_profile
 from ..check.results import FAILING, CaseResult
@@ -394,24 +396,36 @@ def _run_forked(planned: list, workers: int, selection: Selection, checkpoints: 
     this process instead (one worker, one mutant, or no fork on this platform)."""
     if workers <= 1 or len(planned) <= 1 or not sys.platform.startswith("linux"):
         return None
-    _FORKED.update(planned=planned, selection=selection, checkpoints=checkpoints, expectations=expectations, tmp=tmp)
-    pool = cf.ProcessPoolExecutor(max_workers=min(workers, len(planned)), mp_context=multiprocessing.get_context("fork"))
-    return _Forked(pool, [pool.submit(_run_planned, i) for i in range(len(planned))])
+    n = min(workers, len(planned))
+    _FORKED.update(planned=planned, selection=selection, checkpoints=checkpoints, expectations=expectations, tmp=tmp,
+                   threads=max(1, cores() // n))
+    before = set(multiprocessing.active_children())
+    try:
+        pool = cf.ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("fork"))
+        futures = [pool.submit(_run_planned, i) for i in range(len(planned))]
+    except OSError:  # no fork (memory, process limits): the mutants run in this process
+        _FORKED.clear()
+        return None
+    return _Forked(pool, futures, set(multiprocessing.active_children()) - before)
 
 
 @dataclass
 class _Forked:
     pool: cf.ProcessPoolExecutor
     futures: list
+    children: set  # the pool's processes
 
     def __getitem__(self, i: int) -> cf.Future:
         return self.futures[i]
 
     def shutdown(self) -> None:
         """After every outcome was read: the workers exit. Interrupted: the mutants not started are cancelled
-        and the ones running end with their mutant (this returns at once)."""
+        and the workers terminated."""
         done = all(f.done() for f in self.futures)
-        self.pool.shutdown(wait=done, cancel_futures=not done)
+        if not done:  # interrupted: stop the workers before the temporary directory goes
+            for child in self.children:
+                child.terminate()
+        self.pool.shutdown(wait=True, cancel_futures=not done)
         _FORKED.clear()
 
 
@@ -423,8 +437,9 @@ def _run_planned(i: int) -> tuple[dict[str, Verdict] | None, int, str | None, fl
     checkpoints.workdir = _FORKED["tmp"] / f"worker-{os.getpid()}"
     t = time.perf_counter()
     try:
-        verdicts, calls = _run_backend(m.backend(), _FORKED["selection"], checkpoints, _FORKED["expectations"], mprofs,
-                                       _Counter(0, None), m.name, tuple(getattr(m, "kill_sets", ()) or ()))
+        with use_threads(_FORKED["threads"]):  # the workers share the cores
+            verdicts, calls = _run_backend(m.backend(), _FORKED["selection"], checkpoints, _FORKED["expectations"],
+                                           mprofs, _Counter(0, None), m.name, tuple(getattr(m, "kill_sets", ()) or ()))
         return verdicts, calls, None, time.perf_counter() - t
     except Exception as exc:  # noqa: BLE001 - as in the sequential loop: the mutant is broken, the rest go on
         return None, 0, _error_text(exc), time.perf_counter() - t
@@ -435,7 +450,8 @@ def _outcome(future: cf.Future) -> tuple[dict[str, Verdict] | None, int, str | N
     try:
         return future.result()
     except Exception as exc:  # noqa: BLE001 - BrokenProcessPool and the like
-        return None, 0, f"the worker process running this mutant died: {type(exc).__name__}: {exc}", 0.0
+        return None, 0, (f"a worker process died before this mutant finished ({type(exc).__name__}: {exc}); "
+                         "run it with --workers 1 to see whether it crashes"), 0.0
 
 
 def default_control() -> tuple[Backend, str | None]:
@@ -539,8 +555,9 @@ def run_selftest(
             planned = [(m, None, profs) for m in mutants]
             with_exact = profs + ([] if cprof.name in {p.name for p in profs} else [cprof])
             planned += [(m, str(reason), with_exact) for m, reason in equivalents]
-            forked = _run_forked(planned, workers, selection, checkpoints, expectations, Path(tmp))
+            forked = None
             try:
+                forked = _run_forked(planned, workers, selection, checkpoints, expectations, Path(tmp))
                 for i, (m, reason, mprofs) in enumerate(planned):
                     exp = None if m.expected_checks is None else frozenset(m.expected_checks)
                     mres = MutantResult(m.name, str(m.breaks), str(m.bug_class), exp,
