@@ -61,6 +61,18 @@ def prompt_ids(tokens: int) -> np.ndarray:
     return ids
 
 
+def best_of(fn, repeat: int, warm_up: bool = False) -> float:
+    """The shortest of ``repeat`` timed calls of ``fn`` (after one untimed call with ``warm_up``)."""
+    if warm_up:
+        fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
 def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
@@ -137,12 +149,7 @@ def part_roofline(model: str, tokens: int, rows: str, repeat: int) -> dict:
     rng = np.random.default_rng(1)
 
     def best(fn) -> float:
-        out = []
-        for _ in range(repeat):
-            t = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t)
-        return min(out)
+        return best_of(fn, repeat)
 
     total_s, flops = 0.0, 0
     if cfg.has_ple:
@@ -369,22 +376,19 @@ def report(r: dict) -> str:
                      f"{100 * r.get('oracle_fraction_of_roofline', float('nan')):.0f}% of the roofline |")
     else:
         lines.append(f"| oracle float64 | - | - | - | {o.get('error')} |")
+    def other_oracle(key: str, label: str, first: str, versus: str) -> None:  # the baseline, the cached oracle
+        p = r.get(key, {})
+        if "best_s" in p:
+            lines.append(f"| {label} | {p['best_s']:.2f} | {f.get('flops', 0) / p['best_s'] / 1e9:.1f} | "
+                         f"{p['peak_rss_gib']:.2f} | {first} {p['first_s']:.2f} s; "
+                         f"{100 * r.get(key + '_fraction_of_roofline', float('nan')):.0f}% of the roofline; "
+                         f"max |logit diff| vs {versus} {p['max_abs_diff_vs_oracle']:.1e} |")
+        elif p:
+            lines.append(f"| {label.split(' (')[0]} | - | - | - | {p.get('skipped') or p.get('error')} |")
+
     b = r.get("baseline", {})
-    if "best_s" in b:
-        lines.append(f"| oracle float64, baseline ({Path(b['checkout']).name}) | {b['best_s']:.2f} | "
-                     f"{f.get('flops', 0) / b['best_s'] / 1e9:.1f} | {b['peak_rss_gib']:.2f} | first run "
-                     f"{b['first_s']:.2f} s; {100 * r.get('baseline_fraction_of_roofline', float('nan')):.0f}% of the "
-                     f"roofline; max |logit diff| vs oracle {b['max_abs_diff_vs_oracle']:.1e} |")
-    elif b:
-        lines.append(f"| oracle float64, baseline | - | - | - | {b.get('error')} |")
-    c = r.get("oracle_cached", {})
-    if "best_s" in c:
-        lines.append(f"| oracle float64, weight cache | {c['best_s']:.2f} | {f.get('flops', 0) / c['best_s'] / 1e9:.1f} | "
-                     f"{c['peak_rss_gib']:.2f} | first run (decodes into the cache) {c['first_s']:.2f} s; "
-                     f"{100 * r.get('oracle_cached_fraction_of_roofline', float('nan')):.0f}% of the roofline; "
-                     f"max |logit diff| vs streamed {c['max_abs_diff_vs_oracle']:.1e} |")
-    elif c:
-        lines.append(f"| oracle float64, weight cache | - | - | - | {c.get('skipped') or c.get('error')} |")
+    other_oracle("baseline", f"oracle float64, baseline ({Path(b.get('checkout', '')).name})", "first run", "oracle")
+    other_oracle("oracle_cached", "oracle float64, weight cache", "first run (decodes into the cache)", "streamed")
     if "matmul_s" in f:
         lines.append(f"| roofline (matmuls only) | {f['matmul_s']:.2f} | {f['gflops_per_s']:.1f} | {f['peak_rss_gib']:.2f} "
                      f"| {f['flops'] / 1e12:.2f} TFLOP |")

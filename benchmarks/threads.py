@@ -36,19 +36,9 @@ from refimpl import ops, threads  # noqa: E402
 from refimpl.model import Gemma4, rope_cos_sin, rope_inv_freq  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from prefill import machine, prompt_ids  # noqa: E402
+from prefill import best_of, machine, prompt_ids  # noqa: E402
 
 HEAD_ROWS = 65_536
-
-
-def best_of(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def step_inputs(m: Gemma4, T: int) -> dict[str, tuple]:
@@ -98,20 +88,21 @@ def main(argv: list[str] | None = None) -> int:
     result = {"command": " ".join(["python", "benchmarks/threads.py", *(argv if argv is not None else sys.argv[1:])]),
               "machine": machine(), "model": str(Path(args.model).resolve()), "threads": counts, "rows": []}
     whole = {name: fn.whole(*a) for name, (fn, a) in steps.items()}
-    whole_s = {name: best_of(lambda: fn.whole(*a), args.repeat) for name, (fn, a) in steps.items()}
+    whole_s = {name: best_of(lambda: fn.whole(*a), args.repeat, warm_up=True) for name, (fn, a) in steps.items()}
     reference = None
     for n in counts:
         with threads.use_threads(n):
             row: dict = {"threads": n}
-            s = best_of(lambda: w.store.read(head, 0, rows, np.float64, out=buf), args.repeat)
+            s = best_of(lambda: w.store.read(head, 0, rows, np.float64, out=buf), args.repeat, warm_up=True)
             row["decode_g_values_per_s"] = rows * H / s / 1e9
-            s = best_of(lambda: w.product(y, head, 0, rows), args.repeat)
+            s = best_of(lambda: w.product(y, head, 0, rows), args.repeat, warm_up=True)
             row["stream_g_values_per_s"] = rows * H / s / 1e9
             row["steps"] = {}
             for name, (fn, a) in steps.items():
                 got = fn(*a)
                 diff = float(np.max(np.abs(np.nan_to_num(got - whole[name]))))
-                row["steps"][name] = {"whole_s": whole_s[name], "blocked_s": best_of(lambda: fn(*a), args.repeat),
+                blocked_s = best_of(lambda: fn(*a), args.repeat, warm_up=True)
+                row["steps"][name] = {"whole_s": whole_s[name], "blocked_s": blocked_s,
                                       "max_abs_diff": diff, "bit_identical": bool(np.array_equal(got, whole[name]))}
             if not args.no_forward:
                 times = []

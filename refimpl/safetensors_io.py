@@ -326,13 +326,18 @@ class TensorStore:
             raise ValueError(f"out must be a contiguous {np.dtype(dtype)} array of shape {list(shape)}")
         flat = out.reshape(-1)
         stored = STORAGE[info.dtype]
-        base = info.begin + start * math.prod(info.shape[1:]) * stored.itemsize
+        base = self.row_offset(info, start)
 
         def work(first: int, last: int) -> None:  # values [first, last) of the result
             self.decode_into(info, base + first * stored.itemsize, flat[first:last])
 
         in_parts(flat.size, work, unit=DECODE_BLOCK)
         return out
+
+    @staticmethod
+    def row_offset(info: TensorInfo, row: int) -> int:
+        """Absolute file offset of row ``row`` (along the first axis) of a tensor's stored values."""
+        return info.begin + row * math.prod(info.shape[1:]) * STORAGE[info.dtype].itemsize
 
     def decode_into(self, info: TensorInfo, offset: int, dst: np.ndarray) -> None:
         """Fill ``dst`` (1-D, contiguous, a float type) with the stored values of ``info`` starting at absolute

@@ -20,7 +20,7 @@ import numpy as np
 from .config import TEXT_PREFIXES, TextConfig, read_config_json
 from .errors import InputError, NonFiniteError, WeightsError
 from .ops import clipped_linear
-from .safetensors_io import STORAGE, TensorStore
+from .safetensors_io import TensorStore
 from .threads import in_parts, scaled
 
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # weight storage the oracle decodes exactly
@@ -233,15 +233,14 @@ class Gemma4Weights:
         unit = max(1, STREAM_VALUES // cols)  # rows of a block on a few threads: parts are whole units
         step = unit if stop - start <= unit else max(1, scaled(STREAM_VALUES) // cols)  # rows of a block of a part
         info = self.store.infos[full]
-        row_bytes = cols * STORAGE[info.dtype].itemsize
 
         def work(first: int, last: int) -> None:  # output columns [first, last) of out
-            block = self._block(step * cols)
+            block = self._buffer((step, cols))
             for a in range(first, last, step):
                 b = min(a + step, last)
-                W = block[:(b - a) * cols]
-                self.store.decode_into(info, info.begin + (start + a) * row_bytes, W)
-                out[:, a:b] = np.dot(x, W.reshape(b - a, cols).T)
+                W = block[:b - a]
+                self.store.decode_into(info, self.store.row_offset(info, start + a), W.reshape(-1))
+                out[:, a:b] = np.dot(x, W.T)
 
         in_parts(stop - start, work, unit=unit, own_blas=True)
         return out
@@ -260,13 +259,6 @@ class Gemma4Weights:
         W = self.cache[key] = self.store.read(full, start, stop, self.dtype)
         self.cache_bytes += nbytes
         return W
-
-    def _block(self, size: int) -> np.ndarray:
-        """This thread's block of a streamed product: ``size`` floats, kept from call to call."""
-        block = getattr(self._local, "block", None)
-        if block is None or block.size < size:
-            block = self._local.block = np.empty(size, dtype=self.dtype)
-        return block[:size]
 
     def _buffer(self, shape: tuple[int, int]) -> np.ndarray:
         """A float array of ``shape`` reused by this thread's next call (grown to the largest shape asked)."""
