@@ -184,6 +184,7 @@ class Gemma4:
             (layer.layer_type, layer.head_dim): rope_inv_freq(layer.rope, layer.head_dim)
             for layer in self.cfg.layers
         }
+        self._rope_kept: dict[tuple[str, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     # -- inputs -------------------------------------------------------------------------------
 
@@ -266,6 +267,16 @@ class Gemma4:
 
     # -- one layer ----------------------------------------------------------------------------
 
+    def rope(self, layer_type: str, head_dim: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin [T, D/2] of a layer type's RoPE at ``positions``; kept for the next layer of that type
+        (every layer of a type rotates the same positions in a call)."""
+        key = (layer_type, head_dim)
+        kept = self._rope_kept.get(key)
+        if kept is None or not np.array_equal(kept[0], positions):
+            cos, sin = rope_cos_sin(positions, self._inv_freq[key])
+            kept = self._rope_kept[key] = (positions.copy(), cos.astype(self.dtype), sin.astype(self.dtype))
+        return kept[1], kept[2]
+
     def attention_block(self, i: int, x: np.ndarray, positions: np.ndarray, cache: KVCache,
                         call_kv: dict[int, LayerKV], blocks: np.ndarray | None = None) -> np.ndarray:
         """Pre-norm attention with q/k/v norms and RoPE; returns the post-attention-normed output [T, H].
@@ -276,7 +287,7 @@ class Gemma4:
         cfg, layer, w = self.cfg, self.cfg.layers[i], self.weights
         p = f"layers.{i}."
         T, N, D, eps = x.shape[0], cfg.num_attention_heads, layer.head_dim, cfg.rms_norm_eps
-        cos, sin = (a.astype(self.dtype) for a in rope_cos_sin(positions, self._inv_freq[(layer.layer_type, D)]))
+        cos, sin = self.rope(layer.layer_type, D, positions)
 
         h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
         q = w.linear(h, p + "self_attn.q_proj.weight").reshape(T, N, D)
@@ -348,11 +359,11 @@ class Gemma4:
         a = self.attention_block(i, x, positions, cache, call_kv, blocks)
         r = x + a
         m = self.ffn_block(i, r, trace)
-        x = r + m
+        x = r + m  # a new array: the two steps below work in place
         if ple_i is not None:
             g = self.ple_block(i, x, ple_i)
-            x = x + g
-        x = x * self.weights[p + "layer_scalar"][0]
+            x += g
+        x *= self.weights[p + "layer_scalar"][0]
         if trace is not None:
             trace.put(p + "attn_out", a)
             trace.put(p + "ffn_out", m)

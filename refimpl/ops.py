@@ -23,7 +23,7 @@ import math
 import numpy as np
 
 from .safetensors_io import bf16_to_f32, f32_to_bf16
-from .threads import rowwise
+from .threads import in_parts, rowwise
 
 # ----------------------------------------------------------------------------------------------
 # linear maps
@@ -166,6 +166,8 @@ def apply_rope_2d(x: np.ndarray, cos_x: np.ndarray, sin_x: np.ndarray, cos_y: np
 # ----------------------------------------------------------------------------------------------
 # attention
 
+ATTENTION_BLOCK = 1 << 16  # scores per block of query rows of a threaded ``attention`` (512 KiB of float64)
+
 
 def attention_mask(q_pos: np.ndarray, k_pos: np.ndarray, window: int | None) -> np.ndarray:
     """bool [T, S]: key k is visible to query q iff k <= q and, on sliding layers, q - k <= W - 1."""
@@ -200,12 +202,33 @@ def vision_overlay_mask(q_pos: np.ndarray, k_pos: np.ndarray, window: int | None
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """q [T, N, D], k/v [S, K, D], mask [T, S] -> [T, N, D]. Scale 1.0, no softcap, GQA head j -> j // G."""
+    """q [T, N, D], k/v [S, K, D], mask [T, S] -> [T, N, D]. Scale 1.0, no softcap, GQA head j -> j // G.
+
+    Query rows are independent: with several threads each computes ``attention_rows`` of its own block
+    of rows (at least ATTENTION_BLOCK scores), its products on its own BLAS thread."""
+    T, N, _ = q.shape
+    unit = max(1, ATTENTION_BLOCK // (N * k.shape[0]))  # query rows whose scores [N, S] fill a block
+    if T < 2 * unit:
+        return attention_rows(q, k, v, mask)
+    out = np.empty(q.shape, dtype=np.result_type(q, k, v))
+
+    def rows(first: int, last: int) -> None:
+        out[first:last] = attention_rows(q[first:last], k, v, mask[first:last])
+
+    in_parts(T, rows, unit=unit, own_blas=True)
+    return out
+
+
+def attention_rows(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """``attention`` in one call. The G query heads of a KV head are rows of one product: q as
+    [K, T G, D] (t major, a view when K = 1), so the scores [K, T G, S] and the output [K, T G, D] come
+    from one matrix product per KV head, the output already in [T, N, D] order when K = 1."""
     T, N, D = q.shape
-    K = k.shape[1]
-    qg = q.reshape(T, K, N // K, D).transpose(1, 2, 0, 3)  # [K, G, T, D]
-    scores = qg @ k.transpose(1, 2, 0)[:, None]  # [K, G, T, D] @ [K, 1, D, S] -> [K, G, T, S]
-    np.copyto(scores, -np.inf, where=~mask)  # masked keys get probability 0
+    S, K = k.shape[:2]
+    G = N // K
+    qk = q.reshape(T, K, G, D).transpose(1, 0, 2, 3).reshape(K, T * G, D)  # [K, T G, D]
+    scores = (qk @ k.transpose(1, 2, 0)).reshape(K, T, G, S)  # [K, T G, D] @ [K, D, S] -> [K, T, G, S]
+    np.copyto(scores, -np.inf, where=~mask[None, :, None, :])  # masked keys get probability 0
     probs = softmax(scores, axis=-1)
-    out = probs @ v.transpose(1, 0, 2)[:, None]  # [K, G, T, S] @ [K, 1, S, D] -> [K, G, T, D]
-    return out.transpose(2, 0, 1, 3).reshape(T, N, D)
+    out = probs.reshape(K, T * G, S) @ v.transpose(1, 0, 2)  # [K, T G, S] @ [K, S, D] -> [K, T G, D]
+    return out.reshape(K, T, G, D).transpose(1, 0, 2, 3).reshape(T, N, D)

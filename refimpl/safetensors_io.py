@@ -68,13 +68,13 @@ DECODE_BLOCK = 1 << 18  # values per step when reading and decoding (cache-resid
 
 def decode_block(src: np.ndarray, dtype: str, dst: np.ndarray, scratch: np.ndarray) -> None:
     """dst[:] = the stored values src decoded (1-D, same length). BF16 goes through ``scratch``, a
-    uint32 buffer at least as long: the 16 bits are widened, shifted into the high half of a float32
-    (exact), then converted to dst's type (three passes over cache-resident blocks, each a plain SIMD
-    loop: about twice the rate of one shift that widens as it goes)."""
+    uint32 buffer at least as long: the 16 bits are widened and shifted into the high half of a float32
+    in one pass (exact), then converted to dst's type. (Widening first and shifting in place is 15% faster
+    in a core's cache, but moves 26 bytes per value where this moves 18: on 16 cores, whose blocks outgrow
+    the cache, this decodes 10 to 20% faster; on 2 cores a forward takes the same time either way.)"""
     if dtype == "BF16":
         bits = scratch[:src.size]
-        np.copyto(bits, src)
-        np.left_shift(bits, 16, out=bits)
+        np.left_shift(src, 16, out=bits, dtype=np.uint32)
         np.copyto(dst, bits.view(np.float32))
     else:
         np.copyto(dst, src)

@@ -4,19 +4,22 @@ BLAS runs its products on every core by itself; NumPy runs everything else (norm
 the softcap, the bf16 decoding of weights) on one. The steps here spread that work over the cores:
 
 - ``in_parts(total, work)`` splits a range of rows into contiguous parts, one per thread, and runs
-  ``work(first, last)`` on each (the decoding of weights and the streamed products of ``weights.py``).
+  ``work(first, last)`` on each (the decoding of weights and the streamed products of ``weights.py``,
+  attention's blocks of query rows in ``ops.py``).
 - ``rowwise`` wraps a step of ``ops.py`` whose rows are independent (an elementwise formula, or one along
   the last axis): on a large input each thread runs the unchanged function on its own block of rows and
   writes that block of the result. Every element is computed by the same NumPy calls, in the same order,
   as in one call over the whole input, so the result does not depend on the thread count.
 
 NumPy releases the GIL inside its loops, so the parts run on separate cores. The pool is made once per
-process (again after a fork), and work that a part starts in turn runs in that part's thread.
+process (again after a fork); its threads wait on locks of their own (``_Worker``), so handing out the
+parts runs no Python in them. Work that a part starts in turn runs in that part's thread, and a caller
+that finds the pool in use by another thread runs its parts itself.
 
 How many threads: ``threads()``: the ``REFIMPL_THREADS`` environment variable, else the BLAS variables
 (``OPENBLAS_NUM_THREADS``, ``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``, as ``conformance generate`` sets them
-for its worker processes), else the cores this process may run on; ``use_threads(n)`` sets it within a
-block (tests compare thread counts with it).
+for its worker processes), else the cores this process may run on; inside a part, the count of the call
+that made it; ``use_threads(n)`` sets it within a block (tests compare thread counts with it).
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ import functools
 import inspect
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable, Iterator
 
 import numpy as np
@@ -36,14 +38,12 @@ from .errors import InputError
 
 THREADS_ENV = "REFIMPL_THREADS"
 BLAS_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
-ROWWISE_BLOCK = 1 << 16  # values per block of a row-blocked step (512 KiB of float64: about a core's L2 cache)
+ROWWISE_BLOCK = 1 << 17  # values per block of a row-blocked step (1 MiB of float64)
 
 _override: int | None = None  # use_threads()
-_pool: ThreadPoolExecutor | None = None
-_pool_pid = 0
-_pool_size = 0
 _pool_lock = threading.Lock()
-_inside = threading.local()  # .part: this thread is running a part (nested work runs inline)
+_inside = threading.local()  # .part: the thread count of the call whose part this thread runs (0: none;
+#                               nested work runs inline)
 
 
 def cores() -> int:
@@ -58,6 +58,9 @@ def threads() -> int:
     """Threads the oracle's own steps use (see the module's docstring)."""
     if _override is not None:
         return _override
+    part = getattr(_inside, "part", 0)
+    if part:  # inside a part: the count of the call that made it (the environment is not read again)
+        return part
     value = os.environ.get(THREADS_ENV, "").strip()
     if value:
         if not value.isdigit() or int(value) < 1:
@@ -145,24 +148,80 @@ def blas_on_one_thread() -> Iterator[None]:
                     api[1](_blas_users[1])
 
 
-def _executor(workers: int) -> ThreadPoolExecutor:
-    """The process's pool with at least ``workers`` threads (made again after a fork: threads do not
-    survive one)."""
-    global _pool, _pool_pid, _pool_size
-    with _pool_lock:
-        if _pool is None or _pool_pid != os.getpid() or _pool_size < workers:
-            # a larger pool replaces a smaller one (use_threads); the old one is left to finish what it has
-            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="refimpl")
-            _pool_pid, _pool_size = os.getpid(), workers
-        return _pool
+class _Worker:
+    """A pool thread that waits on its own lock: handing it a part and waiting for the part to end are
+    lock operations done in C (no Python runs under the GIL for the hand-over, as it does per task in
+    ``concurrent.futures``, for which many threads would queue)."""
+
+    def __init__(self, name: str):
+        self.go = threading.Lock()
+        self.go.acquire()  # released by ``start``
+        self.done = threading.Lock()
+        self.done.acquire()  # released when the part has ended
+        self.part: tuple[Callable[[int, int], None], int, int, int] | None = None
+        self.error: BaseException | None = None
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            self.go.acquire()
+            try:
+                _run_part(*self.part)  # type: ignore[misc]
+            except BaseException as e:  # noqa: BLE001 - handed to the caller by ``join``
+                self.error = e
+            self.done.release()
+
+    def start(self, work: Callable[[int, int], None], first: int, last: int, count: int) -> None:
+        self.part, self.error = (work, first, last, count), None
+        self.go.release()
+
+    def join(self) -> tuple[BaseException | None, BaseException | None]:
+        """Wait for the part to end, through interrupts (the part writes into the caller's arrays):
+        (the part's error, an interrupt that came while waiting), for the caller to raise."""
+        interrupt = None
+        while True:
+            try:
+                self.done.acquire()
+                break
+            except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt: wait on, the caller raises it
+                interrupt = e
+        self.part = None
+        return self.error, interrupt
 
 
-def _run_part(work: Callable[[int, int], None], first: int, last: int) -> None:
-    _inside.part = True
+class _Pool:
+    """The process's worker threads (made again after a fork: threads do not survive one) and the lock
+    of the caller using them: a second caller at the same time runs its parts itself."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.workers: list[_Worker] = []
+        self.busy = threading.Lock()
+
+    def grow(self, workers: int) -> list[_Worker]:
+        while len(self.workers) < workers:
+            self.workers.append(_Worker(f"refimpl-{len(self.workers)}"))
+        return self.workers[:workers]
+
+
+_pool = _Pool()
+
+
+def _the_pool() -> _Pool:
+    global _pool
+    if _pool.pid != os.getpid():
+        with _pool_lock:
+            if _pool.pid != os.getpid():
+                _pool = _Pool()
+    return _pool
+
+
+def _run_part(work: Callable[[int, int], None], first: int, last: int, count: int) -> None:
+    _inside.part = count
     try:
         work(first, last)
     finally:
-        _inside.part = False
+        _inside.part = 0
 
 
 def bounds(total: int, parts: int, unit: int = 1) -> list[int]:
@@ -175,23 +234,32 @@ def in_parts(total: int, work: Callable[[int, int], None], unit: int = 1, least:
              own_blas: bool = False) -> None:
     """Run ``work(first, last)`` over [0, total) in contiguous parts of whole ``unit``s, one per thread,
     each part at least ``least`` units; this thread runs the first. Inside a part, ``in_parts`` runs its
-    work whole in the calling thread (no nesting on the pool). ``own_blas``: the parts call BLAS, each on
-    its own thread (``blas_on_one_thread`` while they run)."""
+    work whole in the calling thread (no nesting on the pool), as it does while another thread uses the
+    pool. ``own_blas``: the parts call BLAS, each on its own thread (``blas_on_one_thread`` while they run)."""
     most = total // max(1, least * unit)  # parts the range allows (before asking how many threads: cheap)
-    parts = 1 if most <= 1 or getattr(_inside, "part", False) else min(threads(), most)
-    if parts <= 1:
+    count = 1 if most <= 1 or getattr(_inside, "part", 0) else threads()  # parts of this call see this count
+    parts = min(count, most)
+    pool = _the_pool() if parts > 1 else None
+    if pool is None or not pool.busy.acquire(blocking=False):
         work(0, total)
         return
-    edges = bounds(total, parts, unit)
-    pool = _executor(parts - 1)
-    with blas_on_one_thread() if own_blas else contextlib.nullcontext():
-        futures = [pool.submit(_run_part, work, a, b) for a, b in zip(edges[1:-1], edges[2:])]
-        try:
-            _run_part(work, edges[0], edges[1])
-        finally:
-            wait(futures)  # every part has ended before this returns or raises
-        for f in futures:
-            f.result()  # the first part's error, if one failed
+    try:
+        edges = bounds(total, parts, unit)
+        workers = pool.grow(parts - 1)
+        with blas_on_one_thread() if own_blas else contextlib.nullcontext():
+            started: list[_Worker] = []
+            try:
+                for worker, a, b in zip(workers, edges[1:-1], edges[2:]):
+                    worker.start(work, a, b, count)
+                    started.append(worker)
+                _run_part(work, edges[0], edges[1], count)
+            finally:
+                ended = [worker.join() for worker in started]  # every part has ended before this returns or raises
+        for error in [i for _, i in ended] + [e for e, _ in ended]:
+            if error is not None:
+                raise error  # an interrupt, else the first part's error
+    finally:
+        pool.busy.release()
 
 
 def rowwise(aligned: int = 1, flat: bool = False) -> Callable[[Callable[..., np.ndarray]], Callable[..., np.ndarray]]:
@@ -220,7 +288,7 @@ def rowwise(aligned: int = 1, flat: bool = False) -> Callable[[Callable[..., np.
         def blocked(*args, **kwargs) -> np.ndarray:
             x = args[0] if args else kwargs.get(names[0])
             if (not isinstance(x, np.ndarray) or x.ndim < (2 if flat else 1) or x.size < 2 * ROWWISE_BLOCK
-                    or threads() < 2 or getattr(_inside, "part", False)):
+                    or getattr(_inside, "part", 0) or threads() < 2):
                 return fn(*args, **kwargs)
             call = signature.bind(*args, **kwargs)
             call.apply_defaults()

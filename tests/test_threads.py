@@ -50,7 +50,7 @@ def recorded_parts(monkeypatch):
         if len(seen) > 1:
             calls.append((work.__module__.rsplit(".", 1)[-1], total, sorted(seen)))
 
-    for module in (threads, weights, sio):  # each module calls the name it imported
+    for module in (threads, weights, sio, ops):  # each module calls the name it imported
         monkeypatch.setattr(module, "in_parts", in_parts)
     return calls
 
@@ -109,6 +109,47 @@ def test_in_parts_raises_a_failing_part_after_every_part_ends():
     with threads.use_threads(3), pytest.raises(ValueError, match="part 2 failed"):
         threads.in_parts(30, work, unit=10)
     assert sorted(done) == [0, 20]
+
+
+def test_parts_see_the_thread_count_of_their_call(monkeypatch):
+    monkeypatch.setenv(threads.THREADS_ENV, "3")
+    seen = []
+
+    def work(first, last):
+        os.environ[threads.THREADS_ENV] = "not read inside a part"
+        seen.append(threads.threads())
+
+    threads.in_parts(30, work, unit=10)
+    assert seen == [3, 3, 3]
+    monkeypatch.setenv(threads.THREADS_ENV, "bad")
+    with pytest.raises(InputError, match="REFIMPL_THREADS='bad'"):
+        threads.threads()  # outside a part, the environment is read again
+
+
+def test_a_second_caller_runs_its_parts_itself_while_the_pool_is_busy():
+    inside, release = threading.Event(), threading.Event()
+    seen = []
+
+    def first(a, b):  # holds the pool until the second caller has run
+        inside.set()
+        release.wait(30)
+
+    def second():
+        threads.in_parts(40, lambda a, b: seen.append((a, b, threading.get_ident())), unit=10)
+
+    with threads.use_threads(4):
+        caller = threading.Thread(target=threads.in_parts, args=(40, first), kwargs={"unit": 10})
+        caller.start()
+        assert inside.wait(30)
+        other = threading.Thread(target=second)
+        other.start()
+        other.join(30)
+        release.set()
+        caller.join(30)
+        assert seen == [(0, 40, other.ident)]  # whole, in its own thread: the pool was taken
+        seen.clear()
+        second()  # the pool is free again: four parts
+    assert sorted((a, b) for a, b, _ in seen) == [(0, 10), (10, 20), (20, 30), (30, 40)]
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
@@ -259,6 +300,37 @@ def test_rowwise_refuses_a_step_that_is_not_row_wise(monkeypatch):
         threads.rowwise(aligned=2, flat=True)
 
 
+def naive_attention(q, k, v, mask):
+    """Attention one query head and one row at a time, in plain Python sums over NumPy rows (no matrix product)."""
+    T, N, D = q.shape
+    G = N // k.shape[1]
+    out = np.zeros_like(q)
+    for t in range(T):
+        for n in range(N):
+            keys = np.flatnonzero(mask[t])
+            s = np.array([np.dot(q[t, n], k[j, n // G]) for j in keys])
+            p = np.exp(s - s.max())
+            p /= p.sum()
+            out[t, n] = sum(pj * v[j, n // G] for pj, j in zip(p, keys))
+    return out
+
+
+@pytest.mark.parametrize("K", [1, 2])
+def test_attention_by_blocks_of_query_rows_equals_one_call_and_a_naive_loop(monkeypatch, recorded_parts, K):
+    monkeypatch.setattr(ops, "ATTENTION_BLOCK", 16)  # [N, S] scores of 2 rows fill a block
+    rng = np.random.default_rng(3)
+    T, S, N, D = 21, 25, 4, 8
+    q, k, v = rng.standard_normal((T, N, D)), rng.standard_normal((S, K, D)), rng.standard_normal((S, K, D))
+    mask = ops.attention_mask(np.arange(S - T, S), np.arange(S), 6)  # a cached prefix and a window
+    with threads.use_threads(1):
+        one = ops.attention(q, k, v, mask)
+    with threads.use_threads(4):
+        four = ops.attention(q, k, v, mask)
+    assert recorded_parts and recorded_parts[0][:2] == ("ops", T)  # the four-thread call split its rows
+    assert np.max(np.abs(four - one)) <= 1e-14
+    assert np.max(np.abs(one - naive_attention(q, k, v, mask))) <= 1e-14
+
+
 # ----------------------------------------------------------------------------------------------
 # the whole forward
 
@@ -270,6 +342,7 @@ def test_forward_on_one_and_on_four_threads_agree(preset_models, monkeypatch, re
     monkeypatch.setattr(threads, "ROWWISE_BLOCK", 64)
     monkeypatch.setattr(weights, "STREAM_VALUES", 300)
     monkeypatch.setattr(sio, "DECODE_BLOCK", 256)
+    monkeypatch.setattr(ops, "ATTENTION_BLOCK", 64)
     model = preset_models[preset]
     ids = np.random.default_rng(7).integers(3, model.cfg.vocab_size, 23)
     runs = {}
@@ -283,7 +356,7 @@ def test_forward_on_one_and_on_four_threads_agree(preset_models, monkeypatch, re
         if n == 1:
             assert recorded_parts == []
             assert np.max(np.abs(runs[1][0])) > 1.0  # logits of a real size
-    # decoding, streamed products and row-blocked steps all split
-    assert {kind for kind, _, _ in recorded_parts} == {"threads", "weights", "safetensors_io"}
+    # decoding, streamed products, row-blocked steps and attention all split
+    assert {kind for kind, _, _ in recorded_parts} == {"threads", "weights", "safetensors_io", "ops"}
     for one, four in zip(runs[1], runs[4]):
         assert np.max(np.abs(one - four)) < 1e-12
