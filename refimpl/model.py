@@ -269,7 +269,7 @@ class Gemma4:
 
     def rope(self, layer_type: str, head_dim: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """cos, sin [T, D/2] of a layer type's RoPE at ``positions``; kept for the next layer of that type
-        (every layer of a type rotates the same positions in a call)."""
+        (every layer of a type rotates the same positions in a call) until ``hidden_states`` returns."""
         key = (layer_type, head_dim)
         kept = self._rope_kept.get(key)
         if kept is None or not np.array_equal(kept[0], positions):
@@ -427,6 +427,7 @@ class Gemma4:
         if keep is not None and not pruned:
             x = x[keep]
 
+        self._rope_kept.clear()  # (a long prompt's angles are not kept past the call)
         # keep what future tokens can attend to: sliding layers their last W - 1 keys, full layers all
         end = cache.length + T  # (positions may be pruned by now; the call still covered T tokens)
         for i, kv in call_kv.items():

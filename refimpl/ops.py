@@ -207,7 +207,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> 
     Query rows are independent: with several threads each computes ``attention_rows`` of its own block
     of rows (at least ATTENTION_BLOCK scores), its products on its own BLAS thread."""
     T, N, _ = q.shape
-    unit = max(1, ATTENTION_BLOCK // (N * k.shape[0]))  # query rows whose scores [N, S] fill a block
+    unit = max(1, ATTENTION_BLOCK // max(1, N * k.shape[0]))  # query rows whose scores [N, S] fill a block
     if T < 2 * unit:
         return attention_rows(q, k, v, mask)
     out = np.empty(q.shape, dtype=np.result_type(q, k, v))

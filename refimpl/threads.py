@@ -149,15 +149,14 @@ def blas_on_one_thread() -> Iterator[None]:
 
 
 class _Worker:
-    """A pool thread that waits on its own lock: handing it a part and waiting for the part to end are
-    lock operations done in C (no Python runs under the GIL for the hand-over, as it does per task in
-    ``concurrent.futures``, for which many threads would queue)."""
+    """A pool thread that waits on its own lock: handing it a part is a lock release done in C (no Python
+    runs under the GIL for the hand-over, as it does per task in ``concurrent.futures``, for which many
+    threads would queue); the caller waits for the part on an event."""
 
     def __init__(self, name: str):
         self.go = threading.Lock()
         self.go.acquire()  # released by ``start``
-        self.done = threading.Lock()
-        self.done.acquire()  # released when the part has ended
+        self.done = threading.Event()  # set when the part has ended
         self.part: tuple[Callable[[int, int], None], int, int, int] | None = None
         self.error: BaseException | None = None
         threading.Thread(target=self._loop, name=name, daemon=True).start()
@@ -169,24 +168,18 @@ class _Worker:
                 _run_part(*self.part)  # type: ignore[misc]
             except BaseException as e:  # noqa: BLE001 - handed to the caller by ``join``
                 self.error = e
-            self.done.release()
+            self.done.set()
 
     def start(self, work: Callable[[int, int], None], first: int, last: int, count: int) -> None:
         self.part, self.error = (work, first, last, count), None
+        self.done.clear()
         self.go.release()
 
-    def join(self) -> tuple[BaseException | None, BaseException | None]:
-        """Wait for the part to end, through interrupts (the part writes into the caller's arrays):
-        (the part's error, an interrupt that came while waiting), for the caller to raise."""
-        interrupt = None
-        while True:
-            try:
-                self.done.acquire()
-                break
-            except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt: wait on, the caller raises it
-                interrupt = e
-        self.part = None
-        return self.error, interrupt
+    def join(self) -> BaseException | None:
+        """Wait for the part to end (an interrupt raises here: ``in_parts`` then gives the pool up); its error."""
+        self.done.wait()
+        error, self.error, self.part = self.error, None, None
+        return error
 
 
 class _Pool:
@@ -216,6 +209,15 @@ def _the_pool() -> _Pool:
     return _pool
 
 
+def _give_up(pool: _Pool) -> None:
+    """Make a new pool in place of ``pool``, whose threads may still be running parts of an interrupted call
+    (they end them and then wait for ever: daemon threads, never handed work again)."""
+    global _pool
+    with _pool_lock:
+        if _pool is pool:
+            _pool = _Pool()
+
+
 def _run_part(work: Callable[[int, int], None], first: int, last: int, count: int) -> None:
     _inside.part = count
     try:
@@ -243,6 +245,7 @@ def in_parts(total: int, work: Callable[[int, int], None], unit: int = 1, least:
     if pool is None or not pool.busy.acquire(blocking=False):
         work(0, total)
         return
+    handed = joined = False
     try:
         edges = bounds(total, parts, unit)
         workers = pool.grow(parts - 1)
@@ -252,14 +255,19 @@ def in_parts(total: int, work: Callable[[int, int], None], unit: int = 1, least:
                 for worker, a, b in zip(workers, edges[1:-1], edges[2:]):
                     worker.start(work, a, b, count)
                     started.append(worker)
+                handed = True
                 _run_part(work, edges[0], edges[1], count)
             finally:
-                ended = [worker.join() for worker in started]  # every part has ended before this returns or raises
-        for error in [i for _, i in ended] + [e for e, _ in ended]:
+                errors = [worker.join() for worker in started]  # every part has ended before this returns or raises
+                joined = True
+        for error in errors:
             if error is not None:
-                raise error  # an interrupt, else the first part's error
+                raise error  # the first part's error, if one failed
     finally:
-        pool.busy.release()
+        if handed and joined:
+            pool.busy.release()
+        else:  # interrupted while handing out the parts or waiting for them: a part may still be running
+            _give_up(pool)
 
 
 def rowwise(aligned: int = 1, flat: bool = False) -> Callable[[Callable[..., np.ndarray]], Callable[..., np.ndarray]]:

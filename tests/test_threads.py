@@ -8,7 +8,9 @@ BLAS's blocking (1e-12 on logits of about 10)."""
 
 from __future__ import annotations
 
+import _thread
 import os
+import signal
 import threading
 import time
 
@@ -124,6 +126,39 @@ def test_parts_see_the_thread_count_of_their_call(monkeypatch):
     monkeypatch.setenv(threads.THREADS_ENV, "bad")
     with pytest.raises(InputError, match="REFIMPL_THREADS='bad'"):
         threads.threads()  # outside a part, the environment is read again
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="no pthread_kill on this platform")
+@pytest.mark.parametrize("where", ["while waiting for the parts", "in the caller's own part", "after a wait"])
+def test_an_interrupt_is_raised_and_the_pool_still_works(where):
+    """Ctrl-C (a SIGINT to the main thread) in each place; "after a wait": ``_thread.interrupt_main`` wakes no
+    waiting call, so the interrupt is raised just after a part has ended (an earlier pool then waited for ever)."""
+    done = []
+
+    def work(first, last):
+        if first == 0 and where == "in the caller's own part":
+            time.sleep(2)  # the interrupt lands here
+        elif first > 0:
+            time.sleep(0.4)  # a part that is still running when the interrupt comes
+        done.append(first)
+
+    main = threading.main_thread().ident  # a real SIGINT to the main thread, as Ctrl-C sends: it wakes a waiting call
+    timer = (threading.Timer(0.1, _thread.interrupt_main) if where == "after a wait"
+             else threading.Timer(0.1, signal.pthread_kill, (main, signal.SIGINT)))
+    with threads.use_threads(3):
+        timer.start()
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            threads.in_parts(30, work, unit=10)
+        timer.join()
+        assert time.monotonic() - t0 < 1.5  # raised without waiting for the caller's own part to end
+        if where == "in the caller's own part":
+            assert sorted(done) == [10, 20]  # the other parts ended before the interrupt was raised
+        time.sleep(0.5)  # parts of the interrupted call that may still run end
+        done.clear()
+        seen = []
+        threads.in_parts(30, lambda a, b: seen.append((a, b)), unit=10)  # the next call: every part, once
+    assert sorted(seen) == [(0, 10), (10, 20), (20, 30)]
 
 
 def test_a_second_caller_runs_its_parts_itself_while_the_pool_is_busy():
