@@ -149,14 +149,15 @@ def blas_on_one_thread() -> Iterator[None]:
 
 
 class _Worker:
-    """A pool thread that waits on its own lock: handing it a part is a lock release done in C (no Python
-    runs under the GIL for the hand-over, as it does per task in ``concurrent.futures``, for which many
-    threads would queue); the caller waits for the part on an event."""
+    """A pool thread that waits on its own lock: handing it a part and waiting for the part to end are
+    lock operations done in C (no Python runs under the GIL for the hand-over, as it does per task in
+    ``concurrent.futures``, for which many threads would queue)."""
 
     def __init__(self, name: str):
         self.go = threading.Lock()
         self.go.acquire()  # released by ``start``
-        self.done = threading.Event()  # set when the part has ended
+        self.done = threading.Lock()
+        self.done.acquire()  # released when the part has ended
         self.part: tuple[Callable[[int, int], None], int, int, int] | None = None
         self.error: BaseException | None = None
         threading.Thread(target=self._loop, name=name, daemon=True).start()
@@ -168,16 +169,16 @@ class _Worker:
                 _run_part(*self.part)  # type: ignore[misc]
             except BaseException as e:  # noqa: BLE001 - handed to the caller by ``join``
                 self.error = e
-            self.done.set()
+            self.done.release()
 
     def start(self, work: Callable[[int, int], None], first: int, last: int, count: int) -> None:
         self.part, self.error = (work, first, last, count), None
-        self.done.clear()
         self.go.release()
 
     def join(self) -> BaseException | None:
-        """Wait for the part to end (an interrupt raises here: ``in_parts`` then gives the pool up); its error."""
-        self.done.wait()
+        """Wait for the part to end; its error. An interrupt raises here, even one that comes as the part ends
+        (the lock is then taken: waiting again would wait for ever), and ``in_parts`` gives the pool up."""
+        self.done.acquire()
         error, self.error, self.part = self.error, None, None
         return error
 
