@@ -25,6 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import refimpl  # noqa: E402,F401  (first: OpenBLAS's thread timeout)
+from refimpl.model import Gemma4  # noqa: E402
+from refimpl.threads import threads  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from prefill import prompt_ids  # noqa: E402
@@ -43,9 +45,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--model: {args.model} is not a checkpoint directory (no config.json)")
     if args.tokens < 1 or args.repeat < 0 or args.top < 1:
         ap.error("--tokens and --top must be at least 1, --repeat at least 0")
-    from refimpl.model import Gemma4
-    from refimpl.threads import threads
-
     ids = prompt_ids(args.tokens)
     model = Gemma4(args.model, weight_cache=args.weight_cache)
     t = time.perf_counter()
