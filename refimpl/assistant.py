@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import memory
 from .config import FULL, SLIDING, TextConfig, check_positive, get_field, parse_config, read_config_json
 from .errors import ConfigError, InputError, WeightsError
 from .model import LayerKV, rope_inv_freq
@@ -198,6 +199,7 @@ class Drafter:
             raise InputError(f"dtype must be float64 or float32, got {self.dtype}")
         self.acfg = load_assistant_config(model_dir)
         self.cfg = self.acfg.text
+        memory.for_the_oracle()  # the allocator reuses freed arrays (memory.py); once per process
         self.store = TensorStore(model_dir)
         self._validate()
         self._inv_freq = {(layer.layer_type, layer.head_dim): rope_inv_freq(layer.rope, layer.head_dim)

@@ -34,6 +34,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from . import memory
 from .errors import InputError
 
 THREADS_ENV = "REFIMPL_THREADS"
@@ -193,6 +194,8 @@ class _Pool:
         self.busy = threading.Lock()
 
     def grow(self, workers: int) -> list[_Worker]:
+        if workers and not self.workers:
+            memory.for_the_oracle()  # the allocator's settings, before the first worker allocates
         while len(self.workers) < workers:
             self.workers.append(_Worker(f"refimpl-{len(self.workers)}"))
         return self.workers[:workers]

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from . import memory
 from .config import TEXT_PREFIXES, TextConfig, read_config_json
 from .errors import InputError, NonFiniteError, WeightsError
 from .ops import clipped_linear
@@ -116,6 +117,7 @@ class Gemma4Weights:
         self.cache_budget = weight_cache  # bytes of decoded weights ``product`` may keep between calls
         self.cache: dict[tuple[str, int, int], np.ndarray] = {}
         self.cache_bytes = 0
+        memory.for_the_oracle()  # the allocator reuses freed arrays (memory.py); once per process
         self.store = TensorStore(model_dir)
         self.prefix = self._find_prefix()
         self.ignored: list[str] = []
@@ -357,6 +359,7 @@ class TowerWeights:
         if self.dtype not in (np.float64, np.float32):
             raise InputError(f"dtype must be float64 or float32, got {self.dtype}")
         self.cfg = cfg
+        memory.for_the_oracle()
         self.store = TensorStore(model_dir)
         check_tower_tensors(self.store, self.expected(), self.prefixes, self.what, self.unexpected_hint)
 
