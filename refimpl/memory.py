@@ -21,9 +21,16 @@ kernel (``M_TRIM_THRESHOLD`` -1, "disables trimming completely" in glibc's words
 reused by the next, the peak resident set stays what the process needs at once, and the process keeps
 that much until it ends. These settings change how fast memory comes, never a result.
 
-Nothing is set where the user tunes the allocator (any ``MALLOC_*`` variable glibc reads, ``glibc.malloc``
-tunables in ``GLIBC_TUNABLES``, an allocator in ``LD_PRELOAD``), with ``REFIMPL_MALLOC=default`` (a process
-that also runs other work and wants its memory back), or without glibc's ``mallopt`` (macOS).
+A thread keeps the arena it had before the settings, and once a process has two arenas glibc hands
+them out in turn to new threads: the settings hold whole only where they are made before any other thread
+allocates. ``conformance generate`` makes them first in each worker; a process whose other threads
+allocated first (a Dask worker, the check's supervisor thread) may run some pool threads on another
+arena, whose arrays over 64 MiB come from the kernel each time (correct, slower).
+
+Nothing is set where the user tunes the allocator (any ``MALLOC_*`` variable: glibc's, or another
+allocator's such as jemalloc's ``MALLOC_CONF``; ``glibc.malloc`` tunables in ``GLIBC_TUNABLES``; an allocator
+in ``LD_PRELOAD``), with ``REFIMPL_MALLOC=default`` (a process that also runs other work and wants its
+memory back), or without glibc's ``mallopt`` (macOS).
 """
 
 from __future__ import annotations

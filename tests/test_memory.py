@@ -10,6 +10,7 @@ import platform
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -34,9 +35,14 @@ ctypes.CDLL(None).malloc_stats()  # one "Arena i:" section per arena, on stderr
 """
 
 _REUSE = """
-import json, resource, threading
+import json, resource, sys, threading
 import numpy as np
 from refimpl import memory
+if len(sys.argv) > 1:  # a checkpoint: making the model must have made the settings (asked later, they would not be)
+    from refimpl.model import Gemma4
+    Gemma4(sys.argv[1])
+    import os
+    os.environ[memory.MALLOC_ENV] = "default"
 made = memory.for_the_oracle()
 def faults_writing(n):  # minor page faults while writing a new array of n float64 (freed at once)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -56,11 +62,16 @@ print(json.dumps(out))
 """
 
 
-def _child(code: str, **env: str) -> subprocess.CompletedProcess:
+def _clean_env(**env: str) -> dict[str, str]:
+    """This process's environment without anything that tunes the allocator, plus ``env``."""
+    return {**{k: v for k, v in os.environ.items()
+               if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD", memory.MALLOC_ENV)}, **env}
+
+
+def _child(code: str, *args: str, **env: str) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter whose environment tunes no allocator but as given."""
-    clean = {k: v for k, v in os.environ.items()
-             if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD", memory.MALLOC_ENV)}
-    run = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-c", code, *args], env=_clean_env(**env), capture_output=True, text=True,
+                         timeout=120)
     assert run.returncode == 0, run.stderr
     return run
 
@@ -81,6 +92,49 @@ def test_a_freed_large_array_is_reused_in_every_thread():
     assert got["main"][0] >= 8  # the very first array is new memory
     for where in ("main", "thread"):  # the same memory again, already in place (a thread's own stack aside)
         assert max(got[where][1:]) <= 4, (where, got[where])
+
+
+def test_making_a_model_makes_the_settings(preset_dirs):
+    got = json.loads(_child(_REUSE, str(preset_dirs["e2b-mini"])).stdout)
+    assert got["made"] is True and max(got["main"][1:] + got["thread"][1:]) <= 4
+
+
+_GENERATE_WORKER = """
+import json, multiprocessing, resource, sys, threading
+from concurrent.futures import ProcessPoolExecutor
+import numpy as np
+from conformance.generate.executors import _worker_init
+from refimpl import threads
+
+def pool_threads_refault():  # in the worker: each of 4 pool threads writes a new 80 MiB array twice
+    faults = []
+    def work(a, b):
+        def write():
+            before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+            x = np.empty(80 << 17)
+            x[:] = 1.0
+            return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+        write()
+        faults.append(write())  # the second: reused memory, or new again
+    with threads.use_threads(4):
+        threads.in_parts(4, work)
+    return faults
+
+if __name__ == "__main__":
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init) as pool:
+        print(json.dumps(pool.submit(pool_threads_refault).result()))
+"""
+
+
+def test_a_generate_worker_s_pool_threads_reuse_large_arrays(tmp_path):
+    # the worker's parent-watch thread starts before any model is made: the settings must come first, or
+    # some pool threads land on a second arena, which takes arrays over 64 MiB from the kernel every time
+    script = tmp_path / "worker.py"
+    script.write_text(_GENERATE_WORKER)
+    run = subprocess.run([sys.executable, str(script)], env=_clean_env(PYTHONPATH=str(Path(__file__).resolve().parents[1])), capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert max(json.loads(run.stdout)) <= 4
 
 
 @pytest.mark.parametrize("env", [{memory.MALLOC_ENV: "default"}, {"MALLOC_TRIM_THRESHOLD_": "131072"},

@@ -14,6 +14,7 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+from refimpl import memory
 from refimpl.threads import cores
 
 from ..sets.format import FixtureError
@@ -100,7 +101,9 @@ def _run_local(specs: list[dict], workers: int, on_done: OnDone) -> None:
 
 
 def _worker_init() -> None:
-    """In a local worker process: exit when the parent dies (e.g. SIGKILL), instead of lingering."""
+    """In a local worker process: the oracle's allocator settings first (before any other thread allocates:
+    ``refimpl.memory``), then exit when the parent dies (e.g. SIGKILL), instead of lingering."""
+    memory.for_the_oracle()
     parent = multiprocessing.parent_process()
     if parent is not None:
         def watch() -> None:
