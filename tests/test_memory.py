@@ -35,13 +35,12 @@ ctypes.CDLL(None).malloc_stats()  # one "Arena i:" section per arena, on stderr
 """
 
 _REUSE = """
-import json, resource, sys, threading
+import json, os, resource, sys, threading
 import numpy as np
 from refimpl import memory
+from refimpl.model import Gemma4
 if len(sys.argv) > 1:  # a checkpoint: making the model must have made the settings (asked later, they would not be)
-    from refimpl.model import Gemma4
     Gemma4(sys.argv[1])
-    import os
     os.environ[memory.MALLOC_ENV] = "default"
 made = memory.for_the_oracle()
 def faults_writing(n):  # minor page faults while writing a new array of n float64 (freed at once)
@@ -131,7 +130,8 @@ def test_a_generate_worker_s_pool_threads_reuse_large_arrays(tmp_path):
     # some pool threads land on a second arena, which takes arrays over 64 MiB from the kernel every time
     script = tmp_path / "worker.py"
     script.write_text(_GENERATE_WORKER)
-    run = subprocess.run([sys.executable, str(script)], env=_clean_env(PYTHONPATH=str(Path(__file__).resolve().parents[1])), capture_output=True,
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(script)], env=_clean_env(PYTHONPATH=str(root)), capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert max(json.loads(run.stdout)) <= 4
