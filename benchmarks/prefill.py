@@ -16,9 +16,11 @@ after the other, on the same checkpoint and the same prompt (``--tokens`` ids dr
   those weights would not fit in the memory available.
 - ``roofline``: the float64 matrix multiplies of the same forward, with the same shapes, on weights
   decoded beforehand (decoding not timed): every projection ``x [T, in] @ W[out, in]^T`` of every
-  layer, the two attention products per layer (``[K, G, T, D] @ [K, 1, D, S]`` and back), the PLE
+  layer, the two attention products per layer (``[K, T G, D] @ [K, D, S]`` and back, a block of query
+  rows at a time over the span of keys they see, as ``refimpl.ops.attention`` multiplies), the PLE
   model projection, and the head over the requested rows. The KV-shared layers run on the requested
-  rows only (T -> R), as the oracle and transformers both do. Their summed best-of-``--repeat`` time is
+  rows only (T -> R), as the oracle and transformers both do, and so does the last layer that makes
+  K/V, but for its K and V projections (the oracle's pruning; transformers runs that layer on every row). Their summed best-of-``--repeat`` time is
   what a forward made of nothing but matmuls would take; the ratio roofline / oracle is the fraction
   of the matmul rate the oracle reaches.
 - ``baseline`` (``--baseline DIR``): the ``oracle`` part again with the refimpl of another checkout
@@ -139,6 +141,7 @@ def matmul_plan(cfg):
 
 def part_roofline(model: str, tokens: int, rows: str, repeat: int) -> dict:
     from refimpl.model import Gemma4, HEAD_CHUNK
+    from refimpl.ops import ATTENTION_BLOCK, attention_mask, key_span
 
     m = Gemma4(model)
     cfg, w = m.cfg, m.weights
@@ -158,22 +161,31 @@ def part_roofline(model: str, tokens: int, rows: str, repeat: int) -> dict:
         total_s += best(lambda: x @ W.T)
         flops += 2 * T * W.size
     for layer, names in matmul_plan(cfg):
-        Q = T if layer.index < cfg.first_shared_layer else R  # rows this layer computes
+        # rows this layer computes: every token up to the last layer that makes K/V, whose keys and values
+        # are of every token and the rest of the layer of the requested rows only; then those rows
+        Q = T if layer.index < cfg.first_shared_layer - 1 else R
         for name in names:
             W = w[name]  # decoded now, not timed
-            x = rng.standard_normal((Q, W.shape[1]))
+            x = rng.standard_normal((T if name.endswith(("k_proj.weight", "v_proj.weight")) else Q, W.shape[1]))
             total_s += best(lambda: x @ W.T)
-            flops += 2 * Q * W.size
+            flops += 2 * x.shape[0] * W.size
             del W
         N, D = cfg.num_attention_heads, layer.head_dim
         K = layer.num_kv_heads
         S = T  # a prefill from an empty cache attends over its own T keys
-        q = rng.standard_normal((K, N // K, Q, D))
-        kt = rng.standard_normal((K, 1, D, S))
-        pr = rng.standard_normal((K, N // K, Q, S))
-        v = rng.standard_normal((K, 1, S, D))
-        total_s += best(lambda: q @ kt) + best(lambda: pr @ v)
-        flops += 2 * (2 * N * Q * S * D)
+        q = rng.standard_normal((K, Q * (N // K), D))
+        kt = rng.standard_normal((K, D, S))
+        v = rng.standard_normal((K, S, D))
+        # as ``ops.attention`` multiplies: blocks of query rows, each over the span of keys its rows see
+        mask = attention_mask(np.arange(T) if Q == T else rows_index(rows, T), np.arange(S),
+                              cfg.sliding_window if layer.is_sliding else None)
+        unit = max(1, ATTENTION_BLOCK // (N * S))
+        for a in range(0, Q, unit):
+            b = min(a + unit, Q)
+            lo, hi = key_span(mask[a:b])
+            qb, pb = q[:, a * (N // K):b * (N // K)], rng.standard_normal((K, (b - a) * (N // K), hi - lo))
+            total_s += best(lambda: qb @ kt[:, :, lo:hi]) + best(lambda: pb @ v[:, lo:hi])
+            flops += 2 * (2 * N * (b - a) * (hi - lo) * D)
     y = rng.standard_normal((R, cfg.hidden_size))
     head_s = 0.0
     for start in range(0, cfg.vocab_size, HEAD_CHUNK):

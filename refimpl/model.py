@@ -5,8 +5,9 @@ importable from here too.
 Shapes: T new tokens, S keys (cached + new), H hidden, N query heads, K KV heads, G = N / K,
 D head dim, P per-layer-input dim, L layers, V vocabulary, E experts.
 
-``Gemma4.forward`` runs every layer over every new token (vectorised over tokens and heads), keeps
-an explicit KV cache, and projects only the requested rows through the LM head, streaming over the
+``Gemma4.forward`` runs every layer over the new tokens (vectorised over tokens and heads; from the
+last layer that makes K/V on, past its keys and values, over the requested rows only), keeps an
+explicit KV cache, and projects only the requested rows through the LM head, streaming over the
 vocabulary so the full ``[T, V]`` logits exist only when all rows are asked for.
 """
 
@@ -21,9 +22,10 @@ import numpy as np
 
 from .config import RopeSpec, TextConfig, load_config
 from .errors import InputError, NonFiniteError
-from .ops import (apply_rope, attention, attention_mask, bf16_round, geglu, linear, rms_norm, rope_cos_sin, softcap,
+from .ops import (attention, attention_mask, bf16_round, geglu, linear, norm_rope, rms_norm, rope_cos_sin, softcap,
                   softmax, vision_block_mask, vision_overlay_mask)
-from .ops import gelu_tanh, mlp  # noqa: F401  (unused here; refimpl.model.gelu_tanh and .mlp stay importable)
+from .ops import apply_rope, gelu_tanh, mlp  # noqa: F401  (unused here; refimpl.model.apply_rope, ... stay importable)
+from .threads import all_finite
 from .weights import FEW_ROWS, Gemma4Weights, expected_tensors, nonfinite_error, weight_cache_bytes
 
 # how vision blocks open the decoder mask (Unified spec A9). "sliding-clamped" (rule B, the default): on
@@ -31,7 +33,10 @@ from .weights import FEW_ROWS, Gemma4Weights, expected_tensors, nonfinite_error,
 # llama.cpp, vLLM. "all-unclamped" (rule A): on every layer, after the window; transformers 5.24's default
 # Gemma4UnifiedModel.forward, mlx-vlm, mlxcel.
 VISION_MASK_RULES = ("sliding-clamped", "all-unclamped")
-HEAD_CHUNK = 2_048  # vocabulary rows decoded per step of the streamed LM head (25 MB of float64 at H 1536)
+# vocabulary rows decoded per step of the streamed LM head (100 MB of float64 at H 1536), into the buffer the
+# projections are decoded into (Gemma4Weights.product), which the largest projection has made larger at every
+# published dense shape; 2 048 before: on 16 cores an all-rows forward of the 10-layer E2B cut took 10% longer
+HEAD_CHUNK = 8_192
 # ... when at most FEW_ROWS rows ask (a last-row prefill, a decode step): the head is then streamed a block
 # at a time by every thread (Gemma4Weights.product) and no decoded chunk is kept, so a step can be long
 FEW_ROWS_HEAD_CHUNK = 32_768
@@ -260,7 +265,7 @@ class Gemma4:
             ("per_layer_projection_norm.weight", None)])
 
     def _check_layer_finite(self, i: int, x: np.ndarray) -> None:
-        if not np.isfinite(x).all():
+        if not all_finite(x):
             p = f"layers.{i}."
             self._refuse_nonfinite(f"the residual stream after layer {i} is",
                                    [(name, None) for name in expected_tensors(self.cfg) if name.startswith(p)])
@@ -278,8 +283,10 @@ class Gemma4:
         return kept[1], kept[2]
 
     def attention_block(self, i: int, x: np.ndarray, positions: np.ndarray, cache: KVCache,
-                        call_kv: dict[int, LayerKV], blocks: np.ndarray | None = None) -> np.ndarray:
-        """Pre-norm attention with q/k/v norms and RoPE; returns the post-attention-normed output [T, H].
+                        call_kv: dict[int, LayerKV], blocks: np.ndarray | None = None,
+                        keep: np.ndarray | None = None) -> np.ndarray:
+        """Pre-norm attention with q/k/v norms and RoPE; returns the post-attention-normed output [T, H]
+        ([R, H] with ``keep`` [R]: the keys and values of every row, the queries of rows ``keep`` only).
 
         ``blocks`` [T] (vision block id of each new token, -1 outside) opens same-block keys: on sliding
         layers inside the window (``vision_block_mask``, full layers causal) by default, on every layer
@@ -288,16 +295,18 @@ class Gemma4:
         p = f"layers.{i}."
         T, N, D, eps = x.shape[0], cfg.num_attention_heads, layer.head_dim, cfg.rms_norm_eps
         cos, sin = self.rope(layer.layer_type, D, positions)
-
         h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
-        q = w.linear(h, p + "self_attn.q_proj.weight").reshape(T, N, D)
-        q = apply_rope(rms_norm(q, w[p + "self_attn.q_norm.weight"], eps), cos, sin)
+
+        q_rows = slice(None) if keep is None else keep  # the rows that ask (the positions of their queries)
+        hq, q_pos, q_blocks = h[q_rows], positions[q_rows], None if blocks is None else blocks[q_rows]
+        q = w.linear(hq, p + "self_attn.q_proj.weight").reshape(len(hq), N, D)
+        q = norm_rope(q, cos[q_rows], sin[q_rows], w[p + "self_attn.q_norm.weight"], eps)  # q_norm, then RoPE
 
         if layer.owns_kv:
             K = layer.num_kv_heads
             kr = w.linear(h, p + "self_attn.k_proj.weight").reshape(T, K, D)
             vr = kr if layer.k_eq_v else w.linear(h, p + "self_attn.v_proj.weight").reshape(T, K, D)
-            k = apply_rope(rms_norm(kr, w[p + "self_attn.k_norm.weight"], eps), cos, sin)
+            k = norm_rope(kr, cos, sin, w[p + "self_attn.k_norm.weight"], eps)  # k_norm, then RoPE
             v = rms_norm(vr, None, eps)  # v_norm: scale-free
             past = cache.layers.get(i)
             if past is not None:
@@ -313,12 +322,12 @@ class Gemma4:
 
         window = cfg.sliding_window if layer.is_sliding else None
         if blocks is not None and self.vision_mask == "all-unclamped":
-            mask = vision_overlay_mask(positions, kv.pos, window, blocks, kv.blocks)
+            mask = vision_overlay_mask(q_pos, kv.pos, window, q_blocks, kv.blocks)
         elif blocks is not None and layer.is_sliding:
-            mask = vision_block_mask(positions, kv.pos, cfg.sliding_window, blocks, kv.blocks)
+            mask = vision_block_mask(q_pos, kv.pos, cfg.sliding_window, q_blocks, kv.blocks)
         else:
-            mask = attention_mask(positions, kv.pos, window)
-        a = attention(q, kv.k, kv.v, mask).reshape(T, N * D)
+            mask = attention_mask(q_pos, kv.pos, window)
+        a = attention(q, kv.k, kv.v, mask).reshape(len(q), N * D)
         o = w.linear(a, p + "self_attn.o_proj.weight")
         return rms_norm(o, w[p + "post_attention_layernorm.weight"], eps)
 
@@ -354,9 +363,14 @@ class Gemma4:
         return rms_norm(g, w[p + "post_per_layer_input_norm.weight"], self.cfg.rms_norm_eps)
 
     def layer(self, i: int, x: np.ndarray, ple_i: np.ndarray | None, positions: np.ndarray, cache: KVCache,
-              call_kv: dict[int, LayerKV], trace: Trace | None, blocks: np.ndarray | None = None) -> np.ndarray:
+              call_kv: dict[int, LayerKV], trace: Trace | None, blocks: np.ndarray | None = None,
+              keep: np.ndarray | None = None) -> np.ndarray:
+        """One decoder layer: x [T, H] -> [T, H]; with ``keep`` [R], the K/V of every row and the rest of the
+        layer for rows ``keep`` only: -> [R, H]."""
         p = f"layers.{i}."
-        a = self.attention_block(i, x, positions, cache, call_kv, blocks)
+        a = self.attention_block(i, x, positions, cache, call_kv, blocks, keep)
+        if keep is not None:
+            x, ple_i = x[keep], None if ple_i is None else ple_i[keep]
         r = x + a
         m = self.ffn_block(i, r, trace)
         x = r + m  # a new array: the two steps below work in place
@@ -381,10 +395,12 @@ class Gemma4:
         (only rows ``keep`` [R], an index array, when given).
 
         ``keep``: the KV-shared layers (from ``first_shared_layer`` on) produce no K/V, so a row there
-        only feeds its own output: they run on the ``keep`` rows alone (the earlier layers, whose K/V
-        every later query reads, run on every token). Each kept row is computed by the same formulas as
-        in the full pass (equal to BLAS rounding). With a ``trace`` every row runs through every layer
-        (the trace records them all) and the kept rows are returned.
+        only feeds its own output: they run on the ``keep`` rows alone. So does the last layer with K/V
+        of its own (every layer's K/V is read by later queries), once its keys and values are made from
+        every token: its queries, attention output and FFN only feed the rows after it (the last layer,
+        without KV sharing). The earlier layers run on every token. Each kept row is computed by the same
+        formulas as in the full pass (equal to BLAS rounding). With a ``trace`` every row runs through
+        every layer (the trace records them all) and the kept rows are returned.
 
         ``embeddings`` [T, H], when given, replaces E[ids] * sqrt(H) as the input (it must already be
         scaled); ``ids`` then only select the per-layer-embedding rows (use the pad id 0 for soft tokens).
@@ -415,16 +431,17 @@ class Gemma4:
                 trace.put("ple", ple)
 
         call_kv: dict[int, LayerKV] = {}
-        pruned = False
+        prune = None if trace is not None else keep  # rows to prune to, [T] -> [R], after the last K/V
         for i in range(cfg.num_hidden_layers):
-            if keep is not None and trace is None and not pruned and i >= cfg.first_shared_layer:  # [T] -> [R]
-                x, positions = x[keep], positions[keep]
-                ple = None if ple is None else ple[keep]
-                blocks = None if blocks is None else blocks[keep]
-                pruned = True
-            x = self.layer(i, x, None if ple is None else ple[:, i, :], positions, cache, call_kv, trace, blocks)
+            ple_i = None if ple is None else ple[:, i, :]
+            if prune is not None and i >= cfg.first_shared_layer - 1:  # the last layer that makes K/V
+                x = self.layer(i, x, ple_i, positions, cache, call_kv, trace, blocks, keep=prune)
+                positions, blocks = positions[prune], None if blocks is None else blocks[prune]
+                ple, prune = None if ple is None else ple[prune], None
+            else:
+                x = self.layer(i, x, ple_i, positions, cache, call_kv, trace, blocks)
             self._check_layer_finite(i, x)
-        if keep is not None and not pruned:
+        if keep is not None and trace is not None:
             x = x[keep]
 
         self._rope_kept.clear()  # (a long prompt's angles are not kept past the call)
@@ -459,9 +476,9 @@ class Gemma4:
         for start in range(0, cfg.vocab_size, chunk):
             stop = min(start + chunk, cfg.vocab_size)
             z = self.weights.head_linear(y, start, stop)
-            if not np.isfinite(z).all():  # before the softcap, which turns +-inf into +-cap
+            if not all_finite(z):  # before the softcap, which turns +-inf into +-cap
                 self._refuse_nonfinite("the logits are", [(self.weights.head_name, None)])
-            logits[:, start:stop] = softcap(z, cfg.final_logit_softcapping)
+            softcap(z, cfg.final_logit_softcapping, out=logits[:, start:stop])
         return logits
 
     def forward(self, ids: Sequence[int] | np.ndarray, *, rows: str | Sequence[int] = "all",

@@ -110,9 +110,22 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
 
 
 @rowwise(flat=True)
-def softcap(logits: np.ndarray, cap: float | None) -> np.ndarray:
-    """cap * tanh(logits / cap); identity when the config has no cap."""
-    return logits if cap is None else cap * np.tanh(logits / cap)
+def softcap(logits: np.ndarray, cap: float | None, out: np.ndarray | None = None) -> np.ndarray:
+    """cap * tanh(logits / cap); identity when the config has no cap. ``out``: an array of logits' shape
+    to write the result into (the LM head's columns of the full logits), else a new one (or logits
+    itself, uncapped)."""
+    if cap is None:
+        if out is None:
+            return logits
+        np.copyto(out, logits)
+        return out
+    if out is not None and out.dtype != logits.dtype:  # computed in logits' dtype, then stored
+        np.copyto(out, softcap.whole(logits, cap))
+        return out
+    y = np.divide(logits, cap, out=out)
+    np.tanh(y, out=y)
+    y *= cap  # (= cap * tanh(...): the one product, rounded once)
+    return y
 
 
 def clamp(x: np.ndarray, limit: float) -> np.ndarray:
@@ -124,7 +137,8 @@ def clamp(x: np.ndarray, limit: float) -> np.ndarray:
 @rowwise(aligned=2)
 def geglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """The gated activation of a GeGLU MLP: gelu_tanh(gate) * up, both [T, I]."""
-    return gelu_tanh.whole(gate) * up  # (the row blocks are this function's; gelu_tanh runs whole on each)
+    y = gelu_tanh.whole(gate)  # (the row blocks are this function's; gelu_tanh runs whole on each)
+    return np.multiply(y, up, out=y) if y.dtype == np.result_type(y, up) else y * up  # (in place: one array fewer)
 
 
 def mlp(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
@@ -156,6 +170,13 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
+@rowwise(aligned=3)
+def norm_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """apply_rope(rms_norm(x, weight, eps), cos, sin) for x [T, heads, D] (the q and k norms): one pass of
+    the threads over blocks of rows, each block through both steps while it is in the core's cache."""
+    return apply_rope(rms_norm(x, weight, eps), cos, sin)
+
+
 def apply_rope_2d(x: np.ndarray, cos_x: np.ndarray, sin_x: np.ndarray, cos_y: np.ndarray,
                   sin_y: np.ndarray) -> np.ndarray:
     """x [T, heads, D]: rotate-half RoPE of channels [0, D/2) by the x angles and [D/2, D) by the y angles."""
@@ -166,7 +187,7 @@ def apply_rope_2d(x: np.ndarray, cos_x: np.ndarray, sin_x: np.ndarray, cos_y: np
 # ----------------------------------------------------------------------------------------------
 # attention
 
-ATTENTION_BLOCK = 1 << 16  # scores per block of query rows of a threaded ``attention`` (512 KiB of float64)
+ATTENTION_BLOCK = 1 << 16  # scores per block of query rows of ``attention`` (512 KiB of float64)
 
 
 def attention_mask(q_pos: np.ndarray, k_pos: np.ndarray, window: int | None) -> np.ndarray:
@@ -204,19 +225,30 @@ def vision_overlay_mask(q_pos: np.ndarray, k_pos: np.ndarray, window: int | None
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """q [T, N, D], k/v [S, K, D], mask [T, S] -> [T, N, D]. Scale 1.0, no softcap, GQA head j -> j // G.
 
-    Query rows are independent: with several threads each computes ``attention_rows`` of its own block
-    of rows (at least ATTENTION_BLOCK scores), its products on its own BLAS thread."""
+    Query rows are independent. They are taken in blocks of ATTENTION_BLOCK scores (blocks fixed by the
+    shapes, whatever the thread count), and a block attends only over the span of keys its rows can see
+    (``key_span``: causal and sliding masks leave the rest of the keys to other blocks); the keys outside
+    have probability 0 either way. With several threads the blocks are split between them, each block's
+    ``attention_rows`` on its thread's own BLAS."""
     T, N, _ = q.shape
     unit = max(1, ATTENTION_BLOCK // max(1, N * k.shape[0]))  # query rows whose scores [N, S] fill a block
-    if T < 2 * unit:
-        return attention_rows(q, k, v, mask)
     out = np.empty(q.shape, dtype=np.result_type(q, k, v))
 
-    def rows(first: int, last: int) -> None:
-        out[first:last] = attention_rows(q[first:last], k, v, mask[first:last])
+    def rows(first: int, last: int) -> None:  # whole blocks [first, last) (parts start on a block's edge)
+        for a in range(first, last, unit):
+            b = min(a + unit, last)
+            lo, hi = key_span(mask[a:b])
+            out[a:b] = attention_rows(q[a:b], k[lo:hi], v[lo:hi], mask[a:b, lo:hi])
 
     in_parts(T, rows, unit=unit, own_blas=True)
     return out
+
+
+def key_span(mask: np.ndarray) -> tuple[int, int]:
+    """[lo, hi): from the first key any of the rows of ``mask`` [T, S] sees to one past the last (all the
+    keys when none is seen: the rows' results are then NaN either way)."""
+    seen = np.flatnonzero(mask.any(axis=0))
+    return (int(seen[0]), int(seen[-1]) + 1) if seen.size else (0, mask.shape[1])
 
 
 def attention_rows(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> np.ndarray:

@@ -6,6 +6,7 @@ the softcap, the bf16 decoding of weights) on one. The steps here spread that wo
 - ``in_parts(total, work)`` splits a range of rows into contiguous parts, one per thread, and runs
   ``work(first, last)`` on each (the decoding of weights and the streamed products of ``weights.py``,
   attention's blocks of query rows in ``ops.py``).
+- ``all_finite`` checks a large array for NaN and infinities a block of rows per thread.
 - ``rowwise`` wraps a step of ``ops.py`` whose rows are independent (an elementwise formula, or one along
   the last axis): on a large input each thread runs the unchanged function on its own block of rows and
   writes that block of the result. Every element is computed by the same NumPy calls, in the same order,
@@ -274,6 +275,21 @@ def in_parts(total: int, work: Callable[[int, int], None], unit: int = 1, least:
             _give_up(pool)
 
 
+def all_finite(x: np.ndarray) -> bool:
+    """``np.isfinite(x).all()``, blocks of the rows of x (ROWWISE_BLOCK values or more) split between the
+    threads: the checks of the forward's large arrays (the LM head's [R, chunk] products)."""
+    if x.ndim == 0 or x.shape[0] == 0:
+        return bool(np.isfinite(x).all())
+    bad: list[int] = []
+
+    def work(first: int, last: int) -> None:
+        if not np.isfinite(x[first:last]).all():
+            bad.append(first)
+
+    in_parts(x.shape[0], work, unit=max(1, ROWWISE_BLOCK * x.shape[0] // max(1, x.size)), least=2)
+    return not bad
+
+
 def rowwise(aligned: int = 1, flat: bool = False) -> Callable[[Callable[..., np.ndarray]], Callable[..., np.ndarray]]:
     """Decorator for a step whose output has its first argument's shape and dtype and whose rows are
     independent along the first axis of its first ``aligned`` arguments (``apply_rope``'s x, cos and sin
@@ -286,7 +302,11 @@ def rowwise(aligned: int = 1, flat: bool = False) -> Callable[[Callable[..., np.
     are split between the threads and each runs the step on blocks of its rows of about ``ROWWISE_BLOCK``
     values, writing them into the result: the step's passes over a block stay in the core's cache. On one
     thread, on a smaller input, or inside another part, the step runs in one call (the copy of each block
-    into the result costs more than the cache saves on one core for the cheap steps, the norms)."""
+    into the result costs more than the cache saves on one core for the cheap steps, the norms).
+
+    A step with an ``out`` argument writes its result there when the caller gives one (``softcap`` into
+    the columns of the logits): each block then goes straight into its rows of ``out`` (split when it is
+    of two axes, like its input)."""
 
     if flat and aligned != 1:
         raise ValueError("a flat step has one row-aligned argument")
@@ -295,6 +315,7 @@ def rowwise(aligned: int = 1, flat: bool = False) -> Callable[[Callable[..., np.
         signature = inspect.signature(fn)
         names = list(signature.parameters)[:aligned]  # the row-aligned parameters
         has_axis = "axis" in signature.parameters
+        has_out = "out" in signature.parameters
 
         @functools.wraps(fn)
         def blocked(*args, **kwargs) -> np.ndarray:
@@ -309,6 +330,9 @@ def rowwise(aligned: int = 1, flat: bool = False) -> Callable[[Callable[..., np.
                 if params["axis"] not in (-1, x.ndim - 1):
                     return fn(*args, **kwargs)
                 params["axis"] = -1  # (a block may have fewer axes than x)
+            dest = params["out"] if has_out else None  # the caller's array for the result
+            if dest is not None and (x.ndim > 2 or dest.shape != x.shape):
+                return fn(*args, **kwargs)
             if flat and x.ndim > 2 and x.flags.c_contiguous:
                 params[names[0]] = x.reshape(-1, x.shape[-1])
             rows = params[names[0]]
@@ -323,6 +347,9 @@ def rowwise(aligned: int = 1, flat: bool = False) -> Callable[[Callable[..., np.
             def work(first: int, last: int) -> None:
                 for a in range(first, last, step):
                     b = min(a + step, last)
+                    if dest is not None:
+                        fn(**{**params, **{n: params[n][a:b] for n in names}, "out": dest[a:b]})
+                        continue
                     block = fn(**{**params, **{n: params[n][a:b] for n in names}})
                     with lock:
                         if not result:
@@ -334,7 +361,7 @@ def rowwise(aligned: int = 1, flat: bool = False) -> Callable[[Callable[..., np.
                     out[a:b] = block
 
             in_parts(rows.shape[0], work, unit=unit)
-            return result[0].reshape(x.shape)
+            return dest if dest is not None else result[0].reshape(x.shape)
 
         blocked.whole = fn  # type: ignore[attr-defined]  # the step in one call (tests compare the two)
         return blocked

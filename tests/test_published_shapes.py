@@ -238,6 +238,34 @@ def test_pruned_rows_keep_vision_blocks(micro_factory):
         assert np.max(np.abs(model.forward(ids, rows=rows, vision_blocks=blocks) - full[rows])) < 1e-12
 
 
+@pytest.mark.parametrize("shared", [2, 1, 0])  # the pruned layer: full, sliding, the last one
+def test_the_last_layer_with_kv_runs_only_the_kept_queries(micro_factory, monkeypatch, shared):
+    """With rows pruned, the last layer that makes K/V (the last layer, without KV sharing) makes them
+    from every token but asks queries for the kept rows only; the rows equal the full pass's, and so do
+    the rows after a cache left by a pruned call."""
+    import refimpl.model as model_module
+    from helpers import micro_config
+    from refimpl.model import KVCache
+
+    d = micro_factory(micro_config(num_hidden_layers=5, layer_types=[SLIDING, SLIDING, FULL, SLIDING, FULL],
+                                   num_kv_shared_layers=shared))
+    model = Gemma4(d)
+    seen = []  # (queries, keys) of each attention call
+    attention = model_module.attention
+    monkeypatch.setattr(model_module, "attention",
+                        lambda q, k, v, mask: seen.append((q.shape[0], k.shape[0])) or attention(q, k, v, mask))
+    ids = list(range(5, 25))
+    full = model.forward(ids, rows="all")
+    seen.clear()
+    got = model.forward(ids, rows=[4, 19])
+    owner = model.cfg.first_shared_layer - 1
+    assert seen == [(20, 20)] * owner + [(2, 20)] * (5 - owner)
+    assert np.max(np.abs(got - full[[4, 19]])) < 1e-12
+    cache = KVCache()
+    model.forward(ids[:12], rows="last", cache=cache)
+    assert np.max(np.abs(model.forward(ids[12:], rows="all", cache=cache) - full[12:])) < 1e-12
+
+
 def test_kept_rows_with_a_trace(preset_models):
     """hidden_states(keep=R) with a trace runs every row (the trace holds all T) and returns the R rows."""
     from refimpl.model import Trace

@@ -266,6 +266,8 @@ def _steps(rng, dtype):
         "softmax along axis 0": (ops.softmax, (np.nan_to_num(scores, neginf=-5.0),), {"axis": 0}),
         "softcap": (ops.softcap, (40 * x, 30.0), {}),
         "apply_rope": (ops.apply_rope, (q, cos, sin), {}),
+        "norm_rope": (ops.norm_rope, (q, cos, sin, rng.standard_normal(D).astype(dtype), 1e-6), {}),
+        "geglu": (ops.geglu, (4 * x, x), {}),
     }
 
 
@@ -277,13 +279,49 @@ def test_rowwise_steps_equal_the_step_in_one_call(monkeypatch, recorded_parts, d
         recorded_parts.clear()
         with threads.use_threads(n):
             got = fn(*args, **kwargs)
-        want = fn.whole(*args, **kwargs)
+        with threads.use_threads(1):  # (norm_rope's whole step calls two row-blocked steps)
+            want = fn.whole(*args, **kwargs)
         assert within_rounding(got, want), name
         split = name != "softmax along axis 0"  # not along its rows: one call
         assert bool(recorded_parts) == split, name
         if split:
             ((_, total, parts),) = recorded_parts
             assert 1 < len(parts) <= n, name
+
+
+@pytest.mark.parametrize("cap", [30.0, None])
+def test_softcap_into_columns_of_the_logits(monkeypatch, recorded_parts, cap):
+    """softcap(z, cap, out=logits[:, a:b]) writes each row block straight into those columns (the LM head's
+    chunks): the same values as the step in one call, the rest of the logits untouched."""
+    monkeypatch.setattr(threads, "ROWWISE_BLOCK", 64)
+    z = 40 * np.random.default_rng(8).standard_normal((30, 16))
+    logits = np.full((30, 50), 7.0)
+    with threads.use_threads(3):
+        got = ops.softcap(z, cap, out=logits[:, 20:36])
+    assert recorded_parts and recorded_parts[0][1] == 30  # split into row blocks
+    assert np.shares_memory(got, logits) and got.shape == (30, 16)
+    want = z if cap is None else cap * np.tanh(z / cap)
+    assert within_rounding(logits[:, 20:36], want)
+    assert (logits[:, :20] == 7.0).all() and (logits[:, 36:] == 7.0).all()
+
+
+def test_all_finite_splits_rows_and_finds_one_bad_value_anywhere(monkeypatch, recorded_parts):
+    monkeypatch.setattr(threads, "ROWWISE_BLOCK", 64)
+    x = np.random.default_rng(9).standard_normal((40, 16))
+    with threads.use_threads(4):
+        assert threads.all_finite(x)
+        assert recorded_parts and recorded_parts[0][1] == 40 and len(recorded_parts[0][2]) == 4
+        for bad, (r, c) in ((np.nan, (0, 0)), (np.inf, (39, 15)), (-np.inf, (21, 3))):
+            y = x.copy()
+            y[r, c] = bad
+            assert not threads.all_finite(y)
+    assert threads.all_finite(np.float64(1.0)) and not threads.all_finite(np.array(np.nan))
+    assert threads.all_finite(np.empty((0, 3))) and threads.all_finite(np.empty((3, 0)))
+    flat = np.arange(300.0)
+    with threads.use_threads(4):
+        assert threads.all_finite(flat)
+        flat[250] = np.nan
+        assert not threads.all_finite(flat)
 
 
 def test_rowwise_takes_keywords_the_last_axis_by_number_and_the_step_s_dtype(monkeypatch, recorded_parts):
@@ -363,6 +401,28 @@ def test_attention_by_blocks_of_query_rows_equals_one_call_and_a_naive_loop(monk
     assert recorded_parts and recorded_parts[0][:2] == ("ops", T)  # the four-thread call split its rows
     assert np.max(np.abs(four - one)) <= 1e-14
     assert np.max(np.abs(one - naive_attention(q, k, v, mask))) <= 1e-14
+
+
+def test_attention_blocks_see_only_their_span_of_keys(monkeypatch):
+    """Each block of query rows multiplies only the keys from the first one its rows see to the last: a
+    window of 6 over 40 keys gives blocks of 2 rows spans of 7 keys; the blocks and their spans are the
+    same on one thread and on four, and the result equals the naive loop's."""
+    monkeypatch.setattr(ops, "ATTENTION_BLOCK", 160)  # [N, S] scores of 2 rows fill a block
+    rng = np.random.default_rng(5)
+    T, S, N, D = 20, 40, 2, 4
+    q, k, v = rng.standard_normal((T, N, D)), rng.standard_normal((S, 1, D)), rng.standard_normal((S, 1, D))
+    mask = ops.attention_mask(np.arange(S - T, S), np.arange(S), 6)
+    calls = {}
+    real = ops.attention_rows
+    for n in (1, 4):
+        seen = calls[n] = []
+        monkeypatch.setattr(ops, "attention_rows", lambda q, k, v, m, seen=seen: seen.append((q.shape[0], k.shape[0]))
+                            or real(q, k, v, m))
+        with threads.use_threads(n):
+            out = ops.attention(q, k, v, mask)
+        assert np.max(np.abs(out - naive_attention(q, k, v, mask))) <= 1e-14
+    assert sorted(calls[1]) == sorted(calls[4]) == [(2, 7)] * 10
+    assert ops.key_span(np.zeros((3, 5), dtype=bool)) == (0, 5)  # nothing seen: every key (NaN rows either way)
 
 
 # ----------------------------------------------------------------------------------------------
