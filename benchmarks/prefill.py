@@ -20,8 +20,8 @@ after the other, on the same checkpoint and the same prompt (``--tokens`` ids dr
   rows at a time over the span of keys they see, as ``refimpl.ops.attention`` multiplies), the PLE
   model projection, and the head over the requested rows. The KV-shared layers run on the requested
   rows only (T -> R), as the oracle and transformers both do, and so does the last layer that makes
-  K/V, but for its K and V projections (the oracle's pruning; transformers runs that layer on every row). Their summed best-of-``--repeat`` time is
-  what a forward made of nothing but matmuls would take; the ratio roofline / oracle is the fraction
+  K/V, but for its K and V projections (the oracle's pruning; transformers runs that layer on every
+  row). Their summed best-of-``--repeat`` time is what a forward made of nothing but matmuls would take; the ratio roofline / oracle is the fraction
   of the matmul rate the oracle reaches.
 - ``baseline`` (``--baseline DIR``): the ``oracle`` part again with the refimpl of another checkout
   (e.g. ``git worktree add /tmp/before HEAD~3``): before and after a change, side by side in one run.

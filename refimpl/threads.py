@@ -347,10 +347,11 @@ def rowwise(aligned: int = 1, flat: bool = False) -> Callable[[Callable[..., np.
             def work(first: int, last: int) -> None:
                 for a in range(first, last, step):
                     b = min(a + step, last)
+                    these = {**params, **{n: params[n][a:b] for n in names}}  # the call on rows [a, b)
                     if dest is not None:
-                        fn(**{**params, **{n: params[n][a:b] for n in names}, "out": dest[a:b]})
+                        fn(**{**these, "out": dest[a:b]})
                         continue
-                    block = fn(**{**params, **{n: params[n][a:b] for n in names}})
+                    block = fn(**these)
                     with lock:
                         if not result:
                             result.append(np.empty(rows.shape, dtype=block.dtype))
