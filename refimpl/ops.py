@@ -187,7 +187,7 @@ def apply_rope_2d(x: np.ndarray, cos_x: np.ndarray, sin_x: np.ndarray, cos_y: np
 # ----------------------------------------------------------------------------------------------
 # attention
 
-ATTENTION_BLOCK = 1 << 16  # scores per block of query rows of ``attention`` (512 KiB of float64)
+ATTENTION_BLOCK = 1 << 17  # scores per block of query rows of ``attention`` (1 MiB of float64)
 
 
 def attention_mask(q_pos: np.ndarray, k_pos: np.ndarray, window: int | None) -> np.ndarray:
@@ -229,19 +229,28 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> 
     shapes, whatever the thread count), and a block attends only over the span of keys its rows can see
     (``key_span``: causal and sliding masks leave the rest of the keys to other blocks); the keys outside
     have probability 0 either way. With several threads the blocks are split between them, each block's
-    ``attention_rows`` on its thread's own BLAS."""
+    ``attention_rows`` on its thread's own BLAS, in the order ``balanced_order`` gives (a causal block's
+    work grows with its row: in row order the last thread would get the most of it)."""
     T, N, _ = q.shape
     unit = max(1, ATTENTION_BLOCK // max(1, N * k.shape[0]))  # query rows whose scores [N, S] fill a block
     out = np.empty(q.shape, dtype=np.result_type(q, k, v))
+    order = balanced_order(-(-T // unit))
 
-    def rows(first: int, last: int) -> None:  # whole blocks [first, last) (parts start on a block's edge)
-        for a in range(first, last, unit):
-            b = min(a + unit, last)
+    def blocks(first: int, last: int) -> None:  # the blocks order[first:last]
+        for j in order[first:last]:
+            a, b = j * unit, min(j * unit + unit, T)
             lo, hi = key_span(mask[a:b])
             out[a:b] = attention_rows(q[a:b], k[lo:hi], v[lo:hi], mask[a:b, lo:hi])
 
-    in_parts(T, rows, unit=unit, own_blas=True)
+    in_parts(len(order), blocks, own_blas=True)
     return out
+
+
+def balanced_order(n: int) -> list[int]:
+    """0, n-1, 1, n-2, 2, ...: for blocks whose work grows (or shrinks) steadily with their index, each pair
+    order[2i], order[2i+1] holds about the same work, so the parts ``in_parts`` cuts of whole pairs are
+    balanced (with one block per thread there is nothing to balance)."""
+    return [j // 2 if j % 2 == 0 else n - 1 - j // 2 for j in range(n)]
 
 
 def key_span(mask: np.ndarray) -> tuple[int, int]:

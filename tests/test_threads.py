@@ -389,7 +389,7 @@ def naive_attention(q, k, v, mask):
 
 @pytest.mark.parametrize("K", [1, 2])
 def test_attention_by_blocks_of_query_rows_equals_one_call_and_a_naive_loop(monkeypatch, recorded_parts, K):
-    monkeypatch.setattr(ops, "ATTENTION_BLOCK", 16)  # [N, S] scores of 2 rows fill a block
+    monkeypatch.setattr(ops, "ATTENTION_BLOCK", 16)  # fewer than the [N, S] scores of one row: a block is a row
     rng = np.random.default_rng(3)
     T, S, N, D = 21, 25, 4, 8
     q, k, v = rng.standard_normal((T, N, D)), rng.standard_normal((S, K, D)), rng.standard_normal((S, K, D))
@@ -398,7 +398,7 @@ def test_attention_by_blocks_of_query_rows_equals_one_call_and_a_naive_loop(monk
         one = ops.attention(q, k, v, mask)
     with threads.use_threads(4):
         four = ops.attention(q, k, v, mask)
-    assert recorded_parts and recorded_parts[0][:2] == ("ops", T)  # the four-thread call split its rows
+    assert recorded_parts and recorded_parts[0][:2] == ("ops", T)  # the four-thread call split its T one-row blocks
     assert np.max(np.abs(four - one)) <= 1e-14
     assert np.max(np.abs(one - naive_attention(q, k, v, mask))) <= 1e-14
 
@@ -423,6 +423,43 @@ def test_attention_blocks_see_only_their_span_of_keys(monkeypatch):
         assert np.max(np.abs(out - naive_attention(q, k, v, mask))) <= 1e-14
     assert sorted(calls[1]) == sorted(calls[4]) == [(2, 7)] * 10
     assert ops.key_span(np.zeros((3, 5), dtype=bool)) == (0, 5)  # nothing seen: every key (NaN rows either way)
+
+
+def test_attention_parts_of_a_causal_prompt_get_equal_work(monkeypatch):
+    """A causal block's keys grow with its rows: 16 blocks of 2 rows over 32 keys see 2, 4, ..., 32 keys. Cut in
+    row order, four threads would get 20, 52, 84 and 116 (rows x keys / 2); in ``balanced_order`` each gets 68.
+    The blocks themselves are those of one thread, and the result the naive loop's."""
+    monkeypatch.setattr(ops, "ATTENTION_BLOCK", 128)  # [N, S] scores of 2 rows fill a block
+    rng = np.random.default_rng(6)
+    T, N, D = 32, 2, 4
+    q, k, v = rng.standard_normal((T, N, D)), rng.standard_normal((T, 1, D)), rng.standard_normal((T, 1, D))
+    mask = ops.attention_mask(np.arange(T), np.arange(T), None)
+    work: dict[int, int] = {}
+    blocks: list[tuple[int, int]] = []
+    real = ops.attention_rows
+
+    def counted(q, k, v, m):
+        ident = threading.get_ident()
+        work[ident] = work.get(ident, 0) + q.shape[0] * k.shape[0] // 2
+        blocks.append((q.shape[0], k.shape[0]))
+        return real(q, k, v, m)
+
+    monkeypatch.setattr(ops, "attention_rows", counted)
+    with threads.use_threads(1):
+        ops.attention(q, k, v, mask)
+    one, blocks[:], work = sorted(blocks), [], {}
+    with threads.use_threads(4):
+        out = ops.attention(q, k, v, mask)
+    assert sorted(work.values()) == [68] * 4
+    assert sorted(blocks) == one == [(2, 2 * (j + 1)) for j in range(16)]
+    assert np.max(np.abs(out - naive_attention(q, k, v, mask))) <= 1e-14
+
+
+@pytest.mark.parametrize("n", range(0, 12))
+def test_balanced_order_pairs_the_first_blocks_with_the_last(n):
+    order = ops.balanced_order(n)
+    assert sorted(order) == list(range(n))
+    assert all(order[j] + order[j + 1] == n - 1 for j in range(0, n - 1, 2))  # each pair: j and n - 1 - j
 
 
 # ----------------------------------------------------------------------------------------------
