@@ -14,7 +14,7 @@ BIN    := $(VENV)/bin
 
 CHECK_ARGS ?=
 
-.PHONY: check test check-backends llama-cpp clean
+.PHONY: check test check-backends llama-cpp browser clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ check-backends: $(VENV)/.test
 	PATH="$(CURDIR)/$(BIN):$$PATH" scripts/check-backends.sh $(CHECK_ARGS)
 
 llama-cpp: $(VENV)/.llama-cpp
+
+# headless Chromium (Debian's package), for the HTML report's browser tests; they skip without it, and fail
+# without it under GEMMA4_CONFORMANCE_REQUIRE_ENGINES=1 (CI)
+browser:
+	command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .hypothesis

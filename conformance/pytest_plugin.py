@@ -19,14 +19,17 @@ points into a set (its manifest, a node id, the set's directory) chooses that se
 every set's cases are added to the session's other tests. Each item carries its feature tags, its kind,
 its entry point (``last:embeddings``) and its set's name as ``-k`` keywords.
 
-Each item runs its case through the harness runner: ``pass`` passes; ``fail``, ``error`` and ``xpass``
+The first item of a set to run runs every selected case of that set through the harness runner, in order,
+and diagnoses them together, as ``conformance check`` does (the same diagnosis line); each item then
+reports its own case: ``pass`` passes; ``fail``, ``error`` and ``xpass``
 fail with the console summary's details of the case (``conformance.report.console.failure_details``:
 message, diagnosis, first failing row with its metrics, top-5 tokens, every failing row, what the backend
 executed); ``not-claimed`` and expectations ``skip`` are skipped; a known failure that fails is an xfail.
 The backend is opened once per set (on the set's model), when the set's first item runs, and closed when
 the next set starts or the session ends. ``--conformance-only`` deselects every other test of the
 session; ``--conformance-json FILE`` writes the versioned JSON report of ``conformance check --json``
-(``conformance/report/schemas/report-v1.json``) of the cases that ran, at the end of the session.
+(``conformance/report/schemas/report-v1.json``) of the cases that ran, at the end of the session, and
+``--conformance-html FILE`` the HTML page of ``conformance check --html``.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from .check.session import Checkpoints, Selection, Session
 from .protocol.types import BackendError
 from .registry import load_backend, parse_option
 from .report import failure_details, printable, write_json
+from .report.html import write_html
 from .sets import MANIFEST, load_set, set_paths
 
 PLUGIN_NAME = "gemma4-conformance-session"
@@ -82,6 +86,9 @@ def pytest_addoption(parser):
     group.addoption("--conformance-json", metavar="FILE", default=None,
                     help="write the JSON report of the cases that ran (the schema of `conformance check --json`) "
                          "to FILE at the end of the session")
+    group.addoption("--conformance-html", metavar="FILE", default=None,
+                    help="write the HTML page of `conformance check --html` (verdict, tables, every failed case "
+                         "with its diagnosis, rows and top-k tokens) to FILE at the end of the session")
 
 
 def pytest_configure(config):
@@ -153,15 +160,19 @@ class ConformanceSession:
         if self.model is not None and not Path(self.model).is_dir():
             raise pytest.UsageError(f"--conformance-model: no such directory: {self.model}")
         self.rehash = config.getoption("--conformance-rehash")
-        json_path = config.getoption("--conformance-json")
-        self.json_path = None if json_path is None else config.invocation_params.dir / json_path
-        self.json_written: Path | None = None
-        self.json_error: str | None = None
+        # the report files asked for: (option, path); what was written, and what could not be
+        self.outputs = [(flag, config.invocation_params.dir / value) for flag in ("--conformance-json",
+                                                                             "--conformance-html")
+                        if (value := config.getoption(flag)) is not None]
+        self.written: list[tuple[str, Path]] = []
+        self.unwritten: list[tuple[str, str]] = []
         self.claimed = self.backend.capabilities.to_dict()
         self.counts: dict[str, int] = {}
         self.results: list[CaseResult] = []  # every case that ran, in order (the JSON report's cases)
         self.loaded: dict[Path, Any] = {}  # anchor -> the FixtureSet its collector loaded
         self.selected: dict[Path, int] = {}  # anchor -> its items left after deselection
+        self.batches: dict[str, list] = {}  # case id -> the selected cases of its set, in run order
+        self.done: dict[str, CaseResult] = {}  # case id -> its result, once its set's batch ran
         self._collected: set[Path] = set()  # anchors pytest's own collection reached (an argument, a directory)
         self._in_flight: str | None = None
         self._started = _dt.datetime.now(_dt.timezone.utc)
@@ -246,9 +257,12 @@ class ConformanceSession:
         """How many cases of each set are left after -k, -m and the other deselections (the report's
         ``cases_selected``)."""
         self.selected = {}
+        batches: dict[Path, list] = {}
         for item in session.items:
             if isinstance(item, ConformanceCase):
                 self.selected[item.parent.path] = self.selected.get(item.parent.path, 0) + 1
+                batches.setdefault(item.parent.path, []).append(item.case)
+        self.batches = {case.id: cases for cases in batches.values() for case in cases}
 
     # -- running --------------------------------------------------------------------------------
 
@@ -275,6 +289,12 @@ class ConformanceSession:
         return self._ctx
 
     def run_case(self, fs, case) -> CaseResult:
+        """The result of ``case``. The first item of a set to run runs every selected case of the set, in
+        order, and diagnoses them together as ``conformance check`` does (runner._diagnose over the set's
+        results): the cross-case patterns (only the multi-sequence cases fail, only the chunked ones, ...)
+        need the whole set. Each item then reports its own case's result."""
+        if case.id in self.done:
+            return self.done.pop(case.id)
         self._in_flight = case.id
         try:
             ctx = self.context(fs)
@@ -282,21 +302,24 @@ class ConformanceSession:
             self._record(CaseResult(id=case.id, set=_set_name(fs), kind=case.kind, entry=entry_point(case),
                                     features=list(case.features), status="error", message=str(exc)))
             raise
-        result = run_case(self.backend, self.claimed, ctx, case, self.profile, self.expectations)
-        self._diagnose(ctx, result)
-        self._record(result)
-        return result
+        batch = [c for c in self.batches.get(case.id, [case]) if c.id not in self.done]
+        results = []
+        try:
+            for other in batch:
+                self._in_flight = other.id
+                results.append(run_case(self.backend, self.claimed, ctx, other, self.profile, self.expectations))
+                self._record(results[-1])
+        finally:  # interrupted too: the cases that ran keep their diagnoses
+            self._diagnose(ctx, results)
+        self.done.update((r.id, r) for r in results)
+        return self.done.pop(case.id)
 
     @staticmethod
-    def _diagnose(ctx, result: CaseResult) -> None:
-        """The diagnosis line of a failed case, as conformance check's runner makes it (runner._diagnose),
-        but from this one case: each item is its own test here, so only the per-case patterns (a shifted row,
-        logits beyond the softcap, only decode rows or later pieces failing, ...) can be seen. The cross-case
-        patterns (only the multi-sequence cases fail, only the micro-batched ones, ...) need the whole set's
-        results and are left to ``conformance check``."""
+    def _diagnose(ctx, results: list[CaseResult]) -> None:
+        """The diagnosis line of every failed case of one set's batch, as conformance check's runner makes it."""
         try:
             cfg = ctx.text_config
-            diagnose_set([result], softcap=cfg.final_logit_softcapping,
+            diagnose_set(results, softcap=cfg.final_logit_softcapping,
                          kv_shared=cfg.first_shared_layer < cfg.num_hidden_layers,
                          unified=cfg.family == "gemma4_unified")
         except Exception:  # noqa: BLE001 - a diagnosis is advice; it never costs the verdict
@@ -318,12 +341,17 @@ class ConformanceSession:
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
         self._session = self._tmp = None
-        if self.json_path is not None:
+        if not self.outputs:
+            return
+        result = self.run_result(exitstatus)
+        writers = {"--conformance-json": lambda path: write_json(result, path,
+                                                                 argv=["pytest", *self.config.invocation_params.args]),
+                   "--conformance-html": lambda path: write_html(result, path)}
+        for flag, path in self.outputs:
             try:
-                self.json_written = write_json(self.run_result(exitstatus), self.json_path,
-                                               argv=["pytest", *self.config.invocation_params.args])
+                self.written.append((flag, writers[flag](path)))
             except OSError as exc:
-                self.json_error = f"{type(exc).__name__}: {exc}"
+                self.unwritten.append((flag, f"{type(exc).__name__}: {exc}"))
                 if session.exitstatus == pytest.ExitCode.OK:
                     session.exitstatus = pytest.ExitCode.USAGE_ERROR
 
@@ -368,10 +396,11 @@ class ConformanceSession:
                                         f"{e.expires.isoformat()} and no longer applies")
         for e in self.expectations.unused:
             terminalreporter.write_line(f"conformance: expectations entry {e.index} ({e.match!r}) matches no case")
-        if self.json_written is not None:
-            terminalreporter.write_line(f"conformance: JSON report written to {self.json_written}")
-        if self.json_error is not None:
-            terminalreporter.write_line(f"conformance: --conformance-json: cannot write the report: {self.json_error}",
+        for flag, path in self.written:
+            what = "JSON report" if flag == "--conformance-json" else "HTML report"
+            terminalreporter.write_line(f"conformance: {what} written to {path}")
+        for flag, error in self.unwritten:
+            terminalreporter.write_line(f"conformance: {flag}: cannot write the report: {error}",
                                         red=True)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 import json
-from importlib.metadata import EntryPoint, entry_points
+from importlib.metadata import EntryPoint, PackageNotFoundError, distribution, entry_points
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,8 @@ PROTOCOL_MEMBERS = ("name", "capabilities", "open", "run", "close")
 EXTRA_FOR_MODULE = {"torch": "hf", "transformers": "hf", "google.protobuf": "hf", "mlx": "mlx", "mlx_lm": "mlx",
                     "mlx_vlm": "mlx", "llama_cpp": "llama-cpp"}
 
-__all__ = ["GROUP", "available_backends", "load_backend", "open_backend", "check_backend", "parse_option"]
+__all__ = ["GROUP", "available_backends", "load_backend", "open_backend", "check_backend", "parse_option",
+           "not_installed_note"]
 
 
 def _entry_points() -> dict[str, EntryPoint]:
@@ -61,8 +62,9 @@ def load_backend(spec: str, **options: Any) -> Backend:
         eps = _entry_points()
         if spec not in eps:
             known = ", ".join(sorted(eps)) or "(none)"
-            raise BackendError(f"unknown backend {spec!r}; registered backends: {known}. Give a registered "
-                               f"name or a Python object as module:attr (e.g. mypackage.backend:MyBackend)")
+            raise BackendError(f"unknown backend {spec!r}; registered backends: {known}{'' if eps else not_installed_note()}. "
+                               "Give a registered name or a Python object as module:attr (e.g. "
+                               "mypackage.backend:MyBackend)")
         ep = eps[spec]
         module, attr = ep.module, ep.attr
         extras = tuple(ep.extras)
@@ -86,6 +88,17 @@ def parse_option(text: str) -> tuple[str, Any]:
     except ValueError:
         parsed = value
     return key, parsed
+
+
+def not_installed_note() -> str:
+    """Why no backend is registered when the reason is that this distribution is not installed (a plain
+    checkout run with ``python -m conformance``; the entry points come with the installed package), else ""."""
+    try:
+        distribution(DISTRIBUTION)
+    except PackageNotFoundError:
+        return (f" ({DISTRIBUTION} is not installed, and its backends are registered when it is: pip install -e . "
+                "in the checkout, or make check)")
+    return ""
 
 
 def _install_hint(missing: str, extras: tuple[str, ...]) -> str:
@@ -132,6 +145,8 @@ def _instantiate(spec: str, obj: Any, options: dict[str, Any]) -> Any:
             return obj(**options)
         except KeyboardInterrupt:
             raise
+        except BackendError as exc:  # already says what is wrong: once, not wrapped in 'raised BackendError'
+            raise BackendError(f"backend {spec!r}: {exc}") from exc
         except BaseException as exc:  # noqa: BLE001 - a constructor failure (SystemExit too) is a load failure
             raise BackendError(f"backend {spec!r}: the {what} raised {type(exc).__name__}: {exc}") from exc
     if options:

@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ import numpy as np
 from .audio_features import RESAMPLE_HINT, read_wav
 from .chat import encode_conversation, user_turn
 from .config import load_config
+from .context import check_prompt_context
 from .errors import InputError, RefimplError, TokenizerError
 from .generate import greedy_generate, greedy_generate_multimodal
 from .frontends import AudioFrontEnd, ImageFrontEnd, audio_front_end, image_front_end
@@ -240,9 +242,7 @@ def _read_clips(model_dir: Path, paths: list, prompt: ImagePrompt, dtype: str) -
 
 
 def _soft_tokens(model_dir: Path, prompt: ImagePrompt, dtype: str) -> list[np.ndarray]:
-    if not prompt.processed:
-        return []
-    return [prompt.image_front.soft_tokens(p) for p in prompt.processed]
+    return [prompt.image_front.soft_tokens(p) for p in prompt.processed]  # [] without images
 
 
 def _audio_soft_tokens(model_dir: Path, prompt: ImagePrompt, dtype: str) -> list[np.ndarray]:
@@ -263,6 +263,12 @@ def _check_image_args(args) -> None:
 
 def _media(args) -> bool:
     return bool(args.image or args.audio)
+
+
+def _check_context(args, model: Gemma4, ids: list[int], new_tokens: int = 0) -> None:
+    """Before any forward, unless --allow-beyond-context: ``refimpl.context.check_prompt_context``."""
+    if not args.allow_beyond_context:
+        check_prompt_context(model.cfg, len(ids), new_tokens, "--max-new-tokens")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -414,6 +420,7 @@ def cmd_logits(args) -> int:
         model = Gemma4(model_dir, args.dtype, args.embed_scale, vision_mask=args.vision_mask)
     rows = args.rows if args.rows in ("last", "all") else _parse_ints(args.rows, "--rows")
     index = resolve_rows(rows, len(ids))
+    _check_context(args, model, ids)
     metadata = {"model": str(model_dir), "dtype": str(model.dtype), "embed_scale": args.embed_scale}
     if _media(args):
         soft = _soft_tokens(model_dir, prompt, args.dtype)
@@ -447,12 +454,14 @@ def cmd_generate(args) -> int:
         model = Gemma4(model_dir, args.dtype, args.embed_scale, vision_mask=args.vision_mask)
         prompt = _image_prompt(args, model_dir, model)
         ids, tok = prompt.ids, prompt.tok
+        _check_context(args, model, ids, args.max_new_tokens)
         soft = _soft_tokens(model_dir, prompt, args.dtype)
         audio = _audio_soft_tokens(model_dir, prompt, args.dtype)
         print("\n".join(prompt.lines()), file=sys.stderr)
     else:
         ids, tok = _prompt_ids(args, model_dir)
         model = Gemma4(model_dir, args.dtype, args.embed_scale, vision_mask=args.vision_mask)
+        _check_context(args, model, ids, args.max_new_tokens)
 
     new_tokens: list[int] = []
     shown = ""
@@ -516,11 +525,24 @@ def _add_prompt(p: argparse.ArgumentParser) -> None:
                         "sliding layers only, inside the window; transformers' static path, llama.cpp, vLLM) or "
                         "all-unclamped (every layer, after the window; transformers 5.24's default Gemma 4 Unified "
                         "forward, mlx-vlm)")
+    p.add_argument("--allow-beyond-context", action="store_true",
+                   help="run a prompt longer than the checkpoint's context (max_position_embeddings in config.json), "
+                        "which is otherwise refused before any forward")
+
+
+def version_line() -> str:
+    """``refimpl --version``: the installed gemma4-conformance package's version."""
+    try:
+        version = metadata.version("gemma4-conformance")
+    except metadata.PackageNotFoundError:
+        version = "unknown (not installed)"
+    return f"refimpl {version} (gemma4-conformance)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="refimpl", description="Exact NumPy reference for Gemma 4 (text decoder, "
                                      "image and audio prompts).")
+    parser.add_argument("--version", action="version", version=version_line(), help="print the version, then exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("synth", help="write a synthetic checkpoint directory")
@@ -564,10 +586,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except RefimplError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"refimpl: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"refimpl: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

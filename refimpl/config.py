@@ -105,6 +105,7 @@ class TextConfig:
     architecture: str = "Gemma4ForCausalLM"
     serialisation: str = "legacy"  # "legacy" | "per_layer_config"
     family: str = "gemma4"  # "gemma4" | "gemma4_unified" (FAMILIES)
+    max_position_embeddings: int | None = None  # the context limit config.json states (None: it states none)
     notes: tuple[str, ...] = field(default=())  # things the loader changed or wants to point out
 
     @property
@@ -352,6 +353,9 @@ def parse_config(raw: dict, where: str = "config.json", extra_eos: tuple[int, ..
     W = check_positive(get_field(text, "sliding_window", int, 512, where), "sliding_window", where)
     eps = get_field(text, "rms_norm_eps", float, 1e-6, where)
     check_positive_float(eps, "rms_norm_eps", where)
+    context = get_field(text, "max_position_embeddings", int, None, where)
+    if context is not None:
+        check_positive(context, "max_position_embeddings", where)
     softcap = get_field(text, "final_logit_softcapping", float, None, where)
     if softcap is not None:
         check_positive_float(softcap, "final_logit_softcapping", where)
@@ -484,7 +488,7 @@ def parse_config(raw: dict, where: str = "config.json", extra_eos: tuple[int, ..
         enable_moe_block=moe, num_experts=num_experts, top_k_experts=top_k, moe_intermediate_size=moe_I,
         tie_word_embeddings=tie, use_bidirectional_attention=bidir, layers=tuple(layers),
         bos_token_id=bos, eos_token_ids=eos, pad_token_id=pad, architecture=arch,
-        serialisation=serialisation, family=family, notes=tuple(notes),
+        serialisation=serialisation, family=family, notes=tuple(notes), max_position_embeddings=context,
     )
 
 

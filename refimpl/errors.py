@@ -31,3 +31,8 @@ class NonFiniteError(RefimplError):
 
 class ChatTemplateError(RefimplError):
     """The checkpoint's chat template is malformed, fails to render, or raises (``raise_exception``)."""
+
+
+class ContextLimitError(InputError):
+    """A prompt (or a prompt and the tokens to be generated after it) is longer than the checkpoint's context,
+    ``max_position_embeddings``; ``--allow-beyond-context`` runs it anyway."""

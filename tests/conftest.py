@@ -7,6 +7,7 @@
 * ``micro_factory`` (session): ``micro_factory(config_dict, seed) -> path``, a fresh directory per
   call; safe inside hypothesis tests (it is not function-scoped).
 * ``micro_checkpoint`` / ``micro_config`` are re-exported from ``tests/helpers.py`` for direct use.
+* ``e2b_mini`` (session): the bundled set ``e2b-mini``'s path (the test is skipped when it is not installed).
 * ``digest_cache`` (session, autouse): ``$CONFORMANCE_CACHE_DIR`` set to a temporary directory, so the
   checkpoint digest cache of the tests is never the user's.
 
@@ -29,6 +30,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from helpers import micro_checkpoint, micro_config  # noqa: E402,F401
+from conformance.sets import bundled_sets  # noqa: E402
 from refimpl.model import Gemma4  # noqa: E402
 from refimpl.synth import PRESETS, write_checkpoint  # noqa: E402
 
@@ -41,6 +43,14 @@ def digest_cache(tmp_path_factory):
         path = tmp_path_factory.mktemp("digest-cache")
         mp.setenv("CONFORMANCE_CACHE_DIR", str(path))
         yield path
+
+
+@pytest.fixture(scope="session")
+def e2b_mini() -> Path:
+    sets = {p.name: p for p in map(Path, bundled_sets())}
+    if "e2b-mini" not in sets:
+        pytest.skip("bundled set e2b-mini not installed")
+    return sets["e2b-mini"]
 
 
 @pytest.fixture(scope="session")

@@ -229,7 +229,7 @@ def test_template_that_drops_image_items_is_refused(preset_dirs, tmp_path, capsy
     code, out, err = run(capsys, "logits", "--model", str(model_dir), "--prompt", "describe", "--chat",
                          "--image", str(tmp_path / "never-read.png"), "--out", str(tmp_path / "o.safetensors"))
     assert code == 2 and out == ""
-    assert err == (f"error: {model_dir / 'chat_template.jinja'}: the chat template wrote 0 image placeholder(s) "
+    assert err == (f"refimpl: error: {model_dir / 'chat_template.jinja'}: the chat template wrote 0 image placeholder(s) "
                    "'<|image|>' for 1 image item(s); write the placeholders into --prompt, or pass the token ids "
                    "with --tokens\n")
 
@@ -322,7 +322,7 @@ def test_a_failing_template_is_one_error_line_and_exit_2(preset_dirs, tmp_path, 
     extra = ["--out", str(tmp_path / "o.safetensors")] if command == "logits" else ["--max-new-tokens", "1"]
     code, out, err = run(capsys, command, "--model", str(model_dir), "--prompt", "hello", "--chat", *extra)
     assert code == 2 and out == ""
-    assert err == f"error: {model_dir / 'chat_template.jinja'}: {message}\n"
+    assert err == f"refimpl: error: {model_dir / 'chat_template.jinja'}: {message}\n"
     assert not (tmp_path / "o.safetensors").exists()
 
 
@@ -339,9 +339,9 @@ def test_a_malformed_template_entry_is_one_error_line(preset_dirs, tmp_path, cap
     code, _, err = run(capsys, "logits", "--model", str(model_dir), "--prompt", "hi", "--chat",
                        "--out", str(tmp_path / "o.safetensors"))
     assert code == 2
-    assert err == f"error: {message.format(path=path)}\n"
+    assert err == f"refimpl: error: {message.format(path=path)}\n"
     path.write_text("{not json", encoding="utf-8")
     code, _, err = run(capsys, "logits", "--model", str(model_dir), "--prompt", "hi", "--chat",
                        "--out", str(tmp_path / "o.safetensors"))
-    assert code == 2 and err == f"error: {path}: not valid JSON (Expecting property name enclosed in double quotes " \
+    assert code == 2 and err == f"refimpl: error: {path}: not valid JSON (Expecting property name enclosed in double quotes " \
                                 "at line 1, column 2)\n"

@@ -695,7 +695,7 @@ def test_cli_inspect_reports_error_without_traceback(ckpts, tmp_path, capsys):
     assert cli_main(["inspect", "--model", str(d)]) == 2
     out, errtext = capsys.readouterr()
     assert out == ""
-    assert errtext == f"error: {msg}\n"
+    assert errtext == f"refimpl: error: {msg}\n"
 
 
 def test_cli_subprocess_exit_code_2(ckpts, tmp_path):
@@ -706,7 +706,7 @@ def test_cli_subprocess_exit_code_2(ckpts, tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stdout == ""
-    assert proc.stderr == f"error: {path}: corrupt safetensors header: the file has only 5 bytes\n"
+    assert proc.stderr == f"refimpl: error: {path}: corrupt safetensors header: the file has only 5 bytes\n"
     assert "Traceback" not in proc.stderr
 
 

@@ -58,7 +58,7 @@ def test_synth_refuses_to_overwrite(tmp_path, capsys):
     (tmp_path / "x" / "keep.txt").write_text("mine")
     code, _, err = run(capsys, "synth", "--preset", "e2b-mini", "--out", str(tmp_path / "x"))
     assert code == 2
-    assert err == f"error: {tmp_path / 'x'} already exists and is not an empty directory; choose another --out\n"
+    assert err == f"refimpl: error: {tmp_path / 'x'} already exists and is not an empty directory; choose another --out\n"
     assert (tmp_path / "x" / "keep.txt").read_text() == "mine"
 
 
@@ -139,11 +139,11 @@ def test_generate_streams_the_greedy_continuation(e2b, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["logits", "--tokens", "2,999"], "error: token id 999 is outside the vocabulary [0, 512)\n"),
-    (["logits", "--tokens", "2,x"], "error: --tokens must be comma-separated integers, got '2,x'\n"),
-    (["logits", "--tokens", "2,3", "--rows", "5"], "error: row 5 is outside the 2 tokens of this call\n"),
-    (["logits", "--tokens", "2,3", "--chat"], "error: --chat applies to --prompt, not to --tokens\n"),
-    (["generate", "--tokens", "2", "--max-new-tokens", "-1"], "error: max_new_tokens must be >= 0, got -1\n"),
+    (["logits", "--tokens", "2,999"], "refimpl: error: token id 999 is outside the vocabulary [0, 512)\n"),
+    (["logits", "--tokens", "2,x"], "refimpl: error: --tokens must be comma-separated integers, got '2,x'\n"),
+    (["logits", "--tokens", "2,3", "--rows", "5"], "refimpl: error: row 5 is outside the 2 tokens of this call\n"),
+    (["logits", "--tokens", "2,3", "--chat"], "refimpl: error: --chat applies to --prompt, not to --tokens\n"),
+    (["generate", "--tokens", "2", "--max-new-tokens", "-1"], "refimpl: error: max_new_tokens must be >= 0, got -1\n"),
 ])
 def test_bad_input_is_one_error_line_and_exit_2(tmp_path, e2b, capsys, argv, message):
     extra = ["--out", str(tmp_path / "o.safetensors")] if argv[0] == "logits" else []
@@ -159,7 +159,7 @@ def test_prompt_without_tokenizer_asks_for_token_ids(tmp_path, e2b, capsys):
         (bare / name).symlink_to(e2b / name)
     code, _, err = run(capsys, "logits", "--model", str(bare), "--prompt", "hi", "--out", str(tmp_path / "o"))
     assert code == 2
-    assert err == f"error: {bare} has no tokenizer.model; pass token ids with --tokens instead of --prompt\n"
+    assert err == f"refimpl: error: {bare} has no tokenizer.model; pass token ids with --tokens instead of --prompt\n"
     # token ids still work without a tokenizer
     code, out, _ = run(capsys, "logits", "--model", str(bare), "--tokens", "2,5", "--out", str(tmp_path / "o"))
     assert code == 0 and ' "' not in out  # no pieces to show
@@ -168,7 +168,7 @@ def test_prompt_without_tokenizer_asks_for_token_ids(tmp_path, e2b, capsys):
 def test_missing_model_directory(tmp_path, capsys):
     code, _, err = run(capsys, "inspect", "--model", str(tmp_path / "nope"))
     assert code == 2
-    assert err == f"error: {tmp_path / 'nope'}: not a directory; pass a checkpoint directory holding config.json\n"
+    assert err == f"refimpl: error: {tmp_path / 'nope'}: not a directory; pass a checkpoint directory holding config.json\n"
 
 
 def test_console_entry_point_runs_as_a_module():
@@ -340,34 +340,34 @@ def test_max_soft_tokens_sets_the_image_budget(tmp_path, preset_dirs, pngs, caps
 
 @pytest.mark.parametrize("preset, argv, message", [
     ("e2b-mini", ["--prompt", "hi", "--image", "{a}"],
-     "error: {model} has no vision tower (config.json has no vision_config); --image needs an image-text checkpoint "
+     "refimpl: error: {model} has no vision tower (config.json has no vision_config); --image needs an image-text checkpoint "
      "(Gemma4ForConditionalGeneration or Gemma4UnifiedForConditionalGeneration with its vision weights)\n"),
     ("e2b-vision-mini", ["--prompt", "hi", "--image", "{tmp}/missing.png"],
-     "error: image file {tmp}/missing.png does not exist; check the path\n"),
+     "refimpl: error: image file {tmp}/missing.png does not exist; check the path\n"),
     ("e2b-vision-mini", ["--prompt", "hi", "--image", "{tmp}"],
-     "error: image path {tmp} is a directory; pass the path of an image file\n"),
+     "refimpl: error: image path {tmp} is a directory; pass the path of an image file\n"),
     ("e2b-vision-mini", ["--prompt", "hi", "--image", "{tmp}/notes.txt"],
-     "error: {tmp}/notes.txt is not a recognised image (it starts with b'hello th'); pass a PNG, PPM/PGM, JPEG, "
+     "refimpl: error: {tmp}/notes.txt is not a recognised image (it starts with b'hello th'); pass a PNG, PPM/PGM, JPEG, "
      "WebP or another format Pillow can open\n"),
     ("e2b-vision-mini", ["--prompt", "<|image|> vs <|image|>", "--image", "{a}"],
-     "error: the prompt holds 2 image placeholder(s) (9, the <|image|> token) but 1 image(s) were given; put one "
+     "refimpl: error: the prompt holds 2 image placeholder(s) (9, the <|image|> token) but 1 image(s) were given; put one "
      "placeholder where each image goes, in order\n"),
     ("e2b-vision-mini", ["--tokens", "2,9,50", "--image", "{a}", "--image", "{b}"],
-     "error: the prompt holds 1 image placeholder(s) (9, the <|image|> token) but 2 image(s) were given; put one "
+     "refimpl: error: the prompt holds 1 image placeholder(s) (9, the <|image|> token) but 2 image(s) were given; put one "
      "placeholder where each image goes, in order\n"),
     ("e2b-vision-mini", ["--prompt", "<|image><|image|><image|>", "--image", "{a}"],
-     "error: the prompt already holds begin/end-of-image markers (<|image> / <image|>); write one bare <|image|> "
+     "refimpl: error: the prompt already holds begin/end-of-image markers (<|image> / <image|>); write one bare <|image|> "
      "where each image goes and refimpl expands it to <|image> + <|image|> x M + <image|>\n"),
     ("e2b-vision-mini", ["--tokens", "2,9,8", "--image", "{a}"],
-     "error: the prompt already holds begin/end-of-image markers (<|image> / <image|>); write one bare <|image|> "
+     "refimpl: error: the prompt already holds begin/end-of-image markers (<|image> / <image|>); write one bare <|image|> "
      "where each image goes and refimpl expands it to <|image> + <|image|> x M + <image|>\n"),
     ("e2b-vision-mini", ["--tokens", "2,9,13", "--image", "{a}"],
-     "error: video placeholders are not supported yet (images and audio only)\n"),
+     "refimpl: error: video placeholders are not supported yet (images and audio only)\n"),
     ("e2b-vision-mini", ["--tokens", "2,9,12", "--image", "{a}"],
-     "error: the prompt holds 1 audio placeholder(s) (12, the <|audio|> token) but 0 audio clip(s) were given; put "
+     "refimpl: error: the prompt holds 1 audio placeholder(s) (12, the <|audio|> token) but 0 audio clip(s) were given; put "
      "one placeholder where each clip goes, in order\n"),
     ("e2b-vision-mini", ["--tokens", "2,9", "--max-soft-tokens", "140"],
-     "error: --max-soft-tokens applies to --image\n"),
+     "refimpl: error: --max-soft-tokens applies to --image\n"),
 ])
 @pytest.mark.parametrize("command", ["logits", "generate"])
 def test_bad_image_input_is_one_error_line_and_exit_2(tmp_path, preset_dirs, pngs, capsys, command, preset, argv,
@@ -515,35 +515,35 @@ def test_generate_with_audio_equals_argmax_of_full_forwards(preset_dirs, wavs, c
 
 @pytest.mark.parametrize("preset, argv, message", [
     ("e2b-mini", ["--prompt", "hi", "--audio", "{a}"],
-     "error: {model} has no audio tower (config.json has no audio_config); --audio needs an audio-text checkpoint "
+     "refimpl: error: {model} has no audio tower (config.json has no audio_config); --audio needs an audio-text checkpoint "
      "(Gemma4ForConditionalGeneration or Gemma4UnifiedForConditionalGeneration with its audio weights)\n"),
     ("e2b-audio-mini", ["--prompt", "hi", "--audio", "{tmp}/missing.wav"],
-     "error: audio file {tmp}/missing.wav does not exist; check the path\n"),
+     "refimpl: error: audio file {tmp}/missing.wav does not exist; check the path\n"),
     ("e2b-audio-mini", ["--prompt", "hi", "--audio", "{tmp}/notes.txt"],
-     "error: {tmp}/notes.txt is not a WAV file (it does not start with 'RIFF....WAVE'); only RIFF/WAVE is read "
+     "refimpl: error: {tmp}/notes.txt is not a WAV file (it does not start with 'RIFF....WAVE'); only RIFF/WAVE is read "
      "natively: convert it, e.g. `ffmpeg -i notes.txt -ar 16000 -ac 1 out.wav`\n"),
     ("e2b-audio-mini", ["--prompt", "hi", "--audio", "{c}"],
-     "error: audio file {c} is sampled at 8000 Hz but the checkpoint's feature extractor needs 16000 Hz (16 kHz); "
+     "refimpl: error: audio file {c} is sampled at 8000 Hz but the checkpoint's feature extractor needs 16000 Hz (16 kHz); "
      "resample it to 16 kHz mono first, e.g. `ffmpeg -i in.wav -ar 16000 -ac 1 out.wav`\n"),
     ("e2b-audio-mini", ["--prompt", "<|audio|> vs <|audio|>", "--audio", "{a}"],
-     "error: the prompt holds 2 audio placeholder(s) (12, the <|audio|> token) but 1 audio clip(s) were given; put "
+     "refimpl: error: the prompt holds 2 audio placeholder(s) (12, the <|audio|> token) but 1 audio clip(s) were given; put "
      "one placeholder where each clip goes, in order\n"),
     ("e2b-audio-mini", ["--tokens", "2,12,50", "--audio", "{a}", "--audio", "{b}"],
-     "error: the prompt holds 1 audio placeholder(s) (12, the <|audio|> token) but 2 audio clip(s) were given; put "
+     "refimpl: error: the prompt holds 1 audio placeholder(s) (12, the <|audio|> token) but 2 audio clip(s) were given; put "
      "one placeholder where each clip goes, in order\n"),
     ("e2b-audio-mini", ["--prompt", "<|audio><|audio|><audio|>", "--audio", "{a}"],
-     "error: the prompt already holds begin/end-of-audio markers (<|audio> / <audio|>); write one bare <|audio|> "
+     "refimpl: error: the prompt already holds begin/end-of-audio markers (<|audio> / <audio|>); write one bare <|audio|> "
      "where each clip goes and refimpl expands it to <|audio> + <|audio|> x M + <audio|>\n"),
     ("e2b-audio-mini", ["--tokens", "2,12,11", "--audio", "{a}"],
-     "error: the prompt already holds begin/end-of-audio markers (<|audio> / <audio|>); write one bare <|audio|> "
+     "refimpl: error: the prompt already holds begin/end-of-audio markers (<|audio> / <audio|>); write one bare <|audio|> "
      "where each clip goes and refimpl expands it to <|audio> + <|audio|> x M + <audio|>\n"),
     ("e2b-audio-mini", ["--tokens", "2,12,13", "--audio", "{a}"],
-     "error: video placeholders are not supported yet (images and audio only)\n"),
+     "refimpl: error: video placeholders are not supported yet (images and audio only)\n"),
     ("e2b-audio-mini", ["--prompt", "hi", "--audio", "{a}", "--image", "{a}"],
-     "error: {model} has no vision tower (config.json has no vision_config); --image needs an image-text checkpoint "
+     "refimpl: error: {model} has no vision tower (config.json has no vision_config); --image needs an image-text checkpoint "
      "(Gemma4ForConditionalGeneration or Gemma4UnifiedForConditionalGeneration with its vision weights)\n"),
     ("e2b-audio-mini", ["--prompt", "hi", "--audio", "{tiny}"],
-     "error: audio file {tiny} is too short (100 samples): it gives no soft token; pass at least 40 ms of audio\n"),
+     "refimpl: error: audio file {tiny} is too short (100 samples): it gives no soft token; pass at least 40 ms of audio\n"),
 ])
 @pytest.mark.parametrize("command", ["logits", "generate"])
 def test_bad_audio_input_is_one_error_line_and_exit_2(tmp_path, preset_dirs, wavs, capsys, command, preset, argv,

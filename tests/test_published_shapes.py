@@ -181,9 +181,9 @@ def test_forward_reads_tables_by_rows_and_the_head_in_chunks(tiny_published, tmp
 
 def test_synth_cli_published(tmp_path, capsys, monkeypatch):
     assert cli_main(["synth", "--preset", "e2b-mini", "--layers", "3", "--out", str(tmp_path / "x")]) == 2
-    assert "error: --layers applies to the published-shape presets" in capsys.readouterr().err
+    assert "refimpl: error: --layers applies to the published-shape presets" in capsys.readouterr().err
     assert cli_main(["synth", "--preset", "e2b", "--layers", "36", "--out", str(tmp_path / "x")]) == 2
-    assert "error: --layers must be an integer in [1, 35] for e2b, got 36" in capsys.readouterr().err
+    assert "refimpl: error: --layers must be an integer in [1, 35] for e2b, got 36" in capsys.readouterr().err
     monkeypatch.setattr(shutil, "disk_usage", lambda p: namedtuple("U", "total used free")(1, 1, 10 * 2**30))
     assert cli_main(["synth", "--preset", "31b", "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err

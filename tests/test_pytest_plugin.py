@@ -16,20 +16,12 @@ from pathlib import Path
 import pytest
 
 from conformance.report import validate
-from conformance.sets import bundled_sets, load_set
+from conformance.sets import load_set
 
 pytest_plugins = ["pytester"]
 
 SHIFTED = "conformance.selftest.mutants:ShiftInteriorRow"
 FAILING = "e2b-mini/last/plain/A/T9/pos4"  # an interior last_pos: the mutant returns row 5
-
-
-@pytest.fixture(scope="module")
-def e2b_mini() -> Path:
-    sets = {p.name: p for p in map(Path, bundled_sets())}
-    if "e2b-mini" not in sets:
-        pytest.skip("bundled set e2b-mini not installed")
-    return sets["e2b-mini"]
 
 
 @pytest.fixture(scope="module")

@@ -66,7 +66,7 @@ def test_logits_out_refuses_an_existing_file_without_force(tmp_path, text_ckpt, 
     monkeypatch.setattr(Gemma4, "forward", lambda *a, **k: pytest.fail("the forward ran before --out was checked"))
     code, _, err = run(capsys, "logits", "--model", text_ckpt, "--tokens", "2,5", "--out", out)
     assert code == 2
-    assert err == f"error: --out {out} already exists; pass --force to overwrite it, or choose another path\n"
+    assert err == f"refimpl: error: --out {out} already exists; pass --force to overwrite it, or choose another path\n"
     assert out.read_text() == "keep me"
     monkeypatch.undo()
     code, _, err = run(capsys, "logits", "--model", text_ckpt, "--tokens", "2,5", "--out", out, "--force")
@@ -81,14 +81,14 @@ def test_logits_out_never_writes_into_the_model_directory(tmp_path, text_ckpt, c
                        (model / "sub" / ".." / "model.safetensors", ["--force"])):
         code, _, err = run(capsys, "logits", "--model", model, "--tokens", "2,5", "--out", out, *extra)
         assert code == 2
-        assert err == (f"error: --out {out} is inside the model directory {model}; refimpl never writes into a "
+        assert err == (f"refimpl: error: --out {out} is inside the model directory {model}; refimpl never writes into a "
                        "checkpoint, choose a path outside it\n")
     # a symbolic link outside the directory that points at the checkpoint's weights
     link = tmp_path / "link.safetensors"
     link.symlink_to(model / "model.safetensors")
     code, _, err = run(capsys, "logits", "--model", model, "--tokens", "2,5", "--out", link, "--force")
     assert code == 2
-    assert err == (f"error: --out {link} is inside the model directory {model}; refimpl never writes into a "
+    assert err == (f"refimpl: error: --out {link} is inside the model directory {model}; refimpl never writes into a "
                    "checkpoint, choose a path outside it\n")
     assert {p.name: sha(p) for p in model.iterdir()} == before
 
@@ -96,7 +96,7 @@ def test_logits_out_never_writes_into_the_model_directory(tmp_path, text_ckpt, c
 def test_logits_out_refuses_a_directory(tmp_path, text_ckpt, capsys):
     code, _, err = run(capsys, "logits", "--model", text_ckpt, "--tokens", "2,5", "--out", tmp_path, "--force")
     assert code == 2
-    assert err == f"error: --out {tmp_path} is a directory; pass the path of the .safetensors file to write\n"
+    assert err == f"refimpl: error: --out {tmp_path} is a directory; pass the path of the .safetensors file to write\n"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -132,7 +132,7 @@ def test_png_bomb_is_refused_from_its_header_before_decompression(tmp_path, visi
     code, _, err = run(capsys, "logits", "--model", vision_ckpt, "--tokens", "2,5", "--image", bomb,
                        "--out", tmp_path / "o.safetensors")
     assert code == 2
-    assert err == f"error: {bomb_message(bomb, 100_000, 100_000)}\n"
+    assert err == f"refimpl: error: {bomb_message(bomb, 100_000, 100_000)}\n"
     assert not (tmp_path / "o.safetensors").exists()
 
 
@@ -145,7 +145,7 @@ def test_image_pixel_limit_is_set_by_the_environment(tmp_path, vision_ckpt, caps
     for image in (png, ppm):
         code, _, err = run(capsys, *argv, "--image", image)
         assert code == 2
-        assert err == f"error: {bomb_message(image, 30, 40, 1000)}\n"
+        assert err == f"refimpl: error: {bomb_message(image, 30, 40, 1000)}\n"
     monkeypatch.setenv("REFIMPL_MAX_IMAGE_PIXELS", "1200")
     for image in (png, ppm):
         code, out, err = run(capsys, *argv, "--image", image)
@@ -154,7 +154,7 @@ def test_image_pixel_limit_is_set_by_the_environment(tmp_path, vision_ckpt, caps
     monkeypatch.setenv("REFIMPL_MAX_IMAGE_PIXELS", "lots")
     code, _, err = run(capsys, *argv, "--image", png)
     assert code == 2
-    assert err == ("error: REFIMPL_MAX_IMAGE_PIXELS='lots': the image size limit must be a positive whole number "
+    assert err == ("refimpl: error: REFIMPL_MAX_IMAGE_PIXELS='lots': the image size limit must be a positive whole number "
                    "of pixels\n")
 
 
@@ -168,7 +168,7 @@ def test_pillow_bomb_is_refused_with_the_same_limit(tmp_path, vision_ckpt, capsy
     code, _, err = run(capsys, "logits", "--model", vision_ckpt, "--tokens", "2,5", "--image", bmp,
                        "--out", tmp_path / "o.safetensors")
     assert code == 2
-    assert err == f"error: {bomb_message(bmp, height, width)}\n"
+    assert err == f"refimpl: error: {bomb_message(bmp, height, width)}\n"
 
 
 def test_conformance_generate_refuses_an_image_bomb(tmp_path, vision_ckpt, capsys):
@@ -195,7 +195,7 @@ def test_num_hidden_layers_beyond_the_checkpoint_is_refused_before_deriving_laye
         for argv in (["inspect"], ["logits", "--tokens", "2,5", "--out", tmp_path / "o.safetensors"]):
             code, _, err = run(capsys, argv[0], "--model", model, *argv[1:])
             assert code == 2
-            assert err == (f"error: {model / 'config.json'}: 'num_hidden_layers' is {layers}, but the checkpoint's "
+            assert err == (f"refimpl: error: {model / 'config.json'}: 'num_hidden_layers' is {layers}, but the checkpoint's "
                            "tensors hold 3 decoder layers; set num_hidden_layers to the number of layers the "
                            "weights hold\n")
 
@@ -211,7 +211,7 @@ def test_generation_config_must_be_an_object(tmp_path, text_ckpt, capsys, conten
     for argv in (["inspect"], ["generate", "--tokens", "2,5", "--max-new-tokens", "1"]):
         code, _, err = run(capsys, argv[0], "--model", model, *argv[1:])
         assert code == 2
-        assert err == (f"error: {model / 'generation_config.json'}: expected a JSON object at the top level, got "
+        assert err == (f"refimpl: error: {model / 'generation_config.json'}: expected a JSON object at the top level, got "
                        f"{kind}; fix or remove generation_config.json\n")
 
 
@@ -222,7 +222,7 @@ def test_an_integer_too_long_for_python_is_invalid_json(tmp_path, text_ckpt, cap
     (model / "config.json").write_text(text)
     code, _, err = run(capsys, "inspect", "--model", model)
     assert code == 2
-    assert err.startswith(f"error: {model / 'config.json'}: not valid JSON (Exceeds the limit (4300 digits)")
+    assert err.startswith(f"refimpl: error: {model / 'config.json'}: not valid JSON (Exceeds the limit (4300 digits)")
     assert err.count("\n") == 1
 
 
@@ -239,7 +239,7 @@ def test_image_ids_outside_the_vocabulary_are_refused(tmp_path, vision_ckpt, cap
         code, _, err = run(capsys, "logits", "--model", model, *prompt, "--image", png,
                            "--out", tmp_path / "o.safetensors")
         assert code == 2
-        assert err == f"error: {message}"
+        assert err == f"refimpl: error: {message}"
     code, _, err = run_conformance(capsys, "generate", "--model", model, "--image", png, "--out", tmp_path / "set",
                                    "--workers", "1", "-q")
     assert code == 2
@@ -261,7 +261,7 @@ def test_audio_ids_outside_the_vocabulary_are_refused(tmp_path, capsys, key):
     code, _, err = run(capsys, "logits", "--model", model, "--prompt", "hi", "--audio", wav,
                        "--out", tmp_path / "o.safetensors")
     assert code == 2
-    assert err == (f"error: {model / 'config.json'}: '{key}' is 100000, outside the text vocabulary [0, 512); audio "
+    assert err == (f"refimpl: error: {model / 'config.json'}: '{key}' is 100000, outside the text vocabulary [0, 512); audio "
                    "prompts need it inside (fix the id, or the text vocab_size)\n")
 
 
@@ -298,10 +298,10 @@ def test_nan_weight_names_the_layer_and_tensor(tmp_path, text_ckpt, capsys, dtyp
     message = (f"{model}: the residual stream after layer 3 is not finite: tensor 'model.layers.3.mlp.up_proj.weight' "
                f"(model.safetensors) holds 1 NaN/inf value{CORRUPT}\n")
     code, _, err = run(capsys, "logits", "--model", model, "--tokens", "2,5,7", "--rows", "all", "--out", out)
-    assert (code, err) == (2, f"error: {message}")
+    assert (code, err) == (2, f"refimpl: error: {message}")
     assert not out.exists()
     code, _, err = run(capsys, "generate", "--model", model, "--tokens", "2,5,7", "--max-new-tokens", "2")
-    assert (code, err) == (2, f"error: {message}")
+    assert (code, err) == (2, f"refimpl: error: {message}")
 
 
 @pytest.mark.parametrize("tensor, index, value, named", [
@@ -320,7 +320,7 @@ def test_inf_embedding_row_norm_and_ple_are_named(tmp_path, text_ckpt, capsys, t
     model = poisoned(text_ckpt, tmp_path / "ckpt", {tensor: (index, value)})
     code, _, err = run(capsys, "logits", "--model", model, "--tokens", "2,5,7", "--out", tmp_path / "o.safetensors",
                        "--force")
-    assert (code, err) == (2, f"error: {model}: {named} (model.safetensors) holds 1 NaN/inf value{CORRUPT}\n")
+    assert (code, err) == (2, f"refimpl: error: {model}: {named} (model.safetensors) holds 1 NaN/inf value{CORRUPT}\n")
 
 
 def test_overflow_with_finite_weights_is_refused_in_one_line(tmp_path, text_ckpt):
@@ -331,7 +331,7 @@ def test_overflow_with_finite_weights_is_refused_in_one_line(tmp_path, text_ckpt
                            "--dtype", "float32", "--out", str(tmp_path / "o.safetensors")],
                           capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stdout) == (2, "")
-    assert done.stderr == (f"error: {model}: the residual stream after layer 1 is not finite, but the weights read "
+    assert done.stderr == (f"refimpl: error: {model}: the residual stream after layer 1 is not finite, but the weights read "
                            "there are: the values overflowed float32\n")
 
 
@@ -340,7 +340,7 @@ def test_nan_vision_weight_names_the_tower_tensor(tmp_path, vision_ckpt, capsys)
     model = poisoned(vision_ckpt, tmp_path / "nan", {name: (0, np.nan)})
     code, _, err = run(capsys, "logits", "--model", model, "--tokens", "2,5", "--image", small_png(tmp_path / "a.png"),
                        "--out", tmp_path / "o.safetensors")
-    assert (code, err) == (2, f"error: {model}: the vision tower's soft tokens are not finite: tensor '{name}' "
+    assert (code, err) == (2, f"refimpl: error: {model}: the vision tower's soft tokens are not finite: tensor '{name}' "
                               f"(model.safetensors) holds 1 NaN/inf value{CORRUPT}\n")
 
 

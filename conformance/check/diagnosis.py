@@ -5,6 +5,10 @@ first).
 The classes named are the rows of docs/bug-classes.md's summary table (``CLASSES``). The rules, each a
 pattern and what it points at:
 
+* degenerate output, named before anything else: every failing row constant (all zeros, one value), the
+  returned rows of a case one row repeated, or the same row in every failed case of a set, while the oracle's
+  rows differ: the output was never computed for that input (an unfilled buffer, a result not copied back, a
+  stub, a cached response), so the identity and closeness failures say nothing about the model;
 * most failing rows nearest another oracle row (``identity``): B1, a shifted row;
 * logits beyond the final softcap: B2, the softcap missing on those rows;
 * only decode rows fail, the prefill's rows pass: B2 (the single-row head), B7 (the cache a pruned prefill
@@ -41,6 +45,7 @@ CLASSES = {
     "audio tower": "the audio tower (mm trap 24, mm §9)",
     "unified U1-U14": "Gemma 4 Unified's vision masks or embedders",
     "mtp M1-M13": "the MTP drafter, its rounds, or the hidden-state output",
+    "degenerate": "output not computed for the input: zeros, a constant, one row for every row or case",
 }
 FAILED = ("fail", "xfail")
 
@@ -76,6 +81,46 @@ def _media_classes(cases, unified: bool) -> list[str]:
     return ["trap 17", "B10", "unified U1-U14"]
 
 
+def _logits_rows(c) -> list[dict]:
+    return [r for r in c.rows if not r["label"].endswith(" hidden") and r.get("metrics")]
+
+
+def _same_row(rows: list[dict]) -> bool:
+    """Whether the returned rows are one row (one digest), where the oracle's rows differ (their top tokens)."""
+    digests = {(r.get("metrics") or {}).get("got_digest") for r in rows}
+    return (len(rows) >= 2 and len(digests) == 1 and None not in digests
+            and len({tuple(r.get("top_ref") or ()) for r in rows}) > 1)
+
+
+def _repeated(rows: list[dict]) -> list[dict]:
+    """The largest group of returned rows that are one row (one digest) where the oracle's rows differ."""
+    groups: dict[int, list[dict]] = {}
+    for r in rows:
+        digest = (r.get("metrics") or {}).get("got_digest")
+        if digest is not None:
+            groups.setdefault(digest, []).append(r)
+    best = max(groups.values(), key=len, default=[])
+    return best if _same_row(best) else []
+
+
+def _degenerate(c) -> str | None:
+    """What makes a failed case's output degenerate (not computed for its input), or None."""
+    bad = [r for r in _failing(c) if not r["label"].endswith(" hidden")]
+    if not bad:
+        return None
+    if all((r.get("metrics") or {}).get("got_spread") == 0 for r in bad):
+        values = {(r.get("metrics") or {}).get("got_max_abs") for r in bad}
+        what = ("every logit 0" if values == {0.0} else
+                f"every logit one value, |{next(iter(values)):.4g}|" if len(values) == 1 else "one value per row")
+        return f"every failing row is constant ({what}; {len(bad)} row(s))"
+    same = _repeated(_logits_rows(c))
+    if 2 * len([r for r in same if r.get("status") == "fail"]) >= len(bad):
+        return (f"{len(same)} of the returned rows are one row repeated ({same[0]['label']} is "
+                f"{', '.join(r['label'] for r in same[1:3])}{', ...' if len(same) > 3 else ''}), where the oracle's "
+                "rows differ: one output slot read for every row")
+    return None
+
+
 def _case_patterns(c, cap: float | None) -> list[tuple[str, list[str]]]:
     """(what the rows of one failed case show, the classes it points at), most specific first."""
     out: list[tuple[str, list[str]]] = []
@@ -85,6 +130,9 @@ def _case_patterns(c, cap: float | None) -> list[tuple[str, list[str]]]:
                                    and c.error is not None else ""), ["mtp M1-M13"])]
     if not bad:
         return out
+    degenerate = _degenerate(c)
+    if degenerate is not None:
+        return [(degenerate, ["degenerate"])]
     logits_bad = [r for r in bad if not r["label"].endswith(" hidden")]
     shifted = [r for r in bad if r.get("check") in ("identity", "hidden_identity")]
     # a shift when most failing rows are other rows of the oracle; a few identity failures among many far-off
@@ -125,6 +173,10 @@ def _set_patterns(failed: list, passed: list, kv_shared: bool, unified: bool) ->
     text = [c for c in failed if c.kind != "mtp"]
     if not text:
         return out
+    firsts = [rows[0] for rows in map(_logits_rows, text) if rows]
+    if len(text) >= 2 and len(firsts) == len(text) and _same_row(firsts):
+        out.append((f"the same logits in every failed case of this set ({len(text)} cases), "
+                    "whatever the prompt", ["degenerate"]))
 
     def only(pred, what: str, classes: list[str]) -> None:
         others = [c for c in passed if pred(c)] or [c for c in failed if pred(c)]
@@ -144,12 +196,22 @@ def _set_patterns(failed: list, passed: list, kv_shared: bool, unified: bool) ->
     return out
 
 
+def _degenerate_first(patterns: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
+    """A degenerate output hides every other pattern: the rows were not computed for the input."""
+    degenerate = [p for p in patterns if p[1] == ["degenerate"]]
+    return degenerate[:2] or patterns
+
+
 def _line(patterns: list[tuple[str, list[str]]]) -> str:
     classes: list[str] = []
     for _, cls in patterns:
         for k in cls:
             if k not in classes:
                 classes.append(k)
+    if classes == ["degenerate"]:
+        return ("degenerate output: " + "; ".join(text for text, _ in patterns[:2]) + ". Not a bug class of the model: the backend's output "
+                "was not computed for this input (an unfilled or zeroed buffer, a result not copied back, a stub, a "
+                "cached response); fix that first, nothing else can be read from these rows")
     named = "; ".join(f"{k} ({CLASSES[k]})" for k in classes[:3])
     return "; ".join(text for text, _ in patterns[:2]) + f". Likely {named}"
 
@@ -165,7 +227,7 @@ def diagnose_set(results: Iterable, *, softcap: float | None, kv_shared: bool, u
     for c in failed:
         patterns = _case_patterns(c, cap)
         if c.kind != "mtp":
-            patterns += across
+            patterns = _degenerate_first(patterns + across)
         if not patterns:
             patterns = [("failures across entry points and features", ["traps 1-12"])]
         c.diagnosis = _line(patterns)

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from ..sets import bundled_sets
 from .profiles import TOLERANCE_FIELDS
 
 ACTIONS = ("skip", "known-failure", "tolerance")
@@ -109,6 +110,10 @@ class Expectations:
     path: str | None = None
     backend: str | None = None
     today: _dt.date = field(default_factory=_dt.date.today)
+    # the file a backend ships for its configuration: it covers every bundled set, so an entry for a set that is
+    # not in the run is not reported as matching no case
+    shipped: bool = False
+    seen_sets: set[str] = field(default_factory=set)  # the sets of the observed cases (a case id's first part)
 
     @property
     def active(self) -> list[Entry]:
@@ -121,6 +126,7 @@ class Expectations:
     def observe(self, case_ids: Iterable[str]) -> None:
         """Record which cases each entry matches (for the 'unused' report); call once per fixture set."""
         for cid in case_ids:
+            self.seen_sets.add(cid.split("/", 1)[0])
             for e in self.entries:
                 if e.pattern.search(cid):
                     e.matched.append(cid)
@@ -141,8 +147,16 @@ class Expectations:
 
     @property
     def unused(self) -> list[Entry]:
-        """Active entries that matched no case of the fixture sets observed."""
-        return [e for e in self.active if not e.matched]
+        """Active entries that matched no case of the fixture sets observed (of a shipped file: not counting
+        the entries for sets not in the run)."""
+        return [e for e in self.active if not e.matched and not self.for_other_sets(e)]
+
+    def for_other_sets(self, e: Entry) -> bool:
+        """Whether the entry of a shipped file names bundled sets only, none of them in the run."""
+        if not self.shipped:
+            return False
+        named = named_sets(e.match, set(bundled_names()) | self.seen_sets)
+        return bool(named) and not named & self.seen_sets
 
     def report(self) -> dict[str, Any]:
         return {
@@ -152,7 +166,23 @@ class Expectations:
             "entries": len(self.entries),
             "expired": [e.to_json() for e in self.expired],
             "unused": [e.to_json() for e in self.unused],
+            "for_other_sets": sum(not e.matched and self.for_other_sets(e) for e in self.active),
         }
+
+
+def bundled_names() -> list[str]:
+    """The names of the bundled fixture sets (their directories' names)."""
+    try:
+        return [Path(p).name for p in bundled_sets()]
+    except Exception:  # noqa: BLE001 - no bundle installed: no names
+        return []
+
+
+def named_sets(match: str, names: Iterable[str]) -> set[str]:
+    """The set names among ``names`` that the regular expression ``match`` spells out, as whole words
+    (``^(?:e2b\\-mini/full/B/T19|e4b\\-mini/...)$`` names e2b-mini and e4b-mini)."""
+    text = match.replace("\\", "")
+    return {n for n in names if re.search(rf"(?<![\w-]){re.escape(n)}(?![\w-])", text)}
 
 
 def empty() -> Expectations:

@@ -48,7 +48,10 @@ CHECKS = ("count", "dtype", "shape", "nonfinite", "identity", "max_abs", "max_re
           "top1", "topk", "hidden", "hidden_identity")  # the last two: hidden-state rows (conformance.check.hidden)
 CASE_CHECKS = ("count", "dtype", "kl_mean", "generation", "mtp", "mtp_output", "mtp_accepted", "mtp_trace")
 METRIC_KEYS = ("max_abs", "max_rel", "nmse", "cosine", "kl", "delta_p", "top1_agree", "topk_overlap", "margin",
-               "identity_nearest", "identity_ratio", "got_max_abs")  # got_max_abs: the row's largest finite |logit|
+               "identity_nearest", "identity_ratio", "got_max_abs", "got_spread", "got_digest")
+# got_max_abs: the row's largest finite |logit|; got_spread: its largest minus its smallest finite logit (0: a
+# constant row); got_digest: 48 bits of a hash of the returned row's bytes (equal digests: the very same row
+# returned twice), both for the diagnosis of degenerate output (conformance.check.diagnosis)
 #: top-N ids reported in every RowResult (``top_ref`` / ``top_got``)
 TOP_N = 5
 #: a failing MoE case whose smallest router margin (probability gap between the k-th chosen and the
@@ -229,6 +232,8 @@ def _grade_row(row: _Row, got_row: np.ndarray, base_rows: np.ndarray, base_cols:
     m = res.metrics
     m["margin"] = finite_or_none(M.top1_margin(ref))
     m["got_max_abs"] = finite_or_none(np.abs(g).max()) if g.size else None
+    m["got_spread"] = finite_or_none(g.max() - g.min()) if g.size else None
+    m["got_digest"] = M.row_digest(got)
     res.top_ref = M.topk_ids(ref, TOP_N).tolist()
     res.top_got = M.topk_ids(got, TOP_N).tolist()
     row.argmax_got = int(M.top1(got))

@@ -96,6 +96,12 @@ class RunResult:
     # the run ended early: {"reason": "SIGINT" | "SIGTERM" | "SIGHUP" | "timeout", "case": the case in flight
     # or None, "cases_not_run": int, "message": str}; None when every selected case ran
     interrupted: dict[str, Any] | None = None
+    # the run could not start or go on (ABORT_REASONS): {"reason", "exit_code", "message"}; the reports carry the
+    # error, so that a CI job shows it rather than "no test results". "unfinished" is what a report written before
+    # the run says, should the process end before the verdict (a backend's os._exit, a crash, a kill -9)
+    aborted: dict[str, Any] | None = None
+    # seconds by phase (conformance.check.runner.PHASES, and "load": the sets read and verified before the run)
+    timings: dict[str, float] = field(default_factory=dict)
 
     def counts(self, cases: Iterable[CaseResult] | None = None) -> dict[str, int]:
         c = {s: 0 for s in STATUSES}
@@ -105,7 +111,10 @@ class RunResult:
 
     @property
     def exit_code(self) -> int:
-        """0, 1 or 5 by the cases' statuses; 128 + the signal's number when a signal ended the run."""
+        """0, 1 or 5 by the cases' statuses; 128 + the signal's number when a signal ended the run; the error's
+        code (3 fixture integrity, 4 backend, 5 nothing to run) for an aborted run, 1 for an unfinished one."""
+        if self.aborted is not None:
+            return int(self.aborted["exit_code"])
         stop = self.interrupted
         if stop is not None and stop["reason"] != "timeout":
             return 128 + int(signal.Signals[stop["reason"]])
@@ -123,6 +132,26 @@ class RunResult:
                 if r.status == status:
                     return r
         return None
+
+
+ABORT_REASONS = {"fixture": 3, "backend": 4, "empty": 5, "unfinished": 1}
+
+
+@dataclass
+class NoProfile:
+    """The profile of a run that ended before one was chosen (the backend could not be loaded)."""
+    name: str = "(none)"
+    description: str = "the run ended before a grading profile was chosen"
+
+
+def aborted_run(backend: dict[str, Any], profile: Any, sets: list[SetInfo], reason: str, message: str,
+                started: _dt.datetime, select: str | None = None) -> RunResult:
+    """The record of a run that could not start or go on (``reason`` of ABORT_REASONS): no case, the error."""
+    finished = _dt.datetime.now(_dt.timezone.utc)
+    return RunResult(backend=backend, profile=profile if profile is not None else NoProfile(), sets=sets, cases=[],
+                     expectations={"path": None, "entries": 0, "expired": [], "unused": []}, select=select, started=started, finished=finished,
+                     duration=max(0.0, (finished - started).total_seconds()),
+                     aborted={"reason": reason, "exit_code": ABORT_REASONS[reason], "message": message})
 
 
 def entry_point(case) -> str:

@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterable
 from ..protocol.types import Backend, CaseTimeout, Response, claims, required_capabilities
 from ..protocol.wire import jsonable
 from ..sets.integrity import load_set
+from .exits import refuse_process_exit
 from .expectations import Expectations
 from .diagnosis import diagnose_set
 from .grading import grade_case
@@ -228,16 +229,17 @@ def run(
 
     claimed = backend.capabilities.to_dict()
     calls = _Calls(backend, case_timeout)
+    timings = dict.fromkeys(PHASES, 0.0)
     results: list[CaseResult] = []
     in_flight: list[str] = []  # the case being run, while it runs
     interrupted = None
-    with tempfile.TemporaryDirectory(prefix="gemma4-conformance-", dir=workdir) as tmp:
+    with tempfile.TemporaryDirectory(prefix="gemma4-conformance-", dir=workdir) as tmp, refuse_process_exit():
         session = Session(backend, Checkpoints(tmp, model=model, rehash=rehash, drafter=drafter), calls)
         try:
             for (fs, chosen), info in zip(plan, infos):
                 if chosen:
                     interrupted = _run_set(session, claimed, fs, chosen, info, profile, expectations, results, total,
-                                           progress, in_flight)
+                                           progress, in_flight, timings)
                 if interrupted is not None:
                     break
         except KeyboardInterrupt as exc:
@@ -258,21 +260,43 @@ def run(
         profile=profile, sets=infos, cases=results, expectations=expectations.report(),
         select=selection.select,
         started=started, finished=finished, duration=time.perf_counter() - t0, interrupted=interrupted,
+        timings=timings,
     )
 
 
+# where a run's time goes (RunResult.timings, seconds): the checkpoint made or checked (a synthetic set's
+# regenerated, an external one's digests), the oracle's rows rebuilt through its head (a set stored as hidden
+# states), the backend opened on it, the backend's requests (the cases' durations), the grading and diagnosis
+PHASES = ("checkpoint", "rebuild", "open", "backend", "grade")
+
+
+class _Clock:
+    """``with _Clock(timings, phase):`` adds the block's wall time to ``timings[phase]``."""
+
+    def __init__(self, timings: dict, phase: str):
+        self.timings, self.phase = timings, phase
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.timings[self.phase] += time.perf_counter() - self.t0
+
+
 def _run_set(session: Session, claimed: dict, fs, chosen: list, info: SetInfo, profile, expectations: Expectations,
-             results: list, total: int, progress: Progress | None, in_flight: list) -> dict | None:
-    """Run the chosen cases of one set, appending to ``results``; the ``interrupted`` record when an
-    in-process backend timed out (the run cannot go on), else None."""
+             results: list, total: int, progress: Progress | None, in_flight: list, timings: dict) -> dict | None:
+    """Run the chosen cases of one set, appending to ``results`` (the time of each phase added to ``timings``);
+    the ``interrupted`` record when an in-process backend timed out (the run cannot go on), else None."""
 
     def record(res: CaseResult) -> None:
         results.append(res)
         if progress is not None:
             progress(len(results), total, res.id, res)
 
-    ctx = session.context(fs)
-    ctx.prepare(chosen, None if progress is None else (lambda text: progress(len(results), total, text, None)))
+    with _Clock(timings, "checkpoint"):
+        ctx = session.context(fs)
+    with _Clock(timings, "rebuild"):
+        ctx.prepare(chosen, None if progress is None else (lambda text: progress(len(results), total, text, None)))
     info.warnings = [str(w) for w in getattr(fs, "warnings", [])]
     if not any(ctx.claimable(case, claimed) for case in chosen):
         # nothing here for this backend (e.g. an image set for a text-only engine): every case is
@@ -280,7 +304,8 @@ def _run_set(session: Session, claimed: dict, fs, chosen: list, info: SetInfo, p
         for case in chosen:
             record(run_case(session.backend, claimed, ctx, case, profile, expectations))
         return None
-    session.enter(fs)
+    with _Clock(timings, "open"):
+        session.enter(fs)
     calls = session.calls
     first = len(results)
     try:
@@ -288,7 +313,10 @@ def _run_set(session: Session, claimed: dict, fs, chosen: list, info: SetInfo, p
             if progress is not None:
                 progress(len(results), total, case.id, None)
             in_flight[:] = [case.id]
-            res = run_case(calls, claimed, ctx, case, profile, expectations)
+            with _Clock(timings, "grade"):
+                res = run_case(calls, claimed, ctx, case, profile, expectations)
+            timings["grade"] -= res.duration
+            timings["backend"] += res.duration
             in_flight.clear()
             record(res)
             if res.check == "timeout" and not calls.restarts:
@@ -298,7 +326,8 @@ def _run_set(session: Session, claimed: dict, fs, chosen: list, info: SetInfo, p
                                     "(--isolate runs the backend in a child process that is killed and "
                                     "restarted)")}
     finally:  # also when the run is interrupted: the cases it finished keep their diagnoses
-        _diagnose(ctx, results[first:])
+        with _Clock(timings, "grade"):
+            _diagnose(ctx, results[first:])
     return None
 
 

@@ -3,7 +3,7 @@ scoreboard).
 
     conformance check --backend NAME|module:attr [--fixtures DIR ...] [--model DIR] [--rehash] [--profile P]
                       [--expectations FILE | --no-shipped-expectations] [-k REGEX]
-                      [--json FILE] [--junit-xml FILE] [--backend-option KEY=VALUE ...] [-q] [-v]
+                      [--json FILE] [--junit-xml FILE] [--summary-md FILE] [--html FILE] [--backend-option KEY=VALUE ...] [-q] [-v]
     conformance list backends|cases|profiles [--fixtures DIR ...] [-k REGEX]
     conformance generate (--model DIR | --preset NAME [--seed N]) [--prompts FILE.jsonl] --out DIR
                          [--name N] [--version V] [--cases auto|text|images|audio|mtp|all] [--drafter DIR] [--image FILE ...]
@@ -12,7 +12,7 @@ scoreboard).
     conformance selftest [--fixtures DIR ...] [--mutant REGEX] [-k REGEX] [--json FILE] [--workers N] [-q]
     conformance scoreboard REPORT.json ... [--out FILE.md | --into PAGE.md] [--title T]
     conformance explain --backend NAME|module:attr [-k REGEX] [--fixtures DIR ...] [--from REPORT.json]
-                        [--json OUT] [--plot OUT.png] [--profile P] [--backend-option KEY=VALUE ...] [-q] [-v]
+                        [--json OUT] [--html OUT.html] [--plot OUT.png] [--profile P] [--backend-option KEY=VALUE ...] [-q] [-v]
 
 Exit codes: 0 all selected cases pass (xfail, skipped and not-claimed allowed); 1 some case is fail,
 error or xpass; 2 usage error (bad arguments, bad expectations file, unknown profile, bad regex);
@@ -36,7 +36,7 @@ from .check import cmd_check, cmd_list, cmd_scoreboard
 from .explain import cmd_explain
 from .common import (EXIT_PIPE, EXIT_USAGE, PROG, Parser, UsageError, add_selection, err, positive_seconds,
                      silence_stdout)
-from .generate import cmd_generate, cmd_verify
+from .generate import add_generate_options, cmd_generate, cmd_verify
 from .selftest import cmd_selftest
 
 __all__ = ["build_parser", "main"]
@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--summary-md", metavar="FILE",
                    help="write a Markdown summary (verdict, tables, the first failing cases with their diagnosis); "
                         "- for standard output. Under GitHub Actions it is also appended to $GITHUB_STEP_SUMMARY")
+    c.add_argument("--html", metavar="FILE",
+                   help="write a self-contained HTML page of the run (verdict, tables, every failed case with its "
+                        "diagnosis, rows, metrics and top-k tokens, the expectations applied); - for standard output")
     c.add_argument("--backend-option", action="append", metavar="KEY=VALUE",
                    help="keyword argument for the backend's class or factory (repeatable)")
     c.add_argument("--isolate", action="store_true",
@@ -110,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--rehash", action="store_true", help=REHASH_HELP)
     ex.add_argument("--profile", metavar="P", help="the profile whose nmse is the floor (default: the backend's)")
     ex.add_argument("--json", metavar="OUT", help="write every case's comparison as JSON; - for standard output")
+    ex.add_argument("--html", metavar="OUT.html",
+                    help="write the explanation as a self-contained HTML page with a heat map per case")
     ex.add_argument("--plot", metavar="OUT.png",
                     help="draw the error per point and row as a heat map (needs matplotlib: the plot extra)")
     ex.add_argument("--backend-option", action="append", metavar="KEY=VALUE",
@@ -151,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "logits rebuilt through the checkpoint's head at check time (12 KB a row for E2B); logits: "
                         "also the full float64 logits, readable without the checkpoint (2 MB a row at the published "
                         "vocabulary; docs/fixtures.md)")
+    add_generate_options(g)
     g.add_argument("--out", required=True, metavar="DIR", help="the new set's directory (must not exist)")
     g.add_argument("--name", metavar="N", help="set name (default: the preset or model directory name)")
     g.add_argument("--version", metavar="V", help="set version, semver (default 1.0.0)")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -14,16 +14,17 @@ from ..check.profiles import PROFILES
 from ..check.results import entry_point
 from ..check.runner import load_sets, run
 from ..protocol.types import BackendError
-from ..registry import available_backends, load_backend
-from ..report import (ProgressBar, colorize, console_summary, is_tty, printable, use_color, verdict_line, write_json,
-                      write_junit)
-from ..report.markdown import append_summary, write_summary
+from ..registry import available_backends, load_backend, not_installed_note
+from ..report.console import counts_line
+from ..report.html import write_html
+from ..report import ProgressBar, colorize, console_summary, exit_line, is_tty, printable, use_color, verdict_line
 from ..report.scoreboard import ScoreboardError, embed, load_report, render
 from ..sets import FixtureError
 from .common import (
-    EXIT_BACKEND, EXIT_EMPTY, EXIT_FIXTURE, EXIT_OK, EXIT_USAGE, UsageError, compile_k, err, guarded, load_fixture_sets,
-    model_dir_arg, output_path, backend_option, fixture_paths, silence_stdout, write_stdout, warn,
+    EXIT_EMPTY, EXIT_FIXTURE, EXIT_OK, UsageError, compile_k, err, guarded, load_fixture_sets,
+    model_dir_arg, output_path, backend_option, fixture_paths, write_stdout, warn,
 )
+from .reports import Reports
 
 def _load_checked_backend(args, options: dict[str, Any]):
     """The backend of --backend: in this process, or with --isolate in a child process behind the
@@ -46,109 +47,115 @@ def _shutdown(backend) -> None:
             pass
 
 
-def cmd_check(args, argv: Sequence[str]) -> int:
+def _paths(args) -> dict[str, str | None]:
+    """The report paths, each checked (opened) before any work; at most one on standard output."""
+    paths = {"json": output_path("--json", args.json), "junit": output_path("--junit-xml", args.junit_xml),
+             "summary": output_path("--summary-md", args.summary_md), "html": output_path("--html", args.html)}
+    if list(paths.values()).count("-") > 1:
+        raise UsageError("only one of --json, --junit-xml, --summary-md and --html can go to standard output (-)")
+    return paths
 
+
+def _expectations(args):
+    if not args.expectations:
+        return None
+    try:
+        return load_expectations(args.expectations)
+    except ExpectationsError as e:
+        raise UsageError(str(e)) from None
+
+
+def _shipped_expectations(args, backend, expectations):
+    """The expectations of the run: --expectations, else the file the backend ships (unless
+    --no-shipped-expectations); ExpectationsError for a broken shipped file."""
+    if expectations is not None or args.no_shipped_expectations:
+        return expectations
+    shipped = getattr(backend, "expectations_file", None)
+    if shipped is None:
+        return None
+    expectations = load_expectations(shipped)
+    expectations.shipped = True
+    if not args.quiet:
+        sys.stderr.write(printable(f"using the expectations shipped with backend {backend.name!r}: {shipped} "
+                                   f"({len(expectations.entries)} entries; --no-shipped-expectations to ignore)") + "\n")
+    return expectations
+
+
+def cmd_check(args, argv: Sequence[str]) -> int:
     pattern = compile_k(args)
     options = dict(backend_option(o) for o in args.backend_option or [])
-    profiles = dict(PROFILES)
-    if args.profile is not None and args.profile not in profiles:
-        raise UsageError(f"unknown profile {args.profile!r}; choose one of {', '.join(profiles)}")
-    json_path = output_path("--json", args.json)
-    junit_path = output_path("--junit-xml", args.junit_xml)
-    summary_path = output_path("--summary-md", args.summary_md)
-    if [json_path, junit_path, summary_path].count("-") > 1:
-        raise UsageError("only one of --json, --junit-xml and --summary-md can go to standard output (-)")
-    expectations = None
-    if args.expectations:
-        try:
-            expectations = load_expectations(args.expectations)
-        except ExpectationsError as e:
-            raise UsageError(str(e)) from None
-
+    if args.profile is not None and args.profile not in PROFILES:
+        raise UsageError(f"unknown profile {args.profile!r}; choose one of {', '.join(PROFILES)}")
+    reports = Reports(args, argv, _paths(args), html=write_html)
+    expectations = _expectations(args)
     model = model_dir_arg(args.model)
     drafter = model_dir_arg(args.drafter, "--drafter")
-    sets = load_fixture_sets(args)
+    fixture_paths(args.fixtures)  # a usage error before any report is touched
+    reports.unfinished({"name": args.backend, "capabilities": {}, "options": options},
+                       PROFILES.get(args.profile) if args.profile else None)
+    t0 = time.perf_counter()
+    sets = load_fixture_sets(args, on_error=reports.aborted)
     if sets is None:
         return EXIT_FIXTURE
+    load_time = time.perf_counter() - t0
     if model is not None and not any(fs.manifest["model"]["kind"] == "external" for fs in sets):
         warn("--model applies to external fixture sets only; every set given is synthetic (its checkpoint is "
              "regenerated from preset and seed)")
-
     try:
         backend = _load_checked_backend(args, options)
+        profile_name = args.profile or backend.capabilities.default_profile
+        if profile_name not in PROFILES:
+            raise BackendError(f"backend {backend.name!r} declares default_profile {profile_name!r}, which is not a "
+                               f"known profile ({', '.join(PROFILES)}); pass --profile")
+        try:
+            expectations = _shipped_expectations(args, backend, expectations)
+        except ExpectationsError as e:
+            raise BackendError(f"backend {backend.name!r} ships a broken expectations file: {e}") from None
     except BackendError as e:
         err(str(e))
-        return EXIT_BACKEND
-    profile_name = args.profile or backend.capabilities.default_profile
-    if profile_name not in profiles:
-        err(f"backend {backend.name!r} declares default_profile {profile_name!r}, which is not a known "
-             f"profile ({', '.join(profiles)}); pass --profile")
-        return EXIT_BACKEND
-    profile = profiles[profile_name]
-    if expectations is None and not args.no_shipped_expectations:
-        shipped = getattr(backend, "expectations_file", None)
-        if shipped is not None:
-            try:
-                expectations = load_expectations(shipped)
-            except ExpectationsError as e:
-                err(f"backend {backend.name!r} ships a broken expectations file: {e}")
-                return EXIT_BACKEND
-            if not args.quiet:
-                sys.stderr.write(printable(f"using the expectations shipped with backend {backend.name!r}: "
-                                           f"{shipped} ({len(expectations.entries)} entries; "
-                                           "--no-shipped-expectations to ignore)") + "\n")
+        return reports.aborted("backend", str(e))
     if expectations is not None and expectations.backend and expectations.backend != backend.name:
         warn(f"the expectations file is for backend {expectations.backend!r}, running {backend.name!r}")
 
     bar = ProgressBar(sys.stderr, tty=is_tty(sys.stderr), enabled=not args.quiet)
-    result, failed = guarded(bar, lambda: run(backend, sets, profile, expectations, pattern, bar,
+    result, failed = guarded(bar, lambda: run(backend, sets, PROFILES[profile_name], expectations, pattern, bar,
                                                backend_options=options, case_timeout=args.case_timeout,
-                                               model=model, rehash=args.rehash, drafter=drafter))
+                                               model=model, rehash=args.rehash, drafter=drafter),
+                             on_error=reports.aborted)
     _shutdown(backend)
     if failed is not None:
         return failed
-
-    code = result.exit_code
+    result.timings["load"] = load_time
     if result.interrupted is not None:
         err(f"{result.interrupted['message']}; writing the report of the {len(result.cases)} finished "
              f"case{'s' if len(result.cases) != 1 else ''}")
-    # files first, standard output last: a reader that stops early loses nothing that went to a file
-    writers = ((json_path, lambda p: write_json(result, p, argv=list(argv)), "JSON report"),
-               (junit_path, lambda p: write_junit(result, p, args.junit_properties), "JUnit XML"),
-               (summary_path, lambda p: write_summary(result, p), "Markdown summary"),
-               (os.environ.get("GITHUB_STEP_SUMMARY") or None, lambda p: append_summary(result, p),
-                "the job summary"))
-    for path, write, what in sorted(writers, key=lambda w: w[0] == "-"):
-        if path is None:
-            continue
-        try:
-            written = write(path)
-        except BrokenPipeError:
-            silence_stdout()
-            continue
-        except OSError as e:
-            err(f"cannot write the {what} {path}: {e.strerror or e}")
-            code = code or EXIT_USAGE
-            continue
-        if path != "-":
-            sys.stderr.write(printable(f"wrote {what} {written}") + "\n")
-    # -q: the verdict line alone (-v still asks for everything)
+    unwritten = reports.write(result)
+    _print_summary(args, result, reports.to_stdout, unwritten)
+    return unwritten or result.exit_code
+
+
+def _print_summary(args, result, to_stdout: bool, unwritten: int) -> None:
+    """The console summary (-q: the verdict line alone; -v still asks for everything), on standard error when
+    standard output carries a report. A report that could not be written ends the summary with that, never
+    with a pass."""
     text = verdict_line(result) if args.quiet and not args.verbose else console_summary(result, verbose=args.verbose)
-    stream = sys.stderr if "-" in (json_path, junit_path, summary_path) else sys.stdout  # stdout may carry a report
+    if unwritten:
+        text = "\n".join(line for line in text.splitlines() if not line.startswith("exit "))
+        text += f"\n{exit_line(unwritten)}: a report could not be written ({counts_line(result)})"
+    stream = sys.stderr if to_stdout else sys.stdout
     summary = printable(text)
     summary = (colorize(summary) if use_color(stream) else summary) + "\n"
     if stream is sys.stderr:
         sys.stderr.write(summary)
     else:
         write_stdout(summary)
-    return code
 
 
 def cmd_list(args) -> int:
     if args.what == "backends":
         found = available_backends()
         if not found:
-            print("(no registered backends; give a Python object as module:attr)")
+            print(f"(no registered backends{not_installed_note()}; give a Python object as module:attr)")
         w = max((len(n) for n in found), default=0)
         for name, target in found.items():
             print(f"{name.ljust(w)}  {target}")

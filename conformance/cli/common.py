@@ -8,7 +8,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..check.runner import load_sets
 from ..check.select import CaseFilter, SelectError
@@ -106,8 +106,9 @@ def fixture_paths(dirs: Sequence[str] | None) -> list[Path]:
 
 
 def output_path(flag: str, value: str | None) -> str | None:
-    """A report path (--json, --junit-xml) checked before the run: ``-`` (standard output), or a file
-    in an existing directory that can be written."""
+    """A report path (--json, --junit-xml, --html, ...) checked before the run: ``-`` (standard output), or a
+    file in an existing directory that can be written: opened for appending (which changes nothing in it) and, if
+    it was not there, removed again, so that /sys, /proc and read-only mounts fail here, before any case runs."""
     if value is None or value == "-":
         return value
     path = Path(value)
@@ -119,6 +120,16 @@ def output_path(flag: str, value: str | None) -> str | None:
                          "standard output)")
     if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise UsageError(f"{flag}: {value} cannot be written (permission denied)")
+    if path.exists() and not path.is_file():
+        return value  # a device or a named pipe: opening it here could block or consume it
+    existed = path.exists()
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as e:
+        raise UsageError(f"{flag}: {value} cannot be written ({e.strerror or e})") from None
+    if not existed:
+        path.unlink(missing_ok=True)
     return value
 
 
@@ -140,33 +151,38 @@ def model_dir_arg(value: str | None, flag: str = "--model") -> str | None:
     return value
 
 
-def load_fixture_sets(args):
+def load_fixture_sets(args, on_error: Callable[[str, str], None] | None = None):
     """The fixture sets named by --fixtures (default: the bundled ones), verified; None after printing
-    the integrity error."""
+    the integrity error (and handing it to ``on_error(reason, message)``, for the reports)."""
 
     try:
         return load_sets(fixture_paths(args.fixtures))
     except FixtureError as e:
         err(f"fixture integrity: {e}")
+        if on_error is not None:
+            on_error("fixture", f"fixture integrity: {e}")
         return None
 
 
-def guarded(bar, work):
+def guarded(bar, work, on_error: Callable[[str, str], None] | None = None):
     """Run ``work()`` under a progress bar: (result, None), or (None, exit code) with one error line for
-    an empty selection, a broken fixture set or a backend that cannot be loaded."""
+    an empty selection, a broken fixture set or a backend that cannot be loaded (handed to ``on_error(reason,
+    message)`` too, for the reports)."""
 
     try:
         return work(), None
     except (NoCasesSelected, FixtureError, BackendError) as e:
         bar.close()
         if isinstance(e, NoCasesSelected):
-            err(str(e))
-            return None, EXIT_EMPTY
-        if isinstance(e, FixtureError):
-            err(f"fixture integrity: {e}")
-            return None, EXIT_FIXTURE
-        err(str(e))
-        return None, EXIT_BACKEND
+            reason, code, message = "empty", EXIT_EMPTY, str(e)
+        elif isinstance(e, FixtureError):
+            reason, code, message = "fixture", EXIT_FIXTURE, f"fixture integrity: {e}"
+        else:
+            reason, code, message = "backend", EXIT_BACKEND, str(e)
+        err(message)
+        if on_error is not None:
+            on_error(reason, message)
+        return None, code
     finally:
         bar.close()
 

@@ -7,14 +7,54 @@ import sys
 
 from ..check.profiles import PROFILES
 from ..explain import ReportError, console_lines, explain, explain_json, failed_in_report, plot_explanations
-from ..explain.plot import PlotError
+from ..explain.plot import INSTALL, PlotError, plot_available
 from ..protocol.types import BackendError
 from ..registry import load_backend
 from ..report import ProgressBar, is_tty, printable
+from ..report.html import write_explain_html
 from .common import (EXIT_BACKEND, EXIT_FAIL, EXIT_OK, EXIT_USAGE, UsageError, backend_option, compile_k, err, guarded,
                      load_fixture_sets, model_dir_arg, output_path, write_stdout)
 
 __all__ = ["cmd_explain"]
+
+
+def _outputs(args) -> tuple[str | None, str | None, str | None]:
+    """(--json, --plot, --html) checked before any work: writable paths, and matplotlib there for --plot."""
+    json_path = output_path("--json", args.json)
+    plot_path = output_path("--plot", args.plot)
+    html_path = output_path("--html", getattr(args, "html", None))
+    if plot_path == "-":
+        raise UsageError("--plot needs a file name (a PNG), not standard output")
+    if html_path == "-":
+        raise UsageError("--html needs a file name (an HTML page), not standard output")
+    if plot_path is not None and not plot_available():
+        raise UsageError(INSTALL)
+    return json_path, plot_path, html_path
+
+
+def _write(path: str, write) -> bool:
+    """Run ``write()`` (which returns the path written, None for standard output); one error line and False when
+    it cannot."""
+    try:
+        done = write()
+        if done is not None:
+            sys.stderr.write(printable(f"wrote {done}") + "\n")
+        return True
+    except PlotError as e:
+        err(str(e))
+    except OSError as e:
+        err(f"cannot write {path}: {e.strerror or e}")
+    return False
+
+
+def _write_json(path: str, results, backend, profile) -> str | None:
+    text = json.dumps(explain_json(results, backend, profile), indent=1, allow_nan=False) + "\n"
+    if path == "-":
+        write_stdout(text)
+        return None
+    with open(path, "w") as f:
+        f.write(text)
+    return path
 
 
 def cmd_explain(args) -> int:
@@ -22,10 +62,7 @@ def cmd_explain(args) -> int:
     options = dict(backend_option(o) for o in args.backend_option or [])
     if args.profile is not None and args.profile not in PROFILES:
         raise UsageError(f"unknown profile {args.profile!r}; choose one of {', '.join(PROFILES)}")
-    json_path = output_path("--json", args.json)
-    plot_path = output_path("--plot", args.plot)
-    if plot_path == "-":
-        raise UsageError("--plot needs a file name (a PNG), not standard output")
+    json_path, plot_path, html_path = _outputs(args)
     ids = None
     if args.from_report is not None:
         try:
@@ -57,30 +94,15 @@ def cmd_explain(args) -> int:
     if failed is not None:
         return failed
     code = EXIT_FAIL if any(r.status in ("diverges", "error") for r in results) else EXIT_OK
-    if json_path is not None:
-        text = json.dumps(explain_json(results, backend, profile), indent=1, allow_nan=False) + "\n"
-        if json_path == "-":
-            write_stdout(text)
-        else:
-            try:
-                with open(json_path, "w") as f:
-                    f.write(text)
-            except OSError as e:
-                err(f"cannot write {json_path}: {e.strerror or e}")
-                return EXIT_USAGE
-            sys.stderr.write(printable(f"wrote {json_path}") + "\n")
-    if plot_path is not None:
-        try:
-            sys.stderr.write(printable(f"wrote {plot_explanations(results, plot_path)}") + "\n")
-        except PlotError as e:
-            err(str(e))
-            return EXIT_USAGE
-        except OSError as e:
-            err(f"cannot write {plot_path}: {e.strerror or e}")
-            return EXIT_USAGE
+    written = [_write(json_path, lambda: _write_json(json_path, results, backend, profile))
+               if json_path is not None else True,
+               _write(plot_path, lambda: plot_explanations(results, plot_path))
+               if plot_path is not None else True,
+               _write(html_path, lambda: write_explain_html(
+                   results, html_path, backend=backend.name, profile=profile.name)) if html_path is not None else True]
     text = printable("\n".join(console_lines(results, verbose=args.verbose))) + "\n"
     if json_path == "-":
         sys.stderr.write(text)
     else:
         write_stdout(text)
-    return code
+    return code if all(written) else EXIT_USAGE

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,16 @@ from ..report import ProgressBar, is_tty, printable
 from ..check.runner import interrupt_signal
 from ..sets import FixtureError
 from .common import EXIT_FIXTURE, EXIT_OK, UsageError, err, model_dir_arg
+
+ALLOW_BEYOND_CONTEXT_HELP = ("generate bases longer than the checkpoint's context (max_position_embeddings in "
+                             "config.json), which are otherwise refused before any forward; recorded in the "
+                             "manifest (oracle.beyond_context)")
+
+
+def add_generate_options(g: argparse.ArgumentParser) -> None:
+    """The options of ``conformance generate`` defined here (the rest are in ``conformance.cli.build_parser``)."""
+    g.add_argument("--allow-beyond-context", action="store_true", help=ALLOW_BEYOND_CONTEXT_HELP)
+
 
 class _GenerateProgress:
     """Progress for fixtures.generate_set: accepts (message), (done, total) or (done, total, message)."""
@@ -34,6 +45,10 @@ class _GenerateProgress:
                 self.bar.message(f"[{done}/{total}] {text}".rstrip())
         elif text:
             self.bar.message(text)
+
+    def line(self, text: str) -> None:
+        """A stage line of ``generate_set(stages=...)``."""
+        self.bar.message(text)
 
     def close(self) -> None:
         self.bar.close()
@@ -85,7 +100,8 @@ def cmd_generate(args) -> int:
                           "prompts": args.prompts, "name": args.name, "progress": progress,
                           "cases": args.cases, "images": args.image or None, "audio": args.audio or None,
                           "workers": args.workers, "cluster": args.cluster, "store": args.store,
-                          "vision_mask": args.vision_mask, "drafter": args.drafter}
+                          "vision_mask": args.vision_mask, "drafter": args.drafter, "stages": progress.line,
+                          "allow_beyond_context": getattr(args, "allow_beyond_context", False)}
     if args.version is not None:
         kw["version"] = args.version
     try:

@@ -3,20 +3,32 @@ optional ``plot`` extra, imported only here and only when asked for)."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import numpy as np
 
 from .run import CaseExplanation
 
-__all__ = ["PlotError", "plot_explanations"]
+__all__ = ["INSTALL", "PlotError", "plot_available", "plot_explanations"]
 
 SHORT = {"embed": "emb", "attn_out": "attn", "ffn_out": "ffn", "ple_add": "ple", "residual": "res",
          "final_norm": "norm", "logits": "logits"}
 
 
+INSTALL = "--plot needs matplotlib: pip install 'gemma4-conformance[plot]'"
+
+
 class PlotError(Exception):
     """The picture cannot be made (matplotlib missing, or nothing to draw)."""
+
+
+def plot_available() -> bool:
+    """Whether matplotlib can be imported (looked up, not imported: the command line asks before any work)."""
+    try:
+        return importlib.util.find_spec("matplotlib") is not None
+    except (ImportError, ValueError):  # a broken entry in sys.modules
+        return False
 
 
 def _label(point) -> str:
@@ -32,7 +44,7 @@ def plot_explanations(results: list[CaseExplanation], path: str | Path, max_case
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise PlotError("--plot needs matplotlib: pip install 'gemma4-conformance[plot]'") from None
+        raise PlotError(INSTALL) from None
     drawn = sorted((r for r in results if r.comparison is not None and r.comparison.points),
                    key=lambda r: r.status != "diverges")[:max_cases]
     if not drawn:

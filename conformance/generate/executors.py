@@ -19,6 +19,7 @@ from refimpl.threads import cores
 
 from ..sets.format import FixtureError
 from .jobs import JobContext, run_job
+from .progress import Sink, set_sink
 
 CONNECT_TIMEOUT_S = 10  # --cluster: connecting to the scheduler
 
@@ -41,20 +42,22 @@ OnDone = Callable[[dict], None]
 
 
 def run_jobs(specs: list[dict], *, workers: int, cluster: Any = None, on_done: OnDone,
-             context: JobContext | None = None) -> None:
+             context: JobContext | None = None, on_stage: Sink | None = None) -> None:
     """Run every job (``specs`` in dispatch order: longest first) and call ``on_done(metadata)`` in this
     process as each finishes. ``cluster``: a connected ``DaskCluster``; else ``workers`` local processes
     (1: in this process, with ``context``). The first failure stops the rest (pending jobs are
-    cancelled, running local workers terminated) and is raised; finished results stay on disk."""
+    cancelled, running local workers terminated) and is raised; finished results stay on disk.
+    ``on_stage(event)`` is called in this process with the jobs' stage events (``conformance.generate.progress``;
+    a job's before its ``on_done``); Dask workers send none."""
     if not specs:
         return
     if cluster is not None:
         cluster.run(specs, on_done)
     elif workers <= 1:
         for spec in specs:
-            on_done(run_job(spec, context))
+            on_done(run_job(spec, context, on_stage))
     else:
-        _run_local(specs, workers, on_done)
+        _run_local(specs, workers, on_done, on_stage)
 
 
 @contextlib.contextmanager
@@ -73,13 +76,18 @@ def blas_threads(n: int) -> Iterator[None]:
                 os.environ[v] = old
 
 
-def _run_local(specs: list[dict], workers: int, on_done: OnDone) -> None:
+STAGE_POLL_S = 0.25  # local workers: how often the parent looks for stage events between finished jobs
+
+
+def _run_local(specs: list[dict], workers: int, on_done: OnDone, on_stage: Sink | None = None) -> None:
     n = min(workers, len(specs))
     threads = max(1, cores() // n)  # BLAS and the oracle's own steps (refimpl.threads) in each worker
     futures: dict[cf.Future, str] = {}
+    spawn = multiprocessing.get_context("spawn")
+    # stage events: written synchronously by the workers, so a job's are in the pipe before its result
+    events = spawn.SimpleQueue() if on_stage is not None else None
     with blas_threads(threads):  # the children start during submit (spawn context), inheriting these
-        pool = cf.ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("spawn"),
-                                      initializer=_worker_init)
+        pool = cf.ProcessPoolExecutor(max_workers=n, mp_context=spawn, initializer=_worker_init, initargs=(events,))
         try:
             for spec in specs:
                 futures[pool.submit(run_job, spec)] = spec["base"]
@@ -87,23 +95,39 @@ def _run_local(specs: list[dict], workers: int, on_done: OnDone) -> None:
             _stop(pool, futures)
             raise
     try:
-        for fut in cf.as_completed(futures):
-            try:
-                meta = fut.result()
-            except BrokenProcessPool as e:
-                raise FixtureError(f"a local worker process died while running base {futures[fut]} ({e}); "
-                                     "finished bases are kept, run again to resume") from None
-            on_done(meta)
+        pending = set(futures)
+        while pending:
+            done, pending = cf.wait(pending, timeout=STAGE_POLL_S if events is not None else None,
+                                    return_when=cf.FIRST_COMPLETED)
+            _drain(events, on_stage)
+            for fut in done:
+                try:
+                    meta = fut.result()
+                except BrokenProcessPool as e:
+                    raise FixtureError(f"a local worker process died while running base {futures[fut]} ({e}); "
+                                       "finished bases are kept, run again to resume") from None
+                on_done(meta)
     except BaseException:
         _stop(pool, futures)
         raise
     pool.shutdown(wait=True)
+    _drain(events, on_stage)
+    if events is not None:
+        events.close()
 
 
-def _worker_init() -> None:
+def _drain(events, on_stage: Sink | None) -> None:
+    """Hand the stage events waiting in ``events`` to ``on_stage``, in the order they were sent."""
+    while events is not None and not events.empty():
+        on_stage(events.get())
+
+
+def _worker_init(events=None) -> None:
     """In a local worker process: the oracle's allocator settings first (before any other thread allocates:
-    ``refimpl.memory``), then exit when the parent dies (e.g. SIGKILL), instead of lingering."""
+    ``refimpl.memory``), the queue for stage events (``events``; None: nobody listens), then exit when the
+    parent dies (e.g. SIGKILL), instead of lingering."""
     memory.for_the_oracle()
+    set_sink(events.put if events is not None else None)
     parent = multiprocessing.parent_process()
     if parent is not None:
         def watch() -> None:

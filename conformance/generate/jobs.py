@@ -17,15 +17,18 @@ from typing import Any
 
 import numpy as np
 
+from refimpl.context import check_context
 from refimpl.model import Gemma4
 from refimpl.tokenizer import Tokenizer
 
 from ..sets.bounds import consistency_bound, probe_bound
 from ..sets.format import FixtureError, versions
 from ..sets.head import summaries_of
+from .context import OVERRIDE
 from .bases import base_rows_of, greedy, ordinary_ids, rounding_probe, text_consistency
 from .media import AudioSide, VisionSide, make_media_base, media_consistency
 from .partial import JOBS, RESULT, write_result
+from .progress import Sink, emit, stage
 
 # tests only: "BASE:fail" makes that base's job raise, "BASE:hang" makes it sleep (to be killed)
 FAULT_ENV = "GEMMA4_CONFORMANCE_TEST_FAULT"
@@ -96,9 +99,14 @@ def job_context(model_dir: str, key: str, vision_mask: str = "sliding-clamped") 
         return ctx
 
 
-def run_job(spec: dict, context: JobContext | None = None) -> dict:
+# what run_job returns of a job's metadata (small: never the arrays)
+RETURNED = ("base", "tokens", "seconds", "worker", "consistency", "consistency_bound", "rounding_probe")
+
+
+def run_job(spec: dict, context: JobContext | None = None, on_stage: Sink | None = None) -> dict:
     """Run one job (``spec`` from the planner: small and picklable) and write its result into the
-    partial-run directory; returns small metadata only (never the arrays)."""
+    partial-run directory; returns small metadata only (RETURNED, never the arrays). Its stages are reported
+    to ``on_stage``, else to this process's sink (``conformance.generate.progress``)."""
     t0 = time.perf_counter()
     job_dir = Path(spec["partial"]) / JOBS / spec["base"]
     if not job_dir.parent.is_dir():
@@ -106,7 +114,7 @@ def run_job(spec: dict, context: JobContext | None = None) -> dict:
                            "--out's parent must be on storage every worker mounts at the same absolute path")
     if (job_dir / RESULT).is_file():  # finished meanwhile (a retried task)
         meta = json.loads((job_dir / RESULT).read_text(encoding="utf-8"))
-        return {k: meta[k] for k in ("base", "tokens", "seconds", "worker")}
+        return {k: meta.get(k) for k in RETURNED}
     fault = os.environ.get(FAULT_ENV, "")
     if fault.partition(":")[0] == spec["base"]:
         if fault.endswith(":hang"):
@@ -115,31 +123,41 @@ def run_job(spec: dict, context: JobContext | None = None) -> dict:
     ctx = context if context is not None else job_context(spec["model_dir"], spec["key"],
                                                           spec.get("vision_mask", "sliding-clamped"))
     model, kind, base = ctx.model, spec["kind"], spec["base"]
+    emit({"base": base, "event": "start", "worker": where()}, on_stage)
     arrays: dict[str, Any] = {}
     extra: dict[str, Any] = {}
     if kind == "text":
         ids = [int(t) for t in spec["ids"]]
         if spec["greedy"]:
-            ids = ids + greedy(model, ids, spec["greedy"])
-        hidden, logits, margin = base_rows_of(model, ids)
-        worst = text_consistency(model, ids, logits)
+            with stage(base, "continuation", on_stage):
+                ids = ids + greedy(model, ids, spec["greedy"])
+        with stage(base, "forward", on_stage):
+            hidden, logits, margin = base_rows_of(model, ids)
+        with stage(base, "consistency", on_stage):
+            worst = text_consistency(model, ids, logits)
     else:
         sources = {int(k): tuple(v) for k, v in spec["sources"].items()}
         side = ctx.vision if kind == "image" else ctx.audio
-        mb = make_media_base(model, side, ctx.pool, spec["bos"], spec["seed"], sources, spec["b_index"],
-                             n_sources=spec["n_sources"])
+        with stage(base, "towers", on_stage):
+            mb = make_media_base(model, side, ctx.pool, spec["bos"], spec["seed"], sources, spec["b_index"],
+                                 n_sources=spec["n_sources"])
+        if not spec.get("allow_beyond_context"):  # the text bases were checked by the planner
+            check_context(model.cfg, len(mb.ids), f"{kind} base {base} is {len(mb.ids)} tokens long", OVERRIDE)
         for j, (source, processed, soft) in enumerate(zip(mb.sources, mb.processed, mb.soft)):
             arrays.update(side.arrays(j, source, processed, soft))
         extra.update(side.job_meta(mb.processed))
         ids = [int(t) for t in mb.ids]
-        hidden, logits, margin = base_rows_of(model, ids, mb.inputs)
-        worst = media_consistency(model, mb, logits)
+        with stage(base, "forward", on_stage):
+            hidden, logits, margin = base_rows_of(model, ids, mb.inputs)
+        with stage(base, "consistency", on_stage):
+            worst = media_consistency(model, mb, logits)
         arrays["embeddings"] = np.asarray(mb.inputs.embeddings, dtype=np.float64)
         extra.update({"spans": [[int(a), int(n)] for a, n in mb.spans], "info": mb.info, "n_media": len(mb.soft)})
     bound = consistency_bound(model.cfg, len(ids), logits)  # float64 rounding for this base (docs/profiles.md)
     probe = None
     if not worst <= bound:  # beyond the first-order model: measure how much this checkpoint amplifies rounding
-        probe = rounding_probe(model, ids, logits, None if kind == "text" else mb.inputs)
+        with stage(base, "rounding probe", on_stage):
+            probe = rounding_probe(model, ids, logits, None if kind == "text" else mb.inputs)
         bound = max(bound, probe_bound(probe))
     arrays["hidden"] = hidden
     arrays.update(summaries_of(logits))
@@ -153,6 +171,7 @@ def run_job(spec: dict, context: JobContext | None = None) -> dict:
             "consistency_bound": bound, "rounding_probe": probe, "seconds": round(seconds, 3), "worker": where(),
             "versions": job_versions(), "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS"), **extra}
     write_result(job_dir, meta, arrays)
-    return {"base": base, "tokens": len(ids), "seconds": meta["seconds"], "worker": meta["worker"]}
+    emit({"base": base, "event": "end"}, on_stage)
+    return {k: meta[k] for k in RETURNED}
 
 

@@ -10,14 +10,13 @@ import os
 import shlex
 import shutil
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from refimpl.audio_features import AudioFeatures
-from refimpl.image import ProcessedImage
 from refimpl.model import VISION_MASK_RULES, Gemma4
 from refimpl.safetensors_io import write_safetensors
 from refimpl.synth import PRESETS
@@ -36,12 +35,15 @@ from ..sets.format import (
 )
 from ..sets.head import SUMMARY_LEAVES, RebuiltLogits
 from . import executors, partial
-from .bases import bos_id, cross_entries, ordinary_ids
+from .bases import bos_id, ordinary_ids
+from .checks import cross_check_entries, oracle_checks
+from .context import check_bases, context_record, mtp_lengths
 from .jobs import JobContext, job_versions
 from .matrix import annotate, generate_cases, generate_image_cases, random_base_length
 from .media import AudioSide, VisionSide, audio_sources, has_audio_tower, has_vision_tower, image_sources, media_order
 from .media import AUDIO_TEXT, IMAGE_TEXT
 from .mtp import SCENARIOS, checked_drafter, mtp_drafter, mtp_matrix
+from .progress import IN_PROCESS, StageLog, Write, held_bound
 from .prompts import chat_ids, encode_prompt, prompt_entries
 
 
@@ -112,7 +114,8 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
                  cross_check: CrossCheck | None = None, command: str | None = None, cases: str = "auto",
                  images=None, audio=None, workers: int | None = None, cluster: str | None = None,
                  store: str = "hidden", vision_mask: str = VISION_MASK_RULES[0],
-                 drafter: str | Path | None = None) -> Path:
+                 drafter: str | Path | None = None, stages: Write | None = None,
+                 allow_beyond_context: bool = False) -> Path:
     """Write a fixture set to ``out``: the only writer. Refuses an existing ``out`` (an empty directory
     is allowed). The work is split into one job per base (docs/distributed-generation.md), run in
     parallel, and resumable: every finished job's result is kept in ``<out.parent>/.<out.name>.partial/``
@@ -133,7 +136,9 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
     from ``seed`` when the set is used).
     ``prompts``: a JSONL path or a list of entries (see ``load_prompts``) -> bases P0, P1, ...
     ``progress(done, total, label)`` is called as work completes (``label`` e.g. ``"base A: 48 tokens,
-    14 cases, 0.3 s"``, or ``"base A: done in an earlier run"``). ``cross_check(model_dir, bases,
+    14 cases, 0.3 s"``, or ``"base A: done in an earlier run"``). ``stages(line)``: a line per stage of every job
+    and per base its consistency against its bound (``progress``). ``allow_beyond_context``: bases past the
+    checkpoint's context are generated and recorded, not refused (``context``). ``cross_check(model_dir, bases,
     base_logits)`` compares another implementation (entries are recorded only when it returns some).
     ``command`` is recorded as the generator command line (default: this process's argv).
     ``store``: "hidden" (default: per row the float64 hidden state and a summary; the logits are rebuilt
@@ -157,6 +162,7 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
     cannot be made (the oracle is not self-consistent, a cross check returned garbage, a partial run of
     other arguments is in the way), PartialRunBusy (a FixtureError) at once when another run is
     generating ``out`` (one run per ``out``: conformance.generate.partial.RunLock, taken before any work), and
+    refimpl's ContextLimitError (a RefimplError) before any forward for a base past the context, and
     ValueError for an ``out`` that is a dangling symbolic link (a link to an existing empty directory
     is followed: the set is published there).
     """
@@ -210,7 +216,7 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
             return _generate(out, target, model_dir=model_dir, preset=preset, seed=seed, entries=entries, name=name,
                              version=version, progress=progress, cross_check=cross_check, command=command,
                              cases=cases, images=images, audio=audio, store=store, vision_mask=vision_mask,
-                             drafter=drafter,
+                             drafter=drafter, stages=stages, allow_beyond_context=allow_beyond_context,
                              workers=workers if workers is not None else cores(), dask=dask)
         finally:
             if dask is not None:
@@ -272,10 +278,10 @@ class _Assembled:
 def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str | None, seed: int, entries: list[dict],
               name: str, version: str, progress: Progress | None, cross_check: CrossCheck | None, command: str | None,
               cases: str, images, audio, workers: int, dask, store: str, vision_mask: str,
-              drafter: Path | None = None) -> Path:
+              drafter: Path | None = None, stages: Write | None = None, allow_beyond_context: bool = False) -> Path:
     """generate_set after argument checks, under the run's lock: plan the jobs, run the missing ones, assemble,
     publish to ``out_abs`` (publish_path(out))."""
-    model = None
+    t0, model = time.perf_counter(), None
     if preset is not None:
         model_key: dict[str, Any] = {"kind": "synthetic", "preset": preset, "seed": seed, "dtype": "f32"}
     else:
@@ -298,17 +304,19 @@ def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str |
             src, reused, model_info = model_dir, False, model_key
         plan = _plan(run, src, model, seed, entries, name, cases, images, audio, store)
         drafter_dir = mtp_drafter(src, preset is not None, drafter, cases)
+        check_bases(model.cfg, plan.jobs, drafter_dir is not None, allow_beyond_context)  # before any forward
         steps.total = (1 if preset is not None else 0) + len(plan.jobs) + (1 if cross_check is not None else 0) + 1 + \
             (len(SCENARIOS) if drafter_dir is not None else 0)
         if preset is not None:
             steps("model: reused from an earlier run" if reused else "model")
-        _run_pending(run, plan, src, model, name, workers, dask, steps)
+        log = StageLog(stages, plan.jobs, CONSISTENCY_BOUND, t0)
+        _run_pending(run, plan, src, model, name, workers, dask, steps, log)
         results = {q["base"]: run.result(q["base"]) for q in plan.jobs}
         got = _assemble(run, plan, results)
-        checks = _checks(got, plan.with_text)
+        checks = oracle_checks(got, plan.with_text)
         if cross_check is not None:
             oracle = got.logits or RebuiltLogits(model, got.hidden, got.summaries, run.path, "the set being generated")
-            checks += _cross_check(cross_check, src, got, results, oracle)
+            checks += cross_check_entries(cross_check, src, got, results, oracle)
             steps("cross check")
         cfg = model.cfg
         matrix = (generate_cases(name, cfg, got.bases) if plan.with_text else []) + \
@@ -321,8 +329,11 @@ def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str |
         staging = run.staging()
         staged = staging / "set"
         staged.mkdir()
+        beyond = context_record(cfg, {**{b: len(ids) for b, ids in got.bases.items()},
+                                      **(mtp_lengths(cfg) if mtp is not None else {})}) if allow_beyond_context else None
         _write_set(staged, got, results, set_cases, plan, cfg, name=name, version=version, checks=checks,
-                   command=command, model_info=model_info, store=store, vision_mask=vision_mask, mtp=mtp)
+                   command=command, model_info=model_info, store=store, vision_mask=vision_mask, mtp=mtp,
+                   beyond=beyond)
         steps("write")
         try:
             os.replace(staged, out_abs)
@@ -414,8 +425,8 @@ def _plan(run: partial.PartialRun, src: Path, model, seed: int, entries: list[di
 
 
 def _run_pending(run: partial.PartialRun, plan: _Plan, src: Path, model, name: str, workers: int, dask,
-                 steps: _Steps) -> None:
-    """Run the jobs that are not done yet, longest first."""
+                 steps: _Steps, log: StageLog) -> None:
+    """Run the jobs that are not done yet, longest first; their stages and consistency go to ``log``."""
     cfg = model.cfg
 
     def count_cases(base: str) -> int:
@@ -427,21 +438,25 @@ def _run_pending(run: partial.PartialRun, plan: _Plan, src: Path, model, name: s
 
     def on_done(meta: dict) -> None:
         b = meta["base"]
+        log.finished(meta)
         steps(f"base {b}: {meta['tokens']} tokens, {count_cases(b)} cases, {meta['seconds']:.1f} s")
 
-    pending = []
-    for q in plan.jobs:
-        if run.is_done(q["base"]):
-            steps(f"base {q['base']}: done in an earlier run")
-        else:
-            pending.append(q)
+    pending = [q for q in plan.jobs if not run.is_done(q["base"])]
     pending.sort(key=lambda q: -q["cost"])  # stable: ties keep the set's order
+    cached = [q["base"] for q in plan.jobs if q not in pending]
+    log.plan(pending, cached, f"on the Dask cluster {dask.address}" if dask is not None else
+             f"{min(workers, len(pending))} local worker process{'es' if min(workers, len(pending)) > 1 else ''}"
+             if workers > 1 else IN_PROCESS)
+    for b in cached:
+        log.finished(run.result(b).meta, this_run=False)
+        steps(f"base {b}: done in an earlier run")
     if pending and dask is not None:
         dask.check_workers([str(src), str(run.path / partial.JOBS)])
     context = None
     if pending and dask is None and workers <= 1:
         context = JobContext(src, model=model, vision=plan.vision, audio=plan.audio)
-    executors.run_jobs([q["spec"] for q in pending], workers=workers, cluster=dask, on_done=on_done, context=context)
+    executors.run_jobs([q["spec"] for q in pending], workers=workers, cluster=dask, on_done=on_done, context=context,
+                       on_stage=log)
 
 
 def _assemble(run: partial.PartialRun, plan: _Plan, results: Mapping[str, partial.JobResult]) -> _Assembled:
@@ -469,75 +484,15 @@ def _assemble(run: partial.PartialRun, plan: _Plan, results: Mapping[str, partia
         if r.has("router_margin"):
             got.margins[b] = r.array("router_margin")
         got.worst = max(got.worst, float(r.meta["consistency"]))
-        derived = r.meta.get("consistency_bound")  # None: a job of an earlier version, held to the floor
-        got.consistency[b] = (float(r.meta["consistency"]),
-                              max(CONSISTENCY_BOUND, float(derived) if derived is not None else 0.0))
+        got.consistency[b] = (float(r.meta["consistency"]), held_bound(r.meta, CONSISTENCY_BOUND))
         if r.meta.get("rounding_probe") is not None:
             got.probes[b] = float(r.meta["rounding_probe"])
     return got
 
 
-def _checks(got: _Assembled, with_text: bool) -> list[dict]:
-    """The oracle's own checks of the assembled set (a failed one is a FixtureError), as the manifest's
-    cross-check entries: G's continuation is the greedy argmax of its own rows (so a tie cannot slip
-    through), and chunked prefill through the KV cache reproduces the full forward."""
-    if GENERATION_BASE in got.bases:
-        prompt_len = got.info[GENERATION_BASE]["prompt_length"]
-        g = got.bases[GENERATION_BASE]
-        top1 = got.summaries[GENERATION_BASE]["top_ids"][:, 0]  # the argmax, ties to the lower id
-        for pos in range(prompt_len - 1, len(g) - 1):
-            if int(top1[pos]) != g[pos + 1]:
-                raise FixtureError(f"base G: the greedy continuation at position {pos + 1} is not the argmax of "
-                                   "the full forward (a tie between cached decode and the full forward)")
-    over = {b: (seen, bound) for b, (seen, bound) in got.consistency.items() if not seen <= bound}
-    if over:
-        b, (seen, bound) = max(over.items(), key=lambda kv: kv[1][0] / kv[1][1])
-        raise FixtureError(f"the oracle is not self-consistent on this checkpoint: chunked prefill through the KV "
-                           f"cache differs from the full forward by {seen:.3g} on base {b} ({len(got.bases[b])} "
-                           f"tokens), {seen / bound:.3g} x its float64 rounding bound {bound:.3g} "
-                           + (f"(and over 10 x its rounding probe {got.probes[b]:.3g}, the checkpoint's own "
-                              "amplification of a one-ulp input change; " if b in got.probes else "(")
-                           + "conformance.sets.bounds, docs/profiles.md)"
-                           + (f"; also base(s) {', '.join(sorted(set(over) - {b}))}" if len(over) > 1 else ""))
-    media_bases = {**got.spans, **got.audio_spans}
-    return [{"implementation": "refimpl KV cache (chunked prefill and single-token decode)",
-             "agreement": got.worst,
-             "bounds": {b: bound for b, (_, bound) in got.consistency.items()},
-             **({"rounding_probes": dict(got.probes)} if got.probes else {}),
-             "detail": f"max abs over every row of the {len(got.bases)} bases ({', '.join(got.bases)}) against the "
-                       "full forward; " + ("each text base fed as pieces of 3, W+2, 1, 1 and W+5 tokens, "
-                                           "then single-token decode of the rest" if with_text else "")
-                       + ("; " if with_text and media_bases else "")
-                       + ("each image or audio base cut before every opening marker (boi, boa) and after "
-                          "every closing one, then single-token decode" if media_bases else "")
-                       + "; each base held to the larger of 1e-9 and its float64 rounding bound (bounds; where the "
-                         "difference exceeded the model's bound, 10 x the checkpoint's measured amplification of a "
-                         "one-ulp input perturbation, rounding_probes; docs/profiles.md)"}]
-
-
-def _cross_check(cross_check: CrossCheck, src: Path, got: _Assembled, results: Mapping[str, partial.JobResult],
-                 oracle: Mapping[str, np.ndarray]) -> list[dict]:
-    """The entries of another implementation's check of the set (``cross_check``), given the bases, their
-    logits (``oracle``: stored or rebuilt from the hidden states) and the preprocessed media of every image
-    and audio base."""
-    arrays = {b: np.asarray(ids, dtype=np.int64) for b, ids in got.bases.items()}
-    extra: dict[str, Any] = {}
-    if got.spans:
-        extra["images"] = {b: [ProcessedImage(pixels=np.array(results[b].array(f"media.{j}.resized")),
-                                              pixel_values=np.array(results[b].array(f"media.{j}.pixel_values")),
-                                              positions=np.array(results[b].array(f"media.{j}.positions")),
-                                              num_soft_tokens=results[b].meta["num_soft_tokens"][j])
-                               for j in range(results[b].meta["n_media"])] for b in got.spans}
-    if got.audio_spans:
-        extra["audio"] = {b: [AudioFeatures(features=np.array(results[b].array(f"media.{j}.features")),
-                                            mask=np.array(results[b].array(f"media.{j}.mask")))
-                              for j in range(results[b].meta["n_media"])] for b in got.audio_spans}
-    return cross_entries(cross_check(Path(src), arrays, oracle, **extra), "cross_check")
-
-
 def _write_set(staged: Path, got: _Assembled, results: Mapping[str, partial.JobResult], set_cases: list[Case],
                plan: _Plan, cfg, *, name: str, version: str, checks: list[dict], command: str | None,
-               model_info: dict, store: str, vision_mask: str, mtp=None) -> None:
+               model_info: dict, store: str, vision_mask: str, mtp=None, beyond: dict | None = None) -> None:
     """The set's files in ``staged``: one base-<id>.safetensors per base, cases.json and the manifest
     (written last, with the sha256 of the others)."""
     media = {**{b: ("image", IMAGE_LEAVES, "images", s) for b, s in got.spans.items()},
@@ -578,7 +533,8 @@ def _write_set(staged: Path, got: _Assembled, results: Mapping[str, partial.JobR
         },
         "model": model_info,
         "oracle": {"dtype": "float64", "embed_scale": "exact",
-                   **({"vision_mask": vision_mask} if cfg.use_bidirectional_attention == "vision" else {})},
+                   **({"vision_mask": vision_mask} if cfg.use_bidirectional_attention == "vision" else {}),
+                   **({"beyond_context": beyond} if beyond is not None else {})},
         "config": {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
                    "num_hidden_layers": cfg.num_hidden_layers, "sliding_window": cfg.sliding_window},
         "bases": got.info,

@@ -224,6 +224,8 @@ def console_summary(result: RunResult, *, verbose: bool = False) -> str:
         for e in exp["unused"]:
             lines.append(f"  entry {e['index']} ({e['action']}, match {e['match']!r}): {e['reason']}")
     lines.append("")
+    if result.timings:
+        lines.append(timings_line(result))
     lines.append(counts_line(result))
     if result.interrupted is not None:
         stop = result.interrupted
@@ -233,6 +235,22 @@ def console_summary(result: RunResult, *, verbose: bool = False) -> str:
         lines.append("no case was run: every selected case is not claimed by the backend or skipped")
     lines.append(exit_line(result.exit_code))
     return "\n".join(lines)
+
+
+PHASE_NAMES = {"load": "loading the sets", "checkpoint": "checkpoints", "rebuild": "rebuilding the oracle's rows",
+               "open": "opening the backend", "grade": "grading"}
+
+
+def timings_line(result: RunResult) -> str:
+    """Where the run's time went: in the backend's requests, and outside them by phase (RunResult.timings)."""
+    t = result.timings
+    inside = t.get("backend", 0.0)
+    phases = {k: t[k] for k in PHASE_NAMES if t.get(k, 0.0) > 0}
+    other = max(0.0, result.duration - sum(v for k, v in t.items() if k != "load"))
+    outside = sum(phases.values()) + other
+    parts = [f"{PHASE_NAMES[k]} {v:.1f}s" for k, v in sorted(phases.items(), key=lambda kv: -kv[1])]
+    return (f"time: {inside:.1f}s in the backend's requests, {outside:.1f}s outside them ("
+            + ", ".join(parts + [f"other {other:.1f}s"]) + ")")
 
 
 def counts_line(result: RunResult) -> str:

@@ -112,6 +112,8 @@ def to_json(result: RunResult, *, exit_code: int | None = None, argv: list[str] 
         "duration": result.duration,
         "exit_code": result.exit_code if exit_code is None else exit_code,
         "interrupted": result.interrupted,
+        "aborted": result.aborted,
+        "timings": result.timings,
         "summary": summary_json(result),
         "expectations": result.expectations,
         "cases": [c.to_json() for c in result.cases],

@@ -90,6 +90,10 @@ def junit_tree(result: RunResult, case_properties: bool = False) -> ET.ElementTr
             elif c.status == "not-claimed":
                 ET.SubElement(tc, "skipped", message=f"not claimed: {msg}", type="not-claimed")
             ET.SubElement(tc, "system-out").text = "; ".join(f"{k} {v}" for k, v in cprops)
+    if result.aborted is not None:
+        _aborted_suite(root, result, timestamp, host)
+        totals["tests"] += 1
+        totals["errors"] += 1
     for k in ("tests", "failures", "errors"):  # the schema has no "skipped" on <testsuites>
         root.set(k, str(totals[k]))
     root.set("time", f"{result.duration:.3f}")
@@ -98,6 +102,21 @@ def junit_tree(result: RunResult, case_properties: bool = False) -> ET.ElementTr
         for k, v in el.attrib.items():
             el.set(k, printable(v))
     return ET.ElementTree(root)
+
+
+def _aborted_suite(root: ET.Element, result: RunResult, timestamp: str, host: str) -> None:
+    """A run that could not start or go on (or did not finish): one suite with one <error> test case, so
+    that a CI job shows the error rather than "no test results"."""
+    stop = result.aborted
+    suite = ET.SubElement(root, "testsuite", name="gemma4-conformance", timestamp=timestamp, hostname=host,
+                          time=f"{result.duration:.3f}", tests="1", failures="0", errors="1", skipped="0")
+    props = ET.SubElement(suite, "properties")
+    ET.SubElement(props, "property", name="backend", value=str(result.backend.get("name")))
+    ET.SubElement(props, "property", name="exit_code", value=str(stop["exit_code"]))
+    tc = ET.SubElement(suite, "testcase", classname="gemma4-conformance/run", name=f"run ({stop['reason']})",
+                       time=f"{result.duration:.3f}")
+    el = ET.SubElement(tc, "error", message=one_line(stop["message"]), type=stop["reason"])
+    el.text = f"exit {stop['exit_code']}: {stop['message']}"
 
 
 def write_junit(result: RunResult, path: str | Path, case_properties: bool = False) -> Path:

@@ -63,6 +63,9 @@ def markdown_summary(result: RunResult) -> str:
              f"**{exit_line(code)}** ({counts_line(result)}); profile `{getattr(result.profile, 'name', '?')}`; "
              f"fixture sets: {', '.join(f'{s.name} {s.version}' for s in used) or 'none'}"
              + (f"; selected with `{_cell(result.select)}`" if result.select else ""), ""]
+    if result.aborted is not None:
+        what = "did not finish" if result.aborted["reason"] == "unfinished" else "could not start or go on"
+        return "\n".join(lines + [f"> The run {what}: {_cell(result.aborted['message'], 2000)}"]) + "\n"
     if result.interrupted is not None:
         lines += [f"> The run ended early: {_cell(result.interrupted['message'])}.", ""]
     if len(used) > 1:

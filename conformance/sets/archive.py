@@ -33,7 +33,10 @@ def unpack(path: Path) -> Path:
     except (OSError, tarfile.TarError) as e:
         raise FixtureError(f"{path}: not an uncompressed tar archive ({e})") from None
     with tar:
-        members = tar.getmembers()
+        try:
+            members = tar.getmembers()  # reads the whole index: a truncated archive fails here
+        except (OSError, tarfile.TarError) as e:
+            raise FixtureError(f"{path}: a damaged or truncated tar archive ({e})") from None
         for m in members:
             why = checkpoint_name_problem(m.name.rstrip("/"))
             if why is not None:

@@ -76,6 +76,14 @@ def bundled_set(name: str) -> Path:
     raise FixtureError(f"no bundled fixture set {name!r}; bundled: {', '.join(p.name for p in sets) or 'none'}")
 
 
+def _bundled_by_name(name: str) -> Path | None:
+    """The bundled set called ``name`` (its directory's name), or None."""
+    if "/" in name or name in ("", ".", ".."):
+        return None
+    found = [Path(b) for b in bundled_sets() if Path(b).name == name]
+    return found[0] if found else None
+
+
 def set_paths(dirs: Sequence[str | Path] | None, flag: str = "--fixtures") -> list[Path]:
     """Fixture-set directories (or .tar archives of one) named by ``flag``'s arguments (``dirs``), a
     directory holding sets expanding to them; no argument: the bundled sets. ValueError naming ``flag`` when one cannot be used."""
@@ -88,8 +96,12 @@ def set_paths(dirs: Sequence[str | Path] | None, flag: str = "--fixtures") -> li
     out: list[Path] = []
     for d in dirs:
         p = Path(d)
+        if not p.exists() and _bundled_by_name(str(d)) is not None:
+            p = _bundled_by_name(str(d))  # a bundled set's name: --fixtures e2b-mini
         if not p.exists():
-            raise ValueError(f"{flag}: no such directory: {d}")
+            names = ", ".join(sorted(Path(b).name for b in bundled_sets()))
+            raise ValueError(f"{flag}: no such directory: {d}" + (f" (nor a bundled set's name: {names})"
+                                                                  if names and "/" not in str(d) else ""))
         if p.is_file() and p.name.endswith(".tar"):
             out.append(p)  # a set as one archive
             continue
