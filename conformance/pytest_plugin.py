@@ -55,7 +55,7 @@ from .protocol.types import BackendError
 from .registry import load_backend, parse_option
 from .report import failure_details, printable, write_json
 from .report.html import write_html
-from .sets import MANIFEST, load_set, set_paths
+from .sets import MANIFEST, FixtureError, load_set, set_paths
 
 PLUGIN_NAME = "gemma4-conformance-session"
 
@@ -115,7 +115,7 @@ def _set_dirs(args: list[str] | None) -> list[Path]:
     """Fixture-set directories: the bundled sets, or each argument (a directory of sets expands to them)."""
     try:
         return set_paths(args, "--conformance-fixtures")
-    except ValueError as e:
+    except (ValueError, FixtureError) as e:  # FixtureError: a loop of symbolic links
         raise pytest.UsageError(str(e)) from None
 
 

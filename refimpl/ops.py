@@ -191,11 +191,12 @@ ATTENTION_BLOCK = 1 << 17  # scores per block of query rows of ``attention`` (1 
 
 
 def attention_mask(q_pos: np.ndarray, k_pos: np.ndarray, window: int | None) -> np.ndarray:
-    """bool [T, S]: key k is visible to query q iff k <= q and, on sliding layers, q - k <= W - 1."""
-    delta = q_pos[:, None] - k_pos[None, :]
-    allowed = delta >= 0
+    """bool [T, S]: key k is visible to query q iff k <= q and, on sliding layers, q - k <= W - 1.
+    Compared as k <= q and k > q - W, so that no [T, S] array of position differences (int64, as large as
+    float64 scores: 27 GiB at 60k tokens) is made: only the bool masks themselves."""
+    allowed = k_pos[None, :] <= q_pos[:, None]
     if window is not None:
-        allowed &= delta < window
+        allowed &= k_pos[None, :] > (q_pos - window)[:, None]
     return allowed
 
 
@@ -203,9 +204,10 @@ def vision_block_mask(q_pos: np.ndarray, k_pos: np.ndarray, window: int, q_block
                       k_blocks: np.ndarray) -> np.ndarray:
     """bool [T, S] of a sliding layer with vision blocks (multimodal spec 7.2):
     (q - k <= W - 1) and (k <= q or b(q) = b(k) >= 0). The window bounds only the past side: a token of
-    an image block sees every later token of its own block. Blocks are ids >= 0; -1 is outside."""
-    delta = q_pos[:, None] - k_pos[None, :]
-    return (delta < window) & ((delta >= 0) | same_block(q_blocks, k_blocks))
+    an image block sees every later token of its own block. Blocks are ids >= 0; -1 is outside. Bool arrays
+    only, as ``attention_mask``."""
+    return (k_pos[None, :] > (q_pos - window)[:, None]) & ((k_pos[None, :] <= q_pos[:, None])
+                                                            | same_block(q_blocks, k_blocks))
 
 
 def same_block(q_blocks: np.ndarray, k_blocks: np.ndarray) -> np.ndarray:

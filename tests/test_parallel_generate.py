@@ -196,9 +196,9 @@ def test_a_failed_job_keeps_the_finished_ones_and_a_rerun_resumes(reference, tmp
     monkeypatch.delenv(jobs.FAULT_ENV)
     with pytest.raises(PartialRunMismatch) as e:
         generate_set(out, preset=TEXT, seed=1, workers=1)
-    assert str(e.value) == (f"{partial} holds an unfinished run with other arguments (differs in: model); remove it "
-                            f"(rm -r {partial}) to start afresh, or rerun with the arguments it was made with to "
-                            "resume it")
+    assert str(e.value) == (f"{partial} holds an unfinished run with other arguments (differs in: model; 3 finished "
+                            "bases kept): to resume it, rerun with the arguments it was made with (recorded in "
+                            f"{partial / 'key.json'}); to make this set without touching it, choose another --out")
     assert isinstance(e.value, FixtureError)
     assert main(["generate", "--preset", TEXT, "--seed", "1", "--out", str(out), "-q"]) == 2
     assert capsys.readouterr().err == f"conformance: error: {e.value}\n"

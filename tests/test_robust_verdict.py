@@ -190,7 +190,9 @@ def test_system_exit_in_run_is_the_case_error_and_the_run_goes_on(capsys, tmp_pa
 def test_system_exit_in_open_is_a_backend_error(capsys, tmp_path, e2b_set):
     code, out, err, report, _ = check(capsys, tmp_path, e2b_set, "ExitOnOpen")
     assert code == 4, out + err
-    assert report is None
+    assert report["aborted"]["reason"] == "backend" and report["exit_code"] == 4  # the reports say why (issue 42)
+    assert "could not open e2b-mini" in report["aborted"]["message"]
+    assert_valid(report)
     assert "could not open e2b-mini" in err and "SystemExit: 0" in err
 
 
@@ -411,7 +413,8 @@ def test_report_paths_are_checked_before_the_run(capsys, tmp_path, e2b_set):
     assert not missing.parent.exists()
     code = main(["check", "--backend", "refimpl", "--fixtures", e2b_set, "--json", "-", "--junit-xml", "-"])
     assert code == 2
-    assert capsys.readouterr().err == "conformance: error: only one of --json, --junit-xml and --summary-md can go to standard output (-)\n"
+    assert capsys.readouterr().err == ("conformance: error: only one of --json, --junit-xml, --summary-md and --html "
+                                       "can go to standard output (-)\n")
 
 
 @pytest.mark.parametrize("flag", ["--json", "--junit-xml"])

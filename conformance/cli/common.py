@@ -21,6 +21,9 @@ from ..sets import FixtureError, set_paths
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_FIXTURE, EXIT_BACKEND, EXIT_EMPTY = 0, 1, 2, 3, 4, 5
 
 
+EXIT_WORKER_LOST = 6  # generate: a worker process, Dask worker or the Dask scheduler was lost; finished bases kept
+
+
 EXIT_PIPE = 141  # standard output was closed early (128 + SIGPIPE); check and selftest keep their verdict
 
 

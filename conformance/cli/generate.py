@@ -10,12 +10,12 @@ from typing import Any
 from refimpl.errors import RefimplError
 
 from ..generate import (
-    PartialRun, PartialRunBusy, PartialRunMismatch, generate_set, partial_dir, publish_path, verify_set,
+    PartialRun, PartialRunBusy, PartialRunMismatch, WorkerLost, generate_set, partial_dir, publish_path, verify_set,
 )
 from ..report import ProgressBar, is_tty, printable
 from ..check.runner import interrupt_signal
-from ..sets import FixtureError
-from .common import EXIT_FIXTURE, EXIT_OK, UsageError, err, model_dir_arg
+from ..sets import FixtureError, link_loop
+from .common import EXIT_FIXTURE, EXIT_OK, EXIT_WORKER_LOST, UsageError, err, model_dir_arg
 
 ALLOW_BEYOND_CONTEXT_HELP = ("generate bases longer than the checkpoint's context (max_position_embeddings in "
                              "config.json), which are otherwise refused before any forward; recorded in the "
@@ -109,6 +109,11 @@ def cmd_generate(args) -> int:
     except (PartialRunMismatch, PartialRunBusy) as e:
         progress.close()
         raise UsageError(str(e)) from None
+    except WorkerLost as e:
+        progress.close()
+        hint = _resume_hint(args.out)
+        err(f"{e.reason}{hint}" if hint else str(e))
+        return EXIT_WORKER_LOST
     except FixtureError as e:
         progress.close()
         err(f"{e}{_resume_hint(args.out)}")
@@ -136,7 +141,9 @@ def cmd_verify(args) -> int:
     for d in args.dirs:
         notes: list[str] = []
         p = Path(d)
-        if not (p.is_dir() or (p.is_file() and p.name.endswith(".tar"))):
+        if link_loop(p) is not None:
+            problems = [link_loop(p)]
+        elif not (p.is_dir() or (p.is_file() and p.name.endswith(".tar"))):
             problems = [f"no such directory: {d}" if not p.exists() else f"not a directory or a .tar of a set: {d}"]
         else:
             problems = list(verify_set(p, recompute=args.recompute, model=model, rehash=args.rehash, notes=notes))

@@ -7,7 +7,7 @@ never ``conformance.check``.
     from conformance.generate import generate_set, verify_set, load_prompts
 """
 
-from .executors import ClusterError
+from .executors import ClusterError, WorkerLost
 from .media import has_audio_tower, has_vision_tower, synthetic_image, synthetic_waveform
 from .partial import PartialRun, PartialRunBusy, PartialRunMismatch, partial_dir
 from .prompts import PromptError, load_prompts
@@ -16,4 +16,5 @@ from .run import CONSISTENCY_BOUND, generate_set, publish_path
 
 __all__ = ["CONSISTENCY_BOUND", "RECOMPUTE_BOUND", "ClusterError", "PartialRun", "PartialRunBusy",
            "PartialRunMismatch", "PromptError", "generate_set", "has_audio_tower", "has_vision_tower",
-           "load_prompts", "partial_dir", "publish_path", "synthetic_image", "synthetic_waveform", "verify_set"]
+           "load_prompts", "partial_dir", "publish_path", "synthetic_image", "synthetic_waveform", "verify_set",
+           "WorkerLost"]

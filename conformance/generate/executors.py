@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import logging
 import multiprocessing
 import os
 import threading
+import time
 import uuid
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -17,7 +19,6 @@ from typing import Any, Callable, Iterable, Iterator
 from refimpl import memory
 from refimpl.threads import cores
 
-from ..sets.format import FixtureError
 from .jobs import JobContext, run_job
 from .progress import Sink, set_sink
 
@@ -33,9 +34,29 @@ BLAS_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 CLUSTER_EXTRA = "pip install 'gemma4-conformance[cluster]'"
 
 
+WORKER_LOSS_S = 60  # --cluster: how long a run waits while the cluster has no worker before it gives up
+
+
+POLL_S = 1.0  # --cluster: how often the run looks at the cluster while it waits for jobs
+
+
+KEPT = "finished bases are kept, run the same command again to resume"
+
+
 class ClusterError(ValueError):
-    """--cluster cannot be used: distributed missing, scheduler unreachable, no workers, a worker that
-    cannot see the shared paths (a usage error: exit code 2)."""
+    """--cluster cannot be used: distributed missing, a malformed address, scheduler unreachable, no workers,
+    a worker that cannot see the shared paths (a usage error: exit code 2)."""
+
+
+class WorkerLost(RuntimeError):
+    """The run lost what computes its jobs: a local worker process died, a Dask worker died (every one,
+    for longer than WORKER_LOSS_S, or the same job's worker repeatedly: KilledWorker), or the connection
+    to the Dask scheduler. Finished bases are kept for the resume (``conformance generate``: exit code 6).
+    ``reason``: what was lost (the message without the advice to resume)."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"{reason}; {KEPT}")
+        self.reason = reason
 
 
 OnDone = Callable[[dict], None]
@@ -104,8 +125,7 @@ def _run_local(specs: list[dict], workers: int, on_done: OnDone, on_stage: Sink 
                 try:
                     meta = fut.result()
                 except BrokenProcessPool as e:
-                    raise FixtureError(f"a local worker process died while running base {futures[fut]} ({e}); "
-                                       "finished bases are kept, run again to resume") from None
+                    raise WorkerLost(f"a local worker process died while running base {futures[fut]} ({e})") from None
                 on_done(meta)
     except BaseException:
         _stop(pool, futures)
@@ -163,6 +183,25 @@ def _check_paths(paths: list[str]) -> str | None:
     return None
 
 
+def check_address(address: str) -> str:
+    """A --cluster address as Dask reads it (``tcp://HOST:PORT``, ``HOST:PORT``, ``tls://``, ``ws://`` ...),
+    or ClusterError naming what is wrong: before any connection is tried."""
+    from distributed.comm.addressing import parse_address, parse_host_port
+    from distributed.comm.registry import get_backend
+
+    try:
+        scheme, loc = parse_address(address)
+        get_backend(scheme)
+        if scheme in ("tcp", "tls", "ws", "wss"):
+            host, port = parse_host_port(loc)
+            if not host or not 0 < port < 65536:
+                raise ValueError(f"no host in {loc!r}" if not host else f"port {port} is out of range")
+    except (ValueError, TypeError) as e:
+        raise ClusterError(f"--cluster: {address!r} is not a Dask scheduler address ({' '.join(str(e).split())}); "
+                           "give tcp://HOST:PORT, e.g. tcp://head:8786") from None
+    return address
+
+
 class DaskCluster:
     """A connection to a Dask distributed scheduler (``distributed`` is imported here only)."""
 
@@ -172,7 +211,8 @@ class DaskCluster:
         except ImportError:
             raise ClusterError(f"--cluster needs the Dask 'distributed' package, which is not installed; "
                                f"{CLUSTER_EXTRA}") from None
-        self.address, self._distributed = address, distributed
+        self.address, self._distributed = check_address(address), distributed
+        quiet_dask_logs()
         try:
             self.client = distributed.Client(address, timeout=f"{CONNECT_TIMEOUT_S}s", set_as_default=False)
         except Exception as e:  # noqa: BLE001 - OSError/TimeoutError/ValueError for a bad or dead address
@@ -182,7 +222,7 @@ class DaskCluster:
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
-            self.client.close()
+            self.client.close(timeout=CONNECT_TIMEOUT_S)
 
     def check_workers(self, paths: list[str], timeout: float = WORKERS_TIMEOUT_S) -> list[str]:
         """Wait for at least one worker, then check that every worker sees ``paths`` (the last must be
@@ -200,17 +240,85 @@ class DaskCluster:
         return sorted(problems)
 
     def run(self, specs: list[dict], on_done: OnDone) -> None:
+        """Submit every job, hand each result to ``on_done`` as it comes (in the set's order among those that
+        finish together), and watch the cluster meanwhile: WorkerLost when the scheduler is lost, when a job's
+        workers keep dying (KilledWorker) or when no worker has been there for WORKER_LOSS_S."""
         tag = uuid.uuid4().hex[:8]
         futures = [self.client.submit(run_job, spec, key=f"gemma4-fixture-{spec['base']}-{tag}", pure=False,
                                       priority=len(specs) - i)
                    for i, spec in enumerate(specs)]
         try:
-            with self.client.as_current():
-                for fut in self._distributed.as_completed(futures):
-                    on_done(fut.result())
+            with self.client.as_current():  # distributed.wait uses the current client
+                self._collect(futures, specs, on_done)
         except BaseException:
             with contextlib.suppress(Exception):
                 self.client.cancel(futures)
             raise
 
+    def _collect(self, futures: list, specs: list[dict], on_done: OnDone) -> None:
+        order = {f.key: i for i, f in enumerate(futures)}
+        base = {f.key: spec["base"] for f, spec in zip(futures, specs)}
+        pending, alone_since = list(futures), None
+        while pending:
+            done = self._wait(pending)
+            for fut in sorted(done, key=lambda f: order[f.key]):
+                on_done(self._result(fut, base[fut.key]))
+            pending = [f for f in pending if f not in done]
+            if pending and not done:
+                alone_since = self._watch(alone_since, [base[f.key] for f in pending])
 
+    def _wait(self, pending: list) -> set:
+        """The futures of ``pending`` that finished within POLL_S (maybe none)."""
+        from distributed.client import FutureCancelledError, FuturesCancelledError
+
+        try:
+            return set(self._distributed.wait(pending, timeout=POLL_S, return_when="FIRST_COMPLETED").done)
+        except TimeoutError:
+            return set()
+        except (FutureCancelledError, FuturesCancelledError) as e:
+            groups = getattr(e, "error_groups", None)
+            reason = groups[0].reason if groups else getattr(e, "reason", "unknown")
+            raise self._lost(f"the jobs were cancelled ({reason})") from None
+        except OSError as e:  # CommClosedError included: the scheduler's connection
+            raise self._lost(" ".join(str(e).split()) or type(e).__name__) from None
+
+    def _result(self, fut, base: str) -> dict:
+        from distributed.client import FutureCancelledError
+
+        try:
+            return fut.result()
+        except self._distributed.KilledWorker as e:
+            raise WorkerLost(f"base {base}: every Dask worker that ran it died (KilledWorker: "
+                             f"{' '.join(str(e).split())[:300]})") from None
+        except FutureCancelledError as e:
+            raise self._lost(f"base {base} was cancelled ({e.reason})") from None
+
+    def _watch(self, alone_since: float | None, waiting: list[str]) -> float | None:
+        """Between results: WorkerLost when the scheduler is gone or has had no worker for WORKER_LOSS_S;
+        returns since when it has had none (None while it has some)."""
+        if self.client.status not in ("running", "newly-created"):
+            raise self._lost(f"the client is {self.client.status}")
+        try:
+            workers = self.client.scheduler_info(n_workers=-1).get("workers", {})
+        except Exception as e:  # noqa: BLE001 - the scheduler went away between two looks
+            raise self._lost(" ".join(str(e).split()) or type(e).__name__) from None
+        if workers:
+            return None
+        now = time.monotonic()
+        if alone_since is None:
+            return now
+        if now - alone_since >= WORKER_LOSS_S:
+            raise WorkerLost(f"--cluster: the Dask scheduler at {self.address} has had no worker for "
+                             f"{WORKER_LOSS_S:g} s, with {len(waiting)} base{'s' if len(waiting) != 1 else ''} "
+                             f"({', '.join(waiting)}) not finished: its workers were lost")
+        return alone_since
+
+    def _lost(self, reason: str) -> WorkerLost:
+        return WorkerLost(f"--cluster: lost the connection to the Dask scheduler at {self.address} ({reason})")
+
+
+def quiet_dask_logs() -> None:
+    """In the parent, Dask's own log lines (reconnect attempts, tracebacks of a lost scheduler) say what our
+    one line says: only its critical ones are shown."""
+    for name in ("distributed", "distributed.client", "distributed.core", "distributed.comm", "tornado"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)

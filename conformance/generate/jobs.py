@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -119,6 +120,8 @@ def run_job(spec: dict, context: JobContext | None = None, on_stage: Sink | None
     if fault.partition(":")[0] == spec["base"]:
         if fault.endswith(":hang"):
             time.sleep(3600)
+        if fault.endswith(":die"):  # the worker process dies (a Dask nanny starts it again)
+            os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"base {spec['base']}: injected failure ({FAULT_ENV}={fault})")
     ctx = context if context is not None else job_context(spec["model_dir"], spec["key"],
                                                           spec.get("vision_mask", "sliding-clamped"))

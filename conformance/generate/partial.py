@@ -25,7 +25,7 @@ import shutil
 import socket
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
@@ -41,6 +41,44 @@ JOBS = "jobs"
 RESULT = "result.json"
 MODEL = "model"
 STAGING_PREFIX = ".staging-"
+
+
+class DiskFull(OSError):
+    """A write of the run failed for want of space (ENOSPC, EDQUOT, or NumPy's short write, which carries no
+    errno): the message says so and where; finished jobs are kept for the resume."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def disk_full(e: OSError, where: Path) -> DiskFull | None:
+    """``e`` as a DiskFull naming ``where`` (and the space left on its filesystem), or None when ``e`` is
+    another error. NumPy's ``tofile`` reports a short write as "N requested and M written", without errno."""
+    short = e.errno is None and " requested and " in str(e) and str(e).rstrip().endswith("written")
+    if not (short or e.errno in (errno.ENOSPC, errno.EDQUOT)):
+        return None
+    try:
+        st = os.statvfs(where)
+        left = f"{st.f_bavail * st.f_frsize / 2**20:.1f} MiB left there"
+    except OSError:
+        left = "the space left there is unknown"
+    what = "over quota" if e.errno == errno.EDQUOT else "full"
+    return DiskFull(f"the disk holding {where} is {what} ({left}; {' '.join(str(e).split())}): free some space "
+                    "there")
+
+
+@contextlib.contextmanager
+def full_disk_named(where: Path) -> Iterator[None]:
+    """Writes inside the block that fail for want of space raise DiskFull naming ``where``."""
+    try:
+        yield
+    except DiskFull:
+        raise
+    except OSError as e:
+        full = disk_full(e, where)
+        if full is None:
+            raise
+        raise full from None
 
 
 class PartialRunMismatch(FixtureError):
@@ -67,6 +105,19 @@ def lock_path(out: Path) -> Path:
 
 def run_key(arguments: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(arguments, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _mismatch(path: Path, diff: list[str]) -> str:
+    """Why a partial run of other arguments is in the way, and what to do: resume it or choose another
+    --out; removing it is advised only when it holds no finished job (nothing would be lost)."""
+    jobs = path / JOBS
+    n = sum(1 for p in jobs.iterdir() if (p / RESULT).is_file()) if jobs.is_dir() else 0
+    head = f"{path} holds an unfinished run with other arguments (differs in: {', '.join(diff) or 'key'}"
+    if n == 0:
+        return f"{head}); it holds no finished base: remove it (rm -r {path}) and run again"
+    return (f"{head}; {n} finished base{'s' if n != 1 else ''} kept): to resume it, rerun with the arguments it "
+            f"was made with (recorded in {path / KEY_FILE}); to make this set without touching it, choose another "
+            "--out")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -174,9 +225,7 @@ class PartialRun:
                 if rec.get("key") != key:
                     old = rec.get("arguments") if isinstance(rec.get("arguments"), dict) else {}
                     diff = sorted(k for k in set(old) | set(arguments) if old.get(k) != arguments.get(k))
-                    raise PartialRunMismatch(f"{path} holds an unfinished run with other arguments (differs in: "
-                                   f"{', '.join(diff) or 'key'}); remove it (rm -r {path}) to start afresh, or "
-                                   "rerun with the arguments it was made with to resume it")
+                    raise PartialRunMismatch(_mismatch(path, diff))
                 run = cls(path, key, arguments, created=False)
                 run.clean_temporaries()
                 return run
@@ -228,6 +277,38 @@ class PartialRun:
     def is_done(self, base: str) -> bool:
         return (self.job_dir(base) / RESULT).is_file()
 
+    def damaged(self, base: str) -> str | None:
+        """Why the finished job of ``base`` cannot be used, naming the file (result.json unreadable or of
+        another run, an array missing, of another size than was written, or with a broken header), or None.
+        Cheap: sizes and headers, not contents."""
+        path = self.job_dir(base)
+        try:
+            meta = json.loads((path / RESULT).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            return f"{path / RESULT}: {' '.join(str(e).split()) or type(e).__name__}"
+        if not isinstance(meta, dict) or meta.get("key") != self.key:
+            return f"{path / RESULT}: not a result of this run"
+        files = meta.get("files") if isinstance(meta.get("files"), dict) else {}
+        for name in sorted(set(files) | {p.stem for p in path.glob("*.npy")}):
+            f = path / f"{name}.npy"
+            try:
+                size = f.stat().st_size
+                if name in files and size != files[name]:
+                    return f"{f}: {size} bytes, where {files[name]} were written"
+                np.load(f, mmap_mode="r", allow_pickle=False)
+            except FileNotFoundError:
+                return f"{f}: missing"
+            except (OSError, ValueError, EOFError) as e:
+                return f"{f}: {' '.join(str(e).split()) or type(e).__name__}"
+        return None
+
+    def discard(self, base: str) -> None:
+        """Remove the finished job of ``base`` (renamed aside first, so that it is never half there)."""
+        path = self.job_dir(base)
+        aside = Path(tempfile.mkdtemp(prefix=f".{base}.tmp-", dir=path.parent))
+        os.rename(path, aside / "job")
+        shutil.rmtree(aside, ignore_errors=True)
+
     def result(self, base: str) -> "JobResult":
         return JobResult.read(self.job_dir(base), self.key)
 
@@ -262,13 +343,20 @@ class JobResult:
 def write_result(job_dir: Path, meta: dict, arrays: Mapping[str, Any]) -> None:
     """Write one job's result atomically: a temporary directory beside ``job_dir``, renamed to it.
     A result that is already there (the same job run twice, e.g. retried by a cluster) is kept."""
+    with full_disk_named(job_dir.parent):
+        _write_result(job_dir, meta, arrays)
+
+
+def _write_result(job_dir: Path, meta: dict, arrays: Mapping[str, Any]) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{job_dir.name}.tmp-", dir=job_dir.parent))
+    meta = {**meta, "files": {}}  # each array's size as written: a damaged job is found on resume
     try:
         for name, a in arrays.items():
             with open(tmp / f"{name}.npy", "wb") as f:
                 np.save(f, np.ascontiguousarray(a), allow_pickle=False)
                 f.flush()
                 os.fsync(f.fileno())
+                meta["files"][name] = os.fstat(f.fileno()).st_size
         with open(tmp / RESULT, "w", encoding="utf-8") as f:
             f.write(json.dumps(meta, indent=1, allow_nan=False) + "\n")
             f.flush()

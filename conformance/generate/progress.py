@@ -103,6 +103,10 @@ class StageLog:
         if self.write is not None:
             self.write(text)
 
+    def note(self, text: str) -> None:
+        """A line of its own (e.g. a finished job found damaged)."""
+        self._line(text)
+
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
 

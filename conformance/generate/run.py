@@ -88,14 +88,16 @@ def publish_path(out: str | Path) -> Path:
 
 
 def media_key(items) -> list | None:
-    """The given images or clips as the run key sees them: file name and sha256, or array digest."""
+    """The given images or clips as the run key sees them: a file by its content's sha256 (not its name or
+    path, which the manifest records: the same file given another way resumes the same run), an array by
+    its shape, dtype and digest."""
     if items is None:
         return None
     out = []
     for item in items:
         if isinstance(item, (str, Path)):
             p = Path(item)
-            out.append({"file": str(p), "sha256": sha256_file(p) if p.is_file() else None})
+            out.append({"file_sha256": sha256_file(p) if p.is_file() else None})
         else:
             a = np.ascontiguousarray(np.asarray(item))
             out.append({"array": list(a.shape), "dtype": str(a.dtype), "sha256": hashlib.sha256(a.tobytes()).hexdigest()})
@@ -286,10 +288,11 @@ def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str |
         model_key: dict[str, Any] = {"kind": "synthetic", "preset": preset, "seed": seed, "dtype": "f32"}
     else:
         model = Gemma4(model_dir, vision_mask=vision_mask)  # float64, exact sqrt(H); RefimplError for a bad checkpoint
-        # the checkpoint by content (sha256 and size of each file, digests cached); the path is provenance
-        model_key = {"kind": "external", "path": str(model_dir), **checkpoint_record(model_dir, model_files(model_dir))}
+        # the checkpoint by content (sha256 and size of each file, digests cached); its path is provenance only
+        model_key = {"kind": "external", **checkpoint_record(model_dir, model_files(model_dir))}
+    # the run key: what the results depend on, never how a path was spelled (docs/distributed-generation.md)
     arguments = {"model": model_key, "cases": cases, "name": name, "version": version, "store": store,
-                 "prompts": [{k: e[k] for k in ("kind", "value", "id", "chat", "where")} for e in entries],
+                 "prompts": [{k: e[k] for k in ("kind", "value", "id", "chat")} for e in entries],
                  "images": media_key(images), "audio": media_key(audio), **job_versions(),
                  **({"vision_mask": vision_mask} if vision_mask != VISION_MASK_RULES[0] else {})}
     run = partial.PartialRun.open(out_abs, arguments)
@@ -301,7 +304,7 @@ def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str |
             model_info = {**model_key, "sha256": hash_files(src, SYNTHETIC_FILES)}
             model = Gemma4(src, vision_mask=vision_mask)
         else:
-            src, reused, model_info = model_dir, False, model_key
+            src, reused, model_info = model_dir, False, {"kind": "external", "path": str(model_dir), **model_key}
         plan = _plan(run, src, model, seed, entries, name, cases, images, audio, store)
         drafter_dir = mtp_drafter(src, preset is not None, drafter, cases)
         check_bases(model.cfg, plan.jobs, drafter_dir is not None, allow_beyond_context)  # before any forward
@@ -331,9 +334,10 @@ def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str |
         staged.mkdir()
         beyond = context_record(cfg, {**{b: len(ids) for b, ids in got.bases.items()},
                                       **(mtp_lengths(cfg) if mtp is not None else {})}) if allow_beyond_context else None
-        _write_set(staged, got, results, set_cases, plan, cfg, name=name, version=version, checks=checks,
-                   command=command, model_info=model_info, store=store, vision_mask=vision_mask, mtp=mtp,
-                   beyond=beyond)
+        with partial.full_disk_named(run.path):
+            _write_set(staged, got, results, set_cases, plan, cfg, name=name, version=version, checks=checks,
+                       command=command, model_info=model_info, store=store, vision_mask=vision_mask, mtp=mtp,
+                       beyond=beyond)
         steps("write")
         try:
             os.replace(staged, out_abs)
@@ -441,6 +445,11 @@ def _run_pending(run: partial.PartialRun, plan: _Plan, src: Path, model, name: s
         log.finished(meta)
         steps(f"base {b}: {meta['tokens']} tokens, {count_cases(b)} cases, {meta['seconds']:.1f} s")
 
+    for q in plan.jobs:  # a damaged finished job (a truncated array, say) is named and computed again
+        why = run.is_done(q["base"]) and run.damaged(q["base"])
+        if why:
+            run.discard(q["base"])
+            log.note(f"base {q['base']}: its finished result is damaged ({why}); computing it again")
     pending = [q for q in plan.jobs if not run.is_done(q["base"])]
     pending.sort(key=lambda q: -q["cost"])  # stable: ties keep the set's order
     cached = [q["base"] for q in plan.jobs if q not in pending]

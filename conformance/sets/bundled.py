@@ -4,8 +4,10 @@ as the data package ``conformance.bundled``) and the directories a user names (`
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.resources
 import importlib.util
+import os
 import tempfile
 from pathlib import Path
 from typing import Sequence
@@ -84,9 +86,21 @@ def _bundled_by_name(name: str) -> Path | None:
     return found[0] if found else None
 
 
+def link_loop(path: Path) -> str | None:
+    """What is wrong when ``path`` is a loop of symbolic links (it never reaches a file or directory), else
+    None: Path.exists() says False for a loop as for a missing path, which would be the wrong message."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return f"{path}: a loop of symbolic links (it never reaches a directory or a .tar of a set)"
+    return None
+
+
 def set_paths(dirs: Sequence[str | Path] | None, flag: str = "--fixtures") -> list[Path]:
     """Fixture-set directories (or .tar archives of one) named by ``flag``'s arguments (``dirs``), a
-    directory holding sets expanding to them; no argument: the bundled sets. ValueError naming ``flag`` when one cannot be used."""
+    directory holding sets expanding to them; no argument: the bundled sets. ValueError naming ``flag`` when one cannot be used;
+    FixtureError for a loop of symbolic links (a broken set: exit code 3, as ``verify`` says)."""
     if not dirs:
         paths = [Path(p) for p in bundled_sets()]
         if not paths:
@@ -96,6 +110,9 @@ def set_paths(dirs: Sequence[str | Path] | None, flag: str = "--fixtures") -> li
     out: list[Path] = []
     for d in dirs:
         p = Path(d)
+        loop = link_loop(p)
+        if loop is not None:
+            raise FixtureError(f"{flag}: {loop}")
         if not p.exists() and _bundled_by_name(str(d)) is not None:
             p = _bundled_by_name(str(d))  # a bundled set's name: --fixtures e2b-mini
         if not p.exists():
