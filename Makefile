@@ -14,7 +14,7 @@ BIN    := $(VENV)/bin
 
 CHECK_ARGS ?=
 
-.PHONY: check test check-backends llama-cpp browser clean
+.PHONY: check test test-slow lint check-backends llama-cpp browser clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,14 @@ check: $(VENV)/.core
 
 test: $(VENV)/.test
 	$(BIN)/python -m pytest
+
+# the opt-in tests (the full mutation self-test on every bundled case; docs/testing.md)
+test-slow: $(VENV)/.test
+	$(BIN)/python -m pytest -m slow
+
+# ruff (pycodestyle, pyflakes, import order, bugbear, blind excepts; pyproject.toml): run by .ci/run first
+lint: $(VENV)/.test
+	$(BIN)/ruff check .
 
 check-backends: $(VENV)/.test
 	PATH="$(CURDIR)/$(BIN):$$PATH" scripts/check-backends.sh $(CHECK_ARGS)

@@ -28,15 +28,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import refimpl  # noqa: E402,F401  (first: OpenBLAS's thread timeout)
-import numpy as np  # noqa: E402
 
-from refimpl import ops, threads  # noqa: E402
-from refimpl import safetensors_io as sio  # noqa: E402
-from refimpl import weights as weights_module  # noqa: E402
-from refimpl.model import Gemma4  # noqa: E402
+# isort: split
+import numpy as np  # noqa: E402 - after sys.path and refimpl
+
+from refimpl import ops, threads  # noqa: E402 - after sys.path and refimpl
+from refimpl import safetensors_io as sio  # noqa: E402 - after sys.path and refimpl
+from refimpl import weights as weights_module  # noqa: E402 - after sys.path and refimpl
+from refimpl.model import Gemma4  # noqa: E402 - after sys.path and refimpl
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from prefill import best_of  # noqa: E402
+from prefill import best_of  # noqa: E402 - after sys.path and refimpl
 
 
 def best_ms(fn, repeat: int = 5) -> float:

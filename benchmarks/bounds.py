@@ -51,15 +51,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import refimpl  # noqa: E402  (before NumPy: OpenBLAS thread settings, docs/refimpl.md)
-import numpy as np  # noqa: E402
 
-from conformance.check import metrics  # noqa: E402
-from conformance.generate.bases import bos_id, consistency_plan, ordinary_ids, rounding_probe  # noqa: E402
-from conformance.generate.matrix import random_base_length  # noqa: E402
-from conformance.sets import bounds  # noqa: E402
-from refimpl.model import Gemma4, KVCache, Trace  # noqa: E402
-from refimpl.synth import write_checkpoint  # noqa: E402
-from refimpl.tokenizer import Tokenizer  # noqa: E402
+# isort: split
+import numpy as np  # noqa: E402 - after sys.path and refimpl
+
+from conformance.check import metrics  # noqa: E402 - after sys.path and refimpl
+from conformance.generate.bases import bos_id, consistency_plan, ordinary_ids, rounding_probe  # noqa: E402 - see above
+from conformance.generate.matrix import random_base_length  # noqa: E402 - after sys.path and refimpl
+from conformance.sets import bounds  # noqa: E402 - after sys.path and refimpl
+from refimpl.model import Gemma4, KVCache, Trace  # noqa: E402 - after sys.path and refimpl
+from refimpl.synth import write_checkpoint  # noqa: E402 - after sys.path and refimpl
+from refimpl.tokenizer import Tokenizer  # noqa: E402 - after sys.path and refimpl
 
 
 def base_ids(model_dir: Path, cfg, n: int, seed: int) -> list[int]:
@@ -221,7 +223,8 @@ def measure(model_dir: Path, n: int, seed: int, bugs: bool, trace: bool, float32
         out["bugs"] = {}
         for k, v in found.items():
             if isinstance(v, np.ndarray):
-                out["bugs"][k] = {"max": float(v.max()), "min_row": float(v.min()), "over_bound": float(v.max()) / bound,
+                out["bugs"][k] = {"max": float(v.max()), "min_row": float(v.min()),
+                                  "over_bound": float(v.max()) / bound,
                                   "min_row_over_bound": float(v.min()) / bound}
             else:
                 out["bugs"][k] = v

@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     backends = args.backend or ["refimpl"]
     profiles = dict(p.split("=", 1) for p in args.profile or ())
     py = [sys.executable, "-m"]
-    result: dict = {"command": " ".join(["python", "benchmarks/fixtures.py", *(argv if argv is not None else sys.argv[1:])]),
+    command = ["python", "benchmarks/fixtures.py", *(argv if argv is not None else sys.argv[1:])]
+    result: dict = {"command": " ".join(command),
                     "cores": os.cpu_count(), "select": args.k, "generate": {}, "check": {}}
     ok = True
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
@@ -104,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             m = json.loads((out / "manifest.json").read_text())
             result["generate"][store] = {"seconds": seconds, "bytes": sum(files.values()), "files": files,
                                          "rows": sum(b["length"] for b in m["bases"].values()),
-                                         "cases": m["cases"], "consistency": m["provenance"]["cross_checks"][0]["agreement"]}
+                                         "cases": m["cases"],
+                                         "consistency": m["provenance"]["cross_checks"][0]["agreement"]}
             sets[store] = out
         same = (sets["logits"] / "cases.json").read_text() == (sets["hidden"] / "cases.json").read_text()
         result["same_cases"] = same

@@ -46,7 +46,8 @@ def write_prompts(path: Path, n: int, tokens: int) -> None:
     rng = np.random.default_rng(0)
     with open(path, "w") as f:
         for k in range(n):
-            f.write(json.dumps({"id": f"p{k}", "tokens": [2] + [int(t) for t in rng.integers(5, 512, tokens - 1)]}) + "\n")
+            ids = [2] + [int(t) for t in rng.integers(5, 512, tokens - 1)]
+            f.write(json.dumps({"id": f"p{k}", "tokens": ids}) + "\n")
 
 
 def contents(out: Path) -> tuple[bytes, dict[str, np.ndarray]]:
@@ -93,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--model", help="a checkpoint directory")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=1000)
-    ap.add_argument("--workers", default=None, help="comma-separated k values (default: 1 and every power of 2 up to the cores)")
+    ap.add_argument("--workers", default=None, help="comma-separated k values (default: 1 and every power of 2 up to "
+                                                    "the cores)")
     ap.add_argument("--no-all-cores", action="store_true",
                     help="skip the context run of --workers 1 with every core's BLAS threads")
     ap.add_argument("--json", metavar="OUT")
@@ -103,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     if 1 not in ks:
         ks = [1, *ks]
     source = ["--preset", args.preset] if args.preset else ["--model", str(Path(args.model).resolve())]
-    result: dict = {"command": " ".join(["python", "benchmarks/generate_scaling.py", *(argv if argv is not None else sys.argv[1:])]),
+    command = ["python", "benchmarks/generate_scaling.py", *(argv if argv is not None else sys.argv[1:])]
+    result: dict = {"command": " ".join(command),
                     "cores": cores(), "source": source, "prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
                     "runs": {}}
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:

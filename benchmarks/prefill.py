@@ -21,11 +21,13 @@ after the other, on the same checkpoint and the same prompt (``--tokens`` ids dr
   model projection, and the head over the requested rows. The KV-shared layers run on the requested
   rows only (T -> R), as the oracle and transformers both do, and so does the last layer that makes
   K/V, but for its K and V projections (the oracle's pruning; transformers runs that layer on every
-  row). Their summed best-of-``--repeat`` time is what a forward made of nothing but matmuls would take; the ratio roofline / oracle is the fraction
+  row). Their summed best-of-``--repeat`` time is what a forward made of nothing but matmuls would take; the ratio
+  roofline / oracle is the fraction
   of the matmul rate the oracle reaches.
 - ``baseline`` (``--baseline DIR``): the ``oracle`` part again with the refimpl of another checkout
   (e.g. ``git worktree add /tmp/before HEAD~3``): before and after a change, side by side in one run.
-- ``transformers``: ``Gemma4ForCausalLM`` (``Gemma4UnifiedForCausalLM`` for a Gemma 4 Unified checkpoint) in float64 (``exact``: with the float32 spots patched as in
+- ``transformers``: ``Gemma4ForCausalLM`` (``Gemma4UnifiedForCausalLM`` for a Gemma 4 Unified checkpoint) in float64
+(``exact``: with the float32 spots patched as in
   tests/hf_reference.py, the implementation the tests agree with at 1e-12; ``plain``: as shipped),
   eager attention, ``logits_to_keep`` for the requested rows, best of ``--repeat``; skipped, with the
   reason, when its float64 weights would not fit in the memory available. Its logits are compared with
@@ -53,7 +55,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, os.environ.get("BENCH_REFIMPL_ROOT") or str(ROOT))
 
 import refimpl  # noqa: E402,F401  (first: it sets OpenBLAS's thread timeout before NumPy loads OpenBLAS)
-import numpy as np  # noqa: E402
+
+# isort: split
+import numpy as np  # noqa: E402 - after sys.path and refimpl
 
 
 def prompt_ids(tokens: int) -> np.ndarray:
@@ -140,7 +144,7 @@ def matmul_plan(cfg):
 
 
 def part_roofline(model: str, tokens: int, rows: str, repeat: int) -> dict:
-    from refimpl.model import Gemma4, HEAD_CHUNK
+    from refimpl.model import HEAD_CHUNK, Gemma4
     from refimpl.ops import ATTENTION_BLOCK, attention_mask, key_span
 
     m = Gemma4(model)
@@ -158,7 +162,7 @@ def part_roofline(model: str, tokens: int, rows: str, repeat: int) -> dict:
     if cfg.has_ple:
         W = w["per_layer_model_projection.weight"]
         x = rng.standard_normal((T, W.shape[1]))
-        total_s += best(lambda: x @ W.T)
+        total_s += best(lambda x=x, W=W: x @ W.T)
         flops += 2 * T * W.size
     for layer, names in matmul_plan(cfg):
         # rows this layer computes: every token up to the last layer that makes K/V, whose keys and values
@@ -167,7 +171,7 @@ def part_roofline(model: str, tokens: int, rows: str, repeat: int) -> dict:
         for name in names:
             W = w[name]  # decoded now, not timed
             x = rng.standard_normal((T if name.endswith(("k_proj.weight", "v_proj.weight")) else Q, W.shape[1]))
-            total_s += best(lambda: x @ W.T)
+            total_s += best(lambda x=x, W=W: x @ W.T)
             flops += 2 * x.shape[0] * W.size
             del W
         N, D = cfg.num_attention_heads, layer.head_dim
@@ -184,13 +188,14 @@ def part_roofline(model: str, tokens: int, rows: str, repeat: int) -> dict:
             b = min(a + unit, Q)
             lo, hi = key_span(mask[a:b])
             qb, pb = q[:, a * (N // K):b * (N // K)], rng.standard_normal((K, (b - a) * (N // K), hi - lo))
-            total_s += best(lambda: qb @ kt[:, :, lo:hi]) + best(lambda: pb @ v[:, lo:hi])
+            total_s += best(lambda qb=qb, kt=kt, lo=lo, hi=hi: qb @ kt[:, :, lo:hi]) + \
+                best(lambda pb=pb, v=v, lo=lo, hi=hi: pb @ v[:, lo:hi])
             flops += 2 * (2 * N * (b - a) * (hi - lo) * D)
     y = rng.standard_normal((R, cfg.hidden_size))
     head_s = 0.0
     for start in range(0, cfg.vocab_size, HEAD_CHUNK):
         E = w.head_rows(start, min(start + HEAD_CHUNK, cfg.vocab_size))
-        head_s += best(lambda: y @ E.T)
+        head_s += best(lambda E=E: y @ E.T)
         flops += 2 * R * E.size
     total_s += head_s
     return {"matmul_s": total_s, "flops": flops, "gflops_per_s": flops / total_s / 1e9, "peak_rss_gib": peak_rss_gib()}
@@ -205,8 +210,10 @@ def part_transformers(model: str, tokens: int, rows: str, repeat: int, flavour: 
     torch.set_num_threads(cores())
     t = time.perf_counter()
     if is_unified(model):  # Gemma 4 Unified: Gemma4Unified{ForCausalLM,ForConditionalGeneration}
+        from hf_unified_reference import recompute_float64_buffers
+        from hf_unified_reference import unified_float64_exact as float64_exact
+
         from conformance.backends.transformers.backend import load_gemma4_unified
-        from hf_unified_reference import recompute_float64_buffers, unified_float64_exact as float64_exact
         hf = load_gemma4_unified(model, torch.float64)
         if flavour == "exact":
             recompute_float64_buffers(hf)
@@ -282,7 +289,8 @@ def machine() -> dict:
         blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]["name"]  # type: ignore[index]
     except Exception:  # noqa: BLE001 - informational only
         pass
-    return {"cpu": cpu, "cores": cores(), "machine_cores": os.cpu_count(), "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+    memory_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    return {"cpu": cpu, "cores": cores(), "machine_cores": os.cpu_count(), "memory_gib": memory_gib,
             "python": platform.python_version(), "numpy": np.__version__, "blas": blas, "platform": platform.platform(),
             "openblas_thread_timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT")}
 
@@ -339,17 +347,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.cached == "on":
             need, avail = cacheable_gib(args.model) * 1.1, mem_available_gib()
             if need > avail:
-                result["oracle_cached"] = {"skipped": f"the decoded weights need about {need:.1f} GiB, {avail:.1f} GiB available"}
+                result["oracle_cached"] = {"skipped": f"the decoded weights need about {need:.1f} GiB, {avail:.1f} GiB "
+                                                      "available"}
             else:
                 cached = Path(tmp, "cached.npy")
                 result["oracle_cached"] = run_part("oracle-cached", args, [], cached)
                 if "error" not in result["oracle_cached"]:
-                    result["oracle_cached"]["max_abs_diff_vs_oracle"] = float(np.max(np.abs(np.load(ours) - np.load(cached))))
+                    diff = float(np.max(np.abs(np.load(ours) - np.load(cached))))
+                    result["oracle_cached"]["max_abs_diff_vs_oracle"] = diff
         if args.transformers != "off":
             need = params * 8 / 2**30 * 1.15  # float64 weights plus loading slack
             avail = mem_available_gib()
             if need > avail:
-                result["transformers"] = {"skipped": f"float64 weights need about {need:.1f} GiB, {avail:.1f} GiB available"}
+                result["transformers"] = {"skipped": f"float64 weights need about {need:.1f} GiB, {avail:.1f} GiB "
+                                                     "available"}
             else:
                 theirs = Path(tmp, "hf.npy")
                 result["transformers"] = run_part("transformers", args, ["--transformers", args.transformers], theirs)
@@ -402,15 +413,16 @@ def report(r: dict) -> str:
     other_oracle("baseline", f"oracle float64, baseline ({Path(b.get('checkout', '')).name})", "first run", "oracle")
     other_oracle("oracle_cached", "oracle float64, weight cache", "first run (decodes into the cache)", "streamed")
     if "matmul_s" in f:
-        lines.append(f"| roofline (matmuls only) | {f['matmul_s']:.2f} | {f['gflops_per_s']:.1f} | {f['peak_rss_gib']:.2f} "
-                     f"| {f['flops'] / 1e12:.2f} TFLOP |")
+        lines.append(f"| roofline (matmuls only) | {f['matmul_s']:.2f} | {f['gflops_per_s']:.1f} | "
+                     f"{f['peak_rss_gib']:.2f} | {f['flops'] / 1e12:.2f} TFLOP |")
     else:
         lines.append(f"| roofline | - | - | - | {f.get('error')} |")
     if "best_s" in h:
         lines.append(f"| transformers float64 ({h['flavour']}) | {h['best_s']:.2f} | "
                      f"{f.get('flops', 0) / h['best_s'] / 1e9:.1f} | {h['peak_rss_gib']:.2f} | "
                      f"{r['transformers_over_oracle']:.2f}x the oracle's time"
-                     + (f", {r['transformers_over_oracle_cached']:.2f}x the cached oracle's" if "transformers_over_oracle_cached" in r else "")
+                     + (f", {r['transformers_over_oracle_cached']:.2f}x the cached "
+                        "oracle's" if "transformers_over_oracle_cached" in r else "")
                      + f"; max |logit diff| vs oracle "
                      f"{h['max_abs_diff_vs_oracle']:.1e}; load {h['load_s']:.1f} s |")
     elif h:

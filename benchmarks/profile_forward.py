@@ -25,11 +25,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import refimpl  # noqa: E402,F401  (first: OpenBLAS's thread timeout)
-from refimpl.model import Gemma4  # noqa: E402
-from refimpl.threads import threads  # noqa: E402
+from refimpl.model import Gemma4  # noqa: E402 - after sys.path and refimpl
+from refimpl.threads import threads  # noqa: E402 - after sys.path and refimpl
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from prefill import prompt_ids  # noqa: E402
+from prefill import prompt_ids  # noqa: E402 - after sys.path and refimpl
 
 
 def main(argv: list[str] | None = None) -> int:

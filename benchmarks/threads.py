@@ -30,13 +30,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import refimpl  # noqa: E402,F401  (first: OpenBLAS's thread timeout)
-import numpy as np  # noqa: E402
 
-from refimpl import ops, threads  # noqa: E402
-from refimpl.model import Gemma4, rope_cos_sin, rope_inv_freq  # noqa: E402
+# isort: split
+import numpy as np  # noqa: E402 - after sys.path and refimpl
+
+from refimpl import ops, threads  # noqa: E402 - after sys.path and refimpl
+from refimpl.model import Gemma4, rope_cos_sin, rope_inv_freq  # noqa: E402 - after sys.path and refimpl
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from prefill import best_of, machine, prompt_ids  # noqa: E402
+from prefill import best_of, machine, prompt_ids  # noqa: E402 - after sys.path and refimpl
 
 HEAD_ROWS = 65_536
 
@@ -48,7 +50,7 @@ def step_inputs(m: Gemma4, T: int) -> dict[str, tuple]:
     layer = cfg.layers[0]
     N, D, H = cfg.num_attention_heads, layer.head_dim, cfg.hidden_size
     K = layer.num_kv_heads
-    I = max(layer.ffn_width for layer in cfg.layers)
+    I = max(layer.ffn_width for layer in cfg.layers)  # noqa: E741 - I: the intermediate size, as in the spec's shapes
     scores = rng.standard_normal((K, N // K, T, T))
     scores[..., np.triu_indices(T, 1)[0], np.triu_indices(T, 1)[1]] = -np.inf  # causal
     cos, sin = rope_cos_sin(np.arange(T), rope_inv_freq(layer.rope, D))
@@ -88,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"command": " ".join(["python", "benchmarks/threads.py", *(argv if argv is not None else sys.argv[1:])]),
               "machine": machine(), "model": str(Path(args.model).resolve()), "threads": counts, "rows": []}
     whole = {name: fn.whole(*a) for name, (fn, a) in steps.items()}
-    whole_s = {name: best_of(lambda: fn.whole(*a), args.repeat, warm_up=True) for name, (fn, a) in steps.items()}
+    whole_s = {name: best_of(lambda fn=fn, a=a: fn.whole(*a), args.repeat, warm_up=True)
+               for name, (fn, a) in steps.items()}
     reference = None
     for n in counts:
         with threads.use_threads(n):
@@ -101,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, (fn, a) in steps.items():
                 got = fn(*a)
                 diff = float(np.max(np.abs(np.nan_to_num(got - whole[name]))))
-                blocked_s = best_of(lambda: fn(*a), args.repeat, warm_up=True)
+                blocked_s = best_of(lambda fn=fn, a=a: fn(*a), args.repeat, warm_up=True)
                 row["steps"][name] = {"whole_s": whole_s[name], "blocked_s": blocked_s,
                                       "max_abs_diff": diff, "bit_identical": bool(np.array_equal(got, whole[name]))}
             if not args.no_forward:

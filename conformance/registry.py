@@ -62,9 +62,9 @@ def load_backend(spec: str, **options: Any) -> Backend:
         eps = _entry_points()
         if spec not in eps:
             known = ", ".join(sorted(eps)) or "(none)"
-            raise BackendError(f"unknown backend {spec!r}; registered backends: {known}{'' if eps else not_installed_note()}. "
-                               "Give a registered name or a Python object as module:attr (e.g. "
-                               "mypackage.backend:MyBackend)")
+            raise BackendError(f"unknown backend {spec!r}; registered backends: "
+                               f"{known}{'' if eps else not_installed_note()}. Give a registered name or a Python "
+                               "object as module:attr (e.g. mypackage.backend:MyBackend)")
         ep = eps[spec]
         module, attr = ep.module, ep.attr
         extras = tuple(ep.extras)
@@ -123,7 +123,7 @@ def _resolve(spec: str, module: str, attr: str, extras: tuple[str, ...]) -> Any:
                            f"{_install_hint(missing, extras)}") from exc
     except KeyboardInterrupt:
         raise
-    except BaseException as exc:  # noqa: BLE001 - any import-time failure (SystemExit too) is a load failure
+    except BaseException as exc:  # any import-time failure (SystemExit too) is a load failure
         raise BackendError(f"backend {spec!r}: importing module {module!r} failed: "
                            f"{type(exc).__name__}: {exc}") from exc
     obj: Any = mod
@@ -147,7 +147,7 @@ def _instantiate(spec: str, obj: Any, options: dict[str, Any]) -> Any:
             raise
         except BackendError as exc:  # already says what is wrong: once, not wrapped in 'raised BackendError'
             raise BackendError(f"backend {spec!r}: {exc}") from exc
-        except BaseException as exc:  # noqa: BLE001 - a constructor failure (SystemExit too) is a load failure
+        except BaseException as exc:  # a constructor failure (SystemExit too) is a load failure
             raise BackendError(f"backend {spec!r}: the {what} raised {type(exc).__name__}: {exc}") from exc
     if options:
         raise BackendError(f"backend {spec!r} is an instance, not a class or factory; it takes no options "
@@ -181,6 +181,6 @@ def open_backend(backend: Backend, model_dir: Path | str) -> None:
         backend.open(Path(model_dir))
     except (BackendError, KeyboardInterrupt):
         raise
-    except BaseException as exc:  # noqa: BLE001 - a backend that cannot open (SystemExit too) stops the run (exit 4)
+    except BaseException as exc:  # a backend that cannot open (SystemExit too) stops the run (exit 4)
         raise BackendError(f"backend {backend.name!r} could not open {model_dir}: "
                            f"{type(exc).__name__}: {exc}") from exc

@@ -84,7 +84,8 @@ def parse_assistant_config(raw: dict, where: str = "config.json") -> AssistantCo
     if shared != L:
         raise ConfigError(f"{at}: 'num_kv_shared_layers' is {shared}; every layer of an assistant is KV-shared "
                           f"(set it to num_hidden_layers = {L}, or 0)")
-    for key, bad in (("hidden_size_per_layer_input", lambda v: v != 0), ("vocab_size_per_layer_input", lambda v: v != 0),
+    for key, bad in (("hidden_size_per_layer_input", lambda v: v != 0),
+                     ("vocab_size_per_layer_input", lambda v: v != 0),
                      ("enable_moe_block", bool), ("use_double_wide_mlp", bool)):
         if key in text and text[key] is not None and bad(text[key]):
             raise ConfigError(f"{at}: '{key}' is {text[key]!r}; an assistant has no per-layer inputs, MoE or "
@@ -137,7 +138,7 @@ def expected_assistant_tensors(acfg: AssistantConfig) -> dict[str, tuple[int, ..
         "model.embed_tokens.weight": (V, H), "model.norm.weight": (H,),
     }
     for layer in cfg.layers:
-        p, D, I = f"model.layers.{layer.index}.", layer.head_dim, layer.ffn_width
+        p, D, I = f"model.layers.{layer.index}.", layer.head_dim, layer.ffn_width  # noqa: E741 - I: the intermediate size (spec)
         t.update({p + "input_layernorm.weight": (H,), p + "self_attn.q_proj.weight": (N * D, H),
                   p + "self_attn.q_norm.weight": (D,), p + "self_attn.o_proj.weight": (H, N * D),
                   p + "post_attention_layernorm.weight": (H,), p + "pre_feedforward_layernorm.weight": (H,),

@@ -517,7 +517,7 @@ def audio_tower(features, mask, weights: AudioWeights, cfg: AudioConfig, trace: 
         raise InputError("trace is only supported for a single clip")
     proj = weights[EMBED + "embedding_projection.weight"]
     kept = []
-    for clip, clip_mask in zip(x, m):
+    for clip, clip_mask in zip(x, m, strict=True):
         out, token_mask = audio_tower_clip(clip, clip_mask, weights, cfg, trace)
         kept.append(out[token_mask])
     e = weights.check_finite(embed_audio(np.concatenate(kept, axis=0), proj, cfg.rms_norm_eps))

@@ -275,7 +275,7 @@ def render_chat_template(template: ChatTemplate, messages: list[dict], add_gener
                                add_generation_prompt=add_generation_prompt, **template.variables)
     except raised as e:
         raise ChatTemplateError(f"{where}: the chat template raised an exception: {_one_line(e.message)}") from None
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - whatever Jinja raises is the template's error
         raise ChatTemplateError(f"{where}: the chat template failed to render: {type(e).__name__}: "
                                 f"{_one_line(e)}") from None
 

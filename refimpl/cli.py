@@ -20,14 +20,28 @@ from .chat import encode_conversation, user_turn
 from .config import load_config
 from .context import check_prompt_context
 from .errors import InputError, RefimplError, TokenizerError
-from .generate import greedy_generate, greedy_generate_multimodal
 from .frontends import AudioFrontEnd, ImageFrontEnd, audio_front_end, image_front_end
+from .generate import greedy_generate, greedy_generate_multimodal
 from .image import SUPPORTED_SOFT_TOKENS, read_image
 from .model import VISION_MASK_RULES, Gemma4, resolve_rows
-from .multimodal import (MultimodalTokens, audio_spans, expand_audio_placeholders, expand_image_placeholders,
-                         image_spans, load_multimodal_tokens, multimodal_logits)
+from .multimodal import (
+    MultimodalTokens,
+    audio_spans,
+    expand_audio_placeholders,
+    expand_image_placeholders,
+    image_spans,
+    load_multimodal_tokens,
+    multimodal_logits,
+)
 from .safetensors_io import write_safetensors
-from .synth import PRESETS, PUBLISHED, published_config, published_parameters, write_checkpoint, write_published_checkpoint
+from .synth import (
+    PRESETS,
+    PUBLISHED,
+    published_config,
+    published_parameters,
+    write_checkpoint,
+    write_published_checkpoint,
+)
 from .tokenizer import Tokenizer
 from .weights import Gemma4Weights
 
@@ -171,13 +185,16 @@ def _config_has(model_dir: Path, key: str, kind: str, flag: str) -> None:
     if isinstance(raw, dict) and raw.get(key) is None:
         text = "image" if kind == "vision" else "audio"
         raise InputError(f"{model_dir} has no {kind} tower (config.json has no {key}); {flag} needs an {text}-text "
-                         f"checkpoint (Gemma4ForConditionalGeneration or Gemma4UnifiedForConditionalGeneration with its "
-                         f"{kind} weights)")
+                         "checkpoint (Gemma4ForConditionalGeneration or Gemma4UnifiedForConditionalGeneration with "
+                         f"its {kind} weights)")
 
 
 def _check_markers(ids: list[int], tok: Tokenizer | None, mm: MultimodalTokens) -> None:
     """Begin/end markers in the (token-id) prompt are refused; so are video placeholders."""
-    names = (lambda i: tok.piece(i) if tok is not None else str(i))
+
+    def names(i: int) -> str:
+        return tok.piece(i) if tok is not None else str(i)
+
     for template, begin, end, token in ((_MARKERS_GIVEN, mm.boi_token_id, mm.eoi_token_id, mm.image_token_id),
                                         (_AUDIO_MARKERS_GIVEN, mm.boa_token_id, mm.eoa_token_id, mm.audio_token_id)):
         if begin in ids or end in ids:
@@ -215,9 +232,9 @@ def _image_prompt(args, model_dir: Path, model: Gemma4) -> ImagePrompt:
         _read_clips(model_dir, clips, prompt, args.dtype)
     expanded = expand_image_placeholders(ids, [p.num_soft_tokens for p in prompt.processed], mm)
     prompt.ids = expand_audio_placeholders(expanded, [i["soft_tokens"] for i in prompt.audio_info], mm).tolist()
-    for info, (start, length) in zip(prompt.info, image_spans(prompt.ids, mm)):
+    for info, (start, length) in zip(prompt.info, image_spans(prompt.ids, mm), strict=True):
         info["rows"] = [start, start + length - 1]
-    for info, (start, length) in zip(prompt.audio_info, audio_spans(prompt.ids, mm)):
+    for info, (start, length) in zip(prompt.audio_info, audio_spans(prompt.ids, mm), strict=True):
         info["rows"] = [start, start + length - 1]
     return prompt
 
@@ -249,7 +266,7 @@ def _audio_soft_tokens(model_dir: Path, prompt: ImagePrompt, dtype: str) -> list
     if not prompt.audio:
         return []
     soft = [prompt.audio_front.soft_tokens(a) for a in prompt.audio]
-    for s, info in zip(soft, prompt.audio_info):
+    for s, info in zip(soft, prompt.audio_info, strict=True):
         if s.shape[0] != info["soft_tokens"]:  # only past the processor's audio_seq_length cap
             raise InputError(f"audio file {info['file']} gives {s.shape[0]} soft tokens, more than the processor's "
                              f"cap of {info['soft_tokens']}; pass a shorter clip")
@@ -326,7 +343,8 @@ def _media_parts(model_dir: Path) -> dict[str, str]:
         front = image_front_end(model_dir)
         st = front.settings
         what = (f"encoder-free embedder, {st.patch_size * st.pooling_kernel_size}-px patches" if front.unified
-                else f"vision tower, {st.patch_size}-px patches pooled {st.pooling_kernel_size}x{st.pooling_kernel_size}")
+                else f"vision tower, {st.patch_size}-px patches pooled "
+                     f"{st.pooling_kernel_size}x{st.pooling_kernel_size}")
         parts["image"] = f"{what}, up to {st.max_soft_tokens} soft tokens"
     if isinstance(raw, dict) and raw.get("audio_config") is not None:
         front = audio_front_end(model_dir)
@@ -378,8 +396,8 @@ def cmd_inspect(args) -> int:
             src += "*"
         rope = (f"{r['rope']} theta={r['rope_theta']:g}"
                 + (f" prf={r['partial_rotary_factor']:g}" if r["rope"] == "proportional" else ""))
-        print(f"  {r['layer']:>5} {r['type']:<8} {r['head_dim']:>8} {r['kv_heads']:>8} {'yes' if r['k_eq_v'] else '':<4} "
-              f"{src:>9} {r['ffn_width']:>6}  {rope}")
+        print(f"  {r['layer']:>5} {r['type']:<8} {r['head_dim']:>8} {r['kv_heads']:>8} "
+              f"{'yes' if r['k_eq_v'] else '':<4} {src:>9} {r['ffn_width']:>6}  {rope}")
     if disagree:
         print()
         print("  * the llama.cpp / JAX positional rule (full -> first_shared-1, sliding -> first_shared-2) would read "
@@ -388,7 +406,8 @@ def cmd_inspect(args) -> int:
     for note in cfg.notes:
         print(f"  note: {note}")
     if weights.ignored:
-        print(f"  note: ignored {len(weights.ignored)} tensors (multimodal towers, tied lm_head, stale K/V on shared layers)")
+        print(f"  note: ignored {len(weights.ignored)} tensors (multimodal towers, tied lm_head, stale K/V on shared "
+              "layers)")
     return 0
 
 
@@ -438,7 +457,7 @@ def cmd_logits(args) -> int:
     print(f"{len(ids)} tokens{images}, {len(index)} rows of {logits.shape[1]} logits ({model.dtype}) -> {args.out}")
     if _media(args):
         print("\n".join(prompt.lines()))
-    for r, row in zip(index, logits):
+    for r, row in zip(index, logits, strict=True):
         top = np.argsort(-row, kind="stable")[: args.top_k]
         shown = ", ".join(f"{int(t)} {_piece(tok, t)} {row[t]:.4f}" for t in top)
         print(f"  row {int(r)}: {shown}")

@@ -4,7 +4,8 @@ Both architectures are read: ``Gemma4ForCausalLM`` (text fields at the top level
 ``Gemma4ForConditionalGeneration`` (text fields under ``text_config``), and the same two of Gemma 4
 Unified (``Gemma4UnifiedForCausalLM``, ``Gemma4UnifiedForConditionalGeneration``, model type
 ``gemma4_unified``: the 12B encoder-free family, whose decoder has no per-layer inputs and no MoE
-whatever its config says, and whose class defaults differ: a 1024-token window and vision blocks). Both serialisations are read:
+whatever its config says, and whose class defaults differ: a 1024-token window and vision blocks). Both serialisations
+are read:
 the legacy one (``global_head_dim``, ``num_global_key_value_heads``) and the ``per_layer_config`` one
 written by transformers 5.23+ (a sparse map from layer index to overridden fields).
 
@@ -297,7 +298,8 @@ def text_section(raw: dict, where: str = "config.json") -> tuple[dict, dict, str
         if not isinstance(text, dict):
             raise ConfigError(f"{where}: 'text_config' must be an object")
         arch = archs[0] if archs else ("Gemma4UnifiedForConditionalGeneration"
-                                       if raw.get("model_type") == "gemma4_unified" else "Gemma4ForConditionalGeneration")
+                                       if raw.get("model_type") == "gemma4_unified"
+                                       else "Gemma4ForConditionalGeneration")
     else:
         text = raw
         arch = archs[0] if archs else ("Gemma4UnifiedForCausalLM" if raw.get("model_type") in UNIFIED_MODEL_TYPES
@@ -348,7 +350,7 @@ def parse_config(raw: dict, where: str = "config.json", extra_eos: tuple[int, ..
     V = required_positive(text, "vocab_size", where)
     N = required_positive(text, "num_attention_heads", where)
     kv_heads = required_positive(text, "num_key_value_heads", where)
-    I = required_positive(text, "intermediate_size", where)
+    I = required_positive(text, "intermediate_size", where)  # noqa: E741 - I: the intermediate size (spec)
     head_dim = check_positive(get_field(text, "head_dim", int, 256, where), "head_dim", where)
     W = check_positive(get_field(text, "sliding_window", int, 512, where), "sliding_window", where)
     eps = get_field(text, "rms_norm_eps", float, 1e-6, where)
@@ -455,8 +457,8 @@ def parse_config(raw: dict, where: str = "config.json", extra_eos: tuple[int, ..
     for i, t in enumerate(types):
         d, k = per_layer[i]
         if N % k:
-            field_name = "num_global_key_value_heads" if (t == FULL and k_eq_v and serialisation == "legacy"
-                                                          and "num_global_key_value_heads" in text) else "num_key_value_heads"
+            global_kv = t == FULL and k_eq_v and serialisation == "legacy" and "num_global_key_value_heads" in text
+            field_name = "num_global_key_value_heads" if global_kv else "num_key_value_heads"
             raise ConfigError(
                 f"{where}: layer {i} ({t}) has {N} attention heads, not divisible by its {k} KV heads "
                 f"('{field_name}'); choose a KV head count that divides num_attention_heads"

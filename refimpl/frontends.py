@@ -26,12 +26,26 @@ from pathlib import Path
 import numpy as np
 
 from .audio import audio_tower, load_audio_tower
-from .audio_features import (AudioFeatures, RESAMPLE_HINT, audio_features, audio_soft_token_count, check_samples,
-                             load_audio_feature_settings)
+from .audio_features import (
+    RESAMPLE_HINT,
+    AudioFeatures,
+    audio_features,
+    audio_soft_token_count,
+    check_samples,
+    load_audio_feature_settings,
+)
 from .errors import InputError
 from .image import ImageProcessorSettings, check_soft_token_budget, load_image_processor_settings, preprocess_image
-from .unified import (SAMPLING_RATE, UnifiedAudioWeights, UnifiedVisionWeights, audio_embedder, audio_frames,
-                      is_unified, preprocess_unified_image, vision_embedder)
+from .unified import (
+    SAMPLING_RATE,
+    UnifiedAudioWeights,
+    UnifiedVisionWeights,
+    audio_embedder,
+    audio_frames,
+    is_unified,
+    preprocess_unified_image,
+    vision_embedder,
+)
 from .vision import load_vision_config, load_vision_tower, vision_tower
 
 
@@ -117,8 +131,8 @@ class AudioFrontEnd:
 
     def _check_rate(self, rate: int) -> None:
         if rate != self.sampling_rate:
-            raise InputError(f"the audio is sampled at {rate} Hz but the feature extractor needs {self.sampling_rate} Hz "
-                             f"({self.sampling_rate / 1000:g} kHz); {RESAMPLE_HINT}")
+            raise InputError(f"the audio is sampled at {rate} Hz but the feature extractor needs {self.sampling_rate} "
+                             f"Hz ({self.sampling_rate / 1000:g} kHz); {RESAMPLE_HINT}")
 
     def features(self, samples, rate: int) -> AudioFeatures | UnifiedClip:
         """The model input of one clip sampled at ``rate`` Hz (InputError for another rate)."""

@@ -45,6 +45,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+
 import numpy as np
 
 from .config import read_json, read_media_file
@@ -194,7 +195,8 @@ def _inflate(compressed: bytes, size: int, where: str) -> bytes:
     try:
         raw = inflater.decompress(compressed, size)
     except zlib.error as e:
-        raise InputError(f"PNG {where} is corrupt: its image data does not decompress ({e}); re-export the file")
+        raise InputError(f"PNG {where} is corrupt: its image data does not decompress ({e}); re-export the file") \
+            from None
     if len(raw) < size:
         raise InputError(
             f"PNG {where} is truncated: its image data holds {len(raw)} of {size} bytes; re-export the file"

@@ -22,9 +22,23 @@ import numpy as np
 
 from .config import RopeSpec, TextConfig, load_config
 from .errors import InputError, NonFiniteError
-from .ops import (attention, attention_mask, bf16_round, geglu, linear, norm_rope, rms_norm, rope_cos_sin, softcap,
-                  softmax, vision_block_mask, vision_overlay_mask)
-from .ops import apply_rope, gelu_tanh, mlp  # noqa: F401  (unused here; refimpl.model.apply_rope, ... stay importable)
+from .ops import apply_rope as apply_rope  # re-exported: refimpl.model.apply_rope stays importable
+from .ops import (
+    attention,
+    attention_mask,
+    bf16_round,
+    geglu,
+    linear,
+    norm_rope,
+    rms_norm,
+    rope_cos_sin,
+    softcap,
+    softmax,
+    vision_block_mask,
+    vision_overlay_mask,
+)
+from .ops import gelu_tanh as gelu_tanh  # re-exported
+from .ops import mlp as mlp  # re-exported
 from .threads import all_finite
 from .weights import FEW_ROWS, Gemma4Weights, expected_tensors, nonfinite_error, weight_cache_bytes
 
@@ -167,7 +181,8 @@ class Gemma4:
 
     def __init__(self, model_dir: str | Path, dtype: str | np.dtype = "float64", embed_scale: str = "exact",
                  weight_cache: int | str | None = None, vision_mask: str = "sliding-clamped"):
-        """``vision_mask``: how vision blocks open the mask (VISION_MASK_RULES). ``weight_cache``: bytes of decoded weights kept between forwards (an int, "12GiB", "all"; None:
+        """``vision_mask``: how vision blocks open the mask (VISION_MASK_RULES). ``weight_cache``: bytes of decoded
+        weights kept between forwards (an int, "12GiB", "all"; None:
         the REFIMPL_WEIGHT_CACHE environment variable, else 0). 0 streams every weight from the
         checkpoint on every forward (the least memory); a cache makes repeated forwards (decode steps,
         many prompts) skip the decoding of the weights it holds (docs/refimpl.md, "Weight cache")."""
@@ -448,7 +463,8 @@ class Gemma4:
         # keep what future tokens can attend to: sliding layers their last W - 1 keys, full layers all
         end = cache.length + T  # (positions may be pruned by now; the call still covered T tokens)
         for i, kv in call_kv.items():
-            recent = kv.pos > end - cfg.sliding_window if cfg.layers[i].is_sliding and not cache.keep_all else slice(None)
+            recent = (kv.pos > end - cfg.sliding_window if cfg.layers[i].is_sliding and not cache.keep_all
+                      else slice(None))
             cache.layers[i] = LayerKV(kv.k[recent], kv.v[recent], kv.pos[recent])
         cache.length = end
         return x

@@ -227,8 +227,8 @@ def assisted_greedy(target: Gemma4, drafter: Drafter, prompt: Sequence[int], max
     return a.run
 
 
-def run_rounds(target: Gemma4, drafter: Drafter, prompt: Sequence[int], rounds: Sequence[tuple[int, Sequence[int], int]],
-               convention: str = DEFAULT_CONVENTION) -> MtpRun:
+def run_rounds(target: Gemma4, drafter: Drafter, prompt: Sequence[int],
+               rounds: Sequence[tuple[int, Sequence[int], int]], convention: str = DEFAULT_CONVENTION) -> MtpRun:
     """Teacher-forced rounds, exactly as given: each ``(token, drafts, accepted)`` is the pending token, the
     drafts to verify and how many of them to keep (what an MTP case of the gate prescribes). Each recorded
     round's ``accepted`` is the target's own judgement of those drafts; the output is the first round's token

@@ -238,7 +238,7 @@ def _expand(ids, counts: Sequence[int], placeholder: int, begin: int, end: int, 
         raise InputError(f"the prompt already holds begin/end-of-{what} tokens; give one bare {what} placeholder "
                          f"per {item} and let the processor expand it")
     out, start = [], 0
-    for a, m in zip(at, counts):
+    for a, m in zip(at, counts, strict=True):
         out += [ids[start:a], [begin], [placeholder] * int(m), [end]]
         start = a + 1
     out.append(ids[start:])

@@ -418,7 +418,8 @@ def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], dtype: s
             f.write(_encode(arrays[name], kind))
 
 
-def write_safetensors_streamed(path: str | Path, tensors: dict[str, tuple[tuple[int, ...], Callable[[], Iterable[np.ndarray]]]],
+def write_safetensors_streamed(path: str | Path,
+                               tensors: dict[str, tuple[tuple[int, ...], Callable[[], Iterable[np.ndarray]]]],
                                dtype: str = "BF16", metadata: dict[str, str] | None = None,
                                progress: Callable[[int, int], None] | None = None) -> None:
     """``write_safetensors`` for float tensors given as (shape, chunks): ``chunks()`` yields the tensor's

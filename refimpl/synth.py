@@ -12,7 +12,8 @@ clear expert margins. Every preset but ``mtp-layout-mini`` ends its KV-owning pr
 the HF rule and the llama.cpp / JAX positional rule pick the same KV source; ``mtp-layout-mini`` is the MTP
 pair where they do not.
 
-Presets with a ``vision`` (or ``audio``) entry are image-text (audio-text) models: they are always written in the published
+Presets with a ``vision`` (or ``audio``) entry are image-text (audio-text) models: they are always written in the
+published
 Gemma4ForConditionalGeneration layout (``text_config``, ``vision_config`` and the placeholder token ids
 at the top level; tensors under ``model.language_model.``, ``model.vision_tower.`` and
 ``model.embed_vision.``) with a tiny vision tower (patch 4, pooling 3: an image of up to 70 soft
@@ -41,8 +42,12 @@ from .audio import expected_audio_tensors, parse_audio_config
 from .config import FULL, SLIDING, parse_config
 from .errors import InputError
 from .safetensors_io import write_safetensors, write_safetensors_streamed
-from .unified import (expected_unified_audio_tensors, expected_unified_vision_tensors, parse_unified_audio_config,
-                      parse_unified_vision_config)
+from .unified import (
+    expected_unified_audio_tensors,
+    expected_unified_vision_tensors,
+    parse_unified_audio_config,
+    parse_unified_vision_config,
+)
 from .vision import expected_vision_tensors, parse_vision_config
 from .weights import expected_tensors
 
@@ -80,7 +85,8 @@ PRESETS: dict[str, dict] = {
         hidden_size_per_layer_input=8, num_kv_shared_layers=6,
     ),
     "26b-a4b-mini": dict(
-        description="26B-A4B in miniature: MoE (8 experts, top-2) beside a dense branch, K=V full layers, 1 global KV head",
+        description="26B-A4B in miniature: MoE (8 experts, top-2) beside a dense branch, K=V full layers, 1 global KV "
+                    "head",
         num_hidden_layers=6, layer_types=[S, S, S, S, S, F], num_key_value_heads=2, intermediate_size=96,
         attention_k_eq_v=True, num_global_key_value_heads=1, enable_moe_block=True, num_experts=8,
         top_k_experts=2, moe_intermediate_size=32, use_bidirectional_attention="vision",
@@ -650,7 +656,8 @@ def write_checkpoint(preset: str, seed: int, out: str | Path, dtype: str = "f32"
             (tmp / ASSISTANT_DIR).mkdir()
             (tmp / ASSISTANT_DIR / "config.json").write_text(json.dumps(a_config, indent=2, sort_keys=True) + "\n",
                                                              encoding="utf-8")
-            write_safetensors(tmp / ASSISTANT_DIR / "model.safetensors", a_tensors, "BF16" if dtype == "bf16" else "F32",
+            write_safetensors(tmp / ASSISTANT_DIR / "model.safetensors", a_tensors,
+                              "BF16" if dtype == "bf16" else "F32",
                               metadata={"format": "pt", "preset": preset, "seed": str(seed)})
             (tmp / ASSISTANT_DIR / "tokenizer.model").write_bytes(tokenizer)
             # transformers takes the drafts per round from the assistant's generation config (and fails without)

@@ -257,7 +257,7 @@ def in_parts(total: int, work: Callable[[int, int], None], unit: int = 1, least:
         with blas_on_one_thread() if own_blas else contextlib.nullcontext():
             started: list[_Worker] = []
             try:
-                for worker, a, b in zip(workers, edges[1:-1], edges[2:]):
+                for worker, a, b in zip(workers, edges[1:-1], edges[2:], strict=True):
                     worker.start(work, a, b, count)
                     started.append(worker)
                 handed = True

@@ -40,8 +40,15 @@ import numpy as np
 
 from .config import check_positive, check_positive_float, config_family, get_field, read_config_json, tower_section
 from .errors import ConfigError, InputError
-from .image import (ImageProcessorSettings, aspect_ratio_preserving_size, check_image_array, patch_positions, patchify,
-                    rescale, resize_bicubic)
+from .image import (
+    ImageProcessorSettings,
+    aspect_ratio_preserving_size,
+    check_image_array,
+    patch_positions,
+    patchify,
+    rescale,
+    resize_bicubic,
+)
 from .ops import layer_norm, linear, rms_norm
 from .weights import TowerWeights
 

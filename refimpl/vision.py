@@ -97,7 +97,7 @@ def parse_vision_config(raw: dict, where: str = "config.json") -> VisionConfig:
     def required(key: str) -> int:
         return required_positive(vision, key, w)
 
-    D, I, L = required("hidden_size"), required("intermediate_size"), required("num_hidden_layers")
+    D, I, L = required("hidden_size"), required("intermediate_size"), required("num_hidden_layers")  # noqa: E741 - I: the intermediate size (spec)
     n, K, d = required("num_attention_heads"), required("num_key_value_heads"), required("head_dim")
     p, k, table = required("patch_size"), required("pooling_kernel_size"), required("position_embedding_size")
     if n % K:
@@ -157,7 +157,7 @@ def load_vision_config(model_dir: str | Path) -> VisionConfig:
 
 def expected_vision_tensors(cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of the vision tower and its projector (full checkpoint names) and its shape."""
-    D, I, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    D, I, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim  # noqa: E741 - I: the intermediate size (spec)
     n, K = cfg.num_attention_heads, cfg.num_key_value_heads
     t: dict[str, tuple[int, ...]] = {
         TOWER + "patch_embedder.input_proj.weight": (D, cfg.patch_dim),
@@ -395,7 +395,7 @@ def vision_tower_batch(pixel_values, image_position_ids, weights: VisionWeights,
             f"pixel_values must be [B, N, 3*p*p] and image_position_ids [B, N, 2], got {list(pixel_values.shape)} "
             f"and {list(image_position_ids.shape)}"
         )
-    return [vision_tower(x, p, weights, cfg) for x, p in zip(pixel_values, image_position_ids)]
+    return [vision_tower(x, p, weights, cfg) for x, p in zip(pixel_values, image_position_ids, strict=True)]
 
 
 def load_vision_tower(model_dir: str | Path, dtype: str | np.dtype = "float64") -> tuple[VisionWeights, VisionConfig]:

@@ -65,7 +65,8 @@ def weight_cache_bytes(value: int | str | None) -> int:
 
 def expected_tensors(cfg: TextConfig) -> dict[str, tuple[int, ...]]:
     """Every text-decoder tensor the checkpoint must hold (names without prefix) and its shape."""
-    H, V, N, P, L = cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads, cfg.hidden_size_per_layer_input, cfg.num_hidden_layers
+    H, V, N = cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads
+    P, L = cfg.hidden_size_per_layer_input, cfg.num_hidden_layers
     t: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (V, H), "norm.weight": (H,)}
     if cfg.has_ple:
         t["embed_tokens_per_layer.weight"] = (cfg.vocab_size_per_layer_input, L * P)
@@ -73,7 +74,7 @@ def expected_tensors(cfg: TextConfig) -> dict[str, tuple[int, ...]]:
         t["per_layer_projection_norm.weight"] = (P,)
     for layer in cfg.layers:
         p = f"layers.{layer.index}."
-        D, K, I = layer.head_dim, layer.num_kv_heads, layer.ffn_width
+        D, K, I = layer.head_dim, layer.num_kv_heads, layer.ffn_width  # noqa: E741 - I: the intermediate size (spec)
         t[p + "input_layernorm.weight"] = (H,)
         t[p + "self_attn.q_proj.weight"] = (N * D, H)
         t[p + "self_attn.q_norm.weight"] = (D,)

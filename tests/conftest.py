@@ -21,18 +21,18 @@ from __future__ import annotations
 import itertools
 import os
 import sys
-
-import numpy as np
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from helpers import micro_checkpoint, micro_config  # noqa: E402,F401
-from conformance.sets import bundled_sets  # noqa: E402
-from refimpl.model import Gemma4  # noqa: E402
-from refimpl.synth import PRESETS, write_checkpoint  # noqa: E402
+from helpers import micro_checkpoint, micro_config  # noqa: F401 - for the tests that import them from here
+
+from conformance.sets import bundled_sets
+from refimpl.model import Gemma4
+from refimpl.synth import PRESETS, write_checkpoint
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -112,7 +112,8 @@ def oracle_bases(preset_models) -> dict[str, list]:
 
 ENGINE_TEST_MODULES = ("test_transformers_backend.py", "test_mlx_backend.py", "test_mlx_vlm_backend.py",
                        "test_llama_cpp_backend.py", "test_traces_transformers.py", "test_traces_mlx_lm.py",
-                       "test_traces_llama_cpp.py", "test_hf_agreement.py", "test_parallel_generate.py")  # the last: Dask distributed
+                       # the last: Dask distributed
+                       "test_traces_llama_cpp.py", "test_hf_agreement.py", "test_parallel_generate.py")
 MISSING_ENGINE_REASONS = ("not installed", "could not import", "No module named", "missing", "exact-GELU")
 
 

@@ -18,7 +18,7 @@ import pytest
 
 def need_distributed() -> None:
     try:
-        import distributed  # noqa: F401
+        import distributed  # noqa: F401 - only: is it installed
     except ImportError as e:
         pytest.skip(f"distributed is not installed ({e})")  # a failure with GEMMA4_CONFORMANCE_REQUIRE_ENGINES=1
 

@@ -149,7 +149,7 @@ def spec_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """The text-decoder tensors a checkpoint for ``config`` holds (names without prefix, shapes),
     written from the table of spec section 5 (shared layers carry no k/v projections or k_norm)."""
     H, V, N = config["hidden_size"], config["vocab_size"], config["num_attention_heads"]
-    L, I = config["num_hidden_layers"], config["intermediate_size"]
+    L, I = config["num_hidden_layers"], config["intermediate_size"]  # noqa: E741 - I: the intermediate size (spec)
     P = int(config.get("hidden_size_per_layer_input") or 0)
     n_shared = int(config.get("num_kv_shared_layers") or 0)
     k_eq_v = bool(config.get("attention_k_eq_v"))
@@ -293,7 +293,7 @@ def micro_assistant(out: str | Path, target_config: dict, seed: int, *, layer_ty
     """A drafter checkpoint for the target ``target_config`` (a config.json dict) in ``out``: its layers take
     the target's head dims, KV heads and K=V; the centroid head with ``centroids`` clusters when given
     (``refimpl.synth.assistant_checkpoint`` draws the weights)."""
-    from refimpl.synth import assistant_checkpoint  # noqa: PLC0415  (test helper; keeps the module light)
+    from refimpl.synth import assistant_checkpoint  # test helper; keeps the module light
 
     text = target_config.get("text_config", target_config)
     unified = str(text.get("model_type", "")).startswith("gemma4_unified") or str(

@@ -16,10 +16,10 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from transformers import Gemma4AssistantForCausalLM, Gemma4UnifiedAssistantForCausalLM
-
 from hf_reference import float64_exact, load_hf_causal_lm, recompute_float64_buffers
 from hf_unified_reference import load_hf_unified, unified_float64_exact
+from transformers import Gemma4AssistantForCausalLM, Gemma4UnifiedAssistantForCausalLM
+
 from refimpl.assistant import load_assistant_config
 from refimpl.config import load_config
 

@@ -68,11 +68,10 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
-from torch import nn
-
 import transformers
 import transformers.models.gemma4.modeling_gemma4 as _mg
 import transformers.models.gemma4_unified.modeling_gemma4_unified as _mu
+from torch import nn
 from transformers import DynamicCache, Gemma4ForCausalLM
 from transformers.modeling_rope_utils import dynamic_rope_update
 

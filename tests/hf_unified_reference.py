@@ -13,7 +13,8 @@ float64 reference, the counterpart of ``hf_reference.py`` for the 12B encoder-fr
 
 Checked and left alone: the vision embedder's ``nn.LayerNorm``s, dense layers and position table run in
 the model dtype; ``get_image_features`` / ``get_audio_features`` only gather and mask; the masks of
-``masking_utils`` are built in the embeddings' dtype. The replacements are hf_reference.py's copies of the 5.24.0 code with only
+``masking_utils`` are built in the embeddings' dtype. The replacements are hf_reference.py's copies of the 5.24.0 code
+with only
 the dtype changed (the sha256 of each original's source is checked before patching: the Unified module's
 three functions are verbatim copies of modeling_gemma4's).
 
@@ -27,16 +28,20 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
+import itertools
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
-
 import transformers.models.gemma4_unified.modeling_gemma4_unified as _mu
+from hf_reference import (
+    eager_attention_forward_f64,
+    patched,
+    recompute_float64_buffers,
+    rmsnorm_forward_f64,
+    rotary_forward_f64,
+)
 from transformers import DynamicCache, Gemma4UnifiedForConditionalGeneration
-
-from hf_reference import (eager_attention_forward_f64, patched, recompute_float64_buffers, rmsnorm_forward_f64,
-                          rotary_forward_f64)
 
 _F64 = torch.float64
 _ORIG_RMSNORM = _mu.Gemma4UnifiedRMSNorm.forward
@@ -149,7 +154,7 @@ def hf_logits_incremental(model, ids: Sequence[int], cuts: Sequence[int], *, ima
     ctx = unified_float64_exact() if exact else contextlib.nullcontext()
     tt_all = token_types(ids, model.config)
     with torch.no_grad(), ctx:
-        for a, b in zip(bounds, bounds[1:]):
+        for a, b in itertools.pairwise(bounds):
             kw = media_kwargs(images, clips) if (tt_all[:, a:b] > 0).any() else {}
             out = model(input_ids=torch.tensor([list(ids[a:b])]), mm_token_type_ids=tt_all, cache=cache,
                         use_cache=True, position_ids=torch.arange(a, b)[None], **kw)

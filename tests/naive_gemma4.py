@@ -305,7 +305,7 @@ def naive_forward(config: dict, weights: dict, ids: list[int],
                 keys = [kj for kj in range(T) if _visible(qi, kj, is_full, window, blocks, rule)]
                 scores = [float(np.dot(q[qi][j], k_all[kj][g])) * 1.0 for kj in keys]
                 probs = _softmax(scores)
-                for p, kj in zip(probs, keys):
+                for p, kj in zip(probs, keys, strict=True):
                     for d in range(D):
                         attn_flat[j * D + d] += p * v_all[kj][g][d]
             o = _matvec(wo, attn_flat)
@@ -426,7 +426,7 @@ def naive_vision_embedder(weights: dict, pixel_values: np.ndarray, positions: np
     pre = "model.vision_embedder."
     table = w(pre + "pos_embedding")  # [S, 2, E]
     out = []
-    for row, (x, y) in zip(pixel_values, positions):
+    for row, (x, y) in zip(pixel_values, positions, strict=True):
         if x == -1 or y == -1:
             continue
         h = _layer_norm(row, w(pre + "patch_ln1.weight"), w(pre + "patch_ln1.bias"), 1e-5)

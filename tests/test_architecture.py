@@ -29,7 +29,8 @@ TIERS = [
     ("conformance.selftest",),
     ("conformance.explain",),  # re-runs cases on a backend and the oracle; its own self-test reads the mutants
     ("conformance.registry",),  # a face, below the others: it finds backends for all of them
-    ("conformance.cli", "conformance.serve", "conformance.pytest_plugin", "conformance.fixtures", "conformance.backend"),
+    ("conformance.cli", "conformance.serve", "conformance.pytest_plugin", "conformance.fixtures",
+     "conformance.backend"),
 ]
 # within the third tier only report reads check (its result records); check and generate never meet
 SIDEWAYS = {("conformance.report", "conformance.check")}

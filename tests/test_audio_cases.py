@@ -19,16 +19,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_image_cases import _rewrite, _TextOnly
 
 from conformance.backend import required_capabilities
-from conformance.check.requests import build_request
-from conformance.sets.case import DECODE_STEPS, Case, check_case
-from conformance.fixtures import (
-    bundled_set, generate_set, load_set, sha256_file, synthetic_waveform, verify_set,
-)
 from conformance.check.profiles import PROFILES
+from conformance.check.requests import build_request
 from conformance.check.runner import run
-from test_image_cases import _rewrite, _TextOnly
+from conformance.fixtures import bundled_set, generate_set, load_set, sha256_file, synthetic_waveform, verify_set
+from conformance.sets.case import DECODE_STEPS, Case, check_case
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -62,7 +60,7 @@ def test_audio_matrix_and_requests(audio_set):
         assert set(required_capabilities(req)) >= {"audio_prompts", "decode"}
         assert "image_prompts" not in required_capabilities(req)
         assert len(req.audio_inputs) == len(req.audio) >= 1
-        for (a, n), clip in zip(req.audio, req.audio_inputs):
+        for (_, n), clip in zip(req.audio, req.audio_inputs, strict=True):
             T = clip.features.shape[0]
             assert clip.mask.dtype == bool and clip.mask.shape == (T,) and clip.features.shape[1] == 128
             assert (int(clip.mask[::4].sum()) == n)  # a soft token per valid 4th frame (two stride-2 convs)

@@ -133,7 +133,8 @@ def rounding_bound(settings: AudioFeatureSettings, x: np.ndarray, u: float = U32
     * u |X_k| from rounding |X_k|.
     The mel sum (float64) turns these into d_m = sum_k W_km dX_k; log is 1/(mel+floor)-Lipschitz above,
     so |d log| <= d_m / (mel_m + floor - d_m); per-bin stddev divides it. Finally the cast of the
-    output (float32 in transformers) adds u |feature|. Preemphasis and input scaling happen on float32 values too: the frame
+    output (float32 in transformers) adds u |feature|. Preemphasis and input scaling happen on float32 values too: the
+    frame
     entries' own rounding is covered by the 2.01 u ||y||_1 term with 3 u instead of 2.01 u.
     The float64 comparison allows twice the u = 2^-53 bound, one for each side.
     """

@@ -25,6 +25,8 @@ inside one piece, then text decode through ``KVCache``, equals the full forward.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -254,8 +256,8 @@ def test_chunked_prefill_and_decode_equal_the_full_forward(checkpoints, features
     cuts = [0, a0 - 2, a0 + n0 + 3, a1 + n1 + 1, len(ids) - 3]
     cache = KVCache()
     pieces = []
-    for i, (s, e) in enumerate(zip(cuts[:-1], cuts[1:])):
-        clips = [a for a, (start, _) in zip(audio, ((a0, n0), (a1, n1))) if s <= start < e]
+    for s, e in itertools.pairwise(cuts):
+        clips = [a for a, (start, _) in zip(audio, ((a0, n0), (a1, n1)), strict=True) if s <= start < e]
         if clips:
             pieces.append(multimodal_logits(model, ids[s:e], [], tokens, audio_soft_tokens=clips, cache=cache))
         else:

@@ -50,8 +50,15 @@ import numpy as np
 import pytest
 
 import refimpl.audio as audio_mod
-from refimpl.audio import (AudioWeights, audio_tower, expected_audio_tensors, load_audio_config, load_audio_tower,
-                           num_soft_tokens, parse_audio_config)
+from refimpl.audio import (
+    AudioWeights,
+    audio_tower,
+    expected_audio_tensors,
+    load_audio_config,
+    load_audio_tower,
+    num_soft_tokens,
+    parse_audio_config,
+)
 from refimpl.errors import ConfigError, InputError, WeightsError
 from refimpl.model import Trace
 from refimpl.safetensors_io import write_safetensors

@@ -26,8 +26,18 @@ from conformance.generate.recompute import RECOMPUTE_BOUND, recompute_bound
 from conformance.generate.run import CONSISTENCY_BOUND
 from conformance.sets import bounds, bundled_set, load_set
 from conformance.sets.bounds import (
-    FLOAT32_UNIT, REFERENCE_LENGTH, SAFETY, UNIT_ROUNDOFF, consistency_bound, decoder_units, first_order,
-    layer_units, length_factor, logit_bound, logit_scale, tensor_bound,
+    FLOAT32_UNIT,
+    REFERENCE_LENGTH,
+    SAFETY,
+    UNIT_ROUNDOFF,
+    consistency_bound,
+    decoder_units,
+    first_order,
+    layer_units,
+    length_factor,
+    logit_bound,
+    logit_scale,
+    tensor_bound,
 )
 from refimpl.config import parse_config
 from refimpl.model import KVCache
@@ -132,8 +142,8 @@ def test_the_bound_grows_with_depth_width_and_length_as_derived():
     per_layer = layer_units(full, 128)
     assert decoder_units(full, 128) == sum(per_layer) + (full.hidden_size + full.hidden_size_per_layer_input + 4) \
         + 2 * full.hidden_size + 4
-    shared = [u for layer, u in zip(full.layers, per_layer) if not layer.owns_kv and layer.is_sliding]
-    owning = [u for layer, u in zip(full.layers, per_layer) if layer.owns_kv and layer.is_sliding]
+    shared = [u for layer, u in zip(full.layers, per_layer, strict=True) if not layer.owns_kv and layer.is_sliding]
+    owning = [u for layer, u in zip(full.layers, per_layer, strict=True) if layer.owns_kv and layer.is_sliding]
     assert min(shared) - max(owning) == full.intermediate_size  # 2 x 6144 wide: the down projection's length
     # length: below the window every layer sees one more key (softmax sum and weighted sum: 2 u each);
     # beyond it only the full layers do
@@ -269,9 +279,9 @@ def test_generation_holds_each_base_to_its_own_bound(tmp_path, monkeypatch):
     """generate_set records each base's bound in the manifest's consistency entry, measures a checkpoint's own
     amplification (the rounding probe) where a base exceeds the model's bound and holds it to 10 x that, and
     refuses the set when a base exceeds both, naming the base and the ratio."""
-    from conformance.fixtures import FixtureError, generate_set
     import conformance.generate.jobs as jobs
     import conformance.generate.run as run_mod
+    from conformance.fixtures import FixtureError, generate_set
 
     out = generate_set(tmp_path / "set", preset="31b-mini", cases="text", workers=1)
     [check] = json.loads((out / "manifest.json").read_text())["provenance"]["cross_checks"]

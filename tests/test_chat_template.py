@@ -144,7 +144,8 @@ FEATURES_TEMPLATE = """{{ bos_token }}
         {% endfor %}
     {% endif %}
 {% endfor %}
-{% generation %}images={{ ns.images }} tools={{ tools is none }} docs={{ documents is none }} {{ eos_token }}{% endgeneration %}
+{% generation %}images={{ ns.images }} tools={{ tools is none }} docs={{ documents is none }} {{ eos_token -}}
+{% endgeneration %}
 {% if add_generation_prompt %}
 <|turn>model
 {% endif %}"""
@@ -174,7 +175,8 @@ def test_spec_template_gives_the_ids_of_the_hand_written_format(spec_dirs, prese
 
 def test_spec_template_places_images_as_the_hand_written_format(spec_dirs, preset_dirs, tmp_path, capsys):
     png = tmp_path / "img.ppm"  # binary PPM, 50x30 (WxH), read natively
-    png.write_bytes(b"P6\n50 30\n255\n" + np.random.default_rng(7).integers(0, 256, 30 * 50 * 3, dtype=np.uint8).tobytes())
+    pixels = np.random.default_rng(7).integers(0, 256, 30 * 50 * 3, dtype=np.uint8)
+    png.write_bytes(b"P6\n50 30\n255\n" + pixels.tobytes())
     model_dir, bare = spec_dirs["e2b-vision-mini"], preset_dirs["e2b-vision-mini"]
     tok, mm = Tokenizer.from_dir(bare), load_multimodal_tokens(bare)
     for argv in (["--prompt", "describe"], ["--prompt", "compare <|image|> and <|image|>", "--image", str(png)],
@@ -188,7 +190,8 @@ def test_spec_template_places_images_as_the_hand_written_format(spec_dirs, prese
     m = ids.count(mm.image_token_id)
     chat = tok.encode_chat([{"role": "user", "content": "<|image|>describe"}])
     assert ids == expand_image_placeholders(chat, [m], mm).tolist()
-    assert ids[: ids.index(mm.boi_token_id)] == [tok.bos_id, tok.piece_id("<|turn>")] + tok.encode("user\n", add_bos=False)
+    assert ids[: ids.index(mm.boi_token_id)] == ([tok.bos_id, tok.piece_id("<|turn>")]
+                                                 + tok.encode("user\n", add_bos=False))
 
 
 def test_spec_template_places_images_then_clips(spec_dirs, preset_dirs):
@@ -229,9 +232,9 @@ def test_template_that_drops_image_items_is_refused(preset_dirs, tmp_path, capsy
     code, out, err = run(capsys, "logits", "--model", str(model_dir), "--prompt", "describe", "--chat",
                          "--image", str(tmp_path / "never-read.png"), "--out", str(tmp_path / "o.safetensors"))
     assert code == 2 and out == ""
-    assert err == (f"refimpl: error: {model_dir / 'chat_template.jinja'}: the chat template wrote 0 image placeholder(s) "
-                   "'<|image|>' for 1 image item(s); write the placeholders into --prompt, or pass the token ids "
-                   "with --tokens\n")
+    assert err == (f"refimpl: error: {model_dir / 'chat_template.jinja'}: the chat template wrote 0 image "
+                   "placeholder(s) '<|image|>' for 1 image item(s); write the placeholders into --prompt, or pass the "
+                   "token ids with --tokens\n")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -281,9 +284,9 @@ def test_an_old_jinja2_is_not_used(preset_dirs, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(jinja2, "__version__", "3.1.5")
     ids, _, err = chat_tokens(capsys, tmp_path, model_dir, "--prompt", "hello")
     assert ids == Tokenizer.from_dir(model_dir).encode_chat([{"role": "user", "content": "hello"}])
-    assert err == (f"warning: {model_dir / 'chat_template.jinja'}: the checkpoint's chat template was not used: "
-                   "jinja2 3.1.5 is older than 3.1.6, which has known sandbox escapes (pip install -U 'jinja2>=3.1.6'); "
-                   "the hand-written Gemma 4 chat format was used instead\n")
+    assert err == (f"warning: {model_dir / 'chat_template.jinja'}: the checkpoint's chat template was not used: jinja2 "
+                   "3.1.5 is older than 3.1.6, which has known sandbox escapes (pip install -U 'jinja2>=3.1.6'); the "
+                   "hand-written Gemma 4 chat format was used instead\n")
 
 
 def test_jinja2_is_imported_only_for_a_template(preset_dirs, tmp_path):
@@ -329,7 +332,8 @@ def test_a_failing_template_is_one_error_line_and_exit_2(preset_dirs, tmp_path, 
 @pytest.mark.parametrize("config, message", [
     ({"chat_template": [{"name": "tool_use", "template": "x"}]},
      "{path}: chat_template holds named templates (tool_use) but none named 'default', the one --chat uses"),
-    ({"chat_template": 5}, '{path}: chat_template must be a string or a list of {{"name": ..., "template": ...}} objects'),
+    ({"chat_template": 5}, '{path}: chat_template must be a string or a list of {{"name": ..., "template": ...}} '
+                           'objects'),
 ])
 def test_a_malformed_template_entry_is_one_error_line(preset_dirs, tmp_path, capsys, config, message):
     model_dir = tmp_path / "cfg"
@@ -343,5 +347,5 @@ def test_a_malformed_template_entry_is_one_error_line(preset_dirs, tmp_path, cap
     path.write_text("{not json", encoding="utf-8")
     code, _, err = run(capsys, "logits", "--model", str(model_dir), "--prompt", "hi", "--chat",
                        "--out", str(tmp_path / "o.safetensors"))
-    assert code == 2 and err == f"refimpl: error: {path}: not valid JSON (Expecting property name enclosed in double quotes " \
-                                "at line 1, column 2)\n"
+    assert code == 2 and err == (f"refimpl: error: {path}: not valid JSON (Expecting property name enclosed in "
+                                 "double quotes at line 1, column 2)\n")

@@ -283,7 +283,8 @@ def _resident_kib(path: Path) -> int:
     return total
 
 
-@pytest.mark.skipif(not Path("/proc/self/smaps").exists() or not hasattr(mmap, "MADV_DONTNEED") or not hasattr(os, "preadv"),
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists() or not hasattr(mmap, "MADV_DONTNEED")
+                    or not hasattr(os, "preadv"),
                     reason="needs Linux /proc/self/smaps, madvise and preadv")
 def test_decoded_tensors_do_not_stay_mapped_in(ckpts, tmp_path):
     """get, read and row slices read the file without mapping it; a gather reads the map and hands the
@@ -389,7 +390,7 @@ def test_stale_kv_tensors_on_shared_layers_ignored(ckpts, ref_logits, tmp_path):
     d = copy_ckpt(ckpts["e2b"], tmp_path / "stale")
     tensors = read_all(d)
     cfg = load_config(d)
-    assert [l.index for l in cfg.layers if not l.owns_kv] == [5, 6, 7, 8, 9]
+    assert [layer.index for layer in cfg.layers if not layer.owns_kv] == [5, 6, 7, 8, 9]
     rng = np.random.default_rng(9)
     stale = []
     for layer in cfg.layers[5:]:
@@ -468,7 +469,8 @@ def test_error_missing_tensor(ckpts, tmp_path):
     tensors = read_all(d)
     del tensors["model.layers.3.self_attn.q_norm.weight"]
     rewrite(d, tensors)
-    assert err(Gemma4, d) == mismatch(d, "missing tensor 'model.layers.3.self_attn.q_norm.weight' (expected shape [16])")
+    assert err(Gemma4, d) == mismatch(d, "missing tensor 'model.layers.3.self_attn.q_norm.weight' (expected shape "
+                                         "[16])")
 
 
 def test_error_missing_embedding(ckpts, tmp_path):
@@ -488,7 +490,8 @@ def test_error_unexpected_tensor(ckpts, tmp_path):
     tensors["model.layers.2.self_attn.v_bias"] = np.zeros(16, np.float32)
     rewrite(d, tensors)
     assert err(Gemma4, d) == mismatch(
-        d, "model.safetensors: unexpected tensor 'model.layers.2.self_attn.v_bias' (not part of this config's text decoder)")
+        d, "model.safetensors: unexpected tensor 'model.layers.2.self_attn.v_bias' (not part of this config's text "
+           "decoder)")
 
 
 def test_error_kv_on_owning_layer_of_k_eq_v_is_unexpected(ckpts, tmp_path):
@@ -559,7 +562,8 @@ def test_error_misshaped_lm_head(ckpts, tmp_path):
     tensors = read_all(d)
     tensors["lm_head.weight"] = np.zeros((511, 64), np.float32)
     rewrite(d, tensors)
-    assert err(Gemma4, d) == mismatch(d, "model.safetensors: tensor 'lm_head.weight' has shape [511, 64], expected [512, 64]")
+    assert err(Gemma4, d) == mismatch(d, "model.safetensors: tensor 'lm_head.weight' has shape [511, 64], expected "
+                                         "[512, 64]")
 
 
 def test_error_truncated_file(ckpts, tmp_path):

@@ -58,7 +58,8 @@ def test_synth_refuses_to_overwrite(tmp_path, capsys):
     (tmp_path / "x" / "keep.txt").write_text("mine")
     code, _, err = run(capsys, "synth", "--preset", "e2b-mini", "--out", str(tmp_path / "x"))
     assert code == 2
-    assert err == f"refimpl: error: {tmp_path / 'x'} already exists and is not an empty directory; choose another --out\n"
+    assert err == (f"refimpl: error: {tmp_path / 'x'} already exists and is not an empty directory; choose another "
+                   "--out\n")
     assert (tmp_path / "x" / "keep.txt").read_text() == "mine"
 
 
@@ -168,7 +169,8 @@ def test_prompt_without_tokenizer_asks_for_token_ids(tmp_path, e2b, capsys):
 def test_missing_model_directory(tmp_path, capsys):
     code, _, err = run(capsys, "inspect", "--model", str(tmp_path / "nope"))
     assert code == 2
-    assert err == f"refimpl: error: {tmp_path / 'nope'}: not a directory; pass a checkpoint directory holding config.json\n"
+    assert err == (f"refimpl: error: {tmp_path / 'nope'}: not a directory; pass a checkpoint directory holding "
+                   "config.json\n")
 
 
 def test_console_entry_point_runs_as_a_module():
@@ -182,10 +184,10 @@ def test_console_entry_point_runs_as_a_module():
 # ----------------------------------------------------------------------------------------------
 # image prompts: --image on logits and generate
 
-from refimpl.generate import greedy_generate_multimodal  # noqa: E402
-from refimpl.image import load_image_processor_settings, preprocess_image, read_image  # noqa: E402
-from refimpl.multimodal import expand_image_placeholders, load_multimodal_tokens, multimodal_logits  # noqa: E402
-from refimpl.vision import load_vision_tower, vision_tower  # noqa: E402
+from refimpl.generate import greedy_generate_multimodal  # noqa: E402 - this section's imports, with its tests
+from refimpl.image import load_image_processor_settings, preprocess_image, read_image  # noqa: E402 - see above
+from refimpl.multimodal import expand_image_placeholders, load_multimodal_tokens, multimodal_logits  # noqa: E402 - see above
+from refimpl.vision import load_vision_tower, vision_tower  # noqa: E402 - this section's imports, with its tests
 
 
 def write_png(path, pixels):
@@ -256,12 +258,14 @@ def test_logits_with_images_equal_multimodal_logits(tmp_path, preset_dirs, pngs,
     info = image_metadata(out_file)
     starts = np.flatnonzero(expanded == mm.boi_token_id) + 1
     assert [i["soft_tokens"] for i in info] == [p.num_soft_tokens for p in pre] == [s.shape[0] for s in soft]
-    assert [i["rows"] for i in info] == [[int(a), int(a) + p.num_soft_tokens - 1] for a, p in zip(starts, pre)]
+    assert [i["rows"] for i in info] == [[int(a), int(a) + p.num_soft_tokens - 1]
+                                         for a, p in zip(starts, pre, strict=True)]
     lines = out.splitlines()
     total = sum(p.num_soft_tokens for p in pre)
     assert lines[0].startswith(f"{len(expanded)} tokens ({total} soft tokens of {n_images} image")
-    assert lines[1] == (f"  image 0 {paths[0]}: 30x50 (HxW) resized to {pre[0].pixels.shape[0]}x{pre[0].pixels.shape[1]}, "
-                        f"{pre[0].num_soft_tokens} soft tokens at rows {starts[0]}-{starts[0] + pre[0].num_soft_tokens - 1}")
+    assert lines[1] == (f"  image 0 {paths[0]}: 30x50 (HxW) resized to "
+                        f"{pre[0].pixels.shape[0]}x{pre[0].pixels.shape[1]}, {pre[0].num_soft_tokens} soft tokens at "
+                        f"rows {starts[0]}-{starts[0] + pre[0].num_soft_tokens - 1}")
     assert sum(line.startswith("  row ") for line in lines) == len(expanded)
 
 
@@ -340,32 +344,32 @@ def test_max_soft_tokens_sets_the_image_budget(tmp_path, preset_dirs, pngs, caps
 
 @pytest.mark.parametrize("preset, argv, message", [
     ("e2b-mini", ["--prompt", "hi", "--image", "{a}"],
-     "refimpl: error: {model} has no vision tower (config.json has no vision_config); --image needs an image-text checkpoint "
-     "(Gemma4ForConditionalGeneration or Gemma4UnifiedForConditionalGeneration with its vision weights)\n"),
+     "refimpl: error: {model} has no vision tower (config.json has no vision_config); --image needs an image-text "
+     "checkpoint (Gemma4ForConditionalGeneration or Gemma4UnifiedForConditionalGeneration with its vision weights)\n"),
     ("e2b-vision-mini", ["--prompt", "hi", "--image", "{tmp}/missing.png"],
      "refimpl: error: image file {tmp}/missing.png does not exist; check the path\n"),
     ("e2b-vision-mini", ["--prompt", "hi", "--image", "{tmp}"],
      "refimpl: error: image path {tmp} is a directory; pass the path of an image file\n"),
     ("e2b-vision-mini", ["--prompt", "hi", "--image", "{tmp}/notes.txt"],
-     "refimpl: error: {tmp}/notes.txt is not a recognised image (it starts with b'hello th'); pass a PNG, PPM/PGM, JPEG, "
-     "WebP or another format Pillow can open\n"),
+     "refimpl: error: {tmp}/notes.txt is not a recognised image (it starts with b'hello th'); pass a PNG, PPM/PGM, "
+     "JPEG, WebP or another format Pillow can open\n"),
     ("e2b-vision-mini", ["--prompt", "<|image|> vs <|image|>", "--image", "{a}"],
-     "refimpl: error: the prompt holds 2 image placeholder(s) (9, the <|image|> token) but 1 image(s) were given; put one "
-     "placeholder where each image goes, in order\n"),
+     "refimpl: error: the prompt holds 2 image placeholder(s) (9, the <|image|> token) but 1 image(s) were given; put "
+     "one placeholder where each image goes, in order\n"),
     ("e2b-vision-mini", ["--tokens", "2,9,50", "--image", "{a}", "--image", "{b}"],
-     "refimpl: error: the prompt holds 1 image placeholder(s) (9, the <|image|> token) but 2 image(s) were given; put one "
-     "placeholder where each image goes, in order\n"),
+     "refimpl: error: the prompt holds 1 image placeholder(s) (9, the <|image|> token) but 2 image(s) were given; put "
+     "one placeholder where each image goes, in order\n"),
     ("e2b-vision-mini", ["--prompt", "<|image><|image|><image|>", "--image", "{a}"],
-     "refimpl: error: the prompt already holds begin/end-of-image markers (<|image> / <image|>); write one bare <|image|> "
-     "where each image goes and refimpl expands it to <|image> + <|image|> x M + <image|>\n"),
+     "refimpl: error: the prompt already holds begin/end-of-image markers (<|image> / <image|>); write one bare "
+     "<|image|> where each image goes and refimpl expands it to <|image> + <|image|> x M + <image|>\n"),
     ("e2b-vision-mini", ["--tokens", "2,9,8", "--image", "{a}"],
-     "refimpl: error: the prompt already holds begin/end-of-image markers (<|image> / <image|>); write one bare <|image|> "
-     "where each image goes and refimpl expands it to <|image> + <|image|> x M + <image|>\n"),
+     "refimpl: error: the prompt already holds begin/end-of-image markers (<|image> / <image|>); write one bare "
+     "<|image|> where each image goes and refimpl expands it to <|image> + <|image|> x M + <image|>\n"),
     ("e2b-vision-mini", ["--tokens", "2,9,13", "--image", "{a}"],
      "refimpl: error: video placeholders are not supported yet (images and audio only)\n"),
     ("e2b-vision-mini", ["--tokens", "2,9,12", "--image", "{a}"],
-     "refimpl: error: the prompt holds 1 audio placeholder(s) (12, the <|audio|> token) but 0 audio clip(s) were given; put "
-     "one placeholder where each clip goes, in order\n"),
+     "refimpl: error: the prompt holds 1 audio placeholder(s) (12, the <|audio|> token) but 0 audio clip(s) were "
+     "given; put one placeholder where each clip goes, in order\n"),
     ("e2b-vision-mini", ["--tokens", "2,9", "--max-soft-tokens", "140"],
      "refimpl: error: --max-soft-tokens applies to --image\n"),
 ])
@@ -384,13 +388,13 @@ def test_bad_image_input_is_one_error_line_and_exit_2(tmp_path, preset_dirs, png
 # ----------------------------------------------------------------------------------------------
 # audio prompts: --audio on logits and generate (the e2b-audio-mini preset: boa 10, eoa 11, audio 12)
 
-import wave  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
+import wave  # noqa: E402 - this section's imports, with its tests
+from types import SimpleNamespace  # noqa: E402 - this section's imports, with its tests
 
-from refimpl.audio import audio_tower, load_audio_tower  # noqa: E402
-from refimpl.audio_features import audio_features, load_audio_feature_settings, read_wav  # noqa: E402
-from refimpl.cli import _prompt_ids  # noqa: E402
-from refimpl.multimodal import expand_audio_placeholders  # noqa: E402
+from refimpl.audio import audio_tower, load_audio_tower  # noqa: E402 - this section's imports, with its tests
+from refimpl.audio_features import audio_features, load_audio_feature_settings, read_wav  # noqa: E402 - see above
+from refimpl.cli import _prompt_ids  # noqa: E402 - this section's imports, with its tests
+from refimpl.multimodal import expand_audio_placeholders  # noqa: E402 - this section's imports, with its tests
 
 
 def write_wav(path, seconds, rate=16_000, seed=0):
@@ -451,7 +455,7 @@ def test_logits_with_audio_equal_multimodal_logits(tmp_path, preset_dirs, wavs, 
     info = audio_metadata(out_file)
     starts = np.flatnonzero(expanded == mm.boa_token_id) + 1
     assert [i["soft_tokens"] for i in info] == counts == [13, 8][:n_clips]
-    assert [i["rows"] for i in info] == [[int(a), int(a) + m - 1] for a, m in zip(starts, counts)]
+    assert [i["rows"] for i in info] == [[int(a), int(a) + m - 1] for a, m in zip(starts, counts, strict=True)]
     assert [i["frames"] for i in info] == [f.mask.size for f in feats]
     lines = out.splitlines()
     assert lines[0].startswith(f"{len(expanded)} tokens ({sum(counts)} soft tokens of {n_clips} audio clip")
@@ -515,35 +519,36 @@ def test_generate_with_audio_equals_argmax_of_full_forwards(preset_dirs, wavs, c
 
 @pytest.mark.parametrize("preset, argv, message", [
     ("e2b-mini", ["--prompt", "hi", "--audio", "{a}"],
-     "refimpl: error: {model} has no audio tower (config.json has no audio_config); --audio needs an audio-text checkpoint "
-     "(Gemma4ForConditionalGeneration or Gemma4UnifiedForConditionalGeneration with its audio weights)\n"),
+     "refimpl: error: {model} has no audio tower (config.json has no audio_config); --audio needs an audio-text "
+     "checkpoint (Gemma4ForConditionalGeneration or Gemma4UnifiedForConditionalGeneration with its audio weights)\n"),
     ("e2b-audio-mini", ["--prompt", "hi", "--audio", "{tmp}/missing.wav"],
      "refimpl: error: audio file {tmp}/missing.wav does not exist; check the path\n"),
     ("e2b-audio-mini", ["--prompt", "hi", "--audio", "{tmp}/notes.txt"],
-     "refimpl: error: {tmp}/notes.txt is not a WAV file (it does not start with 'RIFF....WAVE'); only RIFF/WAVE is read "
-     "natively: convert it, e.g. `ffmpeg -i notes.txt -ar 16000 -ac 1 out.wav`\n"),
+     "refimpl: error: {tmp}/notes.txt is not a WAV file (it does not start with 'RIFF....WAVE'); only RIFF/WAVE is "
+     "read natively: convert it, e.g. `ffmpeg -i notes.txt -ar 16000 -ac 1 out.wav`\n"),
     ("e2b-audio-mini", ["--prompt", "hi", "--audio", "{c}"],
-     "refimpl: error: audio file {c} is sampled at 8000 Hz but the checkpoint's feature extractor needs 16000 Hz (16 kHz); "
-     "resample it to 16 kHz mono first, e.g. `ffmpeg -i in.wav -ar 16000 -ac 1 out.wav`\n"),
+     "refimpl: error: audio file {c} is sampled at 8000 Hz but the checkpoint's feature extractor needs 16000 Hz (16 "
+     "kHz); resample it to 16 kHz mono first, e.g. `ffmpeg -i in.wav -ar 16000 -ac 1 out.wav`\n"),
     ("e2b-audio-mini", ["--prompt", "<|audio|> vs <|audio|>", "--audio", "{a}"],
-     "refimpl: error: the prompt holds 2 audio placeholder(s) (12, the <|audio|> token) but 1 audio clip(s) were given; put "
-     "one placeholder where each clip goes, in order\n"),
+     "refimpl: error: the prompt holds 2 audio placeholder(s) (12, the <|audio|> token) but 1 audio clip(s) were "
+     "given; put one placeholder where each clip goes, in order\n"),
     ("e2b-audio-mini", ["--tokens", "2,12,50", "--audio", "{a}", "--audio", "{b}"],
-     "refimpl: error: the prompt holds 1 audio placeholder(s) (12, the <|audio|> token) but 2 audio clip(s) were given; put "
-     "one placeholder where each clip goes, in order\n"),
+     "refimpl: error: the prompt holds 1 audio placeholder(s) (12, the <|audio|> token) but 2 audio clip(s) were "
+     "given; put one placeholder where each clip goes, in order\n"),
     ("e2b-audio-mini", ["--prompt", "<|audio><|audio|><audio|>", "--audio", "{a}"],
-     "refimpl: error: the prompt already holds begin/end-of-audio markers (<|audio> / <audio|>); write one bare <|audio|> "
-     "where each clip goes and refimpl expands it to <|audio> + <|audio|> x M + <audio|>\n"),
+     "refimpl: error: the prompt already holds begin/end-of-audio markers (<|audio> / <audio|>); write one bare "
+     "<|audio|> where each clip goes and refimpl expands it to <|audio> + <|audio|> x M + <audio|>\n"),
     ("e2b-audio-mini", ["--tokens", "2,12,11", "--audio", "{a}"],
-     "refimpl: error: the prompt already holds begin/end-of-audio markers (<|audio> / <audio|>); write one bare <|audio|> "
-     "where each clip goes and refimpl expands it to <|audio> + <|audio|> x M + <audio|>\n"),
+     "refimpl: error: the prompt already holds begin/end-of-audio markers (<|audio> / <audio|>); write one bare "
+     "<|audio|> where each clip goes and refimpl expands it to <|audio> + <|audio|> x M + <audio|>\n"),
     ("e2b-audio-mini", ["--tokens", "2,12,13", "--audio", "{a}"],
      "refimpl: error: video placeholders are not supported yet (images and audio only)\n"),
     ("e2b-audio-mini", ["--prompt", "hi", "--audio", "{a}", "--image", "{a}"],
-     "refimpl: error: {model} has no vision tower (config.json has no vision_config); --image needs an image-text checkpoint "
-     "(Gemma4ForConditionalGeneration or Gemma4UnifiedForConditionalGeneration with its vision weights)\n"),
+     "refimpl: error: {model} has no vision tower (config.json has no vision_config); --image needs an image-text "
+     "checkpoint (Gemma4ForConditionalGeneration or Gemma4UnifiedForConditionalGeneration with its vision weights)\n"),
     ("e2b-audio-mini", ["--prompt", "hi", "--audio", "{tiny}"],
-     "refimpl: error: audio file {tiny} is too short (100 samples): it gives no soft token; pass at least 40 ms of audio\n"),
+     "refimpl: error: audio file {tiny} is too short (100 samples): it gives no soft token; pass at least 40 ms of "
+     "audio\n"),
 ])
 @pytest.mark.parametrize("command", ["logits", "generate"])
 def test_bad_audio_input_is_one_error_line_and_exit_2(tmp_path, preset_dirs, wavs, capsys, command, preset, argv,

@@ -15,17 +15,16 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bigvocab import PUBLISHED_VOCAB, write_bigvocab_checkpoint  # noqa: E402
+from bigvocab import PUBLISHED_VOCAB, write_bigvocab_checkpoint
 
-from conformance.cli import main  # noqa: E402
-from conformance.generate.run import generate_set  # noqa: E402
-from conformance.sets import load_set  # noqa: E402
-from conformance.sets.format import MANIFEST, sha256_file  # noqa: E402
-from conformance.sets import head  # noqa: E402
-from conformance.sets.head import TOP_K, RebuiltLogits, head_bound, lse_bound, row_summary, summary_problem  # noqa: E402
-from conformance.sets.integrity import check_set  # noqa: E402
-from refimpl.model import Gemma4  # noqa: E402
-from refimpl.safetensors_io import TensorStore, write_safetensors  # noqa: E402
+from conformance.cli import main
+from conformance.generate.run import generate_set
+from conformance.sets import head, load_set
+from conformance.sets.format import MANIFEST, sha256_file
+from conformance.sets.head import TOP_K, RebuiltLogits, head_bound, lse_bound, row_summary, summary_problem
+from conformance.sets.integrity import check_set
+from refimpl.model import Gemma4
+from refimpl.safetensors_io import TensorStore, write_safetensors
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA1 = REPO / "tests" / "data" / "schema1" / "e2b-mini"  # fixtures/e2b-mini as bundled before schema 2
@@ -123,7 +122,8 @@ def test_check_passes_a_compact_set_at_exact_f64(bigvocab, capsys, tmp_path):
                           "--json", str(tmp_path / "r.json"))
     assert code == 0, out + err
     report = json.loads((tmp_path / "r.json").read_text())
-    assert report["summary"]["by_status"]["pass"] == report["summary"]["total"] == len(load_set(bigvocab["hidden"]).cases) > 40
+    n = len(load_set(bigvocab["hidden"]).cases)
+    assert report["summary"]["by_status"]["pass"] == report["summary"]["total"] == n > 40
 
 
 def test_verify_recompute_passes_a_compact_set(bigvocab, capsys):

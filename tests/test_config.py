@@ -216,7 +216,8 @@ def test_default_layer_types_last_layer_forced_full():
 def test_default_rope_parameters():
     cfg = parse_config(small(rope_parameters=None))
     sliding, full = cfg.layers[0].rope, cfg.layers[5].rope
-    assert (sliding.rope_type, sliding.theta, sliding.partial_rotary_factor, sliding.factor) == ("default", 1e4, 1.0, 1.0)
+    assert (sliding.rope_type, sliding.theta, sliding.partial_rotary_factor, sliding.factor) == \
+        ("default", 1e4, 1.0, 1.0)
     assert (full.rope_type, full.theta, full.partial_rotary_factor, full.factor) == ("proportional", 1e6, 0.25, 1.0)
 
 
@@ -311,7 +312,7 @@ def test_per_layer_config_serialisation_same_layers(kind, tmp_path):
     assert new.serialisation == "per_layer_config"
     assert new.layers == old.layers
     if kind == "k_eq_v_global_kv":
-        assert [(l.head_dim, l.num_kv_heads, l.k_eq_v) for l in new.layers] == [
+        assert [(x.head_dim, x.num_kv_heads, x.k_eq_v) for x in new.layers] == [
             (16, 2, False), (16, 2, False), (32, 1, True), (16, 2, False), (16, 2, False), (32, 1, True)]
     # and through load_config from the directory transformers wrote
     assert load_config(tmp_path).layers == old.layers
@@ -512,7 +513,7 @@ def _plc_base() -> dict:
 def test_per_layer_config_hand_written():
     cfg = parse_config(_plc_base())
     assert cfg.serialisation == "per_layer_config"
-    assert [(l.head_dim, l.num_kv_heads) for l in cfg.layers] == [(16, 2)] * 5 + [(32, 2)]
+    assert [(x.head_dim, x.num_kv_heads) for x in cfg.layers] == [(16, 2)] * 5 + [(32, 2)]
 
 
 @pytest.mark.parametrize("key", ["6", "-1", "five"])

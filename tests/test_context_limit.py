@@ -11,18 +11,17 @@ import re
 from importlib import metadata
 
 import pytest
-
 from helpers import micro_config
+
+import conformance.generate.jobs as jobs
+from conformance.cli import main as conformance_main
+from conformance.generate import generate_set
 from refimpl.cli import main as refimpl_main
 from refimpl.config import parse_config
 from refimpl.errors import ConfigError, ContextLimitError
 from refimpl.model import Gemma4
 from refimpl.safetensors_io import TensorStore
 from refimpl.synth import write_checkpoint
-
-import conformance.generate.jobs as jobs
-from conformance.cli import main as conformance_main
-from conformance.generate import generate_set
 
 LIMIT = 60  # the micro checkpoints' context: the built-in bases (48 and 24 tokens) fit, a 58-token prompt does not
 
@@ -77,8 +76,8 @@ def test_refimpl_logits_refuses_a_prompt_past_the_context_before_any_forward(tig
     code, stdout, err = run(capsys, refimpl_main, "logits", "--model", str(tight), "--tokens", _ids(LIMIT + 1),
                             "--out", str(out))
     assert code == 2 and stdout == "" and not out.exists()
-    assert err == (f"refimpl: error: the prompt is {LIMIT + 1} tokens long, beyond the checkpoint's context of {LIMIT} tokens "
-                   "(max_position_embeddings in config.json); pass --allow-beyond-context to run it anyway\n")
+    assert err == (f"refimpl: error: the prompt is {LIMIT + 1} tokens long, beyond the checkpoint's context of {LIMIT} "
+                   "tokens (max_position_embeddings in config.json); pass --allow-beyond-context to run it anyway\n")
 
 
 def test_refimpl_logits_runs_up_to_the_limit_and_beyond_it_when_allowed(tight, tmp_path, capsys):
@@ -98,8 +97,8 @@ def test_refimpl_generate_counts_the_new_tokens(tight, capsys, no_forward):
     code, _, err = run(capsys, refimpl_main, "generate", "--model", str(tight), "--tokens", _ids(LIMIT - 3),
                        "--max-new-tokens", "5")
     assert code == 2
-    assert err.startswith(f"refimpl: error: the prompt ({LIMIT - 3} tokens) and --max-new-tokens 5 need {LIMIT + 1} positions, "
-                          f"beyond the checkpoint's context of {LIMIT} tokens")
+    assert err.startswith(f"refimpl: error: the prompt ({LIMIT - 3} tokens) and --max-new-tokens 5 need {LIMIT + 1} "
+                          f"positions, beyond the checkpoint's context of {LIMIT} tokens")
     code, _, err = run(capsys, refimpl_main, "generate", "--model", str(tight), "--tokens", _ids(LIMIT + 1),
                        "--max-new-tokens", "1")
     assert code == 2 and err.startswith(f"refimpl: error: the prompt is {LIMIT + 1} tokens long, beyond")
@@ -155,7 +154,8 @@ def test_generate_refuses_a_long_prompt_on_a_preset(tmp_path, capsys, no_forward
                        "--out", str(out), "--workers", "1", "-q")
     assert code == 2
     assert err.startswith(f"conformance: error: {f} line 1 (base P0): the prompt is 4201 tokens long and with its "
-                          "3-token greedy continuation the base is 4204, beyond the checkpoint's context of 4096 tokens")
+                          "3-token greedy continuation the base is 4204, beyond the checkpoint's context of 4096 "
+                          "tokens")
     assert err.count("\n") == 1
     assert os.listdir(tmp_path / "sets") == []
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 
 from conformance.backends.refimpl_backend import RefimplBackend
 from conformance.check.profiles import PROFILES
@@ -36,7 +37,6 @@ from conformance.selftest.engine import NumpyEngineBackend
 from conformance.selftest.mutants import mutant
 from conformance.sets.bundled import bundled_sets
 from conformance.sets.integrity import load_set
-from safetensors.numpy import load_file, save_file
 
 SETS = {p.name: p for p in bundled_sets()}
 
@@ -82,7 +82,7 @@ def test_numpy_engine_traces_match_the_oracle(opened, name):
         floor = octx.profile_for(PROFILES["exact-f64"], case).nmse
         rt, gt = trace_groups(case, ref), trace_groups(case, got)
         assert len(rt) == len(gt)
-        for r, g in zip(rt, gt):
+        for r, g in zip(rt, gt, strict=True):
             assert set(r) == set(g)  # the same points
             assert "embed" in r and "final_norm" in r and "layers.0.attn_out" in r
             for point in r:
@@ -196,8 +196,8 @@ def test_explain_usage_errors(capsys, option, message):
 def test_explain_plot(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "e.png"
-    code = main(["explain", "--backend", "conformance.selftest.mutants:SoftcapTwice", "--fixtures", str(SETS["e2b-mini"]),
-                 "--match", "full/A/T9$", "-q", "--plot", str(png)])
+    code = main(["explain", "--backend", "conformance.selftest.mutants:SoftcapTwice",
+                 "--fixtures", str(SETS["e2b-mini"]), "--match", "full/A/T9$", "-q", "--plot", str(png)])
     assert code == 1 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 

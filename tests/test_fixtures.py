@@ -30,18 +30,27 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from conformance.backend import MtpResponse, Response, required_capabilities  # noqa: E402
-from conformance.check.requests import build_request, response_groups  # noqa: E402
-from conformance.generate.matrix import generate_cases  # noqa: E402
-from conformance.sets.case import GENERATION_STEPS, TIE_MARGIN, Case, check_case, row_groups  # noqa: E402
-from conformance.fixtures import (  # noqa: E402
-    CASES, MANIFEST, RECOMPUTE_BOUND, FixtureError, PromptError, bundled_sets, generate_set, load_prompts,
-    load_set, sha256_file, verify_set,
+from conformance.backend import MtpResponse, Response, required_capabilities
+from conformance.check.requests import build_request, response_groups
+from conformance.fixtures import (
+    CASES,
+    MANIFEST,
+    RECOMPUTE_BOUND,
+    FixtureError,
+    PromptError,
+    bundled_sets,
+    generate_set,
+    load_prompts,
+    load_set,
+    sha256_file,
+    verify_set,
 )
-from refimpl.assistant import Drafter  # noqa: E402
-from refimpl.model import Gemma4, KVCache  # noqa: E402
-from refimpl.mtp import assisted_greedy, run_rounds  # noqa: E402
-from refimpl.synth import PRESETS  # noqa: E402
+from conformance.generate.matrix import generate_cases
+from conformance.sets.case import GENERATION_STEPS, TIE_MARGIN, Case, check_case, row_groups
+from refimpl.assistant import Drafter
+from refimpl.model import Gemma4, KVCache
+from refimpl.mtp import assisted_greedy, run_rounds
+from refimpl.synth import PRESETS
 
 BUNDLED = list(PRESETS)  # one bundled set per preset
 
@@ -201,7 +210,7 @@ def test_expected_rows_equal_the_oracle_run_directly(sets, preset, tmp_path):
         got = response_groups(case, oracle_answer(model, request))
         want = expected_groups(case, base_logits)
         assert len(got) == len(want), case.id
-        for g, w, (name, rows) in zip(got, want, row_groups(case)):
+        for g, w, (name, rows) in zip(got, want, row_groups(case), strict=True):
             assert g.shape == (len(rows), model.cfg.vocab_size), (case.id, name)
             err = float(np.max(np.abs(g - w))) if rows else 0.0
             assert err <= ROW_BOUND, f"{case.id} {name}: {err}"
@@ -320,6 +329,7 @@ def test_case_json_round_trip_and_strictness(small_set):
 def test_generate_cases_small_window(micro_factory):
     """A window of 3 (micro config without a tokenizer, so an external model with random base G)."""
     from helpers import micro_config
+
     from refimpl.config import load_config
 
     cfg = load_config(micro_factory(micro_config(sliding_window=3)))
@@ -414,7 +424,8 @@ def test_consistent_but_wrong_case_is_detected(small_set, tmp_path):
     (lambda m: m.update(schema_version=3), "newer than this harness reads"),
     (lambda m: m.update(schema_version=0), "schema_version 0 is not supported (this harness reads 1, 2)"),
     (lambda m: m.update(storage="half"), "storage must be one of hidden, logits, got 'half'"),
-    (lambda m: m["files"].update({"expected.safetensors": "0" * 64}), "'expected.safetensors' is not a file name of the set"),
+    (lambda m: m["files"].update({"expected.safetensors": "0" * 64}), "'expected.safetensors' is not a file name of "
+                                                                      "the set"),
     (lambda m: m.update(schema="something/else"), "not a conformance fixture set"),
     (lambda m: m.update(version="1.0"), "not a semantic version"),
     (lambda m: m["files"].update({"../evil": "0" * 64}), "not a file name of the set"),
@@ -493,7 +504,8 @@ def test_prompts_jsonl(sets, prompts_file):
     from refimpl.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(fs.model_dir(prompts_file.parent / "m"))
-    want = [tok.encode(PROMPT_LINES[0]["text"]), tok.encode_chat([{"role": "user", "content": PROMPT_LINES[1]["text"]}]),
+    want = [tok.encode(PROMPT_LINES[0]["text"]),
+            tok.encode_chat([{"role": "user", "content": PROMPT_LINES[1]["text"]}]),
             tok.encode_chat(PROMPT_LINES[2]["messages"]), PROMPT_LINES[3]["tokens"], PROMPT_LINES[4]["tokens"]]
     for k, ids in enumerate(want):
         b = f"P{k}"
@@ -556,7 +568,7 @@ def test_external_model_without_tokenizer(micro_factory, tmp_path):
     bases, logits = fs.bases(), fs.oracle_logits(model, tmp_path / "rebuilt")
     for case in fs.cases:
         got = response_groups(case, oracle_answer(model, build_request(case, bases, model.embed)))
-        for g, w in zip(got, expected_groups(case, logits)):
+        for g, w in zip(got, expected_groups(case, logits), strict=True):
             assert np.max(np.abs(g - w)) <= ROW_BOUND if w.size else g.shape[0] == 0
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     (Path(model_dir) / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-5}))
@@ -722,10 +734,12 @@ def test_bundled_sets_are_up_to_date(sets):
             mf["cases"] = len(fresh.cases)
         # cases: every field equal, the two float fields (ties' margins, moe_min_margin) to rounding
         assert [c.id for c in bundled.cases] == [c.id for c in fresh.cases], p.name
-        for a, b in zip(bundled.cases, fresh.cases):
+        for a, b in zip(bundled.cases, fresh.cases, strict=True):
             ja, jb = _without_mtp_margins(a.to_json(), a.id), _without_mtp_margins(b.to_json(), a.id)
-            assert ja[0] | {"ties": None, "moe_min_margin": None} == jb[0] | {"ties": None, "moe_min_margin": None}, a.id
-            assert len(ja[1]) == len(jb[1]) and all(abs(x - y) <= TIE_BOUND for x, y in zip(ja[1], jb[1])), a.id
+            loose = {"ties": None, "moe_min_margin": None}
+            assert ja[0] | loose == jb[0] | loose, a.id
+            assert len(ja[1]) == len(jb[1]), a.id
+            assert all(abs(x - y) <= TIE_BOUND for x, y in zip(ja[1], jb[1], strict=True)), a.id
             _same_ties(a.ties, b.ties, a.id)
             assert (a.moe_min_margin is None) == (b.moe_min_margin is None), a.id
             if a.moe_min_margin is not None:
@@ -735,7 +749,7 @@ def test_bundled_sets_are_up_to_date(sets):
         extra = [f for f in ff if f not in fb]
         assert all(f[len("base-"):-len(".safetensors")] in prompt_bases for f in extra), extra
         assert [f for f in ff if f not in extra] == fb, p.name
-        for f, name in ((f, n) for f in fb for n in TensorStore(p / f).names):
+        for f, name in ((g, n) for g in fb for n in TensorStore(p / g).names):
             sb, sf = TensorStore(p / f), TensorStore(sets[p.name] / f)
             assert sb.names == sf.names, (p.name, f)
             info, other = sb.infos[name], sf.infos[name]
@@ -791,8 +805,8 @@ def hf_cross_check(model_dir, bases, base_logits, images=None, audio=None):
     bases (``images``): Gemma4ForConditionalGeneration from the stored preprocessed images (see
     hf_image_cross_check). None when torch or transformers are missing."""
     try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
+        import torch  # noqa: F401 - only: is it installed
+        import transformers  # noqa: F401 - only: is it installed
     except ImportError:
         return None
     if not bases:
@@ -843,13 +857,12 @@ def hf_audio_cross_check(model_dir, bases, base_logits, audio):
     audio tower), fed the audio bases' ids, the stored log-mel features of every clip (padded to the
     longest, with input_features_mask) and mm_token_type_ids (3 at audio tokens): every row against the
     stored logits. transformers runs its own audio tower, so this checks the soft tokens too."""
+    import hf_reference
     import torch
     import transformers
     import transformers.models.gemma4.modeling_gemma4 as mg
     from hf_reference import recompute_float64_buffers
     from test_audio_tower import audio_float64_exact, recompute_audio_buffers
-
-    import hf_reference
 
     torch.set_num_threads(1)
     hf = transformers.Gemma4ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float64,
@@ -886,13 +899,12 @@ def hf_image_cross_check(model_dir, bases, base_logits, images):
     processor does), image_position_ids and mm_token_type_ids: every row against the stored logits."""
     import json
 
+    import hf_reference
     import torch
     import transformers
     import transformers.models.gemma4.modeling_gemma4 as mg
     from hf_reference import recompute_float64_buffers
     from test_vision_tower import recompute_vision_inv_freq, vision_float64_exact
-
-    import hf_reference
 
     torch.set_num_threads(1)
     hf = transformers.Gemma4ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float64,
@@ -956,7 +968,8 @@ def regenerate_bundled(presets=()) -> None:
         out = root / preset
         if out.exists():
             shutil.rmtree(out)
-        generate_set(out, preset=preset, seed=0, cross_check=hf_cross_check, cases=bundled_cases(preset), store="logits",
+        generate_set(out, preset=preset, seed=0, cross_check=hf_cross_check, cases=bundled_cases(preset),
+                     store="logits",
                      command="python tests/test_fixtures.py --regenerate-bundled",
                      progress=lambda d, t, label, p=preset: print(f"\r{p}: {d}/{t} {label:<20}", end="", flush=True))
         print(f"\r{preset}: {len(load_set(out).cases)} cases, "
@@ -965,5 +978,6 @@ def regenerate_bundled(presets=()) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] != ["--regenerate-bundled"] or any(p not in BUNDLED for p in sys.argv[2:]):
-        sys.exit(f"usage: python tests/test_fixtures.py --regenerate-bundled [PRESET ...] (presets: {', '.join(BUNDLED)})")
+        sys.exit("usage: python tests/test_fixtures.py --regenerate-bundled [PRESET ...] (presets: "
+                 f"{', '.join(BUNDLED)})")
     regenerate_bundled(sys.argv[2:])

@@ -18,15 +18,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from dask_local import local_cluster
+from helpers import micro_config
 
 from conformance.cli import main
 from conformance.fixtures import PartialRunMismatch, generate_set, load_set
 from conformance.generate import executors, jobs
 from conformance.generate.partial import DiskFull, disk_full
 from refimpl.ops import attention_mask
-
-from dask_local import local_cluster
-from helpers import micro_config
 
 TEXT = "26b-a4b-mini"  # bases A, B, C run first (the longest), then G
 FIRST = ("A", "B", "C")
@@ -140,7 +139,7 @@ def test_a_malformed_cluster_address_is_refused_at_once(tmp_path, capsys, addres
 
 def test_a_local_worker_that_dies_is_the_same_status(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv(jobs.FAULT_ENV, "G:die")  # the spawned workers inherit it
-    out, partial = tmp_path / "set", tmp_path / ".set.partial"
+    out = tmp_path / "set"
     code = main(["generate", "--preset", TEXT, "--workers", "2", "--out", str(out), "-q"])
     line = _one_line(capsys.readouterr().err)
     assert code == 6, line
@@ -303,5 +302,5 @@ def test_the_attention_mask_makes_no_position_difference_array(window):
         tracemalloc.stop()
     assert peak < 4 * T * T, peak  # an int64 [T, S] is 8 T S bytes; the bools are T S each
     i, j = np.random.default_rng(0).integers(0, T, (2, 2000))
-    expect = [(jj <= ii) and (window is None or ii - jj <= window - 1) for ii, jj in zip(i, j)]
+    expect = [(jj <= ii) and (window is None or ii - jj <= window - 1) for ii, jj in zip(i, j, strict=True)]
     assert mask[i, j].tolist() == expect

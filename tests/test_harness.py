@@ -19,8 +19,9 @@ import pytest
 
 from conformance.backend import Capabilities
 from conformance.backends.refimpl_backend import RefimplBackend
+from conformance.check.expectations import ExpectationsError
+from conformance.check.expectations import parse as parse_expectations
 from conformance.cli import main
-from conformance.check.expectations import ExpectationsError, parse as parse_expectations
 from conformance.report import load_schema, validate
 
 HERE = __name__  # the module name the backends below are loaded under (module:attr)

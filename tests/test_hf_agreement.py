@@ -15,11 +15,11 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_reference import hf_logits, hf_logits_incremental, hf_trace, load_hf_causal_lm  # noqa: E402
+from hf_reference import hf_logits, hf_logits_incremental, hf_trace, load_hf_causal_lm
 
-from refimpl.model import Gemma4, KVCache, Trace  # noqa: E402
-from refimpl.synth import PRESETS, write_checkpoint  # noqa: E402
-from refimpl.tokenizer import Tokenizer  # noqa: E402
+from refimpl.model import Gemma4, KVCache, Trace
+from refimpl.synth import PRESETS, write_checkpoint
+from refimpl.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.hf
 
@@ -37,7 +37,8 @@ def prompts(model_dir):
     tok = Tokenizer.from_dir(model_dir)
     chat = tok.encode_chat([{"role": "user", "content": "Why does the sliding window need a cache?"}])
     rng = np.random.default_rng(11)
-    return {"chat": chat, "2W+5": [2] + rng.integers(0, 512, 20).tolist(), "5W": [2] + rng.integers(0, 512, 39).tolist()}
+    return {"chat": chat, "2W+5": [2] + rng.integers(0, 512, 20).tolist(),
+            "5W": [2] + rng.integers(0, 512, 39).tolist()}
 
 
 @pytest.fixture(scope="module")

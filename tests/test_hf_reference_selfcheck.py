@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import hf_reference as H  # noqa: E402  (needs torch + transformers)
-from naive_gemma4 import naive_forward  # noqa: E402
+from naive_gemma4 import naive_forward  # noqa: E402 - after the importorskip of torch
 
 pytestmark = pytest.mark.hf
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import read_config, read_weights
+from naive_gemma4 import naive_forward
 
 from conformance.backends.refimpl_backend import RefimplBackend
 from conformance.check.profiles import get_profile
 from conformance.check.runner import run
 from conformance.protocol.types import Capabilities, Piece, Request, Response
 from conformance.sets.bundled import bundled_set
-from helpers import read_config, read_weights
-from naive_gemma4 import naive_forward
 from refimpl.synth import write_checkpoint
 
 
@@ -50,7 +50,7 @@ def test_hidden_rows_match_an_independent_forward(backend, model_dir):
                 decode=(7, 9), hidden=True),
     ]
     want = [ref[:16], ref[[5]], ref[[2, 6, 13, 14, 15]]]
-    for request, expected in zip(requests, want):
+    for request, expected in zip(requests, want, strict=True):
         r = backend.run(request)
         got = np.concatenate([r.hidden] + ([r.decode_hidden] if r.decode_hidden is not None else []))
         assert got.shape == expected.shape
@@ -121,7 +121,7 @@ def test_subprocess_protocol_carries_hidden_rows(model_dir, backend):
             dh_got = got.decode_hidden if isinstance(got.decode_hidden, list) else [got.decode_hidden]
             dh_want = want.decode_hidden if isinstance(want.decode_hidden, list) else [want.decode_hidden]
             assert len(dh_got) == len(dh_want)
-            for a, b in zip([got.hidden, *dh_got], [want.hidden, *dh_want]):
+            for a, b in zip([got.hidden, *dh_got], [want.hidden, *dh_want], strict=True):
                 assert a.dtype == np.float64 and a.shape == b.shape
                 assert np.abs(a - b).max() <= 1e-12 * np.abs(b).max()
     finally:

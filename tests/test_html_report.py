@@ -37,8 +37,16 @@ from conformance.cli.explain import cmd_explain
 from conformance.explain import explain
 from conformance.registry import load_backend
 from conformance.report.console import counts_line, exit_line
-from conformance.report.html import (MAGMA, VMIN, anchor_ids, explain_html, heat_colour, html_report,
-                                     write_explain_html, write_html)
+from conformance.report.html import (
+    MAGMA,
+    VMIN,
+    anchor_ids,
+    explain_html,
+    heat_colour,
+    html_report,
+    write_explain_html,
+    write_html,
+)
 from conformance.report.junit import fmt
 from conformance.sets.bundled import bundled_sets
 
@@ -131,7 +139,7 @@ def test_the_page_holds_the_verdict_tables_and_every_failed_case(failing):
         assert "Diagnosis:" in body and "a shifted row" in body and "Likely B1" in body
         assert f">{row['label']}<" in body and fmt(row["metrics"]["max_abs"]) in body
         assert fmt(row["metrics"]["nmse"]) in body and fmt(row["metrics"]["kl"]) in body
-        for i, piece in zip(row["top_ref"], row["top_ref_pieces"]):
+        for i, piece in zip(row["top_ref"], row["top_ref_pieces"], strict=True):
             assert f"{i} {piece!r}".replace("'", "&#x27;").replace("<", "&lt;").replace(">", "&gt;") in body
         assert "<th>oracle top-k</th>" in body and "<th>backend top-k</th>" in body
     passed = [c for c in result.cases if c.status == "pass"]
@@ -257,15 +265,17 @@ def _chromium() -> str:
     found = shutil.which("chromium") or shutil.which("chromium-browser")
     if found is None:
         if os.environ.get("GEMMA4_CONFORMANCE_REQUIRE_ENGINES") == "1":
-            pytest.fail("GEMMA4_CONFORMANCE_REQUIRE_ENGINES=1, but chromium is not installed (apt-get install chromium)")
+            pytest.fail("GEMMA4_CONFORMANCE_REQUIRE_ENGINES=1, but chromium is not installed (apt-get install "
+                        "chromium)")
         pytest.skip("chromium is not installed (apt-get install chromium)")
     return found
 
 
 def _browse(chromium: str, page: Path, tmp_path: Path, *extra: str) -> tuple[str, list[str]]:
     """(the rendered DOM, the console's messages) of ``page`` in headless Chromium."""
-    proc = subprocess.run([chromium, "--headless", "--disable-gpu", "--no-sandbox", f"--user-data-dir={tmp_path / 'ud'}",
-                           "--enable-logging=stderr", "--v=0", *extra, "--dump-dom", page.resolve().as_uri()],
+    proc = subprocess.run([chromium, "--headless", "--disable-gpu", "--no-sandbox",
+                           f"--user-data-dir={tmp_path / 'ud'}", "--enable-logging=stderr", "--v=0", *extra,
+                           "--dump-dom", page.resolve().as_uri()],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout, [line for line in proc.stderr.splitlines() if ":CONSOLE" in line]
@@ -320,8 +330,9 @@ def test_the_page_has_a_screenshot(failing, tmp_path):
     result, explanations = failing
     path = write_explain_html(explanations, tmp_path / "explain.html", backend="b", profile="exact-f64")
     shot = tmp_path / "shot.png"
-    proc = subprocess.run([chromium, "--headless", "--disable-gpu", "--no-sandbox", f"--user-data-dir={tmp_path / 'ud'}",
-                           f"--screenshot={shot}", "--window-size=1280,1600", path.resolve().as_uri()],
+    proc = subprocess.run([chromium, "--headless", "--disable-gpu", "--no-sandbox",
+                           f"--user-data-dir={tmp_path / 'ud'}", f"--screenshot={shot}", "--window-size=1280,1600",
+                           path.resolve().as_uri()],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = shot.read_bytes()

@@ -22,12 +22,18 @@ import numpy as np
 import pytest
 
 from conformance.backend import Capabilities, Response
-from conformance.sets.case import DECODE_STEPS, Case, check_case
-from conformance.fixtures import (
-    MANIFEST, FixtureError, generate_set, load_set, sha256_file, synthetic_image, verify_set,
-)
 from conformance.check.profiles import PROFILES
 from conformance.check.runner import run
+from conformance.fixtures import (
+    MANIFEST,
+    FixtureError,
+    generate_set,
+    load_set,
+    sha256_file,
+    synthetic_image,
+    verify_set,
+)
+from conformance.sets.case import DECODE_STEPS, Case, check_case
 from refimpl.model import Gemma4
 from refimpl.multimodal import multimodal_inputs
 from refimpl.safetensors_io import TensorStore, write_safetensors

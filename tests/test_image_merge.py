@@ -20,12 +20,7 @@ import pytest
 
 from refimpl.errors import InputError
 from refimpl.model import Gemma4, KVCache
-from refimpl.multimodal import (
-    load_multimodal_tokens,
-    multimodal_inputs,
-    multimodal_logits,
-    vision_block_ids,
-)
+from refimpl.multimodal import load_multimodal_tokens, multimodal_inputs, multimodal_logits, vision_block_ids
 from refimpl.ops import attention_mask, vision_block_mask
 from refimpl.vision import load_vision_tower, vision_tower_batch
 
@@ -53,9 +48,7 @@ def env(torch_one_thread):
 
 @pytest.fixture(scope="module")
 def processed(env):
-    from transformers.models.gemma4.image_processing_pil_gemma4 import (
-        Gemma4ImageProcessorPil,
-    )
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
     proc = Gemma4ImageProcessorPil(patch_size=4, pooling_kernel_size=3, max_soft_tokens=70)
     rng = np.random.default_rng(11)
@@ -102,7 +95,10 @@ def checkpoints(env, tmp_path_factory):
 
 def _prompt(counts, seed=0):
     rng = np.random.default_rng(seed)
-    text = lambda n: list(rng.integers(3, 480, n))
+
+    def text(n: int) -> list:
+        return list(rng.integers(3, 480, n))
+
     ids = [2] + text(5)
     for n in counts:
         ids += [BOI] + [IMG] * n + [EOI] + text(6)

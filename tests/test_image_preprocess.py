@@ -270,7 +270,8 @@ def test_aspect_ratio_rule_errors():
 
 @settings(max_examples=150, deadline=None)
 @given(
-    h=st.integers(1, 70), w=st.integers(1, 70), oh=st.integers(1, 70), ow=st.integers(1, 70), seed=st.integers(0, 2**32 - 1)
+    h=st.integers(1, 70), w=st.integers(1, 70), oh=st.integers(1, 70), ow=st.integers(1, 70),
+    seed=st.integers(0, 2**32 - 1)
 )
 def test_resize_bicubic_bit_exact_with_pillow(h, w, oh, ow, seed):
     Image = pytest.importorskip("PIL.Image")

@@ -56,12 +56,7 @@ def altpat_dir(tmp_path_factory):
     """A checkpoint whose KV-owning prefix ends in [full, sliding]: HF's by-type KV sharing accepts
     it, llama.cpp's positional rule (full -> n_unshared-1, sliding -> n_unshared-2) aborts."""
     from refimpl.safetensors_io import write_safetensors
-    from refimpl.synth import (
-        SPECIAL_PIECES,
-        make_weights,
-        preset_config,
-        train_tokenizer,
-    )
+    from refimpl.synth import SPECIAL_PIECES, make_weights, preset_config, train_tokenizer
 
     out = tmp_path_factory.mktemp("ckpt") / "altpat"
     out.mkdir()
@@ -81,7 +76,8 @@ SUBSET = (r"^(e2b-mini|26b-a4b-mini)/(full/B|last/plain/A/T19/pos9|last/seq_id/B
           r"|prefill/A/T19/rows-all/ub5|prefill/B/T20/none-then-last|prefill/A/T21/chunks|multi/A-T3\+B-T8\+C-T13)")
 CONFIGS = [
     pytest.param({"kv_type": "f16"}, "llama-cpp-f16kv-embd", "fp16-kv", id="stock-f16kv"),
-    pytest.param({"kv_type": "f32", "lib": "exact-gelu"}, "llama-cpp-f32kv-exact-gelu-embd", "fp32", id="exact-gelu-f32kv",
+    pytest.param({"kv_type": "f32", "lib": "exact-gelu"}, "llama-cpp-f32kv-exact-gelu-embd", "fp32",
+                 id="exact-gelu-f32kv",
                  marks=pytest.mark.skipif(not HAVE_EXACT, reason="no exact-GELU library "
                                           "(scripts/build-llama-cpp.sh --exact-gelu)")),
 ]
@@ -154,7 +150,7 @@ def test_mtp_sets_through_the_subprocess(gguf_cache, tmp_path, options, name, ge
         assert st == want, (cid, st)
     ex = next(c["executed"] for c in report["cases"] if c["id"] == "12b-assistant-mini/mtp/generate/M1/target-cache/P")
     assert ex["convention"] == "target-cache/P" and ex["drafter_context"]["ctx_type"] == "LLAMA_CONTEXT_TYPE_MTP"
-    assert ex["draft_positions"] == [p for p, k in zip(ex["positions"], ex["drafts_per_round"]) if k]
+    assert ex["draft_positions"] == [p for p, k in zip(ex["positions"], ex["drafts_per_round"], strict=True) if k]
     assert ex["positions"][0] == 15 and ex["decode_calls"][0] == {"tokens": 15, "outputs": 1, "seq_ids": [0]}
 
 
@@ -191,8 +187,8 @@ def test_mtp_matches_the_oracle(gguf_cache, tmp_path):
     m = white.mtp
     assert m.output == forced.output and m.accepted == [r.accepted for r in forced.rounds] == [2, 0, 0]
     assert [tuple(d) for d in m.drafts] == [r.draft_argmax for r in forced.rounds]
-    for got, r in zip(zip(m.draft_logits, m.verify_logits, m.verify_hidden), forced.rounds):
-        for a, want in zip(got, (r.draft_logits, r.verify_logits, r.verify_hidden)):
+    for got, r in zip(zip(m.draft_logits, m.verify_logits, m.verify_hidden, strict=True), forced.rounds, strict=True):
+        for a, want in zip(got, (r.draft_logits, r.verify_logits, r.verify_hidden), strict=True):
             assert a.shape == want.shape and (a.size == 0 or np.abs(a - want).max() < 1e-4)
     assert white.executed["kept"] == [2, 0, 0] and white.executed["positions"] == [12, 15, 16]
 
@@ -227,7 +223,8 @@ def test_names_profiles_and_shipped_expectations():
     assert eng.config_name("f16", "stock") == "llama-cpp-f16kv"
     assert eng.config_name("f32", "stock") == "llama-cpp-f32kv"
     assert eng.config_name("f32", "exact-gelu") == "llama-cpp-f32kv-exact-gelu"
-    assert eng.config_name("f32", "exact-gelu", flash_attn=True, embeddings=True) == "llama-cpp-f32kv-exact-gelu-fa-embd"
+    assert eng.config_name("f32", "exact-gelu", flash_attn=True, embeddings=True) == \
+        "llama-cpp-f32kv-exact-gelu-fa-embd"
     # the default configurations pass every claimed text case; they declare e2b-assistant-mini's MTP cases
     # (no centroid head in llama.cpp) and mtp-layout-mini's (its positional KV-sharing rule aborts), the -embd
     # ones also the PLE presets' input-embeddings cases
@@ -329,7 +326,8 @@ def test_abort_is_an_error_and_the_next_case_runs(gguf_cache, altpat_dir, e2b_di
     ({"threads": "2"}, "llama-cpp backend: threads must be a positive integer, got '2'"),
     ({"outtype": "q4_k"}, "llama-cpp backend: outtype must be one of f32, f16, bf16, q8_0, got 'q4_k'"),
     ({"flash_attn": "maybe"}, "llama-cpp backend: flash_attn must be true or false, got 'maybe'"),
-    ({"multi_decode": "parallel"}, "llama-cpp backend: multi_decode must be 'interleaved' or 'batched', got 'parallel'"),
+    ({"multi_decode": "parallel"}, "llama-cpp backend: multi_decode must be 'interleaved' or 'batched', got "
+                                   "'parallel'"),
     ({"default_profile": "fp8"}, (f"llama-cpp backend: default_profile must be one of {', '.join(PROFILES)}, "
                                   f"got 'fp8'")),
     ({"lib": "/nonexistent"}, ("llama-cpp backend: lib '/nonexistent' is neither 'stock', 'exact-gelu' nor a "

@@ -21,16 +21,16 @@ from helpers import FULL, SLIDING, max_abs, micro_checkpoint, micro_config, tup
 
 pytest.importorskip("mlx_lm")
 
-import mlx.core as mx  # noqa: E402
+import mlx.core as mx
 
-from conformance import registry  # noqa: E402
-from conformance.backend import Backend, BackendError, Piece, Request  # noqa: E402
-from conformance.backends.mlx_backend import EXPECTATIONS_DIR, MlxLmBackend, config_patch  # noqa: E402
-from conformance.fixtures import bundled_set  # noqa: E402
-from conformance.check.profiles import PROFILES  # noqa: E402
-from conformance.check.runner import run  # noqa: E402
-from refimpl import Gemma4, load_config  # noqa: E402
-from refimpl.synth import write_checkpoint  # noqa: E402
+from conformance import registry
+from conformance.backend import Backend, BackendError, Piece, Request
+from conformance.backends.mlx_backend import EXPECTATIONS_DIR, MlxLmBackend, config_patch
+from conformance.check.profiles import PROFILES
+from conformance.check.runner import run
+from conformance.fixtures import bundled_set
+from refimpl import Gemma4, load_config
+from refimpl.synth import write_checkpoint
 
 PRESETS = ("e2b-mini", "all-features")  # all-features has the MoE block
 F32 = 2e-3  # float32 engine vs the float64 oracle on these presets (worst measured 4.6e-4)
@@ -78,7 +78,8 @@ def test_identity_capabilities_and_options():
     claimed = b.capabilities.to_dict()
     assert claimed.pop("embedding_convention") == "raw"
     claimed.pop("default_profile")
-    for media in ("image_prompts", "audio_prompts", "audio_tower", "image_tower"):  # mlx-lm is text only (media are mlx-vlm's)
+    # mlx-lm is text only (media are mlx-vlm's)
+    for media in ("image_prompts", "audio_prompts", "audio_tower", "image_tower"):
         assert claimed.pop(media) is False
     for later in ("hidden_states", "mtp", "mtp_generate"):  # not served (yet): docs/backends.md
         assert claimed.pop(later) is False

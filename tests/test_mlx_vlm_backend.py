@@ -32,34 +32,33 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
 from helpers import FULL, SLIDING, max_abs, micro_checkpoint, micro_config, tup
+from safetensors.numpy import load_file, save_file
 
 pytest.importorskip("mlx_vlm")
 
-import mlx.core as mx  # noqa: E402
-from mlx_vlm.generate import generate_step  # noqa: E402
-from mlx_vlm.models.gemma4 import language as gemma4_language  # noqa: E402
-from mlx_vlm.speculative.drafters.gemma4_assistant import Gemma4AssistantDraftModel  # noqa: E402
+import mlx.core as mx
+from mlx_vlm.generate import generate_step
+from mlx_vlm.models.gemma4 import language as gemma4_language
+from mlx_vlm.speculative.drafters.gemma4_assistant import Gemma4AssistantDraftModel
 
-import refimpl.mtp as refimpl_mtp  # noqa: E402
-
-from conformance import registry  # noqa: E402
-from conformance.backends.mlx_vlm.backend import EXPECTATIONS_DIR, MlxVlmBackend  # noqa: E402
-from conformance.backends.mlx_vlm.config import config_patch  # noqa: E402
-from conformance.backends.mlx_vlm.families import family_for, geometry_problems  # noqa: E402
-from conformance.check import expectations  # noqa: E402
-from conformance.check.profiles import PROFILES  # noqa: E402
-from conformance.check.requests import build_request  # noqa: E402
-from conformance.check.runner import run  # noqa: E402
-from conformance.fixtures import bundled_set  # noqa: E402
-from conformance.generate import generate_set  # noqa: E402
-from conformance.protocol import Backend, BackendError, Request  # noqa: E402
-from conformance.sets import load_set  # noqa: E402
-from refimpl import Gemma4, load_config  # noqa: E402
-from refimpl.assistant import Drafter  # noqa: E402
-from refimpl.model import LayerKV  # noqa: E402
-from refimpl.synth import write_checkpoint  # noqa: E402
+import refimpl.mtp as refimpl_mtp
+from conformance import registry
+from conformance.backends.mlx_vlm.backend import EXPECTATIONS_DIR, MlxVlmBackend
+from conformance.backends.mlx_vlm.config import config_patch
+from conformance.backends.mlx_vlm.families import family_for, geometry_problems
+from conformance.check import expectations
+from conformance.check.profiles import PROFILES
+from conformance.check.requests import build_request
+from conformance.check.runner import run
+from conformance.fixtures import bundled_set
+from conformance.generate import generate_set
+from conformance.protocol import Backend, BackendError, Request
+from conformance.sets import load_set
+from refimpl import Gemma4, load_config
+from refimpl.assistant import Drafter
+from refimpl.model import LayerKV
+from refimpl.synth import write_checkpoint
 
 MEDIA = ("e2b-vision-mini", "31b-vision-mini", "e2b-audio-mini", "12b-mini")  # 12b-mini: Gemma 4 Unified
 VISION_BLOCKS = ("31b-vision-mini", "12b-mini")  # use_bidirectional_attention "vision": the recorded divergence
@@ -253,8 +252,8 @@ def test_unsupported_checkpoints_are_one_line_errors(tmp_path):
     with pytest.raises(BackendError) as e:
         family_for({"model_type": "gemma4_unified_text"}, "DIR")
     assert str(e.value) == ("mlx-vlm backend: DIR: model_type 'gemma4_unified_text': mlx-vlm 0.7.10 has no model for a "
-                            "Gemma4UnifiedForCausalLM checkpoint (its gemma4_unified model reads the conditional layout "
-                            "only)")
+                            "Gemma4UnifiedForCausalLM checkpoint (its gemma4_unified model reads the conditional "
+                            "layout only)")
     # Gemma 4 Unified saved under transformers 5.24's module names (model.embed_vision.*): mlx-vlm's sanitize
     # maps only the published ones (model.vision_embedder.*, refimpl reads both)
     unified = write_checkpoint("12b-mini", 0, tmp_path / "unified")
@@ -276,7 +275,8 @@ def test_unsupported_checkpoints_are_one_line_errors(tmp_path):
     del cfg["global_head_dim"]
     with pytest.raises(BackendError) as e:
         MlxVlmBackend().open(micro_checkpoint(tmp_path / "plc", cfg, 0))
-    assert str(e.value).startswith("mlx-vlm backend: mlx_vlm.utils.load_model cannot load ") and "\n" not in str(e.value)
+    assert str(e.value).startswith("mlx-vlm backend: mlx_vlm.utils.load_model cannot "
+                                   "load ") and "\n" not in str(e.value)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -441,14 +441,17 @@ def test_config_patch_is_refimpl_derivation(tmp_path):
 
 MTP_SETS = ("e2b-assistant-mini", "12b-assistant-mini")
 NO_MTP_ON_GEMMA4_TEXT = ("RuntimeError: mlx-vlm backend: mlx-vlm's MTP loop (generate_step, draft_kind='mtp') fails on "
-                         "mlx_vlm.models.gemma4_text.gemma4_text.Model: TypeError: 'NoneType' object is not subscriptable")
+                         "mlx_vlm.models.gemma4_text.gemma4_text.Model: TypeError: 'NoneType' object is not "
+                         "subscriptable")
 FIRST_DIFFERENCE = {  # convention claimed -> 12b-assistant-mini base -> how its mtp_trace message starts (None: pass)
     # M0, M2 (prompts up to W) follow rotating/P-1 until the budget ends; M1, M3 (longer) differ in round 0's keys
     "rotating/P-1": {"M0": "round 8: 3 drafts, the oracle 2", "M1": "round 0 step 0: drafted 478, the oracle drafts 94",
-                     "M2": "round 6: 1 drafts, the oracle 0", "M3": "round 0 step 0: drafted 485, the oracle drafts 424"},
+                     "M2": "round 6: 1 drafts, the oracle "
+                           "0", "M3": "round 0 step 0: drafted 485, the oracle drafts 424"},
     "target-cache/P": {"M0": "round 1 step 0: drafted 52, the oracle drafts 68",
                        "M1": "round 0 step 0: drafted 478, the oracle drafts 437",
-                       "M2": "round 6: 1 drafts, the oracle 0", "M3": "round 0 step 0: drafted 485, the oracle drafts 343"},
+                       "M2": "round 6: 1 drafts, the oracle "
+                             "0", "M3": "round 0 step 0: drafted 485, the oracle drafts 343"},
     "transformers/P": {"M0": "round 1 step 0: drafted 52, the oracle drafts 293",
                        "M1": "round 0 step 0: drafted 478, the oracle drafts 437",
                        "M2": "round 6: 1 drafts, the oracle 0",
@@ -482,7 +485,7 @@ def test_mtp_gate_on_the_bundled_assistant_sets(tmp_path, convention):
 def _rounds_make_the_output(mtp) -> None:
     """Each round appends its accepted drafts, then the target's own token, until the budget ends."""
     at = 1  # the first token comes from the prompt
-    for drafts, accepted in zip(mtp.drafts, mtp.accepted):
+    for drafts, accepted in zip(mtp.drafts, mtp.accepted, strict=True):
         kept = mtp.output[at:at + accepted + 1]
         assert kept[:accepted] == drafts[:len(kept[:accepted])]
         if accepted < len(drafts) and len(kept) > accepted:
@@ -515,7 +518,8 @@ def test_mtp_output_is_plain_greedy_decoding(tmp_path, monkeypatch):
             full, pattern = list(request.tokens) + plain, (1, 3, 0, 2)
             rounds = []
 
-            def forced(self, last_bonus, hidden, cache, block_size, *args, **kwargs):
+            def forced(self, last_bonus, hidden, cache, block_size, *args, full=full, pattern=pattern, rounds=rounds,
+                       **kwargs):
                 P, k = self._kv_offset, block_size - 1  # the pending token's position, the drafts
                 right = pattern[len(rounds) % len(pattern)]
                 rounds.append(min(right, k))

@@ -16,8 +16,8 @@ import json
 
 import numpy as np
 import pytest
-
 from helpers import FULL, SLIDING, micro_assistant, micro_checkpoint, micro_config
+
 from refimpl import Gemma4
 from refimpl.assistant import Drafter, parse_assistant_config
 from refimpl.errors import ConfigError, InputError
@@ -59,7 +59,10 @@ def test_forced_drafts_fix_the_acceptance(pair):
     prompt = prompt_of(9, 5)
     plain = list(greedy_generate(target, prompt, 12).tokens)
     V = target.cfg.vocab_size
-    wrong = lambda t: (t + 1) % V  # noqa: E731
+
+    def wrong(t: int) -> int:
+        return (t + 1) % V
+
     # round 1 accepts 2 of 3, round 2 all 3, round 3 none
     forced = [[plain[1], plain[2], wrong(plain[3])], [plain[4], plain[5], plain[6]], [wrong(plain[8]), 0, 0]]
     run = assisted_greedy(target, drafter, prompt, 12, 3, forced=forced)

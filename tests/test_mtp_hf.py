@@ -20,15 +20,16 @@ from hypothesis import strategies as st
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_mtp_reference import hf_assisted_run, load_pair  # noqa: E402
-from helpers import FULL, SLIDING, micro_assistant, micro_checkpoint, micro_config  # noqa: E402
-from conformance.sets.bundled import bundled_set  # noqa: E402
-from conformance.sets.integrity import load_set  # noqa: E402
-from refimpl import Gemma4  # noqa: E402
-from refimpl.assistant import Drafter  # noqa: E402
-from refimpl.generate import greedy_generate  # noqa: E402
-from refimpl.mtp import assisted_greedy  # noqa: E402
-from refimpl.synth import ASSISTANT_DIR, write_checkpoint  # noqa: E402
+from helpers import FULL, SLIDING, micro_assistant, micro_checkpoint, micro_config
+from hf_mtp_reference import hf_assisted_run, load_pair
+
+from conformance.sets.bundled import bundled_set
+from conformance.sets.integrity import load_set
+from refimpl import Gemma4
+from refimpl.assistant import Drafter
+from refimpl.generate import greedy_generate
+from refimpl.mtp import assisted_greedy
+from refimpl.synth import ASSISTANT_DIR, write_checkpoint
 
 TOL = 1e-12
 
@@ -40,7 +41,7 @@ def compare(model_dir, drafter_dir, prompt, max_new, k):
     run = assisted_greedy(Gemma4(model_dir), Drafter(drafter_dir), prompt, max_new, k, "transformers/P")
     ours = [(r.query_position, row) for r in run.rounds for row in r.draft_logits]
     assert len(hf.calls) == len(ours)
-    for call, (position, row) in zip(hf.calls, ours):
+    for call, (position, row) in zip(hf.calls, ours, strict=True):
         assert call.position == position
         assert np.abs(call.logits - row).max() <= TOL * max(1.0, np.abs(row).max())
     # the drafts (every step's argmax, as transformers drafted them), the accepted lengths (the rounds'

@@ -23,6 +23,7 @@ tower); refusals; each audio mutant far from the engine, and a no-op on an image
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -30,11 +31,22 @@ from helpers import image_prompt, max_abs, micro_config, open_per_preset, tup
 
 from conformance import cli, registry
 from conformance.backend import AudioInput, Capabilities, Piece, Request
-from conformance.selftest.engine import NO_BLOCK, Engine, NumpyEngineBackend
 from conformance.backends.refimpl_backend import RefimplBackend
+from conformance.selftest.engine import NO_BLOCK, Engine, NumpyEngineBackend
 from conformance.selftest.mutants import (
-    AUDIO_SET, BACKENDS, CLOSENESS, EQUIVALENT, IMAGE_SET_BIDIRECTIONAL, IMAGE_SET_PLE, IMAGE_SETS, MTP_SET_CENTROID, MTP_SET_LAYOUT, MTP_SETS,
-    MUTANTS, UNIFIED_SET, Mutant,
+    AUDIO_SET,
+    BACKENDS,
+    CLOSENESS,
+    EQUIVALENT,
+    IMAGE_SET_BIDIRECTIONAL,
+    IMAGE_SET_PLE,
+    IMAGE_SETS,
+    MTP_SET_CENTROID,
+    MTP_SET_LAYOUT,
+    MTP_SETS,
+    MUTANTS,
+    UNIFIED_SET,
+    Mutant,
     mutant,
 )
 from refimpl.model import Gemma4
@@ -170,11 +182,11 @@ def test_multi_three_sequences_in_one_batch(engines, bases, preset):
     lengths, decode = (3, W + 1, 2 * W + 5), (3, 0, 2)
     seqs = [a[:lengths[0]], b[:lengths[1]], c[:lengths[2]]]
     req = Request("multi", sequences=tuple(tup(s) for s in seqs), seq_ids=(4, 0, 9),
-                  decode=tuple(tup(base[n:n + d]) for base, n, d in zip((a, b, c), lengths, decode)))
+                  decode=tuple(tup(base[n:n + d]) for base, n, d in zip((a, b, c), lengths, decode, strict=True)))
     r = engines[preset].run(req)
     refs = (ra, rb, rc)
-    assert max_abs(r.logits, np.stack([ref[n - 1] for ref, n in zip(refs, lengths)])) < TOL
-    for got, ref, n, d in zip(r.decode_logits, refs, lengths, decode):
+    assert max_abs(r.logits, np.stack([ref[n - 1] for ref, n in zip(refs, lengths, strict=True)])) < TOL
+    for got, ref, n, d in zip(r.decode_logits, refs, lengths, decode, strict=True):
         assert max_abs(got, ref[n:n + d]) < TOL
     (ub,) = r.executed["ubatches"]  # ONE batch, one micro-batch, three sequences
     assert (ub["tokens"], ub["sequences"], ub["outputs"]) == (sum(lengths), 3, 3)
@@ -314,7 +326,7 @@ def _answers(backend, requests) -> list[np.ndarray]:
 
 
 def _largest_difference(mutated, reference) -> float:
-    return max(max_abs(g, e) if g.shape == e.shape else np.inf for g, e in zip(mutated, reference))
+    return max(max_abs(g, e) if g.shape == e.shape else np.inf for g, e in zip(mutated, reference, strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -372,7 +384,7 @@ def _image_prefill(pr, cuts, rows, decode: int = 0, images=None) -> tuple[Reques
     of the prompt it answers."""
     ids, emb = pr["ids"], pr["embeddings"]
     pieces, expect = [], []
-    for (a, b), r in zip(zip(cuts, cuts[1:]), rows):
+    for (a, b), r in zip(itertools.pairwise(cuts), rows, strict=True):
         pieces.append(Piece(tup(ids[a:b]), tuple(r), emb[a:b]))
         expect += [a + x for x in r]
     end = cuts[-1]
@@ -561,7 +573,10 @@ def _audio_prompt(model_dir, durations=(0.7, 0.5), seed: int = 0, text=(4, 6)) -
         f = audio_features(wave, 16000, settings)
         inputs.append(AudioInput(f.features, f.mask))
     soft = [audio_tower(a.features, a.mask, weights, acfg) for a in inputs]
-    words = lambda n: [int(x) for x in rng.integers(20, 400, n)]  # noqa: E731
+
+    def words(n: int) -> list[int]:
+        return [int(x) for x in rng.integers(20, 400, n)]
+
     ids = [2] + words(text[0])
     for e in soft:
         ids += [tokens.boa_token_id] + [tokens.audio_token_id] * e.shape[0] + [tokens.eoa_token_id] + words(text[1])
@@ -590,7 +605,7 @@ def _audio_prefill(pr, cuts, rows, decode: int = 0, embeddings=None, **change) -
     ids = pr["ids"]
     emb = pr["embeddings"] if embeddings is None else embeddings
     pieces, expect = [], []
-    for (a, b), r in zip(zip(cuts, cuts[1:]), rows):
+    for (a, b), r in zip(itertools.pairwise(cuts), rows, strict=True):
         pieces.append(Piece(tup(ids[a:b]), tuple(r), emb[a:b]))
         expect += [a + x for x in r]
     end = cuts[-1]
@@ -603,8 +618,9 @@ def _audio_prefill(pr, cuts, rows, decode: int = 0, embeddings=None, **change) -
 def test_audio_prompt_layout_and_tower(engines, audio, preset_dirs):
     assert audio["audio"] == [(6, 18), (32, 13)] and len(audio["ids"]) == 52
     engine = engines[AUDIO_PRESET].engine
-    assert engine.audio_cfg is not None and engines["e2b-mini"].engine.audio_weights is None  # loaded only with audio_config
-    for a, want in zip(audio["inputs"], audio["soft"]):
+    # loaded only with audio_config
+    assert engine.audio_cfg is not None and engines["e2b-mini"].engine.audio_weights is None
+    for a, want in zip(audio["inputs"], audio["soft"], strict=True):
         got = engine.audio_soft_tokens(a.features, a.mask)
         assert got.shape == want.shape and np.array_equal(got, want)
     assert engine.audio_config() == audio["weights"][1]  # the hooks give the checkpoint's own geometry and cap

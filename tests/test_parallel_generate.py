@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conformance.generate import executors, jobs
 from conformance.cli import main
 from conformance.fixtures import CASES, MANIFEST, FixtureError, PartialRunMismatch, generate_set, load_set
+from conformance.generate import executors, jobs
 
 REPO = Path(__file__).resolve().parent.parent
 TEXT = "26b-a4b-mini"  # MoE: router margins travel too
@@ -39,7 +39,7 @@ def _close(x, y, where: str) -> None:
             _close(x[k], y[k], f"{where}.{k}")
     elif isinstance(x, list):
         assert isinstance(y, list) and len(x) == len(y), where
-        for k, (u, v) in enumerate(zip(x, y)):
+        for k, (u, v) in enumerate(zip(x, y, strict=True)):
             _close(u, v, f"{where}[{k}]")
     elif isinstance(x, float) and not isinstance(y, bool):
         assert y == pytest.approx(x, rel=1e-9, abs=1e-10), where
@@ -86,7 +86,7 @@ def reference(tmp_path_factory) -> dict[str, Path]:
 
 def _need_distributed():
     try:
-        import distributed  # noqa: F401
+        import distributed  # noqa: F401 - only: is it installed
     except ImportError as e:
         pytest.skip(f"distributed is not installed ({e})")  # a failure with GEMMA4_CONFORMANCE_REQUIRE_ENGINES=1
 
@@ -105,7 +105,8 @@ def dask_cluster(tmp_path_factory):
     procs = []
     try:
         procs.append(subprocess.Popen(base + ["scheduler", "--port", "0", "--scheduler-file", str(sched_file),
-                                              "--no-dashboard"], cwd=root, env=env, stdout=subprocess.DEVNULL, start_new_session=True,
+                                              "--no-dashboard"], cwd=root, env=env, stdout=subprocess.DEVNULL,
+                                      start_new_session=True,
                                       stderr=open(root / "scheduler.log", "w")))
         deadline = time.time() + 60
         while not sched_file.is_file() and time.time() < deadline:

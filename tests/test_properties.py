@@ -11,14 +11,11 @@ in ``tests/helpers.py``.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
-
-import refimpl.model as model_mod
 from helpers import (
     FULL,
     SLIDING,
@@ -35,7 +32,11 @@ from helpers import (
     sharing_is_valid,
     spec_tensor_shapes,
 )
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 from naive_gemma4 import naive_forward
+
+import refimpl.model as model_mod
 from refimpl.errors import InputError
 from refimpl.generate import greedy_generate, score_continuation
 from refimpl.model import Gemma4, KVCache, Trace
@@ -210,7 +211,7 @@ def chunk_plans(draw, max_T: int = 26) -> list[int]:
     T = draw(st.integers(1, max_T))
     cuts = draw(st.sets(st.integers(1, T - 1), max_size=T - 1)) if T > 1 else set()
     bounds = [0, *sorted(cuts), T]
-    return [b - a for a, b in zip(bounds, bounds[1:])]
+    return [b - a for a, b in itertools.pairwise(bounds)]
 
 
 def check_cache(model: Gemma4, cache: KVCache, end: int) -> None:
@@ -286,7 +287,8 @@ def test_streamed_head_matches_dense_head(preset_dirs, preset_models, monkeypatc
 
         calls = []
         real = model.weights.head_linear
-        monkeypatch.setattr(model.weights, "head_linear", lambda y, a, b: calls.append((a, b)) or real(y, a, b))
+        monkeypatch.setattr(model.weights, "head_linear",
+                            lambda y, a, b, calls=calls, real=real: calls.append((a, b)) or real(y, a, b))
         got = model.forward(ids, rows="all")
         expected_calls = [(s, min(s + chunk, PRESET_VOCAB)) for s in range(0, PRESET_VOCAB, chunk)]
         assert calls == expected_calls, "the head did not stream in HEAD_CHUNK rows"

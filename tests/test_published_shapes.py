@@ -8,6 +8,7 @@ embedding tables by rows and the head in vocabulary chunks only.
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from collections import namedtuple
@@ -98,7 +99,7 @@ def test_every_cut_keeps_the_published_layer_shapes(variant):
             if not layer.owns_kv:  # shared layers drop k/v and (E2B) double the MLP
                 want = {k: v for k, v in want.items() if not k.startswith(("self_attn.k_", "self_attn.v_"))}
                 if full_cfg.layers[-1].ffn_width != full_cfg.layers[0].ffn_width:
-                    H, I = want["mlp.down_proj.weight"]
+                    H, I = want["mlp.down_proj.weight"]  # noqa: E741 - I: the intermediate size (spec)
                     want = {**want, "mlp.gate_proj.weight": (2 * I, H), "mlp.up_proj.weight": (2 * I, H),
                             "mlp.down_proj.weight": (H, 2 * I)}
             assert mine == want, (variant, n, layer.index)
@@ -107,7 +108,8 @@ def test_every_cut_keeps_the_published_layer_shapes(variant):
 
 def test_streamed_writer_writes_the_same_bytes(tmp_path):
     rng = np.random.default_rng(3)
-    tensors = {"b.w": rng.standard_normal((37, 5)), "a.norm": rng.uniform(0.5, 1.5, 11), "c": rng.standard_normal((2, 3, 4))}
+    tensors = {"b.w": rng.standard_normal((37, 5)), "a.norm": rng.uniform(0.5, 1.5, 11),
+               "c": rng.standard_normal((2, 3, 4))}
     for dtype in ("BF16", "F32", "F64"):
         write_safetensors(tmp_path / "one.safetensors", tensors, dtype, metadata={"k": "v"})
 
@@ -118,9 +120,9 @@ def test_streamed_writer_writes_the_same_bytes(tmp_path):
         streamed = {name: (x.shape, pieces(x, 7)) for name, x in tensors.items()}
         seen = []
         write_safetensors_streamed(tmp_path / "two.safetensors", streamed, dtype, metadata={"k": "v"},
-                                   progress=lambda done, total: seen.append((done, total)))
+                                   progress=lambda done, total, seen=seen: seen.append((done, total)))
         assert (tmp_path / "one.safetensors").read_bytes() == (tmp_path / "two.safetensors").read_bytes()
-        assert seen[-1][0] == seen[-1][1] and all(a <= b for (a, _), (b, _) in zip(seen, seen[1:]))
+        assert seen[-1][0] == seen[-1][1] and all(a <= b for (a, _), (b, _) in itertools.pairwise(seen))
     bad = {"x": ((4, 4), lambda: iter([np.zeros(15)]))}
     with pytest.raises(ValueError, match=r"tensor 'x': the chunks hold 15 values, its shape \[4, 4\] needs 16"):
         write_safetensors_streamed(tmp_path / "bad.safetensors", bad)
@@ -243,8 +245,9 @@ def test_the_last_layer_with_kv_runs_only_the_kept_queries(micro_factory, monkey
     """With rows pruned, the last layer that makes K/V (the last layer, without KV sharing) makes them
     from every token but asks queries for the kept rows only; the rows equal the full pass's, and so do
     the rows after a cache left by a pruned call."""
-    import refimpl.model as model_module
     from helpers import micro_config
+
+    import refimpl.model as model_module
     from refimpl.model import KVCache
 
     d = micro_factory(micro_config(num_hidden_layers=5, layer_types=[SLIDING, SLIDING, FULL, SLIDING, FULL],
@@ -316,7 +319,8 @@ def test_weight_cache_keeps_decoded_weights_within_its_budget(tiny_published, tm
     assert np.max(np.abs(model.forward(ids, rows=[5, 37]) - streamed)) < 1e-12
     reads = []
     real_read = TensorStore.read
-    monkeypatch.setattr(TensorStore, "read", lambda self, name, *a, **k: reads.append(name) or real_read(self, name, *a, **k))
+    monkeypatch.setattr(TensorStore, "read",
+                        lambda self, name, *a, **k: reads.append(name) or real_read(self, name, *a, **k))
     assert np.max(np.abs(model.forward(ids, rows=[5, 37]) - streamed)) < 1e-12
     assert not [n for n in reads if n.endswith("_proj.weight") or "embed_tokens" in n]  # only norms re-read
     assert model.weights.cache_bytes == sum(a.nbytes for a in model.weights.cache.values())

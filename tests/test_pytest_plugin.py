@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 
@@ -125,7 +124,8 @@ def test_k_selects_by_feature_kind_and_entry(pytester, e2b_mini, cases):
 def test_json_report(pytester, e2b_mini, cases):
     chosen = [c for c in cases if "T9" in c.id and c.kind in ("full", "last")]
     result = _run(pytester, "--conformance-backend", SHIFTED, "--conformance-fixtures", str(e2b_mini),
-                  "--conformance-profile", "fp32", "--conformance-json", "out/report.json", "-k", "T9 and (full or last)")
+                  "--conformance-profile", "fp32", "--conformance-json", "out/report.json", "-k", "T9 and (full or "
+                                                                                                  "last)")
     by_status = {}
     for c in chosen:  # the mutant shifts the interior rows of the last-logits entry points (pos4; not pos8)
         by_status.setdefault("fail" if c.kind == "last" and c.id.endswith("/pos4") else "pass", []).append(c.id)

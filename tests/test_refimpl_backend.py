@@ -194,13 +194,13 @@ def test_none_then_last(backends, bases, preset):
 def test_multi_three_sequences(backends, bases, preset):
     (a, ra), (b, rb), (c, rc) = bases[preset]
     lengths, decode_lens = (23, W - 1, 12), (3, 1, 4)
-    seqs = tuple(tup(x[:n]) for x, n in zip((a, b, c), lengths))
-    decode = tuple(tup(x[n:n + k]) for x, n, k in zip((a, b, c), lengths, decode_lens))
+    seqs = tuple(tup(x[:n]) for x, n in zip((a, b, c), lengths, strict=True))
+    decode = tuple(tup(x[n:n + k]) for x, n, k in zip((a, b, c), lengths, decode_lens, strict=True))
     r = backends[preset].run(Request("multi", sequences=seqs, seq_ids=(7, 3, 11), decode=decode))
-    expect = np.stack([ref[n - 1] for ref, n in zip((ra, rb, rc), lengths)])
+    expect = np.stack([ref[n - 1] for ref, n in zip((ra, rb, rc), lengths, strict=True)])
     assert max_abs(r.logits, expect) < TOL
     assert isinstance(r.decode_logits, list) and len(r.decode_logits) == 3
-    for got, ref, n, k in zip(r.decode_logits, (ra, rb, rc), lengths, decode_lens):
+    for got, ref, n, k in zip(r.decode_logits, (ra, rb, rc), lengths, decode_lens, strict=True):
         assert max_abs(got, ref[n:n + k]) < TOL
     assert r.executed["seq_ids"] == [7, 3, 11]
     assert r.executed["state_len_after_prefill"] == list(lengths)
@@ -578,7 +578,8 @@ def _pytest(tmp_path, *args, env_path: str | None = None):
         env["PYTHONPATH"] = env_path + os.pathsep + env.get("PYTHONPATH", "")
     (tmp_path / "pytest.ini").write_text("[pytest]\n")  # not this project's configuration
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-c", "pytest.ini",
-                           "--rootdir", str(tmp_path), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+                           "--rootdir", str(tmp_path), *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
     return proc.returncode, proc.stdout + proc.stderr
 
 

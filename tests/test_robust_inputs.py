@@ -14,9 +14,9 @@ import zlib
 
 import numpy as np
 import pytest
+from helpers import micro_checkpoint, micro_config
 
 from conformance.cli import main as conformance_main
-from helpers import micro_checkpoint, micro_config
 from refimpl.cli import main
 from refimpl.errors import TokenizerError
 from refimpl.model import Gemma4
@@ -81,8 +81,8 @@ def test_logits_out_never_writes_into_the_model_directory(tmp_path, text_ckpt, c
                        (model / "sub" / ".." / "model.safetensors", ["--force"])):
         code, _, err = run(capsys, "logits", "--model", model, "--tokens", "2,5", "--out", out, *extra)
         assert code == 2
-        assert err == (f"refimpl: error: --out {out} is inside the model directory {model}; refimpl never writes into a "
-                       "checkpoint, choose a path outside it\n")
+        assert err == (f"refimpl: error: --out {out} is inside the model directory {model}; refimpl never writes into "
+                       "a checkpoint, choose a path outside it\n")
     # a symbolic link outside the directory that points at the checkpoint's weights
     link = tmp_path / "link.safetensors"
     link.symlink_to(model / "model.safetensors")
@@ -154,8 +154,8 @@ def test_image_pixel_limit_is_set_by_the_environment(tmp_path, vision_ckpt, caps
     monkeypatch.setenv("REFIMPL_MAX_IMAGE_PIXELS", "lots")
     code, _, err = run(capsys, *argv, "--image", png)
     assert code == 2
-    assert err == ("refimpl: error: REFIMPL_MAX_IMAGE_PIXELS='lots': the image size limit must be a positive whole number "
-                   "of pixels\n")
+    assert err == ("refimpl: error: REFIMPL_MAX_IMAGE_PIXELS='lots': the image size limit must be a positive whole "
+                   "number of pixels\n")
 
 
 def test_pillow_bomb_is_refused_with_the_same_limit(tmp_path, vision_ckpt, capsys):
@@ -195,9 +195,9 @@ def test_num_hidden_layers_beyond_the_checkpoint_is_refused_before_deriving_laye
         for argv in (["inspect"], ["logits", "--tokens", "2,5", "--out", tmp_path / "o.safetensors"]):
             code, _, err = run(capsys, argv[0], "--model", model, *argv[1:])
             assert code == 2
-            assert err == (f"refimpl: error: {model / 'config.json'}: 'num_hidden_layers' is {layers}, but the checkpoint's "
-                           "tensors hold 3 decoder layers; set num_hidden_layers to the number of layers the "
-                           "weights hold\n")
+            assert err == (f"refimpl: error: {model / 'config.json'}: 'num_hidden_layers' is {layers}, but the "
+                           "checkpoint's tensors hold 3 decoder layers; set num_hidden_layers to the number of layers "
+                           "the weights hold\n")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -211,8 +211,8 @@ def test_generation_config_must_be_an_object(tmp_path, text_ckpt, capsys, conten
     for argv in (["inspect"], ["generate", "--tokens", "2,5", "--max-new-tokens", "1"]):
         code, _, err = run(capsys, argv[0], "--model", model, *argv[1:])
         assert code == 2
-        assert err == (f"refimpl: error: {model / 'generation_config.json'}: expected a JSON object at the top level, got "
-                       f"{kind}; fix or remove generation_config.json\n")
+        assert err == (f"refimpl: error: {model / 'generation_config.json'}: expected a JSON object at the top level, "
+                       f"got {kind}; fix or remove generation_config.json\n")
 
 
 def test_an_integer_too_long_for_python_is_invalid_json(tmp_path, text_ckpt, capsys):
@@ -261,8 +261,8 @@ def test_audio_ids_outside_the_vocabulary_are_refused(tmp_path, capsys, key):
     code, _, err = run(capsys, "logits", "--model", model, "--prompt", "hi", "--audio", wav,
                        "--out", tmp_path / "o.safetensors")
     assert code == 2
-    assert err == (f"refimpl: error: {model / 'config.json'}: '{key}' is 100000, outside the text vocabulary [0, 512); audio "
-                   "prompts need it inside (fix the id, or the text vocab_size)\n")
+    assert err == (f"refimpl: error: {model / 'config.json'}: '{key}' is 100000, outside the text vocabulary [0, 512); "
+                   "audio prompts need it inside (fix the id, or the text vocab_size)\n")
 
 
 def test_tokenizer_piece_outside_its_pieces_is_an_error(text_ckpt):
@@ -331,8 +331,8 @@ def test_overflow_with_finite_weights_is_refused_in_one_line(tmp_path, text_ckpt
                            "--dtype", "float32", "--out", str(tmp_path / "o.safetensors")],
                           capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stdout) == (2, "")
-    assert done.stderr == (f"refimpl: error: {model}: the residual stream after layer 1 is not finite, but the weights read "
-                           "there are: the values overflowed float32\n")
+    assert done.stderr == (f"refimpl: error: {model}: the residual stream after layer 1 is not finite, but the weights "
+                           "read there are: the values overflowed float32\n")
 
 
 def test_nan_vision_weight_names_the_tower_tensor(tmp_path, vision_ckpt, capsys):
@@ -340,8 +340,8 @@ def test_nan_vision_weight_names_the_tower_tensor(tmp_path, vision_ckpt, capsys)
     model = poisoned(vision_ckpt, tmp_path / "nan", {name: (0, np.nan)})
     code, _, err = run(capsys, "logits", "--model", model, "--tokens", "2,5", "--image", small_png(tmp_path / "a.png"),
                        "--out", tmp_path / "o.safetensors")
-    assert (code, err) == (2, f"refimpl: error: {model}: the vision tower's soft tokens are not finite: tensor '{name}' "
-                              f"(model.safetensors) holds 1 NaN/inf value{CORRUPT}\n")
+    assert (code, err) == (2, f"refimpl: error: {model}: the vision tower's soft tokens are not finite: tensor "
+                              f"'{name}' (model.safetensors) holds 1 NaN/inf value{CORRUPT}\n")
 
 
 def test_conformance_generate_never_publishes_a_nan_golden(tmp_path, text_ckpt, capsys):

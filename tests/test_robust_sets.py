@@ -17,15 +17,14 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import micro_checkpoint, micro_config
 
 from conformance import fixtures
+from conformance.cli import main
+from conformance.fixtures import MANIFEST, FixtureError, generate_set, load_set, sha256_file, verify_set
 from conformance.generate import jobs
 from conformance.generate.partial import RunLock
 from conformance.sets.format import model_files
-from conformance.cli import main
-from conformance.fixtures import MANIFEST, FixtureError, generate_set, load_set, sha256_file, verify_set
 
 REPO = Path(__file__).resolve().parent.parent
 PRESET = "31b-mini"  # the quickest preset: about half a second for its text set

@@ -10,7 +10,6 @@ a hang) runs with ``--isolate``, or as a subprocess of its own.
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import os
 import signal
@@ -25,10 +24,10 @@ import pytest
 
 from conformance.backend import Response
 from conformance.backends.refimpl_backend import RefimplBackend
+from conformance.check.results import CaseResult, RunResult
 from conformance.cli import main
 from conformance.fixtures import bundled_set
 from conformance.report import junit_tree, printable, validate
-from conformance.check.results import CaseResult, RunResult
 
 HERE = __name__
 TESTS = Path(__file__).resolve().parent
@@ -45,7 +44,7 @@ class _Broken(RefimplBackend):
         super().__init__()
         self.name = type(self).__name__
 
-    def broken(self, request, response):  # noqa: ARG002 - overridden
+    def broken(self, request, response):  # overridden
         return response
 
     def run(self, request):
@@ -197,7 +196,8 @@ def test_system_exit_in_open_is_a_backend_error(capsys, tmp_path, e2b_set):
 
 
 def test_os_exit_under_isolate_is_one_error_and_the_child_restarts(capsys, tmp_path, e2b_set, child_path):
-    code, out, err, report, junit = check(capsys, tmp_path, e2b_set, "OsExit", "--isolate", select="/full/|/last/plain/A/T7/")
+    code, out, err, report, junit = check(capsys, tmp_path, e2b_set, "OsExit", "--isolate",
+                                          select="/full/|/last/plain/A/T7/")
     assert code == 1, out + err
     cases = by_id(report)
     bad = cases["e2b-mini/full/B/T19"]
@@ -251,7 +251,8 @@ def test_a_hang_under_isolate_times_out_and_the_child_restarts(capsys, tmp_path,
 def test_a_hang_in_process_times_out_and_ends_the_run(tmp_path, e2b_set, child_path):
     js = tmp_path / "r.json"
     t = time.monotonic()
-    proc = subprocess.run(cli("check", "--backend", f"{HERE}:Hang", "--fixtures", e2b_set, "--match", "/full/|/last/plain/A/T7/",
+    proc = subprocess.run(cli("check", "--backend", f"{HERE}:Hang", "--fixtures", e2b_set,
+                              "--match", "/full/|/last/plain/A/T7/",
                               "-q", "--case-timeout", "5", "--json", str(js)),
                           capture_output=True, text=True, timeout=120)
     assert time.monotonic() - t < 60

@@ -69,7 +69,8 @@ def test_failures_are_bold_and_explained(reports, capsys):
     assert cells[1].startswith("2/2 · ")
     assert cells[3].startswith("**0/2 (+1 xfail)**")  # /full/A/ fails, /full/B/ is the known failure
     assert "- 1 case with no expectation:\n  - `e4b-mini/full/A/T9`: fail (identity at row 0): " in text
-    assert "- 1 case, known-failure: rows shifted on purpose Cases: `e4b-mini/full/B/T19` (xfail: identity at row 0)." in text
+    assert ("- 1 case, known-failure: rows shifted on purpose Cases: `e4b-mini/full/B/T19` (xfail: identity at row "
+            "0).") in text
     assert "| R3 | shifted-full |" in text
     assert ("- 2 cases, tolerance (max_abs=0.01): float32 head Cases: `e4b-mini/full/A/T9`, "
             "`e4b-mini/full/B/T19`.") in text

@@ -480,6 +480,7 @@ def _audio_mutants(mutants_mod) -> list:
 WORKERS = min(8, max(2, cores()))  # the full self-test's mutants at a time (forked processes)
 
 
+@pytest.mark.slow  # 6.6 of the suite's 14.8 minutes; the subsets below kill every mutant (docs/testing.md)
 def test_real_mutants_full_selftest(tmp_path, capsys):
     """The issue's claim, on every bundled case, in two runs: the mutants of the forward on every case but the
     MTP ones (whose target rows take the prefill path the other cases kill them on already, and which cost a
@@ -563,7 +564,8 @@ def test_image_mutants_are_killed_by_their_bundled_sets(sets):
 # an audio row inside the first clip, a row inside the second clip (both last:embeddings, with decode),
 # and a chunked prefill split at a block boundary; a full run of the 30 audio cases kills each of the four
 # audio mutants in 30/30 (the missing logit cap: 24 at bf16, 6 at q8)
-AUDIO_SUBSET = r"^e2b-audio-mini/(last/embeddings/S0/T26/pos12|last/embeddings/S1/T44/pos34|prefill/S1/T44/chunks-29\+15)$"
+AUDIO_SUBSET = (r"^e2b-audio-mini/(last/embeddings/S0/T26/pos12|last/embeddings/S1/T44/pos34"
+                r"|prefill/S1/T44/chunks-29\+15)$")
 
 
 def test_audio_mutants_declare_the_set_that_kills_them():
@@ -587,6 +589,39 @@ def test_audio_mutants_are_killed_by_the_bundled_audio_set(sets):
     _assert_every_mutant_killed_by_a_matching_check(result, audio)
     for m in result.mutants:
         assert m.verdict.failing_cases == 3, (m.name, m.verdict.failing)
+
+
+# ----------------------------------------------------------------------------------------------
+# the Unified embedder mutants: only 12b-mini (Gemma 4 Unified) can kill them
+
+# an image base's first block (I0), a second image whose block must not hold the first one's padding (I1), an
+# audio clip (S0)
+UNIFIED_SUBSET = (r"^12b-mini/(last/embeddings/I0/T71/pos(6|38)|prefill/I1/T146/rows-image\+last"
+                  r"|last/embeddings/S0/T26/pos12)$")
+
+
+def test_unified_mutants_are_killed_by_the_bundled_unified_set(sets):
+    """The mutants whose only kill set is 12b-mini (the Unified vision and audio embedders), each killed by a
+    matching check on four of its cases: with the other subsets of this file, every mutant of the catalogue
+    is killed without the full self-test (the opt-in ``slow`` test)."""
+    mutants_mod = pytest.importorskip("conformance.selftest.mutants")
+    unified = [m for m in mutants_mod.MUTANTS if m.kill_sets == (mutants_mod.UNIFIED_SET,)]
+    assert {m.name for m in unified} == {"patch-layernorm-eps-1e-6", "patch-rmsnorm", "patch-order-chw",
+                                         "position-axes-swapped", "padding-rows-kept", "audio-frames-not-normed"}
+    result = st.run_selftest(sets, unified, profiles=("fp32",), select=UNIFIED_SUBSET)
+    assert result.cases == 4
+    _assert_every_mutant_killed_by_a_matching_check(result, unified)
+    assert _by_name(result)["padding-rows-kept"].caught_by[0] == "12b-mini/prefill/I1/T146/rows-image+last"
+
+
+def test_the_subsets_cover_every_mutant():
+    """What lets the full self-test be opt-in: every mutant of the catalogue is in one of the subset tests above
+    (no kill set: REAL_SUBSET; image, audio, MTP and Unified kill sets: their own subsets)."""
+    m = pytest.importorskip("conformance.selftest.mutants")
+    groups = [[x for x in m.MUTANTS if not x.kill_sets], _image_mutants(m), _audio_mutants(m),
+              [x for x in m.MUTANTS if set(x.kill_sets) & set(m.MTP_SETS)],
+              [x for x in m.MUTANTS if x.kill_sets == (m.UNIFIED_SET,)]]
+    assert {x.name for g in groups for x in g} == {x.name for x in m.MUTANTS}
 
 
 # ----------------------------------------------------------------------------------------------

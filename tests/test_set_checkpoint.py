@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from bigvocab import PUBLISHED_VOCAB, write_bigvocab_checkpoint
 from helpers import micro_checkpoint, micro_config
 

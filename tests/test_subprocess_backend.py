@@ -30,10 +30,10 @@ from conformance.backends.subprocess_backend import (
     SubprocessBackend,
     read_array,
 )
-from conformance.cli import main as cli_main
-from conformance.fixtures import bundled_set, load_set
 from conformance.check.profiles import get_profile
 from conformance.check.runner import run
+from conformance.cli import main as cli_main
+from conformance.fixtures import bundled_set, load_set
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKES = Path(__file__).resolve().parent / "subprocess_fakes"
@@ -86,8 +86,8 @@ def _bundled_count() -> int:
     return sum(len(json.loads((s / "cases.json").read_text())["cases"]) for s in bundled_sets())
 
 
-@pytest.mark.parametrize("fmt, select, n", [("raw", [], None),
-                                             ("safetensors", ["--fixtures", str(ROOT / "fixtures" / "all-features")], 52)])
+@pytest.mark.parametrize("fmt, select, n", [
+    ("raw", [], None), ("safetensors", ["--fixtures", str(ROOT / "fixtures" / "all-features")], 52)])
 def test_refimpl_subprocess_passes_the_bundled_cases(fmt, select, n, tmp_path, capsys):
     """Every bundled case through raw files (image cases included: images and per-piece embeddings
     through the protocol); the set with every feature through safetensors (the whole bundle passes that
@@ -134,7 +134,7 @@ def test_responses_equal_the_in_process_backend(model_dir, backends):
             np.testing.assert_array_equal(got.logits, want.logits)
             if req.kind == "multi":
                 assert [d.shape for d in got.decode_logits] == [(1, want.logits.shape[1]), (0, want.logits.shape[1])]
-                for g, w in zip(got.decode_logits, want.decode_logits):
+                for g, w in zip(got.decode_logits, want.decode_logits, strict=True):
                     np.testing.assert_array_equal(g, w)
             else:
                 np.testing.assert_array_equal(got.decode_logits, want.decode_logits)
@@ -715,7 +715,7 @@ def test_wire_form_of_an_image_request(vision, tmp_path):
          "shape": [len(piece.tokens), p["embeddings"].shape[1]]} for i, piece in enumerate(req.pieces)]
     back = request_from_json(json.loads(json.dumps(d)), tmp_path)
     assert back == req  # Piece/Request equality leaves the arrays out: compare them on their own
-    for a, b in zip(back.pieces, req.pieces):
+    for a, b in zip(back.pieces, req.pieces, strict=True):
         np.testing.assert_array_equal(a.embeddings, b.embeddings)
     # a text request: images [], no piece embeddings
     text = request_to_json(Request(kind="prefill", pieces=(req.pieces[0].__class__((2, 3), (1,)),)), tmp_path)
@@ -871,11 +871,11 @@ def test_wire_form_of_an_audio_request(audio, tmp_path):
     back = request_from_json(json.loads(json.dumps(d)), tmp_path)
     assert back == req  # the arrays are left out of the equality: compare them on their own
     assert len(back.audio_inputs) == len(req.audio_inputs)
-    for a, b in zip(back.audio_inputs, req.audio_inputs):
+    for a, b in zip(back.audio_inputs, req.audio_inputs, strict=True):
         np.testing.assert_array_equal(a.features, b.features)
         assert a.mask.dtype == np.bool_
         np.testing.assert_array_equal(a.mask, b.mask)
-    for a, b in zip(back.pieces, req.pieces):
+    for a, b in zip(back.pieces, req.pieces, strict=True):
         np.testing.assert_array_equal(a.embeddings, b.embeddings)
     # a text request: audio [] and audio_inputs []; an older client that sends neither: a text request
     text = request_to_json(Request(kind="full", tokens=(2, 3)), tmp_path)

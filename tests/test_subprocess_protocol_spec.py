@@ -158,14 +158,14 @@ def test_the_spec_engine_speaks_the_protocol_as_documented(tmp_path, capsys):
     # one request at a time: each request is answered before the next one is written
     assert [e["to"] for e in messages] == ["engine", "harness"] * len(requests)
     assert [r["id"] for r in requests] == list(range(len(requests)))
-    for req, rep in zip(requests, replies):
+    for req, rep in zip(requests, replies, strict=True):
         assert REQUESTS[req["op"]] <= set(req), f"{req['op']} request lacks {REQUESTS[req['op']] - set(req)}"
         assert REPLY_ALWAYS <= set(rep) and rep["id"] == req["id"] and rep["ok"] is True
     hello = requests[0]
     assert hello["protocol"] == PROTOCOL and 1 in hello["versions"]
     assert required(HELLO_REPLY) <= set(replies[0])
     assert os.path.isabs(requests[1]["model_dir"])
-    for req, rep in zip(requests[2:4], replies[2:4]):
+    for req, rep in zip(requests[2:4], replies[2:4], strict=True):
         request_fields = set(field_table("The request object", "field"))
         assert request_fields <= set(req["request"]), "the harness sends every field of the request object"
         assert req["request"]["decode"], "both cases have decode steps"

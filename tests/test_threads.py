@@ -9,6 +9,7 @@ BLAS's blocking (1e-12 on logits of about 10)."""
 from __future__ import annotations
 
 import _thread
+import itertools
 import os
 import signal
 import threading
@@ -31,7 +32,8 @@ ULPS = 2  # a row-blocked step against the step in one call, in units of the dty
 def within_rounding(got: np.ndarray, want: np.ndarray) -> bool:
     eps = np.finfo(want.dtype).eps
     scale = np.maximum(np.abs(want), np.finfo(want.dtype).tiny)
-    return got.shape == want.shape and got.dtype == want.dtype and bool(np.all(np.abs(got - want) <= ULPS * eps * scale))
+    return (got.shape == want.shape and got.dtype == want.dtype
+            and bool(np.all(np.abs(got - want) <= ULPS * eps * scale)))
 
 
 @pytest.fixture
@@ -74,7 +76,7 @@ def test_in_parts_covers_the_range_once_in_whole_units(total, unit, least, n):
         threads.in_parts(total, work, unit=unit, least=least)
     seen.sort()
     assert seen[0][0] == 0 and seen[-1][1] == total
-    assert all(a[1] == b[0] for a, b in zip(seen, seen[1:]))  # contiguous, no overlap
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(seen))  # contiguous, no overlap
     assert len(seen) <= n
     if len(seen) > 1:
         assert all(first % unit == 0 and last - first >= least * unit for first, last in seen[:-1])
@@ -260,7 +262,8 @@ def _steps(rng, dtype):
     return {
         "rms_norm [T, H]": (ops.rms_norm, (x, rng.standard_normal(H).astype(dtype), 1e-6), {}),
         "rms_norm [T, N, D], no weight": (ops.rms_norm, (q, None, 1e-6), {}),
-        "layer_norm": (ops.layer_norm, (x, rng.standard_normal(H).astype(dtype), rng.standard_normal(H).astype(dtype), 1e-5), {}),
+        "layer_norm": (ops.layer_norm, (x, rng.standard_normal(H).astype(dtype), rng.standard_normal(H).astype(dtype),
+                                        1e-5), {}),
         "gelu_tanh": (ops.gelu_tanh, (4 * x,), {}),
         "softmax of masked scores": (ops.softmax, (scores,), {"axis": -1}),
         "softmax along axis 0": (ops.softmax, (np.nan_to_num(scores, neginf=-5.0),), {"axis": 0}),
@@ -366,7 +369,8 @@ def test_rowwise_refuses_a_step_that_is_not_row_wise(monkeypatch):
     def narrow(x):
         return x[:, :2]
 
-    with threads.use_threads(2), pytest.raises(TypeError, match=r"narrow is not row-wise: rows of float32 \[\d+, 4\] gave float32 \[\d+, 2\]"):
+    with threads.use_threads(2), pytest.raises(TypeError, match=r"narrow is not row-wise: rows of float32 \[\d+, 4\] "
+                                                                r"gave float32 \[\d+, 2\]"):
         narrow(np.ones((20, 4), dtype=np.float32))
     with pytest.raises(ValueError, match="a flat step has one row-aligned argument"):
         threads.rowwise(aligned=2, flat=True)
@@ -383,7 +387,7 @@ def naive_attention(q, k, v, mask):
             s = np.array([np.dot(q[t, n], k[j, n // G]) for j in keys])
             p = np.exp(s - s.max())
             p /= p.sum()
-            out[t, n] = sum(pj * v[j, n // G] for pj, j in zip(p, keys))
+            out[t, n] = sum(pj * v[j, n // G] for pj, j in zip(p, keys, strict=True))
     return out
 
 
@@ -491,5 +495,5 @@ def test_forward_on_one_and_on_four_threads_agree(preset_models, monkeypatch, re
             assert np.max(np.abs(runs[1][0])) > 1.0  # logits of a real size
     # decoding, streamed products, row-blocked steps and attention all split
     assert {kind for kind, _, _ in recorded_parts} == {"threads", "weights", "safetensors_io", "ops"}
-    for one, four in zip(runs[1], runs[4]):
+    for one, four in zip(runs[1], runs[4], strict=True):
         assert np.max(np.abs(one - four)) < 1e-12

@@ -33,17 +33,18 @@ import pytest
 if importlib.util.find_spec("llama_cpp") is None:  # looked up, not imported: importing it loads a library
     pytest.skip("llama-cpp-python is not installed (scripts/build-llama-cpp.sh)", allow_module_level=True)
 
-from helpers import same_run  # noqa: E402
-from conformance.backend import BackendError, Request  # noqa: E402
-from conformance.backends import llama_cpp_engine as eng  # noqa: E402
-from conformance.backends.refimpl_backend import RefimplBackend  # noqa: E402
-from conformance.check.profiles import PROFILES  # noqa: E402
-from conformance.check.requests import build_request  # noqa: E402
-from conformance.check.session import Checkpoints, Session  # noqa: E402
-from conformance.check.traces import compare_traces, point_errors  # noqa: E402
-from conformance.fixtures import bundled_set  # noqa: E402
-from conformance.protocol.trace import point_names  # noqa: E402
-from conformance.sets.integrity import load_set  # noqa: E402
+from helpers import same_run
+
+from conformance.backend import BackendError, Request
+from conformance.backends import llama_cpp_engine as eng
+from conformance.backends.refimpl_backend import RefimplBackend
+from conformance.check.profiles import PROFILES
+from conformance.check.requests import build_request
+from conformance.check.session import Checkpoints, Session
+from conformance.check.traces import compare_traces, point_errors
+from conformance.fixtures import bundled_set
+from conformance.protocol.trace import point_names
+from conformance.sets.integrity import load_set
 
 try:
     eng.resolve_source()
@@ -94,7 +95,8 @@ def groups(response) -> list[tuple[np.ndarray, dict | None]]:
     """(logits, trace) of the response's row groups: its rows, then each sequence's decode rows."""
     out = [(response.logits, response.trace)]
     if isinstance(response.decode_trace, list) or isinstance(response.decode_logits, list):
-        out += list(zip(response.decode_logits, response.decode_trace or [None] * len(response.decode_logits)))
+        traces = response.decode_trace or [None] * len(response.decode_logits)
+        out += list(zip(response.decode_logits, traces, strict=True))
     elif response.decode_logits is not None:
         out.append((response.decode_logits, response.decode_trace))
     return out
@@ -146,8 +148,8 @@ def served(request, oracle, tmp_path_factory):
     traced, untraced, hidden = {}, {}, {}
     for k, name in enumerate(SETS):
         responses, batched = got[2 * k], got[2 * k + 1]
-        traced[name] = dict(zip(oracle[name][1], responses)) | {REORDERED + "/batched": batched[0]}
-        untraced[name] = dict(zip(plain, responses[len(oracle[name][1]):]))
+        traced[name] = dict(zip(oracle[name][1], responses, strict=False)) | {REORDERED + "/batched": batched[0]}
+        untraced[name] = dict(zip(plain, responses[len(oracle[name][1]):], strict=True))
         hidden[name] = responses[-1]
     return options, profile, factor, traced, untraced, hidden
 
@@ -162,7 +164,7 @@ def test_every_oracle_point_within_the_profile(served, oracle):
         for case, got in traced[name].items():
             ref = cases[case.removesuffix("/batched")][1]
             assert got.executed["trace"].startswith("cb_eval") and len(groups(got)) == len(groups(ref)), case
-            for (logits, g), (_, r) in zip(groups(got), groups(ref)):
+            for (logits, g), (_, r) in zip(groups(got), groups(ref), strict=True):
                 assert set(g) == set(r), (f"{name}/{case}", sorted(set(g) ^ set(r)))
                 for point, want in r.items():
                     assert g[point].shape == want.shape and g[point].shape[0] == logits.shape[0], (case, point)
@@ -179,7 +181,7 @@ def test_every_oracle_point_within_the_profile(served, oracle):
         assert set(traced[name]["full/A/T9"].trace) == want, name
         for case, plain in untraced[name].items():  # the trace changes nothing, and is only there when asked
             assert plain.trace is None and plain.decode_trace is None and "trace" not in plain.executed
-            for (a, _), (b, _) in zip(groups(plain), groups(traced[name][case])):
+            for (a, _), (b, _) in zip(groups(plain), groups(traced[name][case]), strict=True):
                 same_run(a, b)
         # with hidden states too (llama_set_embeddings_nextn): the same trace, and its final_norm is the hidden state
         both, alone = hidden[name], traced[name]["full/A/T9"]
@@ -217,7 +219,7 @@ def test_a_perturbed_layer_is_where_the_trace_diverges(served, oracle, tmp_path)
     for name in SETS:
         refs = [oracle[name][1][c][1] for c in ("full/A/T9", "last/plain/A/T9/pos8")]
         for label, responses in (("all", next(got)), ("half", next(got))):
-            for response, ref in zip(responses, refs):
+            for response, ref in zip(responses, refs, strict=True):
                 first = first_divergence(response, ref, floor)
                 if label == "all":
                     assert first is None, (name, label, first)

@@ -18,16 +18,16 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-import mlx.nn as nn  # noqa: E402
+import mlx.nn as nn
+from helpers import same_run
 
-from helpers import same_run  # noqa: E402
-from conformance.backends.mlx_backend import MlxLmBackend  # noqa: E402
-from conformance.backends.refimpl_backend import RefimplBackend  # noqa: E402
-from conformance.check.profiles import PROFILES  # noqa: E402
-from conformance.check.requests import build_request  # noqa: E402
-from conformance.check.session import Checkpoints, Session  # noqa: E402
-from conformance.check.traces import compare_traces, point_errors  # noqa: E402
-from conformance.fixtures import bundled_set, load_set  # noqa: E402
+from conformance.backends.mlx_backend import MlxLmBackend
+from conformance.backends.refimpl_backend import RefimplBackend
+from conformance.check.profiles import PROFILES
+from conformance.check.requests import build_request
+from conformance.check.session import Checkpoints, Session
+from conformance.check.traces import compare_traces, point_errors
+from conformance.fixtures import bundled_set, load_set
 
 FLOOR = PROFILES["fp32"].nmse  # 1e-6
 # the oracle's points the mlx-lm backend does not serve, with the reason: every point maps exactly
@@ -86,7 +86,7 @@ def test_every_oracle_point_served_within_fp32(opened, name, suffix):
     got_groups, _ = groups(got)
     assert len(ref_groups) > 1 and len(got_groups) == len(ref_groups)  # every case here decodes
     worst = {}
-    for r, g in zip(ref_groups, got_groups):
+    for r, g in zip(ref_groups, got_groups, strict=True):
         assert set(r) - set(g) <= set(NOT_SERVED), f"not served: {sorted(set(r) - set(g) - set(NOT_SERVED))}"
         assert set(g) <= set(r)
         for point in r:

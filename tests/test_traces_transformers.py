@@ -26,16 +26,16 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import hf_reference as H  # noqa: E402  (needs torch + transformers)
+from helpers import same_run  # noqa: E402 - after the importorskip of torch
 
-from helpers import same_run  # noqa: E402
-from conformance.backends.refimpl_backend import RefimplBackend  # noqa: E402
-from conformance.backends.transformers_backend import TransformersBackend  # noqa: E402
-from conformance.check.profiles import PROFILES  # noqa: E402
-from conformance.check.requests import build_request  # noqa: E402
-from conformance.check.session import Checkpoints, Session  # noqa: E402
-from conformance.check.traces import compare_traces, point_errors  # noqa: E402
-from conformance.fixtures import bundled_set  # noqa: E402
-from conformance.sets.integrity import load_set  # noqa: E402
+from conformance.backends.refimpl_backend import RefimplBackend  # noqa: E402 - after the importorskip of torch
+from conformance.backends.transformers_backend import TransformersBackend  # noqa: E402 - see above
+from conformance.check.profiles import PROFILES  # noqa: E402 - after the importorskip of torch
+from conformance.check.requests import build_request  # noqa: E402 - after the importorskip of torch
+from conformance.check.session import Checkpoints, Session  # noqa: E402 - after the importorskip of torch
+from conformance.check.traces import compare_traces, point_errors  # noqa: E402 - after the importorskip of torch
+from conformance.fixtures import bundled_set  # noqa: E402 - after the importorskip of torch
+from conformance.sets.integrity import load_set  # noqa: E402 - after the importorskip of torch
 
 pytestmark = pytest.mark.hf
 
@@ -86,7 +86,7 @@ def groups(response) -> list[tuple[np.ndarray, dict]]:
     """(logits, trace) of the response's row groups: its rows, then each sequence's decode rows."""
     out = [(response.logits, response.trace)]
     if isinstance(response.decode_trace, list):
-        out += list(zip(response.decode_logits, response.decode_trace))
+        out += list(zip(response.decode_logits, response.decode_trace, strict=True))
     elif response.decode_trace is not None:
         out.append((response.decode_logits, response.decode_trace))
     return out
@@ -116,7 +116,7 @@ def test_every_oracle_point_within_the_floor(name, config, bound, traced):
     for case_id, (req, ref) in cases.items():
         got = backend.run(req)
         assert len(groups(got)) == len(groups(ref)), case_id
-        for (logits, g), (_, r) in zip(groups(got), groups(ref)):
+        for (logits, g), (_, r) in zip(groups(got), groups(ref), strict=True):
             missing = set(r) - set(g) - set(NOT_SERVED)
             assert not missing, f"{case_id}: not served {sorted(missing)}"
             for point, want in r.items():
@@ -142,7 +142,7 @@ def test_a_perturbed_layer_is_where_the_trace_diverges(name, traced):
     for case_id in (f"{name}/full/A/T9", f"{name}/last/plain/A/T9/pos8"):
         req, ref = cases[case_id]
 
-        def first_divergence():
+        def first_divergence(req=req, ref=ref):
             got, want = groups(backend.run(req)), groups(ref)
             labels = [f"group {k} row {i}" for k, (logits, _) in enumerate(want) for i in range(len(logits))]
             return compare_traces([t for _, t in got], [t for _, t in want], [lg for lg, _ in got],

@@ -38,20 +38,16 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import hf_reference as H  # noqa: E402  (needs torch + transformers)
-from helpers import max_abs, tup  # noqa: E402
+from helpers import max_abs, tup  # noqa: E402 - after the importorskip of torch
 
-from conformance import registry  # noqa: E402
-from conformance.backend import Backend, BackendError, Piece, Request  # noqa: E402
-from conformance.backends.transformers_backend import (  # noqa: E402
-    EXPECTATIONS_DIR,
-    TransformersBackend,
-    load_gemma4_causal_lm,
-)
-from conformance.check.expectations import load as load_expectations  # noqa: E402
-from conformance.fixtures import bundled_set  # noqa: E402
-from conformance.check.profiles import PROFILES  # noqa: E402
-from conformance.check.runner import run as run_cases  # noqa: E402
-from refimpl.synth import write_checkpoint  # noqa: E402
+from conformance import registry  # noqa: E402 - after the importorskip of torch
+from conformance.backend import Backend, BackendError, Piece, Request  # noqa: E402 - after the importorskip of torch
+from conformance.backends.transformers_backend import EXPECTATIONS_DIR, TransformersBackend, load_gemma4_causal_lm  # noqa: E402 - after the importorskip
+from conformance.check.expectations import load as load_expectations  # noqa: E402 - after the importorskip of torch
+from conformance.check.profiles import PROFILES  # noqa: E402 - after the importorskip of torch
+from conformance.check.runner import run as run_cases  # noqa: E402 - after the importorskip of torch
+from conformance.fixtures import bundled_set  # noqa: E402 - after the importorskip of torch
+from refimpl.synth import write_checkpoint  # noqa: E402 - after the importorskip of torch
 
 pytestmark = pytest.mark.hf
 
@@ -270,7 +266,7 @@ def test_both_checkpoint_layouts(tmp_path):
     # times 64 for sums of 64 terms (the hidden size; n eps bounds a length-n sum) = 2.2e-4. Measured
     # 1.2e-5 to 3.5e-5 with torch's AVX-512, AVX2 and default CPU code; a wrong or missing tensor, a dropped
     # softcap or a shifted row moves the logits by O(1).
-    for a, b in zip(out["causal"], out["conditional"]):
+    for a, b in zip(out["causal"], out["conditional"], strict=True):
         bound = 64 * np.finfo(np.float32).eps * float(np.abs(a).max())
         assert max_abs(a, b) < bound
     assert out["causal"][0].dtype == np.float32
@@ -499,8 +495,8 @@ def grade_fp32(got: np.ndarray, positions: list[int], oracle: np.ndarray):
     """Grade rows with the harness's own grader and the fp32 profile (base: the oracle rows)."""
     from types import SimpleNamespace
 
-    from conformance.sets.case import RowSpec
     from conformance.check.grading import grade_case
+    from conformance.sets.case import RowSpec
 
     specs = [RowSpec(label=f"row {i}", base="b", position=pos) for i, pos in enumerate(positions)]
     case = SimpleNamespace(generation=None, moe_min_margin=None)

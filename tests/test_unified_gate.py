@@ -20,8 +20,8 @@ from conformance.check.runner import run
 from conformance.fixtures import generate_set, load_set
 from conformance.protocol.types import ImageInput, Request
 from conformance.protocol.wire import request_from_json, request_to_json
-from conformance.sets.bundled import bundled_sets
 from conformance.selftest.engine import NumpyEngineBackend
+from conformance.sets.bundled import bundled_sets
 
 SET = next(p for p in bundled_sets() if p.name == "12b-mini")
 
@@ -50,7 +50,7 @@ def test_image_requests_carry_the_padded_patches(fs):
     case = next(c for c in fs.cases if c.base == "I1" and c.kind == "prefill")
     req = build_request(case, fs.bases(), None, media)
     assert len(req.image_inputs) == len(req.images) == 2
-    for (start, n), image in zip(req.images, req.image_inputs):
+    for (_, n), image in zip(req.images, req.image_inputs, strict=True):
         assert image.pixel_values.shape == (70, 3 * 12 * 12)  # max_soft_tokens rows of 12-px patches
         real = (image.positions != -1).all(axis=1)
         assert real.sum() == n and not image.pixel_values[~real].any()
@@ -68,7 +68,8 @@ def test_image_inputs_survive_the_wire(tmp_path):
                   embeddings=np.zeros((4, 8)), images=((1, 2),), image_inputs=(image,))
     back = request_from_json(json.loads(json.dumps(request_to_json(req, tmp_path))), tmp_path)
     assert np.array_equal(back.image_inputs[0].pixel_values, image.pixel_values)
-    assert np.array_equal(back.image_inputs[0].positions, image.positions) and back.image_inputs[0].positions.dtype == np.int64
+    assert np.array_equal(back.image_inputs[0].positions, image.positions)
+    assert back.image_inputs[0].positions.dtype == np.int64
 
 
 def _zero_image_rows(req: Request) -> Request:

@@ -10,6 +10,7 @@ comments; 5e-12 is the issue's bound for every comparison.
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -20,16 +21,27 @@ from hypothesis import strategies as st
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-import torch  # noqa: E402
+import torch
+from helpers import write_unified_checkpoint
+from hf_unified_reference import (
+    hf_audio_features,
+    hf_image_features,
+    hf_logits,
+    hf_logits_incremental,
+    load_hf_unified,
+    recompute_float64_buffers,
+    unified_float64_exact,
+)
 
-from hf_unified_reference import (hf_audio_features, hf_image_features, hf_logits, hf_logits_incremental,  # noqa: E402
-                                  load_hf_unified, recompute_float64_buffers, unified_float64_exact)
-from refimpl.frontends import audio_front_end, image_front_end  # noqa: E402
-from refimpl.model import VISION_MASK_RULES, Gemma4, KVCache  # noqa: E402
-from refimpl.multimodal import (expand_audio_placeholders, expand_image_placeholders, load_multimodal_tokens,  # noqa: E402
-                                multimodal_inputs)
-from helpers import write_unified_checkpoint  # noqa: E402
-from refimpl.synth import MULTIMODAL_PIECES, piece_id, write_checkpoint  # noqa: E402
+from refimpl.frontends import audio_front_end, image_front_end
+from refimpl.model import VISION_MASK_RULES, Gemma4, KVCache
+from refimpl.multimodal import (
+    expand_audio_placeholders,
+    expand_image_placeholders,
+    load_multimodal_tokens,
+    multimodal_inputs,
+)
+from refimpl.synth import MULTIMODAL_PIECES, piece_id, write_checkpoint
 
 pytestmark = pytest.mark.hf
 
@@ -77,7 +89,7 @@ def oracle(model_dir, ids, soft, asoft, mm, rule, cuts=None):
     if cuts is None:
         return m.forward(x.ids, embeddings=x.embeddings, vision_blocks=x.vision_blocks)
     cache, rows, bounds = KVCache(), [], [0, *cuts, len(ids)]
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in itertools.pairwise(bounds):
         rows.append(m.forward(x.ids[a:b], cache=cache, embeddings=x.embeddings[a:b],
                               vision_blocks=x.vision_blocks[a:b]))
     return np.concatenate(rows)
@@ -226,8 +238,13 @@ def test_drawn_configs_match_transformers(tmp_path_factory, config, seed, n_imag
 
 
 def _saved_by_transformers(tmp_path, seed=0):
-    from transformers import (Gemma4UnifiedAudioConfig, Gemma4UnifiedConfig, Gemma4UnifiedForConditionalGeneration,
-                              Gemma4UnifiedTextConfig, Gemma4UnifiedVisionConfig)
+    from transformers import (
+        Gemma4UnifiedAudioConfig,
+        Gemma4UnifiedConfig,
+        Gemma4UnifiedForConditionalGeneration,
+        Gemma4UnifiedTextConfig,
+        Gemma4UnifiedVisionConfig,
+    )
     text = Gemma4UnifiedTextConfig(
         vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
@@ -261,7 +278,6 @@ def _saved_by_transformers(tmp_path, seed=0):
 def test_checkpoints_written_by_transformers(tmp_path):
     """Both tensor namings and both architectures, as transformers 5.24 writes and reads them."""
     from safetensors.numpy import load_file, save_file
-
     from transformers import Gemma4UnifiedForCausalLM
     torch.set_num_threads(1)
     d = _saved_by_transformers(tmp_path)

@@ -12,16 +12,20 @@ import json
 
 import numpy as np
 import pytest
+from helpers import write_unified_checkpoint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from naive_gemma4 import naive_audio_embedder, naive_forward, naive_unified_patches, naive_vision_embedder
 from safetensors.numpy import load_file
 
-from helpers import write_unified_checkpoint
-from naive_gemma4 import naive_audio_embedder, naive_forward, naive_unified_patches, naive_vision_embedder
 from refimpl.frontends import audio_front_end, image_front_end
 from refimpl.model import VISION_MASK_RULES, Gemma4
-from refimpl.multimodal import (expand_audio_placeholders, expand_image_placeholders, load_multimodal_tokens,
-                                multimodal_inputs)
+from refimpl.multimodal import (
+    expand_audio_placeholders,
+    expand_image_placeholders,
+    load_multimodal_tokens,
+    multimodal_inputs,
+)
 from refimpl.synth import MULTIMODAL_PIECES, piece_id, write_checkpoint
 from refimpl.unified import UnifiedAudioConfig, audio_frames
 
@@ -147,7 +151,8 @@ def test_drawn_configs_match_the_loops(tmp_path_factory, c, seed, n_images, n_cl
         model_type="gemma4_unified_text", vocab_size=64, hidden_size=16, intermediate_size=20,
         num_hidden_layers=c["layers"], layer_types=c["types"], num_attention_heads=c["N"], num_key_value_heads=c["kv"],
         num_global_key_value_heads=1, head_dim=4, global_head_dim=8, attention_k_eq_v=c["k_eq_v"],
-        sliding_window=c["window"], final_logit_softcapping=30.0, rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh",
+        sliding_window=c["window"], final_logit_softcapping=30.0, rms_norm_eps=1e-6,
+        hidden_activation="gelu_pytorch_tanh",
         tie_word_embeddings=True, use_bidirectional_attention="vision", bos_token_id=2, pad_token_id=0,
         eos_token_id=[1], hidden_size_per_layer_input=8, num_kv_shared_layers=0,
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},

@@ -55,8 +55,15 @@ import pytest
 from refimpl.errors import ConfigError, InputError, WeightsError
 from refimpl.model import Trace
 from refimpl.safetensors_io import write_safetensors
-from refimpl.vision import (VisionWeights, expected_vision_tensors, load_vision_config, load_vision_tower,
-                            parse_vision_config, vision_tower, vision_tower_batch)
+from refimpl.vision import (
+    VisionWeights,
+    expected_vision_tensors,
+    load_vision_config,
+    load_vision_tower,
+    parse_vision_config,
+    vision_tower,
+    vision_tower_batch,
+)
 
 # float64 rounding through 2 layers, pooling and the projection (soft tokens up to ~2.5 in size).
 # Measured worst case over the 3 images x 5 towers below: 3.8e-14 (hd72_all), 7.9e-15 (hd24_gqa),
@@ -276,7 +283,7 @@ def test_vision_tower_equals_transformers_in_float64(variant, checkpoints, proce
     theirs = hf_soft_tokens(torch_one_thread, hf, pixel_values, positions)
     ours = vision_tower_batch(pixel_values, positions, weights, cfg)
     diffs = []
-    for i, (a, b) in enumerate(zip(ours, theirs)):
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
         assert a.shape == b.shape == (n_soft[i], TEXT["hidden_size"])
         diffs.append(float(np.abs(a - b).max()))
     print(f"\n{variant}: max |refimpl - transformers| per image {IMAGE_SIZES}: " + ", ".join(f"{d:.2e}" for d in diffs))
@@ -297,7 +304,7 @@ def test_transformers_as_shipped_is_only_float32_close(checkpoints, processed, t
     pixel_values, positions, _ = processed
     ours = vision_tower_batch(pixel_values, positions, *load_vision_tower(path))
     stock = hf_soft_tokens(torch_one_thread, hf, pixel_values, positions, exact=False)
-    diff = max(float(np.abs(a - b).max()) for a, b in zip(ours, stock))
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(ours, stock, strict=True))
     print(f"\nstock transformers (float64 model, float32 spots) vs refimpl: {diff:.2e}")
     assert 1e3 * EXACT_BOUND < diff < SHIPPED_BOUND
 

@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 
 from refimpl import Gemma4, KVCache, RefimplError
+from refimpl.assistant import Drafter
 from refimpl.config import read_config_json
 from refimpl.frontends import audio_front_end, image_front_end
-from refimpl.assistant import Drafter
 from refimpl.model import VISION_MASK_RULES, Trace
 from refimpl.mtp import CONVENTIONS, assisted_greedy, run_rounds
 from refimpl.multimodal import llm_input_ids, load_multimodal_tokens
@@ -189,8 +189,9 @@ class RefimplBackend(CachedBackend):
         """``embeddings`` with each ``what`` block's rows replaced by the oracle's soft tokens of its
         input (``front.embed(*input)``: a refimpl.frontends front end)."""
         if front is None:
-            raise ValueError(f"{self.who}: an {what} prompt, but the checkpoint has no {what} tower or embedder ({key})")
-        for (start, n), args in zip(spans, inputs):
+            raise ValueError(f"{self.who}: an {what} prompt, but the checkpoint has no {what} tower or embedder "
+                             f"({key})")
+        for (start, n), args in zip(spans, inputs, strict=True):
             soft = front.embed(*args)
             if soft.shape[0] != n:
                 source = "clip" if what == "audio" else "image"

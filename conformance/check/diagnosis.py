@@ -185,7 +185,8 @@ def _set_patterns(failed: list, passed: list, kv_shared: bool, unified: bool) ->
 
     only(lambda c: c.kind == "multi", "multi-sequence cases", ["B5", "B6"])
     if all(_is_media(c) for c in text):  # also on a set of media prompts alone
-        out.append((f"only image or audio prompts fail in this set ({len(text)} case(s))", _media_classes(text, unified)))
+        out.append((f"only image or audio prompts fail in this set ({len(text)} "
+                    "case(s))", _media_classes(text, unified)))
     only(lambda c: c.entry == "last:embeddings" or _is_media(c), "cases given input embeddings",
          ["B10", "trap 17"])
     only(lambda c: "ubatch" in c.features, "cases with micro-batches", ["B7", "B4"])
@@ -209,9 +210,14 @@ def _line(patterns: list[tuple[str, list[str]]]) -> str:
             if k not in classes:
                 classes.append(k)
     if classes == ["degenerate"]:
-        return ("degenerate output: " + "; ".join(text for text, _ in patterns[:2]) + ". Not a bug class of the model: the backend's output "
-                "was not computed for this input (an unfilled or zeroed buffer, a result not copied back, a stub, a "
-                "cached response); fix that first, nothing else can be read from these rows")
+        return ("degenerate output: " + "; ".join(text for text, _ in patterns[:2]) + ". Not a bug class of the model: "
+                                                                                      "the backend's output was not "
+                                                                                      "computed for this input (an "
+                                                                                      "unfilled or zeroed buffer, a "
+                                                                                      "result not copied back, a stub, "
+                                                                                      "a cached response); fix that "
+                                                                                      "first, nothing else can be read "
+                                                                                      "from these rows")
     named = "; ".join(f"{k} ({CLASSES[k]})" for k in classes[:3])
     return "; ".join(text for text, _ in patterns[:2]) + f". Likely {named}"
 

@@ -219,12 +219,14 @@ def parse(data: Any, *, path: str | None = None, today: _dt.date | None = None) 
     unknown = sorted(set(data) - TOP_FIELDS)
     if unknown:
         raise ExpectationsError(
-            f"{src}: unknown top-level field(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(sorted(TOP_FIELDS))}"
+            f"{src}: unknown top-level field(s) {', '.join(map(repr, unknown))}; allowed: "
+            f"{', '.join(sorted(TOP_FIELDS))}"
         )
     if "schema" in data and data["schema"] != SCHEMA:
         raise ExpectationsError(f"{src}: 'schema' must be {SCHEMA!r}, got {data['schema']!r}")
     if "schema_version" in data and data["schema_version"] != 1:
-        raise ExpectationsError(f"{src}: unsupported 'schema_version' {data['schema_version']!r} (this harness reads 1)")
+        raise ExpectationsError(f"{src}: unsupported 'schema_version' {data['schema_version']!r} (this harness reads "
+                                "1)")
     backend = data.get("backend")
     if backend is not None and not isinstance(backend, str):
         raise ExpectationsError(f"{src}: 'backend' must be a string")
@@ -281,7 +283,8 @@ def parse(data: Any, *, path: str | None = None, today: _dt.date | None = None) 
                     raise ExpectationsError(f"{where}: field 'tolerance.{k}' must be a number, got {v!r}")
                 if k == "topk":
                     if float(v) != int(v) or v < 1:
-                        raise ExpectationsError(f"{where}: field 'tolerance.topk' must be a positive integer, got {v!r}")
+                        raise ExpectationsError(f"{where}: field 'tolerance.topk' must be a positive integer, got "
+                                                f"{v!r}")
                     v = int(v)
                 elif not v >= 0:
                     raise ExpectationsError(f"{where}: field 'tolerance.{k}' must be >= 0, got {v!r}")

@@ -278,15 +278,17 @@ def _grade_row(row: _Row, got_row: np.ndarray, base_rows: np.ndarray, base_cols:
     mr = float(rel[jr])
     nm = float(M.nmse(g, r))
     cs = float(M.cosine(g, r))
-    m["max_abs"], m["max_rel"], m["nmse"], m["cosine"] = finite_or_none(ma), finite_or_none(mr), finite_or_none(nm), finite_or_none(cs)
+    m["max_abs"], m["max_rel"] = finite_or_none(ma), finite_or_none(mr)
+    m["nmse"], m["cosine"] = finite_or_none(nm), finite_or_none(cs)
     at = f"max_abs {show_value(ma)} at token {tok}: got {got[tok]:.7g}, oracle {ref[tok]:.7g}"
     if not ma <= profile.max_abs:
-        failures.append(("max_abs", f"{label}: max_abs {show_value(ma)} > {show_threshold(profile.max_abs)} at token {tok} "
-                                    f"(got {got[tok]:.7g}, oracle {ref[tok]:.7g}; nmse {show_value(nm)})"))
+        failures.append(("max_abs", f"{label}: max_abs {show_value(ma)} > {show_threshold(profile.max_abs)} at token "
+                                    f"{tok} (got {got[tok]:.7g}, oracle {ref[tok]:.7g}; nmse {show_value(nm)})"))
     if not mr <= profile.max_rel:
         tr = int(colmap[jr])
-        failures.append(("max_rel", f"{label}: max_rel {show_value(mr)} > {show_threshold(profile.max_rel)} at token {tr} "
-                                    f"(got {got[tr]:.7g}, oracle {ref[tr]:.7g}, floor {show_threshold(profile.rel_floor)})"))
+        failures.append(("max_rel", f"{label}: max_rel {show_value(mr)} > {show_threshold(profile.max_rel)} at token "
+                                    f"{tr} (got {got[tr]:.7g}, oracle {ref[tr]:.7g}, floor "
+                                    f"{show_threshold(profile.rel_floor)})"))
     if not nm <= profile.nmse:
         failures.append(("nmse", f"{label}: nmse {show_value(nm)} > {show_threshold(profile.nmse)} ({at})"))
     if not cs >= profile.cosine_min:
@@ -298,12 +300,13 @@ def _grade_row(row: _Row, got_row: np.ndarray, base_rows: np.ndarray, base_cols:
     dp = float(M.delta_p(r, g))
     m["kl"], m["delta_p"] = finite_or_none(kl), finite_or_none(dp)
     if not kl <= profile.kl_max:
-        failures.append(("kl", f"{label}: kl {show_value(kl)} > {show_threshold(profile.kl_max)} (delta_p {show_value(dp)}; {at})"))
+        failures.append(("kl", f"{label}: kl {show_value(kl)} > {show_threshold(profile.kl_max)} (delta_p "
+                               f"{show_value(dp)}; {at})"))
     if not dp <= profile.delta_p:
         jt = int(np.argmax(r))
         p_ref, p_got = float(M.softmax(r)[jt]), float(M.softmax(g)[jt])
-        failures.append(("delta_p", f"{label}: delta_p {show_value(dp)} > {show_threshold(profile.delta_p)} on the oracle's top "
-                                    f"token {int(colmap[jt])} (p oracle {p_ref:.4g}, p got {p_got:.4g}; "
+        failures.append(("delta_p", f"{label}: delta_p {show_value(dp)} > {show_threshold(profile.delta_p)} on the "
+                                    f"oracle's top token {int(colmap[jt])} (p oracle {p_ref:.4g}, p got {p_got:.4g}; "
                                     f"kl {show_value(kl)})"))
 
     # -- token agreement
@@ -318,11 +321,13 @@ def _grade_row(row: _Row, got_row: np.ndarray, base_rows: np.ndarray, base_cols:
         v = gg[ref_top]
         rank = 1 + int(np.count_nonzero(gg > v)) + int(np.count_nonzero(gg[:ref_top] == v))
         failures.append(("top1", f"{label}: top-1 differs on a decided row: got token {row.argmax_got}, oracle "
-                                 f"{ref_top} (oracle margin {show_value(row.margin)} > {show_threshold(profile.tie_margin)}; the "
-                                 f"oracle's token is rank {rank} in the returned row)"))
+                                 f"{ref_top} (oracle margin {show_value(row.margin)} > "
+                                 f"{show_threshold(profile.tie_margin)}; the oracle's token is rank {rank} in the "
+                                 "returned row)"))
     if row.decided and tie_aware < profile.topk_overlap_min:
         failures.append(("topk", f"{label}: top-{profile.topk} overlap {show_value(tie_aware)} < "
-                                 f"{show_threshold(profile.topk_overlap_min)} on a decided row: oracle {ids_ref}, got {ids_got}"))
+                                 f"{show_threshold(profile.topk_overlap_min)} on a decided row: oracle {ids_ref}, got "
+                                 f"{ids_got}"))
 
     if ratio_short is not None and not failures:
         failures.append(("identity", ratio_short))
@@ -450,8 +455,8 @@ def grade_case(case, groups: Sequence[tuple[str, Sequence[Any]]], got: Sequence[
                 continue
             if r.argmax_got != int(gold):
                 first_div = r.index
-                div_msg = (f"generation diverges at step {r.index} ({r.spec.label}): got token {r.argmax_got}, "
-                           f"golden {int(gold)} (oracle margin {show_value(r.margin)} > {show_threshold(profile.tie_margin)})")
+                div_msg = (f"generation diverges at step {r.index} ({r.spec.label}): got token {r.argmax_got}, golden "
+                           f"{int(gold)} (oracle margin {show_value(r.margin)} > {show_threshold(profile.tie_margin)})")
                 break
 
     failing = [r for r in results if r.status == "fail"]
@@ -480,7 +485,7 @@ def grade_case(case, groups: Sequence[tuple[str, Sequence[Any]]], got: Sequence[
     moe = getattr(case, "moe_min_margin", None)
     if status == "fail" and moe is not None and moe < MOE_NEAR_TIE:
         message += (f"; note: MoE router near-tie in this case (smallest router margin {show_value(moe)} < "
-                    f"{show_threshold(MOE_NEAR_TIE)}): rounding can flip an expert choice, which moves logits far beyond "
-                    f"the tolerance")
+                    f"{show_threshold(MOE_NEAR_TIE)}): rounding can flip an expert choice, which moves logits far "
+                    "beyond the tolerance")
     return CaseGrade(status=status, check=check, message=message, rows=results, summary=summary,
                      first_divergence=first_div)

@@ -241,7 +241,7 @@ def row_identity(row, rows, position: int, floor: float = IDENTITY_FLOOR,
         nearby = {j for j in (i - 1, i, i + 1) if 0 <= j < N}
         cand = sorted(set(np.argsort(approx, kind="stable")[:4].tolist()) | nearby)
     d = row_distances(row, as_f64(rows[np.array(cand)]))
-    exact = dict(zip(cand, d.tolist()))
+    exact = dict(zip(cand, d.tolist(), strict=True))
     nearest = min(cand, key=lambda n: (exact[n], n))
     neigh = [exact[j] for j in (i - 1, i + 1) if 0 <= j < N]
     if not neigh:

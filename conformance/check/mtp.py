@@ -26,7 +26,7 @@ MTP_CHECKS = ("mtp", "mtp_output", "mtp_accepted", "mtp_trace")
 
 
 def _first_difference(got, want) -> int | None:
-    for i, (g, w) in enumerate(zip(got, want)):
+    for i, (g, w) in enumerate(zip(got, want, strict=False)):
         if g != w:
             return i
     return None if len(got) == len(want) else min(len(got), len(want))
@@ -51,7 +51,7 @@ def grade_mtp(case, response, profile: Profile) -> tuple[str, str] | None:
 
     if spec.mode == "rounds":
         P = case.length  # the pending token's position
-        for r, (want, got) in enumerate(zip(spec.rounds, mtp.accepted)):
+        for r, (want, got) in enumerate(zip(spec.rounds, mtp.accepted, strict=False)):
             decided = min(want.verify_margins[:want.accepted + 1]) > tie
             if decided and got != want.accepted:
                 return "mtp_accepted", (f"round {r} (pending token at position {P}): the engine accepted {got} of "
@@ -63,7 +63,8 @@ def grade_mtp(case, response, profile: Profile) -> tuple[str, str] | None:
 
     for r, want in enumerate(spec.rounds):
         if r >= len(mtp.drafts) or r >= len(mtp.accepted):
-            return "mtp_trace", f"round {r}: missing (the engine ran {len(mtp.drafts)} rounds, the oracle {len(spec.rounds)})"
+            return "mtp_trace", (f"round {r}: missing (the engine ran {len(mtp.drafts)} rounds, the oracle "
+                                 f"{len(spec.rounds)})")
         got = tuple(mtp.drafts[r])
         for j, w in enumerate(want.drafts):
             if want.draft_margins[j] <= tie:
@@ -71,8 +72,8 @@ def grade_mtp(case, response, profile: Profile) -> tuple[str, str] | None:
             if j >= len(got) or got[j] != w:
                 g = got[j] if j < len(got) else "nothing"
                 return "mtp_trace", (f"round {r} step {j}: drafted {g}, the oracle drafts {w} under {spec.convention} "
-                                     f"(drafter margin {want.draft_margins[j]:.3g}; the engine's round: {list(got)}, the "
-                                     f"oracle's: {list(want.drafts)})")
+                                     f"(drafter margin {want.draft_margins[j]:.3g}; the engine's round: {list(got)}, "
+                                     f"the oracle's: {list(want.drafts)})")
         if len(got) != len(want.drafts):
             return "mtp_trace", f"round {r}: {len(got)} drafts, the oracle {len(want.drafts)}"
         if mtp.accepted[r] != want.accepted and min(want.verify_margins[:want.accepted + 1]) > tie:

@@ -17,6 +17,7 @@ from refimpl.weights import Gemma4Weights
 from ..protocol.types import MtpRequest, MtpRound, Piece, Request, Response
 from ..sets.case import BaseMedia, Case, prompt_length, row_groups
 
+
 def _ids(x) -> tuple[int, ...]:
     return tuple(int(t) for t in x)
 

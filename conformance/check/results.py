@@ -149,7 +149,8 @@ def aborted_run(backend: dict[str, Any], profile: Any, sets: list[SetInfo], reas
     """The record of a run that could not start or go on (``reason`` of ABORT_REASONS): no case, the error."""
     finished = _dt.datetime.now(_dt.timezone.utc)
     return RunResult(backend=backend, profile=profile if profile is not None else NoProfile(), sets=sets, cases=[],
-                     expectations={"path": None, "entries": 0, "expired": [], "unused": []}, select=select, started=started, finished=finished,
+                     expectations={"path": None, "entries": 0, "expired": [], "unused": []}, select=select,
+                     started=started, finished=finished,
                      duration=max(0.0, (finished - started).total_seconds()),
                      aborted={"reason": reason, "exit_code": ABORT_REASONS[reason], "message": message})
 

@@ -33,18 +33,19 @@ from typing import Any, Callable, Iterable
 
 from ..protocol.types import Backend, CaseTimeout, Response, claims, required_capabilities
 from ..protocol.wire import jsonable
+from ..sets.case import row_groups
 from ..sets.integrity import load_set
+from .diagnosis import diagnose_set
 from .exits import refuse_process_exit
 from .expectations import Expectations
-from .diagnosis import diagnose_set
 from .grading import grade_case
 from .hidden import grade_hidden, hidden_groups
 from .mtp import grade_mtp
 from .profiles import with_overrides
 from .requests import build_request, response_groups, without_decode
-from ..sets.case import row_groups
 from .results import CaseResult, Progress, RunResult, SetInfo, _finite, entry_point
 from .session import Checkpoints, Selection, Session, SetContext
+
 
 class Interrupted(KeyboardInterrupt):
     """A stop signal other than SIGINT (SIGTERM, SIGHUP) arrived during a run: raised by the handler of
@@ -225,7 +226,7 @@ def run(
     selection = Selection(sets, select)
     for fs in selection.sets:
         expectations.observe(c.id for c in fs.cases)
-    plan, infos, total = list(zip(selection.sets, selection.chosen)), selection.infos(), selection.total
+    plan, infos, total = list(zip(selection.sets, selection.chosen, strict=True)), selection.infos(), selection.total
 
     claimed = backend.capabilities.to_dict()
     calls = _Calls(backend, case_timeout)
@@ -236,7 +237,7 @@ def run(
     with tempfile.TemporaryDirectory(prefix="gemma4-conformance-", dir=workdir) as tmp, refuse_process_exit():
         session = Session(backend, Checkpoints(tmp, model=model, rehash=rehash, drafter=drafter), calls)
         try:
-            for (fs, chosen), info in zip(plan, infos):
+            for (fs, chosen), info in zip(plan, infos, strict=True):
                 if chosen:
                     interrupted = _run_set(session, claimed, fs, chosen, info, profile, expectations, results, total,
                                            progress, in_flight, timings)
@@ -440,7 +441,8 @@ def run_case(backend: Backend, claimed: dict, ctx: SetContext, case, profile,
             _fold(res, bad[0].check, bad[0].message + more,
                   f"{len(bad)} hidden row{'s' if len(bad) > 1 else ''} fail too ({bad[0].message})")
     if res.missing:
-        res.message = (res.message + "; " if res.message else "") + "decode not claimed: only the prefill rows were graded"
+        res.message = (res.message + "; " if res.message else "") + ("decode not claimed: only the prefill rows were "
+                                                                     "graded")
     res.rows = [_row_json(r, ctx.pieces) for r in grade.rows + hidden_rows]
     res.summary = {k: _finite(v) for k, v in (grade.summary or {}).items()}
     res.first_divergence = None if grade.first_divergence is None else int(grade.first_divergence)

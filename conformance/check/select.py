@@ -53,7 +53,9 @@ def parse_expression(text: str) -> Predicate:
         while peek() == word:
             take()
             right, prev = operand(), left
-            left = lambda k, i, a=prev, b=right: combine(a(k, i), b(k, i))  # noqa: E731
+
+            def left(k, i, a=prev, b=right):
+                return combine(a(k, i), b(k, i))
         return left
 
     def expr() -> Predicate:  # or binds loosest, then and, then not

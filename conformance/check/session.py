@@ -11,14 +11,14 @@ after the last.
 from __future__ import annotations
 
 import functools
-from collections import ChainMap
 import re
+from collections import ChainMap
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from refimpl.assistant import Drafter
 from refimpl.config import load_config
 from refimpl.errors import RefimplError
-from refimpl.assistant import Drafter
 from refimpl.model import Gemma4
 from refimpl.tokenizer import Tokenizer
 
@@ -31,8 +31,8 @@ from ..sets.integrity import load_set
 from .hidden import OracleHidden
 from .profiles import scaled
 from .requests import Embedder, build_request
-from .select import CaseFilter
 from .results import SetInfo
+from .select import CaseFilter
 
 
 class NoCasesSelected(Exception):
@@ -60,7 +60,9 @@ class Selection:
         else:
             pattern = compile_select(select)
             self.select = None if pattern is None else CaseFilter(regex=pattern.pattern).describe()
-            take = (lambda case, name: pattern is None or pattern.search(case.id) is not None)
+
+            def take(case, name: str, pattern=pattern) -> bool:
+                return pattern is None or pattern.search(case.id) is not None
         self.sets = [s if isinstance(s, FixtureSet) else load_set(Path(s)) for s in sets]
         self.chosen = [[c for c in fs.cases if take(c, str(fs.manifest.get("name", "")))] for fs in self.sets]
         self.total = sum(len(c) for c in self.chosen)
@@ -73,7 +75,7 @@ class Selection:
     def infos(self) -> list[SetInfo]:
         """One SetInfo per set, for the report."""
         out = []
-        for fs, chosen in zip(self.sets, self.chosen):
+        for fs, chosen in zip(self.sets, self.chosen, strict=True):
             m = fs.manifest
             out.append(SetInfo(
                 name=str(m.get("name", Path(fs.path).name)), version=str(m.get("version", "")),
@@ -131,7 +133,7 @@ class SetContext:
         A case whose request cannot be built counts as claimable: running it reports the harness error."""
         try:
             need = required_capabilities(build_request(case, self.bases, self.embed, self.media, self.drafter))
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - running it reports the harness error
             return True
         return all(claims(claimed, n) for n in need if n != "decode")
 
@@ -178,7 +180,7 @@ def token_pieces(model_dir: Path) -> Callable[[list[int]], list[str] | None]:
         for i in ids:
             try:
                 out.append(tok.piece(int(i)) if 0 <= int(i) < tok.vocab_size else f"<id {int(i)}>")
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - a piece is cosmetic: the id instead
                 out.append(f"<id {int(i)}>")
         return out
 
@@ -276,7 +278,7 @@ class Session:
             self.calls.open(Path(ctx.model_dir))
         except (BackendError, KeyboardInterrupt):
             raise
-        except BaseException as exc:  # noqa: BLE001 - cannot open: the run stops (exit 4)
+        except BaseException as exc:  # cannot open: the run stops (exit 4)
             raise BackendError(f"backend {getattr(self.backend, 'name', '?')!r} could not open "
                                f"{fs.manifest.get('name', fs.path)} ({ctx.model_dir}): "
                                f"{type(exc).__name__}: {exc}") from exc
@@ -292,5 +294,5 @@ class Session:
             self.calls.close()
         except KeyboardInterrupt:
             raise
-        except BaseException:  # noqa: BLE001
+        except BaseException:  # noqa: BLE001 - closing must not mask the run's result
             pass

@@ -56,7 +56,7 @@ class PointErrors:
 
     def over(self, floor: float) -> list[int]:
         """The rows that leave the floor here (module doc)."""
-        return [i for i, (e, f) in enumerate(zip(self.errors, self.effect))
+        return [i for i, (e, f) in enumerate(zip(self.errors, self.effect, strict=True))
                 if not np.isnan(e) and e > floor and f > floor * EFFECT_FRACTION]
 
     @property
@@ -134,7 +134,7 @@ def point_errors(name: str, got: np.ndarray, ref: np.ndarray) -> np.ndarray:
     """Per row: the NMSE of ``got`` against the oracle's ``ref`` at point ``name`` (for the router's choices:
     1.0 where the chosen experts differ as sets, else 0.0)."""
     if split_point(name)[1] == ROUTER:
-        same = [set(np.asarray(a).tolist()) == set(np.asarray(b).tolist()) for a, b in zip(got, ref)]
+        same = [set(np.asarray(a).tolist()) == set(np.asarray(b).tolist()) for a, b in zip(got, ref, strict=False)]
         return np.array([0.0 if s else 1.0 for s in same])
     got, ref = np.asarray(got, dtype=np.float64), np.asarray(ref, dtype=np.float64)
     return _relative(got, ref, ref)
@@ -163,7 +163,7 @@ def compare_traces(got: Sequence[Mapping[str, np.ndarray] | None], ref: Sequence
     out.missing = [n for n in names if n not in served]
     for name in names + [LOGITS]:
         errs, effects = [], []
-        for g, r, gl, rl in zip(got, ref, got_logits, ref_logits):
+        for g, r, gl, rl in zip(got, ref, got_logits, ref_logits, strict=False):
             n = len(next(iter(r.values()))) if r else np.asarray(rl).shape[0]
             missing = (np.full(n, np.nan), np.full(n, np.nan))
             if name == LOGITS:

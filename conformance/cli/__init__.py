@@ -3,16 +3,19 @@ scoreboard).
 
     conformance check --backend NAME|module:attr [--fixtures DIR ...] [--model DIR] [--rehash] [--profile P]
                       [--expectations FILE | --no-shipped-expectations] [-k REGEX]
-                      [--json FILE] [--junit-xml FILE] [--summary-md FILE] [--html FILE] [--backend-option KEY=VALUE ...] [-q] [-v]
+                      [--json FILE] [--junit-xml FILE] [--summary-md FILE] [--html FILE] [--backend-option KEY=VALUE
+                      ...] [-q] [-v]
     conformance list backends|cases|profiles [--fixtures DIR ...] [-k REGEX]
     conformance generate (--model DIR | --preset NAME [--seed N]) [--prompts FILE.jsonl] --out DIR
-                         [--name N] [--version V] [--cases auto|text|images|audio|mtp|all] [--drafter DIR] [--image FILE ...]
+                         [--name N] [--version V] [--cases auto|text|images|audio|mtp|all] [--drafter DIR] [--image FILE
+                         ...]
                          [--audio FILE.wav ...] [--workers N | --cluster ADDRESS]
     conformance verify DIR ... [--model DIR] [--rehash] [--recompute]
     conformance selftest [--fixtures DIR ...] [--mutant REGEX] [-k REGEX] [--json FILE] [--workers N] [-q]
     conformance scoreboard REPORT.json ... [--out FILE.md | --into PAGE.md] [--title T]
     conformance explain --backend NAME|module:attr [-k REGEX] [--fixtures DIR ...] [--from REPORT.json]
-                        [--json OUT] [--html OUT.html] [--plot OUT.png] [--profile P] [--backend-option KEY=VALUE ...] [-q] [-v]
+                        [--json OUT] [--html OUT.html] [--plot OUT.png] [--profile P] [--backend-option KEY=VALUE ...]
+                        [-q] [-v]
 
 Exit codes: 0 all selected cases pass (xfail, skipped and not-claimed allowed); 1 some case is fail,
 error or xpass; 2 usage error (bad arguments, bad expectations file, unknown profile, bad regex);
@@ -33,9 +36,18 @@ from ..protocol.wire import VERSIONS
 from ..report.json_report import SCHEMA_VERSION as REPORT_SCHEMA_VERSION
 from ..sets.format import SCHEMA_VERSION as SET_SCHEMA_VERSION
 from .check import cmd_check, cmd_list, cmd_scoreboard
+from .common import (
+    EXIT_PIPE,
+    EXIT_USAGE,
+    PROG,
+    Parser,
+    UsageError,
+    add_selection,
+    err,
+    positive_seconds,
+    silence_stdout,
+)
 from .explain import cmd_explain
-from .common import (EXIT_PIPE, EXIT_USAGE, PROG, Parser, UsageError, add_selection, err, positive_seconds,
-                     silence_stdout)
 from .generate import add_generate_options, cmd_generate, cmd_verify
 from .selftest import cmd_selftest
 
@@ -50,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog=PROG, description="Conformance gate for Gemma 4 inference engines against the exact "
                                        "float64 refimpl oracle. See docs/conformance.md.")
     p.add_argument("--version", action=_Version, nargs=0, help="print the version and the formats it speaks, then exit")
-    sub = p.add_subparsers(dest="command", metavar="{check,explain,list,generate,verify,selftest,scoreboard}", parser_class=Parser)
+    sub = p.add_subparsers(dest="command", metavar="{check,explain,list,generate,verify,selftest,scoreboard}",
+                           parser_class=Parser)
     sub.required = True
 
     c = sub.add_parser("check", help="run the fixture sets' cases on a backend and grade them",
@@ -108,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--fixtures", nargs="+", action="extend", metavar="DIR",
                     help="fixture sets (default: the report's sets with --from, else the bundled sets)")
     ex.add_argument("--from", dest="from_report", metavar="REPORT.json",
-                    help="explain the failed cases (fail, error, xfail, xpass) of this 'conformance check --json' report")
+                    help="explain the failed cases (fail, error, xfail, xpass) of this 'conformance check --json' "
+                         "report")
     ex.add_argument("--model", metavar="DIR", help=MODEL_HELP)
     ex.add_argument("--rehash", action="store_true", help=REHASH_HELP)
     ex.add_argument("--profile", metavar="P", help="the profile whose nmse is the floor (default: the backend's)")
@@ -139,8 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "S0, S1), mtp (assisted decoding with the drafter: bases M0..M3), or all (text plus what the "
                         "checkpoint's towers and drafter allow; auto, the default, is the same)")
     g.add_argument("--drafter", metavar="DIR",
-                   help="an MTP assistant checkpoint for --model (gemma4_assistant, gemma4_unified_assistant): adds the "
-                        "MTP matrix (docs/fixtures.md); a preset with an assistant brings its own")
+                   help="an MTP assistant checkpoint for --model (gemma4_assistant, gemma4_unified_assistant): adds "
+                        "the MTP matrix (docs/fixtures.md); a preset with an assistant brings its own")
     g.add_argument("--image", action="append", metavar="FILE",
                    help="an image for the image bases (repeat for more; PNG/PPM natively, other formats with "
                         "pillow); default: synthetic images")

@@ -16,16 +16,29 @@ from ..check.results import entry_point
 from ..check.runner import load_sets, run
 from ..protocol.types import BackendError
 from ..registry import available_backends, load_backend, not_installed_note
+from ..report import ProgressBar, colorize, console_summary, exit_line, is_tty, printable, use_color, verdict_line
 from ..report.console import counts_line
 from ..report.html import write_html
-from ..report import ProgressBar, colorize, console_summary, exit_line, is_tty, printable, use_color, verdict_line
 from ..report.scoreboard import ScoreboardError, embed, load_report, render
 from ..sets import FixtureError
 from .common import (
-    EXIT_EMPTY, EXIT_FIXTURE, EXIT_OK, UsageError, compile_k, err, guarded, load_fixture_sets,
-    model_dir_arg, output_path, backend_option, fixture_paths, write_stdout, warn,
+    EXIT_EMPTY,
+    EXIT_FIXTURE,
+    EXIT_OK,
+    UsageError,
+    backend_option,
+    compile_k,
+    err,
+    fixture_paths,
+    guarded,
+    load_fixture_sets,
+    model_dir_arg,
+    output_path,
+    warn,
+    write_stdout,
 )
 from .reports import Reports
+
 
 def _load_checked_backend(args, options: dict[str, Any]):
     """The backend of --backend: in this process, or with --isolate in a child process behind the
@@ -78,7 +91,8 @@ def _shipped_expectations(args, backend, expectations):
     expectations.shipped = True
     if not args.quiet:
         sys.stderr.write(printable(f"using the expectations shipped with backend {backend.name!r}: {shipped} "
-                                   f"({len(expectations.entries)} entries; --no-shipped-expectations to ignore)") + "\n")
+                                   f"({len(expectations.entries)} entries; --no-shipped-expectations to "
+                                   "ignore)") + "\n")
     return expectations
 
 
@@ -166,10 +180,10 @@ def cmd_list(args) -> int:
         for name, p in dict(PROFILES).items():
             desc = getattr(p, "description", "")
             print(f"{name}: {desc}")
-            print(f"    max_abs {p.max_abs:g}, max_rel {p.max_rel:g}, nmse {p.nmse:g}, cosine >= 1-{1 - p.cosine_min:.3g}, "
-                  f"kl_max {p.kl_max:g}, kl_mean {p.kl_mean:g}, delta_p {p.delta_p:g}, "
-                  f"top-{p.topk} overlap {p.topk_overlap_min:g}, tie_margin {p.tie_margin:g}, "
-                  f"identity_ratio {p.identity_ratio:g}")
+            print(f"    max_abs {p.max_abs:g}, max_rel {p.max_rel:g}, nmse {p.nmse:g}, cosine >= "
+                  f"1-{1 - p.cosine_min:.3g}, kl_max {p.kl_max:g}, kl_mean {p.kl_mean:g}, delta_p {p.delta_p:g}, "
+                  f"top-{p.topk} overlap {p.topk_overlap_min:g}, tie_margin {p.tie_margin:g}, identity_ratio "
+                  f"{p.identity_ratio:g}")
         return EXIT_OK
     # cases
 

@@ -69,7 +69,7 @@ def write_stdout(text: str) -> bool:
 class Parser(argparse.ArgumentParser):
     """argparse that raises instead of exiting, so main() returns the exit code."""
 
-    def error(self, message: str):  # noqa: D401
+    def error(self, message: str):
         raise UsageError(f"{message}\n{self.format_usage().strip()}")
 
 

@@ -12,8 +12,21 @@ from ..protocol.types import BackendError
 from ..registry import load_backend
 from ..report import ProgressBar, is_tty, printable
 from ..report.html import write_explain_html
-from .common import (EXIT_BACKEND, EXIT_FAIL, EXIT_OK, EXIT_USAGE, UsageError, backend_option, compile_k, err, guarded,
-                     load_fixture_sets, model_dir_arg, output_path, write_stdout)
+from .common import (
+    EXIT_BACKEND,
+    EXIT_FAIL,
+    EXIT_OK,
+    EXIT_USAGE,
+    UsageError,
+    backend_option,
+    compile_k,
+    err,
+    guarded,
+    load_fixture_sets,
+    model_dir_arg,
+    output_path,
+    write_stdout,
+)
 
 __all__ = ["cmd_explain"]
 

@@ -9,11 +9,18 @@ from typing import Any
 
 from refimpl.errors import RefimplError
 
+from ..check.runner import interrupt_signal
 from ..generate import (
-    PartialRun, PartialRunBusy, PartialRunMismatch, WorkerLost, generate_set, partial_dir, publish_path, verify_set,
+    PartialRun,
+    PartialRunBusy,
+    PartialRunMismatch,
+    WorkerLost,
+    generate_set,
+    partial_dir,
+    publish_path,
+    verify_set,
 )
 from ..report import ProgressBar, is_tty, printable
-from ..check.runner import interrupt_signal
 from ..sets import FixtureError, link_loop
 from .common import EXIT_FIXTURE, EXIT_OK, EXIT_WORKER_LOST, UsageError, err, model_dir_arg
 
@@ -125,7 +132,7 @@ def cmd_generate(args) -> int:
         progress.close()
         err(f"interrupted{_resume_hint(args.out)}")
         return 128 + interrupt_signal(e)
-    except Exception as e:  # noqa: BLE001 - refimpl errors (bad checkpoint, bad prompts) are user errors
+    except Exception as e:  # refimpl errors (bad checkpoint, bad prompts) are user errors
         progress.close()
         if isinstance(e, RefimplError):
             raise UsageError(f"{e}{_resume_hint(args.out)}") from None

@@ -44,7 +44,8 @@ class Reports:
         yield p.get("summary"), lambda path: write_summary(result, path), "Markdown summary"
         if self.html is not None:
             yield p.get("html"), lambda path: self.html(result, path), "HTML report"
-        yield os.environ.get("GITHUB_STEP_SUMMARY") or None, lambda path: append_summary(result, path), "the job summary"
+        yield os.environ.get("GITHUB_STEP_SUMMARY") or None, lambda path: append_summary(result, path), ("the job "
+                                                                                                         "summary")
 
     def unfinished(self, backend: dict[str, Any], profile) -> None:
         """Before the first case: the JSON report and JUnit XML files say the run did not finish."""

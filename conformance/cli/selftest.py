@@ -9,7 +9,18 @@ from typing import Any, Sequence
 from .. import selftest as st
 from ..check.results import CaseResult
 from ..report import ProgressBar, is_tty, printable
-from .common import EXIT_BACKEND, EXIT_FIXTURE, UsageError, compile_k, err, guarded, load_fixture_sets, output_path, write_stdout
+from .common import (
+    EXIT_BACKEND,
+    EXIT_FIXTURE,
+    UsageError,
+    compile_k,
+    err,
+    guarded,
+    load_fixture_sets,
+    output_path,
+    write_stdout,
+)
+
 
 class _SelftestProgress:
     """Progress for selftest.run_selftest: the bar on a terminal, one line per backend otherwise."""

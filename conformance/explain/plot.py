@@ -32,7 +32,8 @@ def plot_available() -> bool:
 
 
 def _label(point) -> str:
-    return SHORT.get(point.sub, point.sub) if point.layer is None else f"{point.layer}.{SHORT.get(point.sub, point.sub)}"
+    short = SHORT.get(point.sub, point.sub)
+    return short if point.layer is None else f"{point.layer}.{short}"
 
 
 def plot_explanations(results: list[CaseExplanation], path: str | Path, max_cases: int = 4) -> Path:
@@ -53,7 +54,7 @@ def plot_explanations(results: list[CaseExplanation], path: str | Path, max_case
     width = max(8.0, 0.2 * max(len(r.comparison.points) for r in drawn) + 3.0)
     fig, axes = plt.subplots(len(drawn), 1, figsize=(width, sum(heights)), squeeze=False,
                              gridspec_kw={"height_ratios": heights})
-    for ax, r in zip(axes[:, 0], drawn):
+    for ax, r in zip(axes[:, 0], drawn, strict=True):
         c = r.comparison
         err = np.array([p.errors for p in c.points if p.sub != "router.experts"]).T  # [rows, points]
         points = [p for p in c.points if p.sub != "router.experts"]
@@ -62,7 +63,7 @@ def plot_explanations(results: list[CaseExplanation], path: str | Path, max_case
         im = ax.imshow(np.ma.masked_invalid(img), aspect="auto", cmap="magma", vmin=-34, vmax=max(1.0, np.nanmax(img)),
                        interpolation="nearest")
         ax.set_xticks(range(len(points)), [_label(p) for p in points], rotation=90, fontsize=7)
-        ax.set_yticks(range(len(c.rows)), [f"{a} ({b})" for a, b in zip(c.rows, c.roles)], fontsize=7)
+        ax.set_yticks(range(len(c.rows)), [f"{a} ({b})" for a, b in zip(c.rows, c.roles, strict=True)], fontsize=7)
         first = c.first_divergence
         title = f"{r.id}: " + ("within the floor" if first is None else
                                f"first divergence {first['point']} ({first['what']})")

@@ -93,7 +93,10 @@ def row_roles(case, media, kv_shared: bool = False) -> tuple[list[str], list[str
                 roles.append("decode")
                 continue
             m = media.get(spec.base)
-            inside = lambda spans: any(s <= spec.position < s + n for s, n in spans)  # noqa: E731
+
+            def inside(spans, pos: int = spec.position) -> bool:
+                return any(s <= pos < s + n for s, n in spans)
+
             if m is not None and inside(m.images):
                 roles.append("image")
             elif m is not None and inside(m.audio):
@@ -126,7 +129,10 @@ def widened(request: Request) -> Request | None:
 def prompt_roles(request: Request) -> tuple[list[str], list[str]]:
     """(labels, roles) of every row of a ``widened`` request: "row <position>"; image, audio, last, interior."""
     n = sum(len(p.tokens) for p in request.pieces)
-    inside = lambda spans, i: any(s <= i < s + m for s, m in spans)  # noqa: E731
+
+    def inside(spans, i: int) -> bool:
+        return any(s <= i < s + m for s, m in spans)
+
     roles = ["image" if inside(request.images, i) else "audio" if inside(request.audio, i) else
              "last" if i == n - 1 else "interior" for i in range(n)]
     return [f"row {i}" for i in range(n)], roles
@@ -238,7 +244,7 @@ def explain(backend: Backend, sets: Iterable, profile, *, select=None, ids: set[
         checkpoints = Checkpoints(tmp, model=model, rehash=rehash)
         mine, theirs = Session(backend, checkpoints), Session(RefimplBackend(), checkpoints)
         try:
-            for fs, cases in zip(selection.sets, chosen):
+            for fs, cases in zip(selection.sets, chosen, strict=True):
                 if not cases:
                     continue
                 bctx, octx = mine.enter(fs), theirs.enter(fs)
@@ -301,8 +307,9 @@ def console_lines(results: list[CaseExplanation], verbose: bool = True) -> list[
     for r in results:
         lines.append(f"{r.id}: {r.status}: {r.message}")
         if r.comparison is not None and (verbose or r.status == "diverges"):
+            labelled = zip(r.comparison.rows[:8], r.comparison.roles[:8], strict=True)
             lines.append(f"  worst row error per point (floor {r.comparison.floor:.3g}; rows: "
-                         f"{', '.join(f'{a} ({b})' for a, b in zip(r.comparison.rows[:8], r.comparison.roles[:8]))}"
+                         f"{', '.join(f'{a} ({b})' for a, b in labelled)}"
                          f"{' ...' if len(r.comparison.rows) > 8 else ''})")
             lines += worst_table(r.comparison)
     n = {s: sum(1 for r in results if r.status == s) for s in ("diverges", "within", "error", "not-claimed", "skipped")}

@@ -257,7 +257,7 @@ class DaskCluster:
 
     def _collect(self, futures: list, specs: list[dict], on_done: OnDone) -> None:
         order = {f.key: i for i, f in enumerate(futures)}
-        base = {f.key: spec["base"] for f, spec in zip(futures, specs)}
+        base = {f.key: spec["base"] for f, spec in zip(futures, specs, strict=True)}
         pending, alone_since = list(futures), None
         while pending:
             done = self._wait(pending)

@@ -25,8 +25,8 @@ from refimpl.tokenizer import Tokenizer
 from ..sets.bounds import consistency_bound, probe_bound
 from ..sets.format import FixtureError, versions
 from ..sets.head import summaries_of
-from .context import OVERRIDE
 from .bases import base_rows_of, greedy, ordinary_ids, rounding_probe, text_consistency
+from .context import OVERRIDE
 from .media import AudioSide, VisionSide, make_media_base, media_consistency
 from .partial import JOBS, RESULT, write_result
 from .progress import Sink, emit, stage
@@ -146,7 +146,7 @@ def run_job(spec: dict, context: JobContext | None = None, on_stage: Sink | None
                                  n_sources=spec["n_sources"])
         if not spec.get("allow_beyond_context"):  # the text bases were checked by the planner
             check_context(model.cfg, len(mb.ids), f"{kind} base {base} is {len(mb.ids)} tokens long", OVERRIDE)
-        for j, (source, processed, soft) in enumerate(zip(mb.sources, mb.processed, mb.soft)):
+        for j, (source, processed, soft) in enumerate(zip(mb.sources, mb.processed, mb.soft, strict=True)):
             arrays.update(side.arrays(j, source, processed, soft))
         extra.update(side.job_meta(mb.processed))
         ids = [int(t) for t in mb.ids]

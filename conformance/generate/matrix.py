@@ -13,9 +13,23 @@ import numpy as np
 
 from ..protocol.types import ENTRIES
 from ..sets.case import (
-    DECODE_STEPS, GENERATION_BASE, GENERATION_STEPS, MEDIA_OPEN, MEDIA_PREFIX, MIN_RANDOM_BASE, PROMPT_CONTINUATION,
-    PROMPT_PREFIX, RANDOM_BASES, TIE_MARGIN, UBATCH, Case, check_case, prompt_length, row_groups,
+    DECODE_STEPS,
+    GENERATION_BASE,
+    GENERATION_STEPS,
+    MEDIA_OPEN,
+    MEDIA_PREFIX,
+    MIN_RANDOM_BASE,
+    PROMPT_CONTINUATION,
+    PROMPT_PREFIX,
+    RANDOM_BASES,
+    TIE_MARGIN,
+    UBATCH,
+    Case,
+    check_case,
+    prompt_length,
+    row_groups,
 )
+
 
 def model_features(cfg) -> tuple[str, ...]:
     """Model feature tags of a ``refimpl.config.TextConfig``."""
@@ -292,7 +306,7 @@ def generate_image_cases(set_name: str, cfg, bases: Mapping[str, Sequence[int]],
         if T_full <= last_block[0] + last_block[1] + 1:
             raise ValueError(f"{kind} base {base} needs text after its last {kind} block and {D} decode tokens")
 
-        def row_tags(r: int, T: int) -> list[str]:
+        def row_tags(r: int, T: int, blocks=blocks) -> list[str]:
             tags = []
             for a, n in blocks:
                 if r == a - 1:
@@ -305,7 +319,7 @@ def generate_image_cases(set_name: str, cfg, bases: Mapping[str, Sequence[int]],
                 tags.append("interior")
             return tags
 
-        def last(T: int, pos: int) -> None:
+        def last(T: int, pos: int, base: str = base) -> None:
             add(Case(f"{p}last/embeddings/{base}/T{T}/pos{pos}", "last", base, T, entry="embeddings", last_pos=pos,
                      seq_id=seq.next(), decode_len=D), row_tags(pos, T))
 
@@ -318,7 +332,7 @@ def generate_image_cases(set_name: str, cfg, bases: Mapping[str, Sequence[int]],
         for pos in dict.fromkeys((T_full - 1, a + n + 1, a + n, a + n // 2, a)):
             last(T_full, pos)
 
-        def prefill(pieces, label: str, extra=()) -> None:
+        def prefill(pieces, label: str, extra=(), base: str = base) -> None:
             pieces = tuple((k, tuple(rows)) for k, rows in pieces)
             T = sum(k for k, _ in pieces)
             add(Case(f"{p}prefill/{base}/T{T}/{label}", "prefill", base, T, entry="embeddings", pieces=pieces,

@@ -9,6 +9,7 @@ builds base number ``b_index`` of ``side.texts`` (I0, I1 / S0, S1) for either.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -19,7 +20,7 @@ from refimpl.audio_features import read_wav
 from refimpl.frontends import audio_front_end, image_front_end
 from refimpl.image import read_image
 from refimpl.model import KVCache
-from refimpl.multimodal import multimodal_inputs, load_multimodal_tokens
+from refimpl.multimodal import load_multimodal_tokens, multimodal_inputs
 
 from ..sets.bounds import audio_units, feature_units, unified_audio_units, unified_vision_units, vision_units
 from ..sets.case import DECODE_STEPS
@@ -276,13 +277,15 @@ def image_sources(images, seed: int, unified: bool = False) -> list[tuple[np.nda
                   **({"flat_half": "left"} if k == 0 else {})})
                 for k, (h, w) in enumerate(UNIFIED_IMAGE_SIZES)]
     if images is None:
-        return [(synthetic_image(seed, k, h, w), {"source": "synthetic", "rng": f"numpy default_rng([{seed}, {100 + k}])"})
+        return [(synthetic_image(seed, k, h, w), {"source": "synthetic", "rng": f"numpy default_rng([{seed}, "
+                                                                                f"{100 + k}])"})
                 for k, (h, w) in enumerate(SYNTHETIC_IMAGE_SIZES)]
 
     out = []
     for k, item in enumerate(images):
         if isinstance(item, (str, Path)):
-            out.append((read_image(item), {"source": "file", "name": Path(item).name, "sha256": sha256_file(Path(item))}))
+            out.append((read_image(item), {"source": "file", "name": Path(item).name,
+                                           "sha256": sha256_file(Path(item))}))
         else:
             arr = np.asarray(item)
             if arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[2] != 3:
@@ -372,7 +375,7 @@ def make_media_base(model, side: Modality, pool: np.ndarray, bos: int, seed: int
     ids, spans = media_prompt(np.random.default_rng([seed, side.rng_offset + b_index]), pool, bos, texts,
                               [side.block(st.shape[0]) for st in soft])
     described = [{**sources[k][-1], "index": k, **side.sizes(sources[k], pr), "soft_tokens": M, "start": a}
-                 for k, pr, (a, M) in zip(which, processed, spans)]
+                 for k, pr, (a, M) in zip(which, processed, spans, strict=True)]
     key = "images" if side.kind == "image" else "audio"
     info = {"source": key, "length": len(ids), "rng": rng, "text": list(texts), key: described}
     return MediaBase(ids, side.merge(model, ids, soft), spans, [sources[k] for k in which], processed, soft, info)
@@ -386,7 +389,7 @@ def media_consistency(model, base: MediaBase, full: np.ndarray) -> float:
     cuts = {a - 1 for a, _ in base.spans} | {a + n + 1 for a, n in base.spans} | set(range(N - DECODE_STEPS, N))
     bounds = [0] + sorted(c for c in cuts if 0 < c < N) + [N]
     cache, rows = KVCache(), []
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in itertools.pairwise(bounds):
         blocks = None if m.vision_blocks is None else m.vision_blocks[a:b]
         rows.append(model.forward(m.ids[a:b], rows="all", cache=cache, embeddings=m.embeddings[a:b],
                                   vision_blocks=blocks))

@@ -29,7 +29,6 @@ from refimpl.assistant import Drafter
 from refimpl.generate import greedy_generate
 from refimpl.model import Gemma4
 from refimpl.mtp import CONVENTIONS, DEFAULT_CONVENTION, MtpRun, assisted_greedy
-
 from refimpl.synth import ASSISTANT_DIR
 
 from ..sets.case import MTP_PREFIX, Case, MtpCase, MtpRoundCase
@@ -135,9 +134,9 @@ def generate_mtp(name: str, target: Gemma4, drafter: Drafter, seed: int,
                         tensors[f"{base}/verify_hidden"] = _stack([r.verify_hidden for r in run.rounds], H)
                 accepted = [r.accepted for r in run.rounds]
                 features = ["mtp", f"mtp-{mode}", sc.name, f"kv-{kv}", f"position-{pos}"]
-                if any(a < len(r.drafts) for a, r in zip(accepted, run.rounds)):
+                if any(a < len(r.drafts) for a, r in zip(accepted, run.rounds, strict=True)):
                     features.append("rejection")
-                if any(r.drafts and a == len(r.drafts) for a, r in zip(accepted, run.rounds)):
+                if any(r.drafts and a == len(r.drafts) for a, r in zip(accepted, run.rounds, strict=True)):
                     features.append("full-acceptance")
                 if len(prompt) + len(greedy) > W:
                     features.append("beyond-window")
@@ -150,7 +149,8 @@ def generate_mtp(name: str, target: Gemma4, drafter: Drafter, seed: int,
                            "max_new_tokens": sc.max_new_tokens, "forced_drafts": [len(f) for f in forced],
                            "note": sc.note}
         if progress is not None:
-            progress(f"MTP base {base}: {sc.name}, {len(prompt)} + {len(greedy)} tokens, {len(CONVENTIONS)} conventions")
+            progress(f"MTP base {base}: {sc.name}, {len(prompt)} + {len(greedy)} tokens, {len(CONVENTIONS)} "
+                     "conventions")
     manifest = {"conventions": list(CONVENTIONS), "default_convention": DEFAULT_CONVENTION, "bases": scenarios,
                 "drafter_store_layers": drafter.store_layers(cfg),
                 "drafter_head": "centroid" if centroid else "dense"}

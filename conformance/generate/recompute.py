@@ -18,8 +18,8 @@ from refimpl.multimodal import multimodal_inputs
 from ..sets.bounds import decoder_units, logit_scale, probe_bound, recorded_probes, tensor_bound
 from ..sets.fixture_set import FixtureSet
 from ..sets.format import CASES, EXPECTED, FixtureError
-from ..sets.integrity import checked_set
 from ..sets.head import summaries_of
+from ..sets.integrity import checked_set
 from .bases import base_rows_of
 from .matrix import annotate
 from .media import AudioSide, VisionSide
@@ -60,10 +60,11 @@ def verify_set(path: str | Path, *, recompute: bool = False, workdir: str | Path
             model_dir = fs.model_dir(wd, model=model)
 
             model = Gemma4(model_dir, vision_mask=fs.manifest.get("oracle", {}).get("vision_mask", "sliding-clamped"))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - any load failure is this set's problem line
             return [str(e) if isinstance(e, FixtureError) else f"{path}: the model cannot be loaded: {e}"]
         try:
-            stored = fs.oracle_logits(model, wd)  # a set stored as hidden states: rebuilt, checked against its summaries
+            # a set stored as hidden states: rebuilt, checked against its summaries
+            stored = fs.oracle_logits(model, wd)
             for b in stored:
                 stored[b]
         except FixtureError as e:

@@ -26,12 +26,34 @@ from refimpl.unified import is_unified
 
 from .. import __version__ as CONFORMANCE_VERSION
 from ..sets.case import (
-    DECODE_STEPS, GENERATION_BASE, GENERATION_STEPS, PROMPT_CONTINUATION, PROMPT_PREFIX, RANDOM_BASES, Case,
+    DECODE_STEPS,
+    GENERATION_BASE,
+    GENERATION_STEPS,
+    PROMPT_CONTINUATION,
+    PROMPT_PREFIX,
+    RANDOM_BASES,
+    Case,
 )
 from ..sets.checkpoint import checkpoint_record
 from ..sets.format import (
-    AUDIO_LEAVES, CASES, IMAGE_LEAVES, MANIFEST, MTP_FILE, NAME_RE, SCHEMA, SCHEMA_VERSION, SEMVER_RE,
-    STORAGES, SYNTHETIC_FILES, FixtureError, base_file, hash_files, model_files, sha256_file, versions, write_json,
+    AUDIO_LEAVES,
+    CASES,
+    IMAGE_LEAVES,
+    MANIFEST,
+    MTP_FILE,
+    NAME_RE,
+    SCHEMA,
+    SCHEMA_VERSION,
+    SEMVER_RE,
+    STORAGES,
+    SYNTHETIC_FILES,
+    FixtureError,
+    base_file,
+    hash_files,
+    model_files,
+    sha256_file,
+    versions,
+    write_json,
 )
 from ..sets.head import SUMMARY_LEAVES, RebuiltLogits
 from . import executors, partial
@@ -40,12 +62,20 @@ from .checks import cross_check_entries, oracle_checks
 from .context import check_bases, context_record, mtp_lengths
 from .jobs import JobContext, job_versions
 from .matrix import annotate, generate_cases, generate_image_cases, random_base_length
-from .media import AudioSide, VisionSide, audio_sources, has_audio_tower, has_vision_tower, image_sources, media_order
-from .media import AUDIO_TEXT, IMAGE_TEXT
+from .media import (
+    AUDIO_TEXT,
+    IMAGE_TEXT,
+    AudioSide,
+    VisionSide,
+    audio_sources,
+    has_audio_tower,
+    has_vision_tower,
+    image_sources,
+    media_order,
+)
 from .mtp import SCENARIOS, checked_drafter, mtp_drafter, mtp_matrix
 from .progress import IN_PROCESS, StageLog, Write, held_bound
 from .prompts import chat_ids, encode_prompt, prompt_entries
-
 
 # chunked prefill + decode vs full forward inside the oracle (float64): per base the larger of this floor (the
 # miniatures' fixed bound) and the float64 rounding bound of the base (conformance.sets.bounds, docs/profiles.md)
@@ -100,7 +130,8 @@ def media_key(items) -> list | None:
             out.append({"file_sha256": sha256_file(p) if p.is_file() else None})
         else:
             a = np.ascontiguousarray(np.asarray(item))
-            out.append({"array": list(a.shape), "dtype": str(a.dtype), "sha256": hashlib.sha256(a.tobytes()).hexdigest()})
+            out.append({"array": list(a.shape), "dtype": str(a.dtype),
+                        "sha256": hashlib.sha256(a.tobytes()).hexdigest()})
     return out
 
 
@@ -151,7 +182,8 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
     ``vision_mask``: the rule the oracle opens vision blocks with on "vision" checkpoints
     (refimpl.model.VISION_MASK_RULES; default "sliding-clamped"), recorded in the manifest.
     ``cases``: "text" (the text matrix), "images" (the image matrix only: image bases I0, I1), "audio"
-    (the audio matrix only: audio bases S0, S1), "mtp" (the MTP matrix only: MTP bases M0, M1, ...), "all" or "auto" (the text matrix plus the image and
+    (the audio matrix only: audio bases S0, S1), "mtp" (the MTP matrix only: MTP bases M0, M1, ...), "all" or "auto"
+    (the text matrix plus the image and
     audio matrices the checkpoint's towers allow). ``images``: the images of the image bases (file
     paths or uint8 [h, w, 3] arrays; default: synthetic images from ``seed``); ``audio``: the clips
     of the audio bases (WAV paths or float arrays at 16 kHz; default: synthetic clips). With image or
@@ -255,7 +287,8 @@ class _Plan:
     audio: AudioSide | None = None
 
     def add(self, common: dict, base: str, kind: str, cost: float, info: dict | None = None, **spec) -> None:
-        self.jobs.append({"base": base, "cost": cost, "info": info, "spec": {**common, "base": base, "kind": kind, **spec}})
+        self.jobs.append({"base": base, "cost": cost, "info": info,
+                          "spec": {**common, "base": base, "kind": kind, **spec}})
 
 
 @dataclass
@@ -332,8 +365,10 @@ def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str |
         staging = run.staging()
         staged = staging / "set"
         staged.mkdir()
-        beyond = context_record(cfg, {**{b: len(ids) for b, ids in got.bases.items()},
-                                      **(mtp_lengths(cfg) if mtp is not None else {})}) if allow_beyond_context else None
+        beyond = None
+        if allow_beyond_context:
+            beyond = context_record(cfg, {**{b: len(ids) for b, ids in got.bases.items()},
+                                          **(mtp_lengths(cfg) if mtp is not None else {})})
         with partial.full_disk_named(run.path):
             _write_set(staged, got, results, set_cases, plan, cfg, name=name, version=version, checks=checks,
                        command=command, model_info=model_info, store=store, vision_mask=vision_mask, mtp=mtp,
@@ -342,7 +377,8 @@ def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str |
         try:
             os.replace(staged, out_abs)
         except OSError as e:
-            raise FixtureError(f"{out}: cannot move the finished set into place ({e}); was it created meanwhile?") from None
+            raise FixtureError(f"{out}: cannot move the finished set into place ({e}); was it created "
+                               "meanwhile?") from None
     except BaseException:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
@@ -397,7 +433,7 @@ def _plan(run: partial.PartialRun, src: Path, model, seed: int, entries: list[di
         plan.add(common, GENERATION_BASE, "text", 4.0 * (len(prompt) + steps),
                  {**source, "length": len(prompt) + steps, "prompt_length": len(prompt),
                   "continuation": f"greedy, {steps} tokens"}, ids=[int(t) for t in prompt], greedy=steps)
-        for k, (ids, p) in enumerate(zip(prompt_ids, entries)):
+        for k, (ids, p) in enumerate(zip(prompt_ids, entries, strict=True)):
             steps = PROMPT_CONTINUATION
             plan.add(common, f"{PROMPT_PREFIX}{k}", "text", 4.0 * (len(ids) + steps),
                      {"source": "prompt", "length": len(ids) + steps, "prompt_length": len(ids),

@@ -116,7 +116,7 @@ def padded_clips(audio_inputs: Sequence[Any], who: str) -> tuple[np.ndarray, np.
     T = max(f.shape[0] for f in feats)
     x = np.zeros((len(feats), T, widths[0]), dtype=np.float64)
     mask = np.zeros((len(feats), T), dtype=bool)
-    for b, (f, m) in enumerate(zip(feats, masks)):
+    for b, (f, m) in enumerate(zip(feats, masks, strict=True)):
         x[b, :f.shape[0]], mask[b, :m.shape[0]] = f, m
     return x, mask
 
@@ -191,7 +191,8 @@ class CachedBackend:
         when given, replace the token lookups. ``images``: the image blocks of this forward as
         ``(start, length)`` within ``tokens`` (their embeddings rows are soft tokens; see
         ``conformance.backend``); ``audio`` likewise for audio blocks, with ``audio_inputs`` their
-        ``AudioInput`` (features, mask) in order; only ever non-empty together with ``embeddings``. Returns (the logits of ``rows``, ``[len(rows), V]``,
+        ``AudioInput`` (features, mask) in order; only ever non-empty together with ``embeddings``. Returns (the logits
+        of ``rows``, ``[len(rows), V]``,
         the engine's notes on this forward for the ``executed`` record: a dict, often empty).
         """
         raise NotImplementedError
@@ -406,8 +407,8 @@ class CachedBackend:
         self._check_blocks(request, len(request.tokens))
         state = self._state(None if request.entry == "plain" else ("seq", request.seq_id))
         extra = self._media_kwargs(request.images, request.audio, request.audio_inputs, request.image_inputs)
-        logits, notes = self._forward_rows(self._forward(request.tokens, [request.last_pos], state, embeddings=embeddings,
-                                                 **extra))
+        logits, notes = self._forward_rows(self._forward(request.tokens, [request.last_pos], state,
+                                                         embeddings=embeddings, **extra))
         hidden, trace = self._take_hidden(1), self._take_trace()
         state_len = self._state_len(state)
         decode = self._decode(state, request.decode)
@@ -461,7 +462,7 @@ class CachedBackend:
     def _multi(self, request: Request) -> Response:
         seq_ids, decode = self._check_multi(request)
         states, rows, notes = [], [], []
-        for sid, tokens in zip(seq_ids, request.sequences):
+        for sid, tokens in zip(seq_ids, request.sequences, strict=True):
             state = self._state(("seq", sid))  # one cache per sequence id
             logits, forward_notes = self._forward_rows(self._forward(tokens, [len(tokens) - 1], state))
             states.append(state)

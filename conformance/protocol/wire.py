@@ -20,7 +20,7 @@ import numpy as np
 
 from refimpl.safetensors_io import STORAGE, bf16_to_f32, read_header, write_safetensors
 
-from .types import AudioInput, CaseTimeout, Capabilities, ImageInput, MtpRequest, MtpResponse, MtpRound, Piece, Request
+from .types import AudioInput, Capabilities, CaseTimeout, ImageInput, MtpRequest, MtpResponse, MtpRound, Piece, Request
 
 PROTOCOL = "gemma4-conformance-subprocess"
 VERSIONS = (1,)  # the protocol versions spoken (the client offers them in hello, the server answers one)
@@ -301,7 +301,8 @@ def read_array(ref: Any, out_dir: str | Path, where: str, rows: int | None = Non
     Raw float16/32/64 come back in their dtype, raw or safetensors bfloat16 as float32 (exact).
     """
     if not isinstance(ref, dict):
-        raise ArrayError(f"{where}: expected an ARRAY object ({{\"path\", \"format\", ...}}), got {clip_text(repr(ref))}")
+        raise ArrayError(f"{where}: expected an ARRAY object ({{\"path\", \"format\", ...}}), got "
+                         f"{clip_text(repr(ref))}")
     path_s, fmt = ref.get("path"), ref.get("format")
     if not isinstance(path_s, str) or not path_s:
         raise ArrayError(f"{where}: the ARRAY has no 'path' string: {ref!r}")

@@ -6,8 +6,7 @@ text that comes from backends and sets. Reads ``conformance.check``'s result rec
     from conformance.report import write_json, write_junit, console_summary, validate
 """
 
-from .console import (ProgressBar, colorize, console_summary, exit_line, failure_details, is_tty, use_color,
-                      verdict_line)
+from .console import ProgressBar, colorize, console_summary, exit_line, failure_details, is_tty, use_color, verdict_line
 from .json_report import SCHEMA_PATH, clean, load_schema, to_json, validate, versions, write_json, write_output
 from .junit import junit_tree, write_junit
 from .text import printable

@@ -99,11 +99,11 @@ def _table(title: str, rows: dict[str, dict[str, int]]) -> list[str]:
     cols = [c for c in COLUMNS if any(rows[n].get(c, 0) for n in names)] or ["pass"]
     heads = [ABBREV.get(c, c) for c in cols] + ["total"]
     widths = [max(len(h), 5) for h in heads]
-    out = ["  ".join([title.ljust(w0)] + [h.rjust(w) for h, w in zip(heads, widths)])]
+    out = ["  ".join([title.ljust(w0)] + [h.rjust(w) for h, w in zip(heads, widths, strict=True)])]
     out.append("  ".join(["-" * w0] + ["-" * w for w in widths]))
     for n in names:
         vals = [rows[n].get(c, 0) for c in cols] + [sum(rows[n].values())]
-        cells = [(str(v) if v else ".").rjust(w) for v, w in zip(vals, widths)]
+        cells = [(str(v) if v else ".").rjust(w) for v, w in zip(vals, widths, strict=True)]
         out.append("  ".join([n.ljust(w0)] + cells))
     return out
 
@@ -112,7 +112,7 @@ def _tokens(ids: list[int], pieces: list[str] | None) -> str:
     if not ids:
         return "-"
     if pieces:
-        return "  ".join(f"{i} {p!r}" for i, p in zip(ids, pieces))
+        return "  ".join(f"{i} {p!r}" for i, p in zip(ids, pieces, strict=False))
     return "  ".join(str(i) for i in ids)
 
 
@@ -128,7 +128,8 @@ def failing_rows(c: CaseResult) -> list[str]:
     for r in bad:
         m = r.get("metrics") or {}
         shown = ", ".join(f"{k}={fmt(m[k])}" for k in ROW_METRICS if m.get(k) is not None)
-        out.append(f"    {r.get('label')} (position {r.get('position')}): {r.get('check')}" + (f"; {shown}" if shown else ""))
+        out.append(f"    {r.get('label')} (position {r.get('position')}): "
+                   f"{r.get('check')}" + (f"; {shown}" if shown else ""))
     return out
 
 
@@ -151,8 +152,10 @@ def failure_details(c: CaseResult, verbose: bool = False) -> list[str]:
         metrics = row.get("metrics") or {}
         if metrics:
             out.append("  metrics: " + ", ".join(f"{k}={fmt(v)}" for k, v in metrics.items()))
-        out.append(f"  oracle  top-{len(row.get('top_ref') or [])}: {_tokens(row.get('top_ref') or [], row.get('top_ref_pieces'))}")
-        out.append(f"  backend top-{len(row.get('top_got') or [])}: {_tokens(row.get('top_got') or [], row.get('top_got_pieces'))}")
+        out.append(f"  oracle  top-{len(row.get('top_ref') or [])}: "
+                   f"{_tokens(row.get('top_ref') or [], row.get('top_ref_pieces'))}")
+        out.append(f"  backend top-{len(row.get('top_got') or [])}: "
+                   f"{_tokens(row.get('top_got') or [], row.get('top_got_pieces'))}")
     if verbose:
         out += failing_rows(c)
     if c.first_divergence is not None:
@@ -302,7 +305,7 @@ def use_color(stream: TextIO) -> bool:
 def is_tty(stream: TextIO) -> bool:
     try:
         return bool(stream.isatty()) and os.environ.get("TERM") != "dumb"
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - a closed or odd stream is not a terminal
         return False
 
 

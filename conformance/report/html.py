@@ -45,7 +45,8 @@ STYLE = """
 *{box-sizing:border-box}
 body{font:14px/1.45 -apple-system,"Segoe UI",Helvetica,Arial,sans-serif;color:var(--fg);margin:0;background:#fff}
 main{max-width:1200px;margin:0 auto;padding:16px 24px 48px}
-h1{font-size:22px;margin:8px 0 4px}h2{font-size:18px;margin:28px 0 8px;padding-bottom:4px;border-bottom:1px solid var(--bd)}
+h1{font-size:22px;margin:8px 0 4px}
+h2{font-size:18px;margin:28px 0 8px;padding-bottom:4px;border-bottom:1px solid var(--bd)}
 h3{font-size:15px;margin:0 0 6px;word-break:break-all}h4{font-size:13px;margin:12px 0 4px;color:var(--mut)}
 code,pre,.mono{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12.5px}
 pre{background:var(--bg2);border:1px solid var(--bd);border-radius:6px;padding:8px;overflow-x:auto;white-space:pre-wrap;
@@ -62,20 +63,25 @@ dl.facts dd{margin:0;word-break:break-word}
 .badge{display:inline-block;border-radius:10px;padding:0 8px;font-size:12px;font-weight:700;color:#fff;margin-right:4px}
 .b-fail,.b-error,.b-xpass,.b-diverges{background:var(--red)}.b-xfail{background:var(--amb)}.b-within{background:var(--grn)}
 .b-not-claimed,.b-skipped{background:var(--mut)}
-section.case{border:1px solid var(--bd);border-left:4px solid var(--red);border-radius:6px;padding:10px 14px;margin:14px 0}
+section.case{border:1px solid var(--bd);border-left:4px solid var(--red);border-radius:6px;padding:10px 14px;
+margin:14px 0}
 section.case.s-xfail{border-left-color:#d4a72c}section.case.s-within{border-left-color:var(--grn)}
 section.case:target{box-shadow:0 0 0 3px #54aeff66}
 .diag{background:var(--ambbg);border:1px solid #d4a72c;border-radius:6px;padding:6px 10px;margin:6px 0}
 .msg{margin:6px 0;word-break:break-word}.mut{color:var(--mut)}
-.tok{display:inline-block;border:1px solid var(--bd);border-radius:4px;padding:0 4px;margin:1px 2px;background:var(--bg2);
+.tok{display:inline-block;border:1px solid var(--bd);border-radius:4px;padding:0 4px;margin:1px 2px;
+background:var(--bg2);
 white-space:pre}table.rows{width:100%}.tok.miss{background:var(--redbg);border-color:#ff8182}
 .scroll{overflow-x:auto;max-width:100%}
-table.heat{border-collapse:separate;border-spacing:0}table.heat td.c{width:13px;min-width:13px;height:15px;padding:0;border:0}
-table.heat td.c.first{outline:2px solid #00e5ff;outline-offset:-2px}table.heat td.c.na{background:repeating-linear-gradient(45deg,#ddd 0 2px,#fff 2px 4px)}
+table.heat{border-collapse:separate;border-spacing:0}
+table.heat td.c{width:13px;min-width:13px;height:15px;padding:0;border:0}
+table.heat td.c.first{outline:2px solid #00e5ff;outline-offset:-2px}
+table.heat td.c.na{background:repeating-linear-gradient(45deg,#ddd 0 2px,#fff 2px 4px)}
 table.heat th{font-size:10px;font-weight:500;padding:1px;border:0;background:#fff}
 table.heat th.v{writing-mode:vertical-rl;transform:rotate(180deg);height:46px;text-align:left;white-space:nowrap}
 table.heat th.lay{border-left:1px solid var(--bd);text-align:left;color:var(--mut)}
-table.heat th.row{vertical-align:bottom;text-align:right;white-space:nowrap;padding-right:6px;font-family:ui-monospace,monospace}
+table.heat th.row{vertical-align:bottom;text-align:right;white-space:nowrap;padding-right:6px;
+font-family:ui-monospace,monospace}
 table.heat td.c.l0{border-left:1px solid #fff}
 .bar{position:relative;height:14px;width:360px;border:1px solid var(--bd);margin:4px 0 18px}
 .bar span{position:absolute;top:15px;font-size:10px;transform:translateX(-50%);white-space:nowrap;color:var(--mut)}
@@ -111,7 +117,7 @@ def heat_colour(value: float, vmax: float) -> str:
     k = min(int(t), len(MAGMA) - 2)
     a, b = (tuple(int(c[i:i + 2], 16) for i in (1, 3, 5)) for c in MAGMA[k:k + 2])
     f = t - k
-    return "#" + "".join(f"{round(x + (y - x) * f):02x}" for x, y in zip(a, b))
+    return "#" + "".join(f"{round(x + (y - x) * f):02x}" for x, y in zip(a, b, strict=True))
 
 
 def _page(title: str, body: list[str]) -> str:
@@ -179,7 +185,8 @@ def _rows_table(c: CaseResult) -> list[str]:
                    f"<td class=\"toks\">{_tokens(r.get('top_got') or [], r.get('top_got_pieces'), ref)}</td></tr>")
     out.append("</tbody></table></div>")
     if len(bad) > MAX_ROWS:
-        out.append(f'<p class="mut">... and {len(bad) - MAX_ROWS} more failing rows (the JSON report has every one)</p>')
+        out.append(f'<p class="mut">... and {len(bad) - MAX_ROWS} more failing rows (the JSON report has every '
+                   'one)</p>')
     messages = [r.get("message") for r in bad[:MAX_ROWS] if r.get("message")]
     if messages:
         out.append("<details><summary>row messages</summary><pre>" + esc("\n".join(messages)) + "</pre></details>")
@@ -194,8 +201,9 @@ def _expectation(e: dict[str, Any] | None) -> list[str]:
     for key, what in (("skip", "skip"), ("known_failure", "known failure")):
         entry = e.get(key)
         if entry:
-            items.append(f"<li>{esc(what)}: entry {esc(entry.get('index'))} (match <code>{esc(entry.get('match'))}"
-                         f"</code>): {esc(entry.get('reason'))}" + (f"; issue {esc(entry['issue'])}" if entry.get("issue")
+            items.append(f"<li>{esc(what)}: entry {esc(entry.get('index'))} (match "
+                         f"<code>{esc(entry.get('match'))}</code>): "
+                         f"{esc(entry.get('reason'))}" + (f"; issue {esc(entry['issue'])}" if entry.get("issue")
                                                                      else "")
                          + (f"; expires {esc(entry['expires'])}" if entry.get("expires") else "") + "</li>")
     if e.get("tolerance"):
@@ -386,7 +394,7 @@ def heat_map(comparison, caption: str = "") -> list[str]:
     for i, label in enumerate(rows):
         role = comparison.roles[i] if i < len(comparison.roles) else ""
         cells = []
-        for j, (p, v) in enumerate(zip(points, logs[i])):
+        for j, (p, v) in enumerate(zip(points, logs[i], strict=False)):
             cls = "c" + (" l0" if j in starts else "")
             title = f"{label} ({role}) at {p.name}: " + ("no value" if v is None else f"error {10 ** v:.3g}")
             if first is not None and p.name == first["point"] and label in boxed:
@@ -410,7 +418,10 @@ def _log10(e: float) -> float | None:
 
 def _colour_bar(vmax: float, floor: float) -> list[str]:
     stops = ", ".join(f"{c} {100 * k / (len(MAGMA) - 1):.1f}%" for k, c in enumerate(MAGMA))
-    pos = lambda v: 100 * min(max((v - VMIN) / (vmax - VMIN), 0.0), 1.0)  # noqa: E731
+
+    def pos(v: float) -> float:  # percent along the bar
+        return 100 * min(max((v - VMIN) / (vmax - VMIN), 0.0), 1.0)
+
     ticks = [t for t in (VMIN, -24.0, -16.0, -8.0, 0.0) if t < vmax - 0.08 * (vmax - VMIN)] + [round(vmax, 1)]
     labels = "".join(f'<span style="left:{pos(t):.1f}%">{t:g}</span>' for t in ticks)
     mark = f'<i style="left:{pos(math.log10(max(floor, 1e-36))):.1f}%" title="the floor {floor:.3g}"></i>'
@@ -428,7 +439,8 @@ def _explanation_body(e) -> list[str]:
     facts = [("floor", esc(f"{c.floor:.3g}")), ("traced", esc(c.traced)), ("points served", esc(len(e.served))),
              ("first divergence", None if first is None else esc(
                  f"{first['point']} ({SUB_BLOCKS.get(first['sub_block'], first['what'])}) on "
-                 f"{', '.join(first['rows'][:8])}{' ...' if len(first['rows']) > 8 else ''}; error {first['error']:.3g}")),
+                 f"{', '.join(first['rows'][:8])}{' ...' if len(first['rows']) > 8 else ''}; error "
+                 f"{first['error']:.3g}")),
              ("missing points", esc(", ".join(c.missing[:12])) or None),
              ("router", esc("; ".join(f"layer {d['layer']}: other experts for {', '.join(d['rows'])}"
                                       for d in c.router_differs())) or None)]
@@ -466,7 +478,8 @@ def explain_html(explanations: Sequence, *, backend: str | None = None, profile:
     body = [f"<h1>Gemma 4 conformance explain: <code>{esc(backend or '?')}</code></h1>",
             f'<div class="verdict {tone}"><div class="line">{esc(line)}</div><div>{len(explanations)} cases explained'
             + (f"; profile <code>{esc(profile)}</code> (its nmse is the floor)" if profile else "") + "</div></div>",
-            "<table class=\"index\"><thead><tr><th>status</th><th>case</th><th>first divergence</th></tr></thead><tbody>"]
+            "<table class=\"index\"><thead><tr><th>status</th><th>case</th><th>first "
+            "divergence</th></tr></thead><tbody>"]
     for e in explanations:
         first = e.first_divergence
         body.append(f"<tr><td>{_badge(e.status)}</td><td><a href=\"#{esc(anchors[e.id])}\"><code>{esc(e.id)}</code>"

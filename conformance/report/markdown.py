@@ -49,7 +49,10 @@ def _case(c: CaseResult) -> list[str]:
         out.append(f"- first failing row: {_cell(str(row.get('label')))} (position {row.get('position')}): {shown}")
         for who, key in (("oracle", "top_ref"), ("backend", "top_got")):
             ids, pieces = row.get(key) or [], row.get(f"{key}_pieces")
-            toks = ", ".join(f"{i} {p!r}" for i, p in zip(ids, pieces)) if pieces else ", ".join(map(str, ids))
+            if pieces:  # pieces may be fewer than ids in a hand-edited report: the ids beyond are not shown
+                toks = ", ".join(f"{i} {p!r}" for i, p in zip(ids, pieces, strict=False))
+            else:
+                toks = ", ".join(map(str, ids))
             out.append(f"- {who} top-{len(ids)}: {_cell(toks)}")
     return out + [""]
 

@@ -10,7 +10,8 @@ row, and the reason the expectations file gives for it.
 
 ``--into FILE`` replaces the text between the lines ``<!-- scoreboard:begin -->`` and
 ``<!-- scoreboard:end -->`` of an existing page (its title becomes a second-level heading there), so
-a hand-written page can carry a generated scoreboard. Only report files are read; nothing is re-run, so the scoreboard says exactly what the reports say.
+a hand-written page can carry a generated scoreboard. Only report files are read; nothing is re-run, so the scoreboard
+says exactly what the reports say.
 """
 
 from __future__ import annotations
@@ -158,7 +159,8 @@ def _runs_table(runs: list[Run]) -> list[str]:
         exp = (r.get("expectations") or {}).get("path")
         rows.append([
             f"R{i}", run.label, options, _profile_name(r), Path(exp).name if exp else "none",
-            str(counts.get("pass", 0)), str(counts.get("xfail", 0)), str(counts.get("fail", 0) + counts.get("xpass", 0)),
+            str(counts.get("pass", 0)), str(counts.get("xfail", 0)),
+            str(counts.get("fail", 0) + counts.get("xpass", 0)),
             str(counts.get("error", 0)), str(counts.get("not-claimed", 0) + counts.get("skipped", 0)),
             f"{r.get('duration', 0):.0f} s", f"exit {r.get('exit_code')}",
             "`conformance " + shlex.join(_command(r.get("command", []))) + "`",
@@ -172,7 +174,8 @@ def _grid(runs: list[Run], attr: str, order: Iterable[str]) -> list[str]:
     for run in runs:
         keys += [k for k in getattr(run, attr) if k not in keys]
     rows = [[k] + [getattr(run, attr).get(k, Tally()).cell() for run in runs] for k in keys]
-    return _table([{"by_set": "set", "by_entry": "entry point", "by_feature": "feature"}[attr]] + [f"R{i}" for i in range(1, len(runs) + 1)], rows)
+    head = {"by_set": "set", "by_entry": "entry point", "by_feature": "feature"}[attr]
+    return _table([head] + [f"R{i}" for i in range(1, len(runs) + 1)], rows)
 
 
 def _where(case: dict[str, Any]) -> str:

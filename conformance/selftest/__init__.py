@@ -9,11 +9,28 @@ control, then every mutant, graded; which check catches which bug). Imports ``co
 from .engine import NumpyEngineBackend
 from .mutants import EQUIVALENT, MUTANTS, Mutant
 from .run import (
-    CONTROL_PROFILE, DEFAULT_PROFILES, SCHEMA, SCHEMA_VERSION, ControlResult, MutantResult, SelftestResult, Verdict,
-    console_summary, default_control, format_table, load_equivalents, load_mutants, run_selftest, select_equivalents,
-    select_mutants, table_rows, to_json, write_json,
+    CONTROL_PROFILE,
+    DEFAULT_PROFILES,
+    SCHEMA,
+    SCHEMA_VERSION,
+    ControlResult,
+    MutantResult,
+    SelftestResult,
+    Verdict,
+    console_summary,
+    default_control,
+    format_table,
+    load_equivalents,
+    load_mutants,
+    run_selftest,
+    select_equivalents,
+    select_mutants,
+    table_rows,
+    to_json,
+    write_json,
 )
 
-__all__ = ["CONTROL_PROFILE", "DEFAULT_PROFILES", "EQUIVALENT", "MUTANTS", "SCHEMA", "SCHEMA_VERSION", "ControlResult", "Mutant", "MutantResult", "NumpyEngineBackend", "SelftestResult",
-           "Verdict", "console_summary", "default_control", "load_equivalents", "load_mutants", "run_selftest",
-           "select_equivalents", "select_mutants", "format_table", "table_rows", "to_json", "write_json"]
+__all__ = ["CONTROL_PROFILE", "DEFAULT_PROFILES", "EQUIVALENT", "MUTANTS", "SCHEMA", "SCHEMA_VERSION", "ControlResult",
+           "Mutant", "MutantResult", "NumpyEngineBackend", "SelftestResult", "Verdict", "console_summary",
+           "default_control", "load_equivalents", "load_mutants", "run_selftest", "select_equivalents",
+           "select_mutants", "format_table", "table_rows", "to_json", "write_json"]

@@ -371,7 +371,7 @@ class Engine(MediaEncoders):
         owner = [caches.get(s) for s in batch.seq]  # [T] the cache of each token
         start: dict[int, int] = {}
         count: dict[int, int] = {}
-        for cache, p in zip(owner, batch.pos):
+        for cache, p in zip(owner, batch.pos, strict=True):
             start[id(cache)] = min(start.get(id(cache), int(p)), int(p))
             count[id(cache)] = count.get(id(cache), 0) + 1
         micro = []
@@ -844,7 +844,7 @@ class NumpyEngineBackend:
                              f"{request.ubatch}); an {what} block must run in one forward")
         images = self._piece_blocks(request, request.images, "image")
         audio = self._piece_blocks(request, request.audio, "audio")
-        for piece, im, au in zip(request.pieces, images, audio):
+        for piece, im, au in zip(request.pieces, images, audio, strict=True):
             self._check_media_tokens(piece.tokens, im, au)
         return images, audio
 
@@ -857,7 +857,7 @@ class NumpyEngineBackend:
             raise ValueError(f"numpy-engine: {len(request.audio)} audio block(s) but {len(request.audio_inputs)} "
                              "audio input(s); the engine computes the soft tokens itself from one AudioInput per block")
         out = []
-        for j, ((s, n), clip) in enumerate(zip(request.audio, request.audio_inputs)):
+        for j, ((s, n), clip) in enumerate(zip(request.audio, request.audio_inputs, strict=True)):
             soft = self.engine.audio_soft_tokens(np.asarray(clip.features), np.asarray(clip.mask))
             if soft.shape[0] != n:
                 raise ValueError(f"numpy-engine: audio clip {j} gives {soft.shape[0]} soft tokens but its block at "
@@ -874,19 +874,20 @@ class NumpyEngineBackend:
         if len(request.image_inputs) != len(request.images):
             raise ValueError(f"numpy-engine: {len(request.images)} image block(s) but {len(request.image_inputs)} "
                              "image input(s); the engine computes the soft tokens itself from one ImageInput per block")
-        flat = np.concatenate([self.engine.image_soft_tokens(i.pixel_values, i.positions) for i in request.image_inputs])
+        flat = np.concatenate([self.engine.image_soft_tokens(i.pixel_values, i.positions)
+                               for i in request.image_inputs])
         need = sum(n for _, n in request.images)
         if flat.shape[0] < need:
             raise ValueError(f"numpy-engine: the images give {flat.shape[0]} soft tokens but the prompt's image blocks "
                              f"hold {need} image tokens")
         ends = np.cumsum([n for _, n in request.images])
-        return [flat[e - n:e] for (_, n), e in zip(request.images, ends)]
+        return [flat[e - n:e] for (_, n), e in zip(request.images, ends, strict=True)]
 
     @staticmethod
     def _with_soft_tokens(x0: np.ndarray, blocks: Sequence[tuple[int, int]], soft: Sequence[np.ndarray]) -> np.ndarray:
         """A copy of the call's embeddings with each audio (or image) block's rows replaced by its soft tokens."""
         x0 = np.array(x0, dtype=np.float64, copy=True)  # never write into the request's array
-        for (s, n), e in zip(blocks, soft):
+        for (s, n), e in zip(blocks, soft, strict=True):
             x0[s:s + n] = e
         return x0
 
@@ -998,7 +999,7 @@ class NumpyEngineBackend:
         if any(len(s) == 0 for s in request.sequences):
             raise ValueError("numpy-engine: a sequence has no tokens")
         ids = [int(t) for s in request.sequences for t in s]
-        seq = [sid for sid, s in zip(seq_ids, request.sequences) for _ in s]
+        seq = [sid for sid, s in zip(seq_ids, request.sequences, strict=True) for _ in s]
         ends = np.cumsum([len(s) for s in request.sequences]) - 1
         output = np.zeros(len(ids), dtype=bool)
         output[ends] = True
@@ -1015,7 +1016,7 @@ class NumpyEngineBackend:
                 live = [i for i, d in enumerate(decode) if j < len(d)]
                 step = self.engine.batch(caches, [decode[i][j] for i in live], [seq_ids[i] for i in live],
                                          [True] * len(live))
-                for i, row in zip(live, self.engine.prefill(caches, step)):
+                for i, row in zip(live, self.engine.prefill(caches, step), strict=True):
                     decode_logits[i][j] = row
         return Response(logits, decode_logits, self._executed("multi", n_log, state_len=state,
                                                               seq_ids=seq_ids))

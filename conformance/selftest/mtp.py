@@ -85,8 +85,8 @@ class DraftModel:
         z = z + rms_norm(linear(att.reshape(1, N * D), self.w(p + "self_attn.o_proj.weight")),
                          self.w(p + "post_attention_layernorm.weight"), self.eps)
         u = rms_norm(z, self.w(p + "pre_feedforward_layernorm.weight"), self.eps)
-        m = linear(gelu_tanh(linear(u, self.w(p + "mlp.gate_proj.weight"))) * linear(u, self.w(p + "mlp.up_proj.weight")),
-                   self.w(p + "mlp.down_proj.weight"))
+        m = linear(gelu_tanh(linear(u, self.w(p + "mlp.gate_proj.weight")))
+                   * linear(u, self.w(p + "mlp.up_proj.weight")), self.w(p + "mlp.down_proj.weight"))
         z = z + rms_norm(m, self.w(p + "post_feedforward_layernorm.weight"), self.eps)
         return z * self.w(p + "layer_scalar")[0]
 

@@ -39,7 +39,8 @@ MtpDrafterReadsPreNorm = planted(
     driver={"target_states": lambda self: self.engine.residual_log[-1]})
 
 MtpLastRowAfterPartial = planted(
-    "mtp-last-row-after-partial", "MTP: after a verification the next round reads the chunk's last row, not row n (M2).",
+    "mtp-last-row-after-partial", "MTP: after a verification the next round reads the chunk's last row, not row n "
+                                  "(M2).",
     driver={"hidden_for_next": lambda self, states, kept: states[-1]})
 
 MtpFirstRoundZeroHidden = planted(
@@ -69,7 +70,8 @@ MtpKeysRerotated = planted(
     "mtp-keys-rerotated", "MTP: the drafter rotates the target's keys again (M6).", draft={"keys": _rerotated})
 
 MtpCentroidTopKMinus1 = planted(
-    "mtp-centroid-top-k-minus-1", "MTP: the centroid head keeps one cluster fewer than centroid_intermediate_top_k (M9).",
+    "mtp-centroid-top-k-minus-1", "MTP: the centroid head keeps one cluster fewer than centroid_intermediate_top_k "
+                                  "(M9).",
     draft={"top_clusters": lambda self: self.acfg.centroid_intermediate_top_k - 1})
 
 MtpEmbeddingUnscaled = planted(

@@ -47,14 +47,27 @@ from refimpl.unified import LAYER_NORM_EPS
 
 from ..protocol.types import Backend
 from .engine import CacheSet, Engine, KVView, MicroBatch, NumpyEngineBackend, Rows, SequenceCache
-from .mtp_mutants import (HiddenNormWeightSkipped, HiddenPreNorm, MtpCentroidTopKMinus1, MtpDrafterReadsPreNorm,
-                          MtpEmbeddingUnscaled, MtpFirstRoundZeroHidden, MtpFirstStoreLayer, MtpFixedTargetState,
-                          MtpKeysRerotated, MtpLastRowAfterPartial, MtpNoRollback, MtpPositionAdvances,
-                          MtpPositionalStoreLayers, MtpPositionPMinus1)
+from .mtp_mutants import (
+    HiddenNormWeightSkipped,
+    HiddenPreNorm,
+    MtpCentroidTopKMinus1,
+    MtpDrafterReadsPreNorm,
+    MtpEmbeddingUnscaled,
+    MtpFirstRoundZeroHidden,
+    MtpFirstStoreLayer,
+    MtpFixedTargetState,
+    MtpKeysRerotated,
+    MtpLastRowAfterPartial,
+    MtpNoRollback,
+    MtpPositionAdvances,
+    MtpPositionalStoreLayers,
+    MtpPositionPMinus1,
+)
 from .planting import planted
 
-__all__ = ["AUDIO_SET", "BACKENDS", "MTP_SETS", "MTP_SET_CENTROID", "MTP_SET_LAYOUT", "CLOSENESS", "EQUIVALENT", "IMAGE_SETS", "IMAGE_SET_BIDIRECTIONAL", "IMAGE_SET_PLE",
-           "MUTANTS", "Mutant", "UNIFIED_SET", "mutant", "planted"]
+__all__ = ["AUDIO_SET", "BACKENDS", "MTP_SETS", "MTP_SET_CENTROID", "MTP_SET_LAYOUT", "CLOSENESS", "EQUIVALENT",
+           "IMAGE_SETS", "IMAGE_SET_BIDIRECTIONAL", "IMAGE_SET_PLE", "MUTANTS", "Mutant", "UNIFIED_SET", "mutant",
+           "planted"]
 
 CLOSENESS = frozenset({"max_abs", "max_rel", "nmse", "cosine", "kl", "kl_mean", "delta_p"})
 IDENTITY = frozenset({"identity"})
@@ -81,7 +94,8 @@ def _rows_one_early(self, p: int, rows) -> list[int]:
 
 
 ChunkBoundaryRow = planted(
-    "chunk-boundary-row", "Prefill with several pieces: the output rows of pieces after the first are read one row early.",
+    "chunk-boundary-row", "Prefill with several pieces: the output rows of pieces after the first are read one row "
+                          "early.",
     backend={"piece_rows": _rows_one_early})
 
 
@@ -90,7 +104,8 @@ ChunkBoundaryRow = planted(
 
 SoftcapDroppedSingleRow = planted(
     "softcap-dropped-single-row", "A one-row head (last-logits entry points, decode) skips the final softcap.",
-    engine={"final_softcap": lambda self, logits: logits if logits.shape[0] == 1 else Engine.final_softcap(self, logits)})
+    engine={"final_softcap": lambda self, logits: (logits if logits.shape[0] == 1
+                                                   else Engine.final_softcap(self, logits))})
 
 SoftcapTwice = planted(
     "softcap-twice", "The final softcap is applied twice.",
@@ -115,7 +130,8 @@ def _prune_keeping(*fields: str):
 
 
 PruneHiddenNotPositions = planted(
-    "prune-hidden-not-positions", "Pruning gathers the hidden rows but keeps the RoPE positions of the first |O| tokens.",
+    "prune-hidden-not-positions", "Pruning gathers the hidden rows but keeps the RoPE positions of the first |O| "
+                                  "tokens.",
     engine={"prune": _prune_keeping("pos")})
 
 PruneHiddenNotMask = planted(
@@ -187,7 +203,8 @@ ChunkLocalMask = planted(
     engine={"attention_mask": _chunk_local_mask})
 
 ChunkLocalPositions = planted(
-    "chunk-local-positions", "RoPE positions restart at 0 in every prefill chunk (the mask still uses the true positions).",
+    "chunk-local-positions", "RoPE positions restart at 0 in every prefill chunk (the mask still uses the true "
+                             "positions).",
     engine={"rope_positions": _chunk_local_positions})
 
 
@@ -214,7 +231,8 @@ EmbeddingsScaledTwice = planted(
     engine={"input_embeddings": _embeddings_scaled_twice})
 
 SoftTokensScaled = planted(
-    "soft-tokens-scaled", "Image prompts: the soft tokens (image rows of the given embeddings) are multiplied by sqrt(H).",
+    "soft-tokens-scaled", "Image prompts: the soft tokens (image rows of the given embeddings) are multiplied by "
+                          "sqrt(H).",
     engine={"input_embeddings": _soft_tokens_scaled})
 
 
@@ -254,15 +272,18 @@ def _audio_ple_own_row(self, mb: MicroBatch) -> np.ndarray:
 
 AudioChunkingWrong = planted(
     "audio-chunking-wrong",
-    "Audio tower: the local attention admits attention_context_left keys (self + context_left - 1 past), one too many (trap 24).",
+    "Audio tower: the local attention admits attention_context_left keys (self + context_left - 1 past), one too many "
+    "(trap 24).",
     engine={"audio_context": _audio_context_one_more})
 
 AudioLogitCapMissing = planted(
-    "audio-logit-cap-missing", "Audio tower: the local attention's logit soft cap (attention_logit_cap) is not applied.",
+    "audio-logit-cap-missing", "Audio tower: the local attention's logit soft cap (attention_logit_cap) is not "
+                               "applied.",
     engine={"audio_logit_cap": lambda self: None})
 
 AudioSoftTokensScaled = planted(
-    "audio-soft-tokens-scaled", "Audio prompts: the audio soft tokens are multiplied by sqrt(H) as if they were token embeddings.",
+    "audio-soft-tokens-scaled", "Audio prompts: the audio soft tokens are multiplied by sqrt(H) as if they were token "
+                                "embeddings.",
     engine={"audio_soft_tokens": lambda self, features, mask: (Engine.audio_soft_tokens(self, features, mask)
                                                                * self.dtype.type(self.model.embed_scale))})
 
@@ -318,11 +339,13 @@ AttentionScaleRsqrtD = planted(
     engine={"attend": lambda self, q, kv, mask: Engine.attend(self, q * q.shape[-1] ** -0.5, kv, mask)})
 
 RopeOrdinaryPartial = planted(
-    "rope-ordinary-partial", "Full layers use ordinary partial RoPE on the first 2 n_rot dims, denominator 2 n_rot (trap 3).",
+    "rope-ordinary-partial", "Full layers use ordinary partial RoPE on the first 2 n_rot dims, denominator 2 n_rot "
+                             "(trap 3).",
     engine={"rope": _rope_ordinary_partial})
 
 SlidingWindowOffByOne = planted(
-    "sliding-window-off-by-one", "Sliding layers see W + 1 keys (itself and W earlier ones), and keep W in the cache (trap 7).",
+    "sliding-window-off-by-one", "Sliding layers see W + 1 keys (itself and W earlier ones), and keep W in the cache "
+                                 "(trap 7).",
     engine={"window": lambda self, i: Engine.window(self, i) + 1})
 
 KeqvVIsRotatedK = planted(
@@ -330,7 +353,8 @@ KeqvVIsRotatedK = planted(
     engine={"values": lambda self, i, h, kr, k: k if self.cfg.layers[i].k_eq_v else Engine.values(self, i, h, kr, k)})
 
 SharedWrongSource = planted(
-    "shared-wrong-source", "A KV-shared layer reads the FIRST KV-owning layer of its type instead of the last (trap 8).",
+    "shared-wrong-source", "A KV-shared layer reads the FIRST KV-owning layer of its type instead of the last (trap "
+                           "8).",
     engine={"kv_source": _first_source_of_type})
 
 PleMissingSqrtP = planted(
@@ -338,7 +362,8 @@ PleMissingSqrtP = planted(
     engine={"ple_table_rows": _ple_unscaled})
 
 MoeNoRenormalise = planted(
-    "moe-no-renormalise", "MoE router weights are the top-k softmax probabilities without renormalising them (trap 12).",
+    "moe-no-renormalise", "MoE router weights are the top-k softmax probabilities without renormalising them (trap "
+                          "12).",
     engine={"route": _route_not_renormalised})
 
 MoeRouterNormedInput = planted(
@@ -404,7 +429,8 @@ PatchRmsnorm = planted(
     engine={"patch_norm": lambda self, x, w, b: rms_norm(x, w, LAYER_NORM_EPS)})
 
 PatchOrderChw = planted(
-    "patch-order-chw", "Unified vision embedder: patches flattened channel-major (CHW) instead of (row, column, channel).",
+    "patch-order-chw", "Unified vision embedder: patches flattened channel-major (CHW) instead of (row, column, "
+                       "channel).",
     engine={"patch_values": _patch_values_chw})
 
 PositionAxesSwapped = planted(
@@ -417,7 +443,8 @@ PaddingRowsKept = planted(
     engine={"real_patches": lambda self, e, pos: e})
 
 AudioFramesNotNormed = planted(
-    "audio-frames-not-normed", "Unified audio embedder: the 640-sample frames go to the projection without their RMSNorm.",
+    "audio-frames-not-normed", "Unified audio embedder: the 640-sample frames go to the projection without their "
+                               "RMSNorm.",
     engine={"audio_frame_norm": lambda self, frames: frames})
 
 
@@ -498,7 +525,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(AudioSoftTokensScaled, "B10", kill_sets=(AUDIO_SET,), where="embed"),
     _m(AudioPlePlaceholderRow, "trap 17", kill_sets=(AUDIO_SET,), where="ple_add@0"),
     _m(VisionWindowUnclamped, "unified U2", kill_sets=(IMAGE_SET_BIDIRECTIONAL, UNIFIED_SET), where="attn_out@sliding"),
-    _m(ImageSplitAcrossUbatches, "unified U4", kill_sets=(IMAGE_SET_BIDIRECTIONAL, UNIFIED_SET), where="attn_out@sliding"),
+    _m(ImageSplitAcrossUbatches, "unified "
+                                 "U4", kill_sets=(IMAGE_SET_BIDIRECTIONAL, UNIFIED_SET), where="attn_out@sliding"),
     _m(PatchLayernormEps1e6, "unified U6", kill_sets=(UNIFIED_SET,), where="embed"),
     _m(PatchRmsnorm, "unified U6", kill_sets=(UNIFIED_SET,), where="embed"),
     _m(PatchOrderChw, "unified U7", kill_sets=(UNIFIED_SET,), where="embed"),

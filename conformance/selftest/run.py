@@ -351,7 +351,7 @@ class _Counter:
 
 def _sets_of(selection: Selection, kill_sets: Sequence[str]) -> list[tuple]:
     """(set, chosen cases) of the selection a mutant runs on: its kill sets' (every set when it has none)."""
-    return [(fs, chosen) for fs, chosen in zip(selection.sets, selection.chosen)
+    return [(fs, chosen) for fs, chosen in zip(selection.sets, selection.chosen, strict=True)
             if chosen and (not kill_sets or fs.name in kill_sets)]
 
 
@@ -502,7 +502,8 @@ def run_selftest(
     """Run the control, then every mutant, on the selected cases of ``sets`` (paths or ``FixtureSet``s).
 
     ``profiles``: names or ``Profile``s; the first is the primary one. ``control``: the unmutated
-    backend (default: ``numpy-engine``), ``control_note`` a note on it for the report. ``equivalents``: (mutant, reason) pairs for planted bugs that no
+    backend (default: ``numpy-engine``), ``control_note`` a note on it for the report. ``equivalents``: (mutant, reason)
+    pairs for planted bugs that no
     float profile can see; they run after the mutants, are graded at every profile and at exact-f64,
     and count as a problem only if even exact-f64 misses them. ``workers``: mutants run at the same time, each in
     a process forked after the control (``_run_forked``; Linux; elsewhere, or with 1, one after the other in
@@ -656,7 +657,8 @@ def format_table(result: SelftestResult, breaks_width: int | None = 48) -> str:
     right = {6}  # the failing column
     lines = []
     for n, r in enumerate(rows):
-        cells = [cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths))]
+        cells = [cell.rjust(w) if i in right else cell.ljust(w)
+                 for i, (cell, w) in enumerate(zip(r, widths, strict=True))]
         lines.append("  ".join(cells).rstrip())
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))

@@ -99,7 +99,8 @@ def link_loop(path: Path) -> str | None:
 
 def set_paths(dirs: Sequence[str | Path] | None, flag: str = "--fixtures") -> list[Path]:
     """Fixture-set directories (or .tar archives of one) named by ``flag``'s arguments (``dirs``), a
-    directory holding sets expanding to them; no argument: the bundled sets. ValueError naming ``flag`` when one cannot be used;
+    directory holding sets expanding to them; no argument: the bundled sets. ValueError naming ``flag`` when one cannot
+    be used;
     FixtureError for a loop of symbolic links (a broken set: exit code 3, as ``verify`` says)."""
     if not dirs:
         paths = [Path(p) for p in bundled_sets()]

@@ -341,8 +341,8 @@ def _check_image_case(case: Case, blocks: Sequence[tuple[int, int]], where: str)
     cuts = [T] + list(np.cumsum([n for n, _ in case.pieces])[:-1]) if case.kind == "prefill" else [T]
     for a, n in blocks:
         if any(a < c < a + n for c in cuts):
-            out.append(f"{where}: the {kind[kind.index(' ') + 1:]} block at {a} ({n} tokens) is cut by the prompt's end "
-                       "or a piece boundary")
+            out.append(f"{where}: the {kind[kind.index(' ') + 1:]} block at {a} ({n} tokens) is cut by the prompt's "
+                       "end or a piece boundary")
         if T <= a < T + case.decode_len:
             out.append(f"{where}: its decode tokens run into the {kind[kind.index(' ') + 1:]} block at {a}; decode "
                        "tokens must be text")

@@ -16,10 +16,18 @@ from refimpl.synth import write_checkpoint
 
 from ..protocol.types import AudioInput, ImageInput
 from .case import BaseMedia, Case, mtp_rows
-from .format import (
-    AUDIO_LEAVES, BASE_FILE_RE, EXPECTED, IMAGE_LEAVES, MTP_FILE, SYNTHETIC_CHECKED, FixtureError, sha256_file, versions,
-)
 from .checkpoint import checkpoint_problems, find_checkpoint
+from .format import (
+    AUDIO_LEAVES,
+    BASE_FILE_RE,
+    EXPECTED,
+    IMAGE_LEAVES,
+    MTP_FILE,
+    SYNTHETIC_CHECKED,
+    FixtureError,
+    sha256_file,
+    versions,
+)
 from .head import SUMMARY_LEAVES, RebuiltLogits, summaries_of
 
 
@@ -246,7 +254,8 @@ class FixtureSet:
             now = versions()
             recorded = ", ".join(f"{k.split('_')[0]} {prov.get(k, '?')}" for k in
                                  ("refimpl_version", "numpy_version", "python_version"))
-            found = ", ".join(f"{k.split('_')[0]} {now[k]}" for k in ("refimpl_version", "numpy_version", "python_version"))
+            found = ", ".join(f"{k.split('_')[0]} "
+                              f"{now[k]}" for k in ("refimpl_version", "numpy_version", "python_version"))
             raise FixtureError(
                 f"{self.path}: the synthetic checkpoint could not be reproduced: {' and '.join(bad)} of preset "
                 f"{rec['preset']!r} seed {rec['seed']} differ from the sha256 the set records. Recorded with "

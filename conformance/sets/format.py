@@ -54,7 +54,8 @@ MTP_TENSOR_RE = re.compile(r"^(M\d+)/(tokens|prompt_hidden|verify_hidden|draft/[
 BASE_FILE_RE = re.compile(r"^base-([A-Za-z0-9][A-Za-z0-9_-]*)\.safetensors$")
 SYNTHETIC_FILES = ("config.json", "model.safetensors", "tokenizer.model")
 SYNTHETIC_CHECKED = ("config.json", "model.safetensors")
-DRAFTER_FILES = ("config.json", "model.safetensors")  # an MTP assistant's files the manifest records (mtp.drafter)  # a tokenizer mismatch is only a warning
+# an MTP assistant's files the manifest records (mtp.drafter)  # a tokenizer mismatch is only a warning
+DRAFTER_FILES = ("config.json", "model.safetensors")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 SEMVER_RE = re.compile(
     r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"

@@ -15,15 +15,34 @@ from refimpl.errors import WeightsError
 from refimpl.safetensors_io import TensorStore, read_header
 from refimpl.synth import PRESETS
 
+from .archive import is_archive, unpack
 from .case import Case, check_case
 from .checkpoint import not_checked_note, recorded_dir
 from .fixture_set import FixtureSet
-from .archive import is_archive, unpack
 from .format import (
-    AUDIO_LEAVES, BASE_FILE_RE, BASE_LEAVES, CASES, EXPECTED, IMAGE_LEAVES, MANIFEST, MEDIA_LEAVES, MTP_FILE,
-    MTP_TENSOR_RE, NAME_RE,
-    READABLE_SCHEMA_VERSIONS, SCHEMA, SCHEMA_VERSION, SEMVER_RE, SET_FILES, SHA_RE, STORAGES, SYNTHETIC_CHECKED,
-    FixtureError, checkpoint_name_problem, read_json, sha256_file,
+    AUDIO_LEAVES,
+    BASE_FILE_RE,
+    BASE_LEAVES,
+    CASES,
+    EXPECTED,
+    IMAGE_LEAVES,
+    MANIFEST,
+    MEDIA_LEAVES,
+    MTP_FILE,
+    MTP_TENSOR_RE,
+    NAME_RE,
+    READABLE_SCHEMA_VERSIONS,
+    SCHEMA,
+    SCHEMA_VERSION,
+    SEMVER_RE,
+    SET_FILES,
+    SHA_RE,
+    STORAGES,
+    SYNTHETIC_CHECKED,
+    FixtureError,
+    checkpoint_name_problem,
+    read_json,
+    sha256_file,
 )
 from .head import SUMMARY_LEAVES
 
@@ -115,7 +134,7 @@ def _stored_items(infos: Mapping[str, Any], kind: str, b: str, leaves: tuple[str
     while f"{kind}/{b}/{j}/{leaves[0]}" in infos:
         prefix = f"{kind}/{b}/{j}/"
         got = [infos.get(prefix + leaf) for leaf in leaves]
-        missing = [leaf for leaf, info in zip(leaves, got) if info is None]
+        missing = [leaf for leaf, info in zip(leaves, got, strict=True) if info is None]
         if missing:
             out.append(f"{where}: {prefix}{missing[0]} is missing")
         items.append((prefix, tuple(got)))
@@ -345,7 +364,7 @@ def _read_dir(path: Path) -> tuple[list[str], FixtureSet | None]:
     lengths: dict[str, int] = {}
     vocab = None
     seen: dict[str, set] = {}
-    for n, info in infos.items():
+    for n in infos:
         parts = n.split("/")
         if len(parts) == 4 and parts[2].isdigit() and (parts[0], parts[3]) in MEDIA_LEAVES:
             continue  # checked with its base below
@@ -361,7 +380,7 @@ def _read_dir(path: Path) -> tuple[list[str], FixtureSet | None]:
             problems.append(f"{path / MANIFEST}: config.vocab_size must be an integer (a set stored as hidden "
                             "states needs it)")
             vocab = None
-    for b, leaves in sorted(seen.items()):
+    for b in sorted(seen):
         where = str(path / f"base-{b}.safetensors") if v2 else str(epath)
         t, lg = infos.get(f"base/{b}/tokens"), infos.get(f"base/{b}/logits")
         if t is None or (lg is None and storage == "logits"):

@@ -52,7 +52,7 @@ for line in sys.stdin:
                 reply["decode_logits"] = array(out_dir, "decode", np.stack(steps))
         elif op not in ("close", "shutdown"):
             raise ValueError(f"unknown op {op!r}")
-    except Exception as exc:  # every failure is an ok:false reply; the engine keeps serving
+    except Exception as exc:  # noqa: BLE001 - every failure is an ok:false reply; the engine keeps serving
         reply = {"id": msg.get("id"), "ok": False, "error": f"{type(exc).__name__}: {exc}"}
     replies.write(json.dumps(reply) + "\n")
     replies.flush()

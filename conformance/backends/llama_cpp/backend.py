@@ -18,7 +18,8 @@ Options: those of ``LlamaCppEngine`` (``kv_type``, ``lib``, ``threads``, ``flash
 ``default_profile``, ``verbose``), checked here before the child starts, ``backtrace`` (default
 false: the child runs with ``GGML_NO_BACKTRACE=1`` so that a crash report quotes the ``GGML_ASSERT``
 line rather than a gdb backtrace), plus the subprocess backend's ``timeout`` (600 s a request), ``startup_timeout``,
-``open_timeout`` (default 7200 s: ``open`` converts the checkpoint to GGUF) and ``stderr_log``. ``lib`` becomes the child's
+``open_timeout`` (default 7200 s: ``open`` converts the checkpoint to GGUF) and ``stderr_log``. ``lib`` becomes the
+child's
 ``LLAMA_CPP_LIB_PATH`` (llama-cpp-python loads ``libllama.so`` from there at import): ``stock``
 (the library inside the llama_cpp package), ``exact-gelu`` (``.cache/llama-cpp/exact-gelu/build/bin``
 from ``scripts/build-llama-cpp.sh --exact-gelu``) or a directory. The child serves traces (capability ``traces``)

@@ -179,7 +179,8 @@ __all__ = [
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 REPO_ROOT = Path(__file__).resolve().parents[3]  # conformance/backends/llama_cpp/engine.py -> the checkout
-DEFAULT_SOURCE = REPO_ROOT / ".cache" / "llama-cpp" / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
+DEFAULT_SOURCE = (REPO_ROOT / ".cache" / "llama-cpp" / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor"
+                  / "llama.cpp")
 EXACT_GELU_LIB = REPO_ROOT / ".cache" / "llama-cpp" / "exact-gelu" / "build" / "bin"
 EXPECTATIONS_DIR = Path(__file__).resolve().parent / "expectations"
 BUILD_HINT = "run scripts/build-llama-cpp.sh (add --exact-gelu for the exact-GELU library)"
@@ -610,7 +611,7 @@ class LlamaCppEngine:
         def cb(level, text, _user):
             try:
                 msg = text.decode("utf-8", "replace") if text else ""
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - a log callback must never raise into C
                 return
             if msg.strip():
                 lines.append(msg.rstrip("\n"))
@@ -967,7 +968,7 @@ class _Ctx:
 
     def decode_multi(self, sequences, seq_ids) -> np.ndarray:
         items = []
-        for toks, s in zip(sequences, seq_ids):
+        for toks, s in zip(sequences, seq_ids, strict=True):
             items += [(int(t), i, s, i == len(toks) - 1) for i, t in enumerate(toks)]
         return self._batch(items)
 

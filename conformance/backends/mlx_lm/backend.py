@@ -57,10 +57,9 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
-
 import mlx.core as mx  # the registry turns a missing mlx into an install hint (the 'mlx' extra)
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
@@ -100,7 +99,7 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     return a == b
 
 
@@ -233,7 +232,7 @@ class MlxLmBackend(CachedBackend):
         patch = config_patch(raw, cfg)
         try:
             model, _ = load_model(model_dir, model_config=_model_config(raw, patch))
-        except Exception as exc:  # noqa: BLE001 - whatever mlx-lm raises, name the loader and the directory
+        except Exception as exc:  # whatever mlx-lm raises, name the loader and the directory
             raise BackendError(f"mlx-lm backend: mlx_lm.utils.load_model cannot load {model_dir}: "
                                f"{type(exc).__name__}: {exc}") from exc
         stored = sorted({str(v.dtype).removeprefix("mlx.core.") for _, v in tree_flatten(model.parameters())})
@@ -318,7 +317,7 @@ class MlxLmBackend(CachedBackend):
         check("embedding scale", inner.embed_scale, math.sqrt(cfg.hidden_size))
         check("hidden_size_per_layer_input", inner.hidden_size_per_layer_input or 0, cfg.hidden_size_per_layer_input)
         check("final norm eps", inner.norm.eps, cfg.rms_norm_eps)
-        for spec, layer, prev in zip(cfg.layers, inner.layers, inner.previous_kvs):
+        for spec, layer, prev in zip(cfg.layers, inner.layers, inner.previous_kvs, strict=True):
             i, attn = spec.index, layer.self_attn
             check(f"layer {i} type", layer.layer_type, spec.layer_type)
             check(f"layer {i} head_dim", attn.head_dim, spec.head_dim)

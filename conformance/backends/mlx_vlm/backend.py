@@ -61,9 +61,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
-
 import mlx.core as mx  # the registry turns a missing mlx / mlx_vlm into an install hint (the 'mlx' extra)
+import numpy as np
 from mlx.utils import tree_flatten, tree_map
 from mlx_vlm.models.cache import make_prompt_cache
 from mlx_vlm.utils import load_model
@@ -179,7 +178,7 @@ class MlxVlmBackend(CachedBackend):
         view = checkpoint_view(model_dir, raw, patch) if patch else None
         try:
             model = load_model(view or model_dir)
-        except Exception as exc:  # noqa: BLE001 - whatever mlx-vlm raises, name the loader and the directory
+        except Exception as exc:  # whatever mlx-vlm raises, name the loader and the directory
             detail = " ".join(str(exc).split())  # one line, whatever mlx-vlm's message looks like
             if len(detail) > 400:
                 detail = detail[:400] + " ..."
@@ -261,7 +260,7 @@ class MlxVlmBackend(CachedBackend):
             cache = make_prompt_cache(self.model.language_model)
             ids = mx.array([[self.text_config.bos_token_id or 0]], dtype=mx.int32)
             mx.eval(self.family.decode(self.model, ids, cache))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise BackendError(f"mlx-vlm backend: a one-token forward of the loaded model fails: "
                                f"{type(exc).__name__}: {exc}") from exc
 
@@ -412,8 +411,8 @@ class MlxVlmBackend(CachedBackend):
                                     "float32, as language_model(inputs_embeds=...)",
                    "per_layer_inputs": ("Model.get_input_embeddings(input_ids): token id 0 at image/audio/video "
                                         "token positions" if ple else None),
-                   "token_types": "mm_token_type_ids by the processor's rule (1 image, 3 audio), from the sequence's start; decode "
-                                        "steps none"}
+                   "token_types": "mm_token_type_ids by the processor's rule (1 image, 3 audio), from the sequence's "
+                                  "start; decode steps none"}
             if request.images:
                 out["images"] = [list(b) for b in request.images]
                 out["image_tower"] = (f"mlx-vlm {self.family.tower_modules['image']} via Model.get_input_embeddings("

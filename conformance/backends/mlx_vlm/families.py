@@ -33,17 +33,17 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-import numpy as np
-
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from refimpl.model import rope_inv_freq
 
 from ...protocol.types import BackendError
 from .config import same
 
-__all__ = ["FAMILIES", "Family", "Gemma4", "Gemma4Text", "Gemma4Unified", "family_for", "geometry_problems", "inv_freq_of"]
+__all__ = ["FAMILIES", "Family", "Gemma4", "Gemma4Text", "Gemma4Unified", "family_for", "geometry_problems",
+           "inv_freq_of"]
 
 # model types mlx-vlm has for Gemma 4 that this backend does not drive (yet), and why
 NOT_SERVED = {
@@ -126,7 +126,8 @@ class Gemma4(Family):
     mlx_module = "mlx_vlm.models.gemma4"
     media = True
     towers = ("vision_tower", "audio_tower")
-    tower_modules = {"image": "VisionModel (vision_tower) + embed_vision", "audio": "AudioEncoder (audio_tower) + embed_audio"}
+    tower_modules = {"image": "VisionModel (vision_tower) + "
+                              "embed_vision", "audio": "AudioEncoder (audio_tower) + embed_audio"}
 
     def image_kwargs(self, pixels, positions):
         """One array per image (``VisionModel`` encodes a list image by image: sizes differ)."""
@@ -237,7 +238,7 @@ def geometry_problems(family: Family, model, cfg) -> list[str]:
     check("embedding scale", inner.embed_scale, math.sqrt(cfg.hidden_size))
     check("hidden_size_per_layer_input", inner.hidden_size_per_layer_input or 0, cfg.hidden_size_per_layer_input)
     check("final norm eps", inner.norm.eps, cfg.rms_norm_eps)
-    for spec, layer, prev in zip(cfg.layers, inner.layers, inner.previous_kvs):
+    for spec, layer, prev in zip(cfg.layers, inner.layers, inner.previous_kvs, strict=True):
         i, attn = spec.index, layer.self_attn
         check(f"layer {i} type", layer.layer_type, spec.layer_type)
         check(f"layer {i} head_dim", attn.head_dim, spec.head_dim)

@@ -62,7 +62,7 @@ def load_assistant(path: str | Path, dtype: str):
                            f"{raw.get('model_type')!r}; expected one of {', '.join(ASSISTANT_TYPES)})")
     try:
         drafter, _ = load_drafter(str(path), kind="mtp")
-    except Exception as exc:  # noqa: BLE001 - whatever mlx-vlm raises, name the loader and the directory
+    except Exception as exc:  # whatever mlx-vlm raises, name the loader and the directory
         raise BackendError(f"mlx-vlm backend: mlx_vlm.speculative.drafters.load_drafter cannot load {path}: "
                            f"{type(exc).__name__}: {' '.join(str(exc).split())}") from exc
     target = getattr(mx, dtype)
@@ -108,7 +108,7 @@ def assisted_generate(model, drafter, request: Request, eos: set[int]) -> tuple[
 
     try:
         drafts = _recorded_rounds(drafter, run)
-    except Exception as exc:  # noqa: BLE001 - mlx-vlm's loop failing on this target: one line, named
+    except Exception as exc:  # mlx-vlm's loop failing on this target: one line, named
         raise RuntimeError(f"mlx-vlm backend: mlx-vlm's MTP loop (generate_step, draft_kind='mtp') fails on "
                            f"{type(model).__module__}.{type(model).__name__}: {type(exc).__name__}: "
                            f"{' '.join(str(exc).split())}") from exc

@@ -65,19 +65,27 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-
 from refimpl.config import load_config
 
 from ...protocol.types import BackendError, Capabilities, Request, Response
 from ...protocol.wire import (
-    PROTOCOL, VERSIONS, EngineCrash, EngineError, EngineFailure, EngineTimeout, ProtocolError,
-    capabilities_from_json, clip_text, request_to_json,
+    PROTOCOL,
+    VERSIONS,
+    EngineCrash,
+    EngineError,
+    EngineFailure,
+    EngineTimeout,
+    ProtocolError,
+    capabilities_from_json,
+    clip_text,
+    request_to_json,
 )
 from .process import SHUTDOWN_GRACE_S, _Died, _Garbage, _Process, _TimedOut
 from .reply import response_from_reply
 
 # What each reply must carry besides "id" and "ok" (docs/subprocess-protocol.md, one table per message). A reply
-# with "ok": false must carry "error" (a string); "run" needs more, depending on the request (``reply.response_from_reply``).
+# with "ok": false must carry "error" (a string); "run" needs more, depending on the request
+# (``reply.response_from_reply``).
 HELLO_REQUIRED = ("protocol", "version", "capabilities")  # "name" and "engine" are optional
 
 def _vocab_size(model_dir: Path) -> int | None:
@@ -91,7 +99,7 @@ def _vocab_size(model_dir: Path) -> int | None:
         text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
         v = text.get("vocab_size", cfg.get("vocab_size"))
         return int(v) if isinstance(v, int) else None
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - an unreadable config: no vocab known
         return None
 
 
@@ -158,7 +166,7 @@ def _shutdown_all() -> None:  # no engine process outlives the harness: shutdown
     for backend in list(_LIVE):
         try:
             backend.shutdown()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - at exit: stop every engine whatever fails
             pass
 
 
@@ -510,7 +518,7 @@ class SubprocessBackend:
         # same way as by shutdown()
         try:
             self.shutdown()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - best effort, as shutdown()
             pass
 
 

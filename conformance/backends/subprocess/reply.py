@@ -42,7 +42,7 @@ def _decode_arrays(refs: Any, decode_rows: int | list[int] | None, n_seq: int, f
         raise ProtocolError(f"the run reply's {field!r} must be a list of {len(decode_rows)} entries (one per "
                             f"sequence of the multi request), got {clip_text(repr(refs))}")
     out = []
-    for i, (ref, n) in enumerate(zip(refs, decode_rows)):
+    for i, (ref, n) in enumerate(zip(refs, decode_rows, strict=True)):
         if ref is None:
             if n:
                 raise ProtocolError(f"the run reply's {field!r}[{i}] is null, but sequence {i} of the multi request "

@@ -20,8 +20,16 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ...protocol.wire import (
-    PROTOCOL, VERSIONS, EngineError, jsonable, mtp_reply, request_from_json, write_array, write_trace,
+    PROTOCOL,
+    VERSIONS,
+    EngineError,
+    jsonable,
+    mtp_reply,
+    request_from_json,
+    write_array,
+    write_trace,
 )
+
 
 def handle(backend: Any, msg: dict, fmt: str) -> dict:
     """Answer one request message (without "id" and "ok"); raise on failure."""

@@ -2,7 +2,8 @@
 
 It drives ``transformers.Gemma4ForCausalLM`` (``Gemma4ForConditionalGeneration`` for an image-text or
 audio-text checkpoint) the way a serving stack built on transformers does, and claims every capability
-of the protocol, image and audio prompts included (``audio_tower`` too, except in float64: see below). The request handling (validation, micro-batches, one cache
+of the protocol, image and audio prompts included (``audio_tower`` too, except in float64: see below). The request
+handling (validation, micro-batches, one cache
 per sequence id, decode) is ``conformance.protocol.serving.CachedBackend``'s; this module supplies the
 forward, and with it how each request kind reaches transformers:
 
@@ -156,17 +157,22 @@ from typing import Any
 import numpy as np
 import torch
 import transformers
-from transformers import (DynamicCache, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4UnifiedForCausalLM,
-                          Gemma4UnifiedForConditionalGeneration)
+from transformers import (
+    DynamicCache,
+    Gemma4ForCausalLM,
+    Gemma4ForConditionalGeneration,
+    Gemma4UnifiedForCausalLM,
+    Gemma4UnifiedForConditionalGeneration,
+)
 
 from ...protocol.serving import CachedBackend, check_mtp_generate, padded_clips
 from ...protocol.types import BackendError, Capabilities, Request, Response
 from .mtp import CONVENTION as MTP_CONVENTION
 from .mtp import assisted_generate, load_assistant
 
-__all__ = ["ATTN_IMPLEMENTATIONS", "AUDIO_TOWER_OPTIONS", "DTYPES", "EXPERTS_IMPLEMENTATIONS", "TransformersBackend", "checkpoint_layout",
-           "has_audio", "has_vision", "is_unified", "load_gemma4_causal_lm", "load_gemma4_conditional_generation",
-           "load_gemma4_unified", "resolve_device", "shipped_expectations"]
+__all__ = ["ATTN_IMPLEMENTATIONS", "AUDIO_TOWER_OPTIONS", "DTYPES", "EXPERTS_IMPLEMENTATIONS", "TransformersBackend",
+           "checkpoint_layout", "has_audio", "has_vision", "is_unified", "load_gemma4_causal_lm",
+           "load_gemma4_conditional_generation", "load_gemma4_unified", "resolve_device", "shipped_expectations"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
@@ -305,7 +311,7 @@ def load_gemma4_causal_lm(model_dir: str | os.PathLike, dtype: str | torch.dtype
                 kwargs["config"] = transformers.AutoConfig.from_pretrained(os.fspath(model_dir)).get_text_config()
                 kwargs["key_mapping"] = CONDITIONAL_KEY_MAPPING
             model, info = Gemma4ForCausalLM.from_pretrained(os.fspath(model_dir), **kwargs)
-    except Exception as exc:  # noqa: BLE001 - whatever transformers raises, the checkpoint cannot be served
+    except Exception as exc:  # whatever transformers raises, the checkpoint cannot be served
         raise BackendError(f"transformers {transformers.__version__} cannot load {model_dir} ({layout} layout): "
                            f"{type(exc).__name__}: {exc}") from exc
     return _checked(model, info, model.model.embed_tokens, f"{model_dir} ({layout} layout)", device)
@@ -317,7 +323,7 @@ def _from_pretrained(cls, model_dir: str | os.PathLike, kwargs: dict[str, Any], 
     try:
         with _quiet_progress_bar():
             return cls.from_pretrained(os.fspath(model_dir), **kwargs)
-    except Exception as exc:  # noqa: BLE001 - whatever transformers raises, the checkpoint cannot be served
+    except Exception as exc:  # whatever transformers raises, the checkpoint cannot be served
         raise BackendError(f"transformers {transformers.__version__} cannot load {model_dir} ({what}): "
                            f"{type(exc).__name__}: {exc}") from exc
 
@@ -701,7 +707,7 @@ class TransformersBackend(CachedBackend):
             raise
         keep = out.attention_mask.to(torch.bool)
         counts = keep.sum(-1).tolist()
-        for (start, n), c in zip(audio, counts):
+        for (start, n), c in zip(audio, counts, strict=True):
             if c != n:
                 raise ValueError(f"{self.who}: the audio block ({start}, {n}) has {n} tokens but transformers' "
                                  f"audio tower gives {c} soft tokens for its clip")
@@ -723,7 +729,7 @@ class TransformersBackend(CachedBackend):
         out = self.model.model.get_image_features(torch.from_numpy(pv).to(self.device, self.torch_dtype),
                                                   torch.from_numpy(pos).to(self.device), return_dict=True)
         parts = list(out.pooler_output)
-        for (start, n), part in zip(images, parts):
+        for (start, n), part in zip(images, parts, strict=True):
             if part.shape[0] != n:
                 raise ValueError(f"{self.who}: the image block ({start}, {n}) has {n} tokens but transformers' vision "
                                  f"embedder gives {part.shape[0]} soft tokens for its image")
@@ -779,7 +785,8 @@ class TransformersBackend(CachedBackend):
         """One forward of ``tokens`` continuing the cache of ``state``; returns (logits of ``rows``
         [R, V], notes: ``{"logits_to_keep": the logits_to_keep used, in JSON form}``, plus
         ``mm_token_type_ids`` (how many were passed) and ``mask_function`` (the one ``Gemma4Model.forward``
-        picks with them) when they were passed). A forward with no output row still runs every layer and writes the cache
+        picks with them) when they were passed). A forward with no output row still runs every layer and writes the
+        cache
         (logits_to_keep = an empty index tensor). With hidden states asked, a third element: the final norm's
         output at ``rows``; with traces asked (:meth:`_tracing`), a fourth: the trace of ``rows``.
 

@@ -81,13 +81,14 @@ def assisted_generate(target, drafter, request: Request, pad_token_id: int) -> t
     output = tuple(int(t) for t in out[0, n:])
     sizes = chunks[1:]  # after the prefill: one call a round, k + 1 tokens
     firsts = list(accumulate((size - 1 for size in sizes), initial=0))  # each round's first drafter call
-    drafts = [tuple(t for _, t in calls[a:a + size - 1]) for a, size in zip(firsts, sizes)]
+    drafts = [tuple(t for _, t in calls[a:a + size - 1]) for a, size in zip(firsts, sizes, strict=False)]
     # P of a round: its drafter calls' position; a round without drafts (the budget's last token) is the last one
-    positions = [calls[a][0] if size > 1 else n + len(output) - 2 for a, size in zip(firsts, sizes)]
+    positions = [calls[a][0] if size > 1 else n + len(output) - 2 for a, size in zip(firsts, sizes, strict=False)]
     ends = positions[1:] + [n + len(output) - 1]  # P of the round after each (the last: past the output)
-    accepted = [end - start - 1 for start, end in zip(positions, ends)]
+    accepted = [end - start - 1 for start, end in zip(positions, ends, strict=True)]
     if firsts[-1] != len(calls) or (positions and positions[0] != n) or any(
-            p != start for a, size, start in zip(firsts, sizes, positions) for p, _ in calls[a:a + size - 1]):
+            p != start for a, size, start in zip(firsts, sizes, positions, strict=False)
+            for p, _ in calls[a:a + size - 1]):
         raise RuntimeError("transformers backend: the drafter calls do not line up with the target's verification "
                            f"chunks (calls at {[p for p, _ in calls]}, chunks of {sizes})")
     return MtpResponse(output=output, accepted=accepted, drafts=drafts), {
