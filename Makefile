@@ -36,8 +36,12 @@ check: $(VENV)/.core
 	mkdir -p .cache
 	$(BIN)/conformance check --backend refimpl --json .cache/report.json --junit-xml .cache/report.xml
 
+# the suite on the machine's cores (pytest-xdist, at most 4 workers; a test file stays on one worker, so
+# module-scoped fixtures are built once): TEST_WORKERS=0 runs it in this process
+TEST_WORKERS ?= auto
+
 test: $(VENV)/.test
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile
 
 # the opt-in tests (the full mutation self-test on every bundled case; docs/testing.md)
 test-slow: $(VENV)/.test
