@@ -8,6 +8,8 @@
   call; safe inside hypothesis tests (it is not function-scoped).
 * ``micro_checkpoint`` / ``micro_config`` are re-exported from ``tests/helpers.py`` for direct use.
 * ``e2b_mini`` (session): the bundled set ``e2b-mini``'s path (the test is skipped when it is not installed).
+* hypothesis profiles: ``ci`` (the default: each test's own budget, ``helpers.examples``) and ``deep``
+  (``pytest --hypothesis-profile deep``: ten times each budget).
 * ``digest_cache`` (session, autouse): ``$CONFORMANCE_CACHE_DIR`` set to a temporary directory, so the
   checkpoint digest cache of the tests is never the user's.
 
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -33,6 +36,10 @@ from helpers import micro_checkpoint, micro_config  # noqa: F401 - for the tests
 from conformance.sets import bundled_sets
 from refimpl.model import Gemma4
 from refimpl.synth import PRESETS, write_checkpoint
+
+settings.register_profile("ci", deadline=None)  # each test's budget: helpers.examples(n)
+settings.register_profile("deep", deadline=None, max_examples=1000)  # ten times each budget
+settings.load_profile("ci")
 
 
 @pytest.fixture(scope="session", autouse=True)

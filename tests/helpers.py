@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+from hypothesis import settings
 
 from refimpl.safetensors_io import write_safetensors
 from refimpl.synth import make_unified_weights, make_weights
@@ -321,3 +322,13 @@ def same_run(a, b, what: str = "") -> None:
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     assert a.shape == b.shape, what
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * max(1.0, float(np.abs(b).max(initial=0.0))), err_msg=what)
+
+
+DEEP = "deep"  # the hypothesis profile of `pytest --hypothesis-profile deep` (tests/conftest.py)
+
+
+def examples(n: int) -> int:
+    """A hypothesis test's budget: ``n`` examples under the default profile (``ci``), ten times as many under
+    ``--hypothesis-profile deep`` (docs/testing.md)."""
+    return 10 * n if settings.default.max_examples >= settings.get_profile(DEEP).max_examples else n
+

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from helpers import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -231,7 +232,7 @@ def test_read_errors(tmp_path):
 # sizes, resize, patches
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     h=st.integers(1, 5000),
     w=st.integers(1, 5000),
@@ -268,7 +269,7 @@ def test_aspect_ratio_rule_errors():
         aspect_ratio_preserving_size(0, 100, 16, 280, 3)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     h=st.integers(1, 70), w=st.integers(1, 70), oh=st.integers(1, 70), ow=st.integers(1, 70),
     seed=st.integers(0, 2**32 - 1)

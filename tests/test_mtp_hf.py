@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from helpers import FULL, SLIDING, micro_assistant, micro_checkpoint, micro_config
+from helpers import FULL, SLIDING, examples, micro_assistant, micro_checkpoint, micro_config
 from hf_mtp_reference import hf_assisted_run, load_pair
 
 from conformance.sets.bundled import bundled_set
@@ -71,7 +71,7 @@ def _layouts():
     ])
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(10), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(layout=_layouts(), seed=st.integers(0, 2**16), kv=st.sampled_from([1, 2]), k_eq_v=st.booleans(),
        centroids=st.sampled_from([None, 4, 8]), n=st.integers(2, 12), k=st.integers(1, 4),
        drafter_types=st.sampled_from([(SLIDING, FULL), (FULL, SLIDING, FULL)]))

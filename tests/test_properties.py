@@ -20,6 +20,7 @@ from helpers import (
     FULL,
     SLIDING,
     effective_layer_types,
+    examples,
     inv_freq,
     kv_sources,
     log_softmax,
@@ -129,7 +130,7 @@ EVERYTHING_CONFIG = micro_config(
 )
 
 
-@settings(max_examples=500, deadline=None, suppress_health_check=SESSION_FIXTURES)
+@settings(max_examples=examples(500), deadline=None, suppress_health_check=SESSION_FIXTURES)
 @given(cfg=micro_configs(), seed=st.integers(0, 2**16),
        ids=st.integers(1, 16).flatmap(lambda T: st.lists(st.integers(0, 63), min_size=T, max_size=T)))
 @example(cfg=TRAP_CONFIG, seed=1, ids=list(range(3, 19)))
@@ -164,7 +165,7 @@ def test_preset_tensors_follow_spec_table(preset_dirs, preset):
 # 2. row selection
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=SESSION_FIXTURES)
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=SESSION_FIXTURES)
 @given(preset=st.sampled_from(PRESET_NAMES), seed=st.integers(0, 2**16), T=st.integers(1, 20), data=st.data())
 def test_selected_rows_equal_full_rows(preset_models, preset, seed, T, data):
     model = preset_models[preset]
@@ -186,7 +187,7 @@ def test_selected_rows_equal_full_rows(preset_models, preset, seed, T, data):
 # 3. causality
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=SESSION_FIXTURES)
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=SESSION_FIXTURES)
 @given(preset=st.sampled_from(PRESET_NAMES), seed=st.integers(0, 2**16),
        T=st.integers(PRESET_WINDOW + 1, 24), data=st.data())
 def test_rows_do_not_see_later_tokens(preset_models, preset, seed, T, data):
@@ -231,7 +232,7 @@ def check_cache(model: Gemma4, cache: KVCache, end: int) -> None:
 
 
 @pytest.mark.parametrize("preset", PRESET_NAMES)
-@settings(max_examples=25, deadline=None, suppress_health_check=SESSION_FIXTURES)
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=SESSION_FIXTURES)
 @given(plan=chunk_plans(), seed=st.integers(0, 2**16))
 @example(plan=[1] * 20, seed=0)  # pure decode, well past the window
 @example(plan=[10, 1, 1, 12], seed=1)  # prefill longer than W, decode, long chunk
@@ -252,7 +253,7 @@ def test_chunked_prefill_and_decode_equal_full_forward(preset_models, preset, pl
         check_cache(model, cache, start)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=SESSION_FIXTURES)
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=SESSION_FIXTURES)
 @given(cfg=micro_configs(), seed=st.integers(0, 2**16), plan=chunk_plans(max_T=14))
 @example(cfg=micro_config(sliding_window=1), seed=0, plan=[1, 3, 1, 1, 2])  # W = 1: sliding layers cache nothing
 @example(cfg=TRAP_CONFIG, seed=1, plan=[1, 1, 4, 1, 5])

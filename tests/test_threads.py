@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 import pytest
+from helpers import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -63,7 +64,7 @@ def recorded_parts(monkeypatch):
 # in_parts and the pool
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(total=st.integers(0, 400), unit=st.integers(1, 17), least=st.integers(1, 3), n=st.integers(1, 6))
 def test_in_parts_covers_the_range_once_in_whole_units(total, unit, least, n):
     seen, lock = [], threading.Lock()

@@ -22,7 +22,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import torch
-from helpers import write_unified_checkpoint
+from helpers import examples, write_unified_checkpoint
 from hf_unified_reference import (
     hf_audio_features,
     hf_image_features,
@@ -213,7 +213,7 @@ def unified_configs(draw) -> dict:
     return config
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
 @given(config=unified_configs(), seed=st.integers(0, 2**16), n_images=st.integers(0, 2),
        n_clips=st.integers(0, 1), sizes=st.lists(st.tuples(st.integers(4, 40), st.integers(4, 40)), min_size=2,
