@@ -49,6 +49,13 @@ OTHER_NAMES = {9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q
                39: "MXFP4"}
 
 
+# (elements, bytes) per block of the types not decoded here, so that a file holding them can still be read and
+# checked (ggml-common.h; gguf-py's GGML_QUANT_SIZES)
+OTHER_SIZES = {10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210),
+               15: (256, 292), 20: (32, 18), 23: (256, 136), 24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8),
+               28: (1, 8), 34: (256, 54), 35: (256, 66), 39: (32, 17)}
+
+
 def type_name(ggml_type: int) -> str:
     if ggml_type in TYPES:
         return TYPES[ggml_type].name
@@ -65,11 +72,17 @@ def block_type(ggml_type: int, what: str = "a tensor") -> BlockType:
 
 
 def tensor_nbytes(ggml_type: int, n: int, what: str = "a tensor") -> int:
-    """Bytes of ``n`` elements of a type; QuantError when ``n`` is not a whole number of blocks."""
-    bt = block_type(ggml_type, what)
-    if n % bt.qk:
-        raise QuantError(f"{what}: {n} elements are not a whole number of {bt.name} blocks of {bt.qk}")
-    return n // bt.qk * bt.nbytes
+    """Bytes of ``n`` elements of a type (decoded here or not); QuantError for a type of unknown block size or
+    when ``n`` is not a whole number of blocks."""
+    if ggml_type in TYPES:
+        qk, nbytes = TYPES[ggml_type].qk, TYPES[ggml_type].nbytes
+    elif ggml_type in OTHER_SIZES:
+        qk, nbytes = OTHER_SIZES[ggml_type]
+    else:
+        raise QuantError(f"{what} is of ggml type {type_name(ggml_type)}, whose block size the oracle does not know")
+    if n % qk:
+        raise QuantError(f"{what}: {n} elements are not a whole number of {type_name(ggml_type)} blocks of {qk}")
+    return n // qk * nbytes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -135,16 +148,18 @@ BLOCK_DECODERS = {"Q8_0": q8_0, "Q4_0": q4_0, "Q4_1": q4_1, "Q5_0": q5_0, "Q5_1"
 def dequantize(raw, ggml_type: int, n: int, what: str = "a tensor") -> np.ndarray:
     """``n`` elements of ``ggml_type`` from their bytes ``raw`` (bytes, memoryview or uint8 array) -> float64
     [n]. QuantError for a type not decoded here or bytes that do not fit."""
+    block_type(ggml_type, what)
     need = tensor_nbytes(ggml_type, n, what)
     data = np.frombuffer(raw, dtype=np.uint8) if not isinstance(raw, np.ndarray) else raw.reshape(-1)
     if data.size != need:
         raise QuantError(f"{what}: {data.size} bytes, where {n} {type_name(ggml_type)} elements take {need}")
     name = TYPES[ggml_type].name
-    if name == "F32":
-        return data.view("<f4").astype(np.float64)
-    if name == "F16":
-        return data.view("<f2").astype(np.float64)
-    if name == "BF16":  # the upper half of a float32
-        return (data.view("<u2").astype("<u4") << 16).view("<f4").astype(np.float64)
+    with np.errstate(invalid="ignore"):  # a signalling NaN stays a NaN
+        if name == "F32":
+            return data.view("<f4").astype(np.float64)
+        if name == "F16":
+            return data.view("<f2").astype(np.float64)
+        if name == "BF16":  # the upper half of a float32
+            return (data.view("<u2").astype("<u4") << 16).view("<f4").astype(np.float64)
     blocks = data.reshape(-1, TYPES[ggml_type].nbytes)  # [B, bytes]
     return BLOCK_DECODERS[name](blocks).reshape(-1)
