@@ -6,7 +6,9 @@ heat maps are tables with background colours.
 The check page holds the verdict (exit line, counts, backend, profile, fixture sets), the tables by fixture set,
 entry point and feature, an index of the failed cases, then every failed case (fail, error, xpass, then xfail)
 in its own section (``id="case-<slug>"``): check, message, diagnosis, every failing row with its metrics and
-the oracle's and the backend's top-k tokens, the expectations applied, what the backend says it executed. With
+the oracle's and the backend's top-k tokens, the expectations applied, what the backend says it executed. A long
+run stays usable: a filter by status and by feature above the index (radio buttons and CSS: checking one hides
+the other cases), and past the first OPEN_CASES failed cases each case's details start collapsed. With
 ``explanations`` (``conformance.explain.explain()``'s results) a case's section also holds the heat map of the
 error at every traced point and row. Every piece of text from backends and sets is made printable and
 HTML-escaped."""
@@ -120,11 +122,11 @@ def heat_colour(value: float, vmax: float) -> str:
     return "#" + "".join(f"{round(x + (y - x) * f):02x}" for x, y in zip(a, b, strict=True))
 
 
-def _page(title: str, body: list[str]) -> str:
+def _page(title: str, body: list[str], style: str = "") -> str:
     return ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
             "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
             "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'\">\n"
-            f"<title>{esc(title)}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n<main>\n"
+            f"<title>{esc(title)}</title>\n<style>{STYLE}{style}</style>\n</head>\n<body>\n<main>\n"
             + "\n".join(body) + f"\n<footer>gemma4-conformance {esc(versions()['conformance'])}: "
             "a self-contained page (no script, no external asset).</footer>\n</main>\n</body>\n</html>\n")
 
@@ -213,13 +215,14 @@ def _expectation(e: dict[str, Any] | None) -> list[str]:
     return ["<h4>Expectations applied</h4>", "<ul>" + "".join(items) + "</ul>"]
 
 
-def _case_section(c: CaseResult, anchor: str, explanation=None) -> list[str]:
+def _case_section(c: CaseResult, anchor: str, explanation=None, classes: str = "",
+                  collapsed: bool = False) -> list[str]:
     facts = [("set", esc(c.set)), ("entry", f"<code>{esc(c.entry)}</code>"), ("kind", esc(c.kind)),
              ("check", f"<code>{esc(c.check)}</code>" if c.check else None),
              ("features", esc(", ".join(c.features)) or None),
              ("generation", None if c.first_divergence is None else f"diverges at step {esc(c.first_divergence)}"),
              ("needs", esc(", ".join(c.needs)) or None), ("duration", f"{c.duration:.3f} s")]
-    out = [f'<section class="case s-{esc(c.status)}" id="{esc(anchor)}">',
+    out = [f'<section class="case s-{esc(c.status)}{classes}" id="{esc(anchor)}">',
            f'<h3>{_badge(c.status)} <a href="#{esc(anchor)}"><code>{esc(c.id)}</code></a></h3>', _facts(facts),
            f'<p class="msg">{esc(c.message)}</p>']
     if c.diagnosis:
@@ -228,6 +231,7 @@ def _case_section(c: CaseResult, anchor: str, explanation=None) -> list[str]:
         out.append(f"<h4>Error: {esc(c.error.get('type') or '')}</h4>")
         if c.error.get("traceback"):
             out.append("<pre>" + esc(c.error["traceback"].rstrip()) + "</pre>")
+    head = len(out)
     out += _rows_table(c)
     if c.summary:
         out.append('<p class="mut">case metrics: ' + esc(", ".join(f"{k} {fmt(v)}" for k, v in c.summary.items()))
@@ -238,6 +242,9 @@ def _case_section(c: CaseResult, anchor: str, explanation=None) -> list[str]:
                    + esc(json.dumps(clean(c.executed), sort_keys=True, indent=1)) + "</pre></details>")
     if explanation is not None:
         out += ["<h4>Where it leaves the oracle (conformance explain)</h4>"] + _explanation_body(explanation)
+    if collapsed and len(out) > head:  # a long run: the details of the later cases open on a click
+        out = out[:head] + ["<details><summary>failing rows, metrics, expectation, what the backend executed"
+                            "</summary>"] + out[head:] + ["</details>"]
     return out + ["</section>"]
 
 
@@ -306,11 +313,41 @@ def _n(count: Any, one: str, many: str) -> str:
     return f"{esc(count)} {one if count == 1 else many}"
 
 
-def _index(cases: Sequence[CaseResult], anchors: dict[str, str]) -> list[str]:
+OPEN_CASES = 20  # a run's first failed cases are shown whole; the later ones keep their details collapsed
+
+
+def _filters(cases: Sequence[CaseResult]) -> tuple[list[str], str, dict[str, str]]:
+    """A filter of the failed cases by status and by feature, in radio buttons and CSS alone (the page runs no
+    script): checking one hides the index rows and sections of the other cases. Returns the buttons (they
+    must come before the index and the sections, as their siblings), the CSS, and each case's classes."""
+    statuses = [s for s in SHOWN if any(c.status == s for c in cases)]
+    features = sorted({f for c in cases for f in c.features if f not in ENTRY_TAGS})
+    fid = {f: f"ft{i}" for i, f in enumerate(features)}
+    classes = {c.id: "".join(f" {fid[f]}" for f in c.features if f in fid) for c in cases}
+    options = [(f"st-{s}", s, f"s-{s}", sum(c.status == s for c in cases)) for s in statuses]
+    options += [(f"f-{fid[f]}", f, fid[f], sum(f in c.features for c in cases)) for f in features]
+    radios = ['<input type="radio" name="show" id="show-all" class="pick" checked>']
+    labels = [f'<label for="show-all">all ({len(cases)})</label>']
+    css = ["#show-all:checked~p.filter label[for=show-all]"]
+    for key, text, _, n in options:
+        radios.append(f'<input type="radio" name="show" id="show-{key}" class="pick">')
+        labels.append(f'<label for="show-{key}">{esc(text)} ({n})</label>')
+        css.append(f"#show-{key}:checked~p.filter label[for=show-{key}]")
+    hide = "".join(f"#show-{key}:checked~table.index tr.c:not(.{cls}),#show-{key}:checked~section.case:not(.{cls})"
+                   f"{{display:none}}" for key, _, cls, _ in options)
+    style = (".pick{position:absolute;opacity:0;width:0;height:0}p.filter label{display:inline-block;margin:2px 4px;"
+             "padding:1px 8px;border:1px solid var(--bd);border-radius:10px;cursor:pointer;font-size:12px}"
+             + ",".join(css) + "{background:var(--fg);color:#fff}" + hide)
+    html = radios + ['<p class="filter">show: ' + " ".join(labels) + "</p>"]
+    return html, style, classes
+
+
+def _index(cases: Sequence[CaseResult], anchors: dict[str, str], classes: dict[str, str] | None = None) -> list[str]:
     out = ["<table class=\"index\"><thead><tr><th>status</th><th>case</th><th>check</th><th>diagnosis</th></tr>"
            "</thead><tbody>"]
     for c in cases:
-        out.append(f"<tr><td>{_badge(c.status)}</td><td><a href=\"#{esc(anchors[c.id])}\"><code>{esc(c.id)}</code>"
+        out.append(f"<tr class=\"c s-{esc(c.status)}{(classes or {}).get(c.id, '')}\"><td>{_badge(c.status)}</td>"
+                   f"<td><a href=\"#{esc(anchors[c.id])}\"><code>{esc(c.id)}</code>"
                    f"</a></td><td>{esc(c.check or '-')}</td><td>{esc(one_line(c.diagnosis or '', 160))}</td></tr>")
     return out + ["</tbody></table>"]
 
@@ -341,20 +378,27 @@ def html_report(result: RunResult | None, explanations: Sequence | None = None) 
     body += _table("feature", matrix(result.cases, lambda c: [f for f in c.features if f not in ENTRY_TAGS]))
     failed = [c for c in shown if c.status != "xfail"]
     known = [c for c in shown if c.status == "xfail"]
+    style, classes = "", {}
     if shown:
-        body += [f"<h2 id=\"failed\">Failed cases ({len(failed)}; {len(known)} known failures)</h2>"]
-        body += _index(shown, anchors)
-    for c in failed:
-        body += _case_section(c, anchors[c.id], explained.pop(c.id, None))
+        body += [f"<h2 id=\"failed\">Failed cases ({len(failed)}; {len(known)} known failures)</h2>",
+                 '<div class="failures">']
+        if len(shown) > 1:
+            buttons, style, classes = _filters(shown)
+            body += buttons
+        body += _index(shown, anchors, classes)
+    for i, c in enumerate(failed):
+        body += _case_section(c, anchors[c.id], explained.pop(c.id, None), classes.get(c.id, ""), i >= OPEN_CASES)
     if known:
         body.append(f"<h2 id=\"xfail\">Known failures (xfail, {len(known)})</h2>")
         for c in known:
-            body += _case_section(c, anchors[c.id], explained.pop(c.id, None))
+            body += _case_section(c, anchors[c.id], explained.pop(c.id, None), classes.get(c.id, ""), True)
+    if shown:
+        body.append("</div>")
     body += _expectations_section(result, anchors)
     if explained:
         body.append("<h2 id=\"explained\">Other explained cases</h2>")
         body += _explanation_sections(list(explained.values()), anchor_ids(explained, "explain-"))
-    return _page(f"Gemma 4 conformance: {name}: {exit_line(code)}", body)
+    return _page(f"Gemma 4 conformance: {name}: {exit_line(code)}", body, style)
 
 
 # ----------------------------------------------------------------------------------------------
