@@ -261,3 +261,23 @@ def test_shipped_entries_for_sets_not_in_the_run_are_not_reported():
     assert named_sets(r"^(e2b-mini|e4b-mini)/last", ["e2b-mini", "e4b-mini", "e2b-vision-mini"]) == {"e2b-mini",
                                                                                                    "e4b-mini"}
     assert isinstance(Expectations(), Expectations)
+
+
+def test_where_the_time_went_is_in_the_json_and_on_the_console(tmp_path, capsys, e2b_mini):
+    """Issue 55: the run's time by phase. The requests' share is the cases' durations; the phases of the run
+    (all but loading the sets, which comes before the run's clock starts) fit in its duration."""
+    report = tmp_path / "r.json"
+    code, out, _ = run(capsys, "check", "--backend", "refimpl", "--fixtures", e2b_mini, "--match", "/full/",
+                       "--json", report)
+    assert code == 0
+    r = json.loads(report.read_text())
+    validate(r)
+    t = r["timings"]
+    assert set(t) == {"load", "checkpoint", "rebuild", "open", "backend", "grade"}
+    assert all(isinstance(v, float) and v >= 0 for v in t.values())
+    assert abs(t["backend"] - sum(c["duration"] for c in r["cases"])) < 1e-6
+    assert sum(v for k, v in t.items() if k != "load") <= r["duration"] + 1e-3  # the sets load before its clock
+    (line,) = [x for x in out.splitlines() if x.startswith("time: ")]
+    assert line.startswith(f"time: {t['backend']:.1f}s in the backend's requests, ")
+    for label in ("grading", "rebuilding the oracle's rows", "loading the sets", "opening the backend", "checkpoints"):
+        assert label in line
