@@ -31,24 +31,30 @@ TEXT = "26b-a4b-mini"  # bases A, B, C run first (the longest), then G
 FIRST = ("A", "B", "C")
 
 
-def _when_finished(partial: Path, bases, action) -> threading.Thread:
-    """Run ``action()`` in a thread as soon as every base of ``bases`` has a finished job in ``partial``."""
+def _killed_mid_run(cluster, victim: str, out: Path, capsys) -> tuple[int, str, float]:
+    """Start a scheduler and a worker whose base G hangs; run ``generate`` on them and SIGKILL ``victim``
+    ("worker" or "scheduler") once A, B and C are finished. (exit code, the one stderr line, seconds from the
+    kill to the end of the run)."""
+    cluster.start_scheduler()
+    cluster.start_worker(env={jobs.FAULT_ENV: "G:hang"})
+    jobs_dir, killed = out.parent / f".{out.name}.partial" / "jobs", []
 
     def watch() -> None:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            if all((partial / "jobs" / b / "result.json").is_file() for b in bases):
+            if all((jobs_dir / b / "result.json").is_file() for b in FIRST):
                 time.sleep(0.5)  # G is dispatched to the worker now
-                watch.at = time.monotonic()
-                action()
+                killed.append(time.monotonic())
+                cluster.kill(getattr(cluster, victim))
                 return
             time.sleep(0.1)
 
-    watch.at = None
-    t = threading.Thread(target=watch, daemon=True)
-    t.start()
-    t.watch = watch
-    return t
+    threading.Thread(target=watch, daemon=True).start()
+    code = main(["generate", "--preset", TEXT, "--cluster", cluster.address, "--out", str(out), "-q"])
+    ended = time.monotonic()
+    line = _one_line(capsys.readouterr().err)
+    assert killed, f"the {victim} was never killed: {line}"
+    return code, line, ended - killed[0]
 
 
 def _one_line(err: str) -> str:
@@ -64,21 +70,12 @@ def quick(monkeypatch):
     monkeypatch.setattr(executors, "POLL_S", 0.2)
 
 
-def _generate(address: str, out: Path) -> tuple[int, float]:
-    code = main(["generate", "--preset", TEXT, "--cluster", address, "--out", str(out), "-q"])
-    return code, time.monotonic()
-
-
 def test_the_only_worker_lost_mid_run_ends_the_run_and_the_rerun_resumes(tmp_path, capsys, quick):
     out, partial = tmp_path / "set", tmp_path / ".set.partial"
     with local_cluster(tmp_path) as cluster:
-        cluster.start_scheduler()
-        cluster.start_worker(env={jobs.FAULT_ENV: "G:hang"})
-        killer = _when_finished(partial, FIRST, lambda: cluster.kill(cluster.worker))
-        code, ended = _generate(cluster.address, out)
-        line = _one_line(capsys.readouterr().err)
+        code, line, took = _killed_mid_run(cluster, "worker", out, capsys)
         assert code == 6, line
-        assert killer.watch.at is not None and ended - killer.watch.at < 20, line  # 3 s without a worker, then out
+        assert took < 20, line  # 3 s without a worker, then out
         assert line == (f"conformance: error: --cluster: the Dask scheduler at {cluster.address} has had no worker "
                         "for 3 s, with 1 base (G) not finished: its workers were lost (3 finished bases kept in "
                         f"{partial}; run the same command again to resume)")
@@ -94,13 +91,9 @@ def test_the_only_worker_lost_mid_run_ends_the_run_and_the_rerun_resumes(tmp_pat
 def test_the_scheduler_lost_mid_run_is_one_line(tmp_path, capsys, quick):
     out, partial = tmp_path / "set", tmp_path / ".set.partial"
     with local_cluster(tmp_path) as cluster:
-        cluster.start_scheduler()
-        cluster.start_worker(env={jobs.FAULT_ENV: "G:hang"})
-        killer = _when_finished(partial, FIRST, lambda: cluster.kill(cluster.scheduler))
-        code, ended = _generate(cluster.address, out)
-        line = _one_line(capsys.readouterr().err)
+        code, line, took = _killed_mid_run(cluster, "scheduler", out, capsys)
     assert code == 6, line
-    assert killer.watch.at is not None and ended - killer.watch.at < 30
+    assert took < 30, line
     assert line.startswith(f"conformance: error: --cluster: lost the connection to the Dask scheduler at "
                            f"{cluster.address} (")
     assert line.endswith(f"(3 finished bases kept in {partial}; run the same command again to resume)")
@@ -112,7 +105,7 @@ def test_a_job_whose_worker_keeps_dying_is_one_line(tmp_path, capsys, quick):
     with local_cluster(tmp_path) as cluster:
         cluster.start_scheduler(env={"DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES": "1"})
         cluster.start_worker(env={jobs.FAULT_ENV: "G:die"})
-        code, _ = _generate(cluster.address, out)
+        code = main(["generate", "--preset", TEXT, "--cluster", cluster.address, "--out", str(out), "-q"])
         line = _one_line(capsys.readouterr().err)
     assert code == 6, line
     assert line.startswith("conformance: error: base G: every Dask worker that ran it died (KilledWorker: ")

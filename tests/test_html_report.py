@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+import conformance.report.html as html_module
 from conformance.backends.refimpl_backend import RefimplBackend
 from conformance.check.expectations import parse as parse_expectations
 from conformance.check.profiles import PROFILES
@@ -36,11 +37,12 @@ from conformance.cli.common import UsageError
 from conformance.cli.explain import cmd_explain
 from conformance.explain import explain
 from conformance.registry import load_backend
-from conformance.report.console import counts_line, exit_line
+from conformance.report.console import ENTRY_TAGS, counts_line, exit_line
 from conformance.report.html import (
     MAGMA,
     VMIN,
     anchor_ids,
+    esc,
     explain_html,
     heat_colour,
     html_report,
@@ -152,8 +154,6 @@ def test_the_page_holds_the_verdict_tables_and_every_failed_case(failing):
 def test_a_filter_by_status_and_feature_without_script(failing):
     """Radio buttons and CSS: one button per status and per feature of the failed cases, with its count; each
     index row and section carries the classes the CSS hides it by; the buttons come first, as siblings."""
-    import conformance.report.html as H
-
     result, _ = failing
     page = html_report(result)
     shown = [c for c in result.cases if c.status in ("fail", "error", "xpass", "xfail")]
@@ -162,12 +162,12 @@ def test_a_filter_by_status_and_feature_without_script(failing):
     labels = dict(re.findall(r'<label for="show-([^"]+)">[^<]*\((\d+)\)</label>', page))
     assert labels["all"] == str(len(shown))
     assert labels["st-fail"] == "3" and labels["st-xfail"] == "1" and "st-error" not in labels
-    features = sorted({f for c in shown for f in c.features if f not in H.ENTRY_TAGS})
+    features = sorted({f for c in shown for f in c.features if f not in ENTRY_TAGS})
     anchors = anchor_ids(c.id for c in shown)
     for i, f in enumerate(features):
         have = [c for c in shown if f in c.features]
         assert labels[f"f-ft{i}"] == str(len(have)), f
-        assert f'<label for="show-f-ft{i}">{esc_text(f)} (' in page
+        assert f'<label for="show-f-ft{i}">{esc(f)} (' in page
         assert f"#show-f-ft{i}:checked~section.case:not(.ft{i}){{display:none}}" in page
         for c in shown:  # the section and the index row of a case carry ft<i> exactly when it has the feature
             section = re.search(rf'<section class="([^"]*)" id="{re.escape(anchors[c.id])}"', page).group(1)
@@ -179,10 +179,8 @@ def test_a_filter_by_status_and_feature_without_script(failing):
 
 
 def test_past_the_first_cases_the_details_are_collapsed(failing, monkeypatch):
-    import conformance.report.html as H
-
     result, _ = failing
-    monkeypatch.setattr(H, "OPEN_CASES", 1)
+    monkeypatch.setattr(html_module, "OPEN_CASES", 1)
     page = html_report(result)
     failed = [c for c in result.cases if c.status == "fail"]
     anchors = anchor_ids(c.id for c in result.cases)
@@ -191,11 +189,6 @@ def test_past_the_first_cases_the_details_are_collapsed(failing, monkeypatch):
     assert summary not in bodies[0] and "Failing rows" in bodies[0]
     assert all(summary in b and b.index(summary) < b.index("Failing rows") for b in bodies[1:])
     assert all("Diagnosis:" in b.split(summary)[0] for b in bodies[1:])  # the diagnosis stays in view
-
-
-def esc_text(s: str) -> str:
-    return s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;").replace(
-        "'", "&#x27;")
 
 
 def test_the_expectations_applied_are_listed(failing):

@@ -9,7 +9,6 @@ The Dask tests skip when ``distributed`` is not installed, unless GEMMA4_CONFORM
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from dask_local import local_cluster, need_distributed
 
 from conformance.cli import main
 from conformance.fixtures import CASES, MANIFEST, FixtureError, PartialRunMismatch, generate_set, load_set
@@ -84,53 +84,13 @@ def reference(tmp_path_factory) -> dict[str, Path]:
     return {p: generate_set(root / p, preset=p, workers=1) for p in (TEXT, MEDIA)}
 
 
-def _need_distributed():
-    try:
-        import distributed  # noqa: F401 - only: is it installed
-    except ImportError as e:
-        pytest.skip(f"distributed is not installed ({e})")  # a failure with GEMMA4_CONFORMANCE_REQUIRE_ENGINES=1
-
-
 @pytest.fixture(scope="module")
 def dask_cluster(tmp_path_factory):
     """A real local Dask cluster: a scheduler and a worker process with two single-threaded workers."""
-    _need_distributed()
-    import distributed
-
-    root = tmp_path_factory.mktemp("dask")
-    sched_file = root / "scheduler.json"
-    dask_exe = Path(sys.executable).parent / "dask"
-    base = [str(dask_exe)] if dask_exe.is_file() else [sys.executable, "-m", "dask"]
-    env = {**os.environ, "DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
-    procs = []
-    try:
-        procs.append(subprocess.Popen(base + ["scheduler", "--port", "0", "--scheduler-file", str(sched_file),
-                                              "--no-dashboard"], cwd=root, env=env, stdout=subprocess.DEVNULL,
-                                      start_new_session=True,
-                                      stderr=open(root / "scheduler.log", "w")))
-        deadline = time.time() + 60
-        while not sched_file.is_file() and time.time() < deadline:
-            time.sleep(0.1)
-        assert sched_file.is_file(), (root / "scheduler.log").read_text()
-        procs.append(subprocess.Popen(base + ["worker", "--scheduler-file", str(sched_file), "--nworkers", "2",
-                                              "--nthreads", "1", "--no-dashboard"], cwd=root, env=env,
-                                      stdout=subprocess.DEVNULL, stderr=open(root / "worker.log", "w"),
-                                      start_new_session=True))
-        address = json.loads(sched_file.read_text())["address"]
-        with distributed.Client(address, timeout="30s") as client:
-            client.wait_for_workers(2, timeout=90)
-        yield address
-    finally:  # each started in its own session: a group kill also ends the worker's nanny children
-        for p in reversed(procs):
-            p.terminate()
-        for p in reversed(procs):
-            try:
-                p.wait(3)
-            except subprocess.TimeoutExpired:
-                pass
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+    with local_cluster(tmp_path_factory.mktemp("dask")) as cluster:
+        cluster.start_scheduler()
+        cluster.start_worker(nworkers=2)
+        yield cluster.address
 
 
 # ----------------------------------------------------------------------------------------------
@@ -279,7 +239,7 @@ def test_cli_cluster_errors(tmp_path, monkeypatch, capsys):
 
 
 def test_cli_unreachable_scheduler(tmp_path, monkeypatch, capsys):
-    _need_distributed()
+    need_distributed()
     monkeypatch.setattr(executors, "CONNECT_TIMEOUT_S", 2)
     import socket
 

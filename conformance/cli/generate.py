@@ -11,10 +11,10 @@ from refimpl.errors import RefimplError
 
 from ..check.runner import interrupt_signal
 from ..generate import (
-    PartialRun,
     PartialRunBusy,
     PartialRunMismatch,
     WorkerLost,
+    finished_bases,
     generate_set,
     partial_dir,
     publish_path,
@@ -69,7 +69,7 @@ def _resume_hint(out: str) -> str:
     except ValueError:
         return ""
     try:
-        n = len(PartialRun(path, "", {}, False).finished()) if path.is_dir() else 0
+        n = len(finished_bases(path))
     except OSError:
         n = 0
     return (f" ({n} finished base{'s' if n != 1 else ''} kept in {path}; run the same command again to resume)"
@@ -148,8 +148,9 @@ def cmd_verify(args) -> int:
     for d in args.dirs:
         notes: list[str] = []
         p = Path(d)
-        if link_loop(p) is not None:
-            problems = [link_loop(p)]
+        loop = link_loop(p)
+        if loop is not None:
+            problems = [loop]
         elif not (p.is_dir() or (p.is_file() and p.name.endswith(".tar"))):
             problems = [f"no such directory: {d}" if not p.exists() else f"not a directory or a .tar of a set: {d}"]
         else:

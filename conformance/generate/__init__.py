@@ -9,12 +9,11 @@ never ``conformance.check``.
 
 from .executors import ClusterError, WorkerLost
 from .media import has_audio_tower, has_vision_tower, synthetic_image, synthetic_waveform
-from .partial import PartialRun, PartialRunBusy, PartialRunMismatch, partial_dir
+from .partial import PartialRun, PartialRunBusy, PartialRunMismatch, finished_bases, partial_dir
 from .prompts import PromptError, load_prompts
 from .recompute import RECOMPUTE_BOUND, verify_set
 from .run import CONSISTENCY_BOUND, generate_set, publish_path
 
-__all__ = ["CONSISTENCY_BOUND", "RECOMPUTE_BOUND", "ClusterError", "PartialRun", "PartialRunBusy",
-           "PartialRunMismatch", "PromptError", "generate_set", "has_audio_tower", "has_vision_tower",
-           "load_prompts", "partial_dir", "publish_path", "synthetic_image", "synthetic_waveform", "verify_set",
-           "WorkerLost"]
+__all__ = ["CONSISTENCY_BOUND", "ClusterError", "PartialRun", "PartialRunBusy", "PartialRunMismatch", "PromptError",
+           "RECOMPUTE_BOUND", "WorkerLost", "finished_bases", "generate_set", "has_audio_tower", "has_vision_tower",
+           "load_prompts", "partial_dir", "publish_path", "synthetic_image", "synthetic_waveform", "verify_set"]

@@ -107,11 +107,16 @@ def run_key(arguments: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(arguments, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+def finished_bases(path: Path) -> list[str]:
+    """The bases with a finished job in the partial-run directory ``path`` (none when it does not exist)."""
+    jobs = Path(path) / JOBS
+    return sorted(p.name for p in jobs.iterdir() if (p / RESULT).is_file()) if jobs.is_dir() else []
+
+
 def _mismatch(path: Path, diff: list[str]) -> str:
     """Why a partial run of other arguments is in the way, and what to do: resume it or choose another
     --out; removing it is advised only when it holds no finished job (nothing would be lost)."""
-    jobs = path / JOBS
-    n = sum(1 for p in jobs.iterdir() if (p / RESULT).is_file()) if jobs.is_dir() else 0
+    n = len(finished_bases(path))
     head = f"{path} holds an unfinished run with other arguments (differs in: {', '.join(diff) or 'key'}"
     if n == 0:
         return f"{head}); it holds no finished base: remove it (rm -r {path}) and run again"
@@ -271,8 +276,7 @@ class PartialRun:
         return self.path / JOBS / base
 
     def finished(self) -> list[str]:
-        jobs = self.path / JOBS
-        return sorted(p.name for p in jobs.iterdir() if (p / RESULT).is_file()) if jobs.is_dir() else []
+        return finished_bases(self.path)
 
     def is_done(self, base: str) -> bool:
         return (self.job_dir(base) / RESULT).is_file()
