@@ -355,6 +355,6 @@ def test_missing_converter_says_how_to_get_it(tmp_path):
 def test_registry_wraps_a_bad_option():
     from conformance.registry import load_backend
 
-    with pytest.raises(BackendError, match=re.escape("backend 'llama-cpp': the class raised BackendError: "
-                                                     "llama-cpp backend: kv_type must be 'f16' or 'f32', got 'f8'")):
+    with pytest.raises(BackendError, match=re.escape("backend 'llama-cpp': llama-cpp backend: kv_type must be 'f16' or "
+                                                     "'f32', got 'f8'")):
         load_backend("llama-cpp", kv_type="f8")

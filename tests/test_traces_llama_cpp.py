@@ -149,7 +149,7 @@ def served(request, oracle, tmp_path_factory):
     for k, name in enumerate(SETS):
         responses, batched = got[2 * k], got[2 * k + 1]
         traced[name] = dict(zip(oracle[name][1], responses, strict=False)) | {REORDERED + "/batched": batched[0]}
-        untraced[name] = dict(zip(plain, responses[len(oracle[name][1]):], strict=True))
+        untraced[name] = dict(zip(plain, responses[len(oracle[name][1]):-1], strict=True))
         hidden[name] = responses[-1]
     return options, profile, factor, traced, untraced, hidden
 
