@@ -17,12 +17,13 @@ import numpy as np
 
 from .audio_features import RESAMPLE_HINT, read_wav
 from .chat import encode_conversation, user_turn
-from .config import load_config
 from .context import check_prompt_context
 from .errors import InputError, RefimplError, TokenizerError
 from .frontends import AudioFrontEnd, ImageFrontEnd, audio_front_end, image_front_end
 from .generate import greedy_generate, greedy_generate_multimodal
+from .gguf_io import is_gguf
 from .image import SUPPORTED_SOFT_TOKENS, read_image
+from .inspect_cmd import cmd_inspect
 from .model import VISION_MASK_RULES, Gemma4, resolve_rows
 from .multimodal import (
     MultimodalTokens,
@@ -43,7 +44,6 @@ from .synth import (
     write_published_checkpoint,
 )
 from .tokenizer import Tokenizer
-from .weights import Gemma4Weights
 
 EXIT_USAGE = 2
 
@@ -86,6 +86,9 @@ def _prompt_ids(args, model_dir: Path, images: int = 0, mm: MultimodalTokens | N
             at = 1 if ids[0] == bos else 0
             ids = ids[:at] + front + ids[at:]
         return ids, tok
+    if tok is None and is_gguf(model_dir):
+        raise TokenizerError(f"{model_dir}: the oracle does not read a GGUF file's tokenizer; pass token ids with "
+                             "--tokens instead of --prompt")
     if tok is None:
         raise TokenizerError(f"{model_dir} has no tokenizer.model; pass token ids with --tokens instead of --prompt")
     text = args.prompt
@@ -332,85 +335,6 @@ def _synth_published(args) -> int:
     return 0
 
 
-def _media_parts(model_dir: Path) -> dict[str, str]:
-    """What the checkpoint does with images and audio, for inspect ({} for a text-only one)."""
-    try:
-        raw = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return {}
-    parts = {}
-    if isinstance(raw, dict) and raw.get("vision_config") is not None:
-        front = image_front_end(model_dir)
-        st = front.settings
-        what = (f"encoder-free embedder, {st.patch_size * st.pooling_kernel_size}-px patches" if front.unified
-                else f"vision tower, {st.patch_size}-px patches pooled "
-                     f"{st.pooling_kernel_size}x{st.pooling_kernel_size}")
-        parts["image"] = f"{what}, up to {st.max_soft_tokens} soft tokens"
-    if isinstance(raw, dict) and raw.get("audio_config") is not None:
-        front = audio_front_end(model_dir)
-        parts["audio"] = (f"raw-waveform embedder, {front.cfg.audio_embed_dim} samples a soft token" if front.unified
-                          else "conformer tower over log-mel features")
-    return parts
-
-
-def cmd_inspect(args) -> int:
-    cfg = load_config(args.model)
-    weights = Gemma4Weights(args.model, cfg)
-    disagree = set(cfg.fixed_rule_disagreements())
-    rows = []
-    for layer in cfg.layers:
-        fixed = cfg.fixed_rule_kv_source(layer.index)
-        rows.append({
-            "layer": layer.index, "type": "full" if not layer.is_sliding else "sliding",
-            "head_dim": layer.head_dim, "kv_heads": layer.num_kv_heads, "k_eq_v": layer.k_eq_v,
-            "kv_source": layer.kv_source, "fixed_rule_kv_source": fixed, "ffn_width": layer.ffn_width,
-            "rope": layer.rope.rope_type, "rope_theta": layer.rope.theta,
-            "partial_rotary_factor": layer.rope.partial_rotary_factor,
-        })
-    media = _media_parts(Path(args.model))
-    if args.json:
-        print(json.dumps({
-            "architecture": cfg.architecture, "family": cfg.family, "media": media,
-            "serialisation": cfg.serialisation, "tensor_prefix": weights.prefix,
-            "storage_dtypes": weights.storage_dtypes, "ignored_tensors": weights.ignored, "notes": list(cfg.notes),
-            "fixed_rule_disagreements": sorted(disagree), "layers": rows,
-        }, indent=2))
-        return 0
-    moe = (f"{cfg.num_experts} experts, top-{cfg.top_k_experts}, expert width {cfg.moe_intermediate_size}"
-           if cfg.enable_moe_block else "off")
-    print(f"{args.model}: {cfg.architecture} ({cfg.serialisation} config), tensors under '{weights.prefix}'")
-    print(f"  hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads, "
-          f"vocab {cfg.vocab_size}, sliding window {cfg.sliding_window}, softcap {cfg.final_logit_softcapping}")
-    print(f"  PLE: {'dim ' + str(cfg.hidden_size_per_layer_input) if cfg.has_ple else 'off'}; MoE: {moe}; "
-          f"KV-shared layers: {cfg.num_kv_shared_layers}; stored as "
-          + ", ".join(f"{n} {d}" for d, n in sorted(weights.storage_dtypes.items())))
-    print(f"  stop ids {list(cfg.eos_token_ids)}, bos {cfg.bos_token_id}; vision blocks: "
-          f"{'yes' if cfg.use_bidirectional_attention == 'vision' else 'no (causal)'}")
-    for kind, part in media.items():
-        print(f"  {kind}: {part}")
-    print()
-    print(f"  {'layer':>5} {'type':<8} {'head_dim':>8} {'kv_heads':>8} {'K=V':<4} {'kv_source':>9} {'ffn':>6}  rope")
-    for r in rows:
-        src = "own" if r["kv_source"] == r["layer"] else str(r["kv_source"])
-        if r["layer"] in disagree:
-            src += "*"
-        rope = (f"{r['rope']} theta={r['rope_theta']:g}"
-                + (f" prf={r['partial_rotary_factor']:g}" if r["rope"] == "proportional" else ""))
-        print(f"  {r['layer']:>5} {r['type']:<8} {r['head_dim']:>8} {r['kv_heads']:>8} "
-              f"{'yes' if r['k_eq_v'] else '':<4} {src:>9} {r['ffn_width']:>6}  {rope}")
-    if disagree:
-        print()
-        print("  * the llama.cpp / JAX positional rule (full -> first_shared-1, sliding -> first_shared-2) would read "
-              + ", ".join(f"layer {cfg.fixed_rule_kv_source(i)} for layer {i}" for i in sorted(disagree))
-              + "; this oracle follows transformers (last KV-owning layer of the same type)")
-    for note in cfg.notes:
-        print(f"  note: {note}")
-    if weights.ignored:
-        print(f"  note: ignored {len(weights.ignored)} tensors (multimodal towers, tied lm_head, stale K/V on shared "
-              "layers)")
-    return 0
-
-
 def _check_out(out: Path, model_dir: Path, force: bool) -> None:
     """--out of logits, checked before any work: never a path inside the model directory (not even with
     --force: the checkpoint's own files would be overwritten), never a directory, and an existing file
@@ -518,7 +442,8 @@ def cmd_generate(args) -> int:
 
 
 def _add_prompt(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="checkpoint directory (config.json, safetensors, tokenizer.model)")
+    p.add_argument("--model", required=True, help="checkpoint directory (config.json, safetensors, tokenizer.model), "
+                   "or a Gemma 4 text model's .gguf file")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--tokens", help="comma-separated token ids, e.g. 2,17,300 (used as given: no BOS added)")
     src.add_argument("--prompt", help="text, encoded with <bos> prepended")
@@ -581,7 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_synth)
 
     p = sub.add_parser("inspect", help="print the derived layer table of a checkpoint")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="checkpoint directory, or a Gemma 4 text model's .gguf file")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_inspect)
 

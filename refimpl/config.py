@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, InputError, WeightsError
+from .gguf_config import hf_config
+from .gguf_io import is_gguf, open_gguf
 from .safetensors_io import TensorStore
 
 SLIDING = "sliding_attention"
@@ -494,53 +496,16 @@ def parse_config(raw: dict, where: str = "config.json", extra_eos: tuple[int, ..
     )
 
 
-def legacy_text_keys(cfg: TextConfig) -> dict[str, Any]:
-    """The text keys of the legacy serialisation (``global_head_dim``, ``num_global_key_value_heads``; no
-    ``per_layer_config``) that describe ``cfg``: what readers of that serialisation alone (mlx-lm, mlx-vlm)
-    need, every default resolved. Sliding layers carry ``head_dim`` / ``num_key_value_heads``, full layers
-    ``global_head_dim`` and, only with K=V, ``num_global_key_value_heads``; geometry this cannot express
-    (per-layer overrides that differ within a type) is for the reader's own check."""
-    sliding = [layer for layer in cfg.layers if layer.layer_type == SLIDING]
-    full = [layer for layer in cfg.layers if layer.layer_type == FULL]
-    keys: dict[str, Any] = {
-        "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
-        "intermediate_size": cfg.intermediate_size, "num_attention_heads": cfg.num_attention_heads,
-        "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.rms_norm_eps, "sliding_window": cfg.sliding_window,
-        "final_logit_softcapping": cfg.final_logit_softcapping,
-        "hidden_size_per_layer_input": cfg.hidden_size_per_layer_input,
-        "num_kv_shared_layers": cfg.num_kv_shared_layers, "use_double_wide_mlp": cfg.use_double_wide_mlp,
-        "attention_k_eq_v": cfg.attention_k_eq_v, "enable_moe_block": cfg.enable_moe_block,
-        "tie_word_embeddings": cfg.tie_word_embeddings, "layer_types": list(cfg.layer_types),
-    }
-    if cfg.has_ple:
-        keys["vocab_size_per_layer_input"] = cfg.vocab_size_per_layer_input
-    if cfg.enable_moe_block:
-        keys.update(num_experts=cfg.num_experts, top_k_experts=cfg.top_k_experts,
-                    moe_intermediate_size=cfg.moe_intermediate_size)
-    kv_layers = sliding or full
-    keys["head_dim"] = kv_layers[0].head_dim
-    keys["num_key_value_heads"] = kv_layers[0].num_kv_heads
-    if full:
-        keys["global_head_dim"] = full[0].head_dim
-        if cfg.attention_k_eq_v:
-            keys["num_global_key_value_heads"] = full[0].num_kv_heads
-    rope = {}
-    for layer in (sliding[:1] + full[:1]):
-        spec = layer.rope
-        entry: dict[str, Any] = {"rope_type": spec.rope_type, "rope_theta": spec.theta}
-        if spec.rope_type == "proportional":
-            entry.update(partial_rotary_factor=spec.partial_rotary_factor, factor=spec.factor)
-        rope[layer.layer_type] = entry
-    keys["rope_parameters"] = rope
-    return keys
-
-
 def load_config(model_dir: str | Path) -> TextConfig:
-    """Read ``config.json`` (and ``generation_config.json`` stop ids, if present) from a checkpoint directory.
+    """Read ``config.json`` (and ``generation_config.json`` stop ids, if present) from a checkpoint directory,
+    or the metadata of a Gemma 4 GGUF file (gguf_config.py).
 
     The sizes are bounded by what the checkpoint holds before anything is derived from them:
     num_hidden_layers may not exceed the decoder layers of its safetensors headers (when it has weights)."""
     model_dir = Path(model_dir)
+    if is_gguf(model_dir):
+        raw, held = hf_config(open_gguf(model_dir))
+        return parse_config(raw, f"{model_dir} (GGUF metadata)", layers_held=held)
     path, raw = read_config_json(model_dir)
     extra_eos: tuple[int, ...] = ()
     gen = model_dir / "generation_config.json"
@@ -596,6 +561,9 @@ def read_config_json(model_dir: str | Path) -> tuple[Path, Any]:
     """(path, parsed content) of a checkpoint directory's config.json; ConfigError naming the problem."""
     model_dir = Path(model_dir)
     path = model_dir / "config.json"
+    if is_gguf(model_dir):
+        raise ConfigError(f"{model_dir}: a GGUF file holds the text model only; the image and audio towers are read "
+                          "from a checkpoint directory (config.json and safetensors)")
     if not model_dir.is_dir():
         raise ConfigError(f"{model_dir}: not a directory; pass a checkpoint directory holding config.json")
     if not path.is_file():

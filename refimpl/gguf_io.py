@@ -231,3 +231,36 @@ class GGUFFile:
         t = self.tensors[name]
         n = int(np.prod(t.ne))
         return dequantize(np.frombuffer(self.raw(name), dtype=np.uint8), t.ggml_type, n, name).reshape(t.shape)
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether ``path`` is a file to read as GGUF: named ``*.gguf`` or starting with the GGUF magic."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(4) == MAGIC
+    except OSError:
+        return False
+
+
+_OPEN: dict[tuple[str, int, int], GGUFFile] = {}
+KEEP_OPEN = 4  # GGUF files kept parsed (the config and the weights of one model read the same file)
+
+
+def open_gguf(path: str | Path) -> GGUFFile:
+    """``GGUFFile(path)``, parsed once while the file is unchanged (its size and modification time)."""
+    path = Path(path)
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise GGUFError(f"{path}: cannot be read ({e.strerror or e})") from None
+    key = (str(path.resolve()), st.st_mtime_ns, st.st_size)
+    if key not in _OPEN:
+        if len(_OPEN) >= KEEP_OPEN:
+            _OPEN.pop(next(iter(_OPEN)))
+        _OPEN[key] = GGUFFile(path)
+    return _OPEN[key]

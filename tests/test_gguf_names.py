@@ -5,26 +5,12 @@ gguf-py's own TensorNameMap for Gemma 4 plus the converter's three Gemma 4 rules
 
 from __future__ import annotations
 
-import gguf
 import pytest
+from gguf_writer import converter_name
 
 from refimpl.config import load_config
 from refimpl.gguf_names import GGUFNameError, oracle_name
 from refimpl.weights import expected_tensors
-
-# the converter's own Gemma 4 renames (Gemma4Model.filter_tensors / modify_tensors), not in TensorNameMap
-CONVERTER = {"router.scale": "ffn_gate_inp.scale", "router.per_expert_scale": "ffn_down_exps.scale"}
-
-
-def converter_name(name: str, n_layers: int) -> str:
-    """The GGUF name llama.cpp's converter gives the checkpoint tensor ``name`` (without ``model.``)."""
-    for hf, gg in CONVERTER.items():
-        if name.endswith("." + hf):
-            return f"blk.{name.split('.')[1]}.{gg}"
-    stem, suffix = (name[: -len(".weight")], ".weight") if name.endswith(".weight") else (name, ".weight")
-    mapped = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, n_layers).get_name("model." + stem)
-    assert mapped is not None, name
-    return mapped + suffix  # layer_scalar and the experts' stacks get .weight appended
 
 
 @pytest.mark.parametrize("preset", ["all-features", "e2b-mini", "26b-a4b-mini", "31b-mini", "e4b-mini"])

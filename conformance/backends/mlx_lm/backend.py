@@ -65,7 +65,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
 from refimpl import RefimplError, load_config
-from refimpl.config import legacy_text_keys
+from refimpl.legacy_keys import legacy_text_keys
 from refimpl.model import rope_inv_freq
 
 from ...check.profiles import PROFILES
@@ -106,7 +106,7 @@ def _same(a: Any, b: Any) -> bool:
 def _mlx_text_keys(cfg) -> dict[str, Any]:
     """The value of every text-config key mlx-lm's ``gemma4_text.ModelArgs`` reads, derived from a
     ``refimpl.config.TextConfig`` (which resolves both serialisations and every default): the legacy
-    serialisation's keys (``refimpl.config.legacy_text_keys``). Geometry mlx-lm cannot express (e.g.
+    serialisation's keys (``refimpl.legacy_keys.legacy_text_keys``). Geometry mlx-lm cannot express (e.g.
     per-layer overrides that differ within a type) is caught by _verify_geometry."""
     return legacy_text_keys(cfg)
 

@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from refimpl.config import legacy_text_keys
+from refimpl.legacy_keys import legacy_text_keys
 from refimpl.unified import parse_unified_audio_config, parse_unified_vision_config
 
 __all__ = ["ABSENT", "checkpoint_view", "config_patch", "mlx_vlm_text_keys", "patched_config", "remove_view", "same",
@@ -59,7 +59,7 @@ def same(a: Any, b: Any) -> bool:
 def mlx_vlm_text_keys(cfg, family: str) -> dict[str, Any]:
     """The value of every text-config key mlx-vlm's ``family`` ("gemma4_text" or "gemma4") reads,
     derived from a ``refimpl.config.TextConfig`` (which resolves both serialisations and every default):
-    the legacy serialisation's keys (``refimpl.config.legacy_text_keys``, as for mlx-lm), and for the
+    the legacy serialisation's keys (``refimpl.legacy_keys.legacy_text_keys``, as for mlx-lm), and for the
     conditional model the vision-block switch. Geometry it cannot express is caught after loading."""
     keys = legacy_text_keys(cfg)
     if family == "gemma4":  # only the conditional model's text config has the vision-block switch

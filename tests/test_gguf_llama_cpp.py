@@ -1,0 +1,143 @@
+"""The GGUF oracle against llama.cpp itself (issue 45), with the llama-cpp-python that ``make llama-cpp`` builds:
+
+- ggml's block sizes (``ggml_get_type_traits``) are refimpl's;
+- blocks drawn by hypothesis decode as libggml's ``to_float`` decodes them: equal where float32 holds the value
+  (F32, F16, BF16, Q8_0, Q4_0, Q5_0), its single rounding for Q4_1 and Q5_1;
+- a bundled checkpoint's weights quantised by libggml's own quantiser (``ggml_quantize_chunk``) decode the same
+  way, and the GGUF of those blocks gives the logits of a checkpoint of libggml's decoded values;
+- llama.cpp's own converter (``convert_hf_to_gguf.py``) at f32, f16, bf16 and q8_0: the config is config.json's,
+  the logits the checkpoint's (f32) or those of the values libggml decodes from the converter's blocks."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import numpy as np
+import pytest
+
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/build-llama-cpp.sh)")
+
+import gguf
+import libggml
+from gguf_writer import T, converter_name, write_gguf
+from helpers import examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_ggml_blocks import PLAIN, QUANT, ROUNDED, blocks
+
+from conformance.backend import BackendError
+from conformance.backends import llama_cpp_engine as eng
+from refimpl import Gemma4, load_config
+from refimpl.ggml_blocks import OTHER_SIZES, TYPES, dequantize
+from refimpl.safetensors_io import TensorStore, write_safetensors
+from refimpl.weights import expected_tensors
+
+IDS = list(range(3, 40))
+
+
+def _close(a: np.ndarray, b: np.ndarray) -> float:
+    """Equal up to float64 rounding (a few ulps of the largest logit); returns the max difference."""
+    diff = float(np.max(np.abs(a - b)))
+    assert a.shape == b.shape and diff <= 1e-12 * max(1.0, float(np.max(np.abs(a))))
+    return diff
+
+
+def _agrees_with_libggml(got: np.ndarray, ref32: np.ndarray, rounded: bool) -> None:
+    if rounded:  # libggml rounds d·q + m once to float32
+        assert np.array_equal(got.astype(np.float32), ref32)
+        assert np.all(np.abs(got - ref32) <= np.abs(got) * 2.0**-24 + 2.0**-149)
+    else:
+        assert np.array_equal(got, ref32.astype(np.float64), equal_nan=True)
+
+
+def test_block_sizes_are_ggmls():
+    for ggml_type, bt in TYPES.items():
+        t = libggml.traits(ggml_type)
+        assert (t.type_name.decode().upper(), t.blck_size, t.type_size) == (bt.name, bt.qk, bt.nbytes)
+    for ggml_type, (qk, nbytes) in OTHER_SIZES.items():
+        t = libggml.traits(ggml_type)
+        assert (t.blck_size, t.type_size) == (qk, nbytes), t.type_name
+
+
+@pytest.mark.parametrize("name", sorted(QUANT))
+@settings(max_examples=examples(150), deadline=None)
+@given(data=st.data())
+def test_blocks_decode_as_libggml_decodes_them(name, data):
+    raw, n = data.draw(blocks(name))
+    _agrees_with_libggml(dequantize(raw, QUANT[name], 32 * n), libggml.to_float(raw, QUANT[name], 32 * n),
+                         name in ROUNDED)
+
+
+@pytest.mark.parametrize("name", sorted(PLAIN))
+@settings(max_examples=examples(100), deadline=None)
+@given(data=st.data())
+def test_plain_types_decode_as_libggml_decodes_them(name, data):
+    width = 4 if name == "F32" else 2
+    raw = data.draw(st.binary(min_size=width, max_size=64 * width).filter(lambda b: len(b) % width == 0))
+    n = len(raw) // width
+    with np.errstate(invalid="ignore"):  # a signalling NaN widened
+        _agrees_with_libggml(dequantize(raw, PLAIN[name], n), libggml.to_float(raw, PLAIN[name], n), False)
+
+
+def _decoded_checkpoint(model_dir, path, out):
+    """``model_dir``'s config with the values libggml decodes from the GGUF ``path`` (named forward)."""
+    cfg = load_config(model_dir)
+    store = TensorStore(model_dir)
+    prefix = next(p for p in ("model.language_model.", "model.") if p + "embed_tokens.weight" in store)
+    reader = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    tensors = {}
+    for name in expected_tensors(cfg):
+        t = reader[converter_name(name, cfg.num_hidden_layers)]
+        n = int(np.prod(t.shape))
+        values = libggml.to_float(np.asarray(t.data).tobytes(), int(t.tensor_type), n)
+        tensors[prefix + name] = values.reshape(store.infos[prefix + name].shape).astype(np.float64)
+    out.mkdir()
+    shutil.copy(model_dir / "config.json", out / "config.json")
+    write_safetensors(out / "model.safetensors", tensors, "F32")
+    return out
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1])
+def test_llama_cpps_quantiser_on_a_bundled_checkpoint(qtype, preset_dirs, tmp_path):
+    model_dir = preset_dirs["e2b-mini"]
+    path = write_gguf(model_dir, tmp_path / "q.gguf", qtype, quantizer=lambda v, q: libggml.quantize(v, int(q)))
+    store = Gemma4(path).weights.store
+    quantised = [info for info in store.infos.values() if info.dtype == qtype.name]
+    assert len(quantised) > 40  # every weight whose rows are whole blocks
+    for info in quantised:  # each tensor decodes as libggml decodes it
+        raw = store.file.raw(info.gguf_name)
+        n = int(np.prod(info.shape))
+        _agrees_with_libggml(dequantize(raw, info.ggml_type, n), libggml.to_float(raw, info.ggml_type, n),
+                             qtype.name in ROUNDED)
+    if qtype.name not in ROUNDED:  # libggml's float32 values are the exact ones: the logits must agree
+        decoded = _decoded_checkpoint(model_dir, path, tmp_path / "decoded")
+        _close(Gemma4(decoded).forward(IDS, rows="all"), Gemma4(path).forward(IDS, rows="all"))
+
+
+try:
+    SOURCE = eng.resolve_source()
+except BackendError:  # pragma: no cover - depends on the machine
+    SOURCE = None
+
+
+@pytest.mark.skipif(SOURCE is None, reason="llama.cpp converter sources missing (scripts/build-llama-cpp.sh)")
+@pytest.mark.parametrize("outtype", ["f32", "f16", "bf16", "q8_0"])
+@pytest.mark.parametrize("preset", ["e2b-mini", "26b-a4b-mini", "31b-mini"])
+def test_llama_cpps_converter(preset, outtype, tmp_path_factory, tmp_path):
+    from refimpl.synth import write_checkpoint
+
+    # a bf16 checkpoint, as published: the converter reads bf16 through float32
+    model_dir = write_checkpoint(preset, 0, tmp_path_factory.mktemp("ckpt") / preset)
+    path, _ = eng.convert_to_gguf(model_dir, SOURCE, outtype, tmp_path_factory.mktemp("cache"))
+    ref, got = load_config(model_dir), load_config(path)
+    same = ("architecture", "serialisation", "notes", "max_position_embeddings", "eos_token_ids",
+            "use_bidirectional_attention")
+    assert dataclasses.replace(got, **{k: getattr(ref, k) for k in same}) == ref
+    assert set(got.eos_token_ids) <= set(ref.eos_token_ids)
+    model = Gemma4(path)
+    if outtype == "f32":
+        want = Gemma4(model_dir).forward(IDS, rows="all")
+    else:
+        want = Gemma4(_decoded_checkpoint(model_dir, path, tmp_path / "decoded")).forward(IDS, rows="all")
+    _close(want, model.forward(IDS, rows="all"))
