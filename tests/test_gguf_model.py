@@ -260,3 +260,53 @@ def test_forward_reads_tables_by_rows_and_the_head_in_chunks(preset_dirs, ggufs,
     assert all(n == "model.embed_tokens.weight" for n, _, _ in tables)
     assert [(a, r) for _, a, r in tables] == [(0, 100), (100, 100), (200, 100), (300, 100), (400, 100), (500, 12)]
     assert {"model.embed_tokens.weight", "model.embed_tokens_per_layer.weight"} <= set(gathers)
+
+
+def _rounded(values: np.ndarray, qtype: T) -> np.ndarray:
+    """float32 values rounded to F16 or BF16 (nearest, ties to even) and back, written out here from the formats."""
+    x = values.astype(np.float32)
+    if qtype == T.F16:
+        return x.astype(np.float16).astype(np.float64)
+    bits = x.view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+    return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+@pytest.mark.parametrize("outtype", [T.F16, T.BF16])
+def test_an_f16_or_bf16_gguf_is_the_checkpoint_rounded_to_that_type(outtype, preset_dirs, ggufs, tmp_path):
+    """The weights the converter stores as F16 / BF16 (2-D, not the router), rounded to that type by hand: the GGUF
+    gives that checkpoint's logits."""
+    from gguf_writer import converter_type
+
+    model_dir = preset_dirs["e4b-mini"]
+    store = TensorStore(model_dir)
+    cfg = load_config(model_dir)
+    tensors = {}
+    for name in expected_tensors(cfg):
+        values = store.get("model." + name)
+        kept = converter_type(converter_name(name, cfg.num_hidden_layers), values.ndim, outtype) == T.F32
+        tensors["model." + name] = values if kept else _rounded(values, outtype)
+    (tmp_path / "r").mkdir()
+    shutil.copy(model_dir / "config.json", tmp_path / "r" / "config.json")
+    write_safetensors(tmp_path / "r" / "model.safetensors", tensors, "F32")
+    _close(Gemma4(tmp_path / "r").forward(IDS, rows="all"), Gemma4(ggufs(preset_dirs, "e4b-mini", outtype)).forward(
+        IDS, rows="all"))
+
+
+@pytest.mark.parametrize("cut, message", [
+    (lambda raw: raw[:len(raw) // 2], "runs past the end of the file"),
+    (lambda raw: raw[:7000], "truncated: dimension 0 of blk.5.ffn_up.weight needs 8 bytes, 3 are left"),
+    (lambda raw: raw[:100], "the header claims 161 tensors and 24 KV pairs, more than the file can hold"),
+    (lambda raw: raw[:8] + (2**40).to_bytes(8, "little") + raw[16:], "the header claims 1099511627776 tensors"),
+    (lambda raw: b"GGUX" + raw[4:], "not a GGUF file (it starts with b'GGUX', not b'GGUF')"),
+])
+def test_a_broken_gguf_is_one_line_and_exit_2_from_the_cli(cut, message, preset_dirs, ggufs, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(cut(ggufs(preset_dirs, "e2b-mini").read_bytes()))
+    for command in (["logits", "--tokens", "2,5", "--out", str(tmp_path / "o.safetensors")],
+                    ["generate", "--tokens", "2,5", "--max-new-tokens", "2"], ["inspect"]):
+        run = subprocess.run([sys.executable, "-m", "refimpl", command[0], "--model", str(bad), *command[1:]],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2 and run.stdout == "" and message in run.stderr, (command, run.stderr)
+        assert run.stderr.startswith(f"refimpl: error: {bad}: ") and run.stderr.count("\n") == 1
+    assert not (tmp_path / "o.safetensors").exists()
