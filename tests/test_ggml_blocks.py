@@ -2,10 +2,12 @@
 paths: a scalar decoder written here element by element from the layout table of the quantised-weights spec
 (every value of these types is exact in float64, so the two must agree exactly), and gguf-py's float32
 ``dequantize`` (bit-identical to ggml's ``dequantize_row_*``): equal where float32 holds the value exactly
-(F32, F16, BF16, Q8_0, Q4_0, Q5_0), its single rounding otherwise (Q4_1, Q5_1: d·q + m).
+(F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q3_K, Q6_K), its single rounding otherwise (Q4_1, Q5_1: d·q + m; Q2_K,
+Q4_K, Q5_K: d·sc·q − dmin·m; issue 46 for the K-quants).
 
-Blocks are drawn by hypothesis: every byte pattern of the codes, scales of both signs, zero, f16 subnormals
-and the extremes of the f16 range."""
+Blocks are drawn by hypothesis: every byte pattern of the codes and of the packed 4- and 6-bit scales and mins
+(so every packing position), scales and dmins of both signs, zero, f16 subnormals and the extremes of the f16
+range."""
 
 from __future__ import annotations
 
@@ -21,10 +23,15 @@ from hypothesis import strategies as st
 
 from refimpl.ggml_blocks import QuantError, dequantize, tensor_nbytes
 
-QUANT = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7}
-ROUNDED = {"Q4_1", "Q5_1"}  # d·q + m: float32 rounds it once
+QUANT = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
+         "Q6_K": 14}
+ROUNDED = {"Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K"}  # d·q + m, d·sc·q − dmin·m: float32 rounds them once
 PLAIN = {"F32": 0, "F16": 1, "BF16": 30}
-SIZES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}
+SIZES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q2_K": 84, "Q3_K": 110, "Q4_K": 144,
+         "Q5_K": 176, "Q6_K": 210}
+QK = {name: 256 if name.endswith("_K") else 32 for name in QUANT}
+HALVES = {"Q4_1": (0, 2), "Q5_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
+          "Q6_K": (208,)}  # the offsets of each type's f16 fields (d, and m or dmin); the others: (0,)
 
 # finite halves: zero, subnormals (down to 2^-24), normals up to 65504, both signs
 HALF = st.one_of(st.sampled_from([0.0, -0.0, 2.0**-24, -(2.0**-24), 6.097555e-05, 65504.0, -65504.0, 1.0, -1.0]),
@@ -55,8 +62,42 @@ def scalar_decode(name: str, block: bytes) -> list[float]:
     if name == "Q5_0":
         d, (qh,), qs = f16(0), struct.unpack("<I", block[2:6]), block[6:22]
         return [d * (nibble(qs, k) + 16 * ((qh >> k) & 1) - 16) for k in range(32)]
-    d, m, (qh,), qs = f16(0), f16(2), struct.unpack("<I", block[4:8]), block[8:24]  # Q5_1
-    return [d * (nibble(qs, k) + 16 * ((qh >> k) & 1)) + m for k in range(32)]
+    if name == "Q5_1":
+        d, m, (qh,), qs = f16(0), f16(2), struct.unpack("<I", block[4:8]), block[8:24]
+        return [d * (nibble(qs, k) + 16 * ((qh >> k) & 1)) + m for k in range(32)]
+    return [k_quant(name, block, k, f16) for k in range(256)]
+
+
+def k_quant(name: str, b: bytes, k: int, f16) -> float:
+    """Element k of a K-quant super-block, from the spec's element indexing (§4), one element at a time."""
+    h, r, l = k // 128, k % 128, k % 32  # noqa: E741 - l: the spec's name for k mod 32
+    p = r // 32
+    if name == "Q2_K":
+        q, s = (b[16 + 32 * h + l] >> 2 * p) & 3, b[k // 16]
+        return f16(80) * (s & 15) * q - f16(82) * (s >> 4)
+    if name == "Q3_K":
+        hb = (b[l] >> (k // 32)) & 1
+        q = ((b[32 + 32 * h + l] >> 2 * p) & 3) - 4 * (1 - hb)
+        j, sc = k // 16, b[96:108]
+        low = sc[j] & 15 if j < 8 else sc[j - 8] >> 4
+        high = (sc[8 + j % 4] >> 2 * (j // 4)) & 3
+        return f16(108) * ((low | high << 4) - 32) * q
+    if name in ("Q4_K", "Q5_K"):
+        c, half, j, sc = k // 64, (k % 64) // 32, k // 32, b[4:16]
+        qs = b[16:144] if name == "Q4_K" else b[48:176]
+        q = (qs[32 * c + l] >> 4 * half) & 15
+        if name == "Q5_K":
+            q += 16 * ((b[16 + l] >> (k // 32)) & 1)
+        if j < 4:
+            scale, mn = sc[j] & 63, sc[j + 4] & 63
+        else:
+            scale, mn = (sc[j + 4] & 15) | (sc[j - 4] >> 6) << 4, (sc[j + 4] >> 4) | (sc[j] >> 6) << 4
+        return f16(0) * scale * q - f16(2) * mn
+    g = r // 32  # Q6_K
+    low = (b[64 * h + l + 32 * (g % 2)] >> 4 * (g // 2)) & 15
+    high = (b[128 + 32 * h + l] >> 2 * g) & 3
+    sc = struct.unpack("b", b[192 + k // 16:193 + k // 16])[0]
+    return f16(208) * sc * ((low | high << 4) - 32)
 
 
 @st.composite
@@ -66,9 +107,8 @@ def blocks(draw, name: str):
     out = bytearray()
     for _ in range(n):
         body = bytearray(draw(st.binary(min_size=SIZES[name], max_size=SIZES[name])))
-        body[0:2] = half_bytes(draw(HALF))
-        if name in ROUNDED:
-            body[2:4] = half_bytes(draw(HALF))
+        for at in HALVES.get(name, (0,)):
+            body[at:at + 2] = half_bytes(draw(HALF))
         out += body
     return bytes(out), n
 
@@ -78,8 +118,8 @@ def blocks(draw, name: str):
 @given(data=st.data())
 def test_blocks_equal_the_scalar_decoder_and_gguf_py(name, data):
     raw, n = data.draw(blocks(name))
-    got = dequantize(raw, QUANT[name], 32 * n)
-    assert got.dtype == np.float64 and got.shape == (32 * n,)
+    got = dequantize(raw, QUANT[name], QK[name] * n)
+    assert got.dtype == np.float64 and got.shape == (QK[name] * n,)
     want = [v for b in range(n) for v in scalar_decode(name, raw[b * SIZES[name]:(b + 1) * SIZES[name]])]
     assert got.tolist() == want  # both exact in float64
     ref32 = gguf_quants.dequantize(np.frombuffer(raw, np.uint8), gguf.GGMLQuantizationType(QUANT[name]))
@@ -122,9 +162,10 @@ def test_the_traps_of_the_layout():
 
 
 def test_other_types_and_bad_sizes_are_refused_in_one_line():
-    with pytest.raises(QuantError, match=r"^blk\.0\.attn_q\.weight is of ggml type Q4_K, which the oracle does "
-                                         r"not decode \(it decodes F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16\)$"):
-        dequantize(bytes(144), 12, 256, "blk.0.attn_q.weight")
+    with pytest.raises(QuantError, match=r"^blk\.0\.attn_q\.weight is of ggml type IQ4_NL, which the oracle does "
+                                         r"not decode \(it decodes F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, "
+                                         r"Q3_K, Q4_K, Q5_K, Q6_K, BF16\)$"):
+        dequantize(bytes(18), 20, 32, "blk.0.attn_q.weight")
     with pytest.raises(QuantError, match=r"^x: 31 bytes, where 32 Q4_0 elements take 18$"):
         dequantize(bytes(31), 2, 32, "x")
     with pytest.raises(QuantError, match=r"^x: 40 elements are not a whole number of Q8_0 blocks of 32$"):

@@ -164,11 +164,11 @@ def test_every_truncation_is_refused(tmp_path):
 
 
 def test_an_unknown_type_reads_and_is_refused_when_decoded(tmp_path):
-    """A K-quant tensor keeps the file readable (its size is known); decoding it is refused, naming it."""
+    """An IQ4_XS tensor keeps the file readable (its size is known); decoding it is refused, naming it."""
     path = tmp_path / "k.gguf"
-    path.write_bytes(_build(tensors=(("blk.0.attn_q.weight", (256,), 12, 0),), data=bytes(144)))
+    path.write_bytes(_build(tensors=(("blk.0.attn_q.weight", (256,), 23, 0),), data=bytes(136)))
     f = GGUFFile(path)
-    assert f.tensors["blk.0.attn_q.weight"].type_name == "Q4_K"
-    with pytest.raises(Exception, match=r"^blk\.0\.attn_q\.weight is of ggml type Q4_K, which the oracle does not "
-                                        r"decode"):
+    assert f.tensors["blk.0.attn_q.weight"].type_name == "IQ4_XS"
+    with pytest.raises(Exception, match=r"^blk\.0\.attn_q\.weight is of ggml type IQ4_XS, which the oracle does "
+                                        r"not decode"):
         f.get("blk.0.attn_q.weight")

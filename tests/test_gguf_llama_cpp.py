@@ -21,10 +21,10 @@ pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scri
 import gguf
 import libggml
 from gguf_writer import T, converter_name, write_gguf
-from helpers import examples
+from helpers import examples, micro_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_ggml_blocks import PLAIN, QUANT, ROUNDED, blocks
+from test_ggml_blocks import PLAIN, QK, QUANT, ROUNDED, blocks
 
 from conformance.backend import BackendError
 from conformance.backends import llama_cpp_engine as eng
@@ -65,7 +65,7 @@ def test_block_sizes_are_ggmls():
 @given(data=st.data())
 def test_blocks_decode_as_libggml_decodes_them(name, data):
     raw, n = data.draw(blocks(name))
-    _agrees_with_libggml(dequantize(raw, QUANT[name], 32 * n), libggml.to_float(raw, QUANT[name], 32 * n),
+    _agrees_with_libggml(dequantize(raw, QUANT[name], QK[name] * n), libggml.to_float(raw, QUANT[name], QK[name] * n),
                          name in ROUNDED)
 
 
@@ -113,6 +113,29 @@ def test_llama_cpps_quantiser_on_a_bundled_checkpoint(qtype, preset_dirs, tmp_pa
     if qtype.name not in ROUNDED:  # libggml's float32 values are the exact ones: the logits must agree
         decoded = _decoded_checkpoint(model_dir, path, tmp_path / "decoded")
         _close(Gemma4(decoded).forward(IDS, rows="all"), Gemma4(path).forward(IDS, rows="all"))
+
+
+@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K])
+def test_llama_cpps_k_quants_on_a_256_wide_checkpoint(qtype, micro_factory, tmp_path):
+    """libggml's quantiser makes K-quant super-blocks of every 256-wide weight: each decodes as libggml decodes
+    it, and the logits are those of libggml's decoded values (exactly for Q3_K and Q6_K, which float32 holds;
+    within their one float32 rounding for Q2_K, Q4_K and Q5_K)."""
+    model_dir = micro_factory(micro_config(hidden_size=256, intermediate_size=256, vocab_size=256))
+    path = write_gguf(model_dir, tmp_path / "k.gguf", qtype, quantizer=lambda v, q: libggml.quantize(v, int(q)))
+    store = Gemma4(path).weights.store
+    quantised = [info for info in store.infos.values() if info.dtype == qtype.name]
+    assert len(quantised) >= 10  # q/k/v and the MLP of every layer, the embedding table
+    for info in quantised:
+        raw = store.file.raw(info.gguf_name)
+        n = int(np.prod(info.shape))
+        _agrees_with_libggml(dequantize(raw, info.ggml_type, n), libggml.to_float(raw, info.ggml_type, n),
+                             qtype.name in ROUNDED)
+    want = Gemma4(_decoded_checkpoint(model_dir, path, tmp_path / "decoded")).forward(IDS, rows="all")
+    got = Gemma4(path).forward(IDS, rows="all")
+    if qtype.name in ROUNDED:
+        assert float(np.max(np.abs(want - got))) <= 1e-5 * float(np.max(np.abs(want)))
+    else:
+        _close(want, got)
 
 
 try:

@@ -17,7 +17,6 @@ import gguf.quants as gguf_quants
 import numpy as np
 import pytest
 from gguf_writer import T, converter_name, metadata, write_gguf
-from helpers import micro_config
 
 from refimpl import Gemma4, load_config
 from refimpl.errors import RefimplError
@@ -159,16 +158,14 @@ def test_bad_metadata_and_tensors_are_refused_in_one_line(case, preset_dirs, tmp
     _refused(preset_dirs, tmp_path, message, **edits)
 
 
-def test_a_type_the_oracle_does_not_decode_is_named(micro_factory, tmp_path):
-    # a K-quant block holds 256 values: a model 256 wide, its q_proj of layer 0 stored as Q4_K
-    model_dir = micro_factory(micro_config(hidden_size=256, intermediate_size=64))
-    path = write_gguf(model_dir, tmp_path / "k.gguf", types={"blk.0.attn_q.weight": T.Q4_K})
+def test_a_type_the_oracle_does_not_decode_is_named(preset_dirs, tmp_path):
+    path = write_gguf(preset_dirs["e2b-mini"], tmp_path / "k.gguf", types={"blk.0.attn_q.weight": T.IQ4_NL})
     with pytest.raises(RefimplError) as err:
         Gemma4(path)
     assert str(err.value) == (
         f"{path}: the weights do not match its metadata:\n  tensor 'blk.0.attn_q.weight' "
-        "(model.layers.0.self_attn.q_proj.weight) is of ggml type Q4_K, which the oracle does not decode (it decodes "
-        "F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16)")
+        "(model.layers.0.self_attn.q_proj.weight) is of ggml type IQ4_NL, which the oracle does not decode (it "
+        "decodes F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16)")
 
 
 @pytest.mark.parametrize("freqs, message", [
