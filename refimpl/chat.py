@@ -4,7 +4,7 @@ renders it, or the hand-written Gemma 4 format (``Tokenizer.encode_chat``) when 
 **Where the template is found** (transformers' order): ``chat_template.jinja`` in the checkpoint
 directory; else ``chat_template`` in ``tokenizer_config.json`` (a string, or a list of named templates
 ``[{"name": ..., "template": ...}]``, of which the one named ``default`` is used); else the processor's
-legacy ``chat_template.json`` (``{"chat_template": ...}``).
+legacy ``chat_template.json`` (``{"chat_template": ...}``). For a GGUF file: its ``tokenizer.chat_template``.
 
 **How it is rendered** (transformers' ``_compile_jinja_template`` / ``render_jinja_template``): jinja2's
 ``ImmutableSandboxedEnvironment`` with ``trim_blocks=True, lstrip_blocks=True``, the ``loopcontrols``
@@ -37,10 +37,12 @@ from datetime import datetime
 from pathlib import Path
 
 from .errors import ChatTemplateError, TokenizerError
+from .gguf_io import is_gguf, open_gguf
 from .tokenizer import Tokenizer
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+GGUF_TEMPLATE_KEY = "tokenizer.chat_template"  # a GGUF file's chat template (the converter copies it there)
 LEGACY_PROCESSOR_TEMPLATE_FILE = "chat_template.json"
 MIN_JINJA2 = (3, 1, 6)
 INSTALL_HINT = "pip install 'gemma4-conformance[chat]'"
@@ -134,6 +136,8 @@ def find_chat_template(model_dir: str | Path, tok: Tokenizer) -> ChatTemplate | 
     elif config.get("chat_template") is not None:
         source = f"{config_path} (chat_template)"
         text = _pick(config["chat_template"], str(config_path))
+    elif is_gguf(model_dir) and isinstance(open_gguf(model_dir).metadata.get(GGUF_TEMPLATE_KEY), str):
+        text, source = open_gguf(model_dir).metadata[GGUF_TEMPLATE_KEY], f"{model_dir} ({GGUF_TEMPLATE_KEY})"
     elif legacy_path.is_file():
         legacy = _read_json(legacy_path)
         if not isinstance(legacy, dict):

@@ -87,8 +87,8 @@ def _prompt_ids(args, model_dir: Path, images: int = 0, mm: MultimodalTokens | N
             ids = ids[:at] + front + ids[at:]
         return ids, tok
     if tok is None and is_gguf(model_dir):
-        raise TokenizerError(f"{model_dir}: the oracle does not read a GGUF file's tokenizer; pass token ids with "
-                             "--tokens instead of --prompt")
+        raise TokenizerError(f"{model_dir}: the GGUF file holds no vocabulary (tokenizer.ggml.tokens) and no "
+                             "tokenizer.model lies beside it; pass token ids with --tokens instead of --prompt")
     if tok is None:
         raise TokenizerError(f"{model_dir} has no tokenizer.model; pass token ids with --tokens instead of --prompt")
     text = args.prompt

@@ -22,6 +22,8 @@ from typing import Iterable
 import sentencepiece as spm
 
 from .errors import TokenizerError
+from .gguf_io import is_gguf, open_gguf
+from .gguf_vocab import GGUFVocab, gguf_vocab
 
 TOKENIZER_FILE = "tokenizer.model"
 TURN_START, TURN_END = "<|turn>", "<turn|>"
@@ -34,20 +36,31 @@ MARKERS = ("<mask>", TURN_START, TURN_END, "<|image>", "<image|>", "<|image|>", 
 
 
 class Tokenizer:
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, vocab: GGUFVocab | None = None):
+        """The SentencePiece model at ``path``, or ``vocab``: the tokenizer of the GGUF file ``path``."""
         self.path = Path(path)
-        self.sp = spm.SentencePieceProcessor()
-        try:
-            self.sp.Load(str(self.path))
-        except (OSError, RuntimeError) as e:
-            raise TokenizerError(f"{self.path}: not a SentencePiece model ({e})") from None
+        if vocab is not None:
+            self.sp = vocab
+        else:
+            self.sp = spm.SentencePieceProcessor()
+            try:
+                self.sp.Load(str(self.path))
+            except (OSError, RuntimeError) as e:
+                raise TokenizerError(f"{self.path}: not a SentencePiece model ({e})") from None
         self.bos_id = self.sp.bos_id()
         if self.bos_id < 0:
             raise TokenizerError(f"{self.path}: the tokenizer defines no <bos> piece")
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "Tokenizer | None":
-        """The directory's tokenizer, or None when it ships none (token ids still work then)."""
+        """The directory's tokenizer, or None when it ships none (token ids still work then). For a GGUF file: the
+        tokenizer.model beside it, else the file's own vocabulary (``tokenizer.ggml.*``), else None."""
+        if is_gguf(model_dir):
+            beside = Path(model_dir).parent / TOKENIZER_FILE
+            if beside.is_file():
+                return cls(beside)
+            vocab = gguf_vocab(open_gguf(model_dir))
+            return cls(model_dir, vocab) if vocab is not None else None
         path = Path(model_dir) / TOKENIZER_FILE
         return cls(path) if path.is_file() else None
 

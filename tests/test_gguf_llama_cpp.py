@@ -164,3 +164,63 @@ def test_llama_cpps_converter(preset, outtype, tmp_path_factory, tmp_path):
     else:
         want = Gemma4(_decoded_checkpoint(model_dir, path, tmp_path / "decoded")).forward(IDS, rows="all")
     _close(want, model.forward(IDS, rows="all"))
+
+
+TEXTS = ["Hello, world. How are you today?", "  double  spaces and\ttabs\n\nnewlines ", "naïve café, 漢字 and 🙂",
+         "<|turn>user\nWhat is in <|image|>?<turn|>\n<|turn>model\n", "literal <bos> and <eos> and <pad>",
+         '<|channel>thought<channel|><|tool_call>call:f{a:<|"|>x<|"|>}<tool_call|>', "x" * 200, ""]
+PIECES = ["the", "table", "gemma", "who", "position", " ", "  ", "\n", "\t", "漢", "é", "🙂", "<|turn>", "<|image|>",
+          "<bos>", "<mask>", '<|"|>', "<tool_call|>", "x", "ion", "▁", "<0x41>"]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """(the e2b miniature's directory, its GGUF made by llama.cpp's converter, in a directory of its own)."""
+    from refimpl.synth import write_checkpoint
+
+    if SOURCE is None:
+        pytest.skip("llama.cpp converter sources missing (scripts/build-llama-cpp.sh)")
+    model_dir = write_checkpoint("e2b-mini", 0, tmp_path_factory.mktemp("ckpt") / "e2b-mini")
+    path, _ = eng.convert_to_gguf(model_dir, SOURCE, "f32", tmp_path_factory.mktemp("cache"))
+    return model_dir, path
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(text=st.one_of(st.sampled_from(TEXTS), st.lists(st.sampled_from(PIECES), max_size=30).map("".join),
+                      st.text(max_size=40)))
+def test_the_gguf_vocabulary_tokenizes_as_the_sentencepiece_model(converted, text):
+    """The converter's tokenizer.ggml.* (its BPE merges: every score is -1000) encode and decode as the checkpoint's
+    tokenizer.model: plain text, text with Gemma 4's markers, rendered chat, any unicode."""
+    from refimpl.tokenizer import Tokenizer
+
+    model_dir, path = converted
+    sp, gg = Tokenizer.from_dir(model_dir), Tokenizer.from_dir(path)
+    assert gg.path == path and sp.vocab_size == gg.vocab_size == 512
+    ids = sp.encode(text)
+    assert gg.encode(text) == ids
+    assert gg.decode(ids) == sp.decode(ids)
+    assert gg.encode_rendered(text) == sp.encode_rendered(text)
+    assert gg.encode_chat([{"role": "user", "content": text}]) == sp.encode_chat([{"role": "user", "content": text}])
+
+
+def test_a_prompt_on_a_gguf_is_the_checkpoints_prompt(converted, tmp_path):
+    """refimpl logits --prompt on the converted GGUF alone (no tokenizer.model beside it): the checkpoint's ids and
+    logits; a tokenizer.model beside the file is used instead of the vocabulary when there is one."""
+    from refimpl.cli import main
+
+    model_dir, path = converted
+    assert not (path.parent / "tokenizer.model").exists()
+    outs = {}
+    for name, model in (("dir", model_dir), ("gguf", path)):
+        assert main(["logits", "--model", str(model), "--prompt", TEXTS[0], "--chat", "--rows", "all",
+                     "--out", str(tmp_path / f"{name}.safetensors")]) == 0
+        outs[name] = TensorStore(tmp_path / f"{name}.safetensors")
+    assert np.array_equal(outs["dir"].get("tokens"), outs["gguf"].get("tokens"))
+    _close(outs["dir"].get("logits"), outs["gguf"].get("logits"))
+    beside = tmp_path / "beside"
+    beside.mkdir()
+    shutil.copy(model_dir / "tokenizer.model", beside / "tokenizer.model")
+    (beside / "m.gguf").symlink_to(path)
+    from refimpl.tokenizer import Tokenizer
+
+    assert Tokenizer.from_dir(beside / "m.gguf").path == beside / "tokenizer.model"

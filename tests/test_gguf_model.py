@@ -195,8 +195,9 @@ def test_the_cli_reads_a_gguf(preset_dirs, ggufs, tmp_path):
     assert run.returncode == 0 and run.stdout.startswith(f"{path}: Gemma4ForCausalLM (GGUF metadata)"), run.stderr
     run = subprocess.run([sys.executable, "-m", "refimpl", "logits", "--model", str(path), "--prompt", "hi",
                           "--out", str(tmp_path / "p.safetensors")], capture_output=True, text=True, timeout=120)
-    assert (run.returncode, run.stderr) == (2, f"refimpl: error: {path}: the oracle does not read a GGUF file's "
-                                               "tokenizer; pass token ids with --tokens instead of --prompt\n")
+    assert (run.returncode, run.stderr) == (2, f"refimpl: error: {path}: the GGUF file holds no vocabulary "
+                                               "(tokenizer.ggml.tokens) and no tokenizer.model lies beside it; pass "
+                                               "token ids with --tokens instead of --prompt\n")
 
 
 def test_the_writer_writes_what_the_spec_lists(preset_dirs):
@@ -307,3 +308,30 @@ def test_a_broken_gguf_is_one_line_and_exit_2_from_the_cli(cut, message, preset_
         assert run.returncode == 2 and run.stdout == "" and message in run.stderr, (command, run.stderr)
         assert run.stderr.startswith(f"refimpl: error: {bad}: ") and run.stderr.count("\n") == 1
     assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_a_gguf_chat_template_and_the_tokenizer_beside_it(preset_dirs, tmp_path):
+    """--prompt --chat on a GGUF: the tokenizer.model beside the file encodes, the file's tokenizer.chat_template
+    renders: the same ids and logits as the checkpoint directory with that template as chat_template.jinja."""
+    pytest.importorskip("jinja2")
+    from refimpl.cli import main
+
+    template = ("{{ bos_token }}{% for m in messages %}<|turn>gemma {{ m['role'] }}\n{{ m['content'] | trim }}<turn|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}")
+    src = preset_dirs["e2b-mini"]
+    (tmp_path / "g").mkdir()
+    shutil.copy(src / "tokenizer.model", tmp_path / "g" / "tokenizer.model")
+    path = write_gguf(src, tmp_path / "g" / "m.gguf", kv={"tokenizer.chat_template": template})
+    shutil.copytree(src, tmp_path / "d")
+    (tmp_path / "d" / "chat_template.jinja").write_text(template, encoding="utf-8")
+    got = {}
+    for name, model in (("d", tmp_path / "d"), ("g", path)):
+        out = tmp_path / f"{name}.safetensors"
+        assert main(["logits", "--model", str(model), "--prompt", "  the table ", "--chat", "--out", str(out)]) == 0
+        got[name] = TensorStore(out)
+    assert np.array_equal(got["d"].get("tokens"), got["g"].get("tokens"))
+    from refimpl.tokenizer import Tokenizer
+
+    text = Tokenizer.from_dir(path).decode(got["g"].get("tokens").tolist())
+    assert text == "<|turn>gemma user\nthe table<turn|>\n<|turn>model\n"  # rendered by the file's template
+    _close(got["d"].get("logits"), got["g"].get("logits"))
