@@ -27,6 +27,9 @@ import numpy as np
 from . import memory
 from .config import FULL, SLIDING, TextConfig, check_positive, get_field, parse_config, read_config_json
 from .errors import ConfigError, InputError, WeightsError
+from .gguf_config import ASSISTANT_ARCH, hf_assistant_config
+from .gguf_io import GGUFError, is_gguf, open_gguf
+from .gguf_store import GGUFStore
 from .model import LayerKV, rope_inv_freq
 from .ops import apply_rope, attention, geglu, linear, rms_norm, rope_cos_sin
 from .safetensors_io import TensorStore
@@ -116,12 +119,21 @@ def parse_assistant_config(raw: dict, where: str = "config.json") -> AssistantCo
 
 
 def load_assistant_config(model_dir: str | Path) -> AssistantConfig:
+    """A drafter's config: its directory's config.json, or the metadata of its GGUF (gguf_config.py)."""
+    if is_gguf(model_dir):
+        return parse_assistant_config(hf_assistant_config(open_gguf(model_dir)), f"{model_dir} (GGUF metadata)")
     path, raw = read_config_json(model_dir)
     return parse_assistant_config(raw, str(path))
 
 
 def is_assistant(model_dir: str | Path) -> bool:
-    """Whether ``model_dir`` holds a drafter checkpoint (by its config.json; False when it has none)."""
+    """Whether ``model_dir`` holds a drafter checkpoint (by its config.json, or a GGUF's architecture; False when
+    it has neither)."""
+    if is_gguf(model_dir):
+        try:
+            return open_gguf(model_dir).metadata.get("general.architecture") == ASSISTANT_ARCH
+        except GGUFError:
+            return False
     path = Path(model_dir) / "config.json"
     try:
         return assistant_family(json.loads(path.read_text(encoding="utf-8"))) is not None
@@ -186,7 +198,7 @@ class DraftStep:
 
 
 class Drafter:
-    """An exact Gemma 4 assistant over a Hugging Face checkpoint directory (float64 by default).
+    """An exact Gemma 4 assistant over a Hugging Face checkpoint directory or its GGUF (float64 by default).
 
     ``step(e, h, position, kv)``: e [H_t] the target's scaled embedding of the step's token, h [H_t] the
     hidden vector, ``position`` the query position, ``kv`` the target K/V each layer type attends to
@@ -201,7 +213,7 @@ class Drafter:
         self.acfg = load_assistant_config(model_dir)
         self.cfg = self.acfg.text
         memory.for_the_oracle()  # the allocator reuses freed arrays (memory.py); once per process
-        self.store = TensorStore(model_dir)
+        self.store = GGUFStore(model_dir) if is_gguf(model_dir) else TensorStore(model_dir)
         self._validate()
         self._inv_freq = {(layer.layer_type, layer.head_dim): rope_inv_freq(layer.rope, layer.head_dim)
                           for layer in self.cfg.layers}
@@ -209,6 +221,7 @@ class Drafter:
 
     def _validate(self) -> None:
         expected = expected_assistant_tensors(self.acfg)
+        decoded = GGUFStore.DECODED if isinstance(self.store, GGUFStore) else FLOAT_DTYPES
         problems = []
         for name, shape in expected.items():
             info = self.store.infos.get(name)
@@ -216,13 +229,15 @@ class Drafter:
                 problems.append(f"missing tensor '{name}' (expected shape {list(shape)})")
             elif info.shape != shape:
                 problems.append(f"tensor '{name}' has shape {list(info.shape)}, expected {list(shape)}")
-            elif name != "masked_embedding.token_ordering" and info.dtype not in FLOAT_DTYPES:
-                problems.append(f"tensor '{name}' is stored as {info.dtype}; the oracle reads float weights")
+            elif name != "masked_embedding.token_ordering" and info.dtype not in decoded:
+                problems.append(f"tensor '{name}' is stored as {info.dtype}; the oracle reads "
+                                f"{'float weights' if decoded == FLOAT_DTYPES else ', '.join(decoded)}")
         tied = {"lm_head.weight"}  # tied to model.embed_tokens.weight; ignored when present
         problems += [f"unexpected tensor '{n}'" for n in self.store.names if n not in expected and n not in tied]
         if problems:
             shown = problems[:8] + ([f"... and {len(problems) - 8} more"] if len(problems) > 8 else [])
-            raise WeightsError(f"{self.model_dir}: the assistant's weights do not match config.json:\n  "
+            source = "its metadata" if isinstance(self.store, GGUFStore) else "config.json"
+            raise WeightsError(f"{self.model_dir}: the assistant's weights do not match {source}:\n  "
                                + "\n  ".join(shown))
         if self.acfg.use_ordered_embeddings:
             order = np.asarray(self.store.raw("masked_embedding.token_ordering")).astype(np.int64)

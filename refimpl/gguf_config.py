@@ -25,6 +25,7 @@ import numpy as np
 from .gguf_io import GGUFError, GGUFFile
 
 ARCH = "gemma4"
+ASSISTANT_ARCH = "gemma4-assistant"
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 MISSING = "is missing; is this a Gemma 4 GGUF written by llama.cpp's convert_hf_to_gguf.py?"
 NO_ROTATION = np.float32(1e30)  # the converter's rope_freqs entry for a dimension pair that does not rotate
@@ -33,18 +34,18 @@ NO_ROTATION = np.float32(1e30)  # the converter's rope_freqs entry for a dimensi
 class _Keys:
     """Typed reads of one GGUF file's ``gemma4.*`` metadata; each refusal names the file and the key."""
 
-    def __init__(self, f: GGUFFile):
-        self.meta, self.where = f.metadata, str(f.path)
+    def __init__(self, f: GGUFFile, arch: str = ARCH):
+        self.meta, self.where, self.arch = f.metadata, str(f.path), arch
 
     def fail(self, key: str, what: str) -> GGUFError:
         return GGUFError(f"{self.where}: metadata key {key!r} {what}")
 
     def has(self, key: str) -> bool:
-        return ARCH + "." + key in self.meta
+        return self.arch + "." + key in self.meta
 
     def integer(self, key: str, default: Any = None, least: int = 1) -> int:
         """Key ``gemma4.<key>``: an integer >= ``least``; ``default`` when absent (None: required)."""
-        full = ARCH + "." + key
+        full = self.arch + "." + key
         if full not in self.meta:
             if default is None:
                 raise self.fail(full, MISSING)
@@ -58,7 +59,7 @@ class _Keys:
 
     def number(self, key: str, default: Any = None) -> float:
         """Key ``gemma4.<key>``: a finite number > 0; ``default`` when absent (None: required)."""
-        full = ARCH + "." + key
+        full = self.arch + "." + key
         if full not in self.meta:
             if default is None:
                 raise self.fail(full, MISSING)
@@ -72,14 +73,14 @@ class _Keys:
 
     def per_layer(self, key: str, n_layers: int, kind: type, least: int = 1) -> list:
         """Key ``gemma4.<key>`` (required): one value per layer, or one scalar for every layer."""
-        full = ARCH + "." + key
+        full = self.arch + "." + key
         if full not in self.meta:
             raise self.fail(full, MISSING)
         value = self.meta[full]
         items = value if isinstance(value, list) else [value] * n_layers
         name = "a boolean" if kind is bool else "an integer"
         if isinstance(value, list) and len(value) != n_layers:
-            raise self.fail(full, f"must hold one value per layer ({n_layers} = gemma4.block_count), got "
+            raise self.fail(full, f"must hold one value per layer ({n_layers} = {self.arch}.block_count), got "
                                   f"{len(value)}")
         for v in items:
             if (kind is bool) != isinstance(v, bool) or not isinstance(v, (int, bool)):
@@ -104,17 +105,20 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _architecture(f: GGUFFile) -> None:
+def _architecture(f: GGUFFile, want: str) -> None:
     arch = f.metadata.get("general.architecture")
-    if arch == ARCH:
+    if arch == want:
         return
     if arch is None:
         raise GGUFError(f"{f.path}: metadata key 'general.architecture' is missing; the oracle reads Gemma 4 GGUFs "
-                        f"(architecture {ARCH!r})")
-    if arch == "gemma4-assistant":
-        raise GGUFError(f"{f.path}: an MTP drafter GGUF (architecture 'gemma4-assistant'); the oracle reads a Gemma 4 "
-                        "text model's GGUF (architecture 'gemma4') here, drafter GGUFs not yet")
-    raise GGUFError(f"{f.path}: architecture {_shown(arch)}, not {ARCH!r}; the oracle reads Gemma 4 text models")
+                        f"(architecture {want!r})")
+    if arch == ASSISTANT_ARCH:
+        raise GGUFError(f"{f.path}: an MTP drafter GGUF (architecture {ASSISTANT_ARCH!r}); pass it as the drafter, "
+                        f"and the target model's GGUF (architecture {ARCH!r}) as the model")
+    if want == ASSISTANT_ARCH and arch == ARCH:
+        raise GGUFError(f"{f.path}: a Gemma 4 text model's GGUF (architecture {ARCH!r}), not an MTP drafter's "
+                        f"({ASSISTANT_ARCH!r})")
+    raise GGUFError(f"{f.path}: architecture {_shown(arch)}, not {want!r}; the oracle reads Gemma 4 text models")
 
 
 def _rows(f: GGUFFile, name: str) -> int | None:
@@ -147,8 +151,9 @@ def _ffn(keys: _Keys, n_layers: int, n_shared: int) -> tuple[int, bool]:
         return widths[0], False
     if all(w == (2 * widths[0] if i >= first else widths[0]) for i, w in enumerate(widths)):
         return widths[0], True
-    raise keys.fail(f"{ARCH}.feed_forward_length", f"is {widths}; Gemma 4 has one width, or twice it on the KV-shared "
-                                                   f"layers (from layer {first}) with use_double_wide_mlp")
+    raise keys.fail(f"{keys.arch}.feed_forward_length", f"is {widths}; Gemma 4 has one width, or twice it on "
+                                                        f"the KV-shared layers (from layer {first}) with "
+                                                        "use_double_wide_mlp")
 
 
 def _k_eq_v(f: GGUFFile, full_owners: list[int]) -> bool:
@@ -191,22 +196,44 @@ def _token_id(f: GGUFFile, key: str, value: Any) -> int:
 def hf_config(f: GGUFFile) -> tuple[dict[str, Any], int]:
     """(a config.json of the per_layer_config serialisation equivalent to ``f``'s metadata, the decoder layers
     its tensors hold)."""
-    _architecture(f)
-    keys = _Keys(f)
+    _architecture(f, ARCH)
+    return _text_config(f, _Keys(f)), len({int(m.group(1)) for m in map(_BLOCK.match, f.tensors) if m})
+
+
+def hf_assistant_config(f: GGUFFile) -> dict[str, Any]:
+    """The config.json of the MTP drafter GGUF ``f`` (architecture gemma4-assistant): its text geometry, every
+    layer KV-shared, ``backbone_hidden_size`` from ``embedding_length_out``, and the dense tied head (the
+    converter drops the centroid head's ``masked_embedding`` tensors)."""
+    _architecture(f, ASSISTANT_ARCH)
+    keys = _Keys(f, ASSISTANT_ARCH)
+    text = _text_config(f, keys, drafter=True)
+    return {"architectures": ["Gemma4AssistantForCausalLM"], "model_type": "gemma4_assistant",
+            "backbone_hidden_size": keys.integer("embedding_length_out"), "use_ordered_embeddings": False,
+            "text_config": text}
+
+
+def _text_config(f: GGUFFile, keys: _Keys, drafter: bool = False) -> dict[str, Any]:
+    """The text config.json of the keys; a drafter's layers are all KV-shared (its shared_kv_layers is its
+    layer count, or 0 for "all")."""
     L = keys.integer("block_count")
     full_dim, swa_dim = keys.integer("attention.key_length"), keys.integer("attention.key_length_swa")
     for key, want in (("attention.value_length", full_dim), ("attention.value_length_swa", swa_dim),
                       ("rope.dimension_count", full_dim), ("rope.dimension_count_swa", swa_dim)):
         if keys.integer(key, want) != want:
-            raise keys.fail(f"{ARCH}.{key}", f"is {keys.integer(key)}, not {want}; Gemma 4 layers use one head dim for "
-                                             "K and V and rotate all of it (the full layers' partial rotation is "
-                                             "rope_freqs.weight)")
+            raise keys.fail(f"{keys.arch}.{key}", f"is {keys.integer(key)}, not {want}; Gemma 4 layers use one head "
+                                                  "dim for K and V and rotate all of it (the full layers' partial "
+                                                  "rotation is rope_freqs.weight)")
     sliding = keys.per_layer("attention.sliding_window_pattern", L, bool)
     types = ["sliding_attention" if s else "full_attention" for s in sliding]
     kv_heads = keys.per_layer("attention.head_count_kv", L, int)
     n_shared = keys.integer("attention.shared_kv_layers", 0, least=0)
-    if n_shared >= L:
-        raise keys.fail(f"{ARCH}.attention.shared_kv_layers", f"is {n_shared}, not below gemma4.block_count ({L})")
+    if drafter and n_shared not in (0, L):
+        raise keys.fail(f"{keys.arch}.attention.shared_kv_layers", f"is {n_shared}; every layer of a drafter is "
+                                                                   f"KV-shared ({L}, or 0)")
+    if not drafter and n_shared >= L:
+        raise keys.fail(f"{keys.arch}.attention.shared_kv_layers", f"is {n_shared}, not below {keys.arch}.block_count "
+                                                                   f"({L})")
+    n_shared = L if drafter else n_shared
     width, double_wide = _ffn(keys, L, n_shared)
     theta_full = keys.number("rope.freq_base")
     rope = {"full_attention": {"rope_type": "proportional", "rope_theta": theta_full,
@@ -237,5 +264,4 @@ def hf_config(f: GGUFFile) -> tuple[dict[str, Any], int]:
         raw["final_logit_softcapping"] = keys.number("final_logit_softcapping")
     if keys.has("context_length"):
         raw["max_position_embeddings"] = keys.integer("context_length")
-    held = len({int(m.group(1)) for m in map(_BLOCK.match, f.tensors) if m})
-    return raw, held
+    return raw

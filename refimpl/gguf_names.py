@@ -27,7 +27,10 @@ GLOBAL = {
     "per_layer_proj_norm.weight": "per_layer_projection_norm.weight",
     "output_norm.weight": "norm.weight",
     "output.weight": "lm_head.weight",  # only in a file whose checkpoint had an untied head
+    "nextn.pre_projection.weight": "pre_projection.weight",  # an MTP drafter's (gemma4-assistant)
+    "nextn.post_projection.weight": "post_projection.weight",
 }
+UNPREFIXED = {"lm_head.weight", "pre_projection.weight", "post_projection.weight"}  # not under model. in HF
 
 # blk.<l>.<gguf> -> layers.<l>.<oracle>
 LAYER = {

@@ -23,7 +23,7 @@ import numpy as np
 
 from .ggml_blocks import TYPES, dequantize
 from .gguf_io import GGUFError, GGUFFile, open_gguf
-from .gguf_names import GENERATED, GGUFNameError, oracle_name
+from .gguf_names import GENERATED, UNPREFIXED, GGUFNameError, oracle_name
 from .threads import in_parts
 
 PREFIX = "model."
@@ -66,7 +66,7 @@ class GGUFStore:
                 name = oracle_name(t.name)
             except GGUFNameError as e:
                 raise GGUFError(f"{path}: {e}") from None
-            full = name if name == "lm_head.weight" else PREFIX + name
+            full = name if name in UNPREFIXED else PREFIX + name
             self.infos[full] = GGUFInfo(full, t.name, t.shape, t.type_name, t.ggml_type, self.model_dir, t.offset,
                                         t.offset + t.nbytes)
         self._fd: int | None = None

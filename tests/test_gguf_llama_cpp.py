@@ -29,6 +29,7 @@ from test_ggml_blocks import PLAIN, QK, QUANT, ROUNDED, blocks
 from conformance.backend import BackendError
 from conformance.backends import llama_cpp_engine as eng
 from refimpl import Gemma4, load_config
+from refimpl.errors import RefimplError
 from refimpl.ggml_blocks import OTHER_SIZES, TYPES, dequantize
 from refimpl.safetensors_io import TensorStore, write_safetensors
 from refimpl.weights import expected_tensors
@@ -224,3 +225,53 @@ def test_a_prompt_on_a_gguf_is_the_checkpoints_prompt(converted, tmp_path):
     from refimpl.tokenizer import Tokenizer
 
     assert Tokenizer.from_dir(beside / "m.gguf").path == beside / "tokenizer.model"
+
+
+def _dense_head_copy(drafter_dir, out):
+    """A drafter directory as llama.cpp's converter keeps it: without the centroid head (masked_embedding.*)."""
+    import json
+
+    out.mkdir()
+    raw = json.loads((drafter_dir / "config.json").read_text(encoding="utf-8"))
+    (out / "config.json").write_text(json.dumps({**raw, "use_ordered_embeddings": False}), encoding="utf-8")
+    store = TensorStore(drafter_dir)
+    write_safetensors(out / "model.safetensors", {n: store.get(n) for n in store.names
+                                                  if not n.startswith("masked_embedding.")}, "F32")
+    return out
+
+
+@pytest.mark.skipif(SOURCE is None, reason="llama.cpp converter sources missing (scripts/build-llama-cpp.sh)")
+@pytest.mark.parametrize("preset", ["mtp-layout-mini", "12b-assistant-mini", "e2b-assistant-mini"])
+def test_a_drafter_gguf_steps_as_its_checkpoint(preset, tmp_path_factory, tmp_path):
+    """An MTP drafter converted by llama.cpp (architecture gemma4-assistant, the centroid head dropped): the
+    drafter's geometry and every draft step's logits, hidden vector and final-normed state are those of its
+    checkpoint with the dense head, over the same handed-over K/V."""
+    from refimpl.assistant import Drafter, is_assistant
+    from refimpl.config import FULL, SLIDING
+    from refimpl.model import LayerKV
+    from refimpl.synth import write_checkpoint
+
+    drafter_dir = write_checkpoint(preset, 0, tmp_path_factory.mktemp("ckpt") / preset) / "assistant"
+    path, _ = eng.convert_to_gguf(drafter_dir, SOURCE, "f32", tmp_path_factory.mktemp("cache"))
+    assert is_assistant(path) and is_assistant(drafter_dir)
+    want, got = Drafter(_dense_head_copy(drafter_dir, tmp_path / "dense")), Drafter(path)
+    assert got.acfg.backbone_hidden_size == want.acfg.backbone_hidden_size and not got.acfg.use_ordered_embeddings
+    strip = ("k_eq_v", "kv_source")  # q-only layers: the drafter reads the target's K/V, whatever these say
+    assert [dataclasses.replace(x, **dict.fromkeys(strip, 0)) for x in got.cfg.layers] == \
+        [dataclasses.replace(x, **dict.fromkeys(strip, 0)) for x in want.cfg.layers]
+    rng = np.random.default_rng(5)
+    H = want.acfg.backbone_hidden_size
+    for step in range(3):
+        kv = {}
+        for kind in (SLIDING, FULL):
+            layer = next(x for x in want.cfg.layers if x.layer_type == kind)
+            shape = (4 + step, layer.num_kv_heads, layer.head_dim)
+            kv[kind] = LayerKV(rng.standard_normal(shape), rng.standard_normal(shape), np.arange(shape[0]))
+        e, h = rng.standard_normal(H), rng.standard_normal(H)
+        a, b = want.step(e, h, 9 + step, kv), got.step(e, h, 9 + step, kv)
+        _close(a.logits[None], b.logits[None])
+        _close(a.h_next[None], b.h_next[None])
+        _close(a.z_hat[None], b.z_hat[None])
+    with pytest.raises(RefimplError, match="an MTP drafter GGUF .architecture 'gemma4-assistant'.; pass it as the "
+                                           "drafter, and the target model's GGUF .architecture 'gemma4'. as the model"):
+        Gemma4(path)

@@ -136,8 +136,8 @@ BAD_GGUFS = {
     "other architecture": ({"arch": "llama"},
                            "{path}: architecture 'llama', not 'gemma4'; the oracle reads Gemma 4 text models"),
     "drafter": ({"arch": "gemma4-assistant"},
-                "{path}: an MTP drafter GGUF (architecture 'gemma4-assistant'); the oracle reads a Gemma 4 text "
-                "model's GGUF (architecture 'gemma4') here, drafter GGUFs not yet"),
+                "{path}: an MTP drafter GGUF (architecture 'gemma4-assistant'); pass it as the drafter, and the "
+                "target model's GGUF (architecture 'gemma4') as the model"),
     "no embedding": ({"drop": ("token_embd.weight",)},
                      "{path}: no tensor 'token_embd.weight'; a Gemma 4 text GGUF holds its embedding table"),
     "missing tensor": ({"drop": ("blk.3.ffn_up.weight",)},
