@@ -141,7 +141,11 @@ def _placeholders_in_front(tok: Tokenizer, text: str, n: int, what: str, token: 
 
 
 def _piece(tok: Tokenizer | None, i: int) -> str:
-    return json.dumps(tok.piece(i), ensure_ascii=False) if tok is not None else "-"
+    """The piece of id ``i`` for the top-k lines; "-" without a tokenizer or for an id beyond it (the published-shape
+    synthetic checkpoints ship a small tokenizer under a 262,144-entry vocabulary)."""
+    if tok is None or not 0 <= int(i) < tok.vocab_size:
+        return "-"
+    return json.dumps(tok.piece(i), ensure_ascii=False)
 
 
 @dataclass

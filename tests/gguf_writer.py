@@ -134,14 +134,13 @@ def write_gguf(model_dir: Path, out: Path, outtype: T = T.F32, kv: dict[str, Any
     names = [(prefix + n, n) for n in expected_tensors(cfg)]
     if not cfg.tie_word_embeddings:
         names.append(("lm_head.weight", "lm_head.weight"))
-    tensors = [("rope_freqs.weight", rope_freqs(model_dir), T.F32)]
-    for full, name in names:
+    if "rope_freqs.weight" not in drop:
+        w.add_tensor("rope_freqs.weight", rope_freqs(model_dir))
+    for full, name in names:  # encoded one at a time: the writer holds the stored bytes only
         g = converter_name(name, cfg.num_hidden_layers)
-        values = store.get(full)
-        tensors.append((g, values, (types or {}).get(g, converter_type(g, values.ndim, outtype))))
-    for g, values, qtype in tensors:
         if g not in drop:
-            array, raw = encode(values, qtype, quantizer)
+            values = store.get(full)
+            array, raw = encode(values, (types or {}).get(g, converter_type(g, values.ndim, outtype)), quantizer)
             w.add_tensor(g, array, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -166,6 +166,22 @@ def test_prompt_without_tokenizer_asks_for_token_ids(tmp_path, e2b, capsys):
     assert code == 0 and ' "' not in out  # no pieces to show
 
 
+def test_top_k_beyond_a_smaller_tokenizer(tmp_path, e2b, micro_factory, capsys):
+    """A vocabulary larger than the tokenizer (the published-shape synthetic checkpoints: 262,144 ids, a 512-piece
+    tokenizer): the top-k lines show "-" for the ids beyond it, and the run exits 0 (it used to fail after writing
+    the logits)."""
+    from helpers import micro_config
+
+    model = micro_factory(micro_config(vocab_size=600))
+    (model / "tokenizer.model").symlink_to(e2b / "tokenizer.model")
+    code, out, err = run(capsys, "logits", "--model", str(model), "--tokens", "2,5", "--top-k", "600",
+                         "--out", str(tmp_path / "o.safetensors"))
+    assert (code, err) == (0, "")
+    shown = out.splitlines()[1].split(": ", 1)[1].split(", ")
+    assert len(shown) == 600 and sum(" - " in item for item in shown) == 88  # ids 512 .. 599
+    assert all(" - " not in item for item in shown if int(item.split()[0]) < 512)
+
+
 def test_missing_model_directory(tmp_path, capsys):
     code, _, err = run(capsys, "inspect", "--model", str(tmp_path / "nope"))
     assert code == 2
