@@ -57,6 +57,14 @@ PRESETS: dict[str, dict] = {
         attention_k_eq_v=True, num_global_key_value_heads=1, enable_moe_block=True, num_experts=4,
         top_k_experts=2, moe_intermediate_size=32,
     ),
+    "e2b-256-mini": dict(
+        description="E2B in miniature at 256-wide rows, for the K-quants: hidden 256, intermediate 256 (512 on the "
+                    "double-wide KV-shared layers), PLE dim 256, 4 heads of 64 (128 on full layers): every matrix "
+                    "row is whole 256-element super-blocks, so llama.cpp's K-quant presets make real K-quant tensors",
+        hidden_size=256, num_attention_heads=4, head_dim=64, global_head_dim=128, num_hidden_layers=6,
+        layer_types=[S, S, S, F, S, F], num_key_value_heads=1, intermediate_size=256,
+        hidden_size_per_layer_input=256, num_kv_shared_layers=2, use_double_wide_mlp=True,
+    ),
 }
 
 

@@ -275,3 +275,48 @@ def test_a_drafter_gguf_steps_as_its_checkpoint(preset, tmp_path_factory, tmp_pa
     with pytest.raises(RefimplError, match="an MTP drafter GGUF .architecture 'gemma4-assistant'.; pass it as the "
                                            "drafter, and the target model's GGUF .architecture 'gemma4'. as the model"):
         Gemma4(path)
+
+
+K_PRESETS = {"Q4_K_M": (15, {"Q4_K", "Q6_K"}), "Q5_K_M": (17, {"Q5_K", "Q6_K"}), "Q6_K": (18, {"Q6_K"}),
+             "Q3_K_M": (12, {"Q3_K"})}  # llama_ftype, K-quant types the preset must make of e2b-256-mini
+
+
+@pytest.fixture(scope="module")
+def e256(tmp_path_factory):
+    """(the 256-wide preset's directory, its F32 GGUF by llama.cpp's converter)."""
+    from refimpl.synth import write_checkpoint
+
+    if SOURCE is None:
+        pytest.skip("llama.cpp converter sources missing (scripts/build-llama-cpp.sh)")
+    model_dir = write_checkpoint("e2b-256-mini", 0, tmp_path_factory.mktemp("ckpt") / "e2b-256-mini")
+    path, _ = eng.convert_to_gguf(model_dir, SOURCE, "f32", tmp_path_factory.mktemp("cache"))
+    return model_dir, path
+
+
+@pytest.mark.parametrize("ftype", sorted(K_PRESETS))
+def test_llama_cpps_k_quant_presets_on_the_256_wide_preset(ftype, e256, tmp_path):
+    """llama.cpp's own presets (llama_model_quantize) make real K-quant tensors of e2b-256-mini; the oracle decodes
+    every tensor as libggml does and gives the logits of libggml's decoded values (within the one float32
+    rounding of Q2_K/Q4_K/Q5_K)."""
+    import llama_cpp
+
+    model_dir, f32 = e256
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = K_PRESETS[ftype][0]
+    out = tmp_path / f"{ftype}.gguf"
+    assert llama_cpp.llama_model_quantize(str(f32).encode(), str(out).encode(), params) == 0
+    store = Gemma4(out).weights.store
+    types = {info.dtype for info in store.infos.values()}
+    assert K_PRESETS[ftype][1] <= types, types
+    rounded = False
+    for info in store.infos.values():
+        raw, n = store.file.raw(info.gguf_name), int(np.prod(info.shape))
+        _agrees_with_libggml(dequantize(raw, info.ggml_type, n), libggml.to_float(raw, info.ggml_type, n),
+                             info.dtype in ROUNDED)
+        rounded |= info.dtype in ROUNDED
+    want = Gemma4(_decoded_checkpoint(model_dir, out, tmp_path / "decoded")).forward(IDS, rows="all")
+    got = Gemma4(out).forward(IDS, rows="all")
+    if rounded:
+        assert float(np.max(np.abs(want - got))) <= 1e-5 * float(np.max(np.abs(want)))
+    else:
+        _close(want, got)

@@ -20,6 +20,7 @@ from refimpl import synth
 from refimpl.cli import main as cli_main
 from refimpl.config import FULL, SLIDING, parse_config
 from refimpl.model import HEAD_CHUNK, Gemma4
+from refimpl.presets import PUBLISHED_COMMON
 from refimpl.safetensors_io import TensorStore, write_safetensors, write_safetensors_streamed
 from refimpl.synth import PUBLISHED, published_config, write_published_checkpoint
 from refimpl.weights import expected_tensors
@@ -135,10 +136,10 @@ def tiny_published(monkeypatch):
     spec = dict(PUBLISHED["e2b"], hidden_size=64, num_attention_heads=4, intermediate_size=96,
                 hidden_size_per_layer_input=8, sliding_window=8, description="tiny")
     monkeypatch.setitem(PUBLISHED, "tiny", spec)
-    monkeypatch.setitem(synth._PUBLISHED_COMMON, "vocab_size", 512)
-    monkeypatch.setitem(synth._PUBLISHED_COMMON, "vocab_size_per_layer_input", 512)
-    monkeypatch.setitem(synth._PUBLISHED_COMMON, "head_dim", 16)
-    monkeypatch.setitem(synth._PUBLISHED_COMMON, "global_head_dim", 32)
+    monkeypatch.setitem(PUBLISHED_COMMON, "vocab_size", 512)
+    monkeypatch.setitem(PUBLISHED_COMMON, "vocab_size_per_layer_input", 512)
+    monkeypatch.setitem(PUBLISHED_COMMON, "head_dim", 16)
+    monkeypatch.setitem(PUBLISHED_COMMON, "global_head_dim", 32)
     return "tiny"
 
 
