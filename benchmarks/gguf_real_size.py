@@ -1,4 +1,4 @@
-"""The oracle on a real-shape quantised GGUF against the same checkpoint in bf16 safetensors, side by side.
+"""The oracle on a real-shape quantised GGUF against the same checkpoint in safetensors, side by side.
 
     python benchmarks/gguf_real_size.py --model ckpt/e2b-4 [--ftype Q4_K_M] [--tokens 128] [--out OUT.json]
 
@@ -6,11 +6,11 @@ From a checkpoint directory (``refimpl synth --preset e2b --layers 4``): an F16 
 llama.cpp's converter's keys, names and type rules (tests/gguf_writer.py: the synthetic checkpoints' small
 tokenizer does not fit the converter's vocabulary check), then llama.cpp's own quantiser
 (``llama_model_quantize``, the llama-cpp-python that ``make llama-cpp`` builds) to ``--ftype``. Then, each in a
-fresh child process of a small parent, ``refimpl logits --rows last`` on the same token ids over the bf16
-directory, the F16 GGUF and the quantised GGUF: wall time and peak memory, the tensor types the quantised file
-holds, and the largest logit difference from the bf16 run (quantisation loss, not an error). The writing and
-quantising run in children too: a forked child starts from its parent's resident set and exec keeps that
-peak, so a large parent would inflate every run's.
+fresh child process of a small parent, ``refimpl logits --rows last`` on the same token ids over the
+safetensors directory (bf16 for the published shapes), the F16 GGUF and the quantised GGUF: wall time and peak
+memory, the tensor types the quantised file holds, and the largest logit difference from the safetensors run
+(quantisation loss, not an error). The writing and quantising run in children too: a forked child starts
+from its parent's resident set and exec keeps that peak, so a large parent would inflate every run's.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the converter-like writer of the tests
 
+SAFETENSORS = "safetensors"  # the checkpoint directory as it is (bf16 for the published shapes)
 FTYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q3_K_M": 12}
 
 
@@ -89,17 +90,21 @@ def main() -> int:
     t0 = time.monotonic()
     subprocess.run([*me, "--model", str(f16), "--quantise", str(quant)], check=True, stderr=subprocess.DEVNULL)
     quant_s = time.monotonic() - t0
-    ids = ",".join(map(str, np.random.default_rng(0).integers(3, 1000, args.tokens)))
+    from refimpl.config import load_config
+
+    vocab = min(1000, load_config(args.model).vocab_size)
+    ids = ",".join(map(str, np.random.default_rng(0).integers(3, vocab, args.tokens)))
     runs = {name: run_logits(path, ids, work / f"{name}.safetensors")
-            for name, path in (("bf16 safetensors", args.model), ("F16 GGUF", f16), (args.ftype + " GGUF", quant))}
-    base = runs["bf16 safetensors"]["logits"]
+            for name, path in ((SAFETENSORS, args.model), ("F16 GGUF", f16), (args.ftype + " GGUF", quant))}
+    base = runs[SAFETENSORS]["logits"]
     types = Counter(t.type_name for t in GGUFFile(quant).tensors.values())
     result = {"model": str(args.model), "tokens": args.tokens, "ftype": args.ftype, "write_f16_s": round(write_s, 1),
               "quantise_s": round(quant_s, 1), "sizes_mib": {n: round(q.stat().st_size / 2**20) for n, q in
                                                             (("F16 GGUF", f16), (args.ftype + " GGUF", quant))},
               "quantised_types": dict(sorted(types.items())),
               "runs": {n: {"wall_s": r["wall_s"], "peak_rss_mib": r["peak_rss_mib"],
-                           "max_abs_vs_bf16": float(np.max(np.abs(r["logits"] - base)))} for n, r in runs.items()}}
+                           "max_abs_vs_safetensors": float(np.max(np.abs(r["logits"] - base)))}
+                       for n, r in runs.items()}}
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
