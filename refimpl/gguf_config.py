@@ -43,14 +43,21 @@ class _Keys:
     def has(self, key: str) -> bool:
         return self.arch + "." + key in self.meta
 
+    def _get(self, key: str, default: Any) -> tuple[str, Any, bool]:
+        """(the full key, its value or ``default``, whether it is present); GGUFError when it is absent without a
+        default (None)."""
+        full = self.arch + "." + key
+        if full in self.meta:
+            return full, self.meta[full], True
+        if default is None:
+            raise self.fail(full, MISSING)
+        return full, default, False
+
     def integer(self, key: str, default: Any = None, least: int = 1) -> int:
         """Key ``gemma4.<key>``: an integer >= ``least``; ``default`` when absent (None: required)."""
-        full = self.arch + "." + key
-        if full not in self.meta:
-            if default is None:
-                raise self.fail(full, MISSING)
-            return default
-        value = self.meta[full]
+        full, value, present = self._get(key, default)
+        if not present:
+            return value
         if not isinstance(value, int) or isinstance(value, bool):
             raise self.fail(full, f"must be an integer, got {_shown(value)}")
         if value < least:
@@ -59,12 +66,9 @@ class _Keys:
 
     def number(self, key: str, default: Any = None) -> float:
         """Key ``gemma4.<key>``: a finite number > 0; ``default`` when absent (None: required)."""
-        full = self.arch + "." + key
-        if full not in self.meta:
-            if default is None:
-                raise self.fail(full, MISSING)
-            return default
-        value = self.meta[full]
+        full, value, present = self._get(key, default)
+        if not present:
+            return value
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise self.fail(full, f"must be a number, got {_shown(value)}")
         if not (np.isfinite(value) and value > 0):
@@ -73,10 +77,7 @@ class _Keys:
 
     def per_layer(self, key: str, n_layers: int, kind: type, least: int = 1) -> list:
         """Key ``gemma4.<key>`` (required): one value per layer, or one scalar for every layer."""
-        full = self.arch + "." + key
-        if full not in self.meta:
-            raise self.fail(full, MISSING)
-        value = self.meta[full]
+        full, value, _ = self._get(key, None)
         items = value if isinstance(value, list) else [value] * n_layers
         name = "a boolean" if kind is bool else "an integer"
         if isinstance(value, list) and len(value) != n_layers:

@@ -7,15 +7,16 @@ is compared with the oracle in tests/test_gguf_llama_cpp.py."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import gguf
 import gguf.quants as gguf_quants
 import numpy as np
 
 from refimpl.config import FULL, SLIDING, load_config
-from refimpl.safetensors_io import TensorStore
+from refimpl.safetensors_io import TensorStore, write_safetensors
 from refimpl.weights import expected_tensors
 
 T = gguf.GGMLQuantizationType
@@ -87,7 +88,8 @@ def converter_type(gguf_name: str, ndim: int, outtype: T) -> T:
     return outtype
 
 
-def _add_kv(w: gguf.GGUFWriter, key: str, value: Any) -> None:
+def add_kv(w: gguf.GGUFWriter, key: str, value: Any) -> None:
+    """One metadata key, typed from its Python value (bool, uint32, float32, string, array)."""
     if isinstance(value, bool):
         w.add_bool(key, value)
     elif isinstance(value, int):
@@ -130,7 +132,7 @@ def write_gguf(model_dir: Path, out: Path, outtype: T = T.F32, kv: dict[str, Any
     w = gguf.GGUFWriter(str(out), arch)
     for key, value in (metadata(model_dir) | (kv or {})).items():
         if value is not None:
-            _add_kv(w, key, value)
+            add_kv(w, key, value)
     names = [(prefix + n, n) for n in expected_tensors(cfg)]
     if not cfg.tie_word_embeddings:
         names.append(("lm_head.weight", "lm_head.weight"))
@@ -146,4 +148,22 @@ def write_gguf(model_dir: Path, out: Path, outtype: T = T.F32, kv: dict[str, Any
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return out
+
+
+def decoded_checkpoint(model_dir: Path, path: Path, out: Path, decode: Callable[[Any], np.ndarray]) -> Path:
+    """``model_dir``'s config with the values ``decode(gguf-py's ReaderTensor)`` gives for each tensor of the GGUF
+    ``path``, under the checkpoint's names (named forward, as the converter does): a checkpoint directory ``out``
+    of what an independent decoder reads from the same blocks."""
+    cfg = load_config(model_dir)
+    store = TensorStore(model_dir)
+    prefix = next(p for p in ("model.language_model.", "model.") if p + "embed_tokens.weight" in store)
+    reader = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    tensors = {}
+    for name in expected_tensors(cfg):
+        values = decode(reader[converter_name(name, cfg.num_hidden_layers)])
+        tensors[prefix + name] = np.asarray(values).reshape(store.infos[prefix + name].shape).astype(np.float64)
+    out.mkdir()
+    shutil.copy(model_dir / "config.json", out / "config.json")
+    write_safetensors(out / "model.safetensors", tensors, "F32")
     return out

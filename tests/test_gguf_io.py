@@ -11,6 +11,7 @@ import gguf
 import gguf.quants as gguf_quants
 import numpy as np
 import pytest
+from gguf_writer import add_kv
 
 from refimpl.gguf_io import GGUFError, GGUFFile
 
@@ -20,17 +21,7 @@ T = gguf.GGMLQuantizationType
 def _written(path, tensors: dict[str, tuple[np.ndarray, T]], **kv) -> None:
     w = gguf.GGUFWriter(str(path), "gemma4")
     for key, value in kv.items():
-        key = key.replace("__", ".")
-        if isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, int):
-            w.add_uint32(key, value)
-        elif isinstance(value, float):
-            w.add_float32(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        else:
-            w.add_array(key, value)
+        add_kv(w, key.replace("__", "."), value)
     for name, (array, qtype) in tensors.items():
         if qtype in (T.F32, T.F16):
             w.add_tensor(name, array.astype(np.float32 if qtype == T.F32 else np.float16))

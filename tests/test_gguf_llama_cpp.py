@@ -18,9 +18,8 @@ import pytest
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/build-llama-cpp.sh)")
 
-import gguf
 import libggml
-from gguf_writer import T, converter_name, write_gguf
+from gguf_writer import T, decoded_checkpoint, write_gguf
 from helpers import examples, micro_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -32,7 +31,6 @@ from refimpl import Gemma4, load_config
 from refimpl.errors import RefimplError
 from refimpl.ggml_blocks import OTHER_SIZES, TYPES, dequantize
 from refimpl.safetensors_io import TensorStore, write_safetensors
-from refimpl.weights import expected_tensors
 
 IDS = list(range(3, 40))
 
@@ -81,39 +79,41 @@ def test_plain_types_decode_as_libggml_decodes_them(name, data):
         _agrees_with_libggml(dequantize(raw, PLAIN[name], n), libggml.to_float(raw, PLAIN[name], n), False)
 
 
+def _libggml_values(t) -> np.ndarray:
+    return libggml.to_float(np.asarray(t.data).tobytes(), int(t.tensor_type), int(np.prod(t.shape)))
+
+
 def _decoded_checkpoint(model_dir, path, out):
-    """``model_dir``'s config with the values libggml decodes from the GGUF ``path`` (named forward)."""
-    cfg = load_config(model_dir)
-    store = TensorStore(model_dir)
-    prefix = next(p for p in ("model.language_model.", "model.") if p + "embed_tokens.weight" in store)
-    reader = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
-    tensors = {}
-    for name in expected_tensors(cfg):
-        t = reader[converter_name(name, cfg.num_hidden_layers)]
-        n = int(np.prod(t.shape))
-        values = libggml.to_float(np.asarray(t.data).tobytes(), int(t.tensor_type), n)
-        tensors[prefix + name] = values.reshape(store.infos[prefix + name].shape).astype(np.float64)
-    out.mkdir()
-    shutil.copy(model_dir / "config.json", out / "config.json")
-    write_safetensors(out / "model.safetensors", tensors, "F32")
-    return out
+    """``model_dir``'s config with the values libggml decodes from the GGUF ``path``."""
+    return decoded_checkpoint(model_dir, path, out, _libggml_values)
+
+
+def _agrees_with_libggml_everywhere(model_dir, path, tmp_path, qtype_names=None) -> None:
+    """Every tensor of the GGUF ``path`` (of the types ``qtype_names``, when given) decodes as libggml decodes it,
+    and the logits are those of a checkpoint of libggml's values: equal where float32 holds them, within their one
+    float32 rounding (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K) otherwise."""
+    store = Gemma4(path).weights.store
+    rounded = False
+    for info in store.infos.values():
+        if qtype_names is None or info.dtype in qtype_names:
+            raw, n = store.file.raw(info.gguf_name), int(np.prod(info.shape))
+            _agrees_with_libggml(dequantize(raw, info.ggml_type, n), libggml.to_float(raw, info.ggml_type, n),
+                                 info.dtype in ROUNDED)
+        rounded |= info.dtype in ROUNDED
+    want = Gemma4(_decoded_checkpoint(model_dir, path, tmp_path / "decoded")).forward(IDS, rows="all")
+    got = Gemma4(path).forward(IDS, rows="all")
+    if rounded:
+        assert float(np.max(np.abs(want - got))) <= 1e-5 * float(np.max(np.abs(want)))
+    else:
+        _close(want, got)
 
 
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1])
 def test_llama_cpps_quantiser_on_a_bundled_checkpoint(qtype, preset_dirs, tmp_path):
     model_dir = preset_dirs["e2b-mini"]
     path = write_gguf(model_dir, tmp_path / "q.gguf", qtype, quantizer=lambda v, q: libggml.quantize(v, int(q)))
-    store = Gemma4(path).weights.store
-    quantised = [info for info in store.infos.values() if info.dtype == qtype.name]
-    assert len(quantised) > 40  # every weight whose rows are whole blocks
-    for info in quantised:  # each tensor decodes as libggml decodes it
-        raw = store.file.raw(info.gguf_name)
-        n = int(np.prod(info.shape))
-        _agrees_with_libggml(dequantize(raw, info.ggml_type, n), libggml.to_float(raw, info.ggml_type, n),
-                             qtype.name in ROUNDED)
-    if qtype.name not in ROUNDED:  # libggml's float32 values are the exact ones: the logits must agree
-        decoded = _decoded_checkpoint(model_dir, path, tmp_path / "decoded")
-        _close(Gemma4(decoded).forward(IDS, rows="all"), Gemma4(path).forward(IDS, rows="all"))
+    assert sum(info.dtype == qtype.name for info in Gemma4(path).weights.store.infos.values()) > 40  # every
+    _agrees_with_libggml_everywhere(model_dir, path, tmp_path)  # weight whose rows are whole blocks
 
 
 @pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K])
@@ -123,20 +123,9 @@ def test_llama_cpps_k_quants_on_a_256_wide_checkpoint(qtype, micro_factory, tmp_
     within their one float32 rounding for Q2_K, Q4_K and Q5_K)."""
     model_dir = micro_factory(micro_config(hidden_size=256, intermediate_size=256, vocab_size=256))
     path = write_gguf(model_dir, tmp_path / "k.gguf", qtype, quantizer=lambda v, q: libggml.quantize(v, int(q)))
-    store = Gemma4(path).weights.store
-    quantised = [info for info in store.infos.values() if info.dtype == qtype.name]
-    assert len(quantised) >= 10  # q/k/v and the MLP of every layer, the embedding table
-    for info in quantised:
-        raw = store.file.raw(info.gguf_name)
-        n = int(np.prod(info.shape))
-        _agrees_with_libggml(dequantize(raw, info.ggml_type, n), libggml.to_float(raw, info.ggml_type, n),
-                             qtype.name in ROUNDED)
-    want = Gemma4(_decoded_checkpoint(model_dir, path, tmp_path / "decoded")).forward(IDS, rows="all")
-    got = Gemma4(path).forward(IDS, rows="all")
-    if qtype.name in ROUNDED:
-        assert float(np.max(np.abs(want - got))) <= 1e-5 * float(np.max(np.abs(want)))
-    else:
-        _close(want, got)
+    # q/k/v and the MLP of every layer, the embedding table
+    assert sum(info.dtype == qtype.name for info in Gemma4(path).weights.store.infos.values()) >= 10
+    _agrees_with_libggml_everywhere(model_dir, path, tmp_path)
 
 
 try:
@@ -174,16 +163,20 @@ PIECES = ["the", "table", "gemma", "who", "position", " ", "  ", "\n", "\t", "Êº
           "<bos>", "<mask>", '<|"|>', "<tool_call|>", "x", "ion", "‚ñÅ", "<0x41>"]
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    """(the e2b miniature's directory, its GGUF made by llama.cpp's converter, in a directory of its own)."""
+def _converted(preset: str, tmp_path_factory):
+    """(the preset's directory, its F32 GGUF made by llama.cpp's converter, in a directory of its own)."""
     from refimpl.synth import write_checkpoint
 
     if SOURCE is None:
         pytest.skip("llama.cpp converter sources missing (scripts/build-llama-cpp.sh)")
-    model_dir = write_checkpoint("e2b-mini", 0, tmp_path_factory.mktemp("ckpt") / "e2b-mini")
+    model_dir = write_checkpoint(preset, 0, tmp_path_factory.mktemp("ckpt") / preset)
     path, _ = eng.convert_to_gguf(model_dir, SOURCE, "f32", tmp_path_factory.mktemp("cache"))
     return model_dir, path
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    return _converted("e2b-mini", tmp_path_factory)
 
 
 @settings(max_examples=examples(200), deadline=None)
@@ -283,14 +276,7 @@ K_PRESETS = {"Q4_K_M": (15, {"Q4_K", "Q6_K"}), "Q5_K_M": (17, {"Q5_K", "Q6_K"}),
 
 @pytest.fixture(scope="module")
 def e256(tmp_path_factory):
-    """(the 256-wide preset's directory, its F32 GGUF by llama.cpp's converter)."""
-    from refimpl.synth import write_checkpoint
-
-    if SOURCE is None:
-        pytest.skip("llama.cpp converter sources missing (scripts/build-llama-cpp.sh)")
-    model_dir = write_checkpoint("e2b-256-mini", 0, tmp_path_factory.mktemp("ckpt") / "e2b-256-mini")
-    path, _ = eng.convert_to_gguf(model_dir, SOURCE, "f32", tmp_path_factory.mktemp("cache"))
-    return model_dir, path
+    return _converted("e2b-256-mini", tmp_path_factory)
 
 
 @pytest.mark.parametrize("ftype", sorted(K_PRESETS))
@@ -305,18 +291,6 @@ def test_llama_cpps_k_quant_presets_on_the_256_wide_preset(ftype, e256, tmp_path
     params.ftype = K_PRESETS[ftype][0]
     out = tmp_path / f"{ftype}.gguf"
     assert llama_cpp.llama_model_quantize(str(f32).encode(), str(out).encode(), params) == 0
-    store = Gemma4(out).weights.store
-    types = {info.dtype for info in store.infos.values()}
+    types = {info.dtype for info in Gemma4(out).weights.store.infos.values()}
     assert K_PRESETS[ftype][1] <= types, types
-    rounded = False
-    for info in store.infos.values():
-        raw, n = store.file.raw(info.gguf_name), int(np.prod(info.shape))
-        _agrees_with_libggml(dequantize(raw, info.ggml_type, n), libggml.to_float(raw, info.ggml_type, n),
-                             info.dtype in ROUNDED)
-        rounded |= info.dtype in ROUNDED
-    want = Gemma4(_decoded_checkpoint(model_dir, out, tmp_path / "decoded")).forward(IDS, rows="all")
-    got = Gemma4(out).forward(IDS, rows="all")
-    if rounded:
-        assert float(np.max(np.abs(want - got))) <= 1e-5 * float(np.max(np.abs(want)))
-    else:
-        _close(want, got)
+    _agrees_with_libggml_everywhere(model_dir, out, tmp_path)

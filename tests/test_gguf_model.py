@@ -12,11 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import gguf
 import gguf.quants as gguf_quants
 import numpy as np
 import pytest
-from gguf_writer import T, converter_name, metadata, write_gguf
+from gguf_writer import T, converter_name, decoded_checkpoint, metadata, write_gguf
 
 from refimpl import Gemma4, load_config
 from refimpl.errors import RefimplError
@@ -47,21 +46,9 @@ def ggufs(tmp_path_factory):
 
 
 def _decoded_checkpoint(model_dir: Path, path: Path, out: Path) -> Path:
-    """``model_dir``'s config with the tensor values gguf-py decodes from the GGUF ``path`` (float32: exact for
-    F16, BF16, Q8_0, Q4_0 and Q5_0), under the checkpoint's names (named forward, as the converter does)."""
-    cfg = load_config(model_dir)
-    store = TensorStore(model_dir)
-    prefix = next(p for p in ("model.language_model.", "model.") if p + "embed_tokens.weight" in store)
-    reader = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
-    tensors = {}
-    for name in expected_tensors(cfg):
-        t = reader[converter_name(name, cfg.num_hidden_layers)]
-        values = gguf_quants.dequantize(t.data, t.tensor_type)
-        tensors[prefix + name] = values.reshape(store.infos[prefix + name].shape).astype(np.float64)
-    out.mkdir()
-    shutil.copy(model_dir / "config.json", out / "config.json")
-    write_safetensors(out / "model.safetensors", tensors, "F32")
-    return out
+    """``model_dir``'s config with the values gguf-py decodes from the GGUF ``path`` (float32: exact for F16, BF16,
+    Q8_0, Q4_0 and Q5_0)."""
+    return decoded_checkpoint(model_dir, path, out, lambda t: gguf_quants.dequantize(t.data, t.tensor_type))
 
 
 @pytest.mark.parametrize("preset", PRESETS)
