@@ -294,3 +294,23 @@ def test_llama_cpps_k_quant_presets_on_the_256_wide_preset(ftype, e256, tmp_path
     types = {info.dtype for info in Gemma4(out).weights.store.infos.values()}
     assert K_PRESETS[ftype][1] <= types, types
     _agrees_with_libggml_everywhere(model_dir, out, tmp_path)
+
+
+def test_the_gguf_vocabulary_on_the_bundled_prompts(converted):
+    """Every text prompt a bundled set records (the chat bases), encoded through the converted GGUF's own
+    vocabulary, is the prompt the set holds: the same ids as the SentencePiece model gave when the set was made."""
+    import json
+
+    from conformance.sets import bundled_sets
+    from refimpl.tokenizer import Tokenizer
+
+    gg = Tokenizer.from_dir(converted[1])
+    checked = 0
+    for set_dir in bundled_sets():
+        for base, spec in json.loads((set_dir / "manifest.json").read_text(encoding="utf-8"))["bases"].items():
+            if spec.get("source") == "chat" and isinstance(spec.get("text"), str):
+                recorded = TensorStore(set_dir / f"base-{base}.safetensors").get("tokens").astype(int).tolist()
+                want = recorded[:spec["prompt_length"]]
+                assert gg.encode_chat([{"role": "user", "content": spec["text"]}]) == want, (set_dir.name, base)
+                checked += 1
+    assert checked >= 7
