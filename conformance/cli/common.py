@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from refimpl.gguf_io import is_gguf
+
 from ..check.runner import load_sets
 from ..check.select import CaseFilter, SelectError
 from ..check.session import NoCasesSelected
@@ -147,8 +149,18 @@ def positive_seconds(value: str) -> float:
     return seconds
 
 
+def refuse_gguf(value: str | None, flag: str = "--model") -> None:
+    """UsageError for a GGUF file given where the gate wants a checkpoint directory (its sets are made from
+    safetensors checkpoints; the oracle itself reads a GGUF: refimpl logits --model FILE.gguf)."""
+    if value is not None and is_gguf(value):
+        raise UsageError(f"{flag} {value}: a GGUF file; fixture sets are made from and checked against checkpoint "
+                         "directories (config.json and safetensors); the oracle reads a GGUF with refimpl logits "
+                         "--model FILE.gguf")
+
+
 def model_dir_arg(value: str | None, flag: str = "--model") -> str | None:
     """--model DIR (or --drafter DIR) of check and verify: an existing directory (UsageError otherwise), or None."""
+    refuse_gguf(value, flag)
     if value is not None and not Path(value).is_dir():
         raise UsageError(f"{flag}: no such directory: {value}")
     return value

@@ -22,7 +22,7 @@ from ..generate import (
 )
 from ..report import ProgressBar, is_tty, printable
 from ..sets import FixtureError, link_loop
-from .common import EXIT_FIXTURE, EXIT_OK, EXIT_WORKER_LOST, UsageError, err, model_dir_arg
+from .common import EXIT_FIXTURE, EXIT_OK, EXIT_WORKER_LOST, UsageError, err, model_dir_arg, refuse_gguf
 
 ALLOW_BEYOND_CONTEXT_HELP = ("generate bases longer than the checkpoint's context (max_position_embeddings in "
                              "config.json), which are otherwise refused before any forward; recorded in the "
@@ -88,6 +88,8 @@ def cmd_generate(args) -> int:
         raise UsageError(f"--workers must be at least 1, got {args.workers}")
     if args.prompts is not None and not Path(args.prompts).is_file():
         raise UsageError(f"--prompts: no such file: {args.prompts}")
+    refuse_gguf(args.model)
+    refuse_gguf(args.drafter, "--drafter")
     if args.model is not None and not Path(args.model).is_dir():
         raise UsageError(f"--model: no such directory: {args.model}")
     if args.drafter is not None and args.model is None:
