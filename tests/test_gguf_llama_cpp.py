@@ -314,3 +314,52 @@ def test_the_gguf_vocabulary_on_the_bundled_prompts(converted):
                 assert gg.encode_chat([{"role": "user", "content": spec["text"]}]) == want, (set_dir.name, base)
                 checked += 1
     assert checked >= 7
+
+
+def _mmproj(preset: str, tmp_path_factory):
+    """(the preset's directory, the vision projector GGUF llama.cpp's converter makes of it: --mmproj, F32). The
+    converter wants image_mean / image_std in processor_config.json, which the synthetic checkpoints leave out:
+    0 and 1, the oracle's x / 255 preprocessing."""
+    import json
+    import subprocess
+    import sys
+
+    from refimpl.synth import write_checkpoint
+
+    if SOURCE is None:
+        pytest.skip("llama.cpp converter sources missing (scripts/build-llama-cpp.sh)")
+    root = tmp_path_factory.mktemp("mmproj")
+    model_dir = write_checkpoint(preset, 0, root / preset)
+    src = eng.make_tokenizer_json(model_dir, root / "converter-input", 512)
+    processor = json.loads((src / "processor_config.json").read_text(encoding="utf-8"))
+    processor["image_processor"].update(image_mean=[0.0] * 3, image_std=[1.0] * 3)
+    (src / "processor_config.json").write_text(json.dumps(processor), encoding="utf-8")
+    out = root / "mmproj.gguf"
+    run = subprocess.run([sys.executable, str(SOURCE / "convert_hf_to_gguf.py"), str(src), "--mmproj", "--outtype",
+                          "f32", "--outfile", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return model_dir, out
+
+
+@pytest.mark.parametrize("preset", ["e2b-vision-mini", "31b-vision-mini"])
+def test_a_vision_projector_gguf_is_the_checkpoints_tower(preset, tmp_path_factory):
+    """The mmproj GGUF of the E-series tower (clipped linears) and of the 26B/31B one (standardize): its config (from
+    its keys, its shapes and llama.cpp's fixed values) is config.json's, every tensor the checkpoint's (the patch
+    embedder back from channels first, the clip bounds back to scalars), the soft tokens of an image the same."""
+    from refimpl.gguf_mmproj import load_mmproj_vision_tower
+    from refimpl.vision import load_vision_tower, vision_tower
+
+    model_dir, path = _mmproj(preset, tmp_path_factory)
+    (wg, cg), (wd, cd) = load_mmproj_vision_tower(path), load_vision_tower(model_dir)
+    assert cg == cd
+    assert sorted(wg.store.names) == sorted(n for n in wd.store.names if n.startswith(("model.vision_tower.",
+                                                                                       "model.embed_vision.")))
+    for name in wg.store.names:
+        assert np.array_equal(wg.store.get(name), wd.store.get(name)), name
+    rng = np.random.default_rng(3)
+    pixels = rng.random((36, 3 * cd.patch_size**2))
+    positions = np.array([(x, y) for y in range(6) for x in range(6)])
+    _close(vision_tower(pixels, positions, wd, cd), vision_tower(pixels, positions, wg, cg))
+    with pytest.raises(RefimplError, match="not a vision projector GGUF"):
+        load_mmproj_vision_tower(eng.convert_to_gguf(model_dir, SOURCE, "f32", tmp_path_factory.mktemp("c"))[0])
+

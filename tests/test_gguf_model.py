@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gguf
 import gguf.quants as gguf_quants
 import numpy as np
 import pytest
@@ -340,3 +341,24 @@ def test_the_gate_says_a_gguf_is_not_a_checkpoint_directory(argv, preset_dirs, g
                                "checkpoint directories (config.json and safetensors); the oracle reads a GGUF with "
                                "refimpl logits --model FILE.gguf\n") and run.stderr.count("\n") == 1, run.stderr
     assert not (tmp_path / "set").exists()
+
+
+def test_a_projector_the_oracle_does_not_read_is_refused(tmp_path):
+    """Gemma 4 Unified's projector (gemma4uv) and any other: one line naming the type."""
+    from gguf_writer import add_kv
+
+    from refimpl.gguf_mmproj import load_mmproj_vision_tower
+
+    path = tmp_path / "uv.gguf"
+    w = gguf.GGUFWriter(str(path), "clip")
+    for key, value in {"clip.has_vision_encoder": True, "clip.vision.projector_type": "gemma4uv"}.items():
+        add_kv(w, key, value)
+    w.add_tensor("v.patch_embd.weight", np.zeros((4, 3), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(RefimplError) as err:
+        load_mmproj_vision_tower(path)
+    assert str(err.value) == (f"{path}: projector type 'gemma4uv'; the oracle reads Gemma 4's vision projector "
+                              "('gemma4v'), not Gemma 4 Unified's ('gemma4uv') or others")
