@@ -29,11 +29,9 @@ from .config import FULL, SLIDING, TextConfig, check_positive, get_field, parse_
 from .errors import ConfigError, InputError, WeightsError
 from .gguf_config import ASSISTANT_ARCH, hf_assistant_config
 from .gguf_io import GGUFError, is_gguf, open_gguf
-from .gguf_store import GGUFStore
+from .gguf_store import open_store
 from .model import LayerKV, rope_inv_freq
 from .ops import apply_rope, attention, geglu, linear, rms_norm, rope_cos_sin
-from .safetensors_io import TensorStore
-from .weights import FLOAT_DTYPES
 
 ASSISTANT_ARCHITECTURES = {"gemma4_assistant": "Gemma4AssistantForCausalLM",
                            "gemma4_unified_assistant": "Gemma4UnifiedAssistantForCausalLM"}
@@ -213,7 +211,7 @@ class Drafter:
         self.acfg = load_assistant_config(model_dir)
         self.cfg = self.acfg.text
         memory.for_the_oracle()  # the allocator reuses freed arrays (memory.py); once per process
-        self.store = GGUFStore(model_dir) if is_gguf(model_dir) else TensorStore(model_dir)
+        self.store = open_store(model_dir)
         self._validate()
         self._inv_freq = {(layer.layer_type, layer.head_dim): rope_inv_freq(layer.rope, layer.head_dim)
                           for layer in self.cfg.layers}
@@ -221,7 +219,6 @@ class Drafter:
 
     def _validate(self) -> None:
         expected = expected_assistant_tensors(self.acfg)
-        decoded = GGUFStore.DECODED if isinstance(self.store, GGUFStore) else FLOAT_DTYPES
         problems = []
         for name, shape in expected.items():
             info = self.store.infos.get(name)
@@ -229,15 +226,13 @@ class Drafter:
                 problems.append(f"missing tensor '{name}' (expected shape {list(shape)})")
             elif info.shape != shape:
                 problems.append(f"tensor '{name}' has shape {list(info.shape)}, expected {list(shape)}")
-            elif name != "masked_embedding.token_ordering" and info.dtype not in decoded:
-                problems.append(f"tensor '{name}' is stored as {info.dtype}; the oracle reads "
-                                f"{'float weights' if decoded == FLOAT_DTYPES else ', '.join(decoded)}")
+            elif name != "masked_embedding.token_ordering" and (problem := self.store.undecodable(name)):
+                problems.append(problem)
         tied = {"lm_head.weight"}  # tied to model.embed_tokens.weight; ignored when present
         problems += [f"unexpected tensor '{n}'" for n in self.store.names if n not in expected and n not in tied]
         if problems:
             shown = problems[:8] + ([f"... and {len(problems) - 8} more"] if len(problems) > 8 else [])
-            source = "its metadata" if isinstance(self.store, GGUFStore) else "config.json"
-            raise WeightsError(f"{self.model_dir}: the assistant's weights do not match {source}:\n  "
+            raise WeightsError(f"{self.model_dir}: the assistant's weights do not match {self.store.source}:\n  "
                                + "\n  ".join(shown))
         if self.acfg.use_ordered_embeddings:
             order = np.asarray(self.store.raw("masked_embedding.token_ordering")).astype(np.int64)

@@ -21,6 +21,7 @@ import numpy as np
 
 from .gguf_config import config_decimal
 from .gguf_io import GGUFError, GGUFFile, open_gguf
+from .gguf_store import undecodable_type
 from .vision import EMBED, TOWER, VisionConfig, VisionWeights
 
 GEMMA4V = "gemma4v"
@@ -64,7 +65,16 @@ class MmprojInfo:
 
 class MmprojStore:
     """The vision tensors of an mmproj GGUF under the checkpoint's names and shapes (the TensorStore calls the
-    tower makes: ``infos``, ``names``, ``get``, ``rows``, ``nonfinite``); each decoded whole when asked."""
+    tower makes: ``infos``, ``names``, ``get``, ``rows``, ``nonfinite``, ``undecodable``); each decoded whole
+    when asked."""
+
+    source = "its metadata"  # what the tensors are checked against, for messages
+
+    def describe(self, name: str) -> str:
+        return f"'{self.infos[name].gguf_name}' ({name})"
+
+    def undecodable(self, name: str) -> str | None:
+        return undecodable_type(self.describe(name), self.infos[name].dtype)
 
     def __init__(self, f: GGUFFile):
         self.file, self.model_dir = f, f.path

@@ -22,12 +22,22 @@ from pathlib import Path
 import numpy as np
 
 from .ggml_blocks import TYPES, dequantize
-from .gguf_io import GGUFError, GGUFFile, open_gguf
+from .gguf_io import GGUFError, GGUFFile, is_gguf, open_gguf
 from .gguf_names import GENERATED, UNPREFIXED, GGUFNameError, oracle_name
+from .safetensors_io import TensorStore
 from .threads import in_parts
 
 PREFIX = "model."
 DECODE_VALUES = 1 << 18  # values decoded per step when reading rows
+
+
+def undecodable_type(described: str, type_name: str) -> str | None:
+    """The refusal of a tensor (``described`` as messages name it) stored as a ggml type the oracle does not
+    decode; None for one it does."""
+    if type_name in GGUFStore.DECODED:
+        return None
+    return (f"tensor {described} is of ggml type {type_name}, which the oracle does not decode (it decodes "
+            f"{', '.join(GGUFStore.DECODED)})")
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,7 @@ class GGUFStore:
     """The text tensors of one GGUF file, by the oracle's full names."""
 
     DECODED = tuple(t.name for t in TYPES.values())  # the stored types the oracle decodes
+    source = "its metadata"  # what the tensors are checked against, for messages
 
     def __init__(self, path: str | Path):
         self.model_dir = Path(path)
@@ -82,6 +93,10 @@ class GGUFStore:
     def describe(self, name: str) -> str:
         """How messages name a tensor: the GGUF name, and the checkpoint's."""
         return f"'{self.infos[name].gguf_name}' ({name})"
+
+    def undecodable(self, name: str) -> str | None:
+        """Why tensor ``name`` cannot be decoded (a ggml type the oracle does not read), or None."""
+        return undecodable_type(self.describe(name), self.infos[name].dtype)
 
     def release(self, name: str) -> None:
         """Nothing is mapped: the bytes are read with pread (kept for the TensorStore interface)."""
@@ -168,7 +183,7 @@ class GGUFStore:
             count += int(np.count_nonzero(~np.isfinite(block)))
         return count
 
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+
+def open_store(path: str | Path) -> GGUFStore | TensorStore:
+    """The tensors of a checkpoint: a GGUF file's (``GGUFStore``) or a safetensors directory's or file's."""
+    return GGUFStore(path) if is_gguf(path) else TensorStore(path)

@@ -200,6 +200,21 @@ class TensorStore:
     """All tensors of a checkpoint directory (single file or sharded), or of one safetensors file,
     memory-mapped on demand."""
 
+    DECODED = ("F32", "BF16", "F16", "F64")  # weight storage the oracle decodes exactly
+    source = "config.json"  # what the tensors are checked against, for messages
+
+    def describe(self, name: str) -> str:
+        """How messages name a tensor."""
+        return f"'{name}'"
+
+    def undecodable(self, name: str) -> str | None:
+        """Why tensor ``name`` cannot be read as weights (integer storage), or None."""
+        info = self.infos[name]
+        if info.dtype in self.DECODED:
+            return None
+        return (f"{info.path.name}: tensor '{name}' is stored as {info.dtype}; the oracle reads float weights "
+                f"({', '.join(self.DECODED)}), not quantized ones")
+
     def __init__(self, model_dir: str | Path):
         model_dir = Path(model_dir)
         self.model_dir = model_dir

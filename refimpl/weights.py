@@ -20,13 +20,11 @@ import numpy as np
 from . import memory
 from .config import TEXT_PREFIXES, TextConfig, read_config_json
 from .errors import InputError, NonFiniteError, WeightsError
-from .gguf_io import is_gguf
-from .gguf_store import GGUFStore
+from .gguf_store import open_store
 from .ops import clipped_linear
 from .safetensors_io import TensorStore
 from .threads import in_parts, scaled
 
-FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # weight storage the oracle decodes exactly
 # multimodal towers of Gemma4ForConditionalGeneration; the text oracle does not read them
 MULTIMODAL_PREFIXES = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.",
                        "model.vision_embedder.")  # the last: Gemma 4 Unified's vision embedder
@@ -121,7 +119,7 @@ class Gemma4Weights:
         self.cache: dict[tuple[str, int, int], np.ndarray] = {}
         self.cache_bytes = 0
         memory.for_the_oracle()  # the allocator reuses freed arrays (memory.py); once per process
-        self.store = GGUFStore(model_dir) if is_gguf(model_dir) else TensorStore(model_dir)
+        self.store = open_store(model_dir)
         self.prefix = self._find_prefix()
         self.ignored: list[str] = []
         self._local = threading.local()  # per-thread buffer of ``product``
@@ -140,10 +138,6 @@ class Gemma4Weights:
     def _file(self, full_name: str) -> str:
         return self.store.infos[full_name].path.name
 
-    def _named(self, full_name: str) -> str:
-        """A tensor as messages name it: quoted, with its GGUF name first in a GGUF file."""
-        return self.store.describe(full_name) if isinstance(self.store, GGUFStore) else f"'{full_name}'"
-
     def _validate(self) -> None:
         expected = expected_tensors(self.cfg)
         problems: list[str] = []
@@ -153,14 +147,10 @@ class Gemma4Weights:
                 problems.append(f"missing tensor '{full}' (expected shape {list(shape)})")
             elif self.store.infos[full].shape != shape:
                 found = list(self.store.infos[full].shape)
-                problems.append(f"{self._file(full)}: tensor {self._named(full)} has shape {found}, expected "
+                problems.append(f"{self._file(full)}: tensor {self.store.describe(full)} has shape {found}, expected "
                                 f"{list(shape)}")
-            elif isinstance(self.store, TensorStore) and self.store.infos[full].dtype not in FLOAT_DTYPES:
-                problems.append(f"{self._file(full)}: tensor '{full}' is stored as {self.store.infos[full].dtype}; "
-                                f"the oracle reads float weights ({', '.join(FLOAT_DTYPES)}), not quantized ones")
-            elif isinstance(self.store, GGUFStore) and self.store.infos[full].dtype not in GGUFStore.DECODED:
-                problems.append(f"tensor {self.store.describe(full)} is of ggml type {self.store.infos[full].dtype}, "
-                                f"which the oracle does not decode (it decodes {', '.join(GGUFStore.DECODED)})")
+            elif (problem := self.store.undecodable(full)) is not None:
+                problems.append(problem)
         shared = {layer.index for layer in self.cfg.layers if not layer.owns_kv}
         for full in self.store.names:
             if full.startswith(MULTIMODAL_PREFIXES):
@@ -175,8 +165,8 @@ class Gemma4Weights:
             if name is not None and _is_stale_shared(name, shared):
                 self.ignored.append(full)  # stale K/V projections left on KV-shared layers
                 continue
-            problems.append(f"{self._file(full)}: unexpected tensor {self._named(full)} (not part of this config's "
-                            "text decoder)")
+            problems.append(f"{self._file(full)}: unexpected tensor {self.store.describe(full)} (not part of this "
+                            "config's text decoder)")
         if not self.cfg.tie_word_embeddings and "lm_head.weight" not in self.store:
             problems.append(
                 f"missing tensor 'lm_head.weight' (expected shape [{self.cfg.vocab_size}, {self.cfg.hidden_size}]; "
@@ -185,15 +175,15 @@ class Gemma4Weights:
         if problems:
             shown = problems[:8] + ([f"... and {len(problems) - 8} more"] if len(problems) > 8 else [])
             raise WeightsError(
-                f"{self.store.model_dir}: the weights do not match "
-                f"{'its metadata' if isinstance(self.store, GGUFStore) else 'config.json'}:\n  " + "\n  ".join(shown)
+                f"{self.store.model_dir}: the weights do not match {self.store.source}:\n  " + "\n  ".join(shown)
             )
 
     def _check_head(self, full: str, problems: list[str]) -> None:
         shape = (self.cfg.vocab_size, self.cfg.hidden_size)
         if self.store.infos[full].shape != shape:
             found = list(self.store.infos[full].shape)
-            problems.append(f"{self._file(full)}: tensor {self._named(full)} has shape {found}, expected {list(shape)}")
+            problems.append(f"{self._file(full)}: tensor {self.store.describe(full)} has shape {found}, expected "
+                            f"{list(shape)}")
         elif self.cfg.tie_word_embeddings:
             self.ignored.append(full)  # tied: the head is the embedding table
 
@@ -330,14 +320,14 @@ def check_tower_tensors(store, expected: dict[str, tuple[int, ...]], prefixes: t
             problems.append(f"missing tensor '{name}' (expected shape {list(shape)})")
         elif info.shape != shape:
             problems.append(f"{info.path.name}: tensor '{name}' has shape {list(info.shape)}, expected {list(shape)}")
-        elif info.dtype not in FLOAT_DTYPES:
-            problems.append(f"{info.path.name}: tensor '{name}' is stored as {info.dtype}; the oracle reads "
-                            f"float weights ({', '.join(FLOAT_DTYPES)}), not quantized ones")
+        elif (problem := store.undecodable(name)) is not None:
+            problems.append(problem)
     problems += [f"unexpected tensor '{name}'{hint(name)}" for name in store.names
                  if name.startswith(prefixes) and name not in expected]
     if problems:
         shown = problems[:8] + ([f"... and {len(problems) - 8} more"] if len(problems) > 8 else [])
-        raise WeightsError(f"{store.model_dir}: the {what} weights do not match config.json:\n  " + "\n  ".join(shown))
+        raise WeightsError(f"{store.model_dir}: the {what} weights do not match {store.source}:\n  "
+                           + "\n  ".join(shown))
 
 
 CLIP_BOUNDS = ("input_min", "input_max", "output_min", "output_max")  # a clippable linear's scalar buffers
