@@ -103,7 +103,10 @@ def test_the_scheduler_lost_mid_run_is_one_line(tmp_path, capsys, quick):
 def test_a_job_whose_worker_keeps_dying_is_one_line(tmp_path, capsys, quick):
     out, partial = tmp_path / "set", tmp_path / ".set.partial"
     with local_cluster(tmp_path) as cluster:
-        cluster.start_scheduler(env={"DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES": "1"})
+        # one task in flight on the one-thread worker (the default saturation 1.1 lets a second base wait there,
+        # and die with G's worker, so that either could be the one reported)
+        cluster.start_scheduler(env={"DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES": "1",
+                                     "DASK_DISTRIBUTED__SCHEDULER__WORKER_SATURATION": "1.0"})
         cluster.start_worker(env={jobs.FAULT_ENV: "G:die"})
         code = main(["generate", "--preset", TEXT, "--cluster", cluster.address, "--out", str(out), "-q"])
         line = _one_line(capsys.readouterr().err)
