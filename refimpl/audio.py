@@ -262,6 +262,10 @@ class AudioWeights(TowerWeights):
     parse_config = staticmethod(parse_audio_config)
     expected_tensors = staticmethod(expected_audio_tensors)
 
+    def query_scale(self, attn: str) -> np.ndarray:
+        """[d]: softplus(per_dim_scale) of the attention ``attn`` ("...self_attn."), the query's per-channel scale."""
+        return softplus(self[attn + "per_dim_scale"])
+
 
 # ----------------------------------------------------------------------------------------------
 # the math, one step per function
@@ -380,7 +384,7 @@ def local_attention(x: np.ndarray, valid: np.ndarray, p: str, w: AudioWeights, c
     q = w.clippable(x, a + "q_proj").reshape(S, n, d)
     k = w.clippable(x, a + "k_proj").reshape(S, n, d)
     v = w.clippable(x, a + "v_proj").reshape(S, n, d)
-    q = q * ((d**-0.5) / math.log(2)) * softplus(w[a + "per_dim_scale"])
+    q = q * ((d**-0.5) / math.log(2)) * w.query_scale(a)
     k = k * (math.log(1 + math.e) / math.log(2))
 
     qb = to_blocks(q, W)  # [nb, W, n, d]

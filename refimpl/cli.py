@@ -210,16 +210,40 @@ def _check_markers(ids: list[int], tok: Tokenizer | None, mm: MultimodalTokens) 
         raise InputError("video placeholders are not supported yet (images and audio only)")
 
 
+def _image_front_end(args, model_dir: Path, model: Gemma4) -> ImageFrontEnd | None:
+    """The image front end (None without --image), after the checks that the model has the towers asked
+    for: a checkpoint's config.json, or for a GGUF model the projector file --mmproj names."""
+    images, clips, projector = list(args.image), list(args.audio), args.mmproj
+    if projector is None:
+        if is_gguf(model_dir):
+            raise InputError(f"{model_dir} is a GGUF text model: its vision and audio towers are in a projector GGUF "
+                             "(convert_hf_to_gguf.py --mmproj); pass it with --mmproj FILE")
+        if images:
+            _config_has(model_dir, "vision_config", "vision", "--image")
+        if clips:
+            _config_has(model_dir, "audio_config", "audio", "--audio")
+        return image_front_end(model_dir, args.dtype) if images else None
+    if not is_gguf(model_dir):
+        raise InputError(f"--mmproj applies to a GGUF --model; the checkpoint directory {model_dir} holds its own "
+                         "towers")
+    front = image_front_end(model_dir, args.dtype, projector) if images else None
+    if front is not None:
+        _check_width(front.cfg.text_hidden_size, model, projector, "vision")
+    return front
+
+
+def _check_width(width: int, model: Gemma4, projector, tower: str) -> None:
+    if width != model.cfg.hidden_size:
+        raise InputError(f"{projector}: the {tower} projector makes soft tokens {width} wide, but the model's hidden "
+                         f"size is {model.cfg.hidden_size}; pass the projector converted from the same checkpoint")
+
+
 def _image_prompt(args, model_dir: Path, model: Gemma4) -> ImagePrompt:
     """Prompt ids expanded for ``args.image`` and ``args.audio`` (placeholder rule of ``_prompt_ids``),
     the images read and preprocessed as the checkpoint's processor does, the clips read and turned into
     the model's input (log-mel features, or Unified's raw frames); no tower or embedder is run yet."""
     images, clips = list(args.image), list(args.audio)
-    if images:
-        _config_has(model_dir, "vision_config", "vision", "--image")
-    if clips:
-        _config_has(model_dir, "audio_config", "audio", "--audio")
-    front = image_front_end(model_dir, args.dtype) if images else None
+    front = _image_front_end(args, model_dir, model)
     mm = load_multimodal_tokens(model_dir, (["image"] if images else []) + (["audio"] if clips else []))
     ids, tok = _prompt_ids(args, model_dir, len(images), mm, model.cfg.bos_token_id, len(clips))
     _check_markers(ids, tok, mm)
@@ -236,7 +260,9 @@ def _image_prompt(args, model_dir: Path, model: Gemma4) -> ImagePrompt:
             prompt.info.append({"file": str(path), "size": list(pixels.shape[:2]),
                                 "resized": list(pre.pixels.shape[:2]), "soft_tokens": pre.num_soft_tokens})
     if clips:
-        _read_clips(model_dir, clips, prompt, args.dtype)
+        _read_clips(model_dir, clips, prompt, args.dtype, args.mmproj)
+        if args.mmproj is not None:
+            _check_width(prompt.audio_front.cfg.text_hidden_size, model, args.mmproj, "audio")
     expanded = expand_image_placeholders(ids, [p.num_soft_tokens for p in prompt.processed], mm)
     prompt.ids = expand_audio_placeholders(expanded, [i["soft_tokens"] for i in prompt.audio_info], mm).tolist()
     for info, (start, length) in zip(prompt.info, image_spans(prompt.ids, mm), strict=True):
@@ -246,9 +272,10 @@ def _image_prompt(args, model_dir: Path, model: Gemma4) -> ImagePrompt:
     return prompt
 
 
-def _read_clips(model_dir: Path, paths: list, prompt: ImagePrompt, dtype: str) -> None:
-    """Each --audio file: read_wav, the sample-rate check, the checkpoint's audio front end."""
-    front = prompt.audio_front = audio_front_end(model_dir, dtype)
+def _read_clips(model_dir: Path, paths: list, prompt: ImagePrompt, dtype: str, projector: str | None) -> None:
+    """Each --audio file: read_wav, the sample-rate check, the checkpoint's audio front end (of the projector
+    file, for a GGUF model)."""
+    front = prompt.audio_front = audio_front_end(model_dir, dtype, projector)
     for path in paths:
         samples, rate = read_wav(path)
         if rate != front.sampling_rate:
@@ -283,6 +310,8 @@ def _audio_soft_tokens(model_dir: Path, prompt: ImagePrompt, dtype: str) -> list
 def _check_image_args(args) -> None:
     if args.max_soft_tokens is not None and not args.image:
         raise InputError("--max-soft-tokens applies to --image")
+    if args.mmproj is not None and not _media(args):
+        raise InputError("--mmproj applies to --image and --audio")
 
 
 def _media(args) -> bool:
@@ -466,6 +495,9 @@ def _add_prompt(p: argparse.ArgumentParser) -> None:
                    help="an audio clip (16 kHz WAV; other rates are refused, not resampled); repeat for more. Each "
                         "goes where the prompt has an <|audio|> placeholder, in order; with no placeholder the clips "
                         "go in front of the text (after the images when --image puts those in front too)")
+    p.add_argument("--mmproj", metavar="FILE.gguf", default=None,
+                   help="with a GGUF --model: the projector GGUF that holds its vision and audio towers (llama.cpp's "
+                        "convert_hf_to_gguf.py --mmproj), for --image and --audio")
     p.add_argument("--max-soft-tokens", type=int, choices=list(SUPPORTED_SOFT_TOKENS), default=None,
                    help="soft-token budget per image (default: the checkpoint's processor config, else 280)")
     p.add_argument("--vision-mask", choices=list(VISION_MASK_RULES), default=VISION_MASK_RULES[0],

@@ -16,6 +16,10 @@ through these two classes, so the family is decided in one place:
 
 ``features`` are log-mel frames for the conformer and raw 640-sample frames for Unified; ``mask`` marks
 the valid frames (all of them for Unified). The weights are loaded on first use.
+
+A GGUF model's towers are in a projector file (``projector``: llama.cpp's mmproj GGUF, read by
+``refimpl.gguf_mmproj``); its processor settings are those of a processor_config.json lying beside that file,
+else transformers' defaults (280 soft tokens an image; the audio feature extractor's defaults).
 """
 
 from __future__ import annotations
@@ -35,10 +39,13 @@ from .audio_features import (
     load_audio_feature_settings,
 )
 from .errors import InputError
+from .gguf_mmproj import load_mmproj_tower
 from .image import ImageProcessorSettings, check_soft_token_budget, load_image_processor_settings, preprocess_image
 from .unified import (
     SAMPLING_RATE,
+    UnifiedAudioConfig,
     UnifiedAudioWeights,
+    UnifiedVisionConfig,
     UnifiedVisionWeights,
     audio_embedder,
     audio_frames,
@@ -52,12 +59,19 @@ from .vision import load_vision_config, load_vision_tower, vision_tower
 class ImageFrontEnd:
     """Image processor settings and the model part that makes soft tokens of a checkpoint's images."""
 
-    def __init__(self, model_dir: str | Path, dtype: str = "float64"):
+    def __init__(self, model_dir: str | Path, dtype: str = "float64", projector: str | Path | None = None):
         self.model_dir, self.dtype = Path(model_dir), dtype
-        self.unified = is_unified(model_dir)
-        self.cfg = (UnifiedVisionWeights.load_config(model_dir) if self.unified else load_vision_config(model_dir))
-        self.settings: ImageProcessorSettings = load_image_processor_settings(model_dir, self.cfg)
         self._weights = None
+        if projector is not None:
+            self._weights, self.cfg = load_mmproj_tower(projector, "vision", dtype)
+            self.unified = isinstance(self.cfg, UnifiedVisionConfig)
+            settings_dir = Path(projector).parent
+        else:
+            self.unified = is_unified(model_dir)
+            self.cfg = (UnifiedVisionWeights.load_config(model_dir) if self.unified
+                        else load_vision_config(model_dir))
+            settings_dir = self.model_dir
+        self.settings: ImageProcessorSettings = load_image_processor_settings(settings_dir, self.cfg)
 
     @property
     def kind(self) -> str:
@@ -103,18 +117,21 @@ class UnifiedClip:
 class AudioFrontEnd:
     """Feature extraction and the model part that makes soft tokens of a checkpoint's audio clips."""
 
-    def __init__(self, model_dir: str | Path, dtype: str = "float64"):
+    def __init__(self, model_dir: str | Path, dtype: str = "float64", projector: str | Path | None = None):
         self.model_dir, self.dtype = Path(model_dir), dtype
-        self.unified = is_unified(model_dir)
-        if self.unified:
-            self.cfg = UnifiedAudioWeights.load_config(model_dir)
-            self.sampling_rate = SAMPLING_RATE
-            self.settings = None
-        else:
-            self.settings = load_audio_feature_settings(model_dir)
-            self.sampling_rate = self.settings.sampling_rate
-            self.cfg = None  # the conformer's, read with its weights
         self._weights = None
+        self.cfg = None  # the conformer's, read with its weights
+        if projector is not None:
+            self._weights, self.cfg = load_mmproj_tower(projector, "audio", dtype)
+            self.unified = isinstance(self.cfg, UnifiedAudioConfig)
+            settings_dir = Path(projector).parent
+        else:
+            self.unified = is_unified(model_dir)
+            settings_dir = self.model_dir
+            if self.unified:
+                self.cfg = UnifiedAudioWeights.load_config(model_dir)
+        self.settings = None if self.unified else load_audio_feature_settings(settings_dir)
+        self.sampling_rate = SAMPLING_RATE if self.unified else self.settings.sampling_rate
 
     @property
     def kind(self) -> str:
@@ -169,9 +186,11 @@ class AudioFrontEnd:
         return audio_tower(features, mask, weights, self.cfg)
 
 
-def image_front_end(model_dir: str | Path, dtype: str = "float64") -> ImageFrontEnd:
-    return ImageFrontEnd(model_dir, dtype)
+def image_front_end(model_dir: str | Path, dtype: str = "float64",
+                    projector: str | Path | None = None) -> ImageFrontEnd:
+    return ImageFrontEnd(model_dir, dtype, projector)
 
 
-def audio_front_end(model_dir: str | Path, dtype: str = "float64") -> AudioFrontEnd:
-    return AudioFrontEnd(model_dir, dtype)
+def audio_front_end(model_dir: str | Path, dtype: str = "float64",
+                    projector: str | Path | None = None) -> AudioFrontEnd:
+    return AudioFrontEnd(model_dir, dtype, projector)

@@ -11,6 +11,10 @@ say is read from the tensors:
     attention_k_eq_v            the KV-owning full layers have attn_k and no attn_v
     full layers' RoPE           rope_freqs.weight: n entries 1.0 then 1e30 -> proportional, factor 2n / head dim
     use_double_wide_mlp         feed_forward_length per layer: I, and 2I on the KV-shared layers
+    use_bidirectional_attention "vision" unless the model has per-layer inputs (null): the rule of every published
+                                config (E2B/E4B causal; 26B-A4B, 31B, Unified 12B "vision"). llama.cpp decides by
+                                the text width instead (mtmd.cpp: causal at 1536 and 2560, E2B/E4B), which agrees
+                                on the published shapes, not on miniatures; it only matters for image prompts
 
 Every key is checked for presence, type and range before use: one GGUFError naming the file and the key.
 """
@@ -255,6 +259,7 @@ def _text_config(f: GGUFFile, keys: _Keys, drafter: bool = False) -> dict[str, A
         "num_kv_shared_layers": n_shared, "hidden_size_per_layer_input": P, "rope_parameters": rope,
         "attention_k_eq_v": _k_eq_v(f, [i for i in range(first_shared) if not sliding[i]]),
         "tie_word_embeddings": "output.weight" not in f.tensors,
+        "use_bidirectional_attention": None if P else "vision",
         "per_layer_config": {str(i): {"head_dim": swa_dim if sliding[i] else full_dim,
                                       "num_key_value_heads": kv_heads[i]} for i in range(L)},
         **_moe(keys), **_token_ids(f),

@@ -32,6 +32,7 @@ import numpy as np
 
 from .config import read_config_json, text_section
 from .errors import ConfigError, InputError
+from .gguf_io import is_gguf, open_gguf
 from .model import Gemma4, KVCache, Trace
 
 # transformers' Gemma4Config defaults (multimodal spec 1.2)
@@ -69,15 +70,41 @@ def parse_multimodal_tokens(raw: dict, where: str = "config.json") -> Multimodal
     return MultimodalTokens(**values)
 
 
+# config.json placeholder keys -> tokenizer pieces (transformers' Gemma4Config names; eoa is "eoa_token_index")
+MULTIMODAL_PIECES = dict(boi_token_id="<|image>", eoi_token_id="<image|>", image_token_id="<|image|>",
+                         boa_token_id="<|audio>", eoa_token_index="<audio|>", audio_token_id="<|audio|>",
+                         video_token_id="<|video|>")
 # the config.json keys of the ids an image / audio prompt puts in (placeholder, begin, end)
 PROMPT_TOKEN_KEYS = {"image": ("image_token_id", "boi_token_id", "eoi_token_id"),
                      "audio": ("audio_token_id", "boa_token_id", "eoa_token_index")}
 
 
+def gguf_multimodal_tokens(path: str | Path, kinds: Sequence[str] = ()) -> MultimodalTokens:
+    """The placeholder ids of a GGUF model, looked up by their pieces in its vocabulary
+    (``tokenizer.ggml.tokens``; the file holds no ids for them). The pieces of ``kinds`` must be there
+    (ConfigError naming the piece otherwise); an id the prompts do not use and the vocabulary lacks is -1,
+    which no token equals."""
+    f = open_gguf(path)
+    tokens = f.metadata.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list):
+        raise ConfigError(f"{f.path}: the GGUF file holds no vocabulary (tokenizer.ggml.tokens); image and audio "
+                          "prompts find their placeholder tokens in it")
+    index = {piece: i for i, piece in enumerate(tokens) if piece in MULTIMODAL_PIECES.values()}
+    values = {}
+    for key, piece in MULTIMODAL_PIECES.items():
+        if piece not in index and any(key in PROMPT_TOKEN_KEYS[kind] for kind in kinds):
+            raise ConfigError(f"{f.path}: the vocabulary has no {piece!r} token, which "
+                              f"{'image' if key in PROMPT_TOKEN_KEYS['image'] else 'audio'} prompts put in")
+        values["eoa_token_id" if key == "eoa_token_index" else key] = index.get(piece, -1)
+    return MultimodalTokens(**values)
+
+
 def load_multimodal_tokens(model_dir: str | Path, kinds: Sequence[str] = ()) -> MultimodalTokens:
-    """The placeholder ids of a checkpoint. ``kinds`` ("image", "audio"): the prompts the caller builds;
-    the ids each puts in (placeholder, begin, end) must lie inside the text vocabulary (ConfigError
-    naming the key otherwise)."""
+    """The placeholder ids of a checkpoint (of a GGUF model: ``gguf_multimodal_tokens``). ``kinds`` ("image",
+    "audio"): the prompts the caller builds; the ids each puts in (placeholder, begin, end) must lie inside the
+    text vocabulary (ConfigError naming the key otherwise)."""
+    if is_gguf(model_dir):
+        return gguf_multimodal_tokens(model_dir, kinds)
     path, raw = read_config_json(model_dir)
     tokens = parse_multimodal_tokens(raw, str(path))
     text, _, _ = text_section(raw, str(path))

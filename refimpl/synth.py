@@ -41,6 +41,7 @@ from .assistant import ASSISTANT_ARCHITECTURES, expected_assistant_tensors, pars
 from .audio import expected_audio_tensors, parse_audio_config
 from .config import parse_config
 from .errors import InputError
+from .multimodal import MULTIMODAL_PIECES
 from .presets import (
     ASSISTANT_DIR,
     COMMON,
@@ -203,10 +204,6 @@ def _atomic_directory(out: Path):
 
 
 IMAGE_SOFT_TOKENS = 70  # processor_config.json max_soft_tokens of the vision presets
-# config.json placeholder keys -> tokenizer pieces (transformers' Gemma4Config names; eoa is "eoa_token_index")
-MULTIMODAL_PIECES = dict(boi_token_id="<|image>", eoi_token_id="<image|>", image_token_id="<|image|>",
-                         boa_token_id="<|audio>", eoa_token_index="<audio|>", audio_token_id="<|audio|>",
-                         video_token_id="<|video|>")
 
 
 def piece_id(piece: str) -> int:

@@ -144,8 +144,7 @@ def test_llama_cpps_converter(preset, outtype, tmp_path_factory, tmp_path):
     model_dir = write_checkpoint(preset, 0, tmp_path_factory.mktemp("ckpt") / preset)
     path, _ = eng.convert_to_gguf(model_dir, SOURCE, outtype, tmp_path_factory.mktemp("cache"))
     ref, got = load_config(model_dir), load_config(path)
-    same = ("architecture", "serialisation", "notes", "max_position_embeddings", "eos_token_ids",
-            "use_bidirectional_attention")
+    same = ("architecture", "serialisation", "notes", "max_position_embeddings", "eos_token_ids")
     assert dataclasses.replace(got, **{k: getattr(ref, k) for k in same}) == ref
     assert set(got.eos_token_ids) <= set(ref.eos_token_ids)
     model = Gemma4(path)
@@ -316,20 +315,39 @@ def test_the_gguf_vocabulary_on_the_bundled_prompts(converted):
     assert checked >= 7
 
 
+# an E2B miniature with a vision tower and an audio tower of the published geometry (chunk 12, left context 13:
+# the values llama.cpp's gemma4a graph fixes), as E2B/E4B have both: the converter writes no audio-only projector
+OMNI = "e2b-omni"
+_PROJECTED: dict[str, tuple] = {}
+
+
+def _omni() -> dict:
+    from refimpl.presets import PRESETS
+
+    audio = dict(PRESETS["e2b-audio-mini"]["audio"], attention_chunk_size=12, attention_context_left=13)
+    return dict(PRESETS["e2b-vision-mini"], audio=audio, description="E2B in miniature with vision and audio")
+
+
 def _mmproj(preset: str, tmp_path_factory):
-    """(the preset's directory, the vision projector GGUF llama.cpp's converter makes of it: --mmproj, F32). The
-    converter wants image_mean / image_std in processor_config.json, which the synthetic checkpoints leave out:
-    0 and 1, the oracle's x / 255 preprocessing."""
+    """(the preset's directory, the projector GGUF llama.cpp's converter makes of it: --mmproj, F32), made once
+    per preset. The converter wants image_mean / image_std in processor_config.json, which the synthetic
+    checkpoints leave out: 0 and 1, the oracle's x / 255 preprocessing."""
     import json
     import subprocess
     import sys
 
+    from refimpl.presets import PRESETS
     from refimpl.synth import write_checkpoint
 
     if SOURCE is None:
         pytest.skip("llama.cpp converter sources missing (scripts/build-llama-cpp.sh)")
+    if preset in _PROJECTED:
+        return _PROJECTED[preset]
     root = tmp_path_factory.mktemp("mmproj")
-    model_dir = write_checkpoint(preset, 0, root / preset)
+    with pytest.MonkeyPatch.context() as mp:
+        if preset == OMNI:
+            mp.setitem(PRESETS, OMNI, _omni())
+        model_dir = write_checkpoint(preset, 0, root / preset)
     src = eng.make_tokenizer_json(model_dir, root / "converter-input", 512)
     processor = json.loads((src / "processor_config.json").read_text(encoding="utf-8"))
     processor["image_processor"].update(image_mean=[0.0] * 3, image_std=[1.0] * 3)
@@ -338,6 +356,7 @@ def _mmproj(preset: str, tmp_path_factory):
     run = subprocess.run([sys.executable, str(SOURCE / "convert_hf_to_gguf.py"), str(src), "--mmproj", "--outtype",
                           "f32", "--outfile", str(out)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
+    _PROJECTED[preset] = model_dir, out
     return model_dir, out
 
 
@@ -346,11 +365,11 @@ def test_a_vision_projector_gguf_is_the_checkpoints_tower(preset, tmp_path_facto
     """The mmproj GGUF of the E-series tower (clipped linears) and of the 26B/31B one (standardize): its config (from
     its keys, its shapes and llama.cpp's fixed values) is config.json's, every tensor the checkpoint's (the patch
     embedder back from channels first, the clip bounds back to scalars), the soft tokens of an image the same."""
-    from refimpl.gguf_mmproj import load_mmproj_vision_tower
+    from refimpl.gguf_mmproj import load_mmproj_tower
     from refimpl.vision import load_vision_tower, vision_tower
 
     model_dir, path = _mmproj(preset, tmp_path_factory)
-    (wg, cg), (wd, cd) = load_mmproj_vision_tower(path), load_vision_tower(model_dir)
+    (wg, cg), (wd, cd) = load_mmproj_tower(path, "vision"), load_vision_tower(model_dir)
     assert cg == cd
     assert sorted(wg.store.names) == sorted(n for n in wd.store.names if n.startswith(("model.vision_tower.",
                                                                                        "model.embed_vision.")))
@@ -360,6 +379,122 @@ def test_a_vision_projector_gguf_is_the_checkpoints_tower(preset, tmp_path_facto
     pixels = rng.random((36, 3 * cd.patch_size**2))
     positions = np.array([(x, y) for y in range(6) for x in range(6)])
     _close(vision_tower(pixels, positions, wd, cd), vision_tower(pixels, positions, wg, cg))
-    with pytest.raises(RefimplError, match="not a vision projector GGUF"):
-        load_mmproj_vision_tower(eng.convert_to_gguf(model_dir, SOURCE, "f32", tmp_path_factory.mktemp("c"))[0])
+    with pytest.raises(RefimplError, match="not a projector GGUF"):
+        load_mmproj_tower(eng.convert_to_gguf(model_dir, SOURCE, "f32", tmp_path_factory.mktemp("c"))[0], "vision")
 
+
+
+def test_an_audio_projector_gguf_is_the_checkpoints_conformer(tmp_path_factory, monkeypatch):
+    """The gemma4a tower of an E-series mmproj (the converter writes one only beside a vision tower, as E2B/E4B
+    have): its config (keys, shapes, llama.cpp's fixed chunk 12 / context 13 / cap 50, the published values) is
+    config.json's; every tensor is the checkpoint's (names mapped back, the depthwise kernel reshaped, the clip
+    bounds scalars) but per_dim_scale, which the file holds as softplus(per_dim_scale) in float32: within one
+    float32 ulp of the exact softplus. The tower's soft tokens equal the checkpoint tower's given that scale, and
+    differ from the exact ones by the float32 rounding only."""
+    from refimpl.audio import AudioWeights, audio_tower, load_audio_tower
+    from refimpl.gguf_mmproj import load_mmproj_tower
+    from refimpl.ops import softplus
+
+    model_dir, path = _mmproj(OMNI, tmp_path_factory)
+    (wg, cg), (wd, cd) = load_mmproj_tower(path, "audio"), load_audio_tower(model_dir)
+    assert cg == cd
+    audio_names = sorted(n for n in wd.store.names if n.startswith(("model.audio_tower.", "model.embed_audio.")))
+    assert sorted(wg.store.names) == audio_names
+    scales = [n for n in audio_names if n.endswith("per_dim_scale")]
+    assert len(scales) == cd.num_hidden_layers
+    for name in audio_names:
+        if name in scales:
+            exact, stored = softplus(wd.store.get(name)), wg.store.get(name)
+            assert np.all(np.abs(stored - exact) <= np.spacing(np.abs(exact).astype(np.float32))), name
+        else:
+            assert np.array_equal(wg.store.get(name), wd.store.get(name)), name
+    rng = np.random.default_rng(5)
+    features, mask = rng.standard_normal((70, 128)), np.ones(70, dtype=bool)
+    mask[61:] = False
+    got, exact = audio_tower(features, mask, wg, cg), audio_tower(features, mask, wd, cd)
+    monkeypatch.setattr(AudioWeights, "query_scale", lambda self, a: wg[a + "per_dim_scale"])
+    _close(audio_tower(features, mask, wd, cd), got)
+    assert 0 < np.max(np.abs(got - exact)) <= 1e-5 * np.max(np.abs(exact))
+
+
+def test_the_unified_projectors_are_the_checkpoints_embedders(tmp_path_factory):
+    """Gemma 4 Unified's mmproj (gemma4uv, gemma4ua): the configs are config.json's (the merge kernel llama.cpp's
+    fixed 3, checked against the patch width), every tensor the checkpoint's once the converter's channels-first
+    permutation of patch_dense and patch_ln1 and the swapped position-table axes are undone, and the soft tokens
+    of an image and of a clip are the checkpoint's."""
+    from refimpl.gguf_mmproj import load_mmproj_tower
+    from refimpl.gguf_mmproj_unified import chw_order
+    from refimpl.unified import UnifiedVisionWeights, audio_embedder, audio_frames, load_unified_audio, vision_embedder
+
+    model_dir, path = _mmproj("12b-mini", tmp_path_factory)
+    (vg, vcg), (ag, acg) = load_mmproj_tower(path, "vision"), load_mmproj_tower(path, "audio")
+    vd, vcd = UnifiedVisionWeights.load(model_dir)
+    ad, acd = load_unified_audio(model_dir)
+    assert (vcg, acg) == (vcd, acd)
+    assert (sorted(vg.store.names), sorted(ag.store.names)) == (sorted(vd.expected()), sorted(ad.expected()))
+    for g, d in ((vg, vd), (ag, ad)):
+        for name in g.store.names:
+            assert np.array_equal(g.store.get(name), d.store.get(name)), name
+    M = vcd.model_patch_size
+    assert sorted(chw_order(M).tolist()) == list(range(3 * M * M))
+    rng = np.random.default_rng(9)
+    pixels = rng.random((8, vcd.patch_dim))
+    positions = np.array([(x, y) for y in range(2) for x in range(3)] + [(-1, -1)] * 2)
+    _close(vision_embedder(pixels, positions, vd, vcd), vision_embedder(pixels, positions, vg, vcg))
+    frames = audio_frames(rng.standard_normal(3000) * 0.1, acd)
+    _close(audio_embedder(frames, ad, acd), audio_embedder(frames, ag, acg))
+
+
+def _ppm(path, pixels: np.ndarray):
+    h, w, _ = pixels.shape
+    path.write_bytes(b"P6\n%d %d\n255\n" % (w, h) + pixels.tobytes())
+    return path
+
+
+def _wav(path, n: int, seed: int):
+    import wave
+
+    x = np.random.default_rng(seed).normal(0, 0.2, n)
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16_000)
+        w.writeframes(np.clip(np.round(x * 32767), -32768, 32767).astype("<i2").tobytes())
+    return path
+
+
+def _logits(tmp_path, name: str, argv: list[str], capsys) -> tuple[np.ndarray, np.ndarray]:
+    from refimpl.cli import main
+
+    out = tmp_path / f"{name}.safetensors"
+    assert main(["logits", *argv, "--rows", "all", "--out", str(out)]) == 0, capsys.readouterr().err
+    store = TensorStore(out)
+    return store.get("tokens"), store.get("logits")
+
+
+@pytest.mark.parametrize("preset, media", [("e2b-vision-mini", "image"), ("31b-vision-mini", "image"),
+                                           ("12b-mini", "image audio"), (OMNI, "image audio")])
+def test_refimpl_reads_image_and_audio_prompts_through_the_projector(preset, media, tmp_path_factory, tmp_path,
+                                                                     capsys):
+    """``refimpl logits --model text.gguf --mmproj mmproj.gguf --image ... --audio ...`` (both llama.cpp's
+    conversions of one checkpoint) gives the checkpoint directory's prompt and logits: the placeholders from the
+    GGUF vocabulary, the image blocks causal on the E-series and bidirectional on the 31B and Unified (the GGUF
+    config's rule), the towers from the projector. Equal up to float64 rounding; with the conformer, up to the
+    float32 rounding of its stored per_dim_scale."""
+    model_dir, mmproj = _mmproj(preset, tmp_path_factory)
+    text, _ = eng.convert_to_gguf(model_dir, SOURCE, "f32", tmp_path_factory.mktemp("text"))
+    rng = np.random.default_rng(1)
+    argv = ["--prompt", "Describe what you see and hear."]
+    if "image" in media:
+        argv += ["--image", str(_ppm(tmp_path / "a.ppm", rng.integers(0, 256, (30, 40, 3), dtype=np.uint8))),
+                 "--max-soft-tokens", "70"]
+    if "audio" in media:
+        argv += ["--audio", str(_wav(tmp_path / "a.wav", 9_000, 2))]
+    want_ids, want = _logits(tmp_path, "dir", ["--model", str(model_dir), *argv], capsys)
+    got_ids, got = _logits(tmp_path, "gguf", ["--model", str(text), "--mmproj", str(mmproj), *argv], capsys)
+    assert np.array_equal(got_ids, want_ids) and want_ids.size > 20
+    assert load_config(text).use_bidirectional_attention == load_config(model_dir).use_bidirectional_attention
+    if preset == OMNI:
+        assert 0 < np.max(np.abs(got - want)) <= 1e-6 * np.max(np.abs(want))
+    else:
+        _close(want, got)

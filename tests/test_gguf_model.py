@@ -63,9 +63,8 @@ def test_an_f32_gguf_gives_the_checkpoints_logits(preset, preset_dirs, ggufs):
 @pytest.mark.parametrize("preset", PRESETS)
 def test_the_config_is_config_jsons(preset, preset_dirs, ggufs):
     ref, got = load_config(preset_dirs[preset]), load_config(ggufs(preset_dirs, preset))
-    # not in a GGUF: the serialisation and notes, the vision-block mask (images are not read from a GGUF)
-    same = ("architecture", "serialisation", "notes", "max_position_embeddings", "eos_token_ids",
-            "use_bidirectional_attention")
+    # not in a GGUF: the serialisation and notes (the vision-block mask is gguf_config's rule, equal here)
+    same = ("architecture", "serialisation", "notes", "max_position_embeddings", "eos_token_ids")
     assert dataclasses.replace(got, **{k: getattr(ref, k) for k in same}) == ref
     assert got.eos_token_ids == ref.eos_token_ids[:1]  # the GGUF keeps one eos id (and an eot id when written)
 
@@ -342,22 +341,52 @@ def test_the_gate_says_a_gguf_is_not_a_checkpoint_directory(argv, preset_dirs, g
     assert not (tmp_path / "set").exists()
 
 
-def test_a_projector_the_oracle_does_not_read_is_refused(tmp_path):
-    """Gemma 4 Unified's projector (gemma4uv) and any other: one line naming the type."""
+def _projector(path, meta: dict, tensors: dict, arch: str = "clip") -> None:
     from gguf_writer import add_kv
 
-    from refimpl.gguf_mmproj import load_mmproj_vision_tower
-
-    path = tmp_path / "uv.gguf"
-    w = gguf.GGUFWriter(str(path), "clip")
-    for key, value in {"clip.has_vision_encoder": True, "clip.vision.projector_type": "gemma4uv"}.items():
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in meta.items():
         add_kv(w, key, value)
-    w.add_tensor("v.patch_embd.weight", np.zeros((4, 3), dtype=np.float32))
+    for name, x in tensors.items():
+        w.add_tensor(name, x)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+@pytest.mark.parametrize("meta, tower, says", [
+    ({"clip.has_vision_encoder": True, "clip.vision.projector_type": "gemma3"}, "vision",
+     "vision projector type 'gemma3'; the oracle reads Gemma 4's ('gemma4v' and 'gemma4uv')"),
+    ({"clip.has_audio_encoder": True, "clip.audio.projector_type": "qwen2a"}, "audio",
+     "audio projector type 'qwen2a'; the oracle reads Gemma 4's ('gemma4a' and 'gemma4ua')"),
+    ({"clip.has_vision_encoder": True, "clip.vision.projector_type": "gemma4v"}, "audio",
+     "the projector holds no audio tower (clip.has_audio_encoder is not true)"),
+    ({"clip.has_vision_encoder": True}, "vision",
+     "metadata key 'clip.vision.projector_type' is missing or not a string"),
+    ({"clip.has_vision_encoder": True, "clip.vision.projector_type": "gemma4uv", "clip.vision.patch_size": 4}, "vision",
+     "'v.patch_embd.weight' takes 3 values per patch, but patch size 4 x merge 3 makes 432 (3 x 12^2)"),
+    ({"clip.has_audio_encoder": True, "clip.audio.projector_type": "gemma4ua"}, "audio",
+     "no tensor 'mm.a.input_projection.weight'; a Gemma 4 audio projector holds it"),
+])
+def test_a_projector_the_oracle_does_not_read_is_refused(tmp_path, meta, tower, says):
+    """Other projector types, a missing tower, a patch width that is not the geometry's: one line naming the
+    file."""
+    from refimpl.gguf_mmproj import load_mmproj_tower
+
+    path = tmp_path / "mmproj.gguf"
+    _projector(path, meta, {"v.patch_embd.weight": np.zeros((4, 3), dtype=np.float32)})
     with pytest.raises(RefimplError) as err:
-        load_mmproj_vision_tower(path)
-    assert str(err.value) == (f"{path}: projector type 'gemma4uv'; the oracle reads Gemma 4's vision projector "
-                              "('gemma4v'), not Gemma 4 Unified's ('gemma4uv') or others")
+        load_mmproj_tower(path, tower)
+    assert str(err.value) == f"{path}: {says}"
+
+
+def test_a_text_gguf_is_not_a_projector(tmp_path):
+    from refimpl.gguf_mmproj import load_mmproj_tower
+
+    path = tmp_path / "text.gguf"
+    _projector(path, {}, {"token_embd.weight": np.zeros((4, 3), dtype=np.float32)}, arch="gemma4")
+    with pytest.raises(RefimplError) as err:
+        load_mmproj_tower(path, "audio")
+    assert str(err.value) == (f"{path}: not a projector GGUF (architecture 'clip', from convert_hf_to_gguf.py "
+                              "--mmproj); its architecture is 'gemma4'")

@@ -36,12 +36,13 @@ from hf_unified_reference import (
 from refimpl.frontends import audio_front_end, image_front_end
 from refimpl.model import VISION_MASK_RULES, Gemma4, KVCache
 from refimpl.multimodal import (
+    MULTIMODAL_PIECES,
     expand_audio_placeholders,
     expand_image_placeholders,
     load_multimodal_tokens,
     multimodal_inputs,
 )
-from refimpl.synth import MULTIMODAL_PIECES, piece_id, write_checkpoint
+from refimpl.synth import piece_id, write_checkpoint
 
 pytestmark = pytest.mark.hf
 

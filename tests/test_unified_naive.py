@@ -21,12 +21,13 @@ from safetensors.numpy import load_file
 from refimpl.frontends import audio_front_end, image_front_end
 from refimpl.model import VISION_MASK_RULES, Gemma4
 from refimpl.multimodal import (
+    MULTIMODAL_PIECES,
     expand_audio_placeholders,
     expand_image_placeholders,
     load_multimodal_tokens,
     multimodal_inputs,
 )
-from refimpl.synth import MULTIMODAL_PIECES, piece_id, write_checkpoint
+from refimpl.synth import piece_id, write_checkpoint
 from refimpl.unified import UnifiedAudioConfig, audio_frames
 
 # float64 rounding of ~30-sized logits through 6 layers, summed differently (loops vs BLAS): measured
