@@ -498,3 +498,37 @@ def test_refimpl_reads_image_and_audio_prompts_through_the_projector(preset, med
         assert 0 < np.max(np.abs(got - want)) <= 1e-6 * np.max(np.abs(want))
     else:
         _close(want, got)
+
+
+def test_the_projector_options_are_refused_in_one_line(converted, e256, tmp_path_factory, tmp_path):
+    """--mmproj on the command line: a GGUF model asked for an image without it, a checkpoint directory given
+    one, a projector without --image/--audio, a file that is no projector, a projector of another width: each one
+    line and exit 2."""
+    import subprocess
+    import sys
+
+    model_dir, text = converted
+    _, wide = e256
+    _, mmproj = _mmproj("e2b-vision-mini", tmp_path_factory)
+    png = _ppm(tmp_path / "a.ppm", np.random.default_rng(0).integers(0, 256, (20, 30, 3), dtype=np.uint8))
+    cases = [
+        ([text, "--image", png], f"{text} is a GGUF text model: its vision and audio towers are in a projector GGUF "
+                                 "(convert_hf_to_gguf.py --mmproj); pass it with --mmproj FILE"),
+        ([model_dir, "--mmproj", mmproj, "--image", png],
+         f"--mmproj applies to a GGUF --model; the checkpoint directory {model_dir} holds its own towers"),
+        ([text, "--mmproj", mmproj], "--mmproj applies to --image and --audio"),
+        ([text, "--mmproj", text, "--image", png],
+         f"{text}: not a projector GGUF (architecture 'clip', from convert_hf_to_gguf.py --mmproj); its architecture "
+         "is 'gemma4'"),
+        ([text, "--mmproj", mmproj, "--audio", png], f"{mmproj}: the projector holds no audio tower "
+                                                     "(clip.has_audio_encoder is not true)"),
+        ([wide, "--mmproj", mmproj, "--image", png],
+         f"{mmproj}: the vision projector makes soft tokens 64 wide, but the model's hidden size is 256; pass the "
+         "projector converted from the same checkpoint"),
+    ]
+    for (model, *rest), says in cases:
+        run = subprocess.run([sys.executable, "-m", "refimpl", "logits", "--model", str(model), "--prompt", "hi",
+                              *map(str, rest), "--out", str(tmp_path / "o.safetensors")],
+                             capture_output=True, text=True, timeout=300)
+        assert (run.returncode, run.stderr) == (2, f"refimpl: error: {says}\n"), rest
+    assert not (tmp_path / "o.safetensors").exists()
