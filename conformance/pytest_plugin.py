@@ -46,11 +46,10 @@ from typing import Any
 import pytest
 
 from .check import expectations
-from .check.diagnosis import diagnose_set
+from .check.cases import diagnose, run_case
 from .check.profiles import PROFILES
 from .check.results import CaseResult, RunResult, entry_point
-from .check.runner import run_case
-from .check.session import Checkpoints, Selection, Session
+from .check.session import Checkpoints, Selection, Session, Work
 from .protocol.types import BackendError
 from .registry import load_backend, parse_option
 from .report import failure_details, printable, write_json
@@ -166,7 +165,6 @@ class ConformanceSession:
                         if (value := config.getoption(flag)) is not None]
         self.written: list[tuple[str, Path]] = []
         self.unwritten: list[tuple[str, str]] = []
-        self.claimed = self.backend.capabilities.to_dict()
         self.counts: dict[str, int] = {}
         self.results: list[CaseResult] = []  # every case that ran, in order (the JSON report's cases)
         self.loaded: dict[Path, Any] = {}  # anchor -> the FixtureSet its collector loaded
@@ -174,14 +172,12 @@ class ConformanceSession:
         self.batches: dict[str, list] = {}  # case id -> the selected cases of its set, in run order
         self.done: dict[str, CaseResult] = {}  # case id -> its result, once its set's batch ran
         self._collected: set[Path] = set()  # anchors pytest's own collection reached (an argument, a directory)
-        self._in_flight: str | None = None
         self._started = _dt.datetime.now(_dt.timezone.utc)
         self._t0 = time.perf_counter()
         self._open_set = None  # the FixtureSet the backend is open on
-        self._ctx = None
         self._open_error: str | None = None
-        self._session: Session | None = None
-        self._tmp: str | None = None  # the working directory of the materialised checkpoints
+        self._tmp = tempfile.mkdtemp(prefix="gemma4-conformance-")  # the materialised checkpoints
+        self.session = Session(self.backend, Checkpoints(self._tmp, model=self.model, rehash=self.rehash))
 
     def _profile(self, name: str | None):
         if name is not None and name not in PROFILES:
@@ -266,81 +262,55 @@ class ConformanceSession:
 
     # -- running --------------------------------------------------------------------------------
 
-    def context(self, fs):
-        """Open the backend on ``fs`` (closing the previous set first); the set's context."""
-        if self._open_set is fs:
-            if self._open_error is not None:
-                raise ConformanceFailure(self._open_error)
-            return self._ctx
+    def run_case(self, fs, case) -> CaseResult:
+        """The result of ``case``. The first item of a set to run runs every selected case of the set through
+        the session's loop, in order, and diagnoses them together as ``conformance check`` does (the
+        cross-case patterns need the whole set); each item then reports its own case's result. A set whose
+        model cannot be prepared or whose backend cannot be opened makes each of its items an error."""
+        if case.id in self.done:
+            return self.done.pop(case.id)
+        if self._open_set is fs and self._open_error is not None:
+            self._record(self._error(fs, case))
+            raise ConformanceFailure(self._open_error)
         self.close()
         self._open_set = fs
-        if self._session is None:
-            self._tmp = tempfile.mkdtemp(prefix="gemma4-conformance-")
-            self._session = Session(self.backend, Checkpoints(self._tmp, model=self.model, rehash=self.rehash))
+        batch = [c for c in self.batches.get(case.id, [case]) if c.id not in self.done]
         try:
-            self._ctx = self._session.enter(fs)
+            self.session.run_set(fs, batch, Work(self._run_one, diagnose, self._ran))
         except BackendError as exc:
             self._open_error = f"backend error: {exc}"
-            raise ConformanceFailure(self._open_error) from None
         except Exception as exc:  # noqa: BLE001 - e.g. FixtureError while materialising the model
             msg = str(exc).replace("--model DIR", "--conformance-model DIR")  # this plugin's name of the flag
             self._open_error = f"cannot prepare the model of set {fs.path}: {type(exc).__name__}: {msg}"
-            raise ConformanceFailure(self._open_error) from None
-        return self._ctx
-
-    def run_case(self, fs, case) -> CaseResult:
-        """The result of ``case``. The first item of a set to run runs every selected case of the set, in
-        order, and diagnoses them together as ``conformance check`` does (runner._diagnose over the set's
-        results): the cross-case patterns (only the multi-sequence cases fail, only the chunked ones, ...)
-        need the whole set. Each item then reports its own case's result."""
-        if case.id in self.done:
-            return self.done.pop(case.id)
-        self._in_flight = case.id
-        try:
-            ctx = self.context(fs)
-        except ConformanceFailure as exc:  # the set could not be opened: the case is an error of the report too
-            self._record(CaseResult(id=case.id, set=_set_name(fs), kind=case.kind, entry=entry_point(case),
-                                    features=list(case.features), status="error", message=str(exc)))
-            raise
-        batch = [c for c in self.batches.get(case.id, [case]) if c.id not in self.done]
-        results = []
-        try:
-            for other in batch:
-                self._in_flight = other.id
-                results.append(run_case(self.backend, self.claimed, ctx, other, self.profile, self.expectations))
-                self._record(results[-1])
-        finally:  # interrupted too: the cases that ran keep their diagnoses
-            self._diagnose(ctx, results)
-        self.done.update((r.id, r) for r in results)
+        if case.id not in self.done:  # the set could not be opened: the case is an error of the report too
+            self._record(self._error(fs, case))
+            raise ConformanceFailure(self._open_error)
         return self.done.pop(case.id)
 
-    @staticmethod
-    def _diagnose(ctx, results: list[CaseResult]) -> None:
-        """The diagnosis line of every failed case of one set's batch, as conformance check's runner makes it."""
-        try:
-            cfg = ctx.text_config
-            diagnose_set(results, softcap=cfg.final_logit_softcapping,
-                         kv_shared=cfg.first_shared_layer < cfg.num_hidden_layers,
-                         unified=cfg.family == "gemma4_unified")
-        except Exception:  # noqa: BLE001 - a diagnosis is advice; it never costs the verdict
-            pass
+    def _error(self, fs, case) -> CaseResult:
+        return CaseResult(id=case.id, set=_set_name(fs), kind=case.kind, entry=entry_point(case),
+                          features=list(case.features), status="error", message=str(self._open_error))
+
+    def _run_one(self, ctx, case) -> CaseResult:
+        """The session's work on one case: run and grade it as conformance check does."""
+        return run_case(self.session.calls, self.session.claimed, ctx, case, self.profile, self.expectations)
+
+    def _ran(self, result: CaseResult) -> None:
+        self.done[result.id] = result
+        self._record(result)
 
     def _record(self, result: CaseResult) -> None:
-        self._in_flight = None
         self.results.append(result)
         self.counts[result.status] = self.counts.get(result.status, 0) + 1
 
     def close(self):
         """Close the backend on the set it is open on (the next set opens it again)."""
-        if self._session is not None:
-            self._session.close()
-        self._open_set = self._ctx = self._open_error = None
+        self.session.close()
+        self._open_set = self._open_error = None
 
     def pytest_sessionfinish(self, session, exitstatus):
         self.close()
-        if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-        self._session = self._tmp = None
+        shutil.rmtree(self._tmp, ignore_errors=True)
         if not self.outputs:
             return
         result = self.run_result(exitstatus)
@@ -368,7 +338,7 @@ class ConformanceSession:
             infos.append(info)
         interrupted = None
         if exitstatus == pytest.ExitCode.INTERRUPTED:
-            case = self._in_flight
+            case = self.session.in_flight
             not_run = max(sum(self.selected.values()) - len(self.results), 0)
             interrupted = {"reason": "SIGINT", "case": case, "cases_not_run": not_run,
                            "message": "interrupted by SIGINT" + (
@@ -376,7 +346,7 @@ class ConformanceSession:
         keyword = self.config.getoption("keyword", default="") or ""
         return RunResult(
             backend={"name": getattr(self.backend, "name", type(self.backend).__name__),
-                     "capabilities": self.claimed, "options": dict(self.options)},
+                     "capabilities": self.session.claimed, "options": dict(self.options)},
             profile=self.profile, sets=infos, cases=list(self.results), expectations=self.expectations.report(),
             select=f"-k {keyword.strip()!r}" if keyword.strip() else None,
             started=self._started, finished=_dt.datetime.now(_dt.timezone.utc),

@@ -1,20 +1,22 @@
-"""A backend opened on fixture sets, one set at a time: the one loop every runner of cases shares
-(``conformance check``, the self-test, the pytest plugin).
+"""A backend opened on fixture sets, one set at a time, and the one loop over their cases that every face of
+the harness shares (``conformance check``, the pytest plugin, the self-test, explain).
 
-``Checkpoints`` materialises each set's checkpoint once in a working directory (synthetic sets regenerate
-theirs from preset and seed, external sets are checked where they are) and keeps each set's
-``SetContext``: what grading its cases needs. ``Session`` opens a backend on one set (closing the one
-before), so that ``enter(fs)`` is all a runner calls before running that set's cases, and ``close()``
-after the last.
+``Selection`` is a run's sets and the cases chosen of each. ``Checkpoints`` materialises each set's checkpoint
+once in a working directory (synthetic sets regenerate theirs from preset and seed, external sets are checked
+where they are) and keeps each set's ``SetContext``: what grading its cases needs. ``Session`` opens a
+backend on one set (closing the one before) and runs the chosen cases of each set through the per-case work
+a face supplies (``CaseWork``): ``session.run(plan, work)``.
 """
 
 from __future__ import annotations
 
 import functools
 import re
+import time
 from collections import ChainMap
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
 from refimpl.assistant import Drafter
 from refimpl.config import load_config
@@ -28,6 +30,8 @@ from ..sets.case import row_groups
 from ..sets.fixture_set import FixtureSet
 from ..sets.format import MANIFEST, FixtureError, sha256_file
 from ..sets.integrity import load_set
+from .calls import Calls
+from .guard import CallInfo
 from .hidden import OracleHidden
 from .profiles import scaled
 from .requests import Embedder, build_request
@@ -252,16 +256,99 @@ class Checkpoints:
         return self._contexts[key]
 
 
-class Session:
-    """``backend`` opened on one set at a time. ``calls`` makes the backend's calls (default: the backend
-    itself; ``conformance.check.runner`` passes one that enforces the case timeout), with ``open`` and
-    ``close`` like the backend's."""
+# where a run's time goes (Session.timings, seconds): the checkpoint made or checked (a synthetic set's
+# regenerated, an external one's digests), the oracle's rows rebuilt through its head (a set stored as hidden
+# states), the backend opened on it, the backend's requests (the cases' durations), the grading and diagnosis
+PHASES = ("checkpoint", "rebuild", "open", "backend", "grade")
 
-    def __init__(self, backend: Backend, checkpoints: Checkpoints, calls: Any = None):
+
+class CaseWork(Protocol):
+    """What a face of the harness does with each case of a set (``Session.run_set``): the CLI runner and the
+    pytest plugin run and grade it, the self-test grades one answer at several profiles, explain compares
+    traces."""
+
+    def case(self, ctx: SetContext, case) -> Any:
+        """The case's work, on the backend opened on its set (or not opened, when it claims no case of it)."""
+
+    def record(self, result: Any) -> None:
+        """The case's result, once the case is no longer in flight (an interrupt from here on leaves it
+        reported)."""
+
+    def done(self, ctx: SetContext, results: list) -> None:
+        """After the set's last case, or when the run stops in the middle of it: its results so far."""
+
+
+@dataclass
+class Work:
+    """A ``CaseWork`` made of functions: ``case(ctx, case)``; ``record(result)`` and ``done(ctx, results)``
+    (nothing by default)."""
+
+    case: Callable[[SetContext, Any], Any]
+    done: Callable[[SetContext, list], None] = lambda ctx, results: None
+    record: Callable[[Any], None] = lambda result: None
+
+
+class Session:
+    """``backend`` opened on one set at a time, and the one loop over the cases of a run's sets that every face
+    of the harness shares (``conformance check``, the pytest plugin, the self-test, explain): it owns the
+    claimed capabilities (``claimed``), the calls into the backend (``calls``: direct, or supervised under
+    ``case_timeout``; see ``conformance.check.calls``), the case in flight, the time of each phase
+    (``timings``) and the stop of a run (``stop``). Each face supplies its per-case work (``CaseWork``)."""
+
+    def __init__(self, backend: Backend, checkpoints: Checkpoints, case_timeout: float | None = None):
         self.backend = backend
-        self.calls = calls if calls is not None else backend
+        self.claimed = backend.capabilities.to_dict()
+        self.calls = Calls(backend, case_timeout)
         self.checkpoints = checkpoints
         self.current = None  # the fixture set the backend is open on
+        self.in_flight: str | None = None  # the id of the case whose work is running
+        self.stopped: dict | None = None  # why the run ended early (``stop``)
+        self.timings = dict.fromkeys(PHASES, 0.0)
+
+    def run(self, plan: Iterable[tuple[Any, list]], work: CaseWork, note: Callable[[str], None] | None = None) -> None:
+        """Every (set, chosen cases) of ``plan`` through ``run_set``, until one stops the run; the backend
+        closed after (unless a case's call is still in flight: an interrupted backend is never waited on)."""
+        try:
+            for fs, chosen in plan:
+                if chosen:
+                    self.run_set(fs, chosen, work, note)
+                if self.stopped is not None:
+                    break
+        finally:
+            self.close()
+
+    def run_set(self, fs, chosen: list, work: CaseWork, note: Callable[[str], None] | None = None) -> list:
+        """The work of each chosen case of ``fs``, in order; the results. The set's checkpoint is made and its
+        oracle rows rebuilt first (``note(text)`` told of each rebuild); the backend is opened on the set
+        only when it claims one of its cases (an image set for a text-only engine loads nothing)."""
+        with self.clock("checkpoint"):
+            ctx = self.context(fs)
+        with self.clock("rebuild"):
+            ctx.prepare(chosen, note)
+        results: list = []
+        try:
+            if any(ctx.claimable(case, self.claimed) for case in chosen):
+                with self.clock("open"):
+                    self.enter(fs)
+            for case in chosen:
+                self.in_flight = case.id
+                result = work.case(ctx, case)
+                self.in_flight = None
+                results.append(result)
+                work.record(result)
+                if self.stopped is not None:
+                    break
+        finally:  # also when the run is interrupted: the cases it finished keep their diagnoses
+            work.done(ctx, results)
+        return results
+
+    def stop(self, record: dict) -> None:
+        """End the run after the current case (``record``: the report's ``interrupted``)."""
+        self.stopped = record
+
+    def clock(self, phase: str) -> _Clock:
+        """``with session.clock(phase):`` adds the block's wall time to ``timings[phase]``."""
+        return _Clock(self.timings, phase)
 
     def context(self, fs) -> SetContext:
         """The set's context in the backend's embedding convention, without opening the backend."""
@@ -274,25 +361,31 @@ class Session:
         if self.current is fs:
             return ctx
         self.close()
-        try:
-            self.calls.open(Path(ctx.model_dir))
-        except (BackendError, KeyboardInterrupt):
-            raise
-        except BaseException as exc:  # cannot open: the run stops (exit 4)
+        opened = CallInfo.from_call(lambda: self.calls.open(Path(ctx.model_dir)))
+        if isinstance(opened.excinfo, BackendError):
+            raise opened.excinfo
+        if opened.failed:  # cannot open: the run stops (exit 4)
             raise BackendError(f"backend {getattr(self.backend, 'name', '?')!r} could not open "
-                               f"{fs.manifest.get('name', fs.path)} ({ctx.model_dir}): "
-                               f"{type(exc).__name__}: {exc}") from exc
+                               f"{fs.manifest.get('name', fs.path)} ({ctx.model_dir}): {opened.text()}") \
+                from opened.excinfo
         self.current = fs
         return ctx
 
     def close(self) -> None:
-        """Close the backend on its set, if open; a failing close does not hide the results."""
-        if self.current is None:
+        """Close the backend on its set, if open and not in the middle of a call; a failing close does not hide
+        the results."""
+        if self.current is None or self.in_flight is not None:
             return
         self.current = None
-        try:
-            self.calls.close()
-        except KeyboardInterrupt:
-            raise
-        except BaseException:  # noqa: BLE001 - closing must not mask the run's result
-            pass
+        CallInfo.from_call(self.calls.close)  # closing must not mask the run's result
+
+
+class _Clock:
+    def __init__(self, timings: dict, phase: str):
+        self.timings, self.phase = timings, phase
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.timings[self.phase] += time.perf_counter() - self.t0

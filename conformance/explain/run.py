@@ -27,8 +27,9 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from ..backends.refimpl_backend import RefimplBackend
+from ..check.guard import CallInfo
 from ..check.requests import build_request, response_groups, trace_groups, without_decode
-from ..check.session import Checkpoints, NoCasesSelected, Selection, Session
+from ..check.session import Checkpoints, NoCasesSelected, Selection, Session, Work
 from ..check.traces import TraceComparison, compare_traces, point_order
 from ..protocol.types import Backend, Piece, Request, claims, required_capabilities
 from ..sets.case import prompt_length, row_groups
@@ -157,12 +158,10 @@ def _every_prompt_row(backend: Backend, oracle: Backend, request: Request, oracl
     wide, oracle_wide = widened(request), widened(oracle_request)
     if wide is None or not all(claims(claimed, n) for n in required_capabilities(wide)):
         return None
-    try:
-        got = backend.run(wide)
-    except KeyboardInterrupt:
-        raise
-    except BaseException:  # noqa: BLE001 - the case's own comparison stands
+    call = CallInfo.from_call(lambda: backend.run(wide))
+    if call.failed:  # the case's own comparison stands
         return None
+    got = call.value
     ref = oracle.run(dataclasses.replace(oracle_wide, trace=True))
     labels, roles = prompt_roles(oracle_wide)
     try:
@@ -188,12 +187,10 @@ def _explain_case(backend: Backend, oracle: Backend, bctx, octx, case, profile, 
         return result("not-claimed", "needs " + ", ".join(missing) + " (not claimed by the backend)")
     traced = bool(claimed.get("traces", False))
     request = dataclasses.replace(request, trace=traced, hidden=bool(claimed.get("hidden_states", False)))
-    try:
-        got = backend.run(request)
-    except KeyboardInterrupt:
-        raise
-    except BaseException as exc:  # noqa: BLE001 - the backend's failure is this case's finding
-        return result("error", f"the backend failed on the traced request: {type(exc).__name__}: {exc}")
+    call = CallInfo.from_call(lambda: backend.run(request))
+    if call.failed:  # the backend's failure is this case's finding
+        return result("error", f"the backend failed on the traced request: {call.text()}")
+    got = call.value
     oracle_request = build_request(case, octx.bases, octx.embed, octx.media, octx.drafter)
     ref = oracle.run(dataclasses.replace(oracle_request, trace=True))
     cfg = octx.text_config
@@ -238,22 +235,21 @@ def explain(backend: Backend, sets: Iterable, profile, *, select=None, ids: set[
     total = sum(len(c) for c in chosen)
     if total == 0:
         raise NoCasesSelected("no case matches the selection" + (" among the report's failed cases" if ids else ""))
-    claimed = backend.capabilities.to_dict()
     out: list[CaseExplanation] = []
     with tempfile.TemporaryDirectory(prefix="gemma4-explain-", dir=workdir) as tmp:
         checkpoints = Checkpoints(tmp, model=model, rehash=rehash)
         mine, theirs = Session(backend, checkpoints), Session(RefimplBackend(), checkpoints)
+
+        def explain_one(bctx, case) -> CaseExplanation:
+            if progress is not None:
+                progress(len(out), total, case.id)
+            octx = theirs.enter(bctx.fs)
+            out.append(_explain_case(backend, theirs.backend, bctx, octx, case, profile, mine.claimed))
+            return out[-1]
+
         try:
-            for fs, cases in zip(selection.sets, chosen, strict=True):
-                if not cases:
-                    continue
-                bctx, octx = mine.enter(fs), theirs.enter(fs)
-                for case in cases:
-                    if progress is not None:
-                        progress(len(out), total, case.id)
-                    out.append(_explain_case(backend, theirs.backend, bctx, octx, case, profile, claimed))
+            mine.run(zip(selection.sets, chosen, strict=True), Work(explain_one))
         finally:
-            mine.close()
             theirs.close()
     if progress is not None:
         progress(total, total, "")

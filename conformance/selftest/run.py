@@ -47,11 +47,11 @@ from typing import Any, Callable, Iterable, Sequence
 
 from refimpl.threads import cores, use_threads
 
+from ..check.cases import run_case
 from ..check.expectations import Expectations
 from ..check.profiles import get_profile
 from ..check.results import FAILING, CaseResult
-from ..check.runner import run_case
-from ..check.session import Checkpoints, Selection, Session
+from ..check.session import Checkpoints, Selection, Session, Work
 from ..protocol.types import Backend, BackendError
 from ..report.json_report import clean, versions, write_output
 from .engine import NumpyEngineBackend
@@ -364,24 +364,21 @@ def _run_backend(backend: Backend, selection: Selection, checkpoints: Checkpoint
     Returns ({profile name: Verdict}, backend.run calls). BackendError when the backend cannot be opened.
     """
     verdicts = {p.name: Verdict(p.name) for p in profiles}
-    claimed = backend.capabilities.to_dict()
-    replay = _Replay(backend)
     session = Session(backend, checkpoints)
-    try:
-        for fs, chosen in _sets_of(selection, kill_sets):
-            ctx = session.enter(fs)
-            for case in chosen:
-                count(f"{label}: {case.id}", None)
-                replay.reset()
-                first = None
-                for p in profiles:
-                    res = run_case(replay, claimed, ctx, case, p, expectations)
-                    verdicts[p.name].add(res)
-                    first = first or res
-                count.done += 1
-                count(f"{label}: {case.id}", first)
-    finally:
-        session.close()
+    replay = _Replay(backend)
+
+    def grade(ctx, case) -> None:
+        count(f"{label}: {case.id}", None)
+        replay.reset()
+        first = None
+        for p in profiles:
+            res = run_case(replay, session.claimed, ctx, case, p, expectations)
+            verdicts[p.name].add(res)
+            first = first or res
+        count.done += 1
+        count(f"{label}: {case.id}", first)
+
+    session.run(_sets_of(selection, kill_sets), Work(grade))
     return verdicts, replay.calls
 
 
