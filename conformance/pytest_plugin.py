@@ -45,9 +45,8 @@ from typing import Any
 
 import pytest
 
-from .check import expectations
 from .check.cases import diagnose, run_case
-from .check.profiles import PROFILES
+from .check.policy import Policy, PolicyError, check_profile_name, load_given, resolve_policy
 from .check.results import CaseResult, RunResult, entry_point
 from .check.session import Checkpoints, Selection, Session, Work
 from .protocol.types import BackendError
@@ -110,6 +109,26 @@ def _parse_options(pairs: list[str]) -> dict[str, Any]:
         raise pytest.UsageError(f"--conformance-backend-option {e}") from None
 
 
+def _policy(backend, config) -> Policy:
+    """The profile and expectations of the session, chosen as ``conformance check`` chooses them
+    (``conformance.check.policy.resolve_policy``); a bad option or declaration is a usage error."""
+    name, path = config.getoption("--conformance-profile"), config.getoption("--conformance-expectations")
+    try:
+        check_profile_name(name)
+    except PolicyError as exc:
+        raise pytest.UsageError(f"--conformance-profile: {exc}") from None
+    try:
+        given = load_given(path)
+    except PolicyError as exc:
+        raise pytest.UsageError(f"--conformance-expectations: {exc}") from None
+    try:
+        return resolve_policy(backend, name, given,
+                              shipped=not config.getoption("--conformance-no-shipped-expectations"),
+                              flag="--conformance-profile")
+    except PolicyError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
 def _set_dirs(args: list[str] | None) -> list[Path]:
     """Fixture-set directories: the bundled sets, or each argument (a directory of sets expands to them)."""
     try:
@@ -146,11 +165,8 @@ class ConformanceSession:
             self.backend = load_backend(self.spec, **self.options)
         except BackendError as exc:
             raise pytest.UsageError(f"--conformance-backend: {exc}") from None
-        self.profile = self._profile(config.getoption("--conformance-profile"))
-        path = config.getoption("--conformance-expectations")
-        if path is None and not config.getoption("--conformance-no-shipped-expectations"):
-            path = getattr(self.backend, "expectations_file", None)  # as conformance check does
-        self.expectations = self._expectations(path)
+        self.policy = _policy(self.backend, config)
+        self.profile, self.expectations = self.policy.profile, self.policy.expectations
         self.only = config.getoption("--conformance-only")
         # every set, by the file its items hang under (see _anchor), in the order given
         self.sets: dict[Path, Path] = {_anchor(p): p for p in map(_absolute, _set_dirs(
@@ -178,26 +194,6 @@ class ConformanceSession:
         self._open_error: str | None = None
         self._tmp = tempfile.mkdtemp(prefix="gemma4-conformance-")  # the materialised checkpoints
         self.session = Session(self.backend, Checkpoints(self._tmp, model=self.model, rehash=self.rehash))
-
-    def _profile(self, name: str | None):
-        if name is not None and name not in PROFILES:
-            raise pytest.UsageError(f"--conformance-profile: unknown profile {name!r}; "
-                                    f"choose one of {', '.join(PROFILES)}")
-        if name is None:
-            name = self.backend.capabilities.default_profile
-            if name not in PROFILES:
-                raise pytest.UsageError(f"backend {self.backend.name!r} declares default_profile {name!r}, which "
-                                        f"is not a known profile ({', '.join(PROFILES)}); pass --conformance-profile")
-        return PROFILES[name]
-
-    @staticmethod
-    def _expectations(path: str | None):
-        if path is None:
-            return expectations.empty()
-        try:
-            return expectations.load(path)
-        except expectations.ExpectationsError as exc:
-            raise pytest.UsageError(f"--conformance-expectations: {exc}") from None
 
     # -- collection -----------------------------------------------------------------------------
 
@@ -293,7 +289,7 @@ class ConformanceSession:
 
     def _run_one(self, ctx, case) -> CaseResult:
         """The session's work on one case: run and grade it as conformance check does."""
-        return run_case(self.session.calls, self.session.claimed, ctx, case, self.profile, self.expectations)
+        return run_case(self.session.calls, self.session.claimed, ctx, case, self.policy)
 
     def _ran(self, result: CaseResult) -> None:
         self.done[result.id] = result

@@ -18,6 +18,7 @@ import math
 import numpy as np
 import pytest
 
+from conformance.check.policy import case_profile
 from conformance.check.profiles import PROFILES, rounding_threshold, scaled, with_overrides
 from conformance.check.session import Checkpoints
 from conformance.generate.bases import consistency_plan, rounding_probe, text_consistency
@@ -259,20 +260,20 @@ def _mini_config() -> dict:
 
 
 def test_the_check_session_scales_per_case_from_the_sets_model_and_bases(tmp_path):
-    """SetContext.profile_for: on a bundled set every case keeps the calibrated exact-f64 (its derived bound is
+    """policy.case_profile: on a bundled set every case keeps the calibrated exact-f64 (its derived bound is
     below the floor); given the published E2B config in its place, a case is graded with the thresholds of
     its base's length and logit scale."""
     fs = load_set(bundled_set("e2b-mini"))
     ctx = Checkpoints(tmp_path).context(fs, "scaled")
     exact = PROFILES["exact-f64"]
-    assert all(ctx.profile_for(exact, c) is exact for c in fs.cases)
-    assert ctx.profile_for(PROFILES["fp32"], fs.cases[0]) is PROFILES["fp32"]
+    assert all(case_profile(exact, ctx, c) is exact for c in fs.cases)
+    assert case_profile(PROFILES["fp32"], ctx, fs.cases[0]) is PROFILES["fp32"]
     ctx.__dict__["text_config"] = e2b_config()  # what a set of the published shapes would read
     case = next(c for c in fs.cases if c.base == "A")
-    got = ctx.profile_for(exact, case)
+    got = case_profile(exact, ctx, case)
     n = len(fs.bases()["A"])
     assert got.max_abs == pytest.approx(logit_bound(e2b_config(), n, logit_scale(fs.base_logits()["A"])), rel=1e-12)
-    assert ctx.profile_for(PROFILES["q4"], case) is PROFILES["q4"]
+    assert case_profile(PROFILES["q4"], ctx, case) is PROFILES["q4"]
 
 
 def test_generation_holds_each_base_to_its_own_bound(tmp_path, monkeypatch):
@@ -300,7 +301,7 @@ def test_generation_holds_each_base_to_its_own_bound(tmp_path, monkeypatch):
     # the grader scales exact-f64 with a recorded probe (here far below the floor: unchanged)
     fs = load_set(out)
     ctx = Checkpoints(tmp_path / "work").context(fs, "scaled")
-    assert ctx.profile_for(PROFILES["exact-f64"], fs.cases[0]) is PROFILES["exact-f64"]
+    assert case_profile(PROFILES["exact-f64"], ctx, fs.cases[0]) is PROFILES["exact-f64"]
     # neither bound explains it: refused
     monkeypatch.setattr(jobs, "probe_bound", lambda probe: 1e-300)
     with pytest.raises(FixtureError, match=r"on base [ABCG] \(\d+ tokens\), .* x its float64 rounding bound"):

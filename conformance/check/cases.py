@@ -17,14 +17,14 @@ from .grading import grade_case
 from .guard import CallInfo, error_info
 from .hidden import grade_hidden, hidden_groups
 from .mtp import grade_mtp
-from .profiles import with_overrides
+from .policy import Policy
 from .requests import build_request, response_groups, without_decode
 from .results import CaseResult, _finite, entry_point
 
 
-def run_case(backend: Backend, claimed: dict, ctx, case, profile, expectations) -> CaseResult:
+def run_case(backend: Backend, claimed: dict, ctx, case, policy: Policy) -> CaseResult:
     """Run and grade one case on an opened backend (``claimed``: ``backend.capabilities.to_dict()``;
-    ``ctx``: the set's ``SetContext``; ``profile`` and ``expectations`` the run's policy).
+    ``ctx``: the set's ``SetContext``; ``policy``: the run's profile and expectations, ``policy.Policy``).
 
     Never raises for backend or grading problems: they become status ``error``. A case needing a capability
     the backend does not claim is ``not-claimed`` (a backend without decode has its prefill rows graded);
@@ -35,7 +35,7 @@ def run_case(backend: Backend, claimed: dict, ctx, case, profile, expectations) 
         id=case.id, set=ctx.name, kind=case.kind, entry=entry_point(case), features=list(case.features),
         status="pass", moe_min_margin=case.moe_min_margin, ties=[[str(a), float(b)] for a, b in case.ties],
     )
-    decision = expectations.decide(case.id)
+    decision = policy.decide(case.id)
     res.expectation = decision.to_json()
     built = CallInfo.from_call(lambda: _claimed_request(res, case, ctx, claimed))
     if built.failed:
@@ -47,7 +47,7 @@ def run_case(backend: Backend, claimed: dict, ctx, case, profile, expectations) 
         res.status = "skipped"
         res.message = f"skipped by expectations entry {decision.skip.index}: {decision.skip.reason}"
         return res
-    return _apply_known_failure(_answered(res, backend, ctx, case, request, profile, decision), decision)
+    return _apply_known_failure(_answered(res, backend, ctx, case, request, policy, decision), decision)
 
 
 def _claimed_request(res: CaseResult, case, ctx, claimed: dict):
@@ -78,9 +78,9 @@ def _response(backend: Backend, request) -> Response:
     return response
 
 
-def _answered(res: CaseResult, backend: Backend, ctx, case, request, profile, decision) -> CaseResult:
-    """``res`` once the backend answered ``request`` and the answer was graded with ``profile`` as it applies
-    to this case (scaled to the set, the expectations' tolerance overrides on top)."""
+def _answered(res: CaseResult, backend: Backend, ctx, case, request, policy: Policy, decision) -> CaseResult:
+    """``res`` once the backend answered ``request`` and the answer was graded with the policy's profile as it
+    applies to this case (``Policy.profile_for``: scaled to the set, the tolerance overrides on top)."""
     call = CallInfo.from_call(lambda: _response(backend, request))
     res.duration = call.duration
     if call.failed:  # any failure (SystemExit too) is this case's error; the run goes on
@@ -96,7 +96,7 @@ def _answered(res: CaseResult, backend: Backend, ctx, case, request, profile, de
                        f"{type(executed).__name__}")
         return res
     res.executed = jsonable(executed)
-    prof = CallInfo.from_call(lambda: _case_profile(ctx, profile, case, decision))
+    prof = CallInfo.from_call(lambda: policy.profile_for(ctx, case, decision))
     if prof.failed:
         return _harness_error(res, "scale the profile to this set", prof.excinfo)
     graded = CallInfo.from_call(lambda: _graded(case, response, ctx, prof.value))
@@ -127,13 +127,6 @@ def _answered(res: CaseResult, backend: Backend, ctx, case, request, profile, de
     res.summary = {k: _finite(v) for k, v in (grade.summary or {}).items()}
     res.first_divergence = None if grade.first_divergence is None else int(grade.first_divergence)
     return res
-
-
-def _case_profile(ctx, profile, case, decision):
-    """``profile`` as it grades ``case``: scaled to the set (a rounding-scaled profile follows the set's size;
-    ``SetContext.profile_for``), then the expectations entry's tolerance overrides."""
-    prof = ctx.profile_for(profile, case)
-    return with_overrides(prof, decision.tolerance) if decision.tolerance else prof
 
 
 def _graded(case, response: Response, ctx, prof):

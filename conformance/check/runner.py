@@ -33,6 +33,7 @@ from ..sets.integrity import load_set
 from .cases import diagnose, run_case
 from .exits import refuse_process_exit
 from .expectations import Expectations
+from .policy import Policy
 from .results import CaseResult, Progress, RunResult
 from .session import PHASES, Checkpoints, Selection, Session, SetContext
 
@@ -113,11 +114,9 @@ def run(
     """
     started = _dt.datetime.now(_dt.timezone.utc)
     t0 = time.perf_counter()
-    expectations = expectations if expectations is not None else Expectations()
-
+    policy = Policy(profile, expectations if expectations is not None else Expectations())
     selection = Selection(sets, select)
-    for fs in selection.sets:
-        expectations.observe(c.id for c in fs.cases)
+    policy.observe(selection.sets)
     plan, infos, total = list(zip(selection.sets, selection.chosen, strict=True)), selection.infos(), selection.total
 
     for fs, chosen, info in zip(selection.sets, selection.chosen, infos, strict=True):
@@ -126,7 +125,7 @@ def run(
     interrupted = None
     with tempfile.TemporaryDirectory(prefix="gemma4-conformance-", dir=workdir) as tmp, refuse_process_exit():
         session = Session(backend, Checkpoints(tmp, model=model, rehash=rehash, drafter=drafter), case_timeout)
-        work = _CheckWork(session, profile, expectations, total, progress)
+        work = _CheckWork(session, policy, total, progress)
         try:
             session.run(plan, work, work.note)
             interrupted = session.stopped
@@ -143,7 +142,7 @@ def run(
     return RunResult(
         backend={"name": getattr(backend, "name", type(backend).__name__), "capabilities": session.claimed,
                  "options": dict(backend_options or {})},
-        profile=profile, sets=infos, cases=results, expectations=expectations.report(),
+        profile=profile, sets=infos, cases=results, expectations=policy.expectations.report(),
         select=selection.select,
         started=started, finished=finished, duration=time.perf_counter() - t0, interrupted=interrupted,
         timings=session.timings,
@@ -155,8 +154,8 @@ class _CheckWork:
     ``progress``; the set's failed cases diagnosed together at its end. A case timed out on an in-process
     backend (which cannot be stopped or restarted) ends the run."""
 
-    def __init__(self, session: Session, profile, expectations: Expectations, total: int, progress: Progress | None):
-        self.session, self.profile, self.expectations = session, profile, expectations
+    def __init__(self, session: Session, policy: Policy, total: int, progress: Progress | None):
+        self.session, self.policy = session, policy
         self.total, self.progress = total, progress
         self.results: list[CaseResult] = []
         self.first = 0  # where the current set's results start
@@ -170,7 +169,7 @@ class _CheckWork:
         if self.progress is not None:
             self.progress(len(self.results), self.total, case.id, None)
         with session.clock("grade"):
-            res = run_case(session.calls, session.claimed, ctx, case, self.profile, self.expectations)
+            res = run_case(session.calls, session.claimed, ctx, case, self.policy)
         session.timings["grade"] -= res.duration
         session.timings["backend"] += res.duration
         return res

@@ -25,7 +25,7 @@ from refimpl.model import Gemma4
 from refimpl.tokenizer import Tokenizer
 
 from ..protocol.types import Backend, BackendError, claims, required_capabilities
-from ..sets.bounds import logit_scale, recorded_probes
+from ..sets.bounds import logit_scale
 from ..sets.case import row_groups
 from ..sets.fixture_set import FixtureSet
 from ..sets.format import MANIFEST, FixtureError, sha256_file
@@ -33,7 +33,6 @@ from ..sets.integrity import load_set
 from .calls import Calls
 from .guard import CallInfo
 from .hidden import OracleHidden
-from .profiles import scaled
 from .requests import Embedder, build_request
 from .results import SetInfo
 from .select import CaseFilter
@@ -140,23 +139,6 @@ class SetContext:
         except Exception:  # noqa: BLE001 - running it reports the harness error
             return True
         return all(claims(claimed, n) for n in need if n != "decode")
-
-    def profile_for(self, profile, case):
-        """``profile`` as it grades ``case``: a rounding-scaled profile (exact-f64; ``profiles.scaled``)
-        with its thresholds scaled to this set's model, the longest base the case reads, the largest
-        logit scale of those bases and the largest rounding probe the set records for them (checkpoints
-        that amplify rounding beyond the first-order model); a fixed profile, or one whose floor is above
-        its rounding (every miniature), as it is."""
-        if getattr(profile, "scaling", "fixed") == "fixed":
-            return profile
-        bases = sorted({r.base for _, rows in row_groups(case) for r in rows
-                        if r.base.split("@")[0] in self.bases})  # an MTP base's rows: scaled by its length
-        if not bases:
-            return profile
-        n = max(len(self.bases[b.split("@")[0]]) for b in bases)
-        probes = recorded_probes(self.fs.manifest)
-        probe = max((probes[b] for b in bases if b in probes), default=None)
-        return scaled(profile, self.text_config, n, max(self.logit_scale(b) for b in bases), probe)
 
     @functools.cached_property
     def text_config(self):

@@ -9,8 +9,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..backends.subprocess.client import IsolatedBackend
-from ..check.expectations import ExpectationsError
-from ..check.expectations import load as load_expectations
+from ..check.policy import Policy, PolicyError, check_profile_name, load_given, resolve_policy
 from ..check.profiles import PROFILES
 from ..check.results import entry_point
 from ..check.runner import load_sets, run
@@ -70,39 +69,29 @@ def _paths(args) -> dict[str, str | None]:
     return paths
 
 
-def _expectations(args):
-    if not args.expectations:
-        return None
+def _policy(args, backend, given) -> Policy:
+    """The run's profile and expectations (``resolve_policy``): BackendError when the backend declares a default
+    profile that is none or ships a broken expectations file; the shipped file named on standard error."""
     try:
-        return load_expectations(args.expectations)
-    except ExpectationsError as e:
-        raise UsageError(str(e)) from None
-
-
-def _shipped_expectations(args, backend, expectations):
-    """The expectations of the run: --expectations, else the file the backend ships (unless
-    --no-shipped-expectations); ExpectationsError for a broken shipped file."""
-    if expectations is not None or args.no_shipped_expectations:
-        return expectations
-    shipped = getattr(backend, "expectations_file", None)
-    if shipped is None:
-        return None
-    expectations = load_expectations(shipped)
-    expectations.shipped = True
-    if not args.quiet:
-        sys.stderr.write(printable(f"using the expectations shipped with backend {backend.name!r}: {shipped} "
-                                   f"({len(expectations.entries)} entries; --no-shipped-expectations to "
-                                   "ignore)") + "\n")
-    return expectations
+        policy = resolve_policy(backend, args.profile, given, shipped=not args.no_shipped_expectations)
+    except PolicyError as e:
+        raise BackendError(str(e)) from None
+    exp = policy.expectations
+    if exp.shipped and not args.quiet:
+        sys.stderr.write(printable(f"using the expectations shipped with backend {backend.name!r}: {exp.path} "
+                                   f"({len(exp.entries)} entries; --no-shipped-expectations to ignore)") + "\n")
+    return policy
 
 
 def cmd_check(args, argv: Sequence[str]) -> int:
     pattern = compile_k(args)
     options = dict(backend_option(o) for o in args.backend_option or [])
-    if args.profile is not None and args.profile not in PROFILES:
-        raise UsageError(f"unknown profile {args.profile!r}; choose one of {', '.join(PROFILES)}")
-    reports = Reports(args, argv, _paths(args), html=write_html)
-    expectations = _expectations(args)
+    try:
+        check_profile_name(args.profile)
+        reports = Reports(args, argv, _paths(args), html=write_html)
+        given = load_given(args.expectations)
+    except PolicyError as e:
+        raise UsageError(str(e)) from None
     model = model_dir_arg(args.model)
     drafter = model_dir_arg(args.drafter, "--drafter")
     with contextlib.suppress(FixtureError):  # a broken set (exit 3) is reported by load_fixture_sets below
@@ -119,22 +108,15 @@ def cmd_check(args, argv: Sequence[str]) -> int:
              "regenerated from preset and seed)")
     try:
         backend = _load_checked_backend(args, options)
-        profile_name = args.profile or backend.capabilities.default_profile
-        if profile_name not in PROFILES:
-            raise BackendError(f"backend {backend.name!r} declares default_profile {profile_name!r}, which is not a "
-                               f"known profile ({', '.join(PROFILES)}); pass --profile")
-        try:
-            expectations = _shipped_expectations(args, backend, expectations)
-        except ExpectationsError as e:
-            raise BackendError(f"backend {backend.name!r} ships a broken expectations file: {e}") from None
+        policy = _policy(args, backend, given)
     except BackendError as e:
         err(str(e))
         return reports.aborted("backend", str(e))
-    if expectations is not None and expectations.backend and expectations.backend != backend.name:
-        warn(f"the expectations file is for backend {expectations.backend!r}, running {backend.name!r}")
+    if policy.expectations.backend and policy.expectations.backend != backend.name:
+        warn(f"the expectations file is for backend {policy.expectations.backend!r}, running {backend.name!r}")
 
     bar = ProgressBar(sys.stderr, tty=is_tty(sys.stderr), enabled=not args.quiet)
-    result, failed = guarded(bar, lambda: run(backend, sets, PROFILES[profile_name], expectations, pattern, bar,
+    result, failed = guarded(bar, lambda: run(backend, sets, policy.profile, policy.expectations, pattern, bar,
                                                backend_options=options, case_timeout=args.case_timeout,
                                                model=model, rehash=args.rehash, drafter=drafter),
                              on_error=reports.aborted)

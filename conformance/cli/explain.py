@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from ..check.profiles import PROFILES
+from ..check.policy import PolicyError, check_profile_name, resolve_policy
 from ..explain import ReportError, console_lines, explain, explain_json, failed_in_report, plot_explanations
 from ..explain.plot import INSTALL, PlotError, plot_available
 from ..protocol.types import BackendError
@@ -73,8 +73,10 @@ def _write_json(path: str, results, backend, profile) -> str | None:
 def cmd_explain(args) -> int:
     pattern = compile_k(args)
     options = dict(backend_option(o) for o in args.backend_option or [])
-    if args.profile is not None and args.profile not in PROFILES:
-        raise UsageError(f"unknown profile {args.profile!r}; choose one of {', '.join(PROFILES)}")
+    try:
+        check_profile_name(args.profile)
+    except PolicyError as e:
+        raise UsageError(str(e)) from None
     json_path, plot_path, html_path = _outputs(args)
     ids = None
     if args.from_report is not None:
@@ -96,7 +98,11 @@ def cmd_explain(args) -> int:
     except BackendError as e:
         err(str(e))
         return EXIT_BACKEND
-    profile = PROFILES[args.profile or backend.capabilities.default_profile]
+    try:
+        profile = resolve_policy(backend, args.profile, shipped=False).profile
+    except PolicyError as e:
+        err(str(e))
+        return EXIT_BACKEND
     if not backend.capabilities.traces and not args.quiet:
         sys.stderr.write(printable(f"backend {backend.name!r} serves no traces (capability traces): only its logits "
                                    "are compared, and no point inside the model can be named") + "\n")

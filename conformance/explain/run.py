@@ -28,6 +28,7 @@ import numpy as np
 
 from ..backends.refimpl_backend import RefimplBackend
 from ..check.guard import CallInfo
+from ..check.policy import case_profile
 from ..check.requests import build_request, response_groups, trace_groups, without_decode
 from ..check.session import Checkpoints, NoCasesSelected, Selection, Session, Work
 from ..check.traces import TraceComparison, compare_traces, point_order
@@ -197,7 +198,7 @@ def _explain_case(backend: Backend, oracle: Backend, bctx, octx, case, profile, 
     labels, roles = row_roles(case, octx.media, cfg.first_shared_layer < cfg.num_hidden_layers)
     got_traces, got_logits = trace_groups(case, got), response_groups(case, got)
     ref_traces, ref_logits = trace_groups(case, ref), response_groups(case, ref)
-    floor = float(bctx.profile_for(profile, case).nmse)
+    floor = float(case_profile(profile, bctx, case).nmse)
     try:
         comparison = compare_traces(got_traces if traced else [None] * len(ref_traces), ref_traces, got_logits,
                                     ref_logits, labels, roles, floor)

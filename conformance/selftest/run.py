@@ -49,6 +49,7 @@ from refimpl.threads import cores, use_threads
 
 from ..check.cases import run_case
 from ..check.expectations import Expectations
+from ..check.policy import Policy
 from ..check.profiles import get_profile
 from ..check.results import FAILING, CaseResult
 from ..check.session import Checkpoints, Selection, Session, Work
@@ -372,7 +373,7 @@ def _run_backend(backend: Backend, selection: Selection, checkpoints: Checkpoint
         replay.reset()
         first = None
         for p in profiles:
-            res = run_case(replay, session.claimed, ctx, case, p, expectations)
+            res = run_case(replay, session.claimed, ctx, case, Policy(p, expectations))
             verdicts[p.name].add(res)
             first = first or res
         count.done += 1
