@@ -16,7 +16,7 @@ activation in float32, which makes it a stand-in for a float32 engine (default p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,19 +75,25 @@ class RefimplBackend(CachedBackend):
 
     Options: ``dtype`` ("float64" or "float32"), ``embed_scale`` ("exact" or "bf16"),
     ``default_profile`` (default: "exact-f64" for float64, "fp32" for float32), ``vision_mask``
-    (refimpl.model.VISION_MASK_RULES; default "sliding-clamped", the bundled sets' rule).
+    (refimpl.model.VISION_MASK_RULES; default "sliding-clamped", the bundled sets' rule). ``oracle`` (Python
+    only): a function that lends the model of a checkpoint directory instead of building one at ``open``, for
+    a harness that already holds the set's oracle (explain); the float64, exact, default-mask backend only.
     """
 
     who = "refimpl backend"
 
     def __init__(self, dtype: str = "float64", embed_scale: str = "exact", default_profile: str | None = None,
-                 vision_mask: str = "sliding-clamped"):
+                 vision_mask: str = "sliding-clamped", oracle: Callable[[Path], Gemma4] | None = None):
         super().__init__()
         self.dtype, self.embed_scale = check_options(self.who, dtype, embed_scale)
         if vision_mask not in VISION_MASK_RULES:
             raise ValueError(f"{self.who}: vision_mask must be one of {', '.join(VISION_MASK_RULES)}, got "
                              f"{vision_mask!r}")
         self.vision_mask = vision_mask
+        if oracle is not None and (self.dtype, embed_scale, vision_mask) != ("float64", "exact", "sliding-clamped"):
+            raise ValueError(f"{self.who}: oracle lends the float64 oracle; it cannot serve dtype {self.dtype}, "
+                             f"embed_scale {embed_scale}, vision_mask {vision_mask}")
+        self.lent = oracle  # the harness's oracle, lent at open
         name = "refimpl" if self.dtype == "float64" else "refimpl-float32"
         self.name = name if embed_scale == "exact" else f"{name}-bf16-scale"
         if default_profile is None:
@@ -98,7 +104,11 @@ class RefimplBackend(CachedBackend):
 
     def open(self, model_dir: Path) -> None:
         try:
-            self.model = Gemma4(model_dir, dtype=self.dtype, embed_scale=self.embed_scale, vision_mask=self.vision_mask)
+            if self.lent is not None:
+                self.model = self.lent(model_dir)
+            else:
+                self.model = Gemma4(model_dir, dtype=self.dtype, embed_scale=self.embed_scale,
+                                    vision_mask=self.vision_mask)
             self.tokens = load_multimodal_tokens(model_dir)
             _, raw = read_config_json(model_dir)
             self.vision = image_front_end(model_dir, self.dtype) if isinstance(raw.get("vision_config"), dict) else None

@@ -11,7 +11,7 @@ non-finite values, not close) or ``hidden_identity`` (a shifted row).
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -26,18 +26,15 @@ __all__ = ["OracleHidden", "grade_hidden", "hidden_groups"]
 
 class OracleHidden(Mapping):
     """Base id -> the oracle's final-norm hidden rows [N, H] (float64), made on first use from the set's
-    stored residual stream through the checkpoint's final norm (``Gemma4.final_norm``). Empty for a set
-    that stores no hidden states (schema 1)."""
+    stored residual stream through the checkpoint's final norm (``Gemma4.final_norm`` of ``oracle()``, the
+    set's oracle). Empty for a set that stores no hidden states (schema 1)."""
 
-    def __init__(self, stored: Mapping[str, np.ndarray], model_dir):
-        self._stored, self._model_dir, self._done = stored, model_dir, {}
-        self._model = None
+    def __init__(self, stored: Mapping[str, np.ndarray], oracle: Callable[[], Gemma4]):
+        self._stored, self._oracle, self._done = stored, oracle, {}
 
     def __getitem__(self, base: str) -> np.ndarray:
         if base not in self._done:
-            if self._model is None:
-                self._model = Gemma4(self._model_dir)
-            self._done[base] = self._model.final_norm(np.asarray(self._stored[base], dtype=np.float64))
+            self._done[base] = self._oracle().final_norm(np.asarray(self._stored[base], dtype=np.float64))
         return self._done[base]
 
     def __iter__(self):

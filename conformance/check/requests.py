@@ -4,15 +4,13 @@ backend's convention (``Embedder``)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from refimpl.config import load_config
-from refimpl.weights import Gemma4Weights
+from refimpl.model import Gemma4
 
 from ..protocol.types import MtpRequest, MtpRound, Piece, Request, Response
 from ..sets.case import BaseMedia, Case, prompt_length, row_groups
@@ -129,26 +127,19 @@ def trace_groups(case: Case, response: Response) -> list[dict | None]:
 
 
 class Embedder:
-    """Input embeddings for the 'embeddings' entry, in the backend's convention, from the checkpoint.
+    """Input embeddings for the 'embeddings' entry, in the backend's convention, from the set's oracle
+    (``oracle()``, built on first use): scaled, ``Gemma4.embed`` (E[ids] * sqrt(H), the exact float64 sqrt);
+    raw, E[ids]."""
 
-    scaled: E[ids] * sqrt(H) with the exact float64 sqrt; raw: E[ids]. Read with refimpl's reader.
-    """
-
-    def __init__(self, model_dir: Path, convention: str):
-        self.model_dir = model_dir
+    def __init__(self, oracle: Callable[[], Gemma4], convention: str):
+        self.oracle = oracle
         self.convention = convention
-        self._weights = None
-        self._scale = 1.0
 
     def __call__(self, ids) -> np.ndarray:
-        if self._weights is None:
-
-            cfg = load_config(self.model_dir)
-            self._weights = Gemma4Weights(self.model_dir, cfg, np.float64)
-            self._scale = math.sqrt(cfg.hidden_size) if self.convention == "scaled" else 1.0
-        rows = self._weights.rows("embed_tokens.weight", np.asarray(ids, dtype=np.int64))
-        rows = np.asarray(rows, dtype=np.float64)
-        return rows * self._scale if self.convention == "scaled" else rows
+        model, ids = self.oracle(), np.asarray(ids, dtype=np.int64)
+        if self.convention == "scaled":
+            return np.asarray(model.embed(ids), dtype=np.float64)
+        return np.asarray(model.weights.rows("embed_tokens.weight", ids), dtype=np.float64)
 
 
 def without_decode(case: Case) -> Case:

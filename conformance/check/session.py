@@ -101,10 +101,12 @@ def _model_summary(manifest: dict) -> dict[str, Any]:
 
 class SetContext:
     """What grading the cases of one opened fixture set needs: bases, oracle logits, embedder, tokenizer, and
-    for a set with MTP cases the assistant checkpoint (``drafter``)."""
+    for a set with MTP cases the assistant checkpoint (``drafter``). ``oracle()``: the set's oracle
+    (``Checkpoints.oracle``), built on first use and shared by the embedder and the hidden rows."""
 
     def __init__(self, fs, model_dir: Path, convention: str, base_logits, drafter: Path | None = None,
-                 mtp_rows: tuple[dict, dict] = ({}, {})):
+                 mtp_rows: tuple[dict, dict] = ({}, {}), oracle: Callable[[], Gemma4] | None = None):
+        oracle = oracle if oracle is not None else functools.cache(lambda: Gemma4(model_dir))
         self.fs = fs
         self.name = str(fs.manifest.get("name", Path(fs.path).name))
         self.model_dir = model_dir
@@ -114,11 +116,11 @@ class SetContext:
         # stored, or rebuilt through the checkpoint's head on first use; the MTP bases' rows first
         self.base_logits = ChainMap(mtp_logits, base_logits) if mtp_logits else base_logits
         self._scales: dict[str, float] = {}  # base -> its logit scale (logit_scale)
-        self.embed = Embedder(model_dir, convention)
+        self.embed = Embedder(oracle, convention)
         self.media = fs.media(convention)
         self.pieces = token_pieces(model_dir)
         # final-norm rows: the MTP bases' as stored, the others made on first use from the residual stream
-        self.base_hidden = ChainMap(mtp_hidden, OracleHidden(fs.hidden_states(), model_dir))
+        self.base_hidden = ChainMap(mtp_hidden, OracleHidden(fs.hidden_states(), oracle))
 
     def prepare(self, cases, note: Callable[[str], None] | None = None) -> None:
         """The oracle logits of every base ``cases`` grade, made now: a set stored as hidden states has them
@@ -190,6 +192,18 @@ class Checkpoints:
         self._contexts: dict[tuple[int, str], SetContext] = {}
         self._logits: dict[int, Any] = {}
         self._mtp: dict[int, tuple[dict, dict]] = {}
+        self._oracles: dict[Path, Gemma4] = {}
+        self.oracles_built = 0  # how many oracles this run built (one per checkpoint)
+
+    def oracle(self, model_dir: Path) -> Gemma4:
+        """The oracle of a checkpoint (float64, the exact sqrt(H), the bundled sets' vision mask), built once and
+        shared by everything that grades its sets: the rows rebuilt through its head, the embeddings entry's
+        inputs, the hidden rows, the MTP rows, explain's oracle backend. RefimplError when it cannot be read."""
+        key = Path(model_dir)
+        if key not in self._oracles:
+            self._oracles[key] = Gemma4(key)
+            self.oracles_built += 1
+        return self._oracles[key]
 
     def model_dir(self, fs) -> Path:
         key = id(fs)
@@ -207,7 +221,7 @@ class Checkpoints:
             model = None
             if fs.storage == "hidden":
                 try:
-                    model = Gemma4(self.model_dir(fs))
+                    model = self.oracle(self.model_dir(fs))
                 except RefimplError as e:
                     raise FixtureError(f"{fs.path}: the set stores hidden states, and rebuilding its logits needs "
                                        f"the checkpoint's head, which the oracle cannot read: {e}") from None
@@ -222,7 +236,7 @@ class Checkpoints:
             self._mtp[key] = ({}, {})
             if fs.has_mtp():
                 try:
-                    self._mtp[key] = fs.mtp_rows(Gemma4(model_dir), Drafter(drafter))
+                    self._mtp[key] = fs.mtp_rows(self.oracle(model_dir), Drafter(drafter))
                 except RefimplError as e:
                     raise FixtureError(f"{fs.path}: the set's MTP rows are rebuilt through the target's and the "
                                        f"drafter's heads, which the oracle cannot read: {e}") from None
@@ -234,7 +248,8 @@ class Checkpoints:
             model_dir = self.model_dir(fs)
             drafter = fs.drafter_dir(model_dir, drafter=self.drafter, rehash=self.rehash)
             self._contexts[key] = SetContext(fs, model_dir, convention, self.oracle_logits(fs), drafter,
-                                             self.mtp_rows(fs, model_dir, drafter))
+                                             self.mtp_rows(fs, model_dir, drafter),
+                                             lambda: self.oracle(model_dir))
         return self._contexts[key]
 
 

@@ -239,7 +239,7 @@ def explain(backend: Backend, sets: Iterable, profile, *, select=None, ids: set[
     out: list[CaseExplanation] = []
     with tempfile.TemporaryDirectory(prefix="gemma4-explain-", dir=workdir) as tmp:
         checkpoints = Checkpoints(tmp, model=model, rehash=rehash)
-        mine, theirs = Session(backend, checkpoints), Session(RefimplBackend(), checkpoints)
+        mine, theirs = Session(backend, checkpoints), Session(RefimplBackend(oracle=checkpoints.oracle), checkpoints)
 
         def explain_one(bctx, case) -> CaseExplanation:
             if progress is not None:
