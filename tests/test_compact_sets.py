@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from bigvocab import PUBLISHED_VOCAB, write_bigvocab_checkpoint
 
+from conformance.check import materialise
 from conformance.cli import main
 from conformance.generate.run import generate_set
 from conformance.sets import head, load_set
@@ -111,7 +112,7 @@ def test_bundled_sets_rebuild_their_stored_logits(tmp_path):
 
     for path in bundled_sets():
         fs = load_set(path)
-        model = Gemma4(fs.model_dir(tmp_path / fs.name))
+        model = Gemma4(materialise(fs, tmp_path / fs.name))
         rebuilt = RebuiltLogits(model, fs.hidden_states(), fs.summaries(), tmp_path, fs.name)
         for b, stored in fs.base_logits().items():
             assert float(np.max(np.abs(rebuilt[b] - stored))) <= rebuilt.bounds[b], (fs.name, b)

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from conformance.backend import MtpResponse, Response, required_capabilities
+from conformance.check import materialise
 from conformance.check.requests import build_request, response_groups
 from conformance.fixtures import (
     CASES,
@@ -198,7 +199,7 @@ def _copy(src: Path, tmp_path: Path) -> Path:
 @pytest.mark.parametrize("preset", BUNDLED)
 def test_expected_rows_equal_the_oracle_run_directly(sets, preset, tmp_path):
     fs = load_set(sets[preset])
-    model_dir = fs.model_dir(tmp_path)
+    model_dir = materialise(fs, tmp_path)
     model = Gemma4(model_dir)  # a fresh model, regenerated from preset and seed
     drafter = fs.drafter_dir(model_dir)
     # an MTP base's rows: rebuilt from the stored states through the two heads, not the logits of the run
@@ -503,7 +504,7 @@ def test_prompts_jsonl(sets, prompts_file):
     info = fs.manifest["bases"]
     from refimpl.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_dir(fs.model_dir(prompts_file.parent / "m"))
+    tok = Tokenizer.from_dir(materialise(fs, prompts_file.parent / "m"))
     want = [tok.encode(PROMPT_LINES[0]["text"]),
             tok.encode_chat([{"role": "user", "content": PROMPT_LINES[1]["text"]}]),
             tok.encode_chat(PROMPT_LINES[2]["messages"]), PROMPT_LINES[3]["tokens"], PROMPT_LINES[4]["tokens"]]
@@ -562,7 +563,7 @@ def test_external_model_without_tokenizer(micro_factory, tmp_path):
     assert m["kind"] == "external" and m["path"] == str(Path(model_dir).resolve())
     assert set(m["sha256"]) == {"config.json", "model.safetensors"}
     assert fs.name == "ext" and fs.version == "2.1.0-rc.1" and fs.manifest["bases"]["G"]["source"] == "random"
-    assert fs.model_dir(tmp_path / "w") == Path(model_dir).resolve()
+    assert materialise(fs, tmp_path / "w") == Path(model_dir).resolve()
     model = Gemma4(model_dir)
     assert fs.storage == "hidden"  # the default: the logits are rebuilt through the head
     bases, logits = fs.bases(), fs.oracle_logits(model, tmp_path / "rebuilt")
@@ -573,7 +574,7 @@ def test_external_model_without_tokenizer(micro_factory, tmp_path):
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     (Path(model_dir) / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-5}))
     with pytest.raises(FixtureError, match="config.json in the checkpoint directory .* differs from the set's"):
-        fs.model_dir(tmp_path / "w")
+        materialise(fs, tmp_path / "w")
 
 
 def test_cross_check_hook(tmp_path):
@@ -623,12 +624,12 @@ def test_argument_errors(tmp_path):
 
 def test_synthetic_model_is_reproduced(small_set, tmp_path):
     fs = load_set(small_set)
-    d = fs.model_dir(tmp_path)
+    d = materialise(fs, tmp_path)
     for name, want in fs.manifest["model"]["sha256"].items():
         assert sha256_file(d / name) == want
     assert fs.warnings == []
     mtime = (d / "model.safetensors").stat().st_mtime_ns
-    assert fs.model_dir(tmp_path) == d and (d / "model.safetensors").stat().st_mtime_ns == mtime  # reused
+    assert materialise(fs, tmp_path) == d and (d / "model.safetensors").stat().st_mtime_ns == mtime  # reused
 
     path = _copy(small_set, tmp_path / "copy")
     m = json.loads((path / MANIFEST).read_text())
@@ -636,12 +637,12 @@ def test_synthetic_model_is_reproduced(small_set, tmp_path):
     (path / MANIFEST).write_text(json.dumps(m))
     with pytest.raises(FixtureError, match=r"could not be reproduced: model.safetensors .*Recorded with refimpl "
                                            r"0\.1\.0, numpy .*, python .*; found refimpl"):
-        load_set(path).model_dir(tmp_path / "w2")
+        materialise(load_set(path), tmp_path / "w2")
     m["model"]["sha256"]["model.safetensors"] = fs.manifest["model"]["sha256"]["model.safetensors"]
     m["model"]["sha256"]["tokenizer.model"] = "e" * 64
     (path / MANIFEST).write_text(json.dumps(m))
     other = load_set(path)
-    other.model_dir(tmp_path / "w3")
+    materialise(other, tmp_path / "w3")
     assert len(other.warnings) == 1 and "tokenizer.model differs" in other.warnings[0]
 
 
@@ -791,7 +792,7 @@ def test_hf_cross_check(small_set, tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     fs = load_set(small_set)
-    entries = hf_cross_check(fs.model_dir(tmp_path), fs.bases(), fs.base_logits())
+    entries = hf_cross_check(materialise(fs, tmp_path), fs.bases(), fs.base_logits())
     assert entries and all(e["agreement"] < 2e-12 for e in entries)
 
 

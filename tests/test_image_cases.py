@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from conformance.backend import Capabilities, Response
+from conformance.check import materialise
 from conformance.check.profiles import PROFILES
 from conformance.check.runner import run
 from conformance.fixtures import (
@@ -130,7 +131,7 @@ def test_a_cut_block_changes_rows_only_on_the_bidirectional_checkpoint(image_set
     the prefix forward of a cut block differs from the base row; on a causal checkpoint it does not."""
     for preset, path in image_sets.items():
         fs = load_set(path)
-        model = Gemma4(fs.model_dir(tmp_path / preset))
+        model = Gemma4(materialise(fs, tmp_path / preset))
         (a, n), = fs.image_blocks()["I0"]
         media = fs.media()["I0"]
         ids = fs.bases()["I0"]

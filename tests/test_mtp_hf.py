@@ -23,6 +23,7 @@ pytest.importorskip("transformers")
 from helpers import FULL, SLIDING, examples, micro_assistant, micro_checkpoint, micro_config
 from hf_mtp_reference import hf_assisted_run, load_pair
 
+from conformance.check import materialise
 from conformance.sets.bundled import bundled_set
 from conformance.sets.integrity import load_set
 from refimpl import Gemma4
@@ -93,7 +94,7 @@ def test_bundled_generate_cases_are_transformers_own_runs(name, tmp_path):
     """Every ``transformers/P`` generate case of a bundled MTP set: the rounds (drafts, accepted lengths) and the
     output transformers' own ``generate(assistant_model=...)`` produces."""
     fs = load_set(bundled_set(name))
-    model_dir = fs.model_dir(tmp_path)
+    model_dir = materialise(fs, tmp_path)
     target, drafter = load_pair(model_dir, fs.drafter_dir(model_dir))
     bases = fs.bases()
     cases = [c for c in fs.cases if c.mtp.mode == "generate" and c.mtp.convention == "transformers/P"]

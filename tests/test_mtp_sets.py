@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from conformance.backends.refimpl_backend import RefimplBackend
+from conformance.check import materialise
 from conformance.check.profiles import get_profile
 from conformance.check.runner import run
 from conformance.protocol.types import Capabilities, MtpRequest, Request, Response, required_capabilities
@@ -40,7 +41,7 @@ def margins(rows: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("name", MTP_SETS)
 def test_stored_rows_are_the_round_protocol_run_again(name, tmp_path):
     fs = load_set(bundled_set(name))
-    model_dir = fs.model_dir(tmp_path)
+    model_dir = materialise(fs, tmp_path)
     target, drafter = Gemma4(model_dir), Drafter(fs.drafter_dir(model_dir))
     logits, hidden = fs.mtp_rows(target, drafter)
     bases = fs.bases()

@@ -20,6 +20,7 @@ import pytest
 from helpers import micro_checkpoint, micro_config
 
 from conformance import fixtures
+from conformance.check import materialise
 from conformance.cli import main
 from conformance.fixtures import MANIFEST, FixtureError, generate_set, load_set, sha256_file, verify_set
 from conformance.generate import jobs
@@ -184,7 +185,7 @@ def test_verify_checks_the_external_checkpoint(external, tmp_path, capsys):
                f"(config.json, model.safetensors) could be checked; {hint}")
     assert verify_set(s, recompute=True) == [missing]  # recomputing needs the checkpoint
     with pytest.raises(FixtureError) as e:
-        load_set(s).model_dir(tmp_path / "work")
+        materialise(load_set(s), tmp_path / "work")
     assert str(e.value) == missing
 
 

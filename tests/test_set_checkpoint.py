@@ -22,6 +22,7 @@ import pytest
 from bigvocab import PUBLISHED_VOCAB, write_bigvocab_checkpoint
 from helpers import micro_checkpoint, micro_config
 
+from conformance.check import materialise
 from conformance.cli import main
 from conformance.generate.run import generate_set
 from conformance.sets import checkpoint
@@ -116,9 +117,9 @@ def test_a_moved_checkpoint_is_found_with_model(bigvocab, capsys):
     assert capsys.readouterr().err == f"conformance: error: --model: no such directory: {s / 'nowhere'}\n"
 
     fs = load_set(s)
-    assert fs.model_dir(s / "unused", model=moved) == moved
+    assert materialise(fs, s / "unused", model=moved) == moved
     with pytest.raises(FixtureError) as e:
-        fs.model_dir(s / "unused")
+        materialise(fs, s / "unused")
     assert str(e.value) == _not_there(s, made)
     assert fs.checkpoint_problems() == [_not_there(s, made)] and fs.checkpoint_problems(model=moved) == []
 
@@ -168,7 +169,7 @@ def test_a_missing_or_resized_file_is_named_without_reading_the_others(small, tm
     assert capsys.readouterr().out == f"{s}: 2 problem(s)\n" + "".join(f"  - {p}\n" for p in problems)
     assert hashed == []  # sizes are compared before anything is read
     with pytest.raises(FixtureError) as e:
-        load_set(s).model_dir(tmp_path / "w", model=copy)
+        materialise(load_set(s), tmp_path / "w", model=copy)
     assert str(e.value) == f"{problems[0]} (and 1 more problem)"
 
 
@@ -176,7 +177,7 @@ def test_the_recorded_path_is_still_tried(small, capsys):
     s, ckpt = small
     assert main(["verify", str(s)]) == 0
     assert capsys.readouterr().out == f"{s}: ok\n"  # the checkpoint is where it was made: checked, no note
-    assert load_set(s).model_dir(ckpt / "unused") == ckpt
+    assert materialise(load_set(s), ckpt / "unused") == ckpt
 
 
 # ----------------------------------------------------------------------------------------------
@@ -308,11 +309,11 @@ def test_a_synthetic_set_takes_a_matching_model(tmp_path, capsys):
     s = generate_set(tmp_path / "set", preset="31b-mini", cases="text", workers=1)
     fs = load_set(s)
     mine = write_checkpoint("31b-mini", 0, tmp_path / "mine")
-    assert fs.model_dir(tmp_path / "w", model=mine) == mine and not (tmp_path / "w").exists()
+    assert materialise(fs, tmp_path / "w", model=mine) == mine and not (tmp_path / "w").exists()
     other = write_checkpoint("31b-mini", 1, tmp_path / "other")
     want, got = (fs.manifest["model"]["sha256"]["model.safetensors"], sha256_file(other / "model.safetensors"))
     with pytest.raises(FixtureError) as e:
-        fs.model_dir(tmp_path / "w", model=other)
+        materialise(fs, tmp_path / "w", model=other)
     assert str(e.value) == (f"{s}: model.safetensors in the checkpoint directory {other} (--model) differs from the "
                             f"set's: sha256 {got}, the set records {want}; {MODEL_HINT}, or regenerate the set for "
                             "this checkpoint")

@@ -30,6 +30,7 @@ from conformance.backends.subprocess_backend import (
     SubprocessBackend,
     read_array,
 )
+from conformance.check import materialise
 from conformance.check.profiles import get_profile
 from conformance.check.runner import run
 from conformance.cli import main as cli_main
@@ -53,7 +54,7 @@ def e2b():
 
 @pytest.fixture(scope="module")
 def model_dir(e2b, tmp_path_factory):
-    return e2b.model_dir(tmp_path_factory.mktemp("e2b"))
+    return materialise(e2b, tmp_path_factory.mktemp("e2b"))
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ import pytest
 
 from conformance.backend import BackendError, Request
 from conformance.backends.subprocess.client import SubprocessBackend
+from conformance.check import materialise
 from conformance.cli import main as cli_main
 from conformance.fixtures import bundled_set, load_set
 from conformance.protocol.wire import PROTOCOL, ProtocolError
@@ -41,7 +42,7 @@ def fake(mode: str, *args) -> list[str]:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return load_set(bundled_set("e2b-mini")).model_dir(tmp_path_factory.mktemp("e2b"))
+    return materialise(load_set(bundled_set("e2b-mini")), tmp_path_factory.mktemp("e2b"))
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from conformance.backends.refimpl_backend import RefimplBackend
+from conformance.check import materialise
 from conformance.check.profiles import PROFILES
 from conformance.check.requests import build_request
 from conformance.check.runner import run
@@ -33,7 +34,7 @@ def fs():
 
 @pytest.fixture(scope="module")
 def model_dir(fs, tmp_path_factory):
-    return fs.model_dir(tmp_path_factory.mktemp("unified-gate"))
+    return materialise(fs, tmp_path_factory.mktemp("unified-gate"))
 
 
 def test_the_set_records_its_rule_and_its_embedders(fs):

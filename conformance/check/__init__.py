@@ -12,8 +12,8 @@ from .policy import Policy, PolicyError, resolve_policy
 from .profiles import PROFILES, Profile, get_profile
 from .results import FAILING, STATUSES, CaseResult, RunResult, SetInfo
 from .runner import Interrupted, run, run_case, stop_signals
-from .session import Checkpoints, NoCasesSelected, Selection, Session, SetContext
+from .session import Checkpoints, NoCasesSelected, Selection, Session, SetContext, materialise
 
 __all__ = ["FAILING", "PROFILES", "STATUSES", "CaseResult", "Checkpoints", "Expectations", "ExpectationsError",
            "Interrupted", "NoCasesSelected", "Policy", "PolicyError", "Profile", "RunResult", "Selection", "Session",
-           "SetContext", "SetInfo", "get_profile", "resolve_policy", "run", "run_case", "stop_signals"]
+           "SetContext", "SetInfo", "get_profile", "materialise", "resolve_policy", "run", "run_case", "stop_signals"]

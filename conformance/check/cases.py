@@ -150,16 +150,17 @@ def _row_json(row: Any, pieces: Callable[[list[int]], list[str] | None] | None) 
 
 def _harness_error(res: CaseResult, doing: str, exc: BaseException) -> CaseResult:
     """``res`` as the case's error when the harness itself failed to ``doing`` (check ``harness``)."""
-    res.status, res.check = "error", "harness"
-    res.message = f"the harness could not {doing}: {type(exc).__name__}: {exc}"
-    res.error = error_info(exc)
-    return res
+    return _errored(res, "harness", f"the harness could not {doing}", exc)
 
 
 def _ungradable(res: CaseResult, what: str, exc: BaseException) -> CaseResult:
     """``res`` as the error of a response whose ``what`` ("the response") the grader cannot read."""
-    res.status, res.check = "error", "response"
-    res.message = f"{what} could not be graded: {type(exc).__name__}: {exc}"
+    return _errored(res, "response", f"{what} could not be graded", exc)
+
+
+def _errored(res: CaseResult, check: str, saying: str, exc: BaseException) -> CaseResult:
+    res.status, res.check = "error", check
+    res.message = f"{saying}: {type(exc).__name__}: {exc}"
     res.error = error_info(exc)
     return res
 

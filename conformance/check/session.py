@@ -22,6 +22,7 @@ from refimpl.assistant import Drafter
 from refimpl.config import load_config
 from refimpl.errors import RefimplError
 from refimpl.model import Gemma4
+from refimpl.synth import write_checkpoint
 from refimpl.tokenizer import Tokenizer
 
 from ..protocol.types import Backend, BackendError, claims, required_capabilities
@@ -175,6 +176,13 @@ def token_pieces(model_dir: Path) -> Callable[[list[int]], list[str] | None]:
     return pieces
 
 
+def materialise(fs, workdir: str | Path, *, model: str | Path | None = None, rehash: bool = False) -> Path:
+    """The checkpoint of the set ``fs`` (``FixtureSet.model_dir``), a synthetic one regenerated under ``workdir``
+    from its preset and seed (``refimpl.synth.write_checkpoint``) when it is not already there;
+    FixtureError when it does not match the set."""
+    return Path(fs.model_dir(Path(workdir), model=model, rehash=rehash, write=write_checkpoint))
+
+
 class Checkpoints:
     """Each fixture set's checkpoint, materialised once under ``workdir``, and its SetContext per embedding
     convention. ``model_dir`` raises FixtureError when a checkpoint does not match its set (exit 3).
@@ -209,8 +217,8 @@ class Checkpoints:
         key = id(fs)
         if key not in self._dirs:
             given = self.model if fs.manifest["model"]["kind"] == "external" else None
-            self._dirs[key] = Path(fs.model_dir(self.workdir / f"set{len(self._dirs)}", model=given,
-                                                rehash=self.rehash))
+            self._dirs[key] = materialise(fs, self.workdir / f"set{len(self._dirs)}", model=given,
+                                          rehash=self.rehash)
         return self._dirs[key]
 
     def oracle_logits(self, fs):
@@ -294,8 +302,8 @@ class Session:
 
     def __init__(self, backend: Backend, checkpoints: Checkpoints, case_timeout: float | None = None):
         self.backend = backend
-        self.claimed = backend.capabilities.to_dict()
         self.calls = Calls(backend, case_timeout)
+        self.claimed = backend.capabilities.to_dict()
         self.checkpoints = checkpoints
         self.current = None  # the fixture set the backend is open on
         self.in_flight: str | None = None  # the id of the case whose work is running

@@ -24,6 +24,7 @@ from refimpl.config import TextConfig, load_config
 from ..check.diagnosis import summary_class
 from ..check.profiles import PROFILES
 from ..check.runner import run
+from ..check.session import materialise
 from ..selftest.mutants import MUTANTS, Mutant
 from ..sets.bundled import bundled_sets
 from ..sets.integrity import load_set
@@ -102,7 +103,7 @@ def locate(m: Mutant, sets: dict, profile=PROFILES["fp32"]) -> MutantFinding:
     explained = explain(m.backend(), [fs], profile, select=f"^{re.escape(first.id)}$")[0]
     found = explained.first_divergence
     with tempfile.TemporaryDirectory() as tmp:
-        finding.expected_point = expected_point(m.where, load_config(fs.model_dir(tmp)))
+        finding.expected_point = expected_point(m.where, load_config(materialise(fs, tmp)))
     finding.found_point = None if found is None else found["point"]
     finding.found_rows = None if found is None else found["rows"]
     finding.located = finding.found_point == finding.expected_point

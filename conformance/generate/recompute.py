@@ -14,6 +14,7 @@ import numpy as np
 
 from refimpl.model import Gemma4
 from refimpl.multimodal import multimodal_inputs
+from refimpl.synth import write_checkpoint
 
 from ..sets.bounds import decoder_units, logit_scale, probe_bound, recorded_probes, tensor_bound
 from ..sets.fixture_set import FixtureSet
@@ -57,7 +58,7 @@ def verify_set(path: str | Path, *, recompute: bool = False, workdir: str | Path
     with contextlib.ExitStack() as stack:
         wd = Path(workdir) if workdir is not None else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         try:
-            model_dir = fs.model_dir(wd, model=model)
+            model_dir = fs.model_dir(wd, model=model, write=write_checkpoint)
 
             model = Gemma4(model_dir, vision_mask=fs.manifest.get("oracle", {}).get("vision_mask", "sliding-clamped"))
         except Exception as e:  # noqa: BLE001 - any load failure is this set's problem line

@@ -365,8 +365,8 @@ def _run_backend(backend: Backend, selection: Selection, checkpoints: Checkpoint
     Returns ({profile name: Verdict}, backend.run calls). BackendError when the backend cannot be opened.
     """
     verdicts = {p.name: Verdict(p.name) for p in profiles}
-    session = Session(backend, checkpoints)
     replay = _Replay(backend)
+    session = Session(backend, checkpoints)
 
     def grade(ctx, case) -> None:
         count(f"{label}: {case.id}", None)

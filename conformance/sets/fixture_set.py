@@ -8,11 +8,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 
 from refimpl.safetensors_io import TensorStore
-from refimpl.synth import write_checkpoint
 
 from ..protocol.types import AudioInput, ImageInput
 from .case import BaseMedia, Case, mtp_rows
@@ -229,13 +229,16 @@ class FixtureSet:
         return find_checkpoint({"sha256": rec["sha256"], "path": str(drafter)}, drafter, where=f"{self.path} (drafter)",
                                rehash=rehash)
 
-    def model_dir(self, workdir: Path, *, model: str | Path | None = None, rehash: bool = False) -> Path:
+    def model_dir(self, workdir: Path, *, model: str | Path | None = None, rehash: bool = False,
+                  write: Callable[..., Any] | None = None) -> Path:
         """The checkpoint, FixtureError when it does not match the set. External sets: ``model`` (a
         directory from anywhere, ``--model``) or else the recorded path, once every file the set records
         has its recorded size and sha256 (``conformance.sets.checkpoint``; digests cached, ``rehash``
         reads every file again). Synthetic sets: ``model`` when given and its config.json and
-        model.safetensors have the recorded sha256, else regenerated under ``workdir`` (reused if already
-        there) and checked the same way."""
+        model.safetensors have the recorded sha256, else the one under ``workdir`` when it matches, else
+        regenerated there by the caller's ``write(preset, seed, target, dtype=..., overwrite=True)``
+        (``refimpl.synth.write_checkpoint``: the set's format only records the recipe and the digests;
+        ``conformance.check.materialise`` passes it) and checked the same way."""
         rec = self.manifest["model"]
         if rec["kind"] == "external":
             return find_checkpoint(rec, model, where=str(self.path), rehash=rehash)
@@ -247,7 +250,11 @@ class FixtureSet:
 
         target = Path(workdir) / f"{rec['preset']}-seed{rec['seed']}-{rec['dtype']}"
         if not (target.is_dir() and self._synthetic_matches(target)):
-            write_checkpoint(rec["preset"], rec["seed"], target, dtype=rec["dtype"], overwrite=True)
+            if write is None:
+                raise FixtureError(f"{self.path}: the synthetic checkpoint (preset {rec['preset']!r} seed "
+                                   f"{rec['seed']}) is not under {workdir}, and no writer was given to regenerate "
+                                   "it (conformance.check.materialise regenerates it)")
+            write(rec["preset"], rec["seed"], target, dtype=rec["dtype"], overwrite=True)
         bad = [n for n in SYNTHETIC_CHECKED if sha256_file(target / n) != rec["sha256"][n]]
         if bad:
             prov = self.manifest.get("provenance", {})

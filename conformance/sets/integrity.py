@@ -12,8 +12,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from refimpl.errors import WeightsError
+from refimpl.presets import PRESETS
 from refimpl.safetensors_io import TensorStore, read_header
-from refimpl.synth import PRESETS
 
 from .archive import is_archive, unpack
 from .case import Case, check_case
