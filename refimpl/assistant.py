@@ -29,9 +29,9 @@ from .config import FULL, SLIDING, TextConfig, check_positive, get_field, parse_
 from .errors import ConfigError, InputError, WeightsError
 from .gguf_config import ASSISTANT_ARCH, hf_assistant_config
 from .gguf_io import GGUFError, is_gguf, open_gguf
-from .gguf_store import open_store
 from .model import LayerKV, rope_inv_freq
 from .ops import apply_rope, attention, geglu, linear, rms_norm, rope_cos_sin
+from .stores import open_store
 
 ASSISTANT_ARCHITECTURES = {"gemma4_assistant": "Gemma4AssistantForCausalLM",
                            "gemma4_unified_assistant": "Gemma4UnifiedAssistantForCausalLM"}

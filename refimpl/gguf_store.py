@@ -22,9 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from .ggml_blocks import TYPES, dequantize
-from .gguf_io import GGUFError, GGUFFile, is_gguf, open_gguf
+from .gguf_io import GGUFError, GGUFFile, open_gguf
 from .gguf_names import GENERATED, UNPREFIXED, GGUFNameError, oracle_name
-from .safetensors_io import TensorStore
 from .threads import in_parts
 
 PREFIX = "model."
@@ -182,8 +181,3 @@ class GGUFStore:
             block = self.read(name, a, min(a + step, info.shape[0]))
             count += int(np.count_nonzero(~np.isfinite(block)))
         return count
-
-
-def open_store(path: str | Path) -> GGUFStore | TensorStore:
-    """The tensors of a checkpoint: a GGUF file's (``GGUFStore``) or a safetensors directory's or file's."""
-    return GGUFStore(path) if is_gguf(path) else TensorStore(path)

@@ -36,6 +36,7 @@ from .threads import in_parts, scaled
 # safetensors dtype -> (storage dtype, bytes per element)
 STORAGE = {
     "U8": np.dtype("u1"),
+    "U32": np.dtype("<u4"),  # MLX's packed quantised weights (refimpl/mlx_store.py)
     "I64": np.dtype("<i8"),
     "F64": np.dtype("<f8"),
     "F32": np.dtype("<f4"),

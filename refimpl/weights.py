@@ -20,9 +20,9 @@ import numpy as np
 from . import memory
 from .config import TEXT_PREFIXES, TextConfig, read_config_json
 from .errors import InputError, NonFiniteError, WeightsError
-from .gguf_store import open_store
 from .ops import clipped_linear
 from .safetensors_io import TensorStore
+from .stores import open_store
 from .threads import in_parts, scaled
 
 # multimodal towers of Gemma4ForConditionalGeneration; the text oracle does not read them

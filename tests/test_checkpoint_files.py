@@ -612,7 +612,7 @@ def test_error_unsupported_dtype(tmp_path):
     path = tmp_path / "model.safetensors"
     path.write_bytes(raw_file({"x": {"dtype": "I8", "shape": [4], "data_offsets": [0, 4]}}, b"\0" * 4))
     assert err(TensorStore, tmp_path) == (
-        f"{path}: tensor 'x': dtype 'I8' is not supported (use one of U8, I64, F64, F32, F16, BF16)"
+        f"{path}: tensor 'x': dtype 'I8' is not supported (use one of U8, U32, I64, F64, F32, F16, BF16)"
     )
 
 

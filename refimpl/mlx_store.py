@@ -1,0 +1,193 @@
+"""An MLX quantised checkpoint directory's tensors under the oracle's names, decoded on demand (docs/quantised.md).
+
+``MlxStore(model_dir)`` offers what ``Gemma4Weights`` asks of a safetensors ``TensorStore``: ``infos`` (name ->
+shape, stored type), ``read`` (rows [start, stop) decoded), ``rows`` (a gather), ``decode_into`` (the streamed
+products) and ``nonfinite``. A quantised module ``<path>`` (``<path>.weight`` packed uint32, ``.scales``,
+``.biases``; refimpl/mlx_quant.py) is one tensor ``<path>.weight`` of its logical shape, each row decoded from
+its own packed row, scales and biases; every other tensor is the safetensors store's. The quantisation of each
+module is config.json's ``quantization`` block (its per-module entry, else the defaults).
+
+Names: mlx-lm's ``gemma4_text`` writes the checkpoint's own (``model.layers.0...``); its ``gemma4`` wrapper
+writes ``language_model.model.X`` for the checkpoint's ``model.language_model.X``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .config import read_config_json
+from .errors import WeightsError
+from .mlx_quant import QuantSpec, check_shapes, dequantize, parse_quantization
+from .safetensors_io import TensorStore
+from .threads import in_parts
+
+DECODE_VALUES = 1 << 18  # values decoded per step when reading rows
+WRAPPED = ("language_model.model.", "model.language_model.")  # mlx's gemma4 wrapper, and the checkpoint's
+
+
+def oracle_name(mlx_name: str) -> str:
+    """The checkpoint's name of a tensor as mlx-lm saves it."""
+    mine, theirs = WRAPPED
+    return theirs + mlx_name[len(mine):] if mlx_name.startswith(mine) else mlx_name
+
+
+def is_mlx_quantised(store: TensorStore, config: dict) -> bool:
+    """Whether a safetensors checkpoint is MLX-quantised: config.json has a quantization block, or a tensor
+    has the scales of a packed weight."""
+    return "quantization" in config or "quantization_config" in config or any(
+        n.endswith(".scales") and n[:-len(".scales")] + ".weight" in store for n in store.names)
+
+
+@dataclass(frozen=True)
+class MlxInfo:
+    name: str  # the oracle's full name
+    mlx_name: str  # the stored name (<path>.weight for a quantised module)
+    shape: tuple[int, ...]  # the logical shape
+    dtype: str  # the stored type: "affine q4 g64", or the safetensors dtype of a plain tensor
+    path: Path
+    spec: QuantSpec | None = None  # None: a plain tensor
+
+    @property
+    def module(self) -> str:
+        return self.mlx_name[:-len(".weight")]
+
+    @property
+    def row_values(self) -> int:
+        return int(np.prod(self.shape[1:])) if len(self.shape) > 1 else 1
+
+
+class MlxStore:
+    """The tensors of an MLX quantised checkpoint directory, by the oracle's full names."""
+
+    DECODED = TensorStore.DECODED + ("affine",)
+    source = "config.json"
+
+    def __init__(self, model_dir: str | Path, inner: TensorStore | None = None, config: dict | None = None):
+        self.model_dir = Path(model_dir)
+        self.inner = inner if inner is not None else TensorStore(model_dir)
+        where = f"{self.model_dir / 'config.json'}"
+        if config is None:
+            _, config = read_config_json(self.model_dir)
+        block = config.get("quantization", config.get("quantization_config"))
+        if block is None:
+            raise WeightsError(f"{where}: the checkpoint holds MLX-quantised tensors (packed weights with scales) but "
+                               "config.json has no 'quantization' block saying how they were quantised")
+        default, per_module = parse_quantization(block, where)
+        self.infos: dict[str, MlxInfo] = {}
+        modules = {n[:-len(".scales")] for n in self.inner.names if n.endswith(".scales")}
+        for path, spec in per_module.items():
+            if spec is not None and path not in modules:
+                raise WeightsError(f"{where}: quantization[{path!r}] names no quantised tensor of the checkpoint "
+                                   f"(no '{path}.weight' with '{path}.scales')")
+        for name in self.inner.names:
+            stem = name.rsplit(".", 1)[0]
+            if stem in modules and name != stem + ".weight":
+                continue  # the scales and biases of a quantised module: read with its weight
+            info = self.inner.infos[name]
+            if stem in modules:
+                spec = per_module.get(stem, default)
+                if spec is None:
+                    raise WeightsError(f"{where}: quantization[{stem!r}] is false (not quantised), but the checkpoint "
+                                       f"stores '{stem}' packed with scales")
+                shape = check_shapes(f"{info.path}: {stem}", spec, info.shape,
+                                     self.inner.infos[stem + ".scales"].shape,
+                                     self.inner.infos[stem + ".biases"].shape if stem + ".biases" in self.inner
+                                     else None)
+                self.infos[oracle_name(name)] = MlxInfo(oracle_name(name), name, shape, spec.label, info.path, spec)
+            else:
+                self.infos[oracle_name(name)] = MlxInfo(oracle_name(name), name, info.shape, info.dtype, info.path)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.infos
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.infos)
+
+    def describe(self, name: str) -> str:
+        info = self.infos[name]
+        return f"'{name}'" if info.mlx_name == name else f"'{info.mlx_name}' ({name})"
+
+    def undecodable(self, name: str) -> str | None:
+        info = self.infos[name]
+        return None if info.spec is not None else self.inner.undecodable(info.mlx_name)
+
+    def release(self, name: str) -> None:
+        info = self.infos[name]
+        for part in ((".weight", ".scales", ".biases") if info.spec is not None else ("",)):
+            self.inner.release(info.module + part if part else info.mlx_name)
+
+    @staticmethod
+    def row_offset(info: MlxInfo, row: int) -> int:
+        """Where row ``row`` starts, for ``decode_into``: its index (along the first axis)."""
+        return row
+
+    def _decoded(self, info: MlxInfo, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) (first axis) of a quantised module, float64."""
+        words = self.inner.raw(info.mlx_name)[start:stop]
+        scales = self.inner.read(info.module + ".scales", start, stop)
+        biases = self.inner.read(info.module + ".biases", start, stop)
+        return dequantize(words, scales, biases, info.spec)
+
+    def decode_into(self, info: MlxInfo, row: int, dst: np.ndarray) -> None:
+        """Fill ``dst`` (1-D, whole rows) with the rows from ``row`` on, decoded."""
+        if info.spec is None:
+            inner = self.inner.infos[info.mlx_name]
+            self.inner.decode_into(inner, self.inner.row_offset(inner, row), dst)
+            return
+        dst[:] = self._decoded(info, row, row + dst.size // info.row_values).reshape(-1)
+
+    def read(self, name: str, start: int = 0, stop: int | None = None, dtype: np.dtype = np.float64,
+             out: np.ndarray | None = None) -> np.ndarray:
+        """Rows [start, stop) of a tensor (all by default), decoded to ``dtype`` (into ``out`` when given)."""
+        info = self.infos[name]
+        if info.spec is None:
+            return self.inner.read(info.mlx_name, start, stop, dtype, out)
+        stop = info.shape[0] if stop is None else stop
+        if not 0 <= start <= stop <= info.shape[0]:
+            raise IndexError(f"rows [{start}, {stop}) of tensor '{name}' with shape {list(info.shape)}")
+        shape = (stop - start, *info.shape[1:])
+        if out is None:
+            out = np.empty(shape, dtype=dtype)
+        elif out.shape != shape or out.dtype != np.dtype(dtype) or not out.flags.c_contiguous:
+            raise ValueError(f"out must be a contiguous {np.dtype(dtype)} array of shape {list(shape)}")
+        step = max(1, DECODE_VALUES // info.row_values)
+
+        def work(first: int, last: int) -> None:  # rows [first, last) of the result
+            for a in range(first, last, step):
+                b = min(a + step, last)
+                out[a:b] = self._decoded(info, start + a, start + b)
+
+        in_parts(stop - start, work, unit=step)
+        return out
+
+    def get(self, name: str, dtype: np.dtype = np.float64) -> np.ndarray:
+        return self.read(name, dtype=dtype)
+
+    def rows(self, name: str, index, dtype: np.dtype = np.float64) -> np.ndarray:
+        """``tensor[index]`` along the first axis (an int, a slice or an array of ints), decoded."""
+        info = self.infos[name]
+        if info.spec is None:
+            return self.inner.rows(info.mlx_name, index, dtype)
+        picked = np.arange(info.shape[0])[index]
+        flat = np.atleast_1d(picked).reshape(-1)
+        words = self.inner.raw(info.mlx_name)[flat]
+        scales = self.inner.rows(info.module + ".scales", flat)
+        biases = self.inner.rows(info.module + ".biases", flat)
+        out = dequantize(words, scales, biases, info.spec).astype(dtype, copy=False)
+        return out.reshape(np.shape(picked) + info.shape[1:])
+
+    def nonfinite(self, name: str, index=None) -> int:
+        """How many decoded values of a tensor (of its rows ``index``, when given) are NaN or infinite."""
+        info = self.infos[name]
+        if info.spec is None:
+            return self.inner.nonfinite(info.mlx_name, index)
+        if index is not None:
+            return int(np.count_nonzero(~np.isfinite(self.rows(name, index))))
+        count, step = 0, max(1, DECODE_VALUES // info.row_values)
+        for a in range(0, info.shape[0], step):
+            count += int(np.count_nonzero(~np.isfinite(self.read(name, a, min(a + step, info.shape[0])))))
+        return count

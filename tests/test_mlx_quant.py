@@ -1,0 +1,211 @@
+"""MLX affine-quantised checkpoints in the oracle (refimpl/mlx_quant.py, refimpl/mlx_store.py).
+
+The decoder against an independent one written here (each code read from two 32-bit words with shifts, the
+value s * q + beta in Python floats): equal; against ``mlx.core.dequantize``: within its float32 (or half)
+rounding, on hypothesis-drawn groups at every width and group size; checkpoints quantised by mlx-lm's own
+``quantize_model`` (4, 8, 2, 3, 5, 6 bits, group sizes 32 and 64, mlx-lm's mixed_3_6 recipe, bfloat16 scales)
+read as their dequantised values: every tensor, and the logits of ``Gemma4`` equal those of a float64
+checkpoint of the values decoded here. Bad quantisation blocks and shapes: one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from refimpl import Gemma4
+from refimpl.errors import RefimplError
+from refimpl.mlx_quant import BITS, GROUP_SIZES, QuantSpec, dequantize
+from refimpl.mlx_store import MlxStore
+from refimpl.safetensors_io import TensorStore, write_safetensors
+from refimpl.synth import write_checkpoint
+
+mx = pytest.importorskip("mlx.core", reason="mlx is not installed (the 'mlx' extra)")
+from mlx_convert import quantise  # noqa: E402 - after the importorskip of mlx
+
+HALF_ULP = {np.float32: 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+
+
+def reference_decode(words: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int) -> np.ndarray:
+    """W = s * q + beta, each code q_k read from the two 32-bit words that hold its bits [k b, (k + 1) b)."""
+    words = np.asarray(words, dtype=np.uint64).reshape(-1, words.shape[-1])
+    s = np.asarray(scales, dtype=np.float64).reshape(words.shape[0], -1)
+    beta = np.asarray(biases, dtype=np.float64).reshape(words.shape[0], -1)
+    n_in = words.shape[1] * 32 // bits
+    g = n_in // s.shape[1]
+    k = np.arange(n_in)
+    word, shift = (k * bits) // 32, ((k * bits) % 32).astype(np.uint64)
+    padded = np.concatenate([words, np.zeros((words.shape[0], 1), dtype=np.uint64)], axis=1)
+    pair = padded[:, word] | (padded[:, word + 1] << np.uint64(32))
+    q = ((pair >> shift) & np.uint64((1 << bits) - 1)).astype(np.float64)
+    out = np.array([[float(s[r, i // g]) * float(q[r, i]) + float(beta[r, i // g]) for i in range(n_in)]
+                    for r in range(words.shape[0])])
+    return out
+
+
+def pack(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Rows of b-bit codes as little-endian bit streams in uint32 words (Python integers: the format's words)."""
+    out = []
+    for row in codes:
+        value = sum(int(c) << (k * bits) for k, c in enumerate(row))
+        n_words = len(row) * bits // 32
+        out.append([(value >> (32 * w)) & 0xFFFFFFFF for w in range(n_words)])
+    return np.array(out, dtype=np.uint32)
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(bits=st.sampled_from(BITS), group=st.sampled_from(GROUP_SIZES), rows=st.integers(1, 3),
+       groups=st.integers(1, 3), seed=st.integers(0, 2 ** 32 - 1), half=st.sampled_from([None, "F16", "BF16"]))
+def test_the_codes_and_values_are_the_formats(bits, group, rows, groups, seed, half):
+    """Codes drawn at random, packed as the format says, scales and biases of either sign (stored in float32,
+    float16 or bfloat16): the decoder's values are exactly s * q + beta of the independent decoder."""
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 1 << bits, (rows, groups * group))
+    scales = rng.normal(0, 0.05, (rows, groups)).astype(np.float32)
+    biases = rng.normal(0, 0.5, (rows, groups)).astype(np.float32)
+    if half == "F16":
+        scales, biases = scales.astype(np.float16), biases.astype(np.float16)
+    words = pack(codes, bits)
+    got = dequantize(words, scales, biases, QuantSpec(bits, group))
+    assert np.array_equal(got, reference_decode(words, scales, biases, bits))
+    assert np.array_equal(np.rint((got - np.repeat(biases.astype(np.float64), group, axis=1))
+                                  / np.repeat(scales.astype(np.float64), group, axis=1)), codes)
+
+
+def _mx_bound(theirs: np.ndarray, scales: np.ndarray, bits: int, ulp: float) -> np.ndarray:
+    """mx.dequantize rounds s * q, then the sum, to its type: half an ulp of each."""
+    s = np.repeat(np.abs(np.asarray(scales, dtype=np.float64)), theirs.shape[-1] // scales.shape[-1], axis=-1)
+    return ulp * (s * ((1 << bits) - 1) + np.abs(theirs)) * 1.0001
+
+
+@settings(max_examples=examples(100), deadline=None)
+@given(bits=st.sampled_from(BITS), group=st.sampled_from(GROUP_SIZES), rows=st.integers(1, 4),
+       groups=st.integers(1, 3), seed=st.integers(0, 2 ** 32 - 1),
+       dtype=st.sampled_from(["float32", "float16", "bfloat16"]))
+def test_the_values_are_mlx_dequantize_within_its_rounding(bits, group, rows, groups, seed, dtype):
+    """Weights quantised by mx.quantize (float32, float16, bfloat16): the float64 values are mx.dequantize's
+    within the rounding mx.dequantize adds (to float32, or twice to the half type)."""
+    w = mx.array(np.random.default_rng(seed).normal(0, 0.1, (rows, groups * group)).astype(np.float32))
+    w = w.astype(getattr(mx, dtype))
+    words, scales, biases = mx.quantize(w, group_size=group, bits=bits)
+    theirs = np.array(mx.dequantize(words, scales, biases, group_size=group, bits=bits).astype(mx.float32),
+                      dtype=np.float64)
+    s, b = (np.array(a.astype(mx.float32)) for a in (scales, biases))  # exact: halves widen exactly
+    got = dequantize(np.array(words), s, b, QuantSpec(bits, group))
+    ulp = HALF_ULP[np.float32 if dtype == "float32" else dtype]
+    assert np.all(np.abs(got - theirs) <= _mx_bound(theirs, s, bits, ulp))
+
+
+@pytest.fixture(scope="module")
+def e2b(tmp_path_factory) -> Path:
+    return write_checkpoint("e2b-mini", 0, tmp_path_factory.mktemp("mlx") / "e2b-mini")
+
+
+CONVERSIONS = {"q4-g32": (4, 32, None, None), "q8-g64": (8, 64, None, None), "q2-g32": (2, 32, None, None),
+               "q3-g64": (3, 64, None, None), "q5-g32": (5, 32, None, None), "q6-g64": (6, 64, None, None),
+               "mixed_3_6-g32": (3, 32, "mixed_3_6", None), "q4-g64-bf16": (4, 64, None, "bfloat16")}
+
+
+@pytest.mark.parametrize("name", sorted(CONVERSIONS))
+def test_a_checkpoint_quantised_by_mlx_lm_is_its_dequantised_values(name, e2b, tmp_path):
+    """Every quantised tensor equals the independent decoder's values (and mx.dequantize's within its rounding);
+    the forward equals that of a float64 checkpoint holding those values (float64 rounding)."""
+    bits, group, recipe, dtype = CONVERSIONS[name]
+    out = quantise(e2b, tmp_path / name, bits, group, recipe, dtype)
+    store = MlxStore(out)
+    raw = TensorStore(out)
+    decoded, widths = {}, set()
+    for full, info in store.infos.items():
+        if info.spec is None:
+            decoded[full] = raw.get(info.mlx_name)
+            continue
+        widths.add((info.spec.bits, info.spec.group_size))
+        words = raw.raw(info.mlx_name)
+        s, b = raw.get(info.module + ".scales"), raw.get(info.module + ".biases")
+        want = reference_decode(words, s, b, info.spec.bits).reshape(info.shape)
+        got = store.get(full)
+        assert np.array_equal(got, want), full
+        assert np.array_equal(store.rows(full, [3, 0, 3]), want[[3, 0, 3]])
+        theirs = np.array(mx.dequantize(mx.array(np.array(words)), mx.array(s.astype(np.float32)),
+                                        mx.array(b.astype(np.float32)), group_size=info.spec.group_size,
+                                        bits=info.spec.bits), dtype=np.float64)
+        assert np.all(np.abs(got - theirs) <= _mx_bound(theirs, s, info.spec.bits, 2.0 ** -24)), full
+        decoded[full] = want
+    assert widths >= ({(bits, group), (6, group)} if recipe else {(bits, group)})
+    f64 = tmp_path / "decoded"
+    f64.mkdir()
+    for f in out.iterdir():
+        if f.name not in ("config.json",) and not f.name.startswith("model.safetensors"):
+            shutil.copy(f, f64 / f.name)
+    shutil.copy(e2b / "config.json", f64 / "config.json")
+    write_safetensors(f64 / "model.safetensors", decoded, dtype="F64")
+    ids = [2, 17, 300, 45, 9, 511, 2, 88]
+    got, want = Gemma4(out).forward(ids, rows="all"), Gemma4(f64).forward(ids, rows="all")
+    assert np.max(np.abs(got - want)) <= 1e-12 * np.max(np.abs(want))
+
+
+def _refimpl(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "refimpl", *argv], capture_output=True, text=True, timeout=300)
+
+
+def test_the_cli_reads_an_mlx_checkpoint(e2b, tmp_path):
+    out = quantise(e2b, tmp_path / "q4", 4, 32)
+    run = _refimpl("logits", "--model", str(out), "--tokens", "2,5,6,7", "--rows", "all", "--out",
+                   str(tmp_path / "l.safetensors"))
+    assert run.returncode == 0, run.stderr
+    got, want = TensorStore(tmp_path / "l.safetensors").get("logits"), Gemma4(out).forward([2, 5, 6, 7], rows="all")
+    assert np.max(np.abs(got - want)) <= 1e-12 * np.max(np.abs(want))
+    run = _refimpl("inspect", "--model", str(out))
+    assert run.returncode == 0 and "affine q4 g32" in run.stdout, run.stdout + run.stderr
+
+
+def _edited(src: Path, dst: Path, edit) -> Path:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    edit(cfg["quantization"])
+    cfg["quantization_config"] = cfg["quantization"]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+ST = "{dir}/model.safetensors: model.embed_tokens"
+BAD = {
+    "bits 7": (lambda q: q.update(bits=7),
+               "{cfg}: quantization: bits 7 is not one of MLX's affine widths the oracle decodes (2, 3, 4, 5, 6, 8)"),
+    "mxfp4": (lambda q: q.update(mode="mxfp4"),
+              "{cfg}: quantization: mode 'mxfp4': the oracle decodes MLX's affine quantisation only (the "
+              "floating-point modes mxfp4, nvfp4 and mxfp8 are not read yet)"),
+    "a group size of the other": (lambda q: q.update(group_size=64),
+                                  ST + ": scales [512, 2] do not match the packed weight [512, 8] at 4 bits and group "
+                                  "size 64 (expected [512, 1])"),
+    "a width that does not divide": (lambda q: q.update(bits=3),
+                                     ST + ": the packed weight [512, 8] holds 8 uint32 words a row, which do not "
+                                     "divide into 3-bit codes"),
+    "an entry for no tensor": (lambda q: q.update({"model.layers.0.mlp.gate": {"bits": 8, "group_size": 32}}),
+                               "{cfg}: quantization['model.layers.0.mlp.gate'] names no quantised tensor of the "
+                               "checkpoint (no 'model.layers.0.mlp.gate.weight' with "
+                               "'model.layers.0.mlp.gate.scales')"),
+    "false for a stored one": (lambda q: q.update({"model.layers.0.mlp.up_proj": False}),
+                               "{cfg}: quantization['model.layers.0.mlp.up_proj'] is false (not quantised), but the "
+                               "checkpoint stores 'model.layers.0.mlp.up_proj' packed with scales"),
+}
+
+
+def test_bad_quantisation_is_one_line_and_exit_2(e2b, tmp_path):
+    good = quantise(e2b, tmp_path / "q4", 4, 32)
+    for what, (edit, says) in BAD.items():
+        bad = _edited(good, tmp_path / what.replace(" ", "-"), edit)
+        with pytest.raises(RefimplError):
+            Gemma4(bad)
+        run = _refimpl("logits", "--model", str(bad), "--tokens", "2,5", "--out", str(tmp_path / "x.safetensors"))
+        said = says.format(cfg=bad / "config.json", dir=bad)
+        assert (run.returncode, run.stderr) == (2, f"refimpl: error: {said}\n"), what
+        assert not (tmp_path / "x.safetensors").exists()
