@@ -32,7 +32,10 @@ SLIDING = "sliding_attention"
 FULL = "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
 TEXT_PREFIXES = ("model.language_model.", "model.")  # where the text decoder's tensors live
-_LAYER_TENSOR = re.compile("(?:" + "|".join(map(re.escape, TEXT_PREFIXES)) + r")layers\.(\d+)\.")
+# where a checkpoint's files keep the decoder layers: the text prefixes, and mlx-lm's gemma4 wrapper's
+# (language_model.model.X for model.language_model.X; refimpl/mlx_store.py maps it back)
+_LAYER_TENSOR = re.compile("(?:" + "|".join(map(re.escape, (*TEXT_PREFIXES, "language_model.model.")))
+                           + r")layers\.(\d+)\.")
 ROPE_TYPES = ("default", "proportional")
 
 FAMILIES = ("gemma4", "gemma4_unified")

@@ -13,7 +13,7 @@ writes ``language_model.model.X`` for the checkpoint's ``model.language_model.X`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +24,7 @@ from .mlx_quant import QuantSpec, check_shapes, dequantize, parse_quantization
 from .safetensors_io import TensorStore
 from .threads import in_parts
 
+SWITCH = "experts.switch_glu."  # where mlx-lm keeps the MoE experts
 DECODE_VALUES = 1 << 18  # values decoded per step when reading rows
 WRAPPED = ("language_model.model.", "model.language_model.")  # mlx's gemma4 wrapper, and the checkpoint's
 
@@ -49,6 +50,7 @@ class MlxInfo:
     dtype: str  # the stored type: "affine q4 g64", or the safetensors dtype of a plain tensor
     path: Path
     spec: QuantSpec | None = None  # None: a plain tensor
+    parts: tuple[MlxInfo, ...] = ()  # a tensor mlx-lm splits (the experts' gate_up_proj): its parts, along axis 1
 
     @property
     def module(self) -> str:
@@ -99,6 +101,22 @@ class MlxStore:
                 self.infos[oracle_name(name)] = MlxInfo(oracle_name(name), name, shape, spec.label, info.path, spec)
             else:
                 self.infos[oracle_name(name)] = MlxInfo(oracle_name(name), name, info.shape, info.dtype, info.path)
+        self._join_experts()
+
+    def _join_experts(self) -> None:
+        """mlx-lm's sanitize splits each MoE layer's ``experts.gate_up_proj`` [E, 2 I, H] in halves along axis 1
+        (``experts.switch_glu.gate_proj`` then ``up_proj``) and renames ``experts.down_proj``
+        (``experts.switch_glu.down_proj``): the checkpoint's tensors again, each part decoded as stored."""
+        for gate in [n for n in self.infos if n.endswith(SWITCH + "gate_proj.weight")]:
+            stem = gate[:-len(SWITCH + "gate_proj.weight")]
+            up, down = stem + SWITCH + "up_proj.weight", stem + SWITCH + "down_proj.weight"
+            parts = (self.infos.pop(gate), self.infos.pop(up))
+            shape = (parts[0].shape[0], parts[0].shape[1] + parts[1].shape[1], *parts[0].shape[2:])
+            dtypes = " + ".join(dict.fromkeys(p.dtype for p in parts))
+            self.infos[stem + "experts.gate_up_proj"] = MlxInfo(stem + "experts.gate_up_proj", parts[0].mlx_name,
+                                                                shape, dtypes, parts[0].path, parts[0].spec, parts)
+            if down in self.infos:
+                self.infos[stem + "experts.down_proj"] = replace(self.infos.pop(down), name=stem + "experts.down_proj")
 
     def __contains__(self, name: str) -> bool:
         return name in self.infos
@@ -113,10 +131,16 @@ class MlxStore:
 
     def undecodable(self, name: str) -> str | None:
         info = self.infos[name]
-        return None if info.spec is not None else self.inner.undecodable(info.mlx_name)
+        for part in info.parts or (info,):
+            if part.spec is None and (problem := self.inner.undecodable(part.mlx_name)) is not None:
+                return problem
+        return None
 
     def release(self, name: str) -> None:
-        info = self.infos[name]
+        for info in self.infos[name].parts or (self.infos[name],):
+            self._release(info)
+
+    def _release(self, info: MlxInfo) -> None:
         for part in ((".weight", ".scales", ".biases") if info.spec is not None else ("",)):
             self.inner.release(info.module + part if part else info.mlx_name)
 
@@ -126,7 +150,10 @@ class MlxStore:
         return row
 
     def _decoded(self, info: MlxInfo, start: int, stop: int) -> np.ndarray:
-        """Rows [start, stop) (first axis) of a quantised module, float64."""
+        """Rows [start, stop) (first axis) of a quantised module (or of a joined tensor's parts), float64."""
+        if info.parts:
+            return np.concatenate([self._decoded(p, start, stop) if p.spec is not None
+                                   else self.inner.read(p.mlx_name, start, stop) for p in info.parts], axis=1)
         words = self.inner.raw(info.mlx_name)[start:stop]
         scales = self.inner.read(info.module + ".scales", start, stop)
         biases = self.inner.read(info.module + ".biases", start, stop)
@@ -144,7 +171,7 @@ class MlxStore:
              out: np.ndarray | None = None) -> np.ndarray:
         """Rows [start, stop) of a tensor (all by default), decoded to ``dtype`` (into ``out`` when given)."""
         info = self.infos[name]
-        if info.spec is None:
+        if info.spec is None and not info.parts:
             return self.inner.read(info.mlx_name, start, stop, dtype, out)
         stop = info.shape[0] if stop is None else stop
         if not 0 <= start <= stop <= info.shape[0]:
@@ -170,6 +197,10 @@ class MlxStore:
     def rows(self, name: str, index, dtype: np.dtype = np.float64) -> np.ndarray:
         """``tensor[index]`` along the first axis (an int, a slice or an array of ints), decoded."""
         info = self.infos[name]
+        if info.parts:
+            picked = np.arange(info.shape[0])[index]
+            out = np.stack([self._decoded(info, int(r), int(r) + 1)[0] for r in np.atleast_1d(picked).reshape(-1)])
+            return out.astype(dtype, copy=False).reshape(np.shape(picked) + info.shape[1:])
         if info.spec is None:
             return self.inner.rows(info.mlx_name, index, dtype)
         picked = np.arange(info.shape[0])[index]
@@ -183,7 +214,7 @@ class MlxStore:
     def nonfinite(self, name: str, index=None) -> int:
         """How many decoded values of a tensor (of its rows ``index``, when given) are NaN or infinite."""
         info = self.infos[name]
-        if info.spec is None:
+        if info.spec is None and not info.parts:
             return self.inner.nonfinite(info.mlx_name, index)
         if index is not None:
             return int(np.count_nonzero(~np.isfinite(self.rows(name, index))))

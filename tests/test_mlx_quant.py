@@ -105,47 +105,78 @@ def test_the_values_are_mlx_dequantize_within_its_rounding(bits, group, rows, gr
 
 
 @pytest.fixture(scope="module")
-def e2b(tmp_path_factory) -> Path:
-    return write_checkpoint("e2b-mini", 0, tmp_path_factory.mktemp("mlx") / "e2b-mini")
+def presets(tmp_path_factory):
+    """preset -> its synthetic checkpoint, written once."""
+    root, made = tmp_path_factory.mktemp("mlx"), {}
+
+    def get(preset: str) -> Path:
+        if preset not in made:
+            made[preset] = write_checkpoint(preset, 0, root / preset)
+        return made[preset]
+    return get
 
 
-CONVERSIONS = {"q4-g32": (4, 32, None, None), "q8-g64": (8, 64, None, None), "q2-g32": (2, 32, None, None),
-               "q3-g64": (3, 64, None, None), "q5-g32": (5, 32, None, None), "q6-g64": (6, 64, None, None),
-               "mixed_3_6-g32": (3, 32, "mixed_3_6", None), "q4-g64-bf16": (4, 64, None, "bfloat16")}
+@pytest.fixture(scope="module")
+def e2b(presets) -> Path:
+    return presets("e2b-mini")
+
+
+# name -> (preset, bits, group size, mlx-lm recipe, dtype the weights are cast to first)
+CONVERSIONS = {"q4-g32": ("e2b-mini", 4, 32, None, None), "q8-g64": ("e2b-mini", 8, 64, None, None),
+               "q2-g32": ("e2b-mini", 2, 32, None, None), "q3-g64": ("e2b-mini", 3, 64, None, None),
+               "q5-g32": ("e2b-mini", 5, 32, None, None), "q6-g64": ("e2b-mini", 6, 64, None, None),
+               "mixed_3_6-g32": ("e2b-mini", 3, 32, "mixed_3_6", None),
+               "q4-g64-bf16": ("e2b-mini", 4, 64, None, "bfloat16"),
+               "256-wide q4-g128": ("e2b-256-mini", 4, 128, None, None),
+               "moe q4-g32": ("26b-a4b-mini", 4, 32, None, None),
+               "gemma4 wrapper q4-g32": ("e2b-vision-mini", 4, 32, None, None)}
+
+
+def _reference(raw: TensorStore, info) -> np.ndarray:
+    """A tensor of the store as the independent decoder reads it (a joined one: its parts along axis 1)."""
+    if info.parts:
+        return np.concatenate([_reference(raw, p) for p in info.parts], axis=1)
+    if info.spec is None:
+        return raw.get(info.mlx_name)
+    words = raw.raw(info.mlx_name)
+    s, b = raw.get(info.module + ".scales"), raw.get(info.module + ".biases")
+    want = reference_decode(words, s, b, info.spec.bits).reshape(info.shape)
+    theirs = np.array(mx.dequantize(mx.array(np.array(words)), mx.array(s.astype(np.float32)),
+                                    mx.array(b.astype(np.float32)), group_size=info.spec.group_size,
+                                    bits=info.spec.bits), dtype=np.float64).reshape(info.shape)
+    assert np.all(np.abs(want - theirs) <= _mx_bound(theirs.reshape(-1, theirs.shape[-1]),
+                                                     s.reshape(-1, s.shape[-1]), info.spec.bits,
+                                                     2.0 ** -24).reshape(info.shape)), info.name
+    return want
 
 
 @pytest.mark.parametrize("name", sorted(CONVERSIONS))
-def test_a_checkpoint_quantised_by_mlx_lm_is_its_dequantised_values(name, e2b, tmp_path):
-    """Every quantised tensor equals the independent decoder's values (and mx.dequantize's within its rounding);
-    the forward equals that of a float64 checkpoint holding those values (float64 rounding)."""
-    bits, group, recipe, dtype = CONVERSIONS[name]
-    out = quantise(e2b, tmp_path / name, bits, group, recipe, dtype)
-    store = MlxStore(out)
-    raw = TensorStore(out)
+def test_a_checkpoint_quantised_by_mlx_lm_is_its_dequantised_values(name, presets, tmp_path):
+    """Every tensor equals the independent decoder's values (within mx.dequantize's rounding of them too; the MoE
+    experts joined again from mlx-lm's halves); the forward equals that of a float64 checkpoint holding those
+    values (float64 rounding). mlx-lm's gemma4 wrapper (an image-text checkpoint) writes the text model under
+    language_model.model. and leaves the towers out: read as the checkpoint's model.language_model."""
+    preset, bits, group, recipe, dtype = CONVERSIONS[name]
+    src = presets(preset)
+    out = quantise(src, tmp_path / "mlx", bits, group, recipe, dtype)
+    store, raw = MlxStore(out), TensorStore(out)
     decoded, widths = {}, set()
     for full, info in store.infos.items():
-        if info.spec is None:
-            decoded[full] = raw.get(info.mlx_name)
-            continue
-        widths.add((info.spec.bits, info.spec.group_size))
-        words = raw.raw(info.mlx_name)
-        s, b = raw.get(info.module + ".scales"), raw.get(info.module + ".biases")
-        want = reference_decode(words, s, b, info.spec.bits).reshape(info.shape)
-        got = store.get(full)
-        assert np.array_equal(got, want), full
-        assert np.array_equal(store.rows(full, [3, 0, 3]), want[[3, 0, 3]])
-        theirs = np.array(mx.dequantize(mx.array(np.array(words)), mx.array(s.astype(np.float32)),
-                                        mx.array(b.astype(np.float32)), group_size=info.spec.group_size,
-                                        bits=info.spec.bits), dtype=np.float64)
-        assert np.all(np.abs(got - theirs) <= _mx_bound(theirs, s, info.spec.bits, 2.0 ** -24)), full
-        decoded[full] = want
+        decoded[full] = want = _reference(raw, info)
+        widths |= {(p.spec.bits, p.spec.group_size) for p in info.parts or (info,) if p.spec is not None}
+        assert np.array_equal(store.get(full), want), full
+        picked = [info.shape[0] - 1, 0, info.shape[0] - 1]
+        assert np.array_equal(store.rows(full, picked), want[picked]), full
     assert widths >= ({(bits, group), (6, group)} if recipe else {(bits, group)})
+    if preset == "e2b-vision-mini":
+        assert all(n.startswith("language_model.model.") for n in raw.names) and "model.language_model.norm.weight" \
+            in store.infos
     f64 = tmp_path / "decoded"
     f64.mkdir()
     for f in out.iterdir():
-        if f.name not in ("config.json",) and not f.name.startswith("model.safetensors"):
+        if f.name != "config.json" and not f.name.startswith("model.safetensors"):
             shutil.copy(f, f64 / f.name)
-    shutil.copy(e2b / "config.json", f64 / "config.json")
+    shutil.copy(src / "config.json", f64 / "config.json")
     write_safetensors(f64 / "model.safetensors", decoded, dtype="F64")
     ids = [2, 17, 300, 45, 9, 511, 2, 88]
     got, want = Gemma4(out).forward(ids, rows="all"), Gemma4(f64).forward(ids, rows="all")
