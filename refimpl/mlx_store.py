@@ -121,6 +121,14 @@ class MlxStore:
     def __contains__(self, name: str) -> bool:
         return name in self.infos
 
+    def quantisation(self) -> dict:
+        """What a fixture set records of the checkpoint's quantisation: the format, the activations' convention
+        (none: MLX's affine matmul does not quantise them) and, per stored module, its type, width and group."""
+        leaves = [p for info in self.infos.values() for p in info.parts or (info,) if p.spec is not None]
+        return {"format": "mlx-affine", "activations": "none",
+                "tensors": {p.module: {"type": p.spec.mode, "bits": p.spec.bits, "group_size": p.spec.group_size}
+                            for p in sorted(leaves, key=lambda p: p.module)}}
+
     @property
     def names(self) -> list[str]:
         return list(self.infos)

@@ -338,6 +338,8 @@ def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str |
             model = Gemma4(src, vision_mask=vision_mask)
         else:
             src, reused, model_info = model_dir, False, {"kind": "external", "path": str(model_dir), **model_key}
+            if callable(quantisation := getattr(model.weights.store, "quantisation", None)):
+                model_info["quantisation"] = quantisation()  # the stored types the oracle decoded exactly
         plan = _plan(run, src, model, seed, entries, name, cases, images, audio, store)
         drafter_dir = mtp_drafter(src, preset is not None, drafter, cases)
         check_bases(model.cfg, plan.jobs, drafter_dir is not None, allow_beyond_context)  # before any forward

@@ -46,6 +46,25 @@ from .format import (
 )
 from .head import SUMMARY_LEAVES
 
+QUANTISATION_FORMATS = ("mlx-affine",)  # quantised checkpoints a set can be made from
+ACTIVATIONS = ("none",)  # how the engine treats activations: none quantises them (ggml's CPU convention: next)
+
+
+def quantisation_problems(rec: Any, where: str) -> list[str]:
+    """The problems of a manifest's ``model.quantisation`` (absent for an unquantised checkpoint)."""
+    if rec is None:
+        return []
+    if not isinstance(rec, dict) or rec.get("format") not in QUANTISATION_FORMATS:
+        return [f"{where}: model.quantisation.format must be one of {', '.join(QUANTISATION_FORMATS)}"]
+    if rec.get("activations") not in ACTIVATIONS:
+        return [f"{where}: model.quantisation.activations must be one of {', '.join(ACTIVATIONS)}"]
+    tensors = rec.get("tensors")
+    if not (isinstance(tensors, dict) and all(isinstance(k, str) and isinstance(v, dict) and v.get("type") == "affine"
+                                              and v.get("bits") in (2, 3, 4, 5, 6, 8)
+                                              and v.get("group_size") in (32, 64, 128) for k, v in tensors.items())):
+        return [f"{where}: model.quantisation.tensors must map module paths to their type, bits and group_size"]
+    return []
+
 
 def _check_manifest(m: Any, where: str) -> list[str]:
     if not isinstance(m, dict):
@@ -108,6 +127,7 @@ def _check_manifest(m: Any, where: str) -> list[str]:
             elif sizes is not None and not (isinstance(sizes, dict) and set(sizes) == set(hashes) and all(
                     isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in sizes.values())):
                 out.append(f"{where}: model.size must map the files of model.sha256 to their sizes in bytes")
+            out += quantisation_problems(model.get("quantisation"), where)
     files = m.get("files")
     if not isinstance(files, dict):
         out.append(f"{where}: files must map file names to sha256 digests")

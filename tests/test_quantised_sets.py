@@ -1,0 +1,74 @@
+"""Fixture sets made from an MLX quantised checkpoint (issue 48): the manifest records the quantisation, verify
+checks the files' digests, check relocates the checkpoint with --model, the oracle passes its own set exactly and
+mlx-lm, on the same quantised weights, passes it at fp32 (its own float32 rounding is all that is left)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conformance.cli import main
+from conformance.sets.integrity import quantisation_problems
+from refimpl.synth import write_checkpoint
+
+pytest.importorskip("mlx.core", reason="mlx is not installed (the 'mlx' extra)")
+from mlx_convert import quantise
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory) -> tuple[Path, Path]:
+    """(an MLX mixed_3_6 checkpoint of e2b-mini, the text set generated from it)."""
+    root = tmp_path_factory.mktemp("qset")
+    ckpt = quantise(write_checkpoint("e2b-mini", 0, root / "src"), root / "mixed", 3, 32, "mixed_3_6")
+    assert main(["generate", "--model", str(ckpt), "--out", str(root / "set"), "--name", "e2b-mixed", "--cases",
+                 "text", "-q"]) == 0
+    return ckpt, root / "set"
+
+
+def test_the_manifest_records_the_quantisation(mixed):
+    """Every module config.json quantises, with its own entry's width and group (mixed_3_6 lists them all); the
+    activations' convention none; the files by digest as for any external checkpoint."""
+    ckpt, set_dir = mixed
+    model = json.loads((set_dir / "manifest.json").read_text())["model"]
+    block = json.loads((ckpt / "config.json").read_text())["quantization"]
+    listed = {k: {"type": "affine", "bits": v["bits"], "group_size": v["group_size"]} for k, v in block.items()
+              if isinstance(v, dict)}
+    q = model["quantisation"]
+    assert (q["format"], q["activations"]) == ("mlx-affine", "none")
+    assert q["tensors"] == listed and {v["bits"] for v in listed.values()} == {3, 6}
+    assert set(model["sha256"]) >= {"config.json", "model.safetensors"} and model["kind"] == "external"
+    assert quantisation_problems(q, "s") == []
+    assert quantisation_problems({**q, "format": "gguf"}, "s") == ["s: model.quantisation.format must be one of "
+                                                                   "mlx-affine"]
+    assert quantisation_problems({**q, "activations": "q8"}, "s") == ["s: model.quantisation.activations must be one "
+                                                                      "of none"]
+
+
+def test_verify_check_and_relocation(mixed, tmp_path, capsys):
+    ckpt, set_dir = mixed
+    assert main(["verify", str(set_dir), "--recompute"]) == 0
+    moved = shutil.copytree(ckpt, tmp_path / "elsewhere")
+    assert main(["check", "--backend", "refimpl", "--fixtures", str(set_dir), "--model", str(moved), "-q",
+                 "--profile", "exact-f64"]) == 0
+    capsys.readouterr()
+    data = moved / "model.safetensors"
+    blob = bytearray(data.read_bytes())
+    blob[-1] ^= 1
+    data.write_bytes(bytes(blob))
+    assert main(["check", "--backend", "refimpl", "--fixtures", str(set_dir), "--model", str(moved), "-q"]) == 3
+    assert "model.safetensors in the checkpoint directory" in capsys.readouterr().err
+
+
+def test_mlx_lm_on_its_own_quantised_weights_passes_at_fp32(mixed, tmp_path, capsys):
+    """mlx-lm loads the same directory (its QuantizedLinear, no requantisation) and passes every case at fp32, a
+    thousand times tighter in max_abs and KL than q4 and q8."""
+    pytest.importorskip("mlx_lm")
+    _, set_dir = mixed
+    out = tmp_path / "r.json"
+    assert main(["check", "--backend", "mlx-lm", "--fixtures", str(set_dir), "--profile", "fp32", "-q",
+                 "--json", str(out)]) == 0, capsys.readouterr()
+    report = json.loads(out.read_text())
+    assert {c["status"] for c in report["cases"]} == {"pass"} and len(report["cases"]) == 52
