@@ -84,6 +84,7 @@ def test_identity_capabilities_and_options():
     for later in ("hidden_states", "mtp", "mtp_generate"):  # not served (yet): docs/backends.md
         assert claimed.pop(later) is False
     assert claimed.pop("mtp_conventions") == ""
+    assert claimed.pop("weight_formats") == "safetensors,mlx-affine"  # a quantised directory as it is
     assert all(v is True for v in claimed.values()), claimed
     assert b.expectations_file is None
     for dtype in ("bfloat16", "float16"):

@@ -4,12 +4,14 @@ mlx-lm, on the same quantised weights, passes it at fp32 (its own float32 roundi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 
+from conformance.backends.refimpl_backend import RefimplBackend
 from conformance.cli import main
 from conformance.sets.integrity import quantisation_problems
 from refimpl.synth import write_checkpoint
@@ -72,3 +74,30 @@ def test_mlx_lm_on_its_own_quantised_weights_passes_at_fp32(mixed, tmp_path, cap
                  "--json", str(out)]) == 0, capsys.readouterr()
     report = json.loads(out.read_text())
     assert {c["status"] for c in report["cases"]} == {"pass"} and len(report["cases"]) == 52
+
+
+class SafetensorsOnly(RefimplBackend):
+    """The oracle, claiming to open safetensors checkpoints only; refuses to be opened."""
+
+    def __init__(self):
+        super().__init__()
+        self.capabilities = dataclasses.replace(self.capabilities, weight_formats="safetensors")
+
+    def open(self, model_dir):
+        raise AssertionError("opened on a set of a format it does not claim")
+
+
+def test_a_backend_that_does_not_open_the_format_claims_none_of_its_cases(mixed, tmp_path, capsys):
+    """weight_formats: the set's cases need weight_formats=mlx-affine; a backend without it is never opened and
+    reports every case not claimed (exit 5, no case run); the numpy engine, which reads the format through the
+    oracle's loader, passes the set exactly."""
+    _, set_dir = mixed
+    out = tmp_path / "r.json"
+    assert main(["check", "--backend", f"{__name__}:SafetensorsOnly", "--fixtures", str(set_dir), "-q",
+                 "--json", str(out)]) == 5
+    cases = json.loads(out.read_text())["cases"]
+    assert {c["status"] for c in cases} == {"not-claimed"} and all(
+        "weight_formats=mlx-affine" in c["message"] for c in cases)
+    assert main(["check", "--backend", "numpy-engine", "--fixtures", str(set_dir), "-q", "--profile",
+                 "exact-f64"]) == 0
+    capsys.readouterr()

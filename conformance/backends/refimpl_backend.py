@@ -55,6 +55,7 @@ def all_capabilities(default_profile: str) -> Capabilities:
         chunked_prefill=True, multi_sequence=True, decode=True, image_prompts=True, audio_prompts=True,
         audio_tower=True, image_tower=True, hidden_states=True, mtp=True, mtp_generate=True,
         mtp_conventions=",".join(CONVENTIONS), traces=True, default_profile=default_profile,
+        weight_formats="safetensors,mlx-affine",  # the oracle reads MLX's affine checkpoints (refimpl/mlx_store.py)
     )
 
 

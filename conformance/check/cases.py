@@ -55,7 +55,7 @@ def _claimed_request(res: CaseResult, case, ctx, claimed: dict):
     only missing capability is decode loses its decode steps; ``res`` marked ``not-claimed`` when it needs
     more than the backend claims."""
     request = build_request(case, ctx.bases, ctx.embed, ctx.media, ctx.drafter)
-    res.needs = required_capabilities(request)
+    res.needs = required_capabilities(request) + ctx.weight_needs
     res.missing = [n for n in res.needs if not claims(claimed, n)]
     if res.missing == ["decode"]:
         # a backend without decode still has its prefill rows graded; the decode steps are reported as

@@ -120,6 +120,9 @@ class SetContext:
         self.embed = Embedder(oracle, convention)
         self.media = fs.media(convention)
         self.pieces = token_pieces(model_dir)
+        # a set made from a quantised checkpoint needs a backend that opens that format (weight_formats)
+        fmt = (fs.manifest.get("model", {}).get("quantisation") or {}).get("format")
+        self.weight_needs = [] if fmt is None else [f"weight_formats={fmt}"]
         # final-norm rows: the MTP bases' as stored, the others made on first use from the residual stream
         self.base_hidden = ChainMap(mtp_hidden, OracleHidden(fs.hidden_states(), oracle))
 
@@ -139,6 +142,7 @@ class SetContext:
         A case whose request cannot be built counts as claimable: running it reports the harness error."""
         try:
             need = required_capabilities(build_request(case, self.bases, self.embed, self.media, self.drafter))
+            need += self.weight_needs
         except Exception:  # noqa: BLE001 - running it reports the harness error
             return True
         return all(claims(claimed, n) for n in need if n != "decode")

@@ -121,6 +121,7 @@ KINDS = ("full", "last", "prefill", "multi", "mtp")
 MTP_MODES = ("rounds", "generate")
 ENTRIES = ("plain", "seq_id", "embeddings")
 EMBEDDING_CONVENTIONS = ("scaled", "raw")
+WEIGHT_FORMATS = ("safetensors", "mlx-affine")  # checkpoint formats a fixture set is made from
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,9 @@ class Capabilities:
     mtp_conventions: str = ""  # the MTP conventions it follows, comma-separated (refimpl.mtp.CONVENTIONS)
     traces: bool = False  # answers request.trace: named intermediates of every returned row (Response.trace)
     default_profile: str = "fp32"
+    # the checkpoint formats it opens, comma-separated (WEIGHT_FORMATS); a set made from a quantised checkpoint of
+    # a format not listed is not claimed
+    weight_formats: str = "safetensors"
 
     def __post_init__(self):
         if self.embedding_convention not in EMBEDDING_CONVENTIONS:

@@ -209,6 +209,7 @@ class MlxLmBackend(CachedBackend):
             full_forward=True, last_plain=True, last_seq_id=True, last_embeddings=True,
             embedding_convention="raw", interior_rows=True, output_rows=True, ubatch=True,
             chunked_prefill=True, multi_sequence=True, decode=True, traces=True, default_profile=default_profile,
+            weight_formats="safetensors,mlx-affine",  # mlx-lm loads a quantised directory as QuantizedLinear layers
         )
         # the shipped expectations were measured on (and are about) mlx's CPU build
         shipped = EXPECTATIONS_DIR / f"{self.name}.json"
