@@ -528,7 +528,7 @@ def checked_set(path: str | Path, *, model: str | Path | None = None,
     try:
         problems, fs = read_set(Path(path))
         if not problems:
-            rec = fs.manifest["model"]
+            rec = fs.model_record
             if rec["kind"] == "external" and model is None and recorded_dir(rec) is None:
                 fs.warnings.append(not_checked_note(rec))
             elif rec["kind"] == "external":

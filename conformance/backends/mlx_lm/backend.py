@@ -50,6 +50,8 @@ What mlx-lm does not do, and how this backend handles it:
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 from contextlib import contextmanager
@@ -183,13 +185,18 @@ class MlxLmBackend(CachedBackend):
 
     Options: ``dtype`` ("float32" default, "bfloat16", "float16"): the compute and weight dtype,
     weights cast with mlx as ``mlx_lm.convert --dtype`` does; ``default_profile`` (default "fp32"
-    for float32, "bf16" for bfloat16 and float16).
+    for float32, "bf16" for bfloat16 and float16); ``quantize`` (``"<bits>:<group size>"``, e.g. "4:32", or
+    ``"mixed_3_6:32"`` for one of mlx-lm's mixed recipes): quantise an unquantised checkpoint at open with
+    mlx-lm's own ``quantize_model``, as ``mlx_lm.convert -q`` does, to grade the quantised engine against the
+    unquantised oracle (default profile q4 up to 4 bits, else q8). A checkpoint already quantised is loaded
+    as it is, whatever this option says (no requantisation).
     """
 
     who = "mlx-lm backend"
 
-    def __init__(self, dtype: str = "float32", default_profile: str | None = None):
+    def __init__(self, dtype: str = "float32", default_profile: str | None = None, quantize: str | None = None):
         super().__init__()
+        self.quantize = None if quantize is None else _quantize_option(quantize)
         if dtype not in DTYPES:
             hint = ""
             if dtype in ("float64", "f64"):
@@ -198,13 +205,14 @@ class MlxLmBackend(CachedBackend):
             raise ValueError(f"mlx-lm backend: option dtype must be one of "
                              f"{', '.join(repr(d) for d in DTYPES)}, got {dtype!r}{hint}")
         if default_profile is None:
-            default_profile = DEFAULT_PROFILE[dtype]
+            default_profile = DEFAULT_PROFILE[dtype] if quantize is None else (
+                "q4" if self.quantize[0] in (2, 3, 4) or isinstance(self.quantize[0], str) else "q8")
 
         if default_profile not in PROFILES:
             raise ValueError(f"mlx-lm backend: option default_profile must be one of "
                              f"{', '.join(repr(p) for p in PROFILES)}, got {default_profile!r}")
         self.dtype = dtype
-        self.name = f"mlx-lm-{dtype}"
+        self.name = f"mlx-lm-{dtype}" + ("" if quantize is None else f"-q{quantize.replace(':', '-g')}")
         self.capabilities = Capabilities(
             full_forward=True, last_plain=True, last_seq_id=True, last_embeddings=True,
             embedding_convention="raw", interior_rows=True, output_rows=True, ubatch=True,
@@ -241,6 +249,8 @@ class MlxLmBackend(CachedBackend):
         cast_predicate = getattr(model, "cast_predicate", lambda _: True)
         # what mlx_lm.convert --dtype does: every floating parameter to the dtype
         model.update(_cast(model.parameters(), target, cast_predicate))
+        if self.quantize is not None and "quantization" not in raw:
+            model = _quantized(model, raw, *self.quantize)
         mx.eval(model.parameters())
         self.model = model
         self.text_config = cfg
@@ -257,6 +267,8 @@ class MlxLmBackend(CachedBackend):
             "architecture": cfg.architecture, "serialisation": cfg.serialisation,
             "stored_dtypes": stored, "dtype": self.dtype, "versions": _versions(),
             "config_patch": patch, "caches": caches, "unsupported": self.unsupported,
+            "quantization": raw.get("quantization") if "quantization" in raw else (
+                None if self.quantize is None else {"quantized_at_open": ":".join(map(str, self.quantize))}),
         }
         self._prompt_cache = {kind: caches.count(kind) for kind in dict.fromkeys(caches)}
 
@@ -472,6 +484,32 @@ def _take(value: mx.array, rows: Sequence[int]) -> np.ndarray:
     exactly), integers (the router's expert indices) as they are."""
     picked = value[0][mx.array([int(r) for r in rows], dtype=mx.int32)]
     return np.array(picked.astype(mx.float32) if mx.issubdtype(picked.dtype, mx.floating) else picked)
+
+
+def _quantize_option(value: str) -> tuple[int | str, int]:
+    """(bits or a mixed recipe's name, group size) of the ``quantize`` option; ValueError when malformed."""
+    what, _, group = str(value).partition(":")
+    recipes = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")
+    ok = group.isdigit() and int(group) in (32, 64, 128) and (what in recipes or what in ("2", "3", "4", "5", "6", "8"))
+    if not ok:
+        raise ValueError(f"mlx-lm backend: option quantize must be '<bits>:<group size>' (bits 2, 3, 4, 5, 6 or 8, or "
+                         f"one of {', '.join(recipes)}; group size 32, 64 or 128), got {value!r}")
+    return (what if what in recipes else int(what)), int(group)
+
+
+def _quantized(model, raw: dict, what: int | str, group: int):
+    """``model`` quantised as ``mlx_lm.convert -q`` quantises it (mlx-lm's Gemma 4 predicate, or a mixed recipe)."""
+    from mlx_lm.convert import mixed_quant_predicate_builder
+    from mlx_lm.utils import quantize_model
+
+    if isinstance(what, str):
+        predicate = mixed_quant_predicate_builder(what, model, group)
+        bits = None
+    else:
+        predicate, bits = None, what
+    with contextlib.redirect_stdout(io.StringIO()):  # quantize_model prints its bits per weight
+        model, _ = quantize_model(model, dict(raw), group, bits, quant_predicate=predicate)
+    return model
 
 
 def _cast(params, dtype, cast_predicate):
