@@ -313,3 +313,29 @@ def test_bfloat16_dense(preset_dirs, oracle_bases):
         assert 1e-3 < max_abs(r.logits, ref[:9]) < PROFILES["bf16"].max_abs  # bf16, not float32, and close
     finally:
         b.close()
+
+
+def test_quantize_at_open_is_the_quantised_checkpoint(preset_dirs):
+    """quantize="4:32" quantises at open with mlx-lm's own quantize_model: the same weights as the bundled MLX
+    checkpoint mlx-lm's quantiser wrote from the same preset, so the same answer (float32 rounding of the same
+    computation); a quantised checkpoint is loaded as it is (no requantisation); a malformed option is refused."""
+    from conformance.sets import bundled_sets
+
+    request = Request(kind="full", tokens=(2, 17, 300, 45, 9))
+    own = next(p for p in bundled_sets() if p.name == "e2b-mini-mlx-q4") / "checkpoint"
+    answers = {}
+    for name, model_dir, options in (("at open", preset_dirs["e2b-mini"], {"quantize": "4:32"}),
+                                     ("shipped", own, {}), ("shipped, option ignored", own, {"quantize": "8:64"})):
+        b = MlxLmBackend(**options)
+        b.open(model_dir)
+        answers[name] = np.asarray(b.run(request).logits, dtype=np.float64)
+        b.close()
+    want = answers["shipped"]
+    assert all(max_abs(a, want) <= 1e-5 * np.max(np.abs(want)) for a in answers.values())
+    b = MlxLmBackend(quantize="4:32")
+    assert (b.name, b.capabilities.default_profile) == ("mlx-lm-float32-q4-g32", "q4")
+    assert MlxLmBackend(quantize="8:64").capabilities.default_profile == "q8"
+    with pytest.raises(ValueError) as e:
+        MlxLmBackend(quantize="4")
+    assert str(e.value) == ("mlx-lm backend: option quantize must be '<bits>:<group size>' (bits 2, 3, 4, 5, 6 or 8, "
+                            "or one of mixed_2_6, mixed_3_4, mixed_3_6, mixed_4_6; group size 32, 64 or 128), got '4'")
