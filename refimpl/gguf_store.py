@@ -85,6 +85,13 @@ class GGUFStore:
     def __contains__(self, name: str) -> bool:
         return name in self.infos
 
+    def quantisation(self) -> dict:
+        """What a fixture set records of the file's quantisation: the format, the activations' convention (none:
+        the oracle multiplies the decoded weights by the activations as they are) and each tensor's ggml type."""
+        return {"format": "gguf", "activations": "none",
+                "tensors": {t.name: {"type": t.type_name} for t in sorted(self.file.tensors.values(),
+                                                                         key=lambda t: t.name)}}
+
     @property
     def names(self) -> list[str]:
         return list(self.infos)

@@ -83,9 +83,11 @@ def gguf_multimodal_tokens(path: str | Path, kinds: Sequence[str] = ()) -> Multi
     """The placeholder ids of a GGUF model, looked up by their pieces in its vocabulary
     (``tokenizer.ggml.tokens``; the file holds no ids for them). The pieces of ``kinds`` must be there
     (ConfigError naming the piece otherwise); an id the prompts do not use and the vocabulary lacks is -1,
-    which no token equals."""
+    which no token equals (every id, for a file without a vocabulary asked for no media prompt)."""
     f = open_gguf(path)
     tokens = f.metadata.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) and not kinds:
+        tokens = []  # text prompts only: no placeholder is looked for
     if not isinstance(tokens, list):
         raise ConfigError(f"{f.path}: the GGUF file holds no vocabulary (tokenizer.ggml.tokens); image and audio "
                           "prompts find their placeholder tokens in it")

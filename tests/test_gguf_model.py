@@ -323,21 +323,18 @@ def test_a_gguf_chat_template_and_the_tokenizer_beside_it(preset_dirs, tmp_path)
     _close(got["d"].get("logits"), got["g"].get("logits"))
 
 
-@pytest.mark.parametrize("argv", [["generate", "--model", "{path}", "--out", "{out}"],
-                                  ["check", "--backend", "refimpl", "--model", "{path}"],
-                                  ["verify", "--model", "{path}", "{bundled}"]])
-def test_the_gate_says_a_gguf_is_not_a_checkpoint_directory(argv, preset_dirs, ggufs, tmp_path):
-    """conformance generate / check / verify --model FILE.gguf: one line and exit 2, saying where a GGUF is read
-    (sets are made from checkpoint directories), not "no such directory"."""
+@pytest.mark.parametrize("argv", [["generate", "--model", "{dir}", "--drafter", "{path}", "--out", "{out}"],
+                                  ["check", "--backend", "refimpl", "--drafter", "{path}"]])
+def test_the_gate_says_a_drafter_gguf_is_not_a_checkpoint_directory(argv, preset_dirs, ggufs, tmp_path):
+    """--drafter FILE.gguf on generate / check: one line and exit 2, saying where a drafter GGUF is read, not "no
+    such directory". (A GGUF --model makes and checks sets: tests/test_quantised_sets.py.)"""
     path = ggufs(preset_dirs, "e2b-mini")
-    from conformance.sets import bundled_sets
-
-    args = [a.format(path=path, out=tmp_path / "set", bundled=bundled_sets()[0]) for a in argv]
+    args = [a.format(path=path, dir=preset_dirs["e2b-mini"], out=tmp_path / "set") for a in argv]
     run = subprocess.run([sys.executable, "-m", "conformance.cli", *args], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stderr
-    assert run.stderr.endswith(f"--model {path}: a GGUF file; fixture sets are made from and checked against "
-                               "checkpoint directories (config.json and safetensors); the oracle reads a GGUF with "
-                               "refimpl logits --model FILE.gguf\n") and run.stderr.count("\n") == 1, run.stderr
+    assert run.stderr.endswith(f"--drafter {path}: a GGUF file; a set's MTP drafter is a checkpoint directory "
+                               "(config.json and safetensors); the oracle reads a drafter GGUF with "
+                               "refimpl.assistant.Drafter\n") and run.stderr.count("\n") == 1, run.stderr
     assert not (tmp_path / "set").exists()
 
 

@@ -43,8 +43,8 @@ def test_the_manifest_records_the_quantisation(mixed):
     assert q["tensors"] == listed and {v["bits"] for v in listed.values()} == {3, 6}
     assert set(model["sha256"]) >= {"config.json", "model.safetensors"} and model["kind"] == "external"
     assert quantisation_problems(q, "s") == []
-    assert quantisation_problems({**q, "format": "gguf"}, "s") == ["s: model.quantisation.format must be one of "
-                                                                   "mlx-affine"]
+    assert quantisation_problems({**q, "format": "q4"}, "s") == ["s: model.quantisation.format must be one of "
+                                                                 "mlx-affine, gguf"]
     assert quantisation_problems({**q, "activations": "q8"}, "s") == ["s: model.quantisation.activations must be one "
                                                                       "of none"]
 
@@ -101,3 +101,58 @@ def test_a_backend_that_does_not_open_the_format_claims_none_of_its_cases(mixed,
     assert main(["check", "--backend", "numpy-engine", "--fixtures", str(set_dir), "-q", "--profile",
                  "exact-f64"]) == 0
     capsys.readouterr()
+
+
+# ----------------------------------------------------------------------------------------------
+# sets from a GGUF file
+
+
+@pytest.fixture(scope="module")
+def gguf_set(tmp_path_factory) -> tuple[Path, Path]:
+    """(a Q8_0 GGUF of e2b-mini written with gguf-py under llama.cpp's names, the text set generated from it)."""
+    gguf_writer = pytest.importorskip("gguf_writer")
+    root = tmp_path_factory.mktemp("gguf-set")
+    path = gguf_writer.write_gguf(write_checkpoint("e2b-mini", 0, root / "src"), root / "e2b-q8.gguf",
+                                  gguf_writer.T.Q8_0)
+    assert main(["generate", "--model", str(path), "--out", str(root / "set"), "--name", "e2b-q8-gguf", "--cases",
+                 "text", "-q"]) == 0
+    return path, root / "set"
+
+
+def test_a_gguf_set_records_the_file_and_its_types(gguf_set, capsys):
+    """The manifest records the one file by size and sha256 and each of its tensors' ggml type (the file's own
+    names); verify --recompute passes; the oracle and the numpy engine pass the set exactly."""
+    from refimpl.gguf_io import open_gguf
+
+    path, set_dir = gguf_set
+    model = json.loads((set_dir / "manifest.json").read_text())["model"]
+    assert (model["kind"], model["path"], list(model["sha256"])) == ("external", str(path), [path.name])
+    assert model["size"] == {path.name: path.stat().st_size}
+    q = model["quantisation"]
+    assert (q["format"], q["activations"]) == ("gguf", "none")
+    stored = {t.name: t.type_name for t in open_gguf(path).tensors.values()}
+    assert {k: v["type"] for k, v in q["tensors"].items()} == stored and "Q8_0" in stored.values()
+    assert quantisation_problems({**q, "tensors": {"x": {"type": "Q9_9"}}}, "s") == [
+        "s: model.quantisation.tensors must map the file's tensor names to their ggml types"]
+    assert main(["verify", str(set_dir), "--recompute"]) == 0
+    for backend in ("refimpl", "numpy-engine"):
+        assert main(["check", "--backend", backend, "--fixtures", str(set_dir), "-q", "--profile", "exact-f64"]) == 0
+    capsys.readouterr()
+
+
+def test_a_gguf_set_takes_its_file_anywhere(gguf_set, tmp_path, capsys):
+    """check --model: the file under another name, or a directory holding it under its recorded name; a file of
+    other bytes is exit 3 naming it; an engine that does not open GGUF files (mlx-lm) claims none of the cases."""
+    path, set_dir = gguf_set
+    renamed = shutil.copy(path, tmp_path / "mine.gguf")
+    (tmp_path / "dir").mkdir()
+    shutil.copy(path, tmp_path / "dir" / path.name)
+    for given in (renamed, tmp_path / "dir"):
+        assert main(["check", "--backend", "refimpl", "--fixtures", str(set_dir), "--model", str(given), "-q"]) == 0
+    with open(renamed, "ab") as f:
+        f.write(b"x")
+    capsys.readouterr()
+    assert main(["check", "--backend", "refimpl", "--fixtures", str(set_dir), "--model", str(renamed), "-q"]) == 3
+    assert f"{path.name} in the checkpoint directory {renamed} (--model) differs" in capsys.readouterr().err
+    pytest.importorskip("mlx_lm")
+    assert main(["check", "--backend", "mlx-lm", "--fixtures", str(set_dir), "-q"]) == 5

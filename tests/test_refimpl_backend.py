@@ -58,7 +58,7 @@ def test_identity_and_capabilities():
     assert claimed.pop("embedding_convention") == "scaled"
     assert claimed.pop("default_profile") == "exact-f64"
     assert claimed.pop("mtp_conventions") == ",".join(CONVENTIONS)  # the oracle follows every MTP convention
-    assert claimed.pop("weight_formats") == "safetensors,mlx-affine"  # it reads MLX quantised directories
+    assert claimed.pop("weight_formats") == "safetensors,mlx-affine,gguf"  # MLX quantised directories, GGUF files
     assert all(v is True for v in claimed.values()), claimed
     f32 = RefimplFloat32Backend()
     assert (f32.name, f32.dtype, f32.capabilities.default_profile) == ("refimpl-float32", "float32", "fp32")

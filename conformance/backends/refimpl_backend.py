@@ -26,6 +26,7 @@ from refimpl import Gemma4, KVCache, RefimplError
 from refimpl.assistant import Drafter
 from refimpl.config import read_config_json
 from refimpl.frontends import audio_front_end, image_front_end
+from refimpl.gguf_io import is_gguf
 from refimpl.model import VISION_MASK_RULES, Trace
 from refimpl.mtp import CONVENTIONS, assisted_greedy, run_rounds
 from refimpl.multimodal import llm_input_ids, load_multimodal_tokens
@@ -55,7 +56,7 @@ def all_capabilities(default_profile: str) -> Capabilities:
         chunked_prefill=True, multi_sequence=True, decode=True, image_prompts=True, audio_prompts=True,
         audio_tower=True, image_tower=True, hidden_states=True, mtp=True, mtp_generate=True,
         mtp_conventions=",".join(CONVENTIONS), traces=True, default_profile=default_profile,
-        weight_formats="safetensors,mlx-affine",  # the oracle reads MLX's affine checkpoints (refimpl/mlx_store.py)
+        weight_formats="safetensors,mlx-affine,gguf",  # the oracle reads MLX's affine checkpoints and GGUF files
     )
 
 
@@ -111,7 +112,7 @@ class RefimplBackend(CachedBackend):
                 self.model = Gemma4(model_dir, dtype=self.dtype, embed_scale=self.embed_scale,
                                     vision_mask=self.vision_mask)
             self.tokens = load_multimodal_tokens(model_dir)
-            _, raw = read_config_json(model_dir)
+            raw = {} if is_gguf(model_dir) else read_config_json(model_dir)[1]  # a GGUF: the text model only
             self.vision = image_front_end(model_dir, self.dtype) if isinstance(raw.get("vision_config"), dict) else None
             self.audio = audio_front_end(model_dir, self.dtype) if isinstance(raw.get("audio_config"), dict) else None
         except (RefimplError, OSError) as exc:

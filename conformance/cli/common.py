@@ -149,18 +149,21 @@ def positive_seconds(value: str) -> float:
     return seconds
 
 
-def refuse_gguf(value: str | None, flag: str = "--model") -> None:
-    """UsageError for a GGUF file given where the gate wants a checkpoint directory (its sets are made from
-    safetensors checkpoints; the oracle itself reads a GGUF: refimpl logits --model FILE.gguf)."""
+def refuse_gguf(value: str | None, flag: str = "--drafter") -> None:
+    """UsageError for a GGUF file given as the MTP drafter of a set (sets record the drafter as a checkpoint
+    directory; the oracle itself reads a drafter GGUF: refimpl.assistant.Drafter)."""
     if value is not None and is_gguf(value):
-        raise UsageError(f"{flag} {value}: a GGUF file; fixture sets are made from and checked against checkpoint "
-                         "directories (config.json and safetensors); the oracle reads a GGUF with refimpl logits "
-                         "--model FILE.gguf")
+        raise UsageError(f"{flag} {value}: a GGUF file; a set's MTP drafter is a checkpoint directory (config.json "
+                         "and safetensors); the oracle reads a drafter GGUF with refimpl.assistant.Drafter")
 
 
 def model_dir_arg(value: str | None, flag: str = "--model") -> str | None:
-    """--model DIR (or --drafter DIR) of check and verify: an existing directory (UsageError otherwise), or None."""
-    refuse_gguf(value, flag)
+    """--model DIR (or --drafter DIR) of check and verify: an existing directory, or for --model the GGUF file a
+    set was made from (UsageError otherwise), or None."""
+    if value is not None and flag == "--model" and Path(value).is_file() and is_gguf(value):
+        return value
+    if flag != "--model":
+        refuse_gguf(value, flag)
     if value is not None and not Path(value).is_dir():
         raise UsageError(f"{flag}: no such directory: {value}")
     return value

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from refimpl.errors import RefimplError
+from refimpl.gguf_io import is_gguf
 
 from ..check.runner import interrupt_signal
 from ..generate import (
@@ -88,9 +89,9 @@ def cmd_generate(args) -> int:
         raise UsageError(f"--workers must be at least 1, got {args.workers}")
     if args.prompts is not None and not Path(args.prompts).is_file():
         raise UsageError(f"--prompts: no such file: {args.prompts}")
-    refuse_gguf(args.model)
     refuse_gguf(args.drafter, "--drafter")
-    if args.model is not None and not Path(args.model).is_dir():
+    if args.model is not None and not Path(args.model).is_dir() and not (Path(args.model).is_file()
+                                                                          and is_gguf(args.model)):
         raise UsageError(f"--model: no such directory: {args.model}")
     if args.drafter is not None and args.model is None:
         raise UsageError("--drafter applies to --model only (a preset with an assistant brings its own)")

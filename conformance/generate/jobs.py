@@ -92,7 +92,7 @@ def job_context(model_dir: str, key: str, vision_mask: str = "sliding-clamped") 
         ctx = _CONTEXTS.get((model_dir, key))
         if ctx is None:
             path = Path(model_dir)
-            if not path.is_dir() or not (path / "config.json").is_file():
+            if not (path.is_dir() and (path / "config.json").is_file()) and not path.is_file():  # or a GGUF file
                 raise FixtureError(f"worker {where()} cannot see the model directory {model_dir}; the model and "
                                    "--out's parent must be on storage every worker mounts at the same absolute path")
             _CONTEXTS.clear()

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
+from refimpl.gguf_io import is_gguf
 from refimpl.model import VISION_MASK_RULES, Gemma4
 from refimpl.safetensors_io import write_safetensors
 from refimpl.synth import PRESETS
@@ -49,8 +50,8 @@ from ..sets.format import (
     SYNTHETIC_FILES,
     FixtureError,
     base_file,
+    checkpoint_files,
     hash_files,
-    model_files,
     sha256_file,
     versions,
     write_json,
@@ -224,8 +225,8 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
         raise ValueError(f"cases must be one of {', '.join(CASE_KINDS)}, got {cases!r}")
     if model_dir is not None:
         model_dir = Path(model_dir).resolve()
-        if not model_dir.is_dir():
-            raise ValueError(f"{model_dir}: not a directory")
+        if not model_dir.is_dir() and not (model_dir.is_file() and is_gguf(model_dir)):
+            raise ValueError(f"{model_dir}: not a directory or a GGUF file")
     drafter = checked_drafter(drafter, preset)
     if cases == "images" and entries:
         raise ValueError("prompts make text bases, but cases='images' writes the image matrix only; use cases='all'")
@@ -322,7 +323,7 @@ def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str |
     else:
         model = Gemma4(model_dir, vision_mask=vision_mask)  # float64, exact sqrt(H); RefimplError for a bad checkpoint
         # the checkpoint by content (sha256 and size of each file, digests cached); its path is provenance only
-        model_key = {"kind": "external", **checkpoint_record(model_dir, model_files(model_dir))}
+        model_key = {"kind": "external", **checkpoint_record(*checkpoint_files(model_dir))}
     # the run key: what the results depend on, never how a path was spelled (docs/distributed-generation.md)
     arguments = {"model": model_key, "cases": cases, "name": name, "version": version, "store": store,
                  "prompts": [{k: e[k] for k in ("kind", "value", "id", "chat")} for e in entries],

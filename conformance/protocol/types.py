@@ -121,7 +121,7 @@ KINDS = ("full", "last", "prefill", "multi", "mtp")
 MTP_MODES = ("rounds", "generate")
 ENTRIES = ("plain", "seq_id", "embeddings")
 EMBEDDING_CONVENTIONS = ("scaled", "raw")
-WEIGHT_FORMATS = ("safetensors", "mlx-affine")  # checkpoint formats a fixture set is made from
+WEIGHT_FORMATS = ("safetensors", "mlx-affine", "gguf")  # checkpoint formats a fixture set is made from
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,7 @@ from refimpl import RefimplError
 from refimpl.audio import AudioConfig, AudioWeights, load_audio_tower
 from refimpl.config import read_config_json
 from refimpl.frontends import ImageFrontEnd, image_front_end
+from refimpl.gguf_io import is_gguf
 from refimpl.model import VISION_MASK_RULES, Gemma4, LayerKV, experts, per_layer_inputs, rope_inv_freq, route
 from refimpl.multimodal import MultimodalTokens, load_multimodal_tokens
 from refimpl.ops import apply_rope, attention, attention_mask, gelu_tanh, linear, mlp, rms_norm, rope_cos_sin, softcap
@@ -697,7 +698,7 @@ class NumpyEngineBackend:
         try:
             model = Gemma4(model_dir, dtype=self.dtype, embed_scale=self.embed_scale, vision_mask=self.vision_mask)
             self.tokens = load_multimodal_tokens(model_dir)
-            _, raw = read_config_json(model_dir)
+            raw = {} if is_gguf(model_dir) else read_config_json(model_dir)[1]  # a GGUF: the text model only
             load_audio = load_unified_audio if is_unified(model_dir) else load_audio_tower
             audio = load_audio(model_dir, self.dtype) if raw.get("audio_config") is not None else None
             image = image_front_end(model_dir, self.dtype) if raw.get("vision_config") is not None else None

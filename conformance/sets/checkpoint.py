@@ -150,9 +150,10 @@ def _plural(n: int, word: str) -> str:
 
 
 def recorded_dir(model: Mapping[str, Any]) -> Path | None:
-    """The path the manifest's model record was made from, when it is a directory here (else None)."""
+    """The path the manifest's model record was made from, when it is here (a directory, or a GGUF file; else
+    None)."""
     path = model.get("path")
-    return Path(path) if isinstance(path, str) and path and os.path.isdir(path) else None
+    return Path(path) if isinstance(path, str) and path and os.path.exists(path) else None
 
 
 def not_checked_note(model: Mapping[str, Any]) -> str:
@@ -172,17 +173,23 @@ def checkpoint_problems(model: Mapping[str, Any], model_dir: str | Path | None =
     if model_dir is None:
         d = Path(str(model.get("path")))
         place = f"{d} (the path the set records)"
-        if not d.is_dir():
+        if not d.exists():
             return [f"{where}: the checkpoint is not at the path the set records ({d}), so none of its "
                     f"{_plural(len(names), 'recorded file')} ({', '.join(names)}) could be checked; {MODEL_HINT}"]
     else:
         d = Path(model_dir)
         place = f"{d} (--model)"
-        if not d.is_dir():
+        if not d.exists():
             return [f"{where}: --model {d}: no such directory; {MODEL_HINT}"]
+    files = {n: d / n for n in names}
+    if d.is_file():  # a one-file checkpoint (a GGUF): the file itself, whatever its name
+        if len(names) != 1:
+            return [f"{where}: {d} is a file, but the set records a checkpoint of {_plural(len(names), 'file')} "
+                    f"({', '.join(names)}); {MODEL_HINT}"]
+        files = {names[0]: d}
     problems, todo = [], []
     for n in names:
-        f, want_size, want = d / n, sizes.get(n), model["sha256"][n]
+        f, want_size, want = files[n], sizes.get(n), model["sha256"][n]
         recorded = f"{want_size} bytes, sha256 {want}" if want_size is not None else f"sha256 {want}"
         try:
             size = os.stat(f).st_size if f.is_file() else None
@@ -201,7 +208,7 @@ def checkpoint_problems(model: Mapping[str, Any], model_dir: str | Path | None =
         for n in todo:
             want = model["sha256"][n]
             try:
-                got = cache.sha256(d / n)
+                got = cache.sha256(files[n])
             except OSError as e:
                 problems.append(f"{where}: {n} in the checkpoint directory {place} cannot be read ({e.strerror or e})")
                 continue
@@ -216,11 +223,15 @@ def checkpoint_problems(model: Mapping[str, Any], model_dir: str | Path | None =
 
 def find_checkpoint(model: Mapping[str, Any], model_dir: str | Path | None = None, *, where: str,
                     rehash: bool = False) -> Path:
-    """The checkpoint directory of the manifest's ``model`` record: ``model_dir`` (``--model``) or else the
-    recorded path, as an absolute path, once every recorded file matches; FixtureError (exit 3) with the
-    first problem of ``checkpoint_problems`` otherwise."""
+    """The checkpoint directory of the manifest's ``model`` record (of a GGUF set, its file): ``model_dir``
+    (``--model``) or else the recorded path, as an absolute path, once every recorded file matches;
+    FixtureError (exit 3) with the first problem of ``checkpoint_problems`` otherwise."""
     problems = checkpoint_problems(model, model_dir, where=where, rehash=rehash)
     if problems:
         more = f" (and {_plural(len(problems) - 1, 'more problem')})" if len(problems) > 1 else ""
         raise FixtureError(problems[0] + more)
-    return Path(os.path.abspath(model_dir if model_dir is not None else str(model["path"])))
+    path = Path(os.path.abspath(model_dir if model_dir is not None else str(model["path"])))
+    names = list(model["sha256"])
+    if path.is_dir() and len(names) == 1 and names[0].endswith(".gguf"):
+        return path / names[0]  # a GGUF set's checkpoint is its file, found in the directory given
+    return path

@@ -38,6 +38,7 @@ from typing import Any, Iterable
 import numpy as np
 
 import refimpl
+from refimpl.gguf_io import is_gguf
 
 from .. import __version__ as CONFORMANCE_VERSION
 
@@ -130,6 +131,15 @@ def checkpoint_name_problem(name: Any) -> str | None:
     if any(p in ("", ".") for p in parts):
         return "it has an empty or '.' component"
     return None
+
+
+def checkpoint_files(path: Path) -> tuple[Path, list[str]]:
+    """(the directory holding a checkpoint's files, their names): a GGUF file is its own checkpoint, in the
+    directory that holds it; a checkpoint directory holds ``model_files``."""
+    path = Path(path)
+    if path.is_file() and is_gguf(path):
+        return path.parent, [path.name]
+    return path, model_files(path)
 
 
 def model_files(model_dir: Path) -> list[str]:

@@ -12,6 +12,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from refimpl.errors import WeightsError
+from refimpl.ggml_blocks import TYPES
 from refimpl.presets import PRESETS
 from refimpl.safetensors_io import TensorStore, read_header
 
@@ -46,7 +47,8 @@ from .format import (
 )
 from .head import SUMMARY_LEAVES
 
-QUANTISATION_FORMATS = ("mlx-affine",)  # quantised checkpoints a set can be made from
+QUANTISATION_FORMATS = ("mlx-affine", "gguf")  # quantised checkpoints a set can be made from
+GGML_TYPES = {t.name for t in TYPES.values()}
 ACTIVATIONS = ("none",)  # how the engine treats activations: none quantises them (ggml's CPU convention: next)
 
 
@@ -59,6 +61,11 @@ def quantisation_problems(rec: Any, where: str) -> list[str]:
     if rec.get("activations") not in ACTIVATIONS:
         return [f"{where}: model.quantisation.activations must be one of {', '.join(ACTIVATIONS)}"]
     tensors = rec.get("tensors")
+    if rec["format"] == "gguf":
+        if not (isinstance(tensors, dict) and all(isinstance(k, str) and isinstance(v, dict) and v.get("type") in
+                                                  GGML_TYPES for k, v in tensors.items())):
+            return [f"{where}: model.quantisation.tensors must map the file's tensor names to their ggml types"]
+        return []
     if not (isinstance(tensors, dict) and all(isinstance(k, str) and isinstance(v, dict) and v.get("type") == "affine"
                                               and v.get("bits") in (2, 3, 4, 5, 6, 8)
                                               and v.get("group_size") in (32, 64, 128) for k, v in tensors.items())):
@@ -122,7 +129,7 @@ def _check_manifest(m: Any, where: str) -> list[str]:
             sizes = model.get("size")  # optional: sets made before it was recorded have none
             if not isinstance(model.get("path"), str):
                 out.append(f"{where}: model.path must be a string (where the checkpoint was made from)")
-            elif "config.json" not in hashes:
+            elif "config.json" not in hashes and not (len(hashes) == 1 and next(iter(hashes)).endswith(".gguf")):
                 out.append(f"{where}: model.sha256 lacks config.json")
             elif sizes is not None and not (isinstance(sizes, dict) and set(sizes) == set(hashes) and all(
                     isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in sizes.values())):
