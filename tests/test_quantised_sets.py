@@ -156,3 +156,27 @@ def test_a_gguf_set_takes_its_file_anywhere(gguf_set, tmp_path, capsys):
     assert f"{path.name} in the checkpoint directory {renamed} (--model) differs" in capsys.readouterr().err
     pytest.importorskip("mlx_lm")
     assert main(["check", "--backend", "mlx-lm", "--fixtures", str(set_dir), "-q"]) == 5
+
+
+def test_a_broken_quantised_checkpoint_inside_a_set_is_a_fixture_error(tmp_path, capsys):
+    """The bundled MLX set copied with a quantization block the oracle refuses (bits 7; the recorded digest of
+    config.json updated, so that only the quantisation is wrong): check says so in one line, exit 3, before any
+    backend opens it."""
+    from conformance.sets import bundled_sets
+    from conformance.sets.format import sha256_file
+
+    src = next(p for p in bundled_sets() if p.name == "e2b-mini-mlx-q4")
+    bad = shutil.copytree(src, tmp_path / "bad")
+    cfg_path = bad / "checkpoint" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["quantization"]["bits"] = cfg["quantization_config"]["bits"] = 7
+    cfg_path.write_text(json.dumps(cfg))
+    manifest = json.loads((bad / "manifest.json").read_text())
+    manifest["model"]["sha256"]["config.json"] = sha256_file(cfg_path)
+    manifest["model"]["size"]["config.json"] = cfg_path.stat().st_size
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["check", "--backend", f"{__name__}:SafetensorsOnly", "--fixtures", str(bad), "-q"]) == 3
+    err = capsys.readouterr().err
+    assert err == (f"conformance: error: fixture integrity: {bad}: the set's quantised checkpoint cannot be read by "
+                   f"the oracle: {cfg_path}: quantization: bits 7 is not one of MLX's affine widths the oracle "
+                   "decodes (2, 3, 4, 5, 6, 8)\n"), err

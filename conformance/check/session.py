@@ -221,8 +221,16 @@ class Checkpoints:
         key = id(fs)
         if key not in self._dirs:
             given = self.model if fs.manifest["model"]["kind"] == "external" else None
-            self._dirs[key] = materialise(fs, self.workdir / f"set{len(self._dirs)}", model=given,
-                                          rehash=self.rehash)
+            model_dir = materialise(fs, self.workdir / f"set{len(self._dirs)}", model=given, rehash=self.rehash)
+            if fs.manifest["model"].get("quantisation") is not None:
+                # a quantised checkpoint is read by the oracle before any backend: one it cannot decode is the
+                # set's problem (exit 3), not the backend's
+                try:
+                    self.oracle(model_dir)
+                except RefimplError as e:
+                    raise FixtureError(f"{fs.path}: the set's quantised checkpoint cannot be read by the oracle: "
+                                       f"{e}") from None
+            self._dirs[key] = model_dir
         return self._dirs[key]
 
     def oracle_logits(self, fs):
