@@ -157,14 +157,15 @@ class MlxStore:
         """Where row ``row`` starts, for ``decode_into``: its index (along the first axis)."""
         return row
 
-    def _decoded(self, info: MlxInfo, start: int, stop: int) -> np.ndarray:
-        """Rows [start, stop) (first axis) of a quantised module (or of a joined tensor's parts), float64."""
+    def _decoded(self, info: MlxInfo, index: slice | np.ndarray) -> np.ndarray:
+        """Rows ``index`` (first axis: a slice, or an array of rows) of a quantised module, or of a joined
+        tensor's parts, float64."""
         if info.parts:
-            return np.concatenate([self._decoded(p, start, stop) if p.spec is not None
-                                   else self.inner.read(p.mlx_name, start, stop) for p in info.parts], axis=1)
-        words = self.inner.raw(info.mlx_name)[start:stop]
-        scales = self.inner.read(info.module + ".scales", start, stop)
-        biases = self.inner.read(info.module + ".biases", start, stop)
+            return np.concatenate([self._decoded(p, index) if p.spec is not None
+                                   else self.inner.rows(p.mlx_name, index) for p in info.parts], axis=1)
+        words = self.inner.raw(info.mlx_name)[index]
+        scales = self.inner.rows(info.module + ".scales", index)
+        biases = self.inner.rows(info.module + ".biases", index)
         return dequantize(words, scales, biases, info.spec)
 
     def decode_into(self, info: MlxInfo, row: int, dst: np.ndarray) -> None:
@@ -173,7 +174,7 @@ class MlxStore:
             inner = self.inner.infos[info.mlx_name]
             self.inner.decode_into(inner, self.inner.row_offset(inner, row), dst)
             return
-        dst[:] = self._decoded(info, row, row + dst.size // info.row_values).reshape(-1)
+        dst[:] = self._decoded(info, slice(row, row + dst.size // info.row_values)).reshape(-1)
 
     def read(self, name: str, start: int = 0, stop: int | None = None, dtype: np.dtype = np.float64,
              out: np.ndarray | None = None) -> np.ndarray:
@@ -194,7 +195,7 @@ class MlxStore:
         def work(first: int, last: int) -> None:  # rows [first, last) of the result
             for a in range(first, last, step):
                 b = min(a + step, last)
-                out[a:b] = self._decoded(info, start + a, start + b)
+                out[a:b] = self._decoded(info, slice(start + a, start + b))
 
         in_parts(stop - start, work, unit=step)
         return out
@@ -205,18 +206,10 @@ class MlxStore:
     def rows(self, name: str, index, dtype: np.dtype = np.float64) -> np.ndarray:
         """``tensor[index]`` along the first axis (an int, a slice or an array of ints), decoded."""
         info = self.infos[name]
-        if info.parts:
-            picked = np.arange(info.shape[0])[index]
-            out = np.stack([self._decoded(info, int(r), int(r) + 1)[0] for r in np.atleast_1d(picked).reshape(-1)])
-            return out.astype(dtype, copy=False).reshape(np.shape(picked) + info.shape[1:])
-        if info.spec is None:
+        if info.spec is None and not info.parts:
             return self.inner.rows(info.mlx_name, index, dtype)
         picked = np.arange(info.shape[0])[index]
-        flat = np.atleast_1d(picked).reshape(-1)
-        words = self.inner.raw(info.mlx_name)[flat]
-        scales = self.inner.rows(info.module + ".scales", flat)
-        biases = self.inner.rows(info.module + ".biases", flat)
-        out = dequantize(words, scales, biases, info.spec).astype(dtype, copy=False)
+        out = self._decoded(info, np.atleast_1d(picked).reshape(-1)).astype(dtype, copy=False)
         return out.reshape(np.shape(picked) + info.shape[1:])
 
     def nonfinite(self, name: str, index=None) -> int:

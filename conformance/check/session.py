@@ -106,8 +106,7 @@ class SetContext:
     (``Checkpoints.oracle``), built on first use and shared by the embedder and the hidden rows."""
 
     def __init__(self, fs, model_dir: Path, convention: str, base_logits, drafter: Path | None = None,
-                 mtp_rows: tuple[dict, dict] = ({}, {}), oracle: Callable[[], Gemma4] | None = None):
-        oracle = oracle if oracle is not None else functools.cache(lambda: Gemma4(model_dir))
+                 mtp_rows: tuple[dict, dict] = ({}, {}), *, oracle: Callable[[], Gemma4]):
         self.fs = fs
         self.name = str(fs.manifest.get("name", Path(fs.path).name))
         self.model_dir = model_dir
@@ -205,7 +204,6 @@ class Checkpoints:
         self._logits: dict[int, Any] = {}
         self._mtp: dict[int, tuple[dict, dict]] = {}
         self._oracles: dict[Path, Gemma4] = {}
-        self.oracles_built = 0  # how many oracles this run built (one per checkpoint)
 
     def oracle(self, model_dir: Path) -> Gemma4:
         """The oracle of a checkpoint (float64, the exact sqrt(H), the bundled sets' vision mask), built once and
@@ -214,7 +212,6 @@ class Checkpoints:
         key = Path(model_dir)
         if key not in self._oracles:
             self._oracles[key] = Gemma4(key)
-            self.oracles_built += 1
         return self._oracles[key]
 
     def model_dir(self, fs) -> Path:
@@ -269,7 +266,7 @@ class Checkpoints:
             drafter = fs.drafter_dir(model_dir, drafter=self.drafter, rehash=self.rehash)
             self._contexts[key] = SetContext(fs, model_dir, convention, self.oracle_logits(fs), drafter,
                                              self.mtp_rows(fs, model_dir, drafter),
-                                             lambda: self.oracle(model_dir))
+                                             oracle=lambda: self.oracle(model_dir))
         return self._contexts[key]
 
 

@@ -13,6 +13,8 @@ import numpy as np
 
 from refimpl.errors import WeightsError
 from refimpl.ggml_blocks import TYPES
+from refimpl.mlx_quant import BITS as MLX_BITS
+from refimpl.mlx_quant import GROUP_SIZES as MLX_GROUP_SIZES
 from refimpl.presets import PRESETS
 from refimpl.safetensors_io import TensorStore, read_header
 
@@ -67,8 +69,8 @@ def quantisation_problems(rec: Any, where: str) -> list[str]:
             return [f"{where}: model.quantisation.tensors must map the file's tensor names to their ggml types"]
         return []
     if not (isinstance(tensors, dict) and all(isinstance(k, str) and isinstance(v, dict) and v.get("type") == "affine"
-                                              and v.get("bits") in (2, 3, 4, 5, 6, 8)
-                                              and v.get("group_size") in (32, 64, 128) for k, v in tensors.items())):
+                                              and v.get("bits") in MLX_BITS
+                                              and v.get("group_size") in MLX_GROUP_SIZES for k, v in tensors.items())):
         return [f"{where}: model.quantisation.tensors must map module paths to their type, bits and group_size"]
     return []
 
