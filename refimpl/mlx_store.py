@@ -8,7 +8,12 @@ its own packed row, scales and biases; every other tensor is the safetensors sto
 module is config.json's ``quantization`` block (its per-module entry, else the defaults).
 
 Names: mlx-lm's ``gemma4_text`` writes the checkpoint's own (``model.layers.0...``); its ``gemma4`` wrapper
-writes ``language_model.model.X`` for the checkpoint's ``model.language_model.X``.
+writes ``language_model.model.X`` for the checkpoint's ``model.language_model.X``, and so does mlx-vlm, which
+also drops the ``model.`` of the towers and their embedders (``vision_tower.X`` for ``model.vision_tower.X``).
+mlx-vlm's sanitize leaves the audio tower's convolutions in MLX's channels-last layout (``[out, kH, kW, in]``
+for the subsampling Conv2d's ``[out, in, kH, kW]``, ``[out, kW, in]`` for the depthwise Conv1d's
+``[out, in, kW]``); a tensor under mlx-vlm's name is read back in the checkpoint's layout (a transpose,
+exact). The first axis is the same in both layouts, so rows are rows.
 """
 
 from __future__ import annotations
@@ -27,12 +32,24 @@ from .threads import in_parts
 SWITCH = "experts.switch_glu."  # where mlx-lm keeps the MoE experts
 DECODE_VALUES = 1 << 18  # values decoded per step when reading rows
 WRAPPED = ("language_model.model.", "model.language_model.")  # mlx's gemma4 wrapper, and the checkpoint's
+TOWERS = ("vision_tower.", "embed_vision.", "audio_tower.", "embed_audio.", "vision_embedder.")  # mlx-vlm's names
+# mlx-vlm's channels-last convolutions: (a name's part, its rank) -> the axes that give the checkpoint's layout
+CHANNELS_LAST = {("subsample_conv_projection.", 4): (0, 3, 1, 2), ("depthwise_conv1d.", 3): (0, 2, 1)}
 
 
 def oracle_name(mlx_name: str) -> str:
-    """The checkpoint's name of a tensor as mlx-lm saves it."""
+    """The checkpoint's name of a tensor as mlx-lm or mlx-vlm saves it."""
     mine, theirs = WRAPPED
-    return theirs + mlx_name[len(mine):] if mlx_name.startswith(mine) else mlx_name
+    if mlx_name.startswith(mine):
+        return theirs + mlx_name[len(mine):]
+    return "model." + mlx_name if mlx_name.startswith(TOWERS) else mlx_name
+
+
+def checkpoint_axes(mlx_name: str, ndim: int) -> tuple[int, ...] | None:
+    """The transpose that takes a tensor mlx-vlm saved in MLX's layout back to the checkpoint's, or None."""
+    if not mlx_name.startswith(TOWERS) or not mlx_name.endswith(".weight"):
+        return None
+    return next((axes for (part, rank), axes in CHANNELS_LAST.items() if part in mlx_name and ndim == rank), None)
 
 
 def is_mlx_quantised(store: TensorStore, config: dict) -> bool:
@@ -51,6 +68,7 @@ class MlxInfo:
     path: Path
     spec: QuantSpec | None = None  # None: a plain tensor
     parts: tuple[MlxInfo, ...] = ()  # a tensor mlx-lm splits (the experts' gate_up_proj): its parts, along axis 1
+    axes: tuple[int, ...] | None = None  # a tensor stored in MLX's layout: the transpose back to the checkpoint's
 
     @property
     def module(self) -> str:
@@ -100,7 +118,10 @@ class MlxStore:
                                      else None)
                 self.infos[oracle_name(name)] = MlxInfo(oracle_name(name), name, shape, spec.label, info.path, spec)
             else:
-                self.infos[oracle_name(name)] = MlxInfo(oracle_name(name), name, info.shape, info.dtype, info.path)
+                axes = checkpoint_axes(name, len(info.shape))
+                shape = info.shape if axes is None else tuple(info.shape[a] for a in axes)
+                self.infos[oracle_name(name)] = MlxInfo(oracle_name(name), name, shape, info.dtype, info.path,
+                                                        axes=axes)
         self._join_experts()
 
     def _join_experts(self) -> None:
@@ -170,6 +191,9 @@ class MlxStore:
 
     def decode_into(self, info: MlxInfo, row: int, dst: np.ndarray) -> None:
         """Fill ``dst`` (1-D, whole rows) with the rows from ``row`` on, decoded."""
+        if info.axes is not None:
+            dst[:] = self.read(info.name, row, row + dst.size // info.row_values).reshape(-1)
+            return
         if info.spec is None:
             inner = self.inner.infos[info.mlx_name]
             self.inner.decode_into(inner, self.inner.row_offset(inner, row), dst)
@@ -180,6 +204,12 @@ class MlxStore:
              out: np.ndarray | None = None) -> np.ndarray:
         """Rows [start, stop) of a tensor (all by default), decoded to ``dtype`` (into ``out`` when given)."""
         info = self.infos[name]
+        if info.axes is not None:  # a few small convolutions: read as stored, then transposed
+            rows = self.inner.read(info.mlx_name, start, stop, dtype).transpose(info.axes)
+            if out is None:
+                return np.ascontiguousarray(rows)
+            out[...] = rows
+            return out
         if info.spec is None and not info.parts:
             return self.inner.read(info.mlx_name, start, stop, dtype, out)
         stop = info.shape[0] if stop is None else stop
@@ -206,6 +236,8 @@ class MlxStore:
     def rows(self, name: str, index, dtype: np.dtype = np.float64) -> np.ndarray:
         """``tensor[index]`` along the first axis (an int, a slice or an array of ints), decoded."""
         info = self.infos[name]
+        if info.axes is not None:  # a few small convolutions: the whole tensor, then the rows
+            return self.read(name, dtype=dtype)[index]
         if info.spec is None and not info.parts:
             return self.inner.rows(info.mlx_name, index, dtype)
         picked = np.arange(info.shape[0])[index]

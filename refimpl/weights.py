@@ -358,14 +358,15 @@ class TowerWeights:
     expected_tensors: Callable[[Any], dict[str, tuple[int, ...]]]
 
     def __init__(self, model_dir: str | Path, cfg, dtype: str | np.dtype = "float64", store=None):
-        """``store``: the tensors under the checkpoint's names (default: ``model_dir``'s safetensors; an mmproj
+        """``store``: the tensors under the checkpoint's names (default: ``model_dir``'s, ``stores.open_store``:
+        safetensors, or an MLX quantised directory's, whose towers mlx-vlm saves under its own names; an mmproj
         GGUF's through gguf_mmproj.MmprojStore)."""
         self.dtype = np.dtype(dtype)
         if self.dtype not in (np.float64, np.float32):
             raise InputError(f"dtype must be float64 or float32, got {self.dtype}")
         self.cfg = cfg
         memory.for_the_oracle()
-        self.store = store if store is not None else TensorStore(model_dir)
+        self.store = store if store is not None else open_store(model_dir)
         check_tower_tensors(self.store, self.expected(), self.prefixes, self.what, self.unexpected_hint)
 
     @classmethod

@@ -42,3 +42,35 @@ def quantise(model_dir: Path, out: Path, bits: int, group_size: int, recipe: str
             shutil.copy(f, out / f.name)
     (out / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
     return out
+
+
+def quantise_vlm(model_dir: Path, out: Path, bits: int, group_size: int, recipe: str | None = None) -> Path:
+    """``model_dir`` quantised as ``mlx_vlm.convert -q`` quantises it (``quantize_model`` with convert's own
+    predicate, or a mixed recipe: conformance/backends/mlx_vlm/quantise.py) into ``out``: loaded by mlx-vlm
+    through the mlx-vlm backend's config view (as the backend loads it), ``save_weights``, and config.json with
+    the ``quantization`` block (its other keys the checkpoint's own). The names are mlx-vlm's
+    (``language_model.model.X``, ``vision_tower.X``, ``embed_vision.X``, ...), the audio tower's convolutions in
+    MLX's layout."""
+    from mlx_vlm.utils import load_model, save_weights
+
+    from conformance.backends.mlx_vlm.config import checkpoint_view, config_patch, remove_view
+    from conformance.backends.mlx_vlm.families import family_for
+    from conformance.backends.mlx_vlm.quantise import quantized
+    from refimpl import load_config
+
+    raw = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    patch = config_patch(raw, load_config(model_dir), family_for(raw, str(model_dir)).model_type)
+    view = checkpoint_view(model_dir, raw, patch) if patch else None
+    try:
+        model = load_model(view or model_dir)
+    finally:
+        remove_view(view)
+    model, config = quantized(model, raw, recipe if recipe is not None else bits, group_size)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    save_weights(out, model)
+    for f in model_dir.iterdir():
+        if f.name != "config.json" and not f.name.startswith("model.safetensors"):
+            shutil.copy(f, out / f.name)
+    (out / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
+    return out

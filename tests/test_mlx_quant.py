@@ -29,7 +29,7 @@ from refimpl.safetensors_io import TensorStore, write_safetensors
 from refimpl.synth import write_checkpoint
 
 mx = pytest.importorskip("mlx.core", reason="mlx is not installed (the 'mlx' extra)")
-from mlx_convert import quantise  # noqa: E402 - after the importorskip of mlx
+from mlx_convert import quantise, quantise_vlm  # noqa: E402 - after the importorskip of mlx
 
 HALF_ULP = {np.float32: 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
 
@@ -181,6 +181,37 @@ def test_a_checkpoint_quantised_by_mlx_lm_is_its_dequantised_values(name, preset
     ids = [2, 17, 300, 45, 9, 511, 2, 88]
     got, want = Gemma4(out).forward(ids, rows="all"), Gemma4(f64).forward(ids, rows="all")
     assert np.max(np.abs(got - want)) <= 1e-12 * np.max(np.abs(want))
+
+
+VLM_CONVERSIONS = {"audio q8-g64": ("e2b-audio-mini", 8, 64, None),
+                   "vision mixed_3_6-g64": ("e2b-vision-mini", 3, 64, "mixed_3_6")}
+
+
+@pytest.mark.parametrize("name", sorted(VLM_CONVERSIONS))
+def test_a_checkpoint_quantised_by_mlx_vlm_is_the_checkpoint_under_its_names(name, presets, tmp_path):
+    """``mlx_vlm.convert -q`` writes the towers and their embedders without ``model.`` and unquantised, the
+    audio tower's convolutions in MLX's channels-last layout: read back, every tower tensor is the source
+    checkpoint's own tensor exactly (the convolutions transposed back), every quantised one the independent
+    decoder's values, and nothing is missing or extra."""
+    pytest.importorskip("mlx_vlm")
+    preset, bits, group, recipe = VLM_CONVERSIONS[name]
+    src = presets(preset)
+    out = quantise_vlm(src, tmp_path / "mlx", bits, group, recipe)
+    store, raw, source = MlxStore(out), TensorStore(out), TensorStore(src)
+    assert sorted(store.infos) == sorted(source.names)
+    towers = [n for n in raw.names if n.startswith(("vision_tower.", "audio_tower.", "embed_"))]
+    assert towers and not any(n.endswith(".scales") for n in towers)
+    transposed = {n: i for n, i in store.infos.items() if i.axes is not None}
+    assert bool(transposed) == (preset == "e2b-audio-mini")
+    for full, info in transposed.items():
+        assert raw.infos[info.mlx_name].shape != source.infos[full].shape, full  # stored in MLX's layout
+        assert np.array_equal(store.rows(full, [1, 0]), source.get(full)[[1, 0]]), full
+    for full, info in store.infos.items():
+        want = source.get(full) if info.spec is None else _reference(raw, info)
+        assert store.infos[full].shape == tuple(want.shape), full
+        assert np.array_equal(store.get(full), want), full
+    if recipe is not None:
+        assert {info.spec.bits for info in store.infos.values() if info.spec is not None} == {3, 6}
 
 
 def _refimpl(*argv: str) -> subprocess.CompletedProcess:

@@ -17,7 +17,7 @@ from conformance.sets.integrity import quantisation_problems
 from refimpl.synth import write_checkpoint
 
 pytest.importorskip("mlx.core", reason="mlx is not installed (the 'mlx' extra)")
-from mlx_convert import quantise
+from mlx_convert import quantise, quantise_vlm
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +74,42 @@ def test_mlx_lm_on_its_own_quantised_weights_passes_at_fp32(mixed, tmp_path, cap
                  "--json", str(out)]) == 0, capsys.readouterr()
     report = json.loads(out.read_text())
     assert {c["status"] for c in report["cases"]} == {"pass"} and len(report["cases"]) == 52
+
+
+def test_mlx_vlm_on_its_own_quantised_weights_passes_at_fp32(tmp_path, capsys):
+    """mlx-vlm loads an ``mlx_vlm.convert -q`` directory of an audio-text checkpoint as it is and passes its set's
+    audio and text cases at fp32, its own audio tower computing the audio rows (from the clips, through the
+    convolutions the oracle read back from MLX's layout) within float32 rounding of the set's rows."""
+    pytest.importorskip("mlx_vlm")
+    ckpt = quantise_vlm(write_checkpoint("e2b-audio-mini", 0, tmp_path / "src"), tmp_path / "q8", 8, 64)
+    assert main(["generate", "--model", str(ckpt), "--out", str(tmp_path / "set"), "--name", "e2b-audio-q8",
+                 "--cases", "audio", "-q"]) == 0
+    out = tmp_path / "r.json"
+    assert main(["check", "--backend", "mlx-vlm", "--fixtures", str(tmp_path / "set"), "--profile", "fp32", "-q",
+                 "--json", str(out)]) == 0, capsys.readouterr()
+    report = json.loads(out.read_text())
+    assert {c["status"] for c in report["cases"]} == {"pass"}
+    audio = [c["executed"]["audio_rows_max_abs"] for c in report["cases"] if "audio_rows_max_abs" in c["executed"]]
+    assert audio and max(audio) < 1e-4
+
+
+def test_mlx_vlm_quantising_at_open(capsys):
+    """Option quantize quantises an unquantised checkpoint at open as mlx_vlm.convert -q does (the unquantised
+    oracle's set then fails at fp32: the weights really changed) and is refused, one line, when malformed."""
+    pytest.importorskip("mlx_vlm")
+    fixtures = str(Path(__file__).resolve().parents[1] / "fixtures" / "e2b-vision-mini")
+    assert main(["check", "--backend", "mlx-vlm", "--fixtures", fixtures, "--backend-option", "quantize=8:64",
+                 "--profile", "fp32", "-q"]) == 1
+    capsys.readouterr()
+    assert main(["check", "--backend", "mlx-vlm", "--fixtures", fixtures, "--backend-option",
+                 "quantize=mixed_3_6:32", "-q"]) == 4  # the backend's own error, as for any bad option
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "mixed_3_6 with group size 64" not in err and "group size 64, the only one" \
+        in err and err.endswith("got 'mixed_3_6:32'")
+    from conformance.backends.mlx_vlm.backend import MlxVlmBackend
+    assert [MlxVlmBackend(quantize=q).capabilities.default_profile for q in ("4:32", "8:64", "mixed_3_6:64")] == [
+        "q4", "q8", "q4"]
+    assert MlxVlmBackend(quantize="8:64").name == "mlx-vlm-float32-q8-g64"
 
 
 class SafetensorsOnly(RefimplBackend):

@@ -42,6 +42,12 @@ request handling (validation, micro-batches, one prompt cache per sequence id, i
   in a temporary view of the checkpoint (``config.py``). The built model is then checked layer by
   layer against refimpl's derivation: a checkpoint mlx-vlm cannot represent is a ``BackendError``.
 * **dtype.** float32 only (profile ``fp32``): weights are cast to float32 as they load.
+* **Quantised weights.** An MLX quantised directory (``mlx_vlm.convert -q``: a ``quantization`` block,
+  packed weights with scales and biases) loads as it is, as ``QuantizedLinear`` / ``QuantizedEmbedding``
+  layers (``weight_formats`` ``mlx-affine``): graded against the oracle of those same weights (a set generated
+  from that directory), at ``fp32``. Option ``quantize`` (``"<bits>:<group size>"`` or a mixed recipe,
+  ``quantise.py``) quantises an unquantised checkpoint at open as ``mlx_vlm.convert -q`` would, to grade the
+  quantised engine against the unquantised oracle (default profile ``q4`` up to 4 bits, else ``q8``).
 * **MTP** (mode ``generate``, capability ``mtp_generate``): mlx-vlm's own assisted decoding loop with the
   assistant at ``request.drafter``, loaded by mlx-vlm's drafter loader (``mtp.py``, which also says how far
   mlx-vlm follows the convention it claims, ``rotating/P-1``; option ``mtp_convention`` claims another one);
@@ -52,6 +58,7 @@ Known divergences are listed, with their reasons, in
 
     conformance check --backend mlx-vlm [--backend-option image_tower=off] [--backend-option audio_tower=off]
                                         [--backend-option mtp_convention=target-cache/P]
+                                        [--backend-option quantize=4:64]
 """
 
 from __future__ import annotations
@@ -77,6 +84,7 @@ from .config import checkpoint_view, config_patch, remove_view
 from .families import Family, family_for, geometry_problems
 from .mtp import CONVENTION as MTP_CONVENTION
 from .mtp import assisted_generate, load_assistant
+from .quantise import quantize_option, quantized
 
 __all__ = ["MlxVlmBackend", "DTYPES", "TOWER_OPTIONS", "EXPECTATIONS_DIR"]
 
@@ -116,13 +124,17 @@ class MlxVlmBackend(CachedBackend):
     the request's soft tokens are used as given); ``audio_tower`` (the same for audio, from
     ``request.audio_inputs``); ``mtp_convention`` (the MTP convention claimed, one of ``refimpl.mtp.CONVENTIONS``;
     default ``rotating/P-1``, the one mlx-vlm follows: ``mtp.py``; another one shows where and how far
-    mlx-vlm departs from it); ``default_profile`` (default "fp32").
+    mlx-vlm departs from it); ``quantize`` (``"<bits>:<group size>"``, e.g. "4:64", or ``"mixed_3_6:64"``:
+    quantise an unquantised checkpoint at open as ``mlx_vlm.convert -q`` does, ``quantise.py``; a checkpoint
+    already quantised is loaded as it is); ``default_profile`` (default "fp32"; with ``quantize``, "q4" up to 4
+    bits and for the mixed recipes, else "q8").
     """
 
     who = "mlx-vlm backend"
 
     def __init__(self, dtype: str = "float32", image_tower: str = "on", audio_tower: str = "on",
-                 mtp_convention: str = MTP_CONVENTION, default_profile: str | None = None):
+                 mtp_convention: str = MTP_CONVENTION, default_profile: str | None = None,
+                 quantize: str | None = None):
         super().__init__()
         if dtype not in DTYPES:
             raise ValueError(f"mlx-vlm backend: option dtype must be one of {_allowed(DTYPES)}, got {dtype!r}")
@@ -133,8 +145,10 @@ class MlxVlmBackend(CachedBackend):
         if mtp_convention not in CONVENTIONS:
             raise ValueError(f"mlx-vlm backend: option mtp_convention must be one of {_allowed(CONVENTIONS)}, "
                              f"got {mtp_convention!r}")
+        self.quantize = None if quantize is None else quantize_option(quantize)
         if default_profile is None:
-            default_profile = "fp32"
+            default_profile = "fp32" if self.quantize is None else (
+                "q4" if isinstance(self.quantize[0], str) or self.quantize[0] <= 4 else "q8")
         if default_profile not in PROFILES:
             raise ValueError(f"mlx-vlm backend: option default_profile must be one of {_allowed(list(PROFILES))}, "
                              f"got {default_profile!r}")
@@ -143,13 +157,15 @@ class MlxVlmBackend(CachedBackend):
         self.mtp_convention = mtp_convention
         self.name = (f"mlx-vlm-{dtype}" + ("" if self.image_tower else "-image-tower-off")
                      + ("" if self.audio_tower else "-audio-tower-off")
-                     + ("" if mtp_convention == MTP_CONVENTION else "-mtp-" + mtp_convention.replace("/", "-")))
+                     + ("" if mtp_convention == MTP_CONVENTION else "-mtp-" + mtp_convention.replace("/", "-"))
+                     + ("" if quantize is None else f"-q{quantize.replace(':', '-g')}"))
         self.capabilities = Capabilities(
             full_forward=True, last_plain=True, last_seq_id=True, last_embeddings=True,
             embedding_convention="scaled", interior_rows=True, output_rows=True, ubatch=True,
             chunked_prefill=True, multi_sequence=True, decode=True, image_prompts=True, audio_prompts=True,
             audio_tower=self.audio_tower, image_tower=self.image_tower, mtp_generate=True,
             mtp_conventions=mtp_convention, default_profile=default_profile,
+            weight_formats="safetensors,mlx-affine",  # mlx-vlm loads a quantised directory as QuantizedLinear layers
         )
         # the divergences are the vision mask's, whichever soft tokens are used: one file per dtype
         shipped = EXPECTATIONS_DIR / f"mlx-vlm-{dtype}.json"
@@ -194,6 +210,8 @@ class MlxVlmBackend(CachedBackend):
         target = getattr(mx, self.dtype)
         model.update(tree_map(lambda v: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v,
                               model.parameters()))
+        if self.quantize is not None and "quantization" not in raw:
+            model, _ = quantized(model, raw, *self.quantize)
         mx.eval(model.parameters())
         self.model, self.family, self.text_config, self.config_patch = model, family, cfg, patch
         self._model_dir = model_dir
@@ -220,6 +238,8 @@ class MlxVlmBackend(CachedBackend):
             "architecture": cfg.architecture, "serialisation": cfg.serialisation, "stored_dtypes": stored,
             "dtype": self.dtype, "versions": _versions(), "config_patch": patch, "caches": caches,
             "towers": towers if family.media else {}, "media_token_ids": self.media_ids,
+            "quantization": raw.get("quantization") if "quantization" in raw else (
+                None if self.quantize is None else {"quantized_at_open": ":".join(map(str, self.quantize))}),
         }
 
     def close(self) -> None:
