@@ -105,6 +105,9 @@ class MlxStore:
         for name in self.inner.names:
             stem = name.rsplit(".", 1)[0]
             if stem in modules and name != stem + ".weight":
+                if name not in (stem + ".scales", stem + ".biases"):
+                    raise WeightsError(f"{where}: '{name}' sits beside a quantised module's weight and scales, and "
+                                       "the oracle does not read it (a tensor-wide nvfp4 scale is not read yet)")
                 continue  # the scales and biases of a quantised module: read with its weight
             info = self.inner.infos[name]
             if stem in modules:
@@ -112,6 +115,10 @@ class MlxStore:
                 if spec is None:
                     raise WeightsError(f"{where}: quantization[{stem!r}] is false (not quantised), but the checkpoint "
                                        f"stores '{stem}' packed with scales")
+                scale_type = self.inner.infos[stem + ".scales"].dtype
+                if (scale_type == "U8") != (spec.mode != "affine"):
+                    raise WeightsError(f"{info.path}: {stem}: {spec.mode} scales stored as {scale_type} (expected "
+                                       f"{'U8' if spec.mode != 'affine' else 'a float type'})")
                 shape = check_shapes(f"{info.path}: {stem}", spec, info.shape,
                                      self.inner.infos[stem + ".scales"].shape,
                                      self.inner.infos[stem + ".biases"].shape if stem + ".biases" in self.inner
@@ -170,7 +177,9 @@ class MlxStore:
             self._release(info)
 
     def _release(self, info: MlxInfo) -> None:
-        for part in ((".weight", ".scales", ".biases") if info.spec is not None else ("",)):
+        parts = (".weight", ".scales", ".biases") if info.spec is not None and info.spec.mode == "affine" else (
+            (".weight", ".scales") if info.spec is not None else ("",))
+        for part in parts:
             self.inner.release(info.module + part if part else info.mlx_name)
 
     @staticmethod
@@ -186,7 +195,7 @@ class MlxStore:
                                    else self.inner.rows(p.mlx_name, index) for p in info.parts], axis=1)
         words = self.inner.raw(info.mlx_name)[index]
         scales = self.inner.rows(info.module + ".scales", index)
-        biases = self.inner.rows(info.module + ".biases", index)
+        biases = self.inner.rows(info.module + ".biases", index) if info.spec.mode == "affine" else None
         return dequantize(words, scales, biases, info.spec)
 
     def decode_into(self, info: MlxInfo, row: int, dst: np.ndarray) -> None:

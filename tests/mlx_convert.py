@@ -15,9 +15,10 @@ mlx_lm_utils = pytest.importorskip("mlx_lm.utils", reason="mlx-lm is not install
 
 
 def quantise(model_dir: Path, out: Path, bits: int, group_size: int, recipe: str | None = None,
-             dtype: str | None = None) -> Path:
-    """``model_dir`` quantised at ``bits`` / ``group_size`` (``recipe``: mlx-lm's mixed_3_6 and the like) into
-    ``out``; ``dtype`` (float16, bfloat16): every float parameter cast first, as ``convert --dtype``."""
+             dtype: str | None = None, mode: str = "affine") -> Path:
+    """``model_dir`` quantised at ``bits`` / ``group_size`` (``recipe``: mlx-lm's mixed_3_6 and the like; ``mode``:
+    mlx's affine, mxfp4, nvfp4 or mxfp8, as ``convert --q-mode``) into ``out``; ``dtype`` (float16, bfloat16):
+    every float parameter cast first, as ``convert --dtype``."""
     import mlx.core as mx
     from mlx.utils import tree_map_with_path
     from mlx_lm.convert import mixed_quant_predicate_builder
@@ -33,7 +34,8 @@ def quantise(model_dir: Path, out: Path, bits: int, group_size: int, recipe: str
         model.update(tree_map_with_path(lambda k, v: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v,
                                         model.parameters()))
     predicate = None if recipe is None else mixed_quant_predicate_builder(recipe, model, group_size)
-    model, config = mlx_lm_utils.quantize_model(model, dict(raw), group_size, bits, quant_predicate=predicate)
+    model, config = mlx_lm_utils.quantize_model(model, dict(raw), group_size, bits, mode=mode,
+                                                quant_predicate=predicate)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     mlx_lm_utils.save_model(out, model)

@@ -76,6 +76,34 @@ def test_mlx_lm_on_its_own_quantised_weights_passes_at_fp32(mixed, tmp_path, cap
     assert {c["status"] for c in report["cases"]} == {"pass"} and len(report["cases"]) == 52
 
 
+def test_mlx_lm_on_mxfp4_weights_embeds_in_bfloat16(tmp_path, monkeypatch, capsys):
+    """A finding, shown both ways: mlx's QuantizedEmbedding calls mx.dequantize without a dtype, which for the
+    floating-point modes (uint8 scales, no biases) returns bfloat16, so mlx-lm in float32 on mxfp4 weights looks
+    its token embeddings up in bfloat16 and the model runs on from there; the set of its own weights fails at
+    fp32. With the lookup dequantised to float32 (the one change) every case passes at fp32."""
+    pytest.importorskip("mlx_lm")
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    ckpt = quantise(write_checkpoint("e2b-mini", 0, tmp_path / "src"), tmp_path / "mxfp4", 4, 32, mode="mxfp4")
+    assert main(["generate", "--model", str(ckpt), "--out", str(tmp_path / "set"), "--name", "e2b-mxfp4",
+                 "--cases", "text", "-q"]) == 0
+    argv = ["check", "--backend", "mlx-lm", "--fixtures", str(tmp_path / "set"), "--profile", "fp32", "-q", "--json"]
+    assert main([*argv, str(tmp_path / "as-is.json")]) == 1
+    as_is = json.loads((tmp_path / "as-is.json").read_text())["cases"]
+    assert max(c["summary"]["max_abs"] for c in as_is if c["summary"]) > 0.1
+
+    def lookup(self, x):  # QuantizedEmbedding.__call__ with the dequantised rows in float32
+        biases = self.get("biases")
+        return mx.dequantize(self["weight"][x], scales=self["scales"][x], biases=None if biases is None else
+                             biases[x], group_size=self.group_size, bits=self.bits, mode=self.mode, dtype=mx.float32)
+
+    monkeypatch.setattr(nn.QuantizedEmbedding, "__call__", lookup)
+    assert main([*argv, str(tmp_path / "f32.json")]) == 0, capsys.readouterr()
+    fixed = json.loads((tmp_path / "f32.json").read_text())["cases"]
+    assert max(c["summary"]["max_abs"] for c in fixed) < 1e-3
+
+
 def test_mlx_vlm_on_its_own_quantised_weights_passes_at_fp32(tmp_path, capsys):
     """mlx-vlm loads an ``mlx_vlm.convert -q`` directory of an audio-text checkpoint as it is and passes its set's
     audio and text cases at fp32, its own audio tower computing the audio rows (from the clips, through the

@@ -14,6 +14,7 @@ import numpy as np
 from refimpl.errors import WeightsError
 from refimpl.ggml_blocks import TYPES
 from refimpl.mlx_quant import BITS as MLX_BITS
+from refimpl.mlx_quant import FLOAT_MODES as MLX_FLOAT_MODES
 from refimpl.mlx_quant import GROUP_SIZES as MLX_GROUP_SIZES
 from refimpl.presets import PRESETS
 from refimpl.safetensors_io import TensorStore, read_header
@@ -68,11 +69,20 @@ def quantisation_problems(rec: Any, where: str) -> list[str]:
                                                   GGML_TYPES for k, v in tensors.items())):
             return [f"{where}: model.quantisation.tensors must map the file's tensor names to their ggml types"]
         return []
-    if not (isinstance(tensors, dict) and all(isinstance(k, str) and isinstance(v, dict) and v.get("type") == "affine"
-                                              and v.get("bits") in MLX_BITS
-                                              and v.get("group_size") in MLX_GROUP_SIZES for k, v in tensors.items())):
+    if not (isinstance(tensors, dict) and all(isinstance(k, str) and _mlx_entry(v) for k, v in tensors.items())):
         return [f"{where}: model.quantisation.tensors must map module paths to their type, bits and group_size"]
     return []
+
+
+def _mlx_entry(v: Any) -> bool:
+    """Whether a manifest's entry for an MLX-quantised module is one the oracle decodes: affine at one of its widths
+    and group sizes, or a floating-point mode at its own."""
+    if not isinstance(v, dict):
+        return False
+    if v.get("type") == "affine":
+        return v.get("bits") in MLX_BITS and v.get("group_size") in MLX_GROUP_SIZES
+    mode = MLX_FLOAT_MODES.get(v.get("type"))
+    return mode is not None and (v.get("bits"), v.get("group_size")) == mode[:2]
 
 
 def _check_manifest(m: Any, where: str) -> list[str]:
