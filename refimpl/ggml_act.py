@@ -29,10 +29,14 @@ import numpy as np
 
 from .errors import InputError
 
-__all__ = ["PATHS", "VEC_DOT_TYPE", "activation_values", "quantize_q8_0", "quantize_q8_1", "quantize_q8_k",
-           "round_bf16", "round_f16"]
+__all__ = ["CONVENTIONS", "NOT_EMULATED", "PATHS", "VEC_DOT_TYPE", "activation_values", "convention_path",
+           "quantize_q8_0", "quantize_q8_1", "quantize_q8_k", "round_bf16", "round_f16"]
 
 PATHS = ("x86", "ref")  # the kernel paths of the Q8_0 / Q8_1 quantisers emulated
+# the activation conventions of a forward: "none" (the dequantised weights times the activations as they are:
+# MLX, and any float engine) and ggml's CPU rule on one kernel path
+CONVENTIONS = ("none", *(f"ggml-cpu/{path}" for path in PATHS))
+NOT_EMULATED = {"Q4_1": "the Q8_1 min term", "Q5_1": "the Q8_1 min term"}  # weight types refused under ggml-cpu
 # ggml-cpu's type_traits_cpu[weight type].vec_dot_type, for the weight types ggml_blocks decodes
 VEC_DOT_TYPE = {"Q4_0": "Q8_0", "Q5_0": "Q8_0", "Q8_0": "Q8_0", "IQ4_NL": "Q8_0", "MXFP4": "Q8_0",
                 "Q4_1": "Q8_1", "Q5_1": "Q8_1",
@@ -106,6 +110,13 @@ def round_bf16(x: np.ndarray) -> np.ndarray:
     rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
     rounded = np.where((bits & 0x7FFFFFFF) > 0x7F800000, (bits | 0x400000) >> 16 << 16, rounded)
     return rounded.astype(np.uint32).view(F32).astype(np.float64)
+
+
+def convention_path(convention: str) -> str | None:
+    """The ggml kernel path of an activation convention (None for "none"); InputError, one line, when unknown."""
+    if convention not in CONVENTIONS:
+        raise InputError(f"unknown activation convention {convention!r} (known: {', '.join(CONVENTIONS)})")
+    return None if convention == "none" else convention.split("/", 1)[1]
 
 
 def activation_values(x: np.ndarray, weight_type: str, path: str = "x86") -> np.ndarray:

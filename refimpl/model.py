@@ -180,9 +180,12 @@ class Gemma4:
     """Exact Gemma 4 text decoder over a Hugging Face checkpoint directory."""
 
     def __init__(self, model_dir: str | Path, dtype: str | np.dtype = "float64", embed_scale: str = "exact",
-                 weight_cache: int | str | None = None, vision_mask: str = "sliding-clamped"):
-        """``vision_mask``: how vision blocks open the mask (VISION_MASK_RULES). ``weight_cache``: bytes of decoded
-        weights kept between forwards (an int, "12GiB", "all"; None:
+                 weight_cache: int | str | None = None, vision_mask: str = "sliding-clamped",
+                 activations: str = "none"):
+        """``activations``: the activation convention of the products (refimpl.ggml_act.CONVENTIONS; "none", or
+        "ggml-cpu/x86" / "ggml-cpu/ref" on a GGUF checkpoint: ggml's CPU activation quantisation emulated,
+        docs/quantised.md). ``vision_mask``: how vision blocks open the mask (VISION_MASK_RULES).
+        ``weight_cache``: bytes of decoded weights kept between forwards (an int, "12GiB", "all"; None:
         the REFIMPL_WEIGHT_CACHE environment variable, else 0). 0 streams every weight from the
         checkpoint on every forward (the least memory); a cache makes repeated forwards (decode steps,
         many prompts) skip the decoding of the weights it holds (docs/refimpl.md, "Weight cache")."""
@@ -196,7 +199,8 @@ class Gemma4:
         self.vision_mask = vision_mask
         self.model_dir = Path(model_dir)
         self.cfg: TextConfig = load_config(model_dir)
-        self.weights = Gemma4Weights(model_dir, self.cfg, dtype, weight_cache_bytes(weight_cache))
+        self.weights = Gemma4Weights(model_dir, self.cfg, dtype, weight_cache_bytes(weight_cache), activations)
+        self.activations = activations
         self.dtype = dtype
         root = math.sqrt(self.cfg.hidden_size)
         self.embed_scale = root if embed_scale == "exact" else bf16_round(root)
@@ -240,6 +244,7 @@ class Gemma4:
         """Per-layer inputs [T, L, P]; ids outside the PLE table use row 0 (the pad row), as HF and JAX do."""
         cfg, w = self.cfg, self.weights
         ple_ids = np.where((ids >= 0) & (ids < cfg.vocab_size_per_layer_input), ids, 0)
+        x0 = w.activations_for(x0, w.prefix + "per_layer_model_projection.weight")  # as its product sees it
         return per_layer_inputs(
             x0, w.rows("embed_tokens_per_layer.weight", ple_ids), w["per_layer_model_projection.weight"],
             w["per_layer_projection_norm.weight"], cfg.num_hidden_layers, cfg.hidden_size_per_layer_input,

@@ -20,6 +20,8 @@ import numpy as np
 from . import memory
 from .config import TEXT_PREFIXES, TextConfig, read_config_json
 from .errors import InputError, NonFiniteError, WeightsError
+from .ggml_act import NOT_EMULATED, VEC_DOT_TYPE, activation_values, convention_path
+from .gguf_store import GGUFStore
 from .ops import clipped_linear
 from .safetensors_io import TensorStore
 from .stores import open_store
@@ -112,8 +114,13 @@ class Gemma4Weights:
     """The text-decoder tensors of one checkpoint, validated against its config, decoded on demand."""
 
     def __init__(self, model_dir: str | Path, cfg: TextConfig, dtype: np.dtype = np.float64,
-                 weight_cache: int = 0):
+                 weight_cache: int = 0, activations: str = "none"):
+        """``activations``: the activation convention of every product (ggml_act.CONVENTIONS): "none", or
+        ggml's CPU rule on a kernel path (a GGUF checkpoint's only), each product's activations converted as
+        ggml converts them for that weight's type before it multiplies."""
         self.cfg = cfg
+        self.activation_path = convention_path(activations)
+        self.activations = activations
         self.dtype = np.dtype(dtype)
         self.cache_budget = weight_cache  # bytes of decoded weights ``product`` may keep between calls
         self.cache: dict[tuple[str, int, int], np.ndarray] = {}
@@ -124,6 +131,30 @@ class Gemma4Weights:
         self.ignored: list[str] = []
         self._local = threading.local()  # per-thread buffer of ``product``
         self._validate()
+        if self.activation_path is not None:
+            self._check_activation_types()
+
+    def _check_activation_types(self) -> None:
+        """Under the ggml-cpu convention: a GGUF checkpoint, every product's weight type emulated (InputError)."""
+        where = f"{self.store.model_dir}: activations {self.activations}"
+        if not isinstance(self.store, GGUFStore):
+            raise InputError(f"{where}: ggml's activation convention applies to GGUF checkpoints only")
+        if self.cfg.enable_moe_block:
+            raise InputError(f"{where}: the MoE experts' products (ggml's mul_mat_id) are not emulated yet")
+        for full in [self.head_name, *(self.prefix + n for n, shape in expected_tensors(self.cfg).items()
+                                       if len(shape) == 2 and not n.startswith("embed_tokens"))]:
+            kind = self.store.infos[full].dtype
+            if kind in NOT_EMULATED or kind not in VEC_DOT_TYPE:
+                why = NOT_EMULATED.get(kind, "its activation quantisation")
+                raise InputError(f"{where}: {self.store.describe(full)} is {kind}, whose products ggml computes with "
+                                 f"{why}, not emulated yet")
+
+    def activations_for(self, x: np.ndarray, full: str) -> np.ndarray:
+        """x [R, in] as the product with the tensor ``full`` sees it: ggml's converted activations, decoded
+        (exact in float64), under the ggml-cpu convention; x itself under "none"."""
+        if self.activation_path is None:
+            return x
+        return activation_values(x, self.store.infos[full].dtype, self.activation_path).astype(x.dtype, copy=False)
 
     def _find_prefix(self) -> str:
         for prefix in TEXT_PREFIXES:
@@ -228,6 +259,7 @@ class Gemma4Weights:
         it multiplies and so would run the threads' products one at a time.)"""
         rows, cols = self.store.infos[full].shape
         stop = rows if stop is None else stop
+        x = self.activations_for(x, full)
         W = self._cached(full, start, stop)
         if W is not None:
             return x @ W.T

@@ -1,0 +1,113 @@
+"""The oracle's forward under ggml's CPU activation convention (``Gemma4(gguf, activations="ggml-cpu/x86")``,
+issue 49) against llama.cpp itself on the same GGUF file: with the exact-GELU library and an f32 KV cache (the
+two other sources of difference removed), llama.cpp's logits on a Q8_0 file are the emulated forward's to float32
+accumulation, where the forward with the activations as they are is off by the activation quantisation. The
+convention's bad uses are one line each."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+if importlib.util.find_spec("llama_cpp") is None:  # looked up, not imported: importing it loads a library
+    pytest.skip("llama-cpp-python is not installed (scripts/build-llama-cpp.sh)", allow_module_level=True)
+
+from conformance.backend import BackendError, Request
+from conformance.backends import llama_cpp_engine as eng
+from refimpl import Gemma4
+from refimpl.errors import InputError
+from refimpl.synth import write_checkpoint
+
+try:
+    SOURCE = eng.resolve_source()
+except BackendError as exc:  # pragma: no cover - depends on the machine
+    pytest.skip(f"llama.cpp converter sources missing: {exc}", allow_module_level=True)
+
+HAVE_EXACT = (eng.EXACT_GELU_LIB / "libllama.so").is_file()
+REPO = Path(__file__).resolve().parents[1]
+CHILD = """
+import pickle, sys
+from pathlib import Path
+from conformance.backends.llama_cpp.engine import LlamaCppEngine
+options, model_dir, requests = pickle.loads(Path(sys.argv[1]).read_bytes())
+engine = LlamaCppEngine(**options)
+engine.open(Path(model_dir))
+Path(sys.argv[2]).write_bytes(pickle.dumps([engine.run(r).logits for r in requests]))
+"""
+IDS = tuple(int(i) for i in np.random.default_rng(0).integers(3, 500, 40))
+
+
+@pytest.fixture(scope="module")
+def q8(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """(e2b-mini, its Q8_0 GGUF by llama.cpp's own converter, the converter cache)."""
+    root = tmp_path_factory.mktemp("ggml-forward")
+    src = write_checkpoint("e2b-mini", 0, root / "e2b-mini")
+    path, _ = eng.convert_to_gguf(src, SOURCE, "q8_0", root / "cache")
+    return src, path, root / "cache"
+
+
+@pytest.mark.skipif(not HAVE_EXACT, reason="no exact-GELU library (scripts/build-llama-cpp.sh --exact-gelu)")
+def test_llama_cpp_on_q8_0_is_the_emulated_forward(q8, tmp_path):
+    """40 tokens, every row: llama.cpp (a fresh process: one library per process) within 2e-6 of the largest
+    logit of the ggml-cpu forward (measured 1.7e-7); the forward with unquantised activations more than 1e-2."""
+    src, path, cache = q8
+    options = {"kv_type": "f32", "lib": "exact-gelu", "outtype": "q8_0", "cache_dir": str(cache)}
+    (tmp_path / "job.pkl").write_bytes(pickle.dumps((options, str(src), [Request(kind="full", tokens=IDS)])))
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "job.pkl"), str(tmp_path / "out.pkl")],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    theirs = pickle.loads((tmp_path / "out.pkl").read_bytes())[0].astype(np.float64)
+    emulated = Gemma4(path, activations="ggml-cpu/x86").forward(list(IDS), rows="all")
+    plain = Gemma4(path).forward(list(IDS), rows="all")
+    scale = float(np.max(np.abs(emulated)))
+    assert float(np.max(np.abs(emulated - theirs))) <= 2e-6 * scale
+    assert float(np.max(np.abs(plain - theirs))) >= 1e-2 * scale
+
+
+def test_the_convention_changes_only_what_it_names(q8):
+    """Each product of the ggml-cpu forward is the exact weight times the emulated activations: a projection
+    through the weights' ``linear`` equals the product computed here from the decoded weight and
+    ``activation_values``; under "none" it is the plain product."""
+    from refimpl.ggml_act import activation_values
+
+    _, path, _ = q8
+    x = np.random.default_rng(1).normal(0, 1, (3, 64))
+    for conv in ("none", "ggml-cpu/x86", "ggml-cpu/ref"):
+        w = Gemma4(path, activations=conv).weights
+        name = "layers.0.mlp.gate_proj.weight"
+        W = w[name]
+        want = x @ W.T if conv == "none" else activation_values(x, "Q8_0", conv.split("/")[1]) @ W.T
+        assert np.allclose(w.linear(x, name), want, rtol=1e-13, atol=1e-13)
+
+
+def test_bad_uses_are_one_line(q8):
+    src, path, _ = q8
+    with pytest.raises(InputError, match=r"^unknown activation convention 'ggml-gpu' \(known: none, ggml-cpu/x86, "
+                                         r"ggml-cpu/ref\)$"):
+        Gemma4(path, activations="ggml-gpu")
+    with pytest.raises(InputError, match=r": activations ggml-cpu/x86: ggml's activation convention applies to GGUF "
+                                         r"checkpoints only$"):
+        Gemma4(src, activations="ggml-cpu/x86")
+
+
+def test_what_is_not_emulated_yet_is_refused(tmp_path):
+    """A Q4_1 projection (its Q8_1 min term) and a MoE checkpoint (mul_mat_id): one line each, naming them."""
+    gguf_writer = pytest.importorskip("gguf_writer")
+    src = write_checkpoint("e2b-mini", 0, tmp_path / "e2b")
+    q41 = gguf_writer.write_gguf(src, tmp_path / "q41.gguf", gguf_writer.T.Q8_0,
+                                 types={"blk.0.ffn_up.weight": gguf_writer.T.Q4_1})
+    with pytest.raises(InputError, match=r": activations ggml-cpu/x86: 'blk.0.ffn_up.weight' .*is Q4_1, whose products "
+                                         r"ggml computes with the Q8_1 min term, not emulated yet$"):
+        Gemma4(q41, activations="ggml-cpu/x86")
+    moe = gguf_writer.write_gguf(write_checkpoint("26b-a4b-mini", 0, tmp_path / "moe"), tmp_path / "moe.gguf")
+    with pytest.raises(InputError, match=r": activations ggml-cpu/ref: the MoE experts' products \(ggml's mul_mat_id\) "
+                                         r"are not emulated yet$"):
+        Gemma4(moe, activations="ggml-cpu/ref")
+
