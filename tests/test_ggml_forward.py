@@ -111,3 +111,39 @@ def test_what_is_not_emulated_yet_is_refused(tmp_path):
                                          r"are not emulated yet$"):
         Gemma4(moe, activations="ggml-cpu/ref")
 
+
+
+def test_a_set_made_under_the_convention(q8, tmp_path, capsys):
+    """generate --activations records the convention (model.quantisation.activations); verify --recompute
+    rebuilds the rows under it; its cases need activation_conventions=ggml-cpu/x86: the oracle backend declaring
+    none reports them not claimed, the one built under it passes them exactly, under the other path (a convention
+    of its own) none is claimed either. The convention is refused for a checkpoint that is not a GGUF file."""
+    import json
+
+    from conformance.cli import main
+    from conformance.sets.integrity import quantisation_problems
+
+    src, path, _ = q8
+    out = tmp_path / "set"
+    assert main(["generate", "--model", str(path), "--out", str(out), "--name", "e2b-q8-x86", "--cases", "text",
+                 "-q", "--activations", "ggml-cpu/x86"]) == 0
+    q = json.loads((out / "manifest.json").read_text())["model"]["quantisation"]
+    assert (q["format"], q["activations"]) == ("gguf", "ggml-cpu/x86")
+    assert quantisation_problems({**q, "format": "mlx-affine", "tensors": {}}, "s") == [
+        "s: model.quantisation.activations ggml-cpu/x86 applies to a gguf checkpoint only"]
+    assert main(["verify", str(out), "--recompute"]) == 0
+    report = tmp_path / "r.json"
+    assert main(["check", "--backend", "refimpl", "--fixtures", str(out), "-q", "--json", str(report)]) == 5
+    cases = json.loads(report.read_text())["cases"]
+    assert {c["status"] for c in cases} == {"not-claimed"} and all(
+        "activation_conventions=ggml-cpu/x86" in c["message"] for c in cases)
+    assert main(["check", "--backend", "refimpl", "--backend-option", "activations=ggml-cpu/x86", "--fixtures",
+                 str(out), "-q", "--profile", "exact-f64"]) == 0
+    assert main(["check", "--backend", "refimpl", "--backend-option", "activations=ggml-cpu/ref", "--fixtures",
+                 str(out), "-q"]) == 5
+    capsys.readouterr()
+    assert main(["generate", "--model", str(src), "--out", str(tmp_path / "no"), "--activations", "ggml-cpu/x86",
+                 "-q"]) == 2
+    assert capsys.readouterr().err.strip() == ("conformance: error: activations ggml-cpu/x86 (ggml's CPU activation "
+                                               "quantisation) applies to a GGUF file given as the model only")
+    assert not (tmp_path / "no").exists()

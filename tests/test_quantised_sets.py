@@ -46,7 +46,7 @@ def test_the_manifest_records_the_quantisation(mixed):
     assert quantisation_problems({**q, "format": "q4"}, "s") == ["s: model.quantisation.format must be one of "
                                                                  "mlx-affine, gguf"]
     assert quantisation_problems({**q, "activations": "q8"}, "s") == ["s: model.quantisation.activations must be one "
-                                                                      "of none"]
+                                                                      "of none, ggml-cpu/x86, ggml-cpu/ref"]
 
 
 def test_verify_check_and_relocation(mixed, tmp_path, capsys):

@@ -17,6 +17,7 @@ activation in float32, which makes it a stand-in for a float32 engine (default p
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from refimpl import Gemma4, KVCache, RefimplError
 from refimpl.assistant import Drafter
 from refimpl.config import read_config_json
 from refimpl.frontends import audio_front_end, image_front_end
+from refimpl.ggml_act import CONVENTIONS as ACTIVATION_CONVENTIONS
 from refimpl.gguf_io import is_gguf
 from refimpl.model import VISION_MASK_RULES, Trace
 from refimpl.mtp import CONVENTIONS, assisted_greedy, run_rounds
@@ -77,7 +79,10 @@ class RefimplBackend(CachedBackend):
 
     Options: ``dtype`` ("float64" or "float32"), ``embed_scale`` ("exact" or "bf16"),
     ``default_profile`` (default: "exact-f64" for float64, "fp32" for float32), ``vision_mask``
-    (refimpl.model.VISION_MASK_RULES; default "sliding-clamped", the bundled sets' rule). ``oracle`` (Python
+    (refimpl.model.VISION_MASK_RULES; default "sliding-clamped", the bundled sets' rule), ``activations`` (the
+    activation convention of its products, refimpl.ggml_act.CONVENTIONS: "none", the default, or ggml's CPU
+    activation quantisation, "ggml-cpu/x86" / "ggml-cpu/ref", on a GGUF checkpoint; declared as its one
+    ``activation_conventions``). ``oracle`` (Python
     only): a function that lends the model of a checkpoint directory instead of building one at ``open``, for
     a harness that already holds the set's oracle (explain); the float64, exact, default-mask backend only.
     """
@@ -85,22 +90,30 @@ class RefimplBackend(CachedBackend):
     who = "refimpl backend"
 
     def __init__(self, dtype: str = "float64", embed_scale: str = "exact", default_profile: str | None = None,
-                 vision_mask: str = "sliding-clamped", oracle: Callable[[Path], Gemma4] | None = None):
+                 vision_mask: str = "sliding-clamped", oracle: Callable[[Path], Gemma4] | None = None,
+                 activations: str = "none"):
         super().__init__()
         self.dtype, self.embed_scale = check_options(self.who, dtype, embed_scale)
         if vision_mask not in VISION_MASK_RULES:
             raise ValueError(f"{self.who}: vision_mask must be one of {', '.join(VISION_MASK_RULES)}, got "
                              f"{vision_mask!r}")
         self.vision_mask = vision_mask
+        if activations not in ACTIVATION_CONVENTIONS:
+            raise ValueError(f"{self.who}: activations must be one of {', '.join(ACTIVATION_CONVENTIONS)}, got "
+                             f"{activations!r}")
+        self.activations = activations
+        if oracle is not None and activations != "none":
+            raise ValueError(f"{self.who}: oracle lends the oracle of activations none")
         if oracle is not None and (self.dtype, embed_scale, vision_mask) != ("float64", "exact", "sliding-clamped"):
             raise ValueError(f"{self.who}: oracle lends the float64 oracle; it cannot serve dtype {self.dtype}, "
                              f"embed_scale {embed_scale}, vision_mask {vision_mask}")
         self.lent = oracle  # the harness's oracle, lent at open
         name = "refimpl" if self.dtype == "float64" else "refimpl-float32"
-        self.name = name if embed_scale == "exact" else f"{name}-bf16-scale"
+        self.name = (name if embed_scale == "exact" else f"{name}-bf16-scale") + (
+            "" if activations == "none" else "-" + activations.replace("/", "-"))
         if default_profile is None:
             default_profile = "exact-f64" if self.dtype == "float64" and embed_scale == "exact" else "fp32"
-        self.capabilities = all_capabilities(default_profile)
+        self.capabilities = replace(all_capabilities(default_profile), activation_conventions=activations)
 
     # -- protocol (run() is CachedBackend's) ----------------------------------------------------
 
@@ -110,7 +123,7 @@ class RefimplBackend(CachedBackend):
                 self.model = self.lent(model_dir)
             else:
                 self.model = Gemma4(model_dir, dtype=self.dtype, embed_scale=self.embed_scale,
-                                    vision_mask=self.vision_mask)
+                                    vision_mask=self.vision_mask, activations=self.activations)
             self.tokens = load_multimodal_tokens(model_dir)
             raw = {} if is_gguf(model_dir) else read_config_json(model_dir)[1]  # a GGUF: the text model only
             self.vision = image_front_end(model_dir, self.dtype) if isinstance(raw.get("vision_config"), dict) else None

@@ -119,9 +119,12 @@ class SetContext:
         self.embed = Embedder(oracle, convention)
         self.media = fs.media(convention)
         self.pieces = token_pieces(model_dir)
-        # a set made from a quantised checkpoint needs a backend that opens that format (weight_formats)
+        # a set made from a quantised checkpoint needs a backend that opens that format (weight_formats), and one
+        # made under an activation convention other than none a backend that follows it
         fmt = (fs.manifest.get("model", {}).get("quantisation") or {}).get("format")
         self.weight_needs = [] if fmt is None else [f"weight_formats={fmt}"]
+        if (activations := set_activations(fs)) != "none":
+            self.weight_needs.append(f"activation_conventions={activations}")
         # final-norm rows: the MTP bases' as stored, the others made on first use from the residual stream
         self.base_hidden = ChainMap(mtp_hidden, OracleHidden(fs.hidden_states(), oracle))
 
@@ -186,6 +189,11 @@ def materialise(fs, workdir: str | Path, *, model: str | Path | None = None, reh
     return Path(fs.model_dir(Path(workdir), model=model, rehash=rehash, write=write_checkpoint))
 
 
+def set_activations(fs) -> str:
+    """The activation convention a set was made under (its manifest's model.quantisation.activations; "none")."""
+    return (fs.manifest.get("model", {}).get("quantisation") or {}).get("activations", "none")
+
+
 class Checkpoints:
     """Each fixture set's checkpoint, materialised once under ``workdir``, and its SetContext per embedding
     convention. ``model_dir`` raises FixtureError when a checkpoint does not match its set (exit 3).
@@ -203,15 +211,16 @@ class Checkpoints:
         self._contexts: dict[tuple[int, str], SetContext] = {}
         self._logits: dict[int, Any] = {}
         self._mtp: dict[int, tuple[dict, dict]] = {}
-        self._oracles: dict[Path, Gemma4] = {}
+        self._oracles: dict[tuple[Path, str], Gemma4] = {}
 
-    def oracle(self, model_dir: Path) -> Gemma4:
-        """The oracle of a checkpoint (float64, the exact sqrt(H), the bundled sets' vision mask), built once and
-        shared by everything that grades its sets: the rows rebuilt through its head, the embeddings entry's
-        inputs, the hidden rows, the MTP rows, explain's oracle backend. RefimplError when it cannot be read."""
-        key = Path(model_dir)
+    def oracle(self, model_dir: Path, activations: str = "none") -> Gemma4:
+        """The oracle of a checkpoint (float64, the exact sqrt(H), the bundled sets' vision mask; the set's
+        activation convention), built once and shared by everything that grades its sets: the rows rebuilt
+        through its head, the embeddings entry's inputs, the hidden rows, the MTP rows, explain's oracle
+        backend. RefimplError when it cannot be read."""
+        key = (Path(model_dir), activations)
         if key not in self._oracles:
-            self._oracles[key] = Gemma4(key)
+            self._oracles[key] = Gemma4(key[0], activations=activations)
         return self._oracles[key]
 
     def model_dir(self, fs) -> Path:
@@ -223,7 +232,7 @@ class Checkpoints:
                 # a quantised checkpoint is read by the oracle before any backend: one it cannot decode is the
                 # set's problem (exit 3), not the backend's
                 try:
-                    self.oracle(model_dir)
+                    self.oracle(model_dir, set_activations(fs))
                 except RefimplError as e:
                     raise FixtureError(f"{fs.path}: the set's quantised checkpoint cannot be read by the oracle: "
                                        f"{e}") from None
@@ -238,7 +247,7 @@ class Checkpoints:
             model = None
             if fs.storage == "hidden":
                 try:
-                    model = self.oracle(self.model_dir(fs))
+                    model = self.oracle(self.model_dir(fs), set_activations(fs))
                 except RefimplError as e:
                     raise FixtureError(f"{fs.path}: the set stores hidden states, and rebuilding its logits needs "
                                        f"the checkpoint's head, which the oracle cannot read: {e}") from None
@@ -253,7 +262,7 @@ class Checkpoints:
             self._mtp[key] = ({}, {})
             if fs.has_mtp():
                 try:
-                    self._mtp[key] = fs.mtp_rows(self.oracle(model_dir), Drafter(drafter))
+                    self._mtp[key] = fs.mtp_rows(self.oracle(model_dir, set_activations(fs)), Drafter(drafter))
                 except RefimplError as e:
                     raise FixtureError(f"{fs.path}: the set's MTP rows are rebuilt through the target's and the "
                                        f"drafter's heads, which the oracle cannot read: {e}") from None
@@ -266,7 +275,7 @@ class Checkpoints:
             drafter = fs.drafter_dir(model_dir, drafter=self.drafter, rehash=self.rehash)
             self._contexts[key] = SetContext(fs, model_dir, convention, self.oracle_logits(fs), drafter,
                                              self.mtp_rows(fs, model_dir, drafter),
-                                             oracle=lambda: self.oracle(model_dir))
+                                             oracle=lambda: self.oracle(model_dir, set_activations(fs)))
         return self._contexts[key]
 
 

@@ -111,7 +111,8 @@ def cmd_generate(args) -> int:
                           "cases": args.cases, "images": args.image or None, "audio": args.audio or None,
                           "workers": args.workers, "cluster": args.cluster, "store": args.store,
                           "vision_mask": args.vision_mask, "drafter": args.drafter, "stages": progress.line,
-                          "allow_beyond_context": getattr(args, "allow_beyond_context", False)}
+                          "allow_beyond_context": getattr(args, "allow_beyond_context", False),
+                          "activations": getattr(args, "activations", "none")}
     if args.version is not None:
         kw["version"] = args.version
     try:

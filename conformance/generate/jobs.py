@@ -54,9 +54,10 @@ class JobContext:
     random-id pool and the towers, each loaded on first use."""
 
     def __init__(self, model_dir: Path, model=None, vision: VisionSide | None = None, audio: AudioSide | None = None,
-                 vision_mask: str = "sliding-clamped"):
+                 vision_mask: str = "sliding-clamped", activations: str = "none"):
         self.model_dir = model_dir
-        self.model = model if model is not None else Gemma4(model_dir, vision_mask=vision_mask)
+        self.model = model if model is not None else Gemma4(model_dir, vision_mask=vision_mask,
+                                                             activations=activations)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self._lock = threading.Lock()
         self._pool = None
@@ -86,7 +87,8 @@ _CONTEXTS: dict[tuple[str, str], JobContext] = {}
 _CONTEXTS_LOCK = threading.Lock()
 
 
-def job_context(model_dir: str, key: str, vision_mask: str = "sliding-clamped") -> JobContext:
+def job_context(model_dir: str, key: str, vision_mask: str = "sliding-clamped",
+                activations: str = "none") -> JobContext:
     """The worker's context for a run (one kept: a new run's model replaces the last one)."""
     with _CONTEXTS_LOCK:
         ctx = _CONTEXTS.get((model_dir, key))
@@ -96,7 +98,7 @@ def job_context(model_dir: str, key: str, vision_mask: str = "sliding-clamped") 
                 raise FixtureError(f"worker {where()} cannot see the model directory {model_dir}; the model and "
                                    "--out's parent must be on storage every worker mounts at the same absolute path")
             _CONTEXTS.clear()
-            ctx = _CONTEXTS[(model_dir, key)] = JobContext(path, vision_mask=vision_mask)
+            ctx = _CONTEXTS[(model_dir, key)] = JobContext(path, vision_mask=vision_mask, activations=activations)
         return ctx
 
 
@@ -124,7 +126,8 @@ def run_job(spec: dict, context: JobContext | None = None, on_stage: Sink | None
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"base {spec['base']}: injected failure ({FAULT_ENV}={fault})")
     ctx = context if context is not None else job_context(spec["model_dir"], spec["key"],
-                                                          spec.get("vision_mask", "sliding-clamped"))
+                                                          spec.get("vision_mask", "sliding-clamped"),
+                                                          spec.get("activations", "none"))
     model, kind, base = ctx.model, spec["kind"], spec["base"]
     emit({"base": base, "event": "start", "worker": where()}, on_stage)
     arrays: dict[str, Any] = {}

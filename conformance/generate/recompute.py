@@ -60,7 +60,8 @@ def verify_set(path: str | Path, *, recompute: bool = False, workdir: str | Path
         try:
             model_dir = fs.model_dir(wd, model=model, write=write_checkpoint)
 
-            model = Gemma4(model_dir, vision_mask=fs.manifest.get("oracle", {}).get("vision_mask", "sliding-clamped"))
+            model = Gemma4(model_dir, vision_mask=fs.manifest.get("oracle", {}).get("vision_mask", "sliding-clamped"),
+                           activations=(fs.manifest["model"].get("quantisation") or {}).get("activations", "none"))
         except Exception as e:  # noqa: BLE001 - any load failure is this set's problem line
             return [str(e) if isinstance(e, FixtureError) else f"{path}: the model cannot be loaded: {e}"]
         try:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
+from refimpl.ggml_act import CONVENTIONS as ACTIVATION_CONVENTIONS
 from refimpl.gguf_io import is_gguf
 from refimpl.model import VISION_MASK_RULES, Gemma4
 from refimpl.safetensors_io import write_safetensors
@@ -149,7 +150,7 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
                  images=None, audio=None, workers: int | None = None, cluster: str | None = None,
                  store: str = "hidden", vision_mask: str = VISION_MASK_RULES[0],
                  drafter: str | Path | None = None, stages: Write | None = None,
-                 allow_beyond_context: bool = False) -> Path:
+                 allow_beyond_context: bool = False, activations: str = "none") -> Path:
     """Write a fixture set to ``out``: the only writer. Refuses an existing ``out`` (an empty directory
     is allowed). The work is split into one job per base (docs/distributed-generation.md), run in
     parallel, and resumable: every finished job's result is kept in ``<out.parent>/.<out.name>.partial/``
@@ -221,6 +222,11 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
         raise ValueError(f"store must be one of {', '.join(STORAGES)}, got {store!r}")
     if vision_mask not in VISION_MASK_RULES:
         raise ValueError(f"vision_mask must be one of {', '.join(VISION_MASK_RULES)}, got {vision_mask!r}")
+    if activations not in ACTIVATION_CONVENTIONS:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATION_CONVENTIONS)}, got {activations!r}")
+    if activations != "none" and not (model_dir is not None and Path(model_dir).is_file()):
+        raise ValueError(f"activations {activations} (ggml's CPU activation quantisation) applies to a GGUF file "
+                         "given as the model only")
     if cases not in CASE_KINDS:
         raise ValueError(f"cases must be one of {', '.join(CASE_KINDS)}, got {cases!r}")
     if model_dir is not None:
@@ -252,7 +258,7 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
                              version=version, progress=progress, cross_check=cross_check, command=command,
                              cases=cases, images=images, audio=audio, store=store, vision_mask=vision_mask,
                              drafter=drafter, stages=stages, allow_beyond_context=allow_beyond_context,
-                             workers=workers if workers is not None else cores(), dask=dask)
+                             workers=workers if workers is not None else cores(), dask=dask, activations=activations)
         finally:
             if dask is not None:
                 dask.close()
@@ -314,21 +320,24 @@ class _Assembled:
 def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str | None, seed: int, entries: list[dict],
               name: str, version: str, progress: Progress | None, cross_check: CrossCheck | None, command: str | None,
               cases: str, images, audio, workers: int, dask, store: str, vision_mask: str,
-              drafter: Path | None = None, stages: Write | None = None, allow_beyond_context: bool = False) -> Path:
+              drafter: Path | None = None, stages: Write | None = None, allow_beyond_context: bool = False,
+              activations: str = "none") -> Path:
     """generate_set after argument checks, under the run's lock: plan the jobs, run the missing ones, assemble,
     publish to ``out_abs`` (publish_path(out))."""
     t0, model = time.perf_counter(), None
     if preset is not None:
         model_key: dict[str, Any] = {"kind": "synthetic", "preset": preset, "seed": seed, "dtype": "f32"}
     else:
-        model = Gemma4(model_dir, vision_mask=vision_mask)  # float64, exact sqrt(H); RefimplError for a bad checkpoint
+        # float64, exact sqrt(H); RefimplError for a bad checkpoint, or a convention it cannot take
+        model = Gemma4(model_dir, vision_mask=vision_mask, activations=activations)
         # the checkpoint by content (sha256 and size of each file, digests cached); its path is provenance only
         model_key = {"kind": "external", **checkpoint_record(*checkpoint_files(model_dir))}
     # the run key: what the results depend on, never how a path was spelled (docs/distributed-generation.md)
     arguments = {"model": model_key, "cases": cases, "name": name, "version": version, "store": store,
                  "prompts": [{k: e[k] for k in ("kind", "value", "id", "chat")} for e in entries],
                  "images": media_key(images), "audio": media_key(audio), **job_versions(),
-                 **({"vision_mask": vision_mask} if vision_mask != VISION_MASK_RULES[0] else {})}
+                 **({"vision_mask": vision_mask} if vision_mask != VISION_MASK_RULES[0] else {}),
+                 **({"activations": activations} if activations != "none" else {})}
     run = partial.PartialRun.open(out_abs, arguments)
     steps = _Steps(progress)
     staging = None
@@ -340,7 +349,8 @@ def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str |
         else:
             src, reused, model_info = model_dir, False, {"kind": "external", "path": str(model_dir), **model_key}
             if callable(quantisation := getattr(model.weights.store, "quantisation", None)):
-                model_info["quantisation"] = quantisation()  # the stored types the oracle decoded exactly
+                # the stored types the oracle decoded exactly, and the activation convention of its products
+                model_info["quantisation"] = {**quantisation(), "activations": activations}
         plan = _plan(run, src, model, seed, entries, name, cases, images, audio, store)
         drafter_dir = mtp_drafter(src, preset is not None, drafter, cases)
         check_bases(model.cfg, plan.jobs, drafter_dir is not None, allow_beyond_context)  # before any forward
@@ -414,7 +424,7 @@ def _plan(run: partial.PartialRun, src: Path, model, seed: int, entries: list[di
     prompt_ids = [encode_prompt(p, tokenizer, cfg.vocab_size, src) for p in entries]
     bos = bos_id(cfg, tokenizer)
     common = {"key": run.key, "partial": str(run.path), "model_dir": str(src), "seed": seed, "bos": bos,
-              "vision_mask": model.vision_mask,
+              "vision_mask": model.vision_mask, "activations": model.activations,
               "store": store}
 
     if plan.with_text:

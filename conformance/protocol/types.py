@@ -152,6 +152,9 @@ class Capabilities:
     # the checkpoint formats it opens, comma-separated (WEIGHT_FORMATS); a set made from a quantised checkpoint of
     # a format not listed is not claimed
     weight_formats: str = "safetensors"
+    # the activation conventions its products follow, comma-separated (refimpl.ggml_act.CONVENTIONS): a set made
+    # under another one than "none" (ggml's CPU activation quantisation) is claimed only by a backend declaring it
+    activation_conventions: str = "none"
 
     def __post_init__(self):
         if self.embedding_convention not in EMBEDDING_CONVENTIONS:

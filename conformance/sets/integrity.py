@@ -12,6 +12,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from refimpl.errors import WeightsError
+from refimpl.ggml_act import CONVENTIONS as ACTIVATION_CONVENTIONS
 from refimpl.ggml_blocks import TYPES
 from refimpl.mlx_quant import BITS as MLX_BITS
 from refimpl.mlx_quant import FLOAT_MODES as MLX_FLOAT_MODES
@@ -52,7 +53,7 @@ from .head import SUMMARY_LEAVES
 
 QUANTISATION_FORMATS = ("mlx-affine", "gguf")  # quantised checkpoints a set can be made from
 GGML_TYPES = {t.name for t in TYPES.values()}
-ACTIVATIONS = ("none",)  # how the engine treats activations: none quantises them (ggml's CPU convention: next)
+ACTIVATIONS = ACTIVATION_CONVENTIONS  # none, or ggml's CPU activation quantisation on a kernel path (GGUF only)
 
 
 def quantisation_problems(rec: Any, where: str) -> list[str]:
@@ -63,6 +64,8 @@ def quantisation_problems(rec: Any, where: str) -> list[str]:
         return [f"{where}: model.quantisation.format must be one of {', '.join(QUANTISATION_FORMATS)}"]
     if rec.get("activations") not in ACTIVATIONS:
         return [f"{where}: model.quantisation.activations must be one of {', '.join(ACTIVATIONS)}"]
+    if rec["activations"] != "none" and rec["format"] != "gguf":
+        return [f"{where}: model.quantisation.activations {rec['activations']} applies to a gguf checkpoint only"]
     tensors = rec.get("tensors")
     if rec["format"] == "gguf":
         if not (isinstance(tensors, dict) and all(isinstance(k, str) and isinstance(v, dict) and v.get("type") in

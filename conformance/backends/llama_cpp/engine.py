@@ -129,6 +129,7 @@ import importlib.util
 import itertools
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -142,6 +143,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from refimpl import RefimplError, load_config
+from refimpl.gguf_io import is_gguf
 
 from ...check.profiles import PROFILES
 from ...protocol.serving import check_multi
@@ -310,13 +314,31 @@ def expectations_for(name: str) -> Path | None:
     return p if p.is_file() else None
 
 
+def activation_convention() -> str:
+    """The activation convention ggml's CPU kernels follow on this machine: the x86 SIMD quantisers on x86-64
+    (refimpl/ggml_act.py); elsewhere (ARM's NEON path) none that the oracle emulates."""
+    return "ggml-cpu/x86" if platform.machine().lower() in ("x86_64", "amd64") else "none"
+
+
 def capabilities_for(default_profile: str, embeddings: bool, traces: bool = True) -> Capabilities:
+    """A GGUF file given as the checkpoint is loaded as it is (``weight_formats`` gguf), its products following
+    ggml's CPU activation convention (``activation_conventions``)."""
     return Capabilities(
         full_forward=True, last_plain=True, last_seq_id=True, last_embeddings=embeddings,
         embedding_convention="scaled", interior_rows=True, output_rows=True, ubatch=True,
         chunked_prefill=True, multi_sequence=True, decode=True, hidden_states=True,
         mtp=True, mtp_generate=True, mtp_conventions=MTP_CONVENTION, traces=traces, default_profile=default_profile,
+        weight_formats="safetensors,gguf", activation_conventions=activation_convention(),
     )
+
+
+def gguf_text_config(path: Path) -> dict:
+    """The config keys ``open`` checks, of a GGUF file given as the checkpoint (refimpl reads its metadata)."""
+    try:
+        cfg = load_config(path)
+    except RefimplError as e:
+        raise BackendError(f"llama-cpp backend: cannot read the GGUF file {path}: {e}") from e
+    return {"vocab_size": cfg.vocab_size, "hidden_size_per_layer_input": cfg.hidden_size_per_layer_input}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -634,9 +656,12 @@ class LlamaCppEngine:
         self._install_logger()
         L.llama_backend_init()
         self.ext = Ext(L)
-        path, info = convert_to_gguf(model_dir, source, self.options["outtype"], self.cache_dir,
-                                     log=(lambda m: sys.stderr.write(m + "\n")) if self.options["verbose"] else None)
-        cfg = read_text_config(model_dir)
+        log = (lambda m: sys.stderr.write(m + "\n")) if self.options["verbose"] else None
+        if model_dir.is_file() and is_gguf(model_dir):  # a GGUF file as the checkpoint: loaded as it is
+            path, info, cfg = model_dir, {"gguf": str(model_dir), "given": True}, gguf_text_config(model_dir)
+        else:
+            path, info = convert_to_gguf(model_dir, source, self.options["outtype"], self.cache_dir, log=log)
+            cfg = read_text_config(model_dir)
         mparams = L.llama_model_default_params()
         t0 = time.monotonic()
         model = L.llama_model_load_from_file(str(path).encode(), mparams)
