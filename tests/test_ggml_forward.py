@@ -147,3 +147,27 @@ def test_a_set_made_under_the_convention(q8, tmp_path, capsys):
     assert capsys.readouterr().err.strip() == ("conformance: error: activations ggml-cpu/x86 (ggml's CPU activation "
                                                "quantisation) applies to a GGUF file given as the model only")
     assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.skipif(not HAVE_EXACT, reason="no exact-GELU library (scripts/build-llama-cpp.sh --exact-gelu)")
+def test_llama_cpp_on_its_own_gguf_passes_at_ggml_cpu(q8, tmp_path):
+    """llama.cpp (exact GELU, f32 KV) handed the set's own Q8_0 file passes every text case it claims at the
+    profile ggml-cpu against the oracle under the convention; the same file's set without the convention (the
+    dequantised weights times unquantised activations) fails most of them at that profile."""
+    import json
+
+    from conformance.cli import main
+
+    _, path, _ = q8
+    argv = ["check", "--backend", "llama-cpp", "--backend-option", "lib=exact-gelu", "--backend-option",
+            "kv_type=f32", "--profile", "ggml-cpu", "-q"]
+    statuses = {}
+    for conv in ("ggml-cpu/x86", "none"):
+        out = tmp_path / conv.replace("/", "-")
+        assert main(["generate", "--model", str(path), "--out", str(out), "--name", "e2b-q8", "--cases", "text",
+                     "-q", "--activations", conv, "--store", "logits"]) == 0
+        main([*argv, "--fixtures", str(out), "--json", str(tmp_path / f"{out.name}.json")])
+        cases = json.loads((tmp_path / f"{out.name}.json").read_text())["cases"]
+        statuses[conv] = [c["status"] for c in cases]
+    assert statuses["ggml-cpu/x86"].count("pass") == 44 and set(statuses["ggml-cpu/x86"]) == {"pass", "not-claimed"}
+    assert statuses["none"].count("fail") >= 22

@@ -17,7 +17,6 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from refimpl.ggml_act import CONVENTIONS as ACTIVATION_CONVENTIONS
 from refimpl.gguf_io import is_gguf
 from refimpl.model import VISION_MASK_RULES, Gemma4
 from refimpl.safetensors_io import write_safetensors
@@ -60,7 +59,7 @@ from ..sets.format import (
 from ..sets.head import SUMMARY_LEAVES, RebuiltLogits
 from . import executors, partial
 from .bases import bos_id, ordinary_ids
-from .checks import cross_check_entries, oracle_checks
+from .checks import check_activations, cross_check_entries, oracle_checks
 from .context import check_bases, context_record, mtp_lengths
 from .jobs import JobContext, job_versions
 from .matrix import annotate, generate_cases, generate_image_cases, random_base_length
@@ -182,13 +181,13 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
     ``drafter``: an MTP assistant for ``model_dir`` (a preset with one has its own): the MTP matrix too
     (conformance.generate.mtp; cases auto, all or mtp), the drafter recorded by its files' sha256.
     ``vision_mask``: the rule the oracle opens vision blocks with on "vision" checkpoints
-    (refimpl.model.VISION_MASK_RULES; default "sliding-clamped"), recorded in the manifest.
+    (refimpl.model.VISION_MASK_RULES; default "sliding-clamped"), recorded in the manifest. ``activations``:
+    the oracle's activation convention (refimpl.ggml_act.CONVENTIONS; other than none for a GGUF file only).
     ``cases``: "text" (the text matrix), "images" (the image matrix only: image bases I0, I1), "audio"
     (the audio matrix only: audio bases S0, S1), "mtp" (the MTP matrix only: MTP bases M0, M1, ...), "all" or "auto"
-    (the text matrix plus the image and
-    audio matrices the checkpoint's towers allow). ``images``: the images of the image bases (file
-    paths or uint8 [h, w, 3] arrays; default: synthetic images from ``seed``); ``audio``: the clips
-    of the audio bases (WAV paths or float arrays at 16 kHz; default: synthetic clips). With image or
+    (the text matrix plus the image and audio matrices the checkpoint's towers allow). ``images``: the images of
+    the image bases (file paths or uint8 [h, w, 3] arrays; default: synthetic images from ``seed``); ``audio``:
+    the clips of the audio bases (WAV paths or float arrays at 16 kHz; default: synthetic clips). With image or
     audio bases, ``cross_check`` is also given ``images={base: [ProcessedImage, ...]}`` and/or
     ``audio={base: [AudioFeatures, ...]}``.
 
@@ -222,11 +221,7 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
         raise ValueError(f"store must be one of {', '.join(STORAGES)}, got {store!r}")
     if vision_mask not in VISION_MASK_RULES:
         raise ValueError(f"vision_mask must be one of {', '.join(VISION_MASK_RULES)}, got {vision_mask!r}")
-    if activations not in ACTIVATION_CONVENTIONS:
-        raise ValueError(f"activations must be one of {', '.join(ACTIVATION_CONVENTIONS)}, got {activations!r}")
-    if activations != "none" and not (model_dir is not None and Path(model_dir).is_file()):
-        raise ValueError(f"activations {activations} (ggml's CPU activation quantisation) applies to a GGUF file "
-                         "given as the model only")
+    check_activations(activations, model_dir)
     if cases not in CASE_KINDS:
         raise ValueError(f"cases must be one of {', '.join(CASE_KINDS)}, got {cases!r}")
     if model_dir is not None:
@@ -328,8 +323,7 @@ def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str |
     if preset is not None:
         model_key: dict[str, Any] = {"kind": "synthetic", "preset": preset, "seed": seed, "dtype": "f32"}
     else:
-        # float64, exact sqrt(H); RefimplError for a bad checkpoint, or a convention it cannot take
-        model = Gemma4(model_dir, vision_mask=vision_mask, activations=activations)
+        model = Gemma4(model_dir, vision_mask=vision_mask, activations=activations)  # float64; RefimplError: bad
         # the checkpoint by content (sha256 and size of each file, digests cached); its path is provenance only
         model_key = {"kind": "external", **checkpoint_record(*checkpoint_files(model_dir))}
     # the run key: what the results depend on, never how a path was spelled (docs/distributed-generation.md)
@@ -349,8 +343,7 @@ def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str |
         else:
             src, reused, model_info = model_dir, False, {"kind": "external", "path": str(model_dir), **model_key}
             if callable(quantisation := getattr(model.weights.store, "quantisation", None)):
-                # the stored types the oracle decoded exactly, and the activation convention of its products
-                model_info["quantisation"] = {**quantisation(), "activations": activations}
+                model_info["quantisation"] = {**quantisation(), "activations": activations}  # types, convention
         plan = _plan(run, src, model, seed, entries, name, cases, images, audio, store)
         drafter_dir = mtp_drafter(src, preset is not None, drafter, cases)
         check_bases(model.cfg, plan.jobs, drafter_dir is not None, allow_beyond_context)  # before any forward
