@@ -22,11 +22,13 @@ import numpy as np
 
 from .config import RopeSpec, TextConfig, load_config
 from .errors import InputError, NonFiniteError
+from .ggml_act import convention_kv
 from .ops import apply_rope as apply_rope  # re-exported: refimpl.model.apply_rope stays importable
 from .ops import (
     attention,
     attention_mask,
     bf16_round,
+    fp16,
     geglu,
     linear,
     norm_rope,
@@ -47,6 +49,7 @@ from .weights import FEW_ROWS, Gemma4Weights, expected_tensors, nonfinite_error,
 # llama.cpp, vLLM. "all-unclamped" (rule A): on every layer, after the window; transformers 5.24's default
 # Gemma4UnifiedModel.forward, mlx-vlm, mlxcel.
 VISION_MASK_RULES = ("sliding-clamped", "all-unclamped")
+KV_CACHES = ("exact", "f16")  # how the oracle keeps K and V (Gemma4 kv_cache)
 # vocabulary rows decoded per step of the streamed LM head (100 MB of float64 at H 1536), into the buffer the
 # projections are decoded into (Gemma4Weights.product), which the largest projection has made larger at every
 # published dense shape; 2 048 before: on 16 cores an all-rows forward of the 10-layer E2B cut took 10% longer
@@ -181,14 +184,17 @@ class Gemma4:
 
     def __init__(self, model_dir: str | Path, dtype: str | np.dtype = "float64", embed_scale: str = "exact",
                  weight_cache: int | str | None = None, vision_mask: str = "sliding-clamped",
-                 activations: str = "none"):
-        """``activations``: the activation convention of the products (refimpl.ggml_act.CONVENTIONS; "none", or
-        "ggml-cpu/x86" / "ggml-cpu/ref" on a GGUF checkpoint: ggml's CPU activation quantisation emulated,
-        docs/quantised.md). ``vision_mask``: how vision blocks open the mask (VISION_MASK_RULES).
-        ``weight_cache``: bytes of decoded weights kept between forwards (an int, "12GiB", "all"; None:
-        the REFIMPL_WEIGHT_CACHE environment variable, else 0). 0 streams every weight from the
-        checkpoint on every forward (the least memory); a cache makes repeated forwards (decode steps,
-        many prompts) skip the decoding of the weights it holds (docs/refimpl.md, "Weight cache")."""
+                 activations: str = "none", kv_cache: str = "exact"):
+        """``kv_cache``: "exact" (float64 keys and values), or "f16" (llama.cpp's default cache type as ggml's
+        CPU path computes with it: K and V stored rounded to fp16, the queries and the attention probabilities
+        rounded to fp16 for their products). ``activations``: the activation convention of the products
+        (refimpl.ggml_act.CONVENTIONS; "none", or "ggml-cpu/x86" / "ggml-cpu/ref" on a GGUF checkpoint: ggml's
+        CPU activation quantisation emulated, docs/quantised.md; with "/f16-kv", the "f16" cache too).
+        ``vision_mask``: how vision blocks open the mask (VISION_MASK_RULES). ``weight_cache``: bytes of
+        decoded weights kept between forwards (an int, "12GiB", "all"; None: the REFIMPL_WEIGHT_CACHE
+        environment variable, else 0). 0 streams every weight from the checkpoint on every forward (the least
+        memory); a cache makes repeated forwards (decode steps, many prompts) skip the decoding of the weights
+        it holds (docs/refimpl.md, "Weight cache")."""
         dtype = np.dtype(dtype)
         if dtype not in (np.float64, np.float32):
             raise InputError(f"dtype must be float64 or float32, got {dtype}")
@@ -201,6 +207,9 @@ class Gemma4:
         self.cfg: TextConfig = load_config(model_dir)
         self.weights = Gemma4Weights(model_dir, self.cfg, dtype, weight_cache_bytes(weight_cache), activations)
         self.activations = activations
+        if kv_cache not in KV_CACHES:
+            raise InputError(f"kv_cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
+        self.kv_cache = "f16" if convention_kv(activations) == "f16" else kv_cache  # a /f16-kv convention
         self.dtype = dtype
         root = math.sqrt(self.cfg.hidden_size)
         self.embed_scale = root if embed_scale == "exact" else bf16_round(root)
@@ -328,6 +337,8 @@ class Gemma4:
             vr = kr if layer.k_eq_v else w.linear(h, p + "self_attn.v_proj.weight").reshape(T, K, D)
             k = norm_rope(kr, cos, sin, w[p + "self_attn.k_norm.weight"], eps)  # k_norm, then RoPE
             v = rms_norm(vr, None, eps)  # v_norm: scale-free
+            if self.kv_cache == "f16":  # stored in the cache as fp16
+                k, v = fp16(k), fp16(v)
             past = cache.layers.get(i)
             if past is not None:
                 k, v = np.concatenate([past.k, k]), np.concatenate([past.v, v])
@@ -347,7 +358,7 @@ class Gemma4:
             mask = vision_block_mask(q_pos, kv.pos, cfg.sliding_window, q_blocks, kv.blocks)
         else:
             mask = attention_mask(q_pos, kv.pos, window)
-        a = attention(q, kv.k, kv.v, mask).reshape(len(q), N * D)
+        a = attention(q, kv.k, kv.v, mask, half=self.kv_cache == "f16").reshape(len(q), N * D)
         o = w.linear(a, p + "self_attn.o_proj.weight")
         return rms_norm(o, w[p + "post_attention_layernorm.weight"], eps)
 

@@ -224,8 +224,10 @@ def vision_overlay_mask(q_pos: np.ndarray, k_pos: np.ndarray, window: int | None
     return attention_mask(q_pos, k_pos, window) | same_block(q_blocks, k_blocks)
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> np.ndarray:
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, half: bool = False) -> np.ndarray:
     """q [T, N, D], k/v [S, K, D], mask [T, S] -> [T, N, D]. Scale 1.0, no softcap, GQA head j -> j // G.
+    ``half``: the products with an fp16 K/V cache as ggml's CPU matmul takes them (the queries and the
+    probabilities rounded to fp16 for their products; K and V are the caller's, already in fp16).
 
     Query rows are independent. They are taken in blocks of ATTENTION_BLOCK scores (blocks fixed by the
     shapes, whatever the thread count), and a block attends only over the span of keys its rows can see
@@ -242,10 +244,15 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> 
         for j in order[first:last]:
             a, b = j * unit, min(j * unit + unit, T)
             lo, hi = key_span(mask[a:b])
-            out[a:b] = attention_rows(q[a:b], k[lo:hi], v[lo:hi], mask[a:b, lo:hi])
+            out[a:b] = attention_rows(q[a:b], k[lo:hi], v[lo:hi], mask[a:b, lo:hi], half)
 
     in_parts(len(order), blocks, own_blas=True)
     return out
+
+
+def fp16(x: np.ndarray) -> np.ndarray:
+    """x rounded to fp16 through float32 (ggml's conversion of a float32 tensor to F16), in x's dtype."""
+    return x.astype(np.float32).astype(np.float16).astype(x.dtype)
 
 
 def balanced_order(n: int) -> list[int]:
@@ -262,7 +269,7 @@ def key_span(mask: np.ndarray) -> tuple[int, int]:
     return (int(seen[0]), int(seen[-1]) + 1) if seen.size else (0, mask.shape[1])
 
 
-def attention_rows(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> np.ndarray:
+def attention_rows(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, half: bool = False) -> np.ndarray:
     """``attention`` in one call. The G query heads of a KV head are rows of one product: q as
     [K, T G, D] (t major, a view when K = 1), so the scores [K, T G, S] and the output [K, T G, D] come
     from one matrix product per KV head, the output already in [T, N, D] order when K = 1."""
@@ -270,8 +277,12 @@ def attention_rows(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
     S, K = k.shape[:2]
     G = N // K
     qk = q.reshape(T, K, G, D).transpose(1, 0, 2, 3).reshape(K, T * G, D)  # [K, T G, D]
+    if half:
+        qk = fp16(qk)
     scores = (qk @ k.transpose(1, 2, 0)).reshape(K, T, G, S)  # [K, T G, D] @ [K, D, S] -> [K, T, G, S]
     np.copyto(scores, -np.inf, where=~mask[None, :, None, :])  # masked keys get probability 0
     probs = softmax(scores, axis=-1)
+    if half:
+        probs = fp16(probs)
     out = probs.reshape(K, T * G, S) @ v.transpose(1, 0, 2)  # [K, T G, S] @ [K, S, D] -> [K, T G, D]
     return out.reshape(K, T, G, D).transpose(1, 0, 2, 3).reshape(T, N, D)

@@ -90,7 +90,7 @@ def test_the_convention_changes_only_what_it_names(q8):
 def test_bad_uses_are_one_line(q8):
     src, path, _ = q8
     with pytest.raises(InputError, match=r"^unknown activation convention 'ggml-gpu' \(known: none, ggml-cpu/x86, "
-                                         r"ggml-cpu/ref\)$"):
+                                         r"ggml-cpu/ref, ggml-cpu/x86/f16-kv, ggml-cpu/ref/f16-kv\)$"):
         Gemma4(path, activations="ggml-gpu")
     with pytest.raises(InputError, match=r": activations ggml-cpu/x86: ggml's activation convention applies to GGUF "
                                          r"checkpoints only$"):
@@ -171,3 +171,35 @@ def test_llama_cpp_on_its_own_gguf_passes_at_ggml_cpu(q8, tmp_path):
         statuses[conv] = [c["status"] for c in cases]
     assert statuses["ggml-cpu/x86"].count("pass") == 44 and set(statuses["ggml-cpu/x86"]) == {"pass", "not-claimed"}
     assert statuses["none"].count("fail") >= 22
+
+
+@pytest.mark.skipif(not HAVE_EXACT, reason="no exact-GELU library (scripts/build-llama-cpp.sh --exact-gelu)")
+def test_llama_cpp_with_an_f16_cache_is_the_f16_kv_convention(q8, tmp_path):
+    """llama.cpp with its default fp16 K/V cache on the Q8_0 file, 40 tokens: the forward under
+    ggml-cpu/x86/f16-kv (K and V stored in fp16, queries and probabilities rounded to fp16 for their products)
+    is its forward to float32 accumulation on the median row (a row with a code or fp16 rounding one unit off
+    aside), where the f32-cache convention is off on the median row by the cache's rounding; the backend
+    with an f16 cache declares that convention and passes the set made under it at ggml-cpu."""
+    import json
+
+    from conformance.cli import main
+
+    src, path, cache = q8
+    options = {"kv_type": "f16", "lib": "exact-gelu", "outtype": "q8_0", "cache_dir": str(cache)}
+    (tmp_path / "job.pkl").write_bytes(pickle.dumps((options, str(src), [Request(kind="full", tokens=IDS)])))
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "job.pkl"), str(tmp_path / "out.pkl")],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    theirs = pickle.loads((tmp_path / "out.pkl").read_bytes())[0].astype(np.float64)
+    row_err = {}
+    for conv in ("ggml-cpu/x86/f16-kv", "ggml-cpu/x86"):
+        ours = Gemma4(path, activations=conv).forward(list(IDS), rows="all")
+        row_err[conv] = float(np.median(np.max(np.abs(ours - theirs), axis=1))) / float(np.max(np.abs(ours)))
+    assert row_err["ggml-cpu/x86/f16-kv"] <= 2e-6 and row_err["ggml-cpu/x86"] >= 1e-2
+    out = tmp_path / "set"
+    assert main(["generate", "--model", str(path), "--out", str(out), "--name", "e2b-q8-f16kv", "--cases", "text",
+                 "-q", "--activations", "ggml-cpu/x86/f16-kv", "--store", "logits"]) == 0
+    main(["check", "--backend", "llama-cpp", "--backend-option", "lib=exact-gelu", "--fixtures", str(out),
+          "--profile", "ggml-cpu", "-q", "--json", str(tmp_path / "r.json")])
+    statuses = [c["status"] for c in json.loads((tmp_path / "r.json").read_text())["cases"]]
+    assert statuses.count("pass") == 44 and set(statuses) == {"pass", "not-claimed"}

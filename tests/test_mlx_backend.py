@@ -85,6 +85,7 @@ def test_identity_capabilities_and_options():
         assert claimed.pop(later) is False
     assert claimed.pop("mtp_conventions") == ""
     assert claimed.pop("weight_formats") == "safetensors,mlx-affine"  # a quantised directory as it is
+    assert claimed.pop("activation_conventions") == "none"  # MLX multiplies the activations as they are
     assert all(v is True for v in claimed.values()), claimed
     assert b.expectations_file is None
     for dtype in ("bfloat16", "float16"):

@@ -175,6 +175,7 @@ def test_identity_capabilities_and_options():
     assert claimed.pop("mtp_conventions") == "rotating/P-1"  # what mlx-vlm follows (mtp.py)
     claimed.pop("default_profile")
     assert claimed.pop("weight_formats") == "safetensors,mlx-affine"  # mlx_vlm.convert -q directories as they are
+    assert claimed.pop("activation_conventions") == "none"  # MLX multiplies the activations as they are
     # image and audio prompts, both towers, MTP in mode generate; not the hidden rows nor the white-box rounds
     assert {k for k, v in claimed.items() if v is not True} == {"hidden_states", "mtp", "traces"}, claimed
     assert b.expectations_file == EXPECTATIONS_DIR / "mlx-vlm-float32.json"

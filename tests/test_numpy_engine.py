@@ -91,6 +91,7 @@ def test_identity_capabilities_and_registry():
     assert claimed.pop("default_profile") == "exact-f64"
     assert claimed.pop("mtp_conventions") == ",".join(CONVENTIONS)  # it serves every MTP convention
     assert claimed.pop("weight_formats") == "safetensors,mlx-affine,gguf"  # through the oracle's loader
+    assert claimed.pop("activation_conventions") == "none"
     assert all(v is True for v in claimed.values()), claimed
     assert NumpyEngineBackend(dtype="float32").capabilities.default_profile == "fp32"
     assert "numpy-engine" in registry.available_backends()

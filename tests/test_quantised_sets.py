@@ -45,8 +45,9 @@ def test_the_manifest_records_the_quantisation(mixed):
     assert quantisation_problems(q, "s") == []
     assert quantisation_problems({**q, "format": "q4"}, "s") == ["s: model.quantisation.format must be one of "
                                                                  "mlx-affine, gguf"]
-    assert quantisation_problems({**q, "activations": "q8"}, "s") == ["s: model.quantisation.activations must be one "
-                                                                      "of none, ggml-cpu/x86, ggml-cpu/ref"]
+    assert quantisation_problems({**q, "activations": "q8"}, "s") == [
+        "s: model.quantisation.activations must be one of none, ggml-cpu/x86, ggml-cpu/ref, ggml-cpu/x86/f16-kv, "
+        "ggml-cpu/ref/f16-kv"]
 
 
 def test_verify_check_and_relocation(mixed, tmp_path, capsys):

@@ -59,6 +59,9 @@ def test_identity_and_capabilities():
     assert claimed.pop("default_profile") == "exact-f64"
     assert claimed.pop("mtp_conventions") == ",".join(CONVENTIONS)  # the oracle follows every MTP convention
     assert claimed.pop("weight_formats") == "safetensors,mlx-affine,gguf"  # MLX quantised directories, GGUF files
+    assert claimed.pop("activation_conventions") == "none"  # option activations: one of ggml's instead
+    assert RefimplBackend(activations="ggml-cpu/x86/f16-kv").capabilities.activation_conventions == \
+        "ggml-cpu/x86/f16-kv"
     assert all(v is True for v in claimed.values()), claimed
     f32 = RefimplFloat32Backend()
     assert (f32.name, f32.dtype, f32.capabilities.default_profile) == ("refimpl-float32", "float32", "fp32")

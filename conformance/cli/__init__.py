@@ -31,6 +31,8 @@ import sys
 from importlib import metadata
 from typing import Sequence
 
+from refimpl.ggml_act import CONVENTIONS as ACTIVATION_CONVENTIONS
+
 from ..check.runner import interrupt_signal, stop_signals
 from ..protocol.wire import VERSIONS
 from ..report.json_report import SCHEMA_VERSION as REPORT_SCHEMA_VERSION
@@ -165,11 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "sliding layers only, inside the window; transformers' static path, llama.cpp, vLLM) or "
                         "all-unclamped (every layer, after the window; transformers 5.24's default Gemma 4 Unified "
                         "forward, mlx-vlm); recorded in the manifest")
-    g.add_argument("--activations", choices=("none", "ggml-cpu/x86", "ggml-cpu/ref"), default="none",
+    g.add_argument("--activations", choices=ACTIVATION_CONVENTIONS, default="none",
                    help="the activation convention of the oracle's products: none (default: the dequantised weights "
                         "times the activations as they are) or ggml's CPU activation quantisation on a kernel path "
-                        "(x86: the SIMD kernels, ref: the reference quantisers), for a GGUF --model graded on "
-                        "llama.cpp (docs/quantised.md); recorded in the manifest")
+                        "(x86: the SIMD kernels, ref: the reference quantisers; /f16-kv: with llama.cpp's fp16 K/V "
+                        "cache), for a GGUF --model graded on llama.cpp (docs/quantised.md); recorded in the "
+                        "manifest")
     g.add_argument("--store", choices=("hidden", "logits"), default="hidden",
                    help="hidden (default): per row the float64 hidden state and its top-k/log-sum-exp summary, the "
                         "logits rebuilt through the checkpoint's head at check time (12 KB a row for E2B); logits: "
