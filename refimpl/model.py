@@ -358,7 +358,8 @@ class Gemma4:
             mask = vision_block_mask(q_pos, kv.pos, cfg.sliding_window, q_blocks, kv.blocks)
         else:
             mask = attention_mask(q_pos, kv.pos, window)
-        a = attention(q, kv.k, kv.v, mask, half=self.kv_cache == "f16").reshape(len(q), N * D)
+        a = (attention(q, kv.k, kv.v, mask, half=True) if self.kv_cache == "f16"
+             else attention(q, kv.k, kv.v, mask)).reshape(len(q), N * D)
         o = w.linear(a, p + "self_attn.o_proj.weight")
         return rms_norm(o, w[p + "post_attention_layernorm.weight"], eps)
 

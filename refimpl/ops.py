@@ -244,7 +244,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, hal
         for j in order[first:last]:
             a, b = j * unit, min(j * unit + unit, T)
             lo, hi = key_span(mask[a:b])
-            out[a:b] = attention_rows(q[a:b], k[lo:hi], v[lo:hi], mask[a:b, lo:hi], half)
+            args = (q[a:b], k[lo:hi], v[lo:hi], mask[a:b, lo:hi])
+            out[a:b] = attention_rows(*args, half=True) if half else attention_rows(*args)
 
     in_parts(len(order), blocks, own_blas=True)
     return out

@@ -314,17 +314,18 @@ def expectations_for(name: str) -> Path | None:
     return p if p.is_file() else None
 
 
-def activation_convention(kv_type: str = "f32", flash_attn: bool = False) -> str:
+def activation_convention(kv_type: str = "f32", flash_attn: bool = False, lib_kind: str = "exact-gelu") -> str:
     """The activation convention ggml's CPU kernels follow on this machine: the x86 SIMD quantisers on x86-64
     (refimpl/ggml_act.py), with the fp16 K/V cache's roundings for ``kv_type`` f16; none that the oracle
-    emulates on other machines (ARM's NEON path) or with flash attention (fp16 accumulators)."""
-    if platform.machine().lower() not in ("x86_64", "amd64") or flash_attn:
+    emulates on other machines (ARM's NEON path), with flash attention (fp16 accumulators) or with a library
+    other than the exact-GELU build (the stock one's fp16 GELU table is not emulated)."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or flash_attn or lib_kind != "exact-gelu":
         return "none"
     return "ggml-cpu/x86" + ("/f16-kv" if kv_type == "f16" else "")
 
 
 def capabilities_for(default_profile: str, embeddings: bool, traces: bool = True, kv_type: str = "f32",
-                     flash_attn: bool = False) -> Capabilities:
+                     flash_attn: bool = False, lib_kind: str = "exact-gelu") -> Capabilities:
     """A GGUF file given as the checkpoint is loaded as it is (``weight_formats`` gguf), its products following
     ggml's CPU activation convention (``activation_conventions``)."""
     return Capabilities(
@@ -332,7 +333,8 @@ def capabilities_for(default_profile: str, embeddings: bool, traces: bool = True
         embedding_convention="scaled", interior_rows=True, output_rows=True, ubatch=True,
         chunked_prefill=True, multi_sequence=True, decode=True, hidden_states=True,
         mtp=True, mtp_generate=True, mtp_conventions=MTP_CONVENTION, traces=traces, default_profile=default_profile,
-        weight_formats="safetensors,gguf", activation_conventions=activation_convention(kv_type, flash_attn),
+        weight_formats="safetensors,gguf",
+        activation_conventions=activation_convention(kv_type, flash_attn, lib_kind),
     )
 
 
@@ -612,7 +614,8 @@ class LlamaCppEngine:
                                 o["kv_unified"], o["embeddings"])
         profile = o["default_profile"] or default_profile_for(o["kv_type"], self.lib_kind, o["outtype"],
                                                               o["flash_attn"])
-        self.capabilities = capabilities_for(profile, o["embeddings"], o["traces"], o["kv_type"], o["flash_attn"])
+        self.capabilities = capabilities_for(profile, o["embeddings"], o["traces"], o["kv_type"], o["flash_attn"],
+                                             self.lib_kind)
         self.expectations_file = expectations_for(self.name)
         self.L = None
         self.model = None
