@@ -101,19 +101,21 @@ def router_margin(probs: np.ndarray, top_k: int) -> np.ndarray:
     return ordered[:, top_k - 1] - ordered[:, top_k]
 
 
-def experts(u: np.ndarray, idx: np.ndarray, weight: np.ndarray, expert_weights) -> np.ndarray:
+def experts(u: np.ndarray, idx: np.ndarray, weight: np.ndarray, expert_weights, as_seen=None) -> np.ndarray:
     """Weighted sum of the chosen experts' GeGLU outputs. u [T, H]; idx, weight [T, k] -> [T, H].
 
     ``expert_weights(e)`` returns (gate_up [2 Im, H] with gate rows first, down [H, Im]).
-    Loops over experts (not tokens): each expert runs once on the tokens routed to it.
+    Loops over experts (not tokens): each expert runs once on the tokens routed to it. ``as_seen(x, which)``
+    (which: "gate_up" or "down"): the activations as that product takes them (an activation convention).
     """
+    seen = as_seen if as_seen is not None else (lambda x, _which: x)
     out = np.zeros_like(u)
     for e in np.unique(idx):
         tok, slot = np.nonzero(idx == e)  # a token picks an expert at most once
         gate_up, down = expert_weights(int(e))
-        gu = linear(u[tok], gate_up)  # [n, 2 Im]
+        gu = linear(seen(u[tok], "gate_up"), gate_up)  # [n, 2 Im]
         half = gu.shape[-1] // 2
-        y = linear(geglu(gu[:, :half], gu[:, half:]), down)  # [n, H]
+        y = linear(seen(geglu(gu[:, :half], gu[:, half:]), "down"), down)  # [n, H]
         out[tok] += weight[tok, slot][:, None] * y
     return out
 
@@ -380,7 +382,11 @@ class Gemma4:
             def expert_weights(e: int) -> tuple[np.ndarray, np.ndarray]:
                 return w.rows(p + "experts.gate_up_proj", e), w.rows(p + "experts.down_proj", e)
 
-            m2 = rms_norm(experts(u2, idx, weight, expert_weights), w[p + "post_feedforward_layernorm_2.weight"], eps)
+            def as_seen(x: np.ndarray, which: str) -> np.ndarray:  # under ggml's convention: its activations
+                return w.activations_for(x, w.prefix + p + f"experts.{which}_proj")
+
+            routed = experts(u2, idx, weight, expert_weights, as_seen if w.activation_path is not None else None)
+            m2 = rms_norm(routed, w[p + "post_feedforward_layernorm_2.weight"], eps)
             if trace is not None:
                 trace.put(p + "router.experts", idx)
                 trace.put(p + "router.margin", router_margin(probs, cfg.top_k_experts))

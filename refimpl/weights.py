@@ -139,10 +139,8 @@ class Gemma4Weights:
         where = f"{self.store.model_dir}: activations {self.activations}"
         if not isinstance(self.store, GGUFStore):
             raise InputError(f"{where}: ggml's activation convention applies to GGUF checkpoints only")
-        if self.cfg.enable_moe_block:
-            raise InputError(f"{where}: the MoE experts' products (ggml's mul_mat_id) are not emulated yet")
         for full in [self.head_name, *(self.prefix + n for n, shape in expected_tensors(self.cfg).items()
-                                       if len(shape) == 2 and not n.startswith("embed_tokens"))]:
+                                       if len(shape) >= 2 and not n.startswith("embed_tokens"))]:
             kind = self.store.infos[full].dtype
             if kind in NOT_EMULATED or kind not in VEC_DOT_TYPE:
                 why = NOT_EMULATED.get(kind, "its activation quantisation")
