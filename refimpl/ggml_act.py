@@ -29,14 +29,18 @@ import numpy as np
 
 from .errors import InputError
 
-__all__ = ["CONVENTIONS", "NOT_EMULATED", "PATHS", "VEC_DOT_TYPE", "activation_values", "convention_kv",
-           "convention_path", "quantize_q8_0", "quantize_q8_1", "quantize_q8_k", "round_bf16", "round_f16"]
+__all__ = ["CONVENTIONS", "NOT_EMULATED", "PATHS", "VEC_DOT_TYPE", "activation_values", "convention_gelu",
+           "convention_kv", "convention_path", "quantize_q8_0", "quantize_q8_1", "quantize_q8_k", "round_bf16",
+           "round_f16"]
 
 PATHS = ("x86", "ref")  # the kernel paths of the Q8_0 / Q8_1 quantisers emulated
 F16_KV = "/f16-kv"  # a convention's suffix: llama.cpp's fp16 K/V cache, as ggml's CPU path computes with it
+GELU_TABLE = "/gelu-table"  # and the stock library's GELU: a table of fp16 values (GGML_GELU_FP16)
 # the activation conventions of a forward: "none" (the dequantised weights times the activations as they are:
-# MLX, and any float engine) and ggml's CPU rule on one kernel path, with an f32 cache or (F16_KV) an fp16 one
-CONVENTIONS = ("none", *(f"ggml-cpu/{path}{kv}" for kv in ("", F16_KV) for path in PATHS))
+# MLX, and any float engine) and ggml's CPU rule on one kernel path, with an f32 cache or (F16_KV) an fp16 one,
+# with the exact GELU or (GELU_TABLE) the stock library's table
+CONVENTIONS = ("none", *(f"ggml-cpu/{path}{kv}{gelu}" for gelu in ("", GELU_TABLE) for kv in ("", F16_KV)
+                         for path in PATHS))
 NOT_EMULATED = {"Q4_1": "the Q8_1 min term", "Q5_1": "the Q8_1 min term"}  # weight types refused under ggml-cpu
 # ggml-cpu's type_traits_cpu[weight type].vec_dot_type, for the weight types ggml_blocks decodes
 VEC_DOT_TYPE = {"Q4_0": "Q8_0", "Q5_0": "Q8_0", "Q8_0": "Q8_0", "IQ4_NL": "Q8_0", "MXFP4": "Q8_0",
@@ -117,13 +121,19 @@ def convention_path(convention: str) -> str | None:
     """The ggml kernel path of an activation convention (None for "none"); InputError, one line, when unknown."""
     if convention not in CONVENTIONS:
         raise InputError(f"unknown activation convention {convention!r} (known: {', '.join(CONVENTIONS)})")
-    return None if convention == "none" else convention.removesuffix(F16_KV).split("/", 1)[1]
+    return None if convention == "none" else convention.removesuffix(GELU_TABLE).removesuffix(F16_KV).split("/")[1]
 
 
 def convention_kv(convention: str) -> str:
     """The K/V cache of an activation convention: "f16" for the ``/f16-kv`` ones, else "exact"."""
     convention_path(convention)
-    return "f16" if convention.endswith(F16_KV) else "exact"
+    return "f16" if convention.removesuffix(GELU_TABLE).endswith(F16_KV) else "exact"
+
+
+def convention_gelu(convention: str) -> str:
+    """The GELU of an activation convention: "table" for the ``/gelu-table`` ones, else "exact"."""
+    convention_path(convention)
+    return "table" if convention.endswith(GELU_TABLE) else "exact"
 
 
 def activation_values(x: np.ndarray, weight_type: str, path: str = "x86") -> np.ndarray:

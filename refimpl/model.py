@@ -22,7 +22,7 @@ import numpy as np
 
 from .config import RopeSpec, TextConfig, load_config
 from .errors import InputError, NonFiniteError
-from .ggml_act import convention_kv
+from .ggml_act import convention_gelu, convention_kv
 from .ops import apply_rope as apply_rope  # re-exported: refimpl.model.apply_rope stays importable
 from .ops import (
     attention,
@@ -30,6 +30,7 @@ from .ops import (
     bf16_round,
     fp16,
     geglu,
+    geglu_table,
     linear,
     norm_rope,
     rms_norm,
@@ -101,21 +102,24 @@ def router_margin(probs: np.ndarray, top_k: int) -> np.ndarray:
     return ordered[:, top_k - 1] - ordered[:, top_k]
 
 
-def experts(u: np.ndarray, idx: np.ndarray, weight: np.ndarray, expert_weights, as_seen=None) -> np.ndarray:
+def experts(u: np.ndarray, idx: np.ndarray, weight: np.ndarray, expert_weights, as_seen=None,
+            glu=None) -> np.ndarray:
     """Weighted sum of the chosen experts' GeGLU outputs. u [T, H]; idx, weight [T, k] -> [T, H].
 
     ``expert_weights(e)`` returns (gate_up [2 Im, H] with gate rows first, down [H, Im]).
     Loops over experts (not tokens): each expert runs once on the tokens routed to it. ``as_seen(x, which)``
-    (which: "gate_up" or "down"): the activations as that product takes them (an activation convention).
+    (which: "gate_up" or "down"): the activations as that product takes them (an activation convention);
+    ``glu``: the gated activation (default ``geglu``).
     """
     seen = as_seen if as_seen is not None else (lambda x, _which: x)
+    glu = glu if glu is not None else geglu
     out = np.zeros_like(u)
     for e in np.unique(idx):
         tok, slot = np.nonzero(idx == e)  # a token picks an expert at most once
         gate_up, down = expert_weights(int(e))
         gu = linear(seen(u[tok], "gate_up"), gate_up)  # [n, 2 Im]
         half = gu.shape[-1] // 2
-        y = linear(seen(geglu(gu[:, :half], gu[:, half:]), "down"), down)  # [n, H]
+        y = linear(seen(glu(gu[:, :half], gu[:, half:]), "down"), down)  # [n, H]
         out[tok] += weight[tok, slot][:, None] * y
     return out
 
@@ -212,6 +216,7 @@ class Gemma4:
         if kv_cache not in KV_CACHES:
             raise InputError(f"kv_cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
         self.kv_cache = "f16" if convention_kv(activations) == "f16" else kv_cache  # a /f16-kv convention
+        self.geglu = geglu_table if convention_gelu(activations) == "table" else geglu  # a /gelu-table one
         self.dtype = dtype
         root = math.sqrt(self.cfg.hidden_size)
         self.embed_scale = root if embed_scale == "exact" else bf16_round(root)
@@ -371,7 +376,7 @@ class Gemma4:
         p = f"layers.{i}."
         u = rms_norm(r, w[p + "pre_feedforward_layernorm.weight"], eps)
         # GeGLU (``mlp``), each projection through ``w.linear`` (decoded from the checkpoint as it runs)
-        m = w.linear(geglu(w.linear(u, p + "mlp.gate_proj.weight"), w.linear(u, p + "mlp.up_proj.weight")),
+        m = w.linear(self.geglu(w.linear(u, p + "mlp.gate_proj.weight"), w.linear(u, p + "mlp.up_proj.weight")),
                      p + "mlp.down_proj.weight")
         if cfg.enable_moe_block:
             m1 = rms_norm(m, w[p + "post_feedforward_layernorm_1.weight"], eps)
@@ -385,7 +390,8 @@ class Gemma4:
             def as_seen(x: np.ndarray, which: str) -> np.ndarray:  # under ggml's convention: its activations
                 return w.activations_for(x, w.prefix + p + f"experts.{which}_proj")
 
-            routed = experts(u2, idx, weight, expert_weights, as_seen if w.activation_path is not None else None)
+            routed = experts(u2, idx, weight, expert_weights, as_seen if w.activation_path is not None else None,
+                             self.geglu if self.geglu is not geglu else None)
             m2 = rms_norm(routed, w[p + "post_feedforward_layernorm_2.weight"], eps)
             if trace is not None:
                 trace.put(p + "router.experts", idx)
@@ -396,7 +402,7 @@ class Gemma4:
     def ple_block(self, i: int, x: np.ndarray, ple_i: np.ndarray) -> np.ndarray:
         """gelu(x gate^T) * ple_l -> proj -> norm; returns the term added to the residual [T, H]."""
         w, p = self.weights, f"layers.{i}."
-        g = geglu(w.linear(x, p + "per_layer_input_gate.weight"), ple_i)
+        g = self.geglu(w.linear(x, p + "per_layer_input_gate.weight"), ple_i)
         g = w.linear(g, p + "per_layer_projection.weight")
         return rms_norm(g, w[p + "post_per_layer_input_norm.weight"], self.cfg.rms_norm_eps)
 

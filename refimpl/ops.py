@@ -141,6 +141,16 @@ def geglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return np.multiply(y, up, out=y) if y.dtype == np.result_type(y, up) else y * up  # (in place: one array fewer)
 
 
+def geglu_table(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """``geglu`` as ggml's CPU computes it with GGML_GELU_FP16 (the stock library): gate rounded to fp16 (through
+    float32), its GELU looked up in a table of fp16 values (here the float64 GELU of the fp16 input, rounded to
+    fp16; ggml tabulates float32's), 0 at or below -10 and the gate itself at or above 10, times up."""
+    x16 = fp16(gate)
+    y = fp16(gelu_tanh.whole(x16))
+    y = np.where(gate <= -10.0, 0.0, np.where(gate >= 10.0, gate, y))
+    return y * up
+
+
 def mlp(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
     """GeGLU: (gelu_tanh(x gate^T) * (x up^T)) down^T; x [T, H] -> [T, H]."""
     return linear(geglu(linear(x, gate), linear(x, up)), down)

@@ -90,7 +90,9 @@ def test_the_convention_changes_only_what_it_names(q8):
 def test_bad_uses_are_one_line(q8):
     src, path, _ = q8
     with pytest.raises(InputError, match=r"^unknown activation convention 'ggml-gpu' \(known: none, ggml-cpu/x86, "
-                                         r"ggml-cpu/ref, ggml-cpu/x86/f16-kv, ggml-cpu/ref/f16-kv\)$"):
+                                         r"ggml-cpu/ref, ggml-cpu/x86/f16-kv, ggml-cpu/ref/f16-kv, "
+                                         r"ggml-cpu/x86/gelu-table, ggml-cpu/ref/gelu-table, "
+                                         r"ggml-cpu/x86/f16-kv/gelu-table, ggml-cpu/ref/f16-kv/gelu-table\)$"):
         Gemma4(path, activations="ggml-gpu")
     with pytest.raises(InputError, match=r": activations ggml-cpu/x86: ggml's activation convention applies to GGUF "
                                          r"checkpoints only$"):
@@ -224,3 +226,33 @@ def test_the_moe_experts_follow_the_convention(tmp_path):
     assert float(np.max(np.abs(emulated - theirs))) <= 2e-6 * scale
     assert float(np.max(np.abs(plain - theirs))) >= 1e-2 * scale
 
+
+
+def test_the_stock_library_is_the_gelu_table_convention(q8, tmp_path):
+    """The stock library (GGML_GELU_FP16: the GELU of every MLP, expert and per-layer gate looked up in a
+    table of fp16 values) on the Q8_0 file, f32 KV, 40 tokens: the forward under ggml-cpu/x86/gelu-table is
+    its forward to float32 accumulation on the median row, the exact-GELU convention is not; the backend with
+    the stock library declares that convention and passes the set made under it at ggml-cpu."""
+    import json
+
+    from conformance.cli import main
+
+    src, path, cache = q8
+    options = {"kv_type": "f32", "lib": "stock", "outtype": "q8_0", "cache_dir": str(cache)}
+    (tmp_path / "job.pkl").write_bytes(pickle.dumps((options, str(src), [Request(kind="full", tokens=IDS)])))
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "job.pkl"), str(tmp_path / "out.pkl")],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    theirs = pickle.loads((tmp_path / "out.pkl").read_bytes())[0].astype(np.float64)
+    row_err = {}
+    for conv in ("ggml-cpu/x86/gelu-table", "ggml-cpu/x86"):
+        ours = Gemma4(path, activations=conv).forward(list(IDS), rows="all")
+        row_err[conv] = float(np.median(np.max(np.abs(ours - theirs), axis=1))) / float(np.max(np.abs(ours)))
+    assert row_err["ggml-cpu/x86/gelu-table"] <= 2e-6 and row_err["ggml-cpu/x86"] >= 1e-2
+    out = tmp_path / "set"
+    assert main(["generate", "--model", str(path), "--out", str(out), "--name", "e2b-q8-stock", "--cases", "text",
+                 "-q", "--activations", "ggml-cpu/x86/gelu-table", "--store", "logits"]) == 0
+    main(["check", "--backend", "llama-cpp", "--backend-option", "kv_type=f32", "--fixtures", str(out),
+          "--profile", "ggml-cpu", "-q", "--json", str(tmp_path / "r.json")])
+    statuses = [c["status"] for c in json.loads((tmp_path / "r.json").read_text())["cases"]]
+    assert statuses.count("pass") == 44 and set(statuses) == {"pass", "not-claimed"}
