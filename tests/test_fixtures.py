@@ -55,6 +55,8 @@ from refimpl.synth import PRESETS
 
 BUNDLED = list(PRESETS)  # one bundled set per preset
 MLX_SET = "e2b-mini-mlx-q4"  # and the MLX quantised set, its checkpoint shipped (scripts/bundle-mlx-set.py)
+GGUF_SET = "e2b-256-mini-q4km"  # and llama.cpp's own Q4_K_M file, shipped (scripts/bundle-gguf-set.py)
+GGUF_CONVENTION = "ggml-cpu/x86/f16-kv/gelu-table"
 
 ROW_BOUND = 1e-10  # stored row vs the oracle driven as the request says (different chunking: float64 rounding)
 REPO = Path(__file__).resolve().parent.parent
@@ -649,7 +651,7 @@ def test_synthetic_model_is_reproduced(small_set, tmp_path):
 
 def test_bundled_sets_load_and_verify():
     paths = bundled_sets()
-    assert [p.name for p in paths] == sorted([*BUNDLED, MLX_SET])
+    assert [p.name for p in paths] == sorted([*BUNDLED, MLX_SET, GGUF_SET])
     total = 0
     for p in paths:
         assert verify_set(p) == [], p
@@ -661,6 +663,14 @@ def test_bundled_sets_load_and_verify():
                                                                                      "mlx-affine")
             assert {(v["bits"], v["group_size"]) for v in model["quantisation"]["tensors"].values()} == {(4, 32)}
             assert len(fs.cases) == 52 and materialise(fs, p) == p / "checkpoint"
+            continue
+        if p.name == GGUF_SET:
+            model = fs.manifest["model"]
+            assert (model["kind"], model["path"], model["quantisation"]["format"]) == ("external",
+                                                                                     "checkpoint/model.gguf", "gguf")
+            assert fs.activations == GGUF_CONVENTION
+            assert {v["type"] for v in model["quantisation"]["tensors"].values()} == {"Q4_K", "Q6_K", "F32"}
+            assert len(fs.cases) == 52 and materialise(fs, p) == p / "checkpoint" / "model.gguf"
             continue
         assert fs.manifest["model"] == {**fs.manifest["model"], "kind": "synthetic", "preset": p.name, "seed": 0}
         kind = bundled_cases(p.name)  # "text", "images", "audio" or "all" (Gemma 4 Unified: every matrix)
@@ -677,9 +687,9 @@ def test_bundled_sets_load_and_verify():
             # soft tokens moves its logits by up to 3.7e-12 (measured), and transformers agrees to 1.1e-11
             # (images) and 5.8e-12 (audio) there; elsewhere 1e-12
             assert check["agreement"] < (3e-11 if media_set else 2e-12), check
-    # 16.9 MB measured: the 12 earlier sets (14.1 MB), e2b-256-mini (1.2 MB), e2b-mini-mlx-q4 with its checkpoint
-    # (1.6 MB)
-    assert total < 18 * 2**20
+    # 22.5 MB measured: the 12 earlier sets (14.1 MB), e2b-256-mini (1.2 MB), e2b-mini-mlx-q4 with its checkpoint
+    # (1.6 MB), e2b-256-mini-q4km with its GGUF file (5.6 MB)
+    assert total < 24 * 2**20
 
 
 # test_bundled_sets_are_up_to_date compares the bundled sets (made on another machine: another CPU, other BLAS
@@ -731,11 +741,14 @@ def _same_ties(a, b, where: str) -> None:
 def test_bundled_sets_are_up_to_date(sets, tmp_path):
     """The bundled sets equal what the generator writes now: the same cases, tokens, tensors and manifest,
     float data to its rounding (the bounds above). The MLX quantised set is generated again from the checkpoint it
-    ships (its recorded path, inside the set, aside)."""
+    ships (its recorded path, inside the set, aside), and so is the GGUF set, under its activation convention."""
     from refimpl.safetensors_io import TensorStore
 
     sets = {**sets, MLX_SET: generate_set(tmp_path / MLX_SET, model_dir=REPO / "fixtures" / MLX_SET / "checkpoint",
-                                          name=MLX_SET, cases="text", store="logits")}
+                                          name=MLX_SET, cases="text", store="logits"),
+            GGUF_SET: generate_set(tmp_path / GGUF_SET, model_dir=REPO / "fixtures" / GGUF_SET / "checkpoint" /
+                                   "model.gguf", name=GGUF_SET, cases="text", store="logits",
+                                   activations=GGUF_CONVENTION)}
     for p in bundled_sets():
         bundled, fresh = load_set(p), load_set(sets[p.name])
         mb, mf = (json.loads((d / MANIFEST).read_text()) for d in (p, sets[p.name]))
@@ -781,8 +794,8 @@ def test_bundled_sets_are_up_to_date(sets, tmp_path):
         for m in (mb, mf):
             m.pop("files")
             m["provenance"] = {k: m["provenance"][k] for k in ("generator", "refimpl_version")}
-            if p.name == MLX_SET:
-                m["model"].pop("path")  # "checkpoint" in the bundle, where it was generated from here
+            if p.name in (MLX_SET, GGUF_SET):
+                m["model"].pop("path")  # inside the set in the bundle, where it was generated from here
         assert mb == mf, p.name
 
 
@@ -799,7 +812,7 @@ def test_bundled_sets_from_an_installed_layout(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{REPO}"}
     out = subprocess.run([sys.executable, "-c", code, str(pkg)], env=env, capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert int(out.stdout) == len(BUNDLED) + 1  # and the MLX quantised set
+    assert int(out.stdout) == len(BUNDLED) + 2  # and the MLX and GGUF quantised sets
 
 
 @pytest.mark.hf

@@ -253,6 +253,41 @@ def test_the_stock_library_is_the_gelu_table_convention(q8, tmp_path):
     assert main(["generate", "--model", str(path), "--out", str(out), "--name", "e2b-q8-stock", "--cases", "text",
                  "-q", "--activations", "ggml-cpu/x86/gelu-table", "--store", "logits"]) == 0
     main(["check", "--backend", "llama-cpp", "--backend-option", "kv_type=f32", "--fixtures", str(out),
-          "--profile", "ggml-cpu", "-q", "--json", str(tmp_path / "r.json")])
-    statuses = [c["status"] for c in json.loads((tmp_path / "r.json").read_text())["cases"]]
+          "-q", "--json", str(tmp_path / "r.json")])  # no --profile: the set's convention chooses ggml-cpu
+    report = json.loads((tmp_path / "r.json").read_text())
+    statuses = [c["status"] for c in report["cases"]]
     assert statuses.count("pass") == 44 and set(statuses) == {"pass", "not-claimed"}
+    assert report["profile"]["name"] == "fp16-kv" and report["fixture_sets"][0]["profile"] == "ggml-cpu"
+
+
+def test_llama_cpp_passes_the_bundled_q4_k_m_set(tmp_path):
+    """The bundled set e2b-256-mini-q4km (scripts/bundle-gguf-set.py: llama.cpp's own Q4_K_M file, made under
+    ggml-cpu/x86/f16-kv/gelu-table): stock llama.cpp with its default f16 K/V cache, 40 tokens on the set's own
+    file, is the oracle's forward under the set's convention to float32 accumulation on the median row (a row with
+    a code or fp16 rounding one unit off aside; the forward with float64 activations is off by more than 1e-2 of
+    the largest logit), and `conformance check` with no --profile passes every case it claims, graded at the
+    set's profile ggml-cpu."""
+    import json
+
+    from conformance.cli import main
+    from conformance.sets import bundled_set, load_set
+
+    fs = load_set(bundled_set("e2b-256-mini-q4km"))
+    path = Path(fs.model_record["path"])
+    options = {"kv_type": "f16", "lib": "stock"}
+    (tmp_path / "job.pkl").write_bytes(pickle.dumps((options, str(path), [Request(kind="full", tokens=IDS)])))
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "job.pkl"), str(tmp_path / "out.pkl")],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    theirs = pickle.loads((tmp_path / "out.pkl").read_bytes())[0].astype(np.float64)
+    row_err = {}
+    for conv in (fs.activations, "none"):
+        ours = Gemma4(path, activations=conv).forward(list(IDS), rows="all")
+        row_err[conv] = float(np.median(np.max(np.abs(ours - theirs), axis=1))) / float(np.max(np.abs(ours)))
+    assert row_err[fs.activations] <= 2e-6 and row_err["none"] >= 1e-2, row_err
+    assert main(["check", "--backend", "llama-cpp", "--fixtures", str(fs.path), "-q",
+                 "--json", str(tmp_path / "r.json")]) == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    statuses = [c["status"] for c in report["cases"]]
+    assert statuses.count("pass") == 44 and set(statuses) == {"pass", "not-claimed"}
+    assert report["fixture_sets"][0]["profile"] == "ggml-cpu"

@@ -143,3 +143,21 @@ def test_explain_refuses_an_unknown_default_profile_as_check_does(tmp_path, caps
     assert said["explain"] == said["check"] == (
         f"conformance: error: backend 'unknown-default' declares default_profile 'nope', which is not a known profile "
         f"({', '.join(PROFILES)}); pass --profile\n")
+
+
+def test_a_set_made_under_an_activation_convention_has_the_convention_s_profile(tmp_path):
+    """Policy.set_profile: the bundled GGUF Q4_K_M set (made under ggml-cpu/x86/f16-kv/gelu-table) is graded
+    with ggml-cpu when the run names no profile (resolve_policy without one: named False), with the named profile
+    otherwise; a set made under no convention keeps the run's profile either way, and so does a policy built
+    directly (named by default)."""
+    q4km, plain = load_set(bundled_set("e2b-256-mini-q4km")), load_set(bundled_set("e2b-256-mini"))
+    assert q4km.activations == "ggml-cpu/x86/f16-kv/gelu-table" and plain.activations == "none"
+    default = resolve_policy(RefimplBackend())
+    named = resolve_policy(RefimplBackend(), "fp32")
+    assert not default.named and named.named
+    assert default.set_profile(q4km) is PROFILES["ggml-cpu"] and default.set_profile(plain) is default.profile
+    assert named.set_profile(q4km) is PROFILES["fp32"] and named.set_profile(plain) is PROFILES["fp32"]
+    assert Policy(PROFILES["q8"]).set_profile(q4km) is PROFILES["q8"]
+    ctx = Checkpoints(tmp_path).context(q4km, "scaled")
+    case = q4km.cases[0]
+    assert default.profile_for(ctx, case, default.decide(case.id)) is PROFILES["ggml-cpu"]

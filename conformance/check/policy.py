@@ -5,7 +5,10 @@ and what they make of each case of a set.
 named, else the backend's ``default_profile``; the expectations given, else the file the backend ships for
 its configuration (unless told not to), else none. ``Policy.decide`` is the expectations' decision on a case
 (skip, known failure, tolerance overrides) and ``Policy.profile_for`` the profile the case is graded with:
-scaled to its set (``case_profile``), then the decision's tolerance overrides on top.
+the set's (``Policy.set_profile``), scaled to it (``case_profile``), then the decision's tolerance overrides on
+top. A set made under an activation convention (a quantised GGUF set made with ``generate --activations``) is
+graded, unless the run names a profile, with the profile of that convention (``CONVENTION_PROFILES``): its
+error sources are the convention's, not the backend's default precision class.
 """
 
 from __future__ import annotations
@@ -29,12 +32,20 @@ class PolicyError(Exception):
         self.usage = usage
 
 
+# activation convention family (the part before the first "/") -> the profile its sets are graded with when
+# the run names none (docs/profiles.md, "ggml-cpu")
+CONVENTION_PROFILES = {"ggml-cpu": "ggml-cpu"}
+
+
 @dataclass
 class Policy:
-    """The profile and expectations of a run (``expectations``: none by default)."""
+    """The profile and expectations of a run (``expectations``: none by default). ``named``: the run's
+    profile was named by the user (``--profile``), so it grades every set; otherwise a set made under an
+    activation convention is graded with that convention's profile (``set_profile``)."""
 
     profile: Profile
     expectations: Expectations = field(default_factory=Expectations)
+    named: bool = True
 
     def observe(self, sets: Iterable) -> None:
         """Tell the expectations which cases the run's sets hold (entries that match none are reported)."""
@@ -44,10 +55,18 @@ class Policy:
     def decide(self, case_id: str) -> Decision:
         return self.expectations.decide(case_id)
 
+    def set_profile(self, fs) -> Profile:
+        """The profile the cases of the fixture set ``fs`` are graded with before scaling: the run's, or
+        when the run named none and ``fs`` was made under an activation convention, the convention's."""
+        family = getattr(fs, "activations", "none").split("/")[0]
+        if self.named or family not in CONVENTION_PROFILES:
+            return self.profile
+        return PROFILES[CONVENTION_PROFILES[family]]
+
     def profile_for(self, ctx, case, decision: Decision) -> Profile:
-        """The profile ``case`` of the set ``ctx`` is graded with: scaled to the set, then ``decision``'s
-        tolerance overrides."""
-        prof = case_profile(self.profile, ctx, case)
+        """The profile ``case`` of the set ``ctx`` is graded with: the set's (``set_profile``), scaled to the
+        set, then ``decision``'s tolerance overrides."""
+        prof = case_profile(self.set_profile(ctx.fs), ctx, case)
         return with_overrides(prof, decision.tolerance) if decision.tolerance else prof
 
 
@@ -103,4 +122,5 @@ def resolve_policy(backend, profile: str | None = None, expectations: Expectatio
         except ExpectationsError as e:
             raise PolicyError(f"backend {backend.name!r} ships a broken expectations file: {e}", usage=False) from None
         expectations.shipped = True
-    return Policy(PROFILES[name], expectations if expectations is not None else Expectations())
+    return Policy(PROFILES[name], expectations if expectations is not None else Expectations(),
+                  named=profile is not None)

@@ -215,32 +215,37 @@ PROFILES: dict[str, Profile] = {
         Profile(
             name="ggml-cpu",
             description="llama.cpp on its own quantised GGUF graded against the oracle of the same file under "
-            "ggml's CPU activation convention (a set generated with --activations ggml-cpu/x86), with the "
-            "exact-GELU library and an f32 KV cache: float32 accumulation, and the rare activation code one unit "
-            "off where float32 and float64 round a quantiser's input to either side of a half-way point",
+            "ggml's CPU activation convention (a set generated with --activations ggml-cpu/x86[/f16-kv][/gelu-table], "
+            "the convention of the library and KV cache): float32 accumulation, and the rare activation code one "
+            "unit off where float32 and float64 round a quantiser's input to either side of a half-way point",
             max_abs=4.0,
             max_rel=4.0,
             rel_floor=1.0,
-            nmse=1e-2,
-            cosine_min=1.0 - 1e-2,
+            nmse=1.3e-2,
+            cosine_min=1.0 - 1.3e-2,
             kl_max=0.1,
-            kl_mean=1.2e-2,
+            kl_mean=1.4e-2,
             delta_p=0.15,
             tie_margin=1.0,
             topk=5,
             topk_overlap_min=0.8,
             identity_ratio=2.0,
             sources=(
-                "measured (docs/backends.md, 'Its own GGUF file'): llama.cpp 0.3.36 exact-GELU, f32 KV, on 18 "
-                "GGUF files made by its own converter and quantiser (e2b-mini, e2b-256-mini, e4b-mini; seeds 0 "
-                "and 1; Q8_0, Q4_0, Q4_K_M), 44 text cases each: case median max_abs 4e-6 (float32 accumulation); "
-                "the worst rows, where one activation code is one unit off, max_abs 2.7, KL 0.052, case mean KL "
-                "8.4e-3, NMSE 5.8e-3, delta_p 0.102, identity ratio 2.61; every bound about 1.5x the worst",
-                "tighter than q8 / q4 by 3x / 7.5x in max_abs, 15x / 150x in KL and 8x / 40x in case mean KL: a "
+                "measured (docs/backends.md, 'Its own GGUF file'): llama.cpp 0.3.36 on 18 GGUF files made by its "
+                "own converter and quantiser (e2b-mini, e2b-256-mini, e4b-mini; seeds 0 and 1; Q8_0, Q4_0, "
+                "Q4_K_M), 44 text cases each, in three configurations: the exact-GELU library with an f32 KV cache "
+                "(ggml-cpu/x86), the stock library with an f32 and with an f16 KV cache (ggml-cpu/x86/gelu-table, "
+                "ggml-cpu/x86/f16-kv/gelu-table): case median max_abs 4e-6 to 5e-6 with an f32 cache (float32 "
+                "accumulation); the worst rows, where one activation code is one unit off: max_abs 2.8, KL 0.052, "
+                "case mean KL 1.06e-2, NMSE 9.95e-3, delta_p 0.102, identity ratio 2.61; every bound 1.3x to 1.9x "
+                "the worst: a looser case mean KL or NMSE admits the unquantised-activation forward on more cases",
+                "tighter than q8 / q4 by 3x / 7.5x in max_abs, 15x / 150x in KL and 7x / 35x in case mean KL: a "
                 "code flip on these ill-conditioned miniatures moves a logit by up to ~3, which bounds how "
                 "tight a per-row bar can be; the unquantised-activation forward fails it (docs/quantised.md)",
                 "identity_ratio 2 (as q8): a code flip on the row next to a decode step can bring the adjacent "
                 "rows within 2.6x of the row itself; the nearest-row rule still catches shifted rows",
+                "the default for a set made under a ggml-cpu convention when the run names no profile "
+                "(conformance.check.policy.CONVENTION_PROFILES)",
             ),
         ),
         Profile(

@@ -77,6 +77,11 @@ class SetInfo:
     cases_total: int
     cases_selected: int
     warnings: list[str] = field(default_factory=list)  # e.g. a regenerated tokenizer that differs
+    profile: str | None = None  # the profile its cases are graded with, where not the run's (Policy.set_profile)
+
+    def label(self) -> str:
+        """``name version``, and the set's own profile where it has one."""
+        return f"{self.name} {self.version}" + (f" (profile {self.profile})" if self.profile else "")
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

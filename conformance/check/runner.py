@@ -99,6 +99,7 @@ def run(
     model: str | Path | None = None,
     rehash: bool = False,
     drafter: str | Path | None = None,
+    profile_named: bool = True,
 ) -> RunResult:
     """Run the selected cases of ``sets`` (paths or loaded ``FixtureSet``s) on ``backend``.
 
@@ -110,11 +111,14 @@ def run(
     ``timeout``, and the run goes on where the backend restarts its engine, else it ends there.
     ``model``: the directory of every external set's checkpoint (``--model``; default: each set's recorded
     path); ``rehash``: read the checkpoint files again instead of trusting the digest cache (``Checkpoints``);
-    ``drafter``: the MTP assistant of sets with MTP cases (``--drafter``; default: the path each set records).
+    ``drafter``: the MTP assistant of sets with MTP cases (``--drafter``; default: the path each set records);
+    ``profile_named``: ``profile`` was named by the user and grades every set; when False a set made under an
+    activation convention is graded with that convention's profile (``Policy.set_profile``; the set's
+    ``SetInfo.profile`` says which).
     """
     started = _dt.datetime.now(_dt.timezone.utc)
     t0 = time.perf_counter()
-    policy = Policy(profile, expectations if expectations is not None else Expectations())
+    policy = Policy(profile, expectations if expectations is not None else Expectations(), named=profile_named)
     selection = Selection(sets, select)
     policy.observe(selection.sets)
     plan, infos, total = list(zip(selection.sets, selection.chosen, strict=True)), selection.infos(), selection.total
@@ -122,6 +126,8 @@ def run(
     for fs, chosen, info in zip(selection.sets, selection.chosen, infos, strict=True):
         if chosen:
             info.warnings = [str(w) for w in getattr(fs, "warnings", [])]
+        if (own := policy.set_profile(fs)) is not profile:
+            info.profile = own.name
     interrupted = None
     with tempfile.TemporaryDirectory(prefix="gemma4-conformance-", dir=workdir) as tmp, refuse_process_exit():
         session = Session(backend, Checkpoints(tmp, model=model, rehash=rehash, drafter=drafter), case_timeout)

@@ -123,7 +123,7 @@ class SetContext:
         # made under an activation convention other than none a backend that follows it
         fmt = (fs.manifest.get("model", {}).get("quantisation") or {}).get("format")
         self.weight_needs = [] if fmt is None else [f"weight_formats={fmt}"]
-        if (activations := set_activations(fs)) != "none":
+        if (activations := fs.activations) != "none":
             self.weight_needs.append(f"activation_conventions={activations}")
         # final-norm rows: the MTP bases' as stored, the others made on first use from the residual stream
         self.base_hidden = ChainMap(mtp_hidden, OracleHidden(fs.hidden_states(), oracle))
@@ -189,11 +189,6 @@ def materialise(fs, workdir: str | Path, *, model: str | Path | None = None, reh
     return Path(fs.model_dir(Path(workdir), model=model, rehash=rehash, write=write_checkpoint))
 
 
-def set_activations(fs) -> str:
-    """The activation convention a set was made under (its manifest's model.quantisation.activations; "none")."""
-    return (fs.manifest.get("model", {}).get("quantisation") or {}).get("activations", "none")
-
-
 class Checkpoints:
     """Each fixture set's checkpoint, materialised once under ``workdir``, and its SetContext per embedding
     convention. ``model_dir`` raises FixtureError when a checkpoint does not match its set (exit 3).
@@ -232,7 +227,7 @@ class Checkpoints:
                 # a quantised checkpoint is read by the oracle before any backend: one it cannot decode is the
                 # set's problem (exit 3), not the backend's
                 try:
-                    self.oracle(model_dir, set_activations(fs))
+                    self.oracle(model_dir, fs.activations)
                 except RefimplError as e:
                     raise FixtureError(f"{fs.path}: the set's quantised checkpoint cannot be read by the oracle: "
                                        f"{e}") from None
@@ -247,7 +242,7 @@ class Checkpoints:
             model = None
             if fs.storage == "hidden":
                 try:
-                    model = self.oracle(self.model_dir(fs), set_activations(fs))
+                    model = self.oracle(self.model_dir(fs), fs.activations)
                 except RefimplError as e:
                     raise FixtureError(f"{fs.path}: the set stores hidden states, and rebuilding its logits needs "
                                        f"the checkpoint's head, which the oracle cannot read: {e}") from None
@@ -262,7 +257,7 @@ class Checkpoints:
             self._mtp[key] = ({}, {})
             if fs.has_mtp():
                 try:
-                    self._mtp[key] = fs.mtp_rows(self.oracle(model_dir, set_activations(fs)), Drafter(drafter))
+                    self._mtp[key] = fs.mtp_rows(self.oracle(model_dir, fs.activations), Drafter(drafter))
                 except RefimplError as e:
                     raise FixtureError(f"{fs.path}: the set's MTP rows are rebuilt through the target's and the "
                                        f"drafter's heads, which the oracle cannot read: {e}") from None
@@ -275,7 +270,7 @@ class Checkpoints:
             drafter = fs.drafter_dir(model_dir, drafter=self.drafter, rehash=self.rehash)
             self._contexts[key] = SetContext(fs, model_dir, convention, self.oracle_logits(fs), drafter,
                                              self.mtp_rows(fs, model_dir, drafter),
-                                             oracle=lambda: self.oracle(model_dir, set_activations(fs)))
+                                             oracle=lambda: self.oracle(model_dir, fs.activations))
         return self._contexts[key]
 
 

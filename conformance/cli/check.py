@@ -118,7 +118,8 @@ def cmd_check(args, argv: Sequence[str]) -> int:
     bar = ProgressBar(sys.stderr, tty=is_tty(sys.stderr), enabled=not args.quiet)
     result, failed = guarded(bar, lambda: run(backend, sets, policy.profile, policy.expectations, pattern, bar,
                                                backend_options=options, case_timeout=args.case_timeout,
-                                               model=model, rehash=args.rehash, drafter=drafter),
+                                               model=model, rehash=args.rehash, drafter=drafter,
+                                               profile_named=policy.named),
                              on_error=reports.aborted)
     _shutdown(backend)
     if failed is not None:

@@ -178,7 +178,7 @@ def console_summary(result: RunResult, *, verbose: bool = False) -> str:
     b = result.backend
     prof = getattr(result.profile, "name", "?")
     used = [s for s in result.sets if s.cases_selected]
-    sets = ", ".join(f"{s.name} {s.version}" for s in used)
+    sets = ", ".join(s.label() for s in used)
     unused = len(result.sets) - len(used)
     if unused:
         sets += f" ({unused} other set{'s' if unused > 1 else ''} with no selected case)"

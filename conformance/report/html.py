@@ -368,7 +368,7 @@ def html_report(result: RunResult | None, explanations: Sequence | None = None) 
     body = [f"<h1>Gemma 4 conformance: <code>{esc(name)}</code></h1>",
             f'<div class="verdict {tone}"><div class="line">{esc(exit_line(code))}</div>'
             f"<div>{esc(counts_line(result))}; profile <code>{esc(getattr(result.profile, 'name', '?'))}</code>; "
-            f"fixture sets: {esc(', '.join(f'{s.name} {s.version}' for s in used) or 'none')}</div></div>",
+            f"fixture sets: {esc(', '.join(s.label() for s in used) or 'none')}</div></div>",
             _run_facts(result)]
     body += _sets_table(result)
     body.append("<h2>Results</h2>")

@@ -64,7 +64,7 @@ def markdown_summary(result: RunResult) -> str:
     used = [s for s in result.sets if s.cases_selected]
     lines = [f"## {ICON.get(code, '❌')} Gemma 4 conformance: `{_cell(str(b.get('name')))}`", "",
              f"**{exit_line(code)}** ({counts_line(result)}); profile `{getattr(result.profile, 'name', '?')}`; "
-             f"fixture sets: {', '.join(f'{s.name} {s.version}' for s in used) or 'none'}"
+             f"fixture sets: {', '.join(s.label() for s in used) or 'none'}"
              + (f"; selected with `{_cell(result.select)}`" if result.select else ""), ""]
     if result.aborted is not None:
         what = "did not finish" if result.aborted["reason"] == "unfinished" else "could not start or go on"

@@ -59,6 +59,12 @@ class FixtureSet:
         states and row summaries; the logits are rebuilt through the checkpoint's head)."""
         return self.manifest.get("storage", "logits")
 
+    @property
+    def activations(self) -> str:
+        """The activation convention the set was made under (its manifest's model.quantisation.activations;
+        "none": float64 activations)."""
+        return (self.manifest.get("model", {}).get("quantisation") or {}).get("activations", "none")
+
     def base_files(self) -> dict[str, str]:
         """Base id -> its file in the set (schema 2; empty for schema 1, whose bases share expected.safetensors)."""
         out = {}

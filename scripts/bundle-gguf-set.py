@@ -1,0 +1,60 @@
+"""Make the bundled GGUF quantised set, fixtures/e2b-256-mini-q4km: the e2b-256-mini preset (seed 0, the 256-wide
+miniature, so that llama.cpp's K-quants apply) converted to an f32 GGUF by llama.cpp's own converter and quantised
+by its own quantiser to Q4_K_M (``llama_model_quantize``, what ``llama-quantize`` runs; no importance matrix),
+its text set generated from that file under ggml's CPU activation convention, and the GGUF shipped inside the set
+(``checkpoint/model.gguf``, recorded as a path relative to the set): the quantised bytes depend on the llama.cpp
+version and on floating-point code paths of its quantiser, so they are shipped, not regenerated.
+
+    .venv/bin/python scripts/bundle-gguf-set.py [--out fixtures/e2b-256-mini-q4km] [--activations CONV]
+
+CONV defaults to ggml-cpu/x86/f16-kv/gelu-table: what stock llama.cpp computes on an x86 CPU with its default f16
+KV cache (docs/quantised.md). Needs llama-cpp-python built from source (``make llama-cpp``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from llama_quantize import quantize  # noqa: E402 - after sys.path
+
+from conformance.backends import llama_cpp_engine as eng  # noqa: E402
+from conformance.generate import generate_set  # noqa: E402
+from conformance.sets.format import write_json  # noqa: E402
+from refimpl.synth import write_checkpoint  # noqa: E402
+
+COMMAND = "python scripts/bundle-gguf-set.py"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "fixtures" / "e2b-256-mini-q4km"))
+    ap.add_argument("--activations", default="ggml-cpu/x86/f16-kv/gelu-table")
+    args = ap.parse_args()
+    out = Path(args.out)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = write_checkpoint("e2b-256-mini", 0, Path(tmp) / "e2b-256-mini")
+        f32, _ = eng.convert_to_gguf(src, eng.resolve_source(), "f32", Path(tmp) / "cache")
+        gguf = quantize(f32, Path(tmp) / "model.gguf", "Q4_K_M")
+        shutil.rmtree(out, ignore_errors=True)
+        generate_set(out, model_dir=gguf, name=out.name, cases="text", store="logits", activations=args.activations,
+                     command=COMMAND + ("" if args.activations == ap.get_default("activations")
+                                        else f" --activations {args.activations}"))
+        (out / "checkpoint").mkdir()
+        shutil.copyfile(gguf, out / "checkpoint" / gguf.name)
+        manifest = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
+        manifest["model"]["path"] = f"checkpoint/{gguf.name}"  # inside the set (FixtureSet.model_record)
+        write_json(out / "manifest.json", manifest)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
