@@ -112,7 +112,7 @@ def test_bundled_sets_rebuild_their_stored_logits(tmp_path):
 
     for path in bundled_sets():
         fs = load_set(path)
-        model = Gemma4(materialise(fs, tmp_path / fs.name))
+        model = Gemma4(materialise(fs, tmp_path / fs.name), activations=fs.activations)
         rebuilt = RebuiltLogits(model, fs.hidden_states(), fs.summaries(), tmp_path, fs.name)
         for b, stored in fs.base_logits().items():
             assert float(np.max(np.abs(rebuilt[b] - stored))) <= rebuilt.bounds[b], (fs.name, b)
