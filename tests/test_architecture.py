@@ -27,7 +27,9 @@ TIERS = [
     ("conformance.check", "conformance.generate", "conformance.report"),
     ("conformance.backends",),
     ("conformance.selftest",),
-    ("conformance.explain",),  # re-runs cases on a backend and the oracle; its own self-test reads the mutants
+    # explain re-runs cases on a backend and the oracle (its own self-test reads the mutants); loss compares a
+    # quantised set with its reference, and a backend with both
+    ("conformance.explain", "conformance.loss"),
     ("conformance.registry",),  # a face, below the others: it finds backends for all of them
     ("conformance.cli", "conformance.serve", "conformance.pytest_plugin", "conformance.fixtures",
      "conformance.backend"),

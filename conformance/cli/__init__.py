@@ -13,6 +13,9 @@ scoreboard).
     conformance verify DIR ... [--model DIR] [--rehash] [--recompute]
     conformance selftest [--fixtures DIR ...] [--mutant REGEX] [-k REGEX] [--json FILE] [--workers N] [-q]
     conformance scoreboard REPORT.json ... [--out FILE.md | --into PAGE.md] [--title T]
+    conformance loss --fixtures QUANTISED --reference UNQUANTISED [--backend NAME|module:attr] [-k REGEX]
+                     [--json FILE] [--summary-md FILE] [--plot OUT.png] [--max-kl X] [--max-kl-p99 X] [--min-top1 P]
+                     [--max-dp-rms X] [--backend-option KEY=VALUE ...] [-q]
     conformance explain --backend NAME|module:attr [-k REGEX] [--fixtures DIR ...] [--from REPORT.json]
                         [--json OUT] [--html OUT.html] [--plot OUT.png] [--profile P] [--backend-option KEY=VALUE ...]
                         [-q] [-v]
@@ -51,6 +54,7 @@ from .common import (
 )
 from .explain import cmd_explain
 from .generate import add_generate_options, cmd_generate, cmd_verify
+from .loss import add_loss_options, cmd_loss
 from .selftest import cmd_selftest
 
 __all__ = ["build_parser", "main"]
@@ -64,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog=PROG, description="Conformance gate for Gemma 4 inference engines against the exact "
                                        "float64 refimpl oracle. See docs/conformance.md.")
     p.add_argument("--version", action=_Version, nargs=0, help="print the version and the formats it speaks, then exit")
-    sub = p.add_subparsers(dest="command", metavar="{check,explain,list,generate,verify,selftest,scoreboard}",
+    sub = p.add_subparsers(dest="command", metavar="{check,explain,loss,list,generate,verify,selftest,scoreboard}",
                            parser_class=Parser)
     sub.required = True
 
@@ -137,6 +141,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="keyword argument for the backend's class or factory (repeatable)")
     ex.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     ex.add_argument("-v", "--verbose", action="store_true", help="the table of every case, not only diverging ones")
+
+    lo = sub.add_parser("loss", help="the quantisation loss on the same rows: a quantised set against the "
+                        "unquantised set of the same model, and an engine against both",
+                        description="Compare every case of a quantised fixture set with the same case of the "
+                                    "unquantised (reference) set of the same model, row by row: KL divergence "
+                                    "(mean, p99, max), same top-1 %%, delta_p RMS and max_abs, per case and in total; "
+                                    "with --backend, also the engine's rows against both oracles. Information, not a "
+                                    "verdict, unless a threshold is given. Exit codes: 0 information, or every "
+                                    "threshold kept; 1 a threshold exceeded; 2 usage (sets that do not pair); 3 "
+                                    "fixture integrity; 4 backend. See docs/quantised.md.")
+    add_loss_options(lo)
+    add_selection(lo)
 
     ls = sub.add_parser("list", help="list backends, cases or profiles")
     ls.add_argument("what", choices=LIST_WHAT, nargs="?")
@@ -270,6 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except SystemExit as e:  # --help / --version
             return int(e.code or 0) if not isinstance(e.code, str) else EXIT_USAGE
         commands = {"check": lambda: cmd_check(args, argv), "explain": lambda: cmd_explain(args),
+                    "loss": lambda: cmd_loss(args, argv),
                     "list": lambda: cmd_list(_list_what(args)),
                     "generate": lambda: cmd_generate(args), "verify": lambda: cmd_verify(args),
                     "selftest": lambda: cmd_selftest(args, argv), "scoreboard": lambda: cmd_scoreboard(args)}
