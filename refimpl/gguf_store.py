@@ -124,11 +124,15 @@ class GGUFStore:
         """Absolute file offset of row ``row`` (along the first axis) of a tensor's stored blocks."""
         return info.begin + row * info.row_bytes
 
+    def decode(self, raw: np.ndarray, info: GGUFInfo, n: int) -> np.ndarray:
+        """``n`` values of tensor ``info`` from their stored bytes ``raw`` (whole blocks) -> float64 [n]: ggml's
+        dequantisation of its type (a subclass may decode otherwise: the self-test's quantisation mutants)."""
+        return dequantize(raw, info.ggml_type, n, f"tensor {info.gguf_name!r}")
+
     def decode_into(self, info: GGUFInfo, offset: int, dst: np.ndarray) -> None:
         """Fill ``dst`` (1-D, whole rows) with the values stored from absolute offset ``offset``, decoded."""
         rows = dst.size // info.row_values
-        raw = self._bytes(info, offset, rows * info.row_bytes)
-        dst[:] = dequantize(raw, info.ggml_type, dst.size, f"tensor {info.gguf_name!r}")
+        dst[:] = self.decode(self._bytes(info, offset, rows * info.row_bytes), info, dst.size)
 
     def read(self, name: str, start: int = 0, stop: int | None = None, dtype: np.dtype = np.float64,
              out: np.ndarray | None = None) -> np.ndarray:
@@ -145,8 +149,7 @@ class GGUFStore:
             raise ValueError(f"out must be a contiguous {np.dtype(dtype)} array of shape {list(shape)}")
         flat = out.reshape(-1)
         if len(info.shape) == 1:  # a vector (the norms' weights): its blocks need not end at an element
-            raw = self._bytes(info, info.begin, info.end - info.begin)
-            flat[:] = dequantize(raw, info.ggml_type, first_axis, f"tensor {info.gguf_name!r}")[start:stop]
+            flat[:] = self.decode(self._bytes(info, info.begin, info.end - info.begin), info, first_axis)[start:stop]
             return out
         step = max(1, DECODE_VALUES // info.row_values)  # rows decoded at a time
 

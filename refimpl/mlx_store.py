@@ -196,7 +196,12 @@ class MlxStore:
         words = self.inner.raw(info.mlx_name)[index]
         scales = self.inner.rows(info.module + ".scales", index)
         biases = self.inner.rows(info.module + ".biases", index) if info.spec.mode == "affine" else None
-        return dequantize(words, scales, biases, info.spec)
+        return self.decode(words, scales, biases, info.spec)
+
+    def decode(self, words: np.ndarray, scales: np.ndarray, biases: np.ndarray | None, spec) -> np.ndarray:
+        """Rows of a quantised module from their packed words, scales and biases -> float64 (MLX's
+        dequantisation of ``spec``; a subclass may decode otherwise: the self-test's quantisation mutants)."""
+        return dequantize(words, scales, biases, spec)
 
     def decode_into(self, info: MlxInfo, row: int, dst: np.ndarray) -> None:
         """Fill ``dst`` (1-D, whole rows) with the rows from ``row`` on, decoded."""

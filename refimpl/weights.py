@@ -121,6 +121,9 @@ class Gemma4Weights:
         self.cfg = cfg
         self.activation_path = convention_path(activations)
         self.activations = activations
+        # x, weight type, kernel path -> the values ggml's product multiplies (replaceable: the self-test's
+        # quantisation mutants plant another rule here)
+        self.activation_rule = activation_values
         self.dtype = np.dtype(dtype)
         self.cache_budget = weight_cache  # bytes of decoded weights ``product`` may keep between calls
         self.cache: dict[tuple[str, int, int], np.ndarray] = {}
@@ -152,7 +155,7 @@ class Gemma4Weights:
         (exact in float64), under the ggml-cpu convention; x itself under "none"."""
         if self.activation_path is None:
             return x
-        return activation_values(x, self.store.infos[full].dtype, self.activation_path).astype(x.dtype, copy=False)
+        return self.activation_rule(x, self.store.infos[full].dtype, self.activation_path).astype(x.dtype, copy=False)
 
     def _find_prefix(self) -> str:
         for prefix in TEXT_PREFIXES:

@@ -55,8 +55,9 @@ from refimpl.synth import PRESETS
 
 BUNDLED = list(PRESETS)  # one bundled set per preset
 MLX_SET = "e2b-mini-mlx-q4"  # and the MLX quantised set, its checkpoint shipped (scripts/bundle-mlx-set.py)
-GGUF_SET = "e2b-256-mini-q4km"  # and llama.cpp's own Q4_K_M file, shipped (scripts/bundle-gguf-set.py)
-GGUF_CONVENTION = "ggml-cpu/x86/f16-kv/gelu-table"
+# and llama.cpp's own GGUF files, shipped (scripts/bundle-gguf-set.py): set -> (convention, stored types)
+GGUF_SETS = {"e2b-256-mini-q4km": ("ggml-cpu/x86/f16-kv/gelu-table", {"Q4_K", "Q6_K", "F32"}),
+             "e2b-mini-q4-0": ("ggml-cpu/x86/gelu-table", {"Q4_0", "Q8_0", "F16", "F32"})}
 
 ROW_BOUND = 1e-10  # stored row vs the oracle driven as the request says (different chunking: float64 rounding)
 REPO = Path(__file__).resolve().parent.parent
@@ -651,7 +652,7 @@ def test_synthetic_model_is_reproduced(small_set, tmp_path):
 
 def test_bundled_sets_load_and_verify():
     paths = bundled_sets()
-    assert [p.name for p in paths] == sorted([*BUNDLED, MLX_SET, GGUF_SET])
+    assert [p.name for p in paths] == sorted([*BUNDLED, MLX_SET, *GGUF_SETS])
     total = 0
     for p in paths:
         assert verify_set(p) == [], p
@@ -664,12 +665,12 @@ def test_bundled_sets_load_and_verify():
             assert {(v["bits"], v["group_size"]) for v in model["quantisation"]["tensors"].values()} == {(4, 32)}
             assert len(fs.cases) == 52 and materialise(fs, p) == p / "checkpoint"
             continue
-        if p.name == GGUF_SET:
+        if p.name in GGUF_SETS:
             model = fs.manifest["model"]
             assert (model["kind"], model["path"], model["quantisation"]["format"]) == ("external",
                                                                                      "checkpoint/model.gguf", "gguf")
-            assert fs.activations == GGUF_CONVENTION
-            assert {v["type"] for v in model["quantisation"]["tensors"].values()} == {"Q4_K", "Q6_K", "F32"}
+            assert fs.activations == GGUF_SETS[p.name][0]
+            assert {v["type"] for v in model["quantisation"]["tensors"].values()} == GGUF_SETS[p.name][1]
             assert len(fs.cases) == 52 and materialise(fs, p) == p / "checkpoint" / "model.gguf"
             continue
         assert fs.manifest["model"] == {**fs.manifest["model"], "kind": "synthetic", "preset": p.name, "seed": 0}
@@ -687,9 +688,9 @@ def test_bundled_sets_load_and_verify():
             # soft tokens moves its logits by up to 3.7e-12 (measured), and transformers agrees to 1.1e-11
             # (images) and 5.8e-12 (audio) there; elsewhere 1e-12
             assert check["agreement"] < (3e-11 if media_set else 2e-12), check
-    # 22.5 MB measured: the 12 earlier sets (14.1 MB), e2b-256-mini (1.2 MB), e2b-mini-mlx-q4 with its checkpoint
-    # (1.6 MB), e2b-256-mini-q4km with its GGUF file (5.6 MB)
-    assert total < 24 * 2**20
+    # 23.4 MB measured: the 12 earlier sets (14.1 MB), e2b-256-mini (1.2 MB), e2b-mini-mlx-q4 with its checkpoint
+    # (1.6 MB), e2b-256-mini-q4km with its GGUF file (5.6 MB), e2b-mini-q4-0 with its (0.9 MB)
+    assert total < 25 * 2**20
 
 
 # test_bundled_sets_are_up_to_date compares the bundled sets (made on another machine: another CPU, other BLAS
@@ -746,9 +747,9 @@ def test_bundled_sets_are_up_to_date(sets, tmp_path):
 
     sets = {**sets, MLX_SET: generate_set(tmp_path / MLX_SET, model_dir=REPO / "fixtures" / MLX_SET / "checkpoint",
                                           name=MLX_SET, cases="text", store="logits"),
-            GGUF_SET: generate_set(tmp_path / GGUF_SET, model_dir=REPO / "fixtures" / GGUF_SET / "checkpoint" /
-                                   "model.gguf", name=GGUF_SET, cases="text", store="logits",
-                                   activations=GGUF_CONVENTION)}
+            **{name: generate_set(tmp_path / name, model_dir=REPO / "fixtures" / name / "checkpoint" / "model.gguf",
+                                  name=name, cases="text", store="logits", activations=conv)
+               for name, (conv, _) in GGUF_SETS.items()}}
     for p in bundled_sets():
         bundled, fresh = load_set(p), load_set(sets[p.name])
         mb, mf = (json.loads((d / MANIFEST).read_text()) for d in (p, sets[p.name]))
@@ -794,7 +795,7 @@ def test_bundled_sets_are_up_to_date(sets, tmp_path):
         for m in (mb, mf):
             m.pop("files")
             m["provenance"] = {k: m["provenance"][k] for k in ("generator", "refimpl_version")}
-            if p.name in (MLX_SET, GGUF_SET):
+            if p.name == MLX_SET or p.name in GGUF_SETS:
                 m["model"].pop("path")  # inside the set in the bundle, where it was generated from here
         assert mb == mf, p.name
 
@@ -812,7 +813,7 @@ def test_bundled_sets_from_an_installed_layout(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{REPO}"}
     out = subprocess.run([sys.executable, "-c", code, str(pkg)], env=env, capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert int(out.stdout) == len(BUNDLED) + 2  # and the MLX and GGUF quantised sets
+    assert int(out.stdout) == len(BUNDLED) + 1 + len(GGUF_SETS)  # and the MLX and GGUF quantised sets
 
 
 @pytest.mark.hf

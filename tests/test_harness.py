@@ -206,11 +206,12 @@ def test_refimpl_passes_every_bundled_set(capsys, tmp_path):
     assert report["profile"]["name"] == "exact-f64"  # the backend's default profile
     assert {s["name"] for s in report["fixture_sets"]} == {json.loads((Path(p) / "manifest.json").read_text())["name"]
                                                            for p in sets}
-    # every case passes but those of the GGUF set, made under ggml's activation convention, which the oracle
+    # every case passes but those of the GGUF sets, made under ggml's activation convention, which the oracle
     # backend does not declare unless its option activations names it
-    gguf = [c for c in report["cases"] if c["set"] == "e2b-256-mini-q4km"]
-    assert len(gguf) == 52 and {c["status"] for c in gguf} == {"not-claimed"}
-    assert {tuple(c["missing"]) for c in gguf} == {("activation_conventions=ggml-cpu/x86/f16-kv/gelu-table",)}
+    gguf = [c for c in report["cases"] if c["set"] in ("e2b-256-mini-q4km", "e2b-mini-q4-0")]
+    assert len(gguf) == 104 and {c["status"] for c in gguf} == {"not-claimed"}
+    assert {tuple(c["missing"]) for c in gguf} == {("activation_conventions=ggml-cpu/x86/f16-kv/gelu-table",),
+                                                  ("activation_conventions=ggml-cpu/x86/gelu-table",)}
     assert report["summary"]["by_status"]["pass"] == len(report["cases"]) - len(gguf)
     assert validate(report) == []
 

@@ -87,7 +87,8 @@ def _bundled_count() -> int:
     return sum(len(json.loads((s / "cases.json").read_text())["cases"]) for s in bundled_sets())
 
 
-GGUF_SET = "e2b-256-mini-q4km"  # made under ggml's activation convention, which the reference server does not follow
+# made under ggml's activation convention, which the reference server does not follow
+GGUF_SETS = ("e2b-256-mini-q4km", "e2b-mini-q4-0")
 
 
 @pytest.mark.parametrize("fmt, select, n", [
@@ -103,8 +104,9 @@ def test_refimpl_subprocess_passes_the_bundled_cases(fmt, select, n, tmp_path, c
                      "--json", str(report), "-q", *select])
     assert code == 0, capsys.readouterr()
     data = json.loads(report.read_text())
-    assert Counter(c["status"] for c in data["cases"] if c["set"] != GGUF_SET) == {"pass": n - 52 * (not select)}
-    assert {c["status"] for c in data["cases"] if c["set"] == GGUF_SET} <= {"not-claimed"}
+    assert Counter(c["status"] for c in data["cases"] if c["set"] not in GGUF_SETS) == {
+        "pass": n - 104 * (not select)}
+    assert {c["status"] for c in data["cases"] if c["set"] in GGUF_SETS} <= {"not-claimed"}
     assert data["backend"]["name"] == "refimpl-subprocess"
     assert data["backend"]["options"] == {"format": fmt}
     assert data["backend"]["capabilities"] == all_capabilities("exact-f64").to_dict()
