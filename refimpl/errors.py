@@ -36,3 +36,18 @@ class ChatTemplateError(RefimplError):
 class ContextLimitError(InputError):
     """A prompt (or a prompt and the tokens to be generated after it) is longer than the checkpoint's context,
     ``max_position_embeddings``; ``--allow-beyond-context`` runs it anyway."""
+
+
+def choice_message(name: str, value, choices, *, who: str = "", hint: str = "") -> str:
+    """The one message every option's bad value gets: ``"<who>: <name> must be one of a, b, c<hint>, got 'x'"``
+    (``who``, the component, when given; ``hint``, more allowed forms, e.g. " (or cuda:N)")."""
+    where = f"{who}: " if who else ""
+    return f"{where}{name} must be one of {', '.join(str(c) for c in choices)}{hint}, got {value!r}"
+
+
+def check_choice(name: str, value, choices, *, who: str = "", error: type[Exception] = InputError,
+                 hint: str = ""):
+    """``value`` when it is one of ``choices``; otherwise ``error(choice_message(...))``."""
+    if value in choices:
+        return value
+    raise error(choice_message(name, value, choices, who=who, hint=hint))

@@ -21,7 +21,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from .config import RopeSpec, TextConfig, load_config
-from .errors import InputError, NonFiniteError
+from .errors import InputError, NonFiniteError, check_choice
 from .ggml_act import convention_gelu, convention_kv
 from .ops import apply_rope as apply_rope  # re-exported: refimpl.model.apply_rope stays importable
 from .ops import (
@@ -206,15 +206,12 @@ class Gemma4:
             raise InputError(f"dtype must be float64 or float32, got {dtype}")
         if embed_scale not in ("exact", "bf16"):
             raise InputError(f"embed_scale must be 'exact' or 'bf16', got {embed_scale!r}")
-        if vision_mask not in VISION_MASK_RULES:
-            raise InputError(f"vision_mask must be one of {', '.join(VISION_MASK_RULES)}, got {vision_mask!r}")
-        self.vision_mask = vision_mask
+        self.vision_mask = check_choice("vision_mask", vision_mask, VISION_MASK_RULES)
         self.model_dir = Path(model_dir)
         self.cfg: TextConfig = load_config(model_dir)
         self.weights = Gemma4Weights(model_dir, self.cfg, dtype, weight_cache_bytes(weight_cache), activations)
         self.activations = activations
-        if kv_cache not in KV_CACHES:
-            raise InputError(f"kv_cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
+        check_choice("kv_cache", kv_cache, KV_CACHES)
         self.kv_cache = "f16" if convention_kv(activations) == "f16" else kv_cache  # a /f16-kv convention
         self.geglu = geglu_table if convention_gelu(activations) == "table" else geglu  # a /gelu-table one
         self.dtype = dtype

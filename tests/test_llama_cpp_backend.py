@@ -326,7 +326,7 @@ def test_abort_is_an_error_and_the_next_case_runs(gguf_cache, altpat_dir, e2b_di
     ({"threads": "2"}, "llama-cpp backend: threads must be a positive integer, got '2'"),
     ({"outtype": "q4_k"}, "llama-cpp backend: outtype must be one of f32, f16, bf16, q8_0, got 'q4_k'"),
     ({"flash_attn": "maybe"}, "llama-cpp backend: flash_attn must be true or false, got 'maybe'"),
-    ({"multi_decode": "parallel"}, "llama-cpp backend: multi_decode must be 'interleaved' or 'batched', got "
+    ({"multi_decode": "parallel"}, "llama-cpp backend: multi_decode must be one of interleaved, batched, got "
                                    "'parallel'"),
     ({"default_profile": "fp8"}, (f"llama-cpp backend: default_profile must be one of {', '.join(PROFILES)}, "
                                   f"got 'fp8'")),

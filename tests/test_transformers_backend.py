@@ -325,15 +325,15 @@ def test_identity_and_capabilities():
 def test_bad_options():
     cases = [
         ({"dtype": "float16"},
-         "transformers backend: dtype must be one of 'float32', 'float64', 'bfloat16', got 'float16'"),
+         "transformers backend: dtype must be one of float32, float64, bfloat16, got 'float16'"),
         ({"attn": "flash_attention_2"},
-         "transformers backend: attn must be one of 'eager', 'sdpa', got 'flash_attention_2'"),
+         "transformers backend: attn must be one of eager, sdpa, got 'flash_attention_2'"),
         ({"device": "tpu"},
-         "transformers backend: device must be one of 'auto', 'cpu', 'cuda' (or 'cuda:N'), got 'tpu'"),
+         "transformers backend: device must be one of auto, cpu, cuda (or cuda:N), got 'tpu'"),
         ({"experts": "fast"},
-         "transformers backend: experts must be one of 'auto', 'eager', 'grouped_mm', 'batched_mm', got 'fast'"),
+         "transformers backend: experts must be one of auto, eager, grouped_mm, batched_mm, got 'fast'"),
         ({"threads": 0}, "transformers backend: threads must be None or an integer >= 1, got 0"),
-        ({"audio_tower": True}, "transformers backend: audio_tower must be one of 'auto', 'on', 'off', got True"),
+        ({"audio_tower": True}, "transformers backend: audio_tower must be one of auto, on, off, got True"),
     ]
     for options, message in cases:
         with pytest.raises(ValueError) as info:

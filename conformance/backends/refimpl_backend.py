@@ -26,6 +26,7 @@ import numpy as np
 from refimpl import Gemma4, KVCache, RefimplError
 from refimpl.assistant import Drafter
 from refimpl.config import read_config_json
+from refimpl.errors import check_choice
 from refimpl.frontends import audio_front_end, image_front_end
 from refimpl.ggml_act import CONVENTIONS as ACTIVATION_CONVENTIONS
 from refimpl.gguf_io import is_gguf
@@ -94,14 +95,9 @@ class RefimplBackend(CachedBackend):
                  activations: str = "none"):
         super().__init__()
         self.dtype, self.embed_scale = check_options(self.who, dtype, embed_scale)
-        if vision_mask not in VISION_MASK_RULES:
-            raise ValueError(f"{self.who}: vision_mask must be one of {', '.join(VISION_MASK_RULES)}, got "
-                             f"{vision_mask!r}")
-        self.vision_mask = vision_mask
-        if activations not in ACTIVATION_CONVENTIONS:
-            raise ValueError(f"{self.who}: activations must be one of {', '.join(ACTIVATION_CONVENTIONS)}, got "
-                             f"{activations!r}")
-        self.activations = activations
+        self.vision_mask = check_choice("vision_mask", vision_mask, VISION_MASK_RULES, who=self.who, error=ValueError)
+        self.activations = check_choice("activations", activations, ACTIVATION_CONVENTIONS, who=self.who,
+                                        error=ValueError)
         if oracle is not None and activations != "none":
             raise ValueError(f"{self.who}: oracle lends the oracle of activations none")
         if oracle is not None and (self.dtype, embed_scale, vision_mask) != ("float64", "exact", "sliding-clamped"):

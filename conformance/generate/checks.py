@@ -11,6 +11,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from refimpl.audio_features import AudioFeatures
+from refimpl.errors import check_choice
 from refimpl.ggml_act import CONVENTIONS as ACTIVATION_CONVENTIONS
 from refimpl.image import ProcessedImage
 
@@ -23,8 +24,7 @@ from .partial import JobResult
 def check_activations(activations: str, model_dir: str | Path | None) -> None:
     """ValueError, one line, for an activation convention generate cannot use: unknown, or other than none for
     anything but a GGUF file given as the model."""
-    if activations not in ACTIVATION_CONVENTIONS:
-        raise ValueError(f"activations must be one of {', '.join(ACTIVATION_CONVENTIONS)}, got {activations!r}")
+    check_choice("activations", activations, ACTIVATION_CONVENTIONS, error=ValueError)
     if activations != "none" and not (model_dir is not None and Path(model_dir).is_file()):
         raise ValueError(f"activations {activations} (ggml's CPU activation quantisation) applies to a GGUF file "
                          "given as the model only")

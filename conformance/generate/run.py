@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
+from refimpl.errors import check_choice
 from refimpl.gguf_io import is_gguf
 from refimpl.model import VISION_MASK_RULES, Gemma4
 from refimpl.safetensors_io import write_safetensors
@@ -217,13 +218,10 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
     target = publish_path(out)
     _refuse_existing(out, target)
     entries = prompt_entries(prompts)  # validate before any work
-    if store not in STORAGES:
-        raise ValueError(f"store must be one of {', '.join(STORAGES)}, got {store!r}")
-    if vision_mask not in VISION_MASK_RULES:
-        raise ValueError(f"vision_mask must be one of {', '.join(VISION_MASK_RULES)}, got {vision_mask!r}")
+    check_choice("store", store, STORAGES, error=ValueError)
+    check_choice("vision_mask", vision_mask, VISION_MASK_RULES, error=ValueError)
     check_activations(activations, model_dir)
-    if cases not in CASE_KINDS:
-        raise ValueError(f"cases must be one of {', '.join(CASE_KINDS)}, got {cases!r}")
+    check_choice("cases", cases, CASE_KINDS, error=ValueError)
     if model_dir is not None:
         model_dir = Path(model_dir).resolve()
         if not model_dir.is_dir() and not (model_dir.is_file() and is_gguf(model_dir)):

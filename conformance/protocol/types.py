@@ -117,6 +117,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from refimpl.errors import check_choice
+
 KINDS = ("full", "last", "prefill", "multi", "mtp")
 MTP_MODES = ("rounds", "generate")
 ENTRIES = ("plain", "seq_id", "embeddings")
@@ -157,8 +159,7 @@ class Capabilities:
     activation_conventions: str = "none"
 
     def __post_init__(self):
-        if self.embedding_convention not in EMBEDDING_CONVENTIONS:
-            raise ValueError(f"embedding_convention must be one of {EMBEDDING_CONVENTIONS}")
+        check_choice("embedding_convention", self.embedding_convention, EMBEDDING_CONVENTIONS, error=ValueError)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from refimpl.errors import check_choice
 from refimpl.safetensors_io import STORAGE, bf16_to_f32, read_header, write_safetensors
 
 from .types import AudioInput, Capabilities, CaseTimeout, ImageInput, MtpRequest, MtpResponse, MtpRound, Piece, Request
@@ -319,8 +320,7 @@ def read_array(ref: Any, out_dir: str | Path, where: str, rows: int | None = Non
     size = path.stat().st_size
     if fmt == "raw":
         dtype_s, shape = ref.get("dtype"), ref.get("shape")
-        if dtype_s not in RAW_DTYPES:
-            raise ArrayError(f"{where}: {path}: raw dtype must be one of {', '.join(RAW_DTYPES)}, got {dtype_s!r}")
+        check_choice("raw dtype", dtype_s, RAW_DTYPES, who=f"{where}: {path}", error=ArrayError)
         _check_shape(where, path, shape, rows, vocab)
         dt = RAW_DTYPES[dtype_s]
         need = math.prod(shape) * dt.itemsize

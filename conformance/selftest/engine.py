@@ -74,6 +74,7 @@ import numpy as np
 from refimpl import RefimplError
 from refimpl.audio import AudioConfig, AudioWeights, load_audio_tower
 from refimpl.config import read_config_json
+from refimpl.errors import check_choice
 from refimpl.frontends import ImageFrontEnd, image_front_end
 from refimpl.gguf_io import is_gguf
 from refimpl.model import VISION_MASK_RULES, Gemma4, LayerKV, experts, per_layer_inputs, rope_inv_freq, route
@@ -681,10 +682,8 @@ class NumpyEngineBackend:
 
     def __init__(self, dtype: str = "float64", embed_scale: str = "exact", vision_mask: str = "sliding-clamped"):
         self.dtype, self.embed_scale = check_options("numpy-engine", dtype, embed_scale)
-        if vision_mask not in VISION_MASK_RULES:
-            raise ValueError(f"numpy-engine: vision_mask must be one of {', '.join(VISION_MASK_RULES)}, got "
-                             f"{vision_mask!r}")
-        self.vision_mask = vision_mask
+        self.vision_mask = check_choice("vision_mask", vision_mask, VISION_MASK_RULES, who="numpy-engine",
+                                        error=ValueError)
         exact = self.dtype == "float64" and embed_scale == "exact"
         self.capabilities = all_capabilities("exact-f64" if exact else "fp32")  # audio_tower, image_tower included
         self.engine: Engine | None = None

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from refimpl.errors import WeightsError
+from refimpl.errors import WeightsError, choice_message
 from refimpl.ggml_act import CONVENTIONS as ACTIVATION_CONVENTIONS
 from refimpl.ggml_blocks import TYPES
 from refimpl.mlx_quant import BITS as MLX_BITS
@@ -60,10 +60,11 @@ def quantisation_problems(rec: Any, where: str) -> list[str]:
     """The problems of a manifest's ``model.quantisation`` (absent for an unquantised checkpoint)."""
     if rec is None:
         return []
-    if not isinstance(rec, dict) or rec.get("format") not in QUANTISATION_FORMATS:
-        return [f"{where}: model.quantisation.format must be one of {', '.join(QUANTISATION_FORMATS)}"]
-    if rec.get("activations") not in ACTIVATIONS:
-        return [f"{where}: model.quantisation.activations must be one of {', '.join(ACTIVATIONS)}"]
+    if not isinstance(rec, dict):
+        return [f"{where}: model.quantisation must be an object, got {type(rec).__name__}"]
+    for key, choices in (("format", QUANTISATION_FORMATS), ("activations", ACTIVATIONS)):
+        if rec.get(key) not in choices:
+            return [choice_message(f"model.quantisation.{key}", rec.get(key), choices, who=where)]
     if rec["activations"] != "none" and rec["format"] != "gguf":
         return [f"{where}: model.quantisation.activations {rec['activations']} applies to a gguf checkpoint only"]
     tensors = rec.get("tensors")
@@ -104,7 +105,7 @@ def _check_manifest(m: Any, where: str) -> list[str]:
         return [f"{where}: schema_version {sv} is not supported (this harness reads "
                 f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))})"]
     if sv >= 2 and m.get("storage") not in STORAGES:
-        out.append(f"{where}: storage must be one of {', '.join(STORAGES)}, got {m.get('storage')!r}")
+        out.append(choice_message("storage", m.get("storage"), STORAGES, who=where))
     if not isinstance(m.get("name"), str) or not NAME_RE.match(m["name"]):
         out.append(f"{where}: name {m.get('name')!r} is missing or not a valid set name")
     if not isinstance(m.get("version"), str) or not SEMVER_RE.match(m["version"]):

@@ -145,6 +145,7 @@ from typing import Any
 import numpy as np
 
 from refimpl import RefimplError, load_config
+from refimpl.errors import check_choice
 from refimpl.gguf_io import is_gguf
 
 from ...check.profiles import PROFILES
@@ -227,14 +228,10 @@ def check_options(kv_type: Any = "f16", lib: Any = "stock", threads: Any = 2, fl
                          f"libllama.so, got {lib!r}")
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"llama-cpp backend: threads must be a positive integer, got {threads!r}")
-    if outtype not in OUTTYPES:
-        raise ValueError(f"llama-cpp backend: outtype must be one of {', '.join(OUTTYPES)}, got {outtype!r}")
-    if multi_decode not in MULTI_DECODE:
-        raise ValueError(f"llama-cpp backend: multi_decode must be 'interleaved' or 'batched', got {multi_decode!r}")
+    check_choice("outtype", outtype, OUTTYPES, who="llama-cpp backend", error=ValueError)
+    check_choice("multi_decode", multi_decode, MULTI_DECODE, who="llama-cpp backend", error=ValueError)
     if default_profile is not None:
-        if default_profile not in PROFILES:
-            raise ValueError(f"llama-cpp backend: default_profile must be one of {', '.join(PROFILES)}, "
-                             f"got {default_profile!r}")
+        check_choice("default_profile", default_profile, PROFILES, who="llama-cpp backend", error=ValueError)
     return {"kv_type": kv_type, "lib": lib, "threads": threads, "flash_attn": _bool("flash_attn", flash_attn),
             "outtype": outtype, "swa_full": _bool("swa_full", swa_full), "kv_unified": _bool("kv_unified", kv_unified),
             "multi_decode": multi_decode, "embeddings": _bool("embeddings", embeddings),

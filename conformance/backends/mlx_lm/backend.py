@@ -67,6 +67,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
 from refimpl import RefimplError, load_config
+from refimpl.errors import check_choice
 from refimpl.legacy_keys import legacy_text_keys
 from refimpl.model import rope_inv_freq
 
@@ -197,20 +198,14 @@ class MlxLmBackend(CachedBackend):
     def __init__(self, dtype: str = "float32", default_profile: str | None = None, quantize: str | None = None):
         super().__init__()
         self.quantize = None if quantize is None else _quantize_option(quantize)
-        if dtype not in DTYPES:
-            hint = ""
-            if dtype in ("float64", "f64"):
-                hint = (" (float64 is not offered: mlx's CPU fast kernels compute in float32 and its "
-                        "gather_mm, used by MoE, accepts float32 only)")
-            raise ValueError(f"mlx-lm backend: option dtype must be one of "
-                             f"{', '.join(repr(d) for d in DTYPES)}, got {dtype!r}{hint}")
+        hint = (" (float64 is not offered: mlx's CPU fast kernels compute in float32 and its gather_mm, used by "
+                "MoE, accepts float32 only)") if dtype in ("float64", "f64") else ""
+        check_choice("option dtype", dtype, DTYPES, who="mlx-lm backend", error=ValueError, hint=hint)
         if default_profile is None:
             default_profile = DEFAULT_PROFILE[dtype] if quantize is None else (
                 "q4" if self.quantize[0] in (2, 3, 4) or isinstance(self.quantize[0], str) else "q8")
 
-        if default_profile not in PROFILES:
-            raise ValueError(f"mlx-lm backend: option default_profile must be one of "
-                             f"{', '.join(repr(p) for p in PROFILES)}, got {default_profile!r}")
+        check_choice("option default_profile", default_profile, PROFILES, who="mlx-lm backend", error=ValueError)
         self.dtype = dtype
         self.name = f"mlx-lm-{dtype}" + ("" if quantize is None else f"-q{quantize.replace(':', '-g')}")
         self.capabilities = Capabilities(

@@ -75,6 +75,7 @@ from mlx_vlm.models.cache import make_prompt_cache
 from mlx_vlm.utils import load_model
 
 from refimpl import RefimplError, load_config
+from refimpl.errors import check_choice
 from refimpl.mtp import CONVENTIONS
 
 from ...check.profiles import PROFILES
@@ -103,9 +104,6 @@ def _versions() -> dict[str, str]:
             out[dist] = "unknown"
     return out
 
-
-def _allowed(options: Sequence[str]) -> str:
-    return ", ".join(repr(o) for o in options)
 
 
 class SequenceState:
@@ -136,22 +134,15 @@ class MlxVlmBackend(CachedBackend):
                  mtp_convention: str = MTP_CONVENTION, default_profile: str | None = None,
                  quantize: str | None = None):
         super().__init__()
-        if dtype not in DTYPES:
-            raise ValueError(f"mlx-vlm backend: option dtype must be one of {_allowed(DTYPES)}, got {dtype!r}")
-        for option, value in (("image_tower", image_tower), ("audio_tower", audio_tower)):
-            if value not in TOWER_OPTIONS:
-                raise ValueError(f"mlx-vlm backend: option {option} must be one of {_allowed(TOWER_OPTIONS)}, "
-                                 f"got {value!r}")
-        if mtp_convention not in CONVENTIONS:
-            raise ValueError(f"mlx-vlm backend: option mtp_convention must be one of {_allowed(CONVENTIONS)}, "
-                             f"got {mtp_convention!r}")
+        for option, value, choices in (("dtype", dtype, DTYPES), ("image_tower", image_tower, TOWER_OPTIONS),
+                                       ("audio_tower", audio_tower, TOWER_OPTIONS),
+                                       ("mtp_convention", mtp_convention, CONVENTIONS)):
+            check_choice(f"option {option}", value, choices, who="mlx-vlm backend", error=ValueError)
         self.quantize = None if quantize is None else quantize_option(quantize)
         if default_profile is None:
             default_profile = "fp32" if self.quantize is None else (
                 "q4" if isinstance(self.quantize[0], str) or self.quantize[0] <= 4 else "q8")
-        if default_profile not in PROFILES:
-            raise ValueError(f"mlx-vlm backend: option default_profile must be one of {_allowed(list(PROFILES))}, "
-                             f"got {default_profile!r}")
+        check_choice("option default_profile", default_profile, PROFILES, who="mlx-vlm backend", error=ValueError)
         self.dtype = dtype
         self.image_tower, self.audio_tower = image_tower == "on", audio_tower == "on"
         self.mtp_convention = mtp_convention

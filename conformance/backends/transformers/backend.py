@@ -165,6 +165,8 @@ from transformers import (
     Gemma4UnifiedForConditionalGeneration,
 )
 
+from refimpl.errors import check_choice, choice_message
+
 from ...protocol.serving import CachedBackend, check_mtp_generate, padded_clips
 from ...protocol.types import BackendError, Capabilities, Request, Response
 from .mtp import CONVENTION as MTP_CONVENTION
@@ -188,8 +190,8 @@ CONDITIONAL_KEY_MAPPING = {r"^model\.language_model\.": "model."}
 EXPECTATIONS_DIR = Path(__file__).resolve().parent / "expectations"
 
 
-def _allowed(values: Sequence[str]) -> str:
-    return ", ".join(repr(v) for v in values)
+WHO = "transformers backend"  # how its messages name it
+
 
 
 # ----------------------------------------------------------------------------------------------
@@ -357,7 +359,7 @@ def _load_kwargs(dtype: str | torch.dtype, attn_implementation: str,
                  experts_implementation: str | None) -> dict[str, Any]:
     torch_dtype = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
     if torch_dtype is None:
-        raise ValueError(f"dtype must be one of {_allowed(DTYPES)}, got {dtype!r}")
+        check_choice("dtype", dtype, DTYPES, error=ValueError)
     # use_safetensors: never a pickled pytorch_model.bin (unpickling can run code), whatever the directory holds
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": attn_implementation,
                               "output_loading_info": True, "use_safetensors": True}
@@ -400,8 +402,7 @@ def load_gemma4_conditional_generation(model_dir: str | os.PathLike, dtype: str 
 def resolve_device(device: str) -> torch.device:
     """``"auto"`` -> CUDA when available, else CPU; ``"cpu"``; ``"cuda"`` / ``"cuda:N"`` (must exist)."""
     if not isinstance(device, str) or not (device in DEVICES or device.startswith("cuda:")):
-        raise ValueError(f"transformers backend: device must be one of {_allowed(DEVICES)} (or 'cuda:N'), "
-                         f"got {device!r}")
+        check_choice("device", device, DEVICES, who=WHO, error=ValueError, hint=" (or cuda:N)")
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu":
@@ -409,8 +410,7 @@ def resolve_device(device: str) -> torch.device:
     try:
         dev = torch.device(device)
     except RuntimeError as exc:
-        raise ValueError(f"transformers backend: device must be one of {_allowed(DEVICES)} (or 'cuda:N'), "
-                         f"got {device!r}") from exc
+        raise ValueError(choice_message("device", device, DEVICES, who=WHO, hint=" (or cuda:N)")) from exc
     if not torch.cuda.is_available():
         raise BackendError(f"transformers backend: device {device!r} was requested but CUDA is not available "
                            f"(torch {torch.__version__}: torch.cuda.is_available() is False); "
@@ -469,26 +469,16 @@ class TransformersBackend(CachedBackend):
                  experts: str = "auto", threads: int | None = None, audio_tower: str = "auto", tf32: str = "off",
                  image_tower: str = "off"):
         super().__init__()
-        if dtype not in DTYPES:
-            raise ValueError(f"transformers backend: dtype must be one of {_allowed(DTYPES)}, got {dtype!r}")
-        if attn not in ATTN_IMPLEMENTATIONS:
-            raise ValueError(f"transformers backend: attn must be one of {_allowed(ATTN_IMPLEMENTATIONS)}, "
-                             f"got {attn!r}")
-        if experts not in EXPERTS_IMPLEMENTATIONS:
-            raise ValueError(f"transformers backend: experts must be one of {_allowed(EXPERTS_IMPLEMENTATIONS)}, "
-                             f"got {experts!r}")
+        for option, value, choices in (("dtype", dtype, DTYPES), ("attn", attn, ATTN_IMPLEMENTATIONS),
+                                       ("experts", experts, EXPERTS_IMPLEMENTATIONS)):
+            check_choice(option, value, choices, who=WHO, error=ValueError)
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"transformers backend: threads must be None or an integer >= 1, got {threads!r}")
-        if audio_tower not in AUDIO_TOWER_OPTIONS:
-            raise ValueError(f"transformers backend: audio_tower must be one of {_allowed(AUDIO_TOWER_OPTIONS)}, "
-                             f"got {audio_tower!r}")
-        if image_tower not in IMAGE_TOWER_OPTIONS:
-            raise ValueError(f"transformers backend: image_tower must be one of {_allowed(IMAGE_TOWER_OPTIONS)}, "
-                             f"got {image_tower!r}")
+        for option, value, choices in (("audio_tower", audio_tower, AUDIO_TOWER_OPTIONS),
+                                       ("image_tower", image_tower, IMAGE_TOWER_OPTIONS)):
+            check_choice(option, value, choices, who=WHO, error=ValueError)
         self.image_tower = image_tower == "on"
-        if tf32 not in TF32_OPTIONS:
-            raise ValueError(f"transformers backend: tf32 must be one of {_allowed(TF32_OPTIONS)}, got {tf32!r}")
-        self.tf32 = tf32
+        self.tf32 = check_choice("tf32", tf32, TF32_OPTIONS, who=WHO, error=ValueError)
         self.dtype = dtype
         self.torch_dtype = DTYPES[dtype]
         self.attn = attn
