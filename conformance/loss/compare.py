@@ -32,7 +32,7 @@ from ..check.guard import CallInfo
 from ..check.requests import build_request, response_groups, without_decode
 from ..check.session import Checkpoints, Session, Work
 from ..protocol.types import Backend, claims, required_capabilities
-from ..sets.case import row_groups
+from ..sets.case import row_groups, shared_prefix
 
 __all__ = ["COMPARISONS", "CaseLoss", "LossError", "LossRun", "Thresholds", "loss_run", "pair_cases", "row_losses",
            "summarise"]
@@ -135,18 +135,11 @@ def pair_cases(quantised, reference) -> tuple[list[tuple[Any, Any]], dict[str, i
                         f"{len(quantised.cases)} cases of {quantised.name} (first: {missing[0]}); generate both "
                         "sets with the same --cases and prompts")
     qb, rb = quantised.bases(), reference.bases()
-    prefix = {name: _common_prefix(qb[name], rb[name]) for name in qb if name in rb}
+    prefix = {name: shared_prefix(qb[name], rb[name]) for name in qb if name in rb}
     if qb and not any(prefix.values()):
         raise LossError(f"no base of {quantised.name} starts with the tokens of the reference set {reference.name}'s "
                         "base of the same name: not the same prompts")
     return [(c, ref[_key(c.id, quantised.name)]) for c in quantised.cases], prefix
-
-
-def _common_prefix(a, b) -> int:
-    a, b = np.asarray(a), np.asarray(b)
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if len(differ) else n
 
 
 def _specs(case) -> list:

@@ -51,7 +51,7 @@ from ..check.requests import build_request, response_groups
 from ..check.session import Checkpoints, Session, Work
 from ..protocol.types import claims, required_capabilities
 from ..sets import bundled_set, load_set
-from ..sets.case import row_groups
+from ..sets.case import row_groups, shared_prefix
 
 __all__ = ["PAIRS", "QUANT_MUTANTS", "QuantMutant", "QuantResult", "quant_selftest"]
 
@@ -349,7 +349,7 @@ def quant_selftest(mutants=QUANT_MUTANTS, pairs=PAIRS, progress: Callable[[str],
     for qname, rname in pairs:
         quantised, reference = load_set(bundled_set(qname)), load_set(bundled_set(rname))
         kinds = stored_kinds(quantised)
-        prefix = {b: _prefix(t, reference.bases().get(b)) for b, t in quantised.bases().items()}
+        prefix = {b: shared_prefix(t, reference.bases().get(b)) for b, t in quantised.bases().items()}
         tight = PROFILES["ggml-cpu" if quantised.activations != "none" else "fp32"]
         old = PROFILES[old_profile(quantised)]
         with tempfile.TemporaryDirectory(prefix="quant-selftest-") as tmp:
@@ -366,15 +366,6 @@ def quant_selftest(mutants=QUANT_MUTANTS, pairs=PAIRS, progress: Callable[[str],
                                        dict(checks), n, old.name, old_cases, old_failed, control_old,
                                        sum(control_checks.values()), spec.equivalent))
     return out
-
-
-def _prefix(a, b) -> int:
-    if b is None:
-        return 0
-    a, b = np.asarray(a), np.asarray(b)
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if len(differ) else n
 
 
 def table(results: list) -> list[str]:

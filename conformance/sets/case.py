@@ -244,6 +244,17 @@ class BaseMedia:
     image_inputs: tuple = ()  # conformance.backend.ImageInput per image block (pixel_values, positions)
 
 
+def shared_prefix(a: Sequence[int], b: Sequence[int] | None) -> int:
+    """How many leading tokens two bases share (0 when ``b`` is None): the rows up to there are the same prompt's
+    in both (a generation base continues each model's own greedy choice, so two models' may part)."""
+    if b is None:
+        return 0
+    a, b = np.asarray(a), np.asarray(b)
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
 def prompt_length(case: Case) -> int:
     if case.kind == "prefill":
         return sum(n for n, _ in case.pieces)
