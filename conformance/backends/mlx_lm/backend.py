@@ -53,14 +53,12 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import math
 from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Sequence
 
 import mlx.core as mx  # the registry turns a missing mlx into an install hint (the 'mlx' extra)
-import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.models.cache import make_prompt_cache
@@ -69,11 +67,11 @@ from mlx_lm.utils import load_model
 from refimpl import RefimplError, load_config
 from refimpl.errors import check_choice
 from refimpl.legacy_keys import legacy_text_keys
-from refimpl.model import rope_inv_freq
 
 from ...check.profiles import PROFILES
 from ...protocol.serving import CachedBackend
 from ...protocol.types import BackendError, Capabilities, Request, Response
+from ..mlx_common import GeometryCheck, same, text_geometry
 
 __all__ = ["MlxLmBackend", "DTYPES", "config_patch", "EXPECTATIONS_DIR"]
 
@@ -91,19 +89,6 @@ def _versions() -> dict[str, str]:
         except PackageNotFoundError:  # pragma: no cover - importable but not installed as a dist
             out[dist] = "unknown"
     return out
-
-
-def _same(a: Any, b: Any) -> bool:
-    """JSON-level equality with int/float equivalence (30 == 30.0), as mlx-lm would read the value."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return a is b
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return float(a) == float(b)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
 
 
 def _mlx_text_keys(cfg) -> dict[str, Any]:
@@ -141,14 +126,14 @@ def config_patch(raw: dict, cfg) -> dict[str, dict[str, Any]]:
     for key, want in _mlx_text_keys(cfg).items():
         have = text.get(key, _MISSING)
         if key == "rope_parameters" and have is not _MISSING and isinstance(have, dict):
-            same = all(_same(_rope_effective(have.get(t)), want[t]) for t in want)
+            ok = all(same(_rope_effective(have.get(t)), want[t]) for t in want)
         else:
-            same = have is not _MISSING and _same(have, want)
-        if not same:
+            ok = have is not _MISSING and same(have, want)
+        if not ok:
             patch[key] = {"was": "absent" if have is _MISSING else have, "now": want}
     if text is not raw:  # conditional: mlx-lm's gemma4.ModelArgs copies the TOP-level vocab_size down
         have = raw.get("vocab_size", _MISSING)
-        if have is _MISSING or not _same(have, cfg.vocab_size):
+        if have is _MISSING or not same(have, cfg.vocab_size):
             patch["<top>.vocab_size"] = {"was": "absent" if have is _MISSING else have, "now": cfg.vocab_size}
     return patch
 
@@ -168,17 +153,6 @@ def _model_config(raw: dict, patch: dict[str, dict[str, Any]]) -> dict | None:
     else:
         out.update(text_patch)
     return out
-
-
-def _inv_freq_of(rope_module, head_dim: int) -> np.ndarray:
-    """The inverse RoPE frequencies an mlx-lm rope module applies (zero where it does not rotate)."""
-    if hasattr(rope_module, "_freqs"):  # ProportionalRoPE: freqs are wavelengths, inf = no rotation
-        freqs = np.array(rope_module._freqs.astype(mx.float32), dtype=np.float64)
-        return np.where(np.isinf(freqs), 0.0, 1.0 / freqs)
-    if isinstance(rope_module, nn.RoPE) and rope_module.dims == head_dim and not rope_module.traditional:
-        return rope_module.scale / float(rope_module.base) ** (np.arange(0, head_dim, 2) / head_dim)
-    raise BackendError(f"mlx-lm backend: unexpected RoPE module {type(rope_module).__name__} "
-                       f"({vars(rope_module)}); this backend cannot check it against the spec")
 
 
 class MlxLmBackend(CachedBackend):
@@ -311,40 +285,10 @@ class MlxLmBackend(CachedBackend):
         cfg = self.text_config
         lm = self._text_model()
         inner = lm.model
-        problems = []
-
-        def check(what, got, want):
-            if not _same(got, want):
-                problems.append(f"{what}: mlx-lm has {got!r}, the config means {want!r}")
-
-        check("number of layers", len(inner.layers), cfg.num_hidden_layers)
-        check("vocab_size", inner.embed_tokens.weight.shape[0], cfg.vocab_size)
-        check("sliding_window", inner.window_size, cfg.sliding_window)
-        check("final_logit_softcapping", lm.final_logit_softcapping, cfg.final_logit_softcapping)
-        check("tie_word_embeddings", lm.tie_word_embeddings, cfg.tie_word_embeddings)
-        check("embedding scale", inner.embed_scale, math.sqrt(cfg.hidden_size))
-        check("hidden_size_per_layer_input", inner.hidden_size_per_layer_input or 0, cfg.hidden_size_per_layer_input)
-        check("final norm eps", inner.norm.eps, cfg.rms_norm_eps)
-        for spec, layer, prev in zip(cfg.layers, inner.layers, inner.previous_kvs, strict=True):
-            i, attn = spec.index, layer.self_attn
-            check(f"layer {i} type", layer.layer_type, spec.layer_type)
-            check(f"layer {i} head_dim", attn.head_dim, spec.head_dim)
-            check(f"layer {i} KV heads", attn.n_kv_heads, spec.num_kv_heads)
-            check(f"layer {i} K=V", attn.use_k_eq_v, spec.k_eq_v)
-            check(f"layer {i} KV source", prev, spec.kv_source)
-            check(f"layer {i} owns K/V", attn.has_kv, spec.owns_kv)
-            check(f"layer {i} FFN width", layer.mlp.gate_proj.weight.shape[0], spec.ffn_width)
-            check(f"layer {i} MoE", layer.enable_moe, cfg.enable_moe_block)
-            check(f"layer {i} norm eps", layer.input_layernorm.eps, cfg.rms_norm_eps)
-            want = rope_inv_freq(spec.rope, spec.head_dim)
-            got = _inv_freq_of(attn.rope, spec.head_dim)
-            if got.shape != want.shape or not np.allclose(got, want, rtol=1e-6, atol=0.0):
-                problems.append(f"layer {i} RoPE inverse frequencies: mlx-lm has {got.tolist()}, "
-                                f"the config means {want.tolist()}")
-        if cfg.enable_moe_block:
-            router = inner.layers[0].router
-            check("num_experts", router.config.num_experts, cfg.num_experts)
-            check("top_k_experts", router.config.top_k_experts, cfg.top_k_experts)
+        check = GeometryCheck("mlx-lm")
+        text_geometry(check, inner, cfg, softcap=lm.final_logit_softcapping, tied=lm.tie_word_embeddings,
+                      owns_kv=lambda attn: attn.has_kv)
+        problems = check.problems
         if problems:
             raise BackendError("mlx-lm backend: mlx-lm builds a different model than the checkpoint's "
                                "config.json describes (mlx-lm cannot express this configuration): "

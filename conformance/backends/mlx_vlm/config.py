@@ -36,24 +36,13 @@ from typing import Any
 from refimpl.legacy_keys import legacy_text_keys
 from refimpl.unified import parse_unified_audio_config, parse_unified_vision_config
 
+from ..mlx_common import same
+
 __all__ = ["ABSENT", "checkpoint_view", "config_patch", "mlx_vlm_text_keys", "patched_config", "remove_view", "same",
            "unified_tower_keys"]
 
 ABSENT = "absent"  # how the patch shows a key the checkpoint does not have (or one the view removes)
 _MISSING = object()
-
-
-def same(a: Any, b: Any) -> bool:
-    """JSON-level equality with int/float equivalence (30 == 30.0), as mlx-vlm would read the value."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return a is b
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return float(a) == float(b)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
 
 
 def mlx_vlm_text_keys(cfg, family: str) -> dict[str, Any]:

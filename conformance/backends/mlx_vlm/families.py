@@ -34,16 +34,12 @@ import math
 from typing import Any, Sequence
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 
-from refimpl.model import rope_inv_freq
-
 from ...protocol.types import BackendError
-from .config import same
+from ..mlx_common import GeometryCheck, text_geometry
 
-__all__ = ["FAMILIES", "Family", "Gemma4", "Gemma4Text", "Gemma4Unified", "family_for", "geometry_problems",
-           "inv_freq_of"]
+__all__ = ["FAMILIES", "Family", "Gemma4", "Gemma4Text", "Gemma4Unified", "family_for", "geometry_problems"]
 
 # model types mlx-vlm has for Gemma 4 that this backend does not drive (yet), and why
 NOT_SERVED = {
@@ -210,53 +206,10 @@ def family_for(raw: dict, where: str) -> Family:
 # -- geometry ---------------------------------------------------------------------------------
 
 
-def inv_freq_of(rope_module, head_dim: int) -> np.ndarray:
-    """The inverse RoPE frequencies an mlx-vlm rope module applies (zero where it does not rotate)."""
-    if hasattr(rope_module, "_freqs"):  # ProportionalRoPE: freqs are wavelengths, inf = no rotation
-        freqs = np.array(rope_module._freqs.astype(mx.float32), dtype=np.float64)
-        return np.where(np.isinf(freqs), 0.0, 1.0 / freqs)
-    if isinstance(rope_module, nn.RoPE) and rope_module.dims == head_dim and not rope_module.traditional:
-        return rope_module.scale / float(rope_module.base) ** (np.arange(0, head_dim, 2) / head_dim)
-    raise BackendError(f"mlx-vlm backend: unexpected RoPE module {type(rope_module).__name__}; this backend "
-                       "cannot check it against the spec")
-
-
 def geometry_problems(family: Family, model, cfg) -> list[str]:
     """How the built mlx-vlm model differs from the model refimpl derives from config.json (empty: none)."""
-    inner = family.text_model(model)
-    problems: list[str] = []
-
-    def check(what, got, want):
-        if not same(got, want):
-            problems.append(f"{what}: mlx-vlm has {got!r}, the config means {want!r}")
-
-    check("number of layers", len(inner.layers), cfg.num_hidden_layers)
-    check("vocab_size", inner.embed_tokens.weight.shape[0], cfg.vocab_size)
-    check("sliding_window", inner.window_size, cfg.sliding_window)
-    check("final_logit_softcapping", model.language_model.final_logit_softcapping, cfg.final_logit_softcapping)
-    check("tie_word_embeddings", family.tied_head(model), cfg.tie_word_embeddings)
-    check("embedding scale", inner.embed_scale, math.sqrt(cfg.hidden_size))
-    check("hidden_size_per_layer_input", inner.hidden_size_per_layer_input or 0, cfg.hidden_size_per_layer_input)
-    check("final norm eps", inner.norm.eps, cfg.rms_norm_eps)
-    for spec, layer, prev in zip(cfg.layers, inner.layers, inner.previous_kvs, strict=True):
-        i, attn = spec.index, layer.self_attn
-        check(f"layer {i} type", layer.layer_type, spec.layer_type)
-        check(f"layer {i} head_dim", attn.head_dim, spec.head_dim)
-        check(f"layer {i} KV heads", attn.n_kv_heads, spec.num_kv_heads)
-        check(f"layer {i} K=V", attn.use_k_eq_v, spec.k_eq_v)
-        check(f"layer {i} KV source", prev, spec.kv_source)
-        check(f"layer {i} owns K/V", family.owns_kv(attn), spec.owns_kv)
-        check(f"layer {i} FFN width", layer.mlp.gate_proj.weight.shape[0], spec.ffn_width)
-        check(f"layer {i} MoE", layer.enable_moe, cfg.enable_moe_block)
-        check(f"layer {i} norm eps", layer.input_layernorm.eps, cfg.rms_norm_eps)
-        want = rope_inv_freq(spec.rope, spec.head_dim)
-        got = inv_freq_of(attn.rope, spec.head_dim)
-        if got.shape != want.shape or not np.allclose(got, want, rtol=1e-6, atol=0.0):
-            problems.append(f"layer {i} RoPE inverse frequencies: mlx-vlm has {got.tolist()}, "
-                            f"the config means {want.tolist()}")
-    if cfg.enable_moe_block:
-        router = inner.layers[0].router
-        check("num_experts", router.config.num_experts, cfg.num_experts)
-        check("top_k_experts", router.config.top_k_experts, cfg.top_k_experts)
+    check = GeometryCheck("mlx-vlm")
+    text_geometry(check, family.text_model(model), cfg, softcap=model.language_model.final_logit_softcapping,
+                  tied=family.tied_head(model), owns_kv=family.owns_kv)
     family.extra_checks(model, cfg, check)
-    return problems
+    return check.problems

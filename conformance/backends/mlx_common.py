@@ -1,0 +1,92 @@
+"""What the mlx-lm and mlx-vlm backends share: a config value compared as mlx reads it (``same``), the inverse RoPE
+frequencies an mlx rope module applies (``inv_freq_of``) and the check of a built Gemma 4 text model against the
+model refimpl derives from config.json (``GeometryCheck``, ``text_geometry``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import numpy as np
+
+from refimpl.model import rope_inv_freq
+
+from ..protocol.types import BackendError
+
+__all__ = ["GeometryCheck", "inv_freq_of", "same", "text_geometry"]
+
+
+def same(a: Any, b: Any) -> bool:
+    """JSON-level equality with int/float equivalence (30 == 30.0), as mlx reads the value."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return float(a) == float(b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def inv_freq_of(rope_module, head_dim: int, who: str) -> np.ndarray:
+    """The inverse RoPE frequencies an mlx rope module applies (zero where it does not rotate); BackendError
+    naming ``who`` for a module this check does not know."""
+    import mlx.core as mx  # imported here: ``same`` serves modules that do not need mlx
+    import mlx.nn as nn
+
+    if hasattr(rope_module, "_freqs"):  # ProportionalRoPE: freqs are wavelengths, inf = no rotation
+        freqs = np.array(rope_module._freqs.astype(mx.float32), dtype=np.float64)
+        return np.where(np.isinf(freqs), 0.0, 1.0 / freqs)
+    if isinstance(rope_module, nn.RoPE) and rope_module.dims == head_dim and not rope_module.traditional:
+        return rope_module.scale / float(rope_module.base) ** (np.arange(0, head_dim, 2) / head_dim)
+    raise BackendError(f"{who} backend: unexpected RoPE module {type(rope_module).__name__}; this backend cannot "
+                       "check it against the spec")
+
+
+class GeometryCheck:
+    """``check(what, got, want)`` records how the engine ``who`` (mlx-lm, mlx-vlm) builds the model differently
+    from the config (``problems``)."""
+
+    def __init__(self, who: str):
+        self.who = who
+        self.problems: list[str] = []
+
+    def __call__(self, what: str, got: Any, want: Any) -> None:
+        if not same(got, want):
+            self.problems.append(f"{what}: {self.who} has {got!r}, the config means {want!r}")
+
+
+def text_geometry(check: GeometryCheck, inner, cfg, *, softcap: Any, tied: Any,
+                  owns_kv: Callable[[Any], bool]) -> None:
+    """Every check of a built Gemma 4 text model ``inner`` (its layers, norms, embedding, RoPE, experts) against
+    refimpl's ``cfg``; ``softcap`` and ``tied``: the engine's final-logit softcap and tied-head flag (they sit on
+    different modules in mlx-lm and mlx-vlm); ``owns_kv(attention)``: whether a layer computes its own K/V."""
+    check("number of layers", len(inner.layers), cfg.num_hidden_layers)
+    check("vocab_size", inner.embed_tokens.weight.shape[0], cfg.vocab_size)
+    check("sliding_window", inner.window_size, cfg.sliding_window)
+    check("final_logit_softcapping", softcap, cfg.final_logit_softcapping)
+    check("tie_word_embeddings", tied, cfg.tie_word_embeddings)
+    check("embedding scale", inner.embed_scale, math.sqrt(cfg.hidden_size))
+    check("hidden_size_per_layer_input", inner.hidden_size_per_layer_input or 0, cfg.hidden_size_per_layer_input)
+    check("final norm eps", inner.norm.eps, cfg.rms_norm_eps)
+    for spec, layer, prev in zip(cfg.layers, inner.layers, inner.previous_kvs, strict=True):
+        i, attn = spec.index, layer.self_attn
+        check(f"layer {i} type", layer.layer_type, spec.layer_type)
+        check(f"layer {i} head_dim", attn.head_dim, spec.head_dim)
+        check(f"layer {i} KV heads", attn.n_kv_heads, spec.num_kv_heads)
+        check(f"layer {i} K=V", attn.use_k_eq_v, spec.k_eq_v)
+        check(f"layer {i} KV source", prev, spec.kv_source)
+        check(f"layer {i} owns K/V", owns_kv(attn), spec.owns_kv)
+        check(f"layer {i} FFN width", layer.mlp.gate_proj.weight.shape[0], spec.ffn_width)
+        check(f"layer {i} MoE", layer.enable_moe, cfg.enable_moe_block)
+        check(f"layer {i} norm eps", layer.input_layernorm.eps, cfg.rms_norm_eps)
+        want = rope_inv_freq(spec.rope, spec.head_dim)
+        got = inv_freq_of(attn.rope, spec.head_dim, check.who)
+        if got.shape != want.shape or not np.allclose(got, want, rtol=1e-6, atol=0.0):
+            check.problems.append(f"layer {i} RoPE inverse frequencies: {check.who} has {got.tolist()}, "
+                                  f"the config means {want.tolist()}")
+    if cfg.enable_moe_block:
+        router = inner.layers[0].router
+        check("num_experts", router.config.num_experts, cfg.num_experts)
+        check("top_k_experts", router.config.top_k_experts, cfg.top_k_experts)
