@@ -595,7 +595,7 @@ def test_mtp_rounds_are_refimpls_under_mlx_vlms_keys(tmp_path, monkeypatch, name
     b.open(path)
     try:
         assert b.load_info["model_class"].startswith("mlx_vlm.models.gemma4")
-        assert (b._drafters == {}) and (drafter.acfg.use_ordered_embeddings == (name == "e2b-assistant-mini"))
+        assert (b.drafters == {}) and (drafter.acfg.use_ordered_embeddings == (name == "e2b-assistant-mini"))
         for base in ("M0", "M1", "M2", "M3"):
             case, request = _mtp_request(name, base, path)
             states.clear()

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from itertools import pairwise
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -132,6 +132,7 @@ class CachedBackend:
 
     def __init__(self) -> None:
         self.model: Any = None
+        self.drafters: dict[str, Any] = {}  # the drafter of the last MTP request, by directory (own_mtp_drafter)
         self._states: dict[Any, Any] = {}
         self._hidden: list[np.ndarray] | None = None  # the hidden rows of the request being served
         self._decode_hidden: list[np.ndarray] | None = None  # multi: each sequence's decode hidden rows
@@ -140,6 +141,17 @@ class CachedBackend:
 
     # -- protocol -------------------------------------------------------------------------------
 
+
+    def own_mtp_drafter(self, request: Request, convention: str, how: str, load: Callable[[str], Any]) -> Any:
+        """The drafter of an MTP request served by the engine's own assisted loop (``how``), once the backend is
+        open and the request is one it serves (``check_mtp_generate``): loaded by ``load(directory)`` and kept
+        until a request names another."""
+        if self.model is None:
+            raise RuntimeError(f"{self.who}: run() called before open()")
+        check_mtp_generate(request, self.who, convention, how)
+        if request.drafter not in self.drafters:
+            self.drafters = {request.drafter: load(request.drafter)}
+        return self.drafters[request.drafter]
     def run(self, request: Request) -> Response:
         if self.model is None:
             raise RuntimeError(f"{self.who}: run() called before open()")

@@ -79,7 +79,7 @@ from refimpl.errors import check_choice
 from refimpl.mtp import CONVENTIONS
 
 from ...check.profiles import PROFILES
-from ...protocol.serving import CachedBackend, check_mtp_generate, padded_clips
+from ...protocol.serving import CachedBackend, padded_clips
 from ...protocol.types import BackendError, Capabilities, Request, Response
 from .config import checkpoint_view, config_patch, remove_view
 from .families import Family, family_for, geometry_problems
@@ -169,7 +169,6 @@ class MlxVlmBackend(CachedBackend):
         self.media_ids: dict[str, int | None] = {}
         self._model_dir: Path | None = None
         self._prompt_cache: dict[str, int] = {}
-        self._drafters: dict[str, Any] = {}  # the drafter of the last MTP request, by directory
 
     # -- protocol -------------------------------------------------------------------------------
 
@@ -240,7 +239,7 @@ class MlxVlmBackend(CachedBackend):
         self.vision = self.audio = False
         self.media_ids = {}
         self._prompt_cache = {}
-        self._drafters = {}
+        self.drafters = {}
         self._states = {}
 
     def run(self, request: Request) -> Response:
@@ -251,14 +250,11 @@ class MlxVlmBackend(CachedBackend):
         return super().run(request)
 
     def _mtp(self, request: Request) -> Response:
-        if self.model is None:
-            raise RuntimeError(f"{self.who}: run() called before open()")
-        check_mtp_generate(request, self.who, self.mtp_convention, "mlx-vlm's own MTP loop")
-        if request.drafter not in self._drafters:
-            self._drafters = {request.drafter: load_assistant(request.drafter, self.dtype)}
+        drafter = self.own_mtp_drafter(request, self.mtp_convention, "mlx-vlm's own MTP loop",
+                                       lambda path: load_assistant(path, self.dtype))
         # the prompt's last row from a plain forward of its own
         logits, _ = self._forward(request.tokens, [len(request.tokens) - 1], self._new_state())
-        mtp, notes = assisted_generate(self.model, self._drafters[request.drafter], request,
+        mtp, notes = assisted_generate(self.model, drafter, request,
                                        set(self.text_config.eos_token_ids))
         return Response(logits, None, self._executed("mtp", convention=self.mtp_convention, **notes), mtp=mtp)
 

@@ -167,7 +167,7 @@ from transformers import (
 
 from refimpl.errors import check_choice, choice_message
 
-from ...protocol.serving import CachedBackend, check_mtp_generate, padded_clips
+from ...protocol.serving import CachedBackend, padded_clips
 from ...protocol.types import BackendError, Capabilities, Request, Response
 from .mtp import CONVENTION as MTP_CONVENTION
 from .mtp import assisted_generate, load_assistant
@@ -519,7 +519,6 @@ class TransformersBackend(CachedBackend):
         self._model_dir: Path | None = None
         self._cache_kw = "cache"
         self._device_info: dict[str, Any] = {}
-        self._drafters: dict[str, Any] = {}
 
     # -- protocol -------------------------------------------------------------------------------
 
@@ -562,7 +561,7 @@ class TransformersBackend(CachedBackend):
 
     def close(self) -> None:
         self.model = None
-        self._drafters = {}
+        self.drafters = {}
         self.layout = None
         self.vision = self.audio = self.unified = False
         self.text_config = self.text_model = self.image_token_id = self.audio_token_id = self._model_dir = None
@@ -579,19 +578,15 @@ class TransformersBackend(CachedBackend):
             return super().run(request)
 
     def _mtp(self, request: Request) -> Response:
-        if self.model is None:
-            raise RuntimeError(f"{self.who}: run() called before open()")
-        check_mtp_generate(request, self.who, MTP_CONVENTION, "transformers' own assisted generation")
-        if request.drafter not in self._drafters:
-            self._drafters = {request.drafter: load_assistant(request.drafter, self.torch_dtype, self.attn,
-                                                              self.device)}
+        drafter = self.own_mtp_drafter(request, MTP_CONVENTION, "transformers' own assisted generation",
+                                       lambda path: load_assistant(path, self.torch_dtype, self.attn, self.device))
         self._hidden = [] if request.hidden else None
         try:  # the prompt's last row (and its hidden state) from a forward of its own
             logits, _ = self._forward_rows(self._forward(request.tokens, [len(request.tokens) - 1], self._new_state()))
             hidden = self._take_hidden(1)
         finally:
             self._hidden = None
-        mtp, notes = assisted_generate(self.model, self._drafters[request.drafter], request, self.pad_token_id)
+        mtp, notes = assisted_generate(self.model, drafter, request, self.pad_token_id)
         return Response(logits, None, self._executed("mtp", **notes), hidden=hidden, mtp=mtp)
 
     # -- engine hooks ---------------------------------------------------------------------------
