@@ -13,7 +13,10 @@ from refimpl.model import rope_inv_freq
 
 from ..protocol.types import BackendError
 
-__all__ = ["GeometryCheck", "inv_freq_of", "same", "text_geometry"]
+__all__ = ["ABSENT", "GeometryCheck", "inv_freq_of", "rope_effective", "same", "text_geometry", "text_key_patch"]
+
+ABSENT = "absent"  # how a config patch shows a key the checkpoint does not have (or one a patch removes)
+_MISSING = object()
 
 
 def same(a: Any, b: Any) -> bool:
@@ -27,6 +30,38 @@ def same(a: Any, b: Any) -> bool:
     if isinstance(a, list) and isinstance(b, list):
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     return a == b
+
+
+def rope_effective(entry: Any, type_keys: tuple[str, ...] = ("rope_type",)) -> Any:
+    """How mlx's ``initialize_rope`` reads one rope_parameters entry (for comparing, not writing); its type from the
+    first of ``type_keys`` present (mlx-vlm also reads ``type``)."""
+    if not isinstance(entry, dict):
+        return entry
+    rope_type = next((entry[k] for k in type_keys if entry.get(k)), "default")
+    out = {"rope_type": rope_type, "rope_theta": float(entry.get("rope_theta", 10000.0))}
+    if rope_type == "proportional":
+        out["partial_rotary_factor"] = float(entry.get("partial_rotary_factor", 1.0))
+        out["factor"] = float(entry.get("factor", 1.0))
+    return out
+
+
+def text_key_patch(text: dict, keys: dict[str, Any], *, type_keys: tuple[str, ...] = ("rope_type",),
+                   defaults: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """``{key: {"was": value or ABSENT, "now": derived value}}`` for every text-config key of ``keys`` (what the
+    engine reads, derived from refimpl's config) that the text section ``text`` lacks or states in a form the
+    engine reads differently; ``defaults``: keys whose absence the engine reads as that value."""
+    patch: dict[str, dict[str, Any]] = {}
+    for key, want in keys.items():
+        have = text.get(key, _MISSING)
+        if key == "rope_parameters" and isinstance(have, dict):
+            ok = all(same(rope_effective(have.get(t), type_keys), want[t]) for t in want)
+        elif defaults is not None and key in defaults:
+            ok = same(defaults[key] if have is _MISSING else have, want)
+        else:
+            ok = have is not _MISSING and same(have, want)
+        if not ok:
+            patch[key] = {"was": ABSENT if have is _MISSING else have, "now": want}
+    return patch
 
 
 def inv_freq_of(rope_module, head_dim: int, who: str) -> np.ndarray:

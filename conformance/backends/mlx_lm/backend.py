@@ -71,7 +71,7 @@ from refimpl.legacy_keys import legacy_text_keys
 from ...check.profiles import PROFILES
 from ...protocol.serving import CachedBackend
 from ...protocol.types import BackendError, Capabilities, Request, Response
-from ..mlx_common import GeometryCheck, same, text_geometry
+from ..mlx_common import GeometryCheck, same, text_geometry, text_key_patch
 
 __all__ = ["MlxLmBackend", "DTYPES", "config_patch", "EXPECTATIONS_DIR"]
 
@@ -99,18 +99,6 @@ def _mlx_text_keys(cfg) -> dict[str, Any]:
     return legacy_text_keys(cfg)
 
 
-def _rope_effective(entry: Any) -> Any:
-    """How mlx-lm's initialize_rope reads one rope_parameters entry (for comparing, not writing)."""
-    if not isinstance(entry, dict):
-        return entry
-    rope_type = entry.get("rope_type", "default")
-    out = {"rope_type": rope_type, "rope_theta": float(entry.get("rope_theta", 10000.0))}
-    if rope_type == "proportional":
-        out["partial_rotary_factor"] = float(entry.get("partial_rotary_factor", 1.0))
-        out["factor"] = float(entry.get("factor", 1.0))
-    return out
-
-
 def config_patch(raw: dict, cfg) -> dict[str, dict[str, Any]]:
     """The keys to hand mlx-lm so it builds the model refimpl derives from ``raw`` (a parsed
     config.json) and ``cfg`` (its ``TextConfig``).
@@ -122,15 +110,7 @@ def config_patch(raw: dict, cfg) -> dict[str, dict[str, Any]]:
     which transformers and refimpl force to full).
     """
     text = raw.get("text_config", raw) if isinstance(raw.get("text_config"), dict) else raw
-    patch: dict[str, dict[str, Any]] = {}
-    for key, want in _mlx_text_keys(cfg).items():
-        have = text.get(key, _MISSING)
-        if key == "rope_parameters" and have is not _MISSING and isinstance(have, dict):
-            ok = all(same(_rope_effective(have.get(t)), want[t]) for t in want)
-        else:
-            ok = have is not _MISSING and same(have, want)
-        if not ok:
-            patch[key] = {"was": "absent" if have is _MISSING else have, "now": want}
+    patch = text_key_patch(text, _mlx_text_keys(cfg))
     if text is not raw:  # conditional: mlx-lm's gemma4.ModelArgs copies the TOP-level vocab_size down
         have = raw.get("vocab_size", _MISSING)
         if have is _MISSING or not same(have, cfg.vocab_size):

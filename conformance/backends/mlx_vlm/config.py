@@ -36,12 +36,11 @@ from typing import Any
 from refimpl.legacy_keys import legacy_text_keys
 from refimpl.unified import parse_unified_audio_config, parse_unified_vision_config
 
-from ..mlx_common import same
+from ..mlx_common import ABSENT, same, text_key_patch
 
 __all__ = ["ABSENT", "checkpoint_view", "config_patch", "mlx_vlm_text_keys", "patched_config", "remove_view", "same",
            "unified_tower_keys"]
 
-ABSENT = "absent"  # how the patch shows a key the checkpoint does not have (or one the view removes)
 _MISSING = object()
 
 
@@ -54,18 +53,6 @@ def mlx_vlm_text_keys(cfg, family: str) -> dict[str, Any]:
     if family == "gemma4":  # only the conditional model's text config has the vision-block switch
         keys["use_bidirectional_attention"] = cfg.use_bidirectional_attention
     return keys
-
-
-def _rope_effective(entry: Any) -> Any:
-    """How mlx-vlm's ``initialize_rope`` reads one rope_parameters entry (for comparing, not writing)."""
-    if not isinstance(entry, dict):
-        return entry
-    rope_type = entry.get("type") or entry.get("rope_type", "default")
-    out = {"rope_type": rope_type, "rope_theta": float(entry.get("rope_theta", 10000.0))}
-    if rope_type == "proportional":
-        out["partial_rotary_factor"] = float(entry.get("partial_rotary_factor", 1.0))
-        out["factor"] = float(entry.get("factor", 1.0))
-    return out
 
 
 def unified_tower_keys(raw: dict) -> dict[str, Any]:
@@ -111,18 +98,10 @@ def config_patch(raw: dict, cfg, family: str) -> dict[str, dict[str, Any]]:
     """
     conditional = isinstance(raw.get("text_config"), dict)
     text = raw["text_config"] if conditional else raw
-    patch: dict[str, dict[str, Any]] = {}
     text_family = "gemma4" if family == "gemma4_unified" else family  # Unified's TextConfig is gemma4's
-    for key, want in mlx_vlm_text_keys(cfg, text_family).items():
-        have = text.get(key, _MISSING)
-        if key == "rope_parameters" and isinstance(have, dict):
-            ok = all(same(_rope_effective(have.get(t)), want[t]) for t in want)
-        elif key == "use_bidirectional_attention":  # mlx-vlm's default is None, like the spec's
-            ok = same(None if have is _MISSING else have, want)
-        else:
-            ok = have is not _MISSING and same(have, want)
-        if not ok:
-            patch[key] = {"was": ABSENT if have is _MISSING else have, "now": want}
+    # mlx-vlm reads a rope entry's "type" too; its use_bidirectional_attention defaults to None, like the spec's
+    patch = text_key_patch(text, mlx_vlm_text_keys(cfg, text_family), type_keys=("type", "rope_type"),
+                           defaults={"use_bidirectional_attention": None})
     if conditional and "vision_config" in raw and raw["vision_config"] is None:
         patch["<top>.vision_config"] = {"was": None, "now": ABSENT}
     if family == "gemma4_unified":
