@@ -12,3 +12,7 @@ _os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")  # before NumPy loads Ope
 
 
 __version__ = "0.1.0"
+
+from . import compat as _compat  # after the environment above
+
+_compat.install()  # old import paths: the new module, with a DeprecationWarning

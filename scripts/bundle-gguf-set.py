@@ -27,7 +27,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from llama_quantize import quantize  # noqa: E402 - after sys.path
 
-from conformance.backends import llama_cpp_engine as eng  # noqa: E402
+from conformance.backends.llama_cpp import engine as eng  # noqa: E402
 from conformance.generate import generate_set  # noqa: E402
 from conformance.sets.format import write_json  # noqa: E402
 from refimpl.synth import write_checkpoint  # noqa: E402

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import json
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -32,16 +33,14 @@ TIERS = [
     ("conformance.explain", "conformance.loss"),
     ("conformance.registry",),  # a face, below the others: it finds backends for all of them
     ("conformance.cli", "conformance.serve", "conformance.pytest_plugin", "conformance.fixtures",
-     "conformance.backend"),
+     "conformance.backend", "conformance.compat"),
 ]
 # within the third tier only report reads check (its result records); check and generate never meet
 SIDEWAYS = {("conformance.report", "conformance.check")}
 # modules that exist only so that old import paths keep working (docs/architecture.md, "Migration"):
 # each one is a face of the tier it re-exports and is imported by nothing of the package
 SHIMS = {"conformance.backends.serving", "conformance.backends.subprocess_backend",
-         "conformance.backends.protocol_server", "conformance.backends.transformers_backend",
-         "conformance.backends.mlx_backend", "conformance.backends.llama_cpp_backend",
-         "conformance.backends.llama_cpp_engine"}
+         "conformance.backends.protocol_server"}
 # imports that may stay inside a function: optional heavy engines, imported only when used
 LAZY_OK = {"torch", "transformers", "mlx", "mlx_lm", "llama_cpp", "distributed", "dask", "jinja2", "matplotlib",
            "PIL", "runpy"}
@@ -203,23 +202,33 @@ def test_the_wheel_lists_every_package_of_the_tree():
 
 @pytest.mark.parametrize("old, new", [
     ("conformance.backend", "conformance.protocol.types"),
-    ("conformance.backends.transformers_backend", "conformance.backends.transformers.backend"),
-    ("conformance.backends.mlx_backend", "conformance.backends.mlx_lm.backend"),
-    ("conformance.backends.llama_cpp_backend", "conformance.backends.llama_cpp.backend"),
-    ("conformance.backends.llama_cpp_engine", "conformance.backends.llama_cpp.engine"),
     ("conformance.backends.subprocess_backend", "conformance.backends.subprocess.client"),
     ("conformance.backends.protocol_server", "conformance.backends.subprocess.server"),
     ("conformance.backends.serving", "conformance.protocol.serving"),
 ])
 def test_old_import_paths_keep_working(old, new):
-    if old.endswith(("transformers_backend", "mlx_backend")):
-        pytest.importorskip("torch" if "transformers" in old else "mlx.core")
     import importlib
 
     mod, target = importlib.import_module(old), importlib.import_module(new)
     public = [n for n in getattr(target, "__all__", ()) if hasattr(mod, n)] or [
         n for n in dir(mod) if not n.startswith("_") and hasattr(target, n)]
     assert public and all(getattr(mod, n) is getattr(target, n) for n in public)
+
+
+@pytest.mark.parametrize("old", sorted(__import__("conformance.compat").compat.OLD_MODULES))
+def test_a_moved_module_is_its_new_module_with_a_warning(old):
+    """conformance.compat: the old name imports the new module itself, and says where it went
+    (DeprecationWarning naming the new path), in a fresh interpreter (no cached import hides the warning)."""
+    new = __import__("conformance.compat").compat.OLD_MODULES[old]
+    code = ("import importlib, sys, warnings; warnings.simplefilter('error', DeprecationWarning)\n"
+            f"try:\n    importlib.import_module({old!r})\nexcept DeprecationWarning as w:\n    print(w)\n"
+            "warnings.simplefilter('ignore')\n"
+            f"print(importlib.import_module({old!r}) is importlib.import_module({new!r}))")
+    if old.endswith(("transformers_backend", "mlx_backend")):
+        pytest.importorskip("torch" if "transformers" in old else "mlx.core")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert out.stdout.splitlines() == [f"{old} is an old import path: import {new} instead (docs/architecture.md, "
+                                       "'Migration')", "True"], out.stderr
 
 
 def test_bundled_sets_are_found_from_the_source_tree():

@@ -20,7 +20,7 @@ if importlib.util.find_spec("llama_cpp") is None:  # looked up, not imported: im
     pytest.skip("llama-cpp-python is not installed (scripts/build-llama-cpp.sh)", allow_module_level=True)
 
 from conformance.backend import BackendError, Request
-from conformance.backends import llama_cpp_engine as eng
+from conformance.backends.llama_cpp import engine as eng
 from refimpl import Gemma4
 from refimpl.errors import InputError
 from refimpl.synth import write_checkpoint

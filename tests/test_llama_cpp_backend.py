@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/build-llama-cpp.sh)")
 
 from conformance.backend import BackendError, Request
-from conformance.backends import llama_cpp_engine as eng
+from conformance.backends.llama_cpp import engine as eng
 from conformance.check.profiles import PROFILES
 
 try:
@@ -25,7 +25,7 @@ try:
 except BackendError as exc:  # pragma: no cover - depends on the machine
     pytest.skip(f"llama.cpp converter sources missing: {exc}", allow_module_level=True)
 
-from conformance.backends.llama_cpp_backend import LlamaCppBackend
+from conformance.backends.llama_cpp.backend import LlamaCppBackend
 
 HAVE_EXACT = (eng.EXACT_GELU_LIB / "libllama.so").is_file()
 S, F = "sliding_attention", "full_attention"

@@ -1,4 +1,4 @@
-"""The mlx-lm backend (``conformance.backends.mlx_backend``): mlx-lm's own loader and prompt caches
+"""The mlx-lm backend (``conformance.backends.mlx_lm.backend``): mlx-lm's own loader and prompt caches
 behind the backend protocol.
 
 Graded through the harness on two bundled sets (e2b-mini: PLE, MQA, KV sharing, double-wide MLP;
@@ -25,7 +25,7 @@ import mlx.core as mx
 
 from conformance import registry
 from conformance.backend import Backend, BackendError, Piece, Request
-from conformance.backends.mlx_backend import EXPECTATIONS_DIR, MlxLmBackend, config_patch
+from conformance.backends.mlx_lm.backend import EXPECTATIONS_DIR, MlxLmBackend, config_patch
 from conformance.check.profiles import PROFILES
 from conformance.check.runner import run
 from conformance.fixtures import bundled_set

@@ -275,7 +275,7 @@ def test_transformers_backend_refuses_pickled_weights(pickled, tmp_path, capsys,
     from safetensors.torch import load_file
 
     from conformance.backend import BackendError
-    from conformance.backends import transformers_backend as tb
+    from conformance.backends.transformers import backend as tb
     from refimpl.synth import write_checkpoint
 
     s, ckpt = pickled

@@ -36,7 +36,7 @@ if importlib.util.find_spec("llama_cpp") is None:  # looked up, not imported: im
 from helpers import same_run
 
 from conformance.backend import BackendError, Request
-from conformance.backends import llama_cpp_engine as eng
+from conformance.backends.llama_cpp import engine as eng
 from conformance.backends.refimpl_backend import RefimplBackend
 from conformance.check.profiles import PROFILES
 from conformance.check.requests import build_request

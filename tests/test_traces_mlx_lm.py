@@ -21,7 +21,7 @@ pytest.importorskip("mlx_lm")
 import mlx.nn as nn
 from helpers import same_run
 
-from conformance.backends.mlx_backend import MlxLmBackend
+from conformance.backends.mlx_lm.backend import MlxLmBackend
 from conformance.backends.refimpl_backend import RefimplBackend
 from conformance.check.profiles import PROFILES
 from conformance.check.requests import build_request

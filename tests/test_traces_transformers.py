@@ -29,7 +29,7 @@ import hf_reference as H  # noqa: E402  (needs torch + transformers)
 from helpers import same_run  # noqa: E402 - after the importorskip of torch
 
 from conformance.backends.refimpl_backend import RefimplBackend  # noqa: E402 - after the importorskip of torch
-from conformance.backends.transformers_backend import TransformersBackend  # noqa: E402 - see above
+from conformance.backends.transformers.backend import TransformersBackend  # noqa: E402 - see above
 from conformance.check.profiles import PROFILES  # noqa: E402 - after the importorskip of torch
 from conformance.check.requests import build_request  # noqa: E402 - after the importorskip of torch
 from conformance.check.session import Checkpoints, Session  # noqa: E402 - after the importorskip of torch

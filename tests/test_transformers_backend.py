@@ -1,4 +1,4 @@
-"""The transformers backend (``conformance.backends.transformers_backend``).
+"""The transformers backend (``conformance.backends.transformers.backend``).
 
 * Through the harness, on a representative subset of the bundled cases (every request kind and entry
   point: full; last plain / seq_id / embeddings at the last and an interior row; output-row prefill
@@ -42,7 +42,7 @@ from helpers import max_abs, tup  # noqa: E402 - after the importorskip of torch
 
 from conformance import registry  # noqa: E402 - after the importorskip of torch
 from conformance.backend import Backend, BackendError, Piece, Request  # noqa: E402 - after the importorskip of torch
-from conformance.backends.transformers_backend import EXPECTATIONS_DIR, TransformersBackend, load_gemma4_causal_lm  # noqa: E402 - after the importorskip
+from conformance.backends.transformers.backend import EXPECTATIONS_DIR, TransformersBackend, load_gemma4_causal_lm  # noqa: E402 - after the importorskip
 from conformance.check.expectations import load as load_expectations  # noqa: E402 - after the importorskip of torch
 from conformance.check.profiles import PROFILES  # noqa: E402 - after the importorskip of torch
 from conformance.check.runner import run as run_cases  # noqa: E402 - after the importorskip of torch
@@ -529,7 +529,7 @@ def test_each_image_rule_matters(preset_dirs, image_prompts, monkeypatch):
     pad row of the per-layer inputs each matter: without one, rows are far off."""
     import transformers.models.gemma4.modeling_gemma4 as mg
 
-    from conformance.backends.transformers_backend import SequenceState
+    from conformance.backends.transformers.backend import SequenceState
 
     # 31b-vision-mini: transformers' own create_masks_for_vision_model builds the sliding mask
     p, oracle = image_prompts["31b-vision-mini"]

@@ -1,8 +1,0 @@
-"""Old import path of ``conformance.backends.transformers.backend``: this name is that module (kept for code written
-against it; docs/architecture.md, "Migration")."""
-
-import sys
-
-from .transformers import backend as _module
-
-sys.modules[__name__] = _module
