@@ -39,8 +39,7 @@ TIERS = [
 SIDEWAYS = {("conformance.report", "conformance.check")}
 # modules that exist only so that old import paths keep working (docs/architecture.md, "Migration"):
 # each one is a face of the tier it re-exports and is imported by nothing of the package
-SHIMS = {"conformance.backends.serving", "conformance.backends.subprocess_backend",
-         "conformance.backends.protocol_server"}
+SHIMS = {"conformance.backends.subprocess_backend", "conformance.backends.protocol_server"}
 # imports that may stay inside a function: optional heavy engines, imported only when used
 LAZY_OK = {"torch", "transformers", "mlx", "mlx_lm", "llama_cpp", "distributed", "dask", "jinja2", "matplotlib",
            "PIL", "runpy"}
@@ -204,7 +203,6 @@ def test_the_wheel_lists_every_package_of_the_tree():
     ("conformance.backend", "conformance.protocol.types"),
     ("conformance.backends.subprocess_backend", "conformance.backends.subprocess.client"),
     ("conformance.backends.protocol_server", "conformance.backends.subprocess.server"),
-    ("conformance.backends.serving", "conformance.protocol.serving"),
 ])
 def test_old_import_paths_keep_working(old, new):
     import importlib
