@@ -16,6 +16,7 @@ __all__ = ["OLD_MODULES", "install"]
 
 # old module -> the module it is now
 OLD_MODULES = {
+    "conformance.backend": "conformance.protocol",
     "conformance.backends.serving": "conformance.protocol.serving",
     "conformance.backends.transformers_backend": "conformance.backends.transformers.backend",
     "conformance.backends.mlx_backend": "conformance.backends.mlx_lm.backend",

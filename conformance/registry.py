@@ -5,7 +5,7 @@ Python object given as ``module:attr``.
     load_backend("refimpl", dtype="float32")                      # options go to the class / factory
     load_backend("mypkg.engine:MyBackend")                        # a class, a factory or an instance
 
-Every failure raises ``conformance.backend.BackendError`` with one message that says what is wrong
+Every failure raises ``conformance.protocol.BackendError`` with one message that says what is wrong
 and how to fix it (the command line exits with code 4).
 """
 
@@ -156,22 +156,22 @@ def _instantiate(spec: str, obj: Any, options: dict[str, Any]) -> Any:
 
 
 def check_backend(backend: Any, spec: str | None = None) -> None:
-    """Raise BackendError unless ``backend`` satisfies the protocol (``conformance.backend.Backend``)."""
+    """Raise BackendError unless ``backend`` satisfies the protocol (``conformance.protocol.Backend``)."""
     label = f"backend {spec!r}" if spec is not None else f"backend object {type(backend).__name__}"
     missing = [m for m in PROTOCOL_MEMBERS if not hasattr(backend, m)]
     if missing:
-        raise BackendError(f"{label} does not satisfy the backend protocol (conformance.backend.Backend): "
+        raise BackendError(f"{label} does not satisfy the backend protocol (conformance.protocol.Backend): "
                            f"missing {', '.join(missing)}")
     problems = []
     name = backend.name
     if not isinstance(name, str) or not name:
         problems.append(f"name must be a non-empty str, got {name!r}")
     if not isinstance(backend.capabilities, Capabilities):
-        problems.append(f"capabilities must be a conformance.backend.Capabilities, "
+        problems.append(f"capabilities must be a conformance.protocol.Capabilities, "
                         f"got {type(backend.capabilities).__name__}")
     problems += [f"{m} is not callable" for m in ("open", "run", "close") if not callable(getattr(backend, m))]
     if problems:
-        raise BackendError(f"{label} does not satisfy the backend protocol (conformance.backend.Backend): "
+        raise BackendError(f"{label} does not satisfy the backend protocol (conformance.protocol.Backend): "
                            + "; ".join(problems))
 
 

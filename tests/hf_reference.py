@@ -362,7 +362,7 @@ def load_hf_causal_lm(model_dir, dtype: str | torch.dtype = "float64", exact: bo
       on such a directory does NOT work: it finds no weight under its names and
       silently returns a randomly initialised model; see the missing-keys check.)
 
-    Raises (``conformance.backend.BackendError``) if any weight of the text model is
+    Raises (``conformance.protocol.BackendError``) if any weight of the text model is
     missing from the checkpoint (``lm_head.weight`` is tied to ``model.embed_tokens.weight``)
     or transformers cannot load it.
     """

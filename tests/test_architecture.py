@@ -33,7 +33,7 @@ TIERS = [
     ("conformance.explain", "conformance.loss"),
     ("conformance.registry",),  # a face, below the others: it finds backends for all of them
     ("conformance.cli", "conformance.serve", "conformance.pytest_plugin", "conformance.fixtures",
-     "conformance.backend", "conformance.compat"),
+     "conformance.compat"),
 ]
 # within the third tier only report reads check (its result records); check and generate never meet
 SIDEWAYS = {("conformance.report", "conformance.check")}
@@ -200,7 +200,6 @@ def test_the_wheel_lists_every_package_of_the_tree():
 
 
 @pytest.mark.parametrize("old, new", [
-    ("conformance.backend", "conformance.protocol.types"),
     ("conformance.backends.subprocess_backend", "conformance.backends.subprocess.client"),
     ("conformance.backends.protocol_server", "conformance.backends.subprocess.server"),
 ])

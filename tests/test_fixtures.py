@@ -30,7 +30,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from conformance.backend import MtpResponse, Response, required_capabilities
 from conformance.check import materialise
 from conformance.check.requests import build_request, response_groups
 from conformance.fixtures import (
@@ -47,6 +46,7 @@ from conformance.fixtures import (
     verify_set,
 )
 from conformance.generate.matrix import generate_cases
+from conformance.protocol import MtpResponse, Response, required_capabilities
 from conformance.sets.case import GENERATION_STEPS, TIE_MARGIN, Case, check_case, row_groups
 from refimpl.assistant import Drafter
 from refimpl.model import Gemma4, KVCache

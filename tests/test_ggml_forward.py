@@ -19,8 +19,8 @@ import pytest
 if importlib.util.find_spec("llama_cpp") is None:  # looked up, not imported: importing it loads a library
     pytest.skip("llama-cpp-python is not installed (scripts/build-llama-cpp.sh)", allow_module_level=True)
 
-from conformance.backend import BackendError, Request
 from conformance.backends.llama_cpp import engine as eng
+from conformance.protocol import BackendError, Request
 from refimpl import Gemma4
 from refimpl.errors import InputError
 from refimpl.synth import write_checkpoint

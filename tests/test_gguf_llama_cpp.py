@@ -25,8 +25,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_ggml_blocks import PLAIN, QK, QUANT, ROUNDED, blocks
 
-from conformance.backend import BackendError
 from conformance.backends.llama_cpp import engine as eng
+from conformance.protocol import BackendError
 from refimpl import Gemma4, load_config
 from refimpl.errors import RefimplError
 from refimpl.ggml_blocks import OTHER_SIZES, TYPES, dequantize

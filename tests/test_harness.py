@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conformance.backend import Capabilities
 from conformance.backends.refimpl_backend import RefimplBackend
 from conformance.check.expectations import ExpectationsError
 from conformance.check.expectations import parse as parse_expectations
 from conformance.cli import main
+from conformance.protocol import Capabilities
 from conformance.report import load_schema, validate
 
 HERE = __name__  # the module name the backends below are loaded under (module:attr)
@@ -286,7 +286,7 @@ def test_a_response_that_is_not_a_response_is_an_error(small_set, capsys, tmp_pa
                                         str(small_set), "-k", "/full/A/")
     assert code == 1
     c = report["cases"][0]
-    assert c["status"] == "error" and "not conformance.backend.Response" in c["message"]
+    assert c["status"] == "error" and "not conformance.protocol.Response" in c["message"]
 
 
 def test_unclaimed_cases_are_never_passed(small_set, capsys, tmp_path):

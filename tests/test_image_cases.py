@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conformance.backend import Capabilities, Response
 from conformance.check import materialise
 from conformance.check.profiles import PROFILES
 from conformance.check.runner import run
@@ -34,6 +33,7 @@ from conformance.fixtures import (
     synthetic_image,
     verify_set,
 )
+from conformance.protocol import Capabilities, Response
 from conformance.sets.case import DECODE_STEPS, Case, check_case
 from refimpl.model import Gemma4
 from refimpl.multimodal import multimodal_inputs

@@ -16,9 +16,9 @@ import pytest
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/build-llama-cpp.sh)")
 
-from conformance.backend import BackendError, Request
 from conformance.backends.llama_cpp import engine as eng
 from conformance.check.profiles import PROFILES
+from conformance.protocol import BackendError, Request
 
 try:
     SOURCE = eng.resolve_source()
@@ -158,7 +158,7 @@ def test_mtp_sets_through_the_subprocess(gguf_cache, tmp_path, options, name, ge
 def test_mtp_matches_the_oracle(gguf_cache, tmp_path):
     """Both MTP modes on a dense-head pair against refimpl.mtp under target-cache/P: a prompt past the window
     (8), a partial acceptance, a rejection, a round without drafts."""
-    from conformance.backend import MtpRequest, MtpRound
+    from conformance.protocol import MtpRequest, MtpRound
     from refimpl.assistant import Drafter
     from refimpl.model import Gemma4
     from refimpl.mtp import assisted_greedy, run_rounds

@@ -24,11 +24,11 @@ pytest.importorskip("mlx_lm")
 import mlx.core as mx
 
 from conformance import registry
-from conformance.backend import Backend, BackendError, Piece, Request
 from conformance.backends.mlx_lm.backend import EXPECTATIONS_DIR, MlxLmBackend, config_patch
 from conformance.check.profiles import PROFILES
 from conformance.check.runner import run
 from conformance.fixtures import bundled_set
+from conformance.protocol import Backend, BackendError, Piece, Request
 from refimpl import Gemma4, load_config
 from refimpl.synth import write_checkpoint
 

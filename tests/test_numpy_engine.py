@@ -30,8 +30,8 @@ import pytest
 from helpers import image_prompt, max_abs, micro_config, open_per_preset, tup
 
 from conformance import cli, registry
-from conformance.backend import AudioInput, Capabilities, Piece, Request
 from conformance.backends.refimpl_backend import RefimplBackend
+from conformance.protocol import AudioInput, Capabilities, Piece, Request
 from conformance.selftest.engine import NO_BLOCK, Engine, NumpyEngineBackend
 from conformance.selftest.mutants import (
     AUDIO_SET,

@@ -19,8 +19,8 @@ import pytest
 from helpers import max_abs, open_per_preset, tup
 
 from conformance import registry
-from conformance.backend import Backend, BackendError, Capabilities, Piece, Request, required_capabilities
 from conformance.backends.refimpl_backend import RefimplBackend, RefimplFloat32Backend
+from conformance.protocol import Backend, BackendError, Capabilities, Piece, Request, required_capabilities
 from refimpl.mtp import CONVENTIONS
 from refimpl.synth import PRESETS
 
@@ -285,7 +285,7 @@ def test_embed_helper(backends, preset_models, bases):
 FAKE_MODULE = "conformance_fake_backends"
 
 FAKE_SOURCE = '''
-from conformance.backend import Capabilities, Response
+from conformance.protocol import Capabilities, Response
 import numpy as np
 
 
@@ -500,22 +500,22 @@ def test_missing_method_backend(fake_modules):
     with pytest.raises(BackendError) as e:
         registry.load_backend(f"{FAKE_MODULE}:MissingMethod")
     assert str(e.value) == (f"backend '{FAKE_MODULE}:MissingMethod' does not satisfy the backend protocol "
-                            "(conformance.backend.Backend): missing run")
+                            "(conformance.protocol.Backend): missing run")
 
 
 def test_not_a_backend(fake_modules):
     with pytest.raises(BackendError) as e:
         registry.load_backend(f"{FAKE_MODULE}:NOT_A_BACKEND")
     assert str(e.value) == (f"backend '{FAKE_MODULE}:NOT_A_BACKEND' does not satisfy the backend protocol "
-                            "(conformance.backend.Backend): missing name, capabilities, open, run, close")
+                            "(conformance.protocol.Backend): missing name, capabilities, open, run, close")
 
 
 def test_wrong_member_types(fake_modules):
     with pytest.raises(BackendError) as e:
         registry.load_backend(f"{FAKE_MODULE}:BadTypes")
     assert str(e.value) == (
-        f"backend '{FAKE_MODULE}:BadTypes' does not satisfy the backend protocol (conformance.backend.Backend): "
-        "name must be a non-empty str, got ''; capabilities must be a conformance.backend.Capabilities, got dict; "
+        f"backend '{FAKE_MODULE}:BadTypes' does not satisfy the backend protocol (conformance.protocol.Backend): "
+        "name must be a non-empty str, got ''; capabilities must be a conformance.protocol.Capabilities, got dict; "
         "run is not callable")
 
 
@@ -526,7 +526,7 @@ def test_check_backend_without_spec():
     with pytest.raises(BackendError) as e:
         registry.check_backend(Nameless())
     assert str(e.value) == ("backend object Nameless does not satisfy the backend protocol "
-                            "(conformance.backend.Backend): missing name, capabilities, open, run, close")
+                            "(conformance.protocol.Backend): missing name, capabilities, open, run, close")
 
 
 def test_open_backend_passes_backend_errors_through(tmp_path):
@@ -669,7 +669,7 @@ def test_plugin_backend_that_raises(tmp_path):
     assert rc == 1 and "e2b-mini/full/A/T9: error: RuntimeError: kernel launch failed" in out, out
     assert 'raise RuntimeError("kernel launch failed")' in out  # the backend's traceback is shown
     rc, out = _pytest(tmp_path, "--conformance-backend", f"{FAKE_MODULE}:MissingMethod", env_path=str(tmp_path))
-    assert rc == 4 and "does not satisfy the backend protocol (conformance.backend.Backend): missing run" in out
+    assert rc == 4 and "does not satisfy the backend protocol (conformance.protocol.Backend): missing run" in out
 
 
 def test_plugin_uses_the_expectations_a_backend_ships(tmp_path):

@@ -274,8 +274,8 @@ def test_transformers_backend_refuses_pickled_weights(pickled, tmp_path, capsys,
     import torch
     from safetensors.torch import load_file
 
-    from conformance.backend import BackendError
     from conformance.backends.transformers import backend as tb
+    from conformance.protocol import BackendError
     from refimpl.synth import write_checkpoint
 
     s, ckpt = pickled

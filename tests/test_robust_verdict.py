@@ -22,11 +22,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conformance.backend import Response
 from conformance.backends.refimpl_backend import RefimplBackend
 from conformance.check.results import CaseResult, RunResult
 from conformance.cli import main
 from conformance.fixtures import bundled_set
+from conformance.protocol import Response
 from conformance.report import junit_tree, printable, validate
 
 HERE = __name__

@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conformance.backend import BackendError, Request
 from conformance.backends.refimpl_backend import RefimplBackend, all_capabilities
 from conformance.backends.subprocess_backend import (
     PROTOCOL,
@@ -35,6 +34,7 @@ from conformance.check.profiles import get_profile
 from conformance.check.runner import run
 from conformance.cli import main as cli_main
 from conformance.fixtures import bundled_set, load_set
+from conformance.protocol import BackendError, Request
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKES = Path(__file__).resolve().parent / "subprocess_fakes"
@@ -600,8 +600,7 @@ def test_sigterm_of_the_harness_kills_the_engine_process_group(tmp_path):
 def test_v1_capability_fields_are_frozen_and_newer_fields_are_optional(monkeypatch, backends):
     from dataclasses import fields
 
-    from conformance.backend import Capabilities
-    from conformance.protocol import wire
+    from conformance.protocol import Capabilities, wire
 
     v1 = ("full_forward", "last_plain", "last_seq_id", "last_embeddings", "embedding_convention", "interior_rows",
           "output_rows", "ubatch", "chunked_prefill", "multi_sequence", "decode", "default_profile")
@@ -667,7 +666,7 @@ def vision(tmp_path_factory):
 
 
 def image_requests(p) -> list[Request]:
-    from conformance.backend import Piece
+    from conformance.protocol import Piece
 
     ids, E, images = tuple(int(t) for t in p["ids"]), p["embeddings"], tuple(tuple(b) for b in p["images"])
     (s0, n0), (s1, _) = images
@@ -737,8 +736,7 @@ def test_a_v1_engine_without_image_prompts_gets_no_image_request(vision, tmp_pat
     """An engine whose hello has no image_prompts field (a v1 engine) does not claim it: the harness never
     sends it an image request (required_capabilities), nor does the client; its text requests still work
     (the new request fields are ignored)."""
-    from conformance.backend import required_capabilities
-    from conformance.protocol import wire
+    from conformance.protocol import required_capabilities, wire
 
     path, p = vision
     log = tmp_path / "requests.jsonl"
@@ -775,7 +773,7 @@ def audio_prompt(model_dir, clips=((41, 41), (37, 26)), seed: int = 0, text=(4, 
     Returns ``ids``, ``embeddings`` [T, H] (scaled convention: E[id] * sqrt(H) at text rows, soft tokens
     unscaled at audio rows), ``audio`` [(start, M), ...], ``audio_inputs`` (``AudioInput`` per clip),
     ``soft`` (per clip) and ``logits`` [T, V] (the oracle's full forward, float64)."""
-    from conformance.backend import AudioInput
+    from conformance.protocol import AudioInput
     from refimpl import Gemma4
     from refimpl.audio import audio_tower, load_audio_tower
     from refimpl.multimodal import audio_spans, load_multimodal_tokens, multimodal_inputs
@@ -810,7 +808,7 @@ def audio(tmp_path_factory):
 
 
 def audio_requests(p) -> list[Request]:
-    from conformance.backend import Piece
+    from conformance.protocol import Piece
 
     ids, E, spans = tuple(int(t) for t in p["ids"]), p["embeddings"], tuple(tuple(b) for b in p["audio"])
     (s0, n0), (s1, _) = spans
@@ -830,7 +828,7 @@ def test_audio_requests_equal_the_in_process_backend(audio, backends):
     piece's embeddings reach the backend (which computes the soft tokens with its own audio tower)."""
     from dataclasses import replace
 
-    from conformance.backend import AudioInput
+    from conformance.protocol import AudioInput
 
     path, p = audio
     ref = RefimplBackend()
@@ -894,8 +892,7 @@ def test_wire_form_of_an_audio_request(audio, tmp_path):
 def test_a_v1_engine_without_audio_prompts_gets_no_audio_request(audio, tmp_path, backends):
     """An engine whose hello has no audio_prompts / audio_tower fields (a v1 engine, or one from before audio
     prompts) claims neither: the harness never sends it an audio request, nor does the client."""
-    from conformance.backend import required_capabilities
-    from conformance.protocol import wire
+    from conformance.protocol import required_capabilities, wire
 
     path, p = audio
     log = tmp_path / "requests.jsonl"

@@ -23,11 +23,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conformance.backend import BackendError, Request
 from conformance.backends.subprocess.client import SubprocessBackend
 from conformance.check import materialise
 from conformance.cli import main as cli_main
 from conformance.fixtures import bundled_set, load_set
+from conformance.protocol import BackendError, Request
 from conformance.protocol.wire import PROTOCOL, ProtocolError
 from conformance.registry import load_backend
 

@@ -35,7 +35,6 @@ if importlib.util.find_spec("llama_cpp") is None:  # looked up, not imported: im
 
 from helpers import same_run
 
-from conformance.backend import BackendError, Request
 from conformance.backends.llama_cpp import engine as eng
 from conformance.backends.refimpl_backend import RefimplBackend
 from conformance.check.profiles import PROFILES
@@ -43,6 +42,7 @@ from conformance.check.requests import build_request
 from conformance.check.session import Checkpoints, Session
 from conformance.check.traces import compare_traces, point_errors
 from conformance.fixtures import bundled_set
+from conformance.protocol import BackendError, Request
 from conformance.protocol.trace import point_names
 from conformance.sets.integrity import load_set
 

@@ -41,12 +41,12 @@ import hf_reference as H  # noqa: E402  (needs torch + transformers)
 from helpers import max_abs, tup  # noqa: E402 - after the importorskip of torch
 
 from conformance import registry  # noqa: E402 - after the importorskip of torch
-from conformance.backend import Backend, BackendError, Piece, Request  # noqa: E402 - after the importorskip of torch
 from conformance.backends.transformers.backend import EXPECTATIONS_DIR, TransformersBackend, load_gemma4_causal_lm  # noqa: E402 - after the importorskip
 from conformance.check.expectations import load as load_expectations  # noqa: E402 - after the importorskip of torch
 from conformance.check.profiles import PROFILES  # noqa: E402 - after the importorskip of torch
 from conformance.check.runner import run as run_cases  # noqa: E402 - after the importorskip of torch
 from conformance.fixtures import bundled_set  # noqa: E402 - after the importorskip of torch
+from conformance.protocol import Backend, BackendError, Piece, Request  # noqa: E402 - after the importorskip of torch
 from refimpl.synth import write_checkpoint  # noqa: E402 - after the importorskip of torch
 
 pytestmark = pytest.mark.hf
@@ -785,7 +785,7 @@ def test_audio_soft_tokens_come_from_transformers_tower(preset_dirs, audio_promp
 def test_audio_prompt_errors(preset_dirs, audio_prompts, f64):
     from dataclasses import replace
 
-    from conformance.backend import AudioInput
+    from conformance.protocol import AudioInput
 
     p, _ = audio_prompts
     ids, E = tup(p["ids"]), p["embeddings"]

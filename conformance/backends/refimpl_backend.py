@@ -76,7 +76,7 @@ def protocol_points(trace: Trace, rows: Sequence[int]) -> dict[str, np.ndarray]:
 
 
 class RefimplBackend(CachedBackend):
-    """The exact NumPy oracle behind the backend protocol (``conformance.backend.Backend``).
+    """The exact NumPy oracle behind the backend protocol (``conformance.protocol.Backend``).
 
     Options: ``dtype`` ("float64" or "float32"), ``embed_scale`` ("exact" or "bf16"),
     ``default_profile`` (default: "exact-f64" for float64, "fp32" for float32), ``vision_mask``

@@ -74,7 +74,7 @@ def _claimed_request(res: CaseResult, case, ctx, claimed: dict):
 def _response(backend: Backend, request) -> Response:
     response = backend.run(request)
     if not isinstance(response, Response):
-        raise TypeError(f"backend.run returned {type(response).__name__}, not conformance.backend.Response")
+        raise TypeError(f"backend.run returned {type(response).__name__}, not conformance.protocol.Response")
     return response
 
 

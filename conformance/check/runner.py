@@ -107,7 +107,7 @@ def run(
     opened, NoCasesSelected (exit 5) when ``select`` matches no case, ValueError for a bad regex.
     An interrupt (KeyboardInterrupt, or ``Interrupted`` under ``stop_signals``) does not propagate: the
     cases finished so far are returned with ``interrupted`` set. ``case_timeout``: seconds a request
-    may take (see ``conformance.backend.CaseTimeout``); past it the case is an error with check
+    may take (see ``conformance.protocol.CaseTimeout``); past it the case is an error with check
     ``timeout``, and the run goes on where the backend restarts its engine, else it ends there.
     ``model``: the directory of every external set's checkpoint (``--model``; default: each set's recorded
     path); ``rehash``: read the checkpoint files again instead of trusting the digest cache (``Checkpoints``);

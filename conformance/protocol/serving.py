@@ -1,7 +1,7 @@
 """Request serving shared by the backends that drive one model through per-sequence caches.
 
 :class:`CachedBackend` answers the four request kinds of the backend protocol
-(``conformance.backend``) the way a serving stack does, whatever the engine underneath:
+(``conformance.protocol``) the way a serving stack does, whatever the engine underneath:
 
 * ``full``: one forward over every token, every row out.
 * ``last``: one forward through a cache (a fresh one; keyed by ``seq_id`` for the ``seq_id`` and
@@ -202,7 +202,7 @@ class CachedBackend:
         ``rows`` are positions within ``tokens`` (increasing; may be empty); ``embeddings`` [T, H],
         when given, replace the token lookups. ``images``: the image blocks of this forward as
         ``(start, length)`` within ``tokens`` (their embeddings rows are soft tokens; see
-        ``conformance.backend``); ``audio`` likewise for audio blocks, with ``audio_inputs`` their
+        ``conformance.protocol``); ``audio`` likewise for audio blocks, with ``audio_inputs`` their
         ``AudioInput`` (features, mask) in order; only ever non-empty together with ``embeddings``. Returns (the logits
         of ``rows``, ``[len(rows), V]``,
         the engine's notes on this forward for the ``executed`` record: a dict, often empty).

@@ -21,7 +21,7 @@ float64 numbers, but organised the way a serving engine is (llama.cpp is the mod
 * Chunked prefill is consecutive batches on the same caches, decode a batch of one token whose
   output flag is set, the last-logits entry points a batch whose only output is ``last_pos``, and
   ``full`` a batch whose every row is an output.
-* **Image prompts** (``Request.images``; see ``conformance.backend``). The batch's given embeddings
+* **Image prompts** (``Request.images``; see ``conformance.protocol``). The batch's given embeddings
   (``x0``) already hold the soft tokens, unscaled; the batch also tags every token with a **vision
   block id** (``Batch.block``: the absolute position of the first token of its image block, unique
   within a sequence; -1 for text). The per-layer inputs take their table part from the pad row at

@@ -240,8 +240,8 @@ class BaseMedia:
     #                         (unscaled) at image/audio rows ("scaled"); all divided by sqrt(H) for "raw"
     images: tuple[tuple[int, int], ...] = ()  # (first position, soft-token count) of each image block
     audio: tuple[tuple[int, int], ...] = ()  # (first position, soft-token count) of each audio block
-    audio_inputs: tuple = ()  # conformance.backend.AudioInput per audio block (features, mask)
-    image_inputs: tuple = ()  # conformance.backend.ImageInput per image block (pixel_values, positions)
+    audio_inputs: tuple = ()  # conformance.protocol.AudioInput per audio block (features, mask)
+    image_inputs: tuple = ()  # conformance.protocol.ImageInput per image block (pixel_values, positions)
 
 
 def shared_prefix(a: Sequence[int], b: Sequence[int] | None) -> int:

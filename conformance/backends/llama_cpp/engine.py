@@ -1,7 +1,7 @@
 """llama.cpp (through llama-cpp-python's low-level C API) as an in-process conformance backend.
 
 ``LlamaCppEngine`` drives llama.cpp the way a server built on ``libllama`` does. It is an ordinary
-in-process backend (``conformance.backend.Backend``); **run it through**
+in-process backend (``conformance.protocol.Backend``); **run it through**
 ``conformance.backends.llama_cpp.backend.LlamaCppBackend`` (registered as ``llama-cpp``), which
 serves it from a child process: a failed ``GGML_ASSERT`` aborts the whole process (for example
 llama.cpp's positional KV-sharing rule on a checkpoint whose unshared-layer prefix does not end in

@@ -136,7 +136,7 @@ def _model_config(raw: dict, patch: dict[str, dict[str, Any]]) -> dict | None:
 
 
 class MlxLmBackend(CachedBackend):
-    """mlx-lm behind the backend protocol (``conformance.backend.Backend``).
+    """mlx-lm behind the backend protocol (``conformance.protocol.Backend``).
 
     Options: ``dtype`` ("float32" default, "bfloat16", "float16"): the compute and weight dtype,
     weights cast with mlx as ``mlx_lm.convert --dtype`` does; ``default_profile`` (default "fp32"

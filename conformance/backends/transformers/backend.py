@@ -454,7 +454,7 @@ class SequenceState:
 
 class TransformersBackend(CachedBackend):
     """``transformers.Gemma4ForCausalLM`` (``Gemma4ForConditionalGeneration`` for image-text and audio-text
-    checkpoints) behind the backend protocol (``conformance.backend.Backend``).
+    checkpoints) behind the backend protocol (``conformance.protocol.Backend``).
 
     Options: ``dtype`` ("float32", "float64", "bfloat16"), ``attn`` ("eager", "sdpa"), ``device``
     ("auto", "cpu", "cuda", "cuda:N"), ``experts`` ("auto", "eager", "grouped_mm", "batched_mm"),
