@@ -44,6 +44,23 @@ Path(sys.argv[2]).write_bytes(pickle.dumps([engine.run(r).logits for r in reques
 IDS = tuple(int(i) for i in np.random.default_rng(0).integers(3, 500, 40))
 
 
+def llama_logits(options: dict, model, tmp_path: Path) -> np.ndarray:
+    """llama.cpp's logits for every row of IDS on ``model`` (a checkpoint directory or a GGUF file), float64, from a
+    fresh process (one library per process: ``options['lib']`` picks it)."""
+    (tmp_path / "job.pkl").write_bytes(pickle.dumps((options, str(model), [Request(kind="full", tokens=IDS)])))
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "job.pkl"), str(tmp_path / "out.pkl")],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return pickle.loads((tmp_path / "out.pkl").read_bytes())[0].astype(np.float64)
+
+
+def median_row_error(model: Gemma4, theirs: np.ndarray) -> float:
+    """The median over the rows of IDS of the largest |logit difference| between ``model``'s forward and
+    ``theirs``, in units of the forward's largest |logit|."""
+    ours = model.forward(list(IDS), rows="all")
+    return float(np.median(np.max(np.abs(ours - theirs), axis=1))) / float(np.max(np.abs(ours)))
+
+
 @pytest.fixture(scope="module")
 def q8(tmp_path_factory) -> tuple[Path, Path, Path]:
     """(e2b-mini, its Q8_0 GGUF by llama.cpp's own converter, the converter cache)."""
@@ -59,11 +76,7 @@ def test_llama_cpp_on_q8_0_is_the_emulated_forward(q8, tmp_path):
     logit of the ggml-cpu forward (measured 1.7e-7); the forward with unquantised activations more than 1e-2."""
     src, path, cache = q8
     options = {"kv_type": "f32", "lib": "exact-gelu", "outtype": "q8_0", "cache_dir": str(cache)}
-    (tmp_path / "job.pkl").write_bytes(pickle.dumps((options, str(src), [Request(kind="full", tokens=IDS)])))
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "job.pkl"), str(tmp_path / "out.pkl")],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    theirs = pickle.loads((tmp_path / "out.pkl").read_bytes())[0].astype(np.float64)
+    theirs = llama_logits(options, src, tmp_path)
     emulated = Gemma4(path, activations="ggml-cpu/x86").forward(list(IDS), rows="all")
     plain = Gemma4(path).forward(list(IDS), rows="all")
     scale = float(np.max(np.abs(emulated)))
@@ -184,15 +197,9 @@ def test_llama_cpp_with_an_f16_cache_is_the_f16_kv_convention(q8, tmp_path):
 
     src, path, cache = q8
     options = {"kv_type": "f16", "lib": "exact-gelu", "outtype": "q8_0", "cache_dir": str(cache)}
-    (tmp_path / "job.pkl").write_bytes(pickle.dumps((options, str(src), [Request(kind="full", tokens=IDS)])))
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "job.pkl"), str(tmp_path / "out.pkl")],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    theirs = pickle.loads((tmp_path / "out.pkl").read_bytes())[0].astype(np.float64)
-    row_err = {}
-    for conv in ("ggml-cpu/x86/f16-kv", "ggml-cpu/x86"):
-        ours = Gemma4(path, activations=conv).forward(list(IDS), rows="all")
-        row_err[conv] = float(np.median(np.max(np.abs(ours - theirs), axis=1))) / float(np.max(np.abs(ours)))
+    theirs = llama_logits(options, src, tmp_path)
+    row_err = {conv: median_row_error(Gemma4(path, activations=conv), theirs)
+               for conv in ("ggml-cpu/x86/f16-kv", "ggml-cpu/x86")}
     assert row_err["ggml-cpu/x86/f16-kv"] <= 2e-6 and row_err["ggml-cpu/x86"] >= 1e-2
     out = tmp_path / "set"
     assert main(["generate", "--model", str(path), "--out", str(out), "--name", "e2b-q8-f16kv", "--cases", "text",
@@ -215,11 +222,7 @@ def test_the_moe_experts_follow_the_convention(tmp_path):
     f32, _ = eng.convert_to_gguf(src, SOURCE, "f32", tmp_path / "cache")
     path = llama_quantize.quantize(f32, tmp_path / "moe-q8_0.gguf", "Q8_0")
     options = {"kv_type": "f32", "lib": "exact-gelu"}
-    (tmp_path / "job.pkl").write_bytes(pickle.dumps((options, str(path), [Request(kind="full", tokens=IDS)])))
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "job.pkl"), str(tmp_path / "out.pkl")],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    theirs = pickle.loads((tmp_path / "out.pkl").read_bytes())[0].astype(np.float64)
+    theirs = llama_logits(options, path, tmp_path)
     emulated = Gemma4(path, activations="ggml-cpu/x86").forward(list(IDS), rows="all")
     plain = Gemma4(path).forward(list(IDS), rows="all")
     scale = float(np.max(np.abs(emulated)))
@@ -239,15 +242,9 @@ def test_the_stock_library_is_the_gelu_table_convention(q8, tmp_path):
 
     src, path, cache = q8
     options = {"kv_type": "f32", "lib": "stock", "outtype": "q8_0", "cache_dir": str(cache)}
-    (tmp_path / "job.pkl").write_bytes(pickle.dumps((options, str(src), [Request(kind="full", tokens=IDS)])))
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "job.pkl"), str(tmp_path / "out.pkl")],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    theirs = pickle.loads((tmp_path / "out.pkl").read_bytes())[0].astype(np.float64)
-    row_err = {}
-    for conv in ("ggml-cpu/x86/gelu-table", "ggml-cpu/x86"):
-        ours = Gemma4(path, activations=conv).forward(list(IDS), rows="all")
-        row_err[conv] = float(np.median(np.max(np.abs(ours - theirs), axis=1))) / float(np.max(np.abs(ours)))
+    theirs = llama_logits(options, src, tmp_path)
+    row_err = {conv: median_row_error(Gemma4(path, activations=conv), theirs)
+               for conv in ("ggml-cpu/x86/gelu-table", "ggml-cpu/x86")}
     assert row_err["ggml-cpu/x86/gelu-table"] <= 2e-6 and row_err["ggml-cpu/x86"] >= 1e-2
     out = tmp_path / "set"
     assert main(["generate", "--model", str(path), "--out", str(out), "--name", "e2b-q8-stock", "--cases", "text",
@@ -275,15 +272,8 @@ def test_llama_cpp_passes_the_bundled_q4_k_m_set(tmp_path):
     fs = load_set(bundled_set("e2b-256-mini-q4km"))
     path = Path(fs.model_record["path"])
     options = {"kv_type": "f16", "lib": "stock"}
-    (tmp_path / "job.pkl").write_bytes(pickle.dumps((options, str(path), [Request(kind="full", tokens=IDS)])))
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "job.pkl"), str(tmp_path / "out.pkl")],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    theirs = pickle.loads((tmp_path / "out.pkl").read_bytes())[0].astype(np.float64)
-    row_err = {}
-    for conv in (fs.activations, "none"):
-        ours = Gemma4(path, activations=conv).forward(list(IDS), rows="all")
-        row_err[conv] = float(np.median(np.max(np.abs(ours - theirs), axis=1))) / float(np.max(np.abs(ours)))
+    theirs = llama_logits(options, path, tmp_path)
+    row_err = {conv: median_row_error(Gemma4(path, activations=conv), theirs) for conv in (fs.activations, "none")}
     assert row_err[fs.activations] <= 2e-6 and row_err["none"] >= 1e-2, row_err
     assert main(["check", "--backend", "llama-cpp", "--fixtures", str(fs.path), "-q",
                  "--json", str(tmp_path / "r.json")]) == 0

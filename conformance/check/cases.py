@@ -50,19 +50,25 @@ def run_case(backend: Backend, claimed: dict, ctx, case, policy: Policy) -> Case
     return _apply_known_failure(_answered(res, backend, ctx, case, request, policy, decision), decision)
 
 
-def _claimed_request(res: CaseResult, case, ctx, claimed: dict):
-    """(case, request) as the backend is asked it: ``res.needs`` and ``res.missing`` filled in; a case whose
-    only missing capability is decode loses its decode steps; ``res`` marked ``not-claimed`` when it needs
-    more than the backend claims."""
+def asked(case, ctx, claimed: dict) -> tuple[Any, Any, list[str], list[str]]:
+    """(the case as a backend that claims ``claimed`` is asked it, its request, the capabilities it needs, those
+    not claimed). A case whose only missing capability is decode loses its decode steps: a backend without
+    decode still has its prefill rows graded, the decode steps reported as not claimed (``missing`` says decode)
+    rather than the whole case dropped."""
     request = build_request(case, ctx.bases, ctx.embed, ctx.media, ctx.drafter)
-    res.needs = required_capabilities(request) + ctx.weight_needs
-    res.missing = [n for n in res.needs if not claims(claimed, n)]
-    if res.missing == ["decode"]:
-        # a backend without decode still has its prefill rows graded; the decode steps are reported as
-        # not claimed (in `missing`) rather than dropping the whole case
+    needs = required_capabilities(request) + ctx.weight_needs
+    missing = [n for n in needs if not claims(claimed, n)]
+    if missing == ["decode"]:
         case = without_decode(case)
         request = build_request(case, ctx.bases, ctx.embed, ctx.media, ctx.drafter)
-    elif res.missing:
+    return case, request, needs, missing
+
+
+def _claimed_request(res: CaseResult, case, ctx, claimed: dict):
+    """(case, request) as the backend is asked it (``asked``): ``res.needs`` and ``res.missing`` filled in;
+    ``res`` marked ``not-claimed`` when it needs more than the backend claims."""
+    case, request, res.needs, res.missing = asked(case, ctx, claimed)
+    if res.missing and res.missing != ["decode"]:
         res.status = "not-claimed"
         res.message = "needs " + ", ".join(res.missing) + " (not claimed by the backend)"
         return case, request

@@ -33,6 +33,7 @@ from .common import (
     load_fixture_sets,
     model_dir_arg,
     output_path,
+    shutdown_backend,
     warn,
     write_stdout,
 )
@@ -47,17 +48,6 @@ def _load_checked_backend(args, options: dict[str, Any]):
 
     # no limit on a run unless --case-timeout sets one; the child's start includes importing the engine
     return IsolatedBackend(args.backend, options, timeout=1e9, startup_timeout=300.0)
-
-
-def _shutdown(backend) -> None:
-    """End a backend's engine process now (the subprocess protocol's ``shutdown``, a grace period, then a kill)
-    rather than whenever the backend object is collected; an in-process backend has nothing to end."""
-    shutdown = getattr(backend, "shutdown", None)
-    if callable(shutdown):
-        try:
-            shutdown()
-        except Exception:  # noqa: BLE001 - the verdict is made; ending the engine cannot change it
-            pass
 
 
 def _paths(args) -> dict[str, str | None]:
@@ -121,7 +111,7 @@ def cmd_check(args, argv: Sequence[str]) -> int:
                                                model=model, rehash=args.rehash, drafter=drafter,
                                                profile_named=policy.named),
                              on_error=reports.aborted)
-    _shutdown(backend)
+    shutdown_backend(backend)
     if failed is not None:
         return failed
     result.timings["load"] = load_time

@@ -205,3 +205,12 @@ def guarded(bar, work, on_error: Callable[[str, str], None] | None = None):
         bar.close()
 
 
+def shutdown_backend(backend) -> None:
+    """End a backend's engine process now (the subprocess protocol's ``shutdown``, a grace period, then a kill)
+    rather than whenever the backend object is collected; an in-process backend has nothing to end."""
+    shutdown = getattr(backend, "shutdown", None)
+    if callable(shutdown):
+        try:
+            shutdown()
+        except Exception:  # noqa: BLE001 - the verdict is made; ending the engine cannot change it
+            pass

@@ -26,6 +26,7 @@ from .common import (
     fixture_paths,
     model_dir_arg,
     output_path,
+    shutdown_backend,
     write_stdout,
 )
 
@@ -126,12 +127,7 @@ def cmd_loss(args, argv: list[str] | None = None) -> int:
         return EXIT_BACKEND
     finally:
         bar.close()
-        shutdown = getattr(backend, "shutdown", None)  # an engine process ends now (the subprocess protocol)
-        if callable(shutdown):
-            try:
-                shutdown()
-            except Exception:  # noqa: BLE001 - the comparison is made; ending the engine cannot change it
-                pass
+        shutdown_backend(backend)  # an engine process ends now (the subprocess protocol)
     written = [_write(json_path, json.dumps(loss_json(run, argv), indent=1, allow_nan=False) + "\n"),
                _write(md_path, loss_markdown(run))]
     if plot_path is not None:

@@ -28,10 +28,11 @@ from typing import Any, Callable
 import numpy as np
 
 from ..check import metrics as M
+from ..check.cases import asked
 from ..check.guard import CallInfo
-from ..check.requests import build_request, response_groups, without_decode
+from ..check.requests import response_groups
 from ..check.session import Checkpoints, Session, Work
-from ..protocol.types import Backend, claims, required_capabilities
+from ..protocol.types import Backend
 from ..sets.case import row_groups, shared_prefix
 
 __all__ = ["COMPARISONS", "CaseLoss", "LossError", "LossRun", "Thresholds", "loss_run", "pair_cases", "row_losses",
@@ -151,23 +152,20 @@ def _oracle_rows(specs: list, base_logits) -> np.ndarray:
     return np.stack([np.asarray(base_logits[s.base][s.position], dtype=np.float64) for s in specs])
 
 
-def _engine_rows(session: Session, ctx, case) -> tuple[str, str, Any, np.ndarray | None]:
-    """(status, message, the case as asked, the engine's rows ``[R, V]``): ok, not-claimed or error."""
-    request = build_request(case, ctx.bases, ctx.embed, ctx.media, ctx.drafter)
-    missing = [n for n in required_capabilities(request) + ctx.weight_needs if not claims(session.claimed, n)]
-    if missing == ["decode"]:  # the prompt's rows are compared, the decode steps dropped
-        case = without_decode(case)
-        request = build_request(case, ctx.bases, ctx.embed, ctx.media, ctx.drafter)
-    elif missing:
-        return "not-claimed", "needs " + ", ".join(missing) + " (not claimed by the backend)", case, None
+def _engine_rows(session: Session, ctx, case) -> tuple[str, str, np.ndarray | None]:
+    """(status, message, the engine's rows ``[R, V]``): ok, not-claimed or error. A backend without decode is
+    asked the prompt's rows only (``check.cases.asked``): its rows are then the case's first ones."""
+    case, request, _, missing = asked(case, ctx, session.claimed)
+    if missing and missing != ["decode"]:
+        return "not-claimed", "needs " + ", ".join(missing) + " (not claimed by the backend)", None
     call = CallInfo.from_call(lambda: session.calls.run(request))
     if call.failed:
-        return "error", f"the backend failed: {call.text()}", case, None
+        return "error", f"the backend failed: {call.text()}", None
     groups = response_groups(case, call.value)
     expected = [len(g) for _, g in row_groups(case)]
     if any(a is None or np.ndim(a) != 2 or len(a) != n for a, n in zip(groups, expected, strict=True)):
-        return "error", "the backend returned a different number of rows than the case asks", case, None
-    return "ok", "", case, np.concatenate([np.asarray(a, dtype=np.float64) for a in groups])
+        return "error", "the backend returned a different number of rows than the case asks", None
+    return "ok", "", np.concatenate([np.asarray(a, dtype=np.float64) for a in groups])
 
 
 def _case_loss(qcase, qctx, rctx, prefix: dict[str, int], session: Session | None,
@@ -179,18 +177,20 @@ def _case_loss(qcase, qctx, rctx, prefix: dict[str, int], session: Session | Non
     if len(keep) < len(specs):
         res.message = (f"{len(specs) - len(keep)} of its {len(specs)} rows not compared: the quantised model's own "
                        "continuation parts from the reference's before them")
-    kept = [specs[i] for i in keep]
-    ref_rows = _oracle_rows(kept, rctx.base_logits) if kept else None
-    found = {} if not kept else {QUANTISATION: row_losses(ref_rows, _oracle_rows(kept, qctx.base_logits))}
+    found = {}
+    if keep:
+        kept = [specs[i] for i in keep]
+        ref_rows, q_rows = _oracle_rows(kept, rctx.base_logits), _oracle_rows(kept, qctx.base_logits)
+        found[QUANTISATION] = row_losses(ref_rows, q_rows)
     if session is not None:
-        res.engine, why, _, got = _engine_rows(session, qctx, qcase)
+        res.engine, why, got = _engine_rows(session, qctx, qcase)
         res.message = "; ".join(x for x in (why, res.message) if x)
-        if got is not None:  # a case without its decode steps returns the first rows only
-            mine = [k for k, i in enumerate(keep) if i < len(got)]
-            if mine:
-                got_rows = got[[keep[k] for k in mine]]
-                found[ENGINE_REF] = row_losses(ref_rows[mine], got_rows)
-                found[ENGINE_Q] = row_losses(_oracle_rows([kept[k] for k in mine], qctx.base_logits), got_rows)
+        # the kept rows the engine returned (a case without its decode steps returns its first rows only)
+        mine = [k for k, i in enumerate(keep) if got is not None and i < len(got)]
+        if mine:
+            got_rows = got[[keep[k] for k in mine]]
+            found[ENGINE_REF] = row_losses(ref_rows[mine], got_rows)
+            found[ENGINE_Q] = row_losses(q_rows[mine], got_rows)
     for name, r in found.items():
         res.loss[name] = summarise(r)
         rows.setdefault(name, []).append(r)

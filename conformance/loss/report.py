@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from typing import Any
 
 from .compare import COMPARISONS, LossRun
@@ -47,9 +48,7 @@ def _header(run: LossRun) -> list[str]:
     lines = [f"quantised {q['name']} {q['version']} (activations {q['activations']}) against the reference "
              f"{r['name']} {r['version']} ({_checkpoint(r)})"]
     if run.backend is not None:
-        states = {}
-        for c in run.cases:
-            states[c.engine] = states.get(c.engine, 0) + 1
+        states = Counter(c.engine for c in run.cases)
         lines.append(f"backend {run.backend}: " + ", ".join(f"{n} {s}" for s, n in sorted(states.items())))
     return lines
 

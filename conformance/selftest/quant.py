@@ -36,20 +36,20 @@ from typing import Any, Callable
 
 import numpy as np
 
-from refimpl.ggml_act import QK_K, activation_values, quantize_q8_k
+from refimpl.ggml_act import QK_K, VEC_DOT_TYPE, activation_values, quantize_q8_k
 from refimpl.ggml_blocks import f16_field, planes, scale_min_k4
 from refimpl.gguf_store import GGUFStore
-from refimpl.mlx_quant import QuantSpec
+from refimpl.mlx_quant import QuantSpec, dequantize
 from refimpl.mlx_store import MlxStore
 
 from ..backends.refimpl_backend import RefimplBackend
+from ..check.cases import asked
 from ..check.grading import grade_case
 from ..check.guard import CallInfo
 from ..check.policy import case_profile
 from ..check.profiles import PROFILES
-from ..check.requests import build_request, response_groups
+from ..check.requests import response_groups
 from ..check.session import Checkpoints, Session, Work
-from ..protocol.types import claims, required_capabilities
 from ..sets import bundled_set, load_set
 from ..sets.case import row_groups, shared_prefix
 
@@ -66,8 +66,8 @@ PAIRS = (("e2b-mini-q4-0", "e2b-mini"), ("e2b-256-mini-q4km", "e2b-256-mini"), (
 class PlantedGGUF(GGUFStore):
     """A GGUF store whose tensors of ``types`` decode through ``rule(store, raw, info, n)``."""
 
-    types: frozenset[str] = frozenset()
-    rule: Callable[..., np.ndarray] = staticmethod(lambda store, raw, info, n: GGUFStore.decode(store, raw, info, n))
+    types: frozenset[str]
+    rule: Callable[..., np.ndarray]
     only: str | None = None  # one tensor only (its oracle name), else every tensor of ``types``
 
     def decode(self, raw: np.ndarray, info, n: int) -> np.ndarray:
@@ -79,7 +79,7 @@ class PlantedGGUF(GGUFStore):
 class PlantedMlx(MlxStore):
     """An MLX store whose quantised modules decode through ``rule(words, scales, biases, spec)``."""
 
-    rule: Callable[..., np.ndarray] = staticmethod(lambda words, scales, biases, spec: None)
+    rule: Callable[..., np.ndarray]
 
     def decode(self, words: np.ndarray, scales: np.ndarray, biases: np.ndarray | None, spec) -> np.ndarray:
         return self.rule(words, scales, biases, spec)
@@ -108,7 +108,7 @@ def _f16_as_bf16(store, raw, info, n):
 
 def _q8_k_scale_positive(x: np.ndarray, weight_type: str, path: str = "x86") -> np.ndarray:
     """ggml's activation values, with Q8_K's block scale taken as |d| (the codes keep iscale = -127 / max's sign)."""
-    if weight_type not in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):
+    if VEC_DOT_TYPE.get(weight_type) != "Q8_K":
         return activation_values(x, weight_type, path)
     codes, d = quantize_q8_k(x)
     return (codes.reshape(*d.shape, QK_K) * np.abs(d)[..., None]).reshape(np.shape(x))
@@ -116,7 +116,7 @@ def _q8_k_scale_positive(x: np.ndarray, weight_type: str, path: str = "x86") -> 
 
 def _mlx_bias_dropped(words, scales, biases, spec: QuantSpec) -> np.ndarray:
     """s * q, the affine bias beta left out."""
-    return MlxStore.decode(None, words, scales, None if biases is None else np.zeros_like(biases), spec)
+    return dequantize(words, scales, None if biases is None else np.zeros_like(biases), spec)
 
 
 def _mlx_group_size_doubled(words, scales, biases, spec: QuantSpec) -> np.ndarray:
@@ -125,7 +125,7 @@ def _mlx_group_size_doubled(words, scales, biases, spec: QuantSpec) -> np.ndarra
     half = scales.shape[-1] // 2
     s2 = np.repeat(np.asarray(scales)[..., :half], 2, axis=-1)
     b2 = None if biases is None else np.repeat(np.asarray(biases)[..., :half], 2, axis=-1)
-    return MlxStore.decode(None, words, s2, b2, spec)
+    return dequantize(words, s2, b2, spec)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -295,20 +295,19 @@ def old_profile(fs) -> str:
     return "q8" if bits == {8} else "q4"
 
 
-def _answers(backend, quantised, reference, tmp: str) -> tuple[dict[str, list], Any, Any]:
-    """Every case of ``quantised`` the backend claims, run: ({case id: its response groups}, the quantised set's
-    context, the reference's)."""
+def _answers(backend, quantised, reference, tmp: str) -> tuple[dict[str, tuple], Any, Any]:
+    """Every case of ``quantised`` the backend claims, run: ({case id: (the case as asked, its response groups, or
+    the exception the backend raised)}, the quantised set's context, the reference's)."""
     checkpoints = Checkpoints(tmp)
     session = Session(backend, checkpoints)
-    got: dict[str, Any] = {}
+    got: dict[str, tuple] = {}
 
     def one(ctx, case):
-        request = build_request(case, ctx.bases, ctx.embed, ctx.media, ctx.drafter)
-        missing = [n for n in required_capabilities(request) + ctx.weight_needs if not claims(session.claimed, n)]
-        if missing:
+        case_asked, request, _, missing = asked(case, ctx, session.claimed)
+        if missing and missing != ["decode"]:
             return None
         call = CallInfo.from_call(lambda: session.calls.run(request))
-        got[case.id] = call.excinfo if call.failed else response_groups(case, call.value)
+        got[case.id] = (case_asked, call.excinfo if call.failed else response_groups(case_asked, call.value))
         return None
 
     session.run([(quantised, [c for c in quantised.cases if c.kind != "mtp"])], Work(case=one))
@@ -321,15 +320,12 @@ def _shared(case, prefix: dict[str, int]) -> bool:
     return all(s.position < prefix.get(s.base, 0) for _, g in row_groups(case) for s in g)
 
 
-def _grades(got: dict[str, Any], quantised, qctx, rctx, tight, old, prefix) -> tuple[Counter, int, int, int]:
+def _grades(got: dict[str, tuple], qctx, rctx, tight, old, prefix) -> tuple[Counter, int, int, int]:
     """(failing checks at the tight profile, cases graded, cases the old approach grades, of those failed)."""
     checks: Counter = Counter()
     old_cases = old_failed = 0
-    for case in quantised.cases:
-        if case.id not in got:
-            continue
+    for case, answer in got.values():
         groups = row_groups(case)
-        answer = got[case.id]
         if isinstance(answer, BaseException):
             checks["error"] += 1
             continue
@@ -354,14 +350,14 @@ def quant_selftest(mutants=QUANT_MUTANTS, pairs=PAIRS, progress: Callable[[str],
         old = PROFILES[old_profile(quantised)]
         with tempfile.TemporaryDirectory(prefix="quant-selftest-") as tmp:
             control, qctx, rctx = _answers(QuantMutant(quantised.activations), quantised, reference, tmp)
-            control_checks, _, _, control_old = _grades(control, quantised, qctx, rctx, tight, old, prefix)
+            control_checks, _, _, control_old = _grades(control, qctx, rctx, tight, old, prefix)
             for spec in mutants:
                 if not kinds & set(spec.needs) or (spec.activations and quantised.activations == "none"):
                     continue
                 if progress is not None:
                     progress(f"{spec.name} on {qname}")
                 got, qctx, rctx = _answers(spec.backend_class(quantised.activations), quantised, reference, tmp)
-                checks, n, old_cases, old_failed = _grades(got, quantised, qctx, rctx, tight, old, prefix)
+                checks, n, old_cases, old_failed = _grades(got, qctx, rctx, tight, old, prefix)
                 out.append(QuantResult(spec.name, spec.breaks, qname, tight.name, sum(checks.values()) > 0,
                                        dict(checks), n, old.name, old_cases, old_failed, control_old,
                                        sum(control_checks.values()), spec.equivalent))
