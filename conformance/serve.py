@@ -25,7 +25,7 @@ def parse_option(text: str) -> tuple[str, Any]:
     try:
         return registry_parse_option(text)
     except ValueError as e:
-        raise SystemExit(f"protocol_server: --backend-option {e}") from None
+        raise SystemExit(f"conformance.serve: --backend-option {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,13 +50,13 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(options, dict):
             raise ValueError(f"got {type(options).__name__}")
     except ValueError as exc:
-        sys.stderr.write(f"protocol_server: error: --backend-options-json must be a JSON object ({exc})\n")
+        sys.stderr.write(f"conformance.serve: error: --backend-options-json must be a JSON object ({exc})\n")
         return 2
     options.update(parse_option(o) for o in args.backend_option)
     try:
         backend = load_backend(args.backend, **options)
     except BackendError as exc:
-        sys.stderr.write(f"protocol_server: error: {exc}\n")
+        sys.stderr.write(f"conformance.serve: error: {exc}\n")
         return 2
     return serve(backend, sys.stdin, replies, format=args.format)
 

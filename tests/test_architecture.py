@@ -32,14 +32,10 @@ TIERS = [
     # quantised set with its reference, and a backend with both
     ("conformance.explain", "conformance.loss"),
     ("conformance.registry",),  # a face, below the others: it finds backends for all of them
-    ("conformance.cli", "conformance.serve", "conformance.pytest_plugin", "conformance.fixtures",
-     "conformance.compat"),
+    ("conformance.cli", "conformance.serve", "conformance.pytest_plugin", "conformance.compat"),
 ]
 # within the third tier only report reads check (its result records); check and generate never meet
 SIDEWAYS = {("conformance.report", "conformance.check")}
-# modules that exist only so that old import paths keep working (docs/architecture.md, "Migration"):
-# each one is a face of the tier it re-exports and is imported by nothing of the package
-SHIMS = {"conformance.backends.subprocess_backend", "conformance.backends.protocol_server"}
 # imports that may stay inside a function: optional heavy engines, imported only when used
 LAZY_OK = {"torch", "transformers", "mlx", "mlx_lm", "llama_cpp", "distributed", "dask", "jinja2", "matplotlib",
            "PIL", "runpy"}
@@ -103,7 +99,7 @@ def test_imports_point_only_downwards():
     bad = []
     for name, path in ALL:
         mine = tier(name)
-        if mine is None or name in SHIMS:
+        if mine is None:
             continue
         for target, _, line, _ in imports(name, path):
             theirs = tier(target)
@@ -144,7 +140,7 @@ def test_no_module_takes_another_modules_private_names():
             if target.split(".")[0] not in ("refimpl", "conformance") or target == name:
                 continue
             private = [n for n in names if n.startswith("_") and not n.startswith("__")]
-            if private and target.rpartition(".")[0] != name.rpartition(".")[0] or private and name in SHIMS:
+            if private and target.rpartition(".")[0] != name.rpartition(".")[0]:
                 bad.append(f"{path.relative_to(REPO)}:{line}: {', '.join(private)} from {target}")
     assert bad == []
 
@@ -199,33 +195,59 @@ def test_the_wheel_lists_every_package_of_the_tree():
     assert (REPO / "fixtures").is_dir() and not (REPO / "fixtures" / "__init__.py").exists()  # data only
 
 
-@pytest.mark.parametrize("old, new", [
-    ("conformance.backends.subprocess_backend", "conformance.backends.subprocess.client"),
-    ("conformance.backends.protocol_server", "conformance.backends.subprocess.server"),
-])
-def test_old_import_paths_keep_working(old, new):
-    import importlib
-
-    mod, target = importlib.import_module(old), importlib.import_module(new)
-    public = [n for n in getattr(target, "__all__", ()) if hasattr(mod, n)] or [
-        n for n in dir(mod) if not n.startswith("_") and hasattr(target, n)]
-    assert public and all(getattr(mod, n) is getattr(target, n) for n in public)
+COMPAT = __import__("conformance.compat").compat
 
 
-@pytest.mark.parametrize("old", sorted(__import__("conformance.compat").compat.OLD_MODULES))
-def test_a_moved_module_is_its_new_module_with_a_warning(old):
-    """conformance.compat: the old name imports the new module itself, and says where it went
-    (DeprecationWarning naming the new path), in a fresh interpreter (no cached import hides the warning)."""
-    new = __import__("conformance.compat").compat.OLD_MODULES[old]
+def _import_old(old: str, then: str) -> list[str]:
+    """Import an old module in a fresh interpreter (no cached import hides the warning): the warning's text,
+    then what ``then`` prints with the module as ``m``."""
     code = ("import importlib, sys, warnings; warnings.simplefilter('error', DeprecationWarning)\n"
             f"try:\n    importlib.import_module({old!r})\nexcept DeprecationWarning as w:\n    print(w)\n"
-            "warnings.simplefilter('ignore')\n"
-            f"print(importlib.import_module({old!r}) is importlib.import_module({new!r}))")
+            f"warnings.simplefilter('ignore')\nm = importlib.import_module({old!r})\n{then}")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.splitlines()
+
+
+@pytest.mark.parametrize("old", sorted(COMPAT.OLD_MODULES))
+def test_a_moved_module_is_its_new_module_with_a_warning(old):
+    """conformance.compat: the old name imports the new module itself, and says where it went
+    (DeprecationWarning naming the new path)."""
+    new = COMPAT.OLD_MODULES[old]
     if old.endswith(("transformers_backend", "mlx_backend")):
         pytest.importorskip("torch" if "transformers" in old else "mlx.core")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
-    assert out.stdout.splitlines() == [f"{old} is an old import path: import {new} instead (docs/architecture.md, "
-                                       "'Migration')", "True"], out.stderr
+    assert _import_old(old, f"print(m is importlib.import_module({new!r}))") == [
+        f"{old} is an old import path: import {new} instead (docs/architecture.md, 'Migration')", "True"]
+
+
+@pytest.mark.parametrize("old, new", [
+    ("conformance.fixtures", "conformance.sets or conformance.generate"),
+    ("conformance.backends.subprocess_backend", "conformance.protocol.wire or conformance.backends.subprocess.client"),
+    ("conformance.backends.protocol_server", "conformance.backends.subprocess.server or conformance.protocol.wire"),
+])
+def test_a_split_module_holds_the_same_objects_with_a_warning(old, new):
+    """A module whose names went to several modules: each old name is the very object of its new home, and the
+    import names every new home."""
+    table = COMPAT.SPLIT_MODULES[old]
+    check = ("import importlib\n"
+             f"for name, target in {table!r}.items():\n"
+             "    where, attr = target.split(':')\n"
+             "    assert getattr(m, name) is getattr(importlib.import_module(where), attr), name\n"
+             "print(sorted(m.__all__) == sorted(" + repr(list(table)) + "))")
+    assert _import_old(old, check) == [
+        f"{old} is an old import path: import {new} instead (docs/architecture.md, 'Migration')", "True"]
+
+
+def test_an_old_command_runs_its_new_one_with_a_warning():
+    """``python -m conformance.backends.protocol_server`` still serves (through ``python -m conformance.serve``):
+    a hello answered on stdout, the warning on stderr."""
+    hello = json.dumps({"id": 0, "op": "hello", "protocol": "gemma4-conformance-subprocess", "versions": [1]})
+    out = subprocess.run([sys.executable, "-m", "conformance.backends.protocol_server", "--backend", "refimpl"],
+                         input=hello + "\n", capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[0])["ok"] is True
+    assert ("DeprecationWarning: python -m conformance.backends.protocol_server is an old command: run python -m "
+            "conformance.serve instead (docs/architecture.md, 'Migration')") in out.stderr
 
 
 def test_bundled_sets_are_found_from_the_source_tree():

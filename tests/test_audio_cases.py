@@ -24,8 +24,9 @@ from test_image_cases import _rewrite, _TextOnly
 from conformance.check.profiles import PROFILES
 from conformance.check.requests import build_request
 from conformance.check.runner import run
-from conformance.fixtures import bundled_set, generate_set, load_set, sha256_file, synthetic_waveform, verify_set
+from conformance.generate import generate_set, synthetic_waveform, verify_set
 from conformance.protocol import required_capabilities
+from conformance.sets import bundled_set, load_set, sha256_file
 from conformance.sets.case import DECODE_STEPS, Case, check_case
 
 REPO = Path(__file__).resolve().parent.parent

@@ -282,7 +282,8 @@ def test_generation_holds_each_base_to_its_own_bound(tmp_path, monkeypatch):
     refuses the set when a base exceeds both, naming the base and the ratio."""
     import conformance.generate.jobs as jobs
     import conformance.generate.run as run_mod
-    from conformance.fixtures import FixtureError, generate_set
+    from conformance.generate import generate_set
+    from conformance.sets import FixtureError
 
     out = generate_set(tmp_path / "set", preset="31b-mini", cases="text", workers=1)
     [check] = json.loads((out / "manifest.json").read_text())["provenance"]["cross_checks"]

@@ -32,21 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from conformance.check import materialise
 from conformance.check.requests import build_request, response_groups
-from conformance.fixtures import (
-    CASES,
-    MANIFEST,
-    RECOMPUTE_BOUND,
-    FixtureError,
-    PromptError,
-    bundled_sets,
-    generate_set,
-    load_prompts,
-    load_set,
-    sha256_file,
-    verify_set,
-)
+from conformance.generate import RECOMPUTE_BOUND, PromptError, generate_set, load_prompts, verify_set
 from conformance.generate.matrix import generate_cases
 from conformance.protocol import MtpResponse, Response, required_capabilities
+from conformance.sets import CASES, MANIFEST, FixtureError, bundled_sets, load_set, sha256_file
 from conformance.sets.case import GENERATION_STEPS, TIE_MARGIN, Case, check_case, row_groups
 from refimpl.assistant import Drafter
 from refimpl.model import Gemma4, KVCache
@@ -808,7 +797,7 @@ def test_bundled_sets_from_an_installed_layout(tmp_path):
     pkg = tmp_path / "site" / "conformance"
     shutil.copytree(REPO / "conformance", pkg, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(REPO / "fixtures", pkg / "bundled")
-    code = ("import conformance.fixtures as f, sys; ps = f.bundled_sets(); "
+    code = ("import conformance.sets as f, sys; ps = f.bundled_sets(); "
             "assert all(str(p).startswith(sys.argv[1]) for p in ps), ps; print(len(ps))")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{REPO}"}
     out = subprocess.run([sys.executable, "-c", code, str(pkg)], env=env, capture_output=True, text=True, cwd=tmp_path)

@@ -22,9 +22,9 @@ from dask_local import local_cluster
 from helpers import micro_config
 
 from conformance.cli import main
-from conformance.fixtures import PartialRunMismatch, generate_set, load_set
-from conformance.generate import executors, jobs
+from conformance.generate import PartialRunMismatch, executors, generate_set, jobs
 from conformance.generate.partial import DiskFull, disk_full
+from conformance.sets import load_set
 from refimpl.ops import attention_mask
 
 TEXT = "26b-a4b-mini"  # bases A, B, C run first (the longest), then G

@@ -133,7 +133,7 @@ class CannotOpenBackend(RefimplBackend):
 
 @pytest.fixture(scope="session")
 def small_set(tmp_path_factory) -> Path:
-    from conformance.fixtures import generate_set
+    from conformance.generate import generate_set
 
     out = tmp_path_factory.mktemp("sets") / PRESET
     return Path(generate_set(out, preset=PRESET, seed=0))
@@ -197,7 +197,7 @@ def test_refimpl_passes_the_generated_set_exactly(small_set, capsys, tmp_path):
 
 
 def test_refimpl_passes_every_bundled_set(capsys, tmp_path):
-    from conformance.fixtures import bundled_sets
+    from conformance.sets import bundled_sets
 
     sets = bundled_sets()
     assert sets, "no bundled fixture sets"

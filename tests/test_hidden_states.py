@@ -109,7 +109,7 @@ def test_the_gate_grades_hidden_rows():
 def test_subprocess_protocol_carries_hidden_rows(model_dir, backend):
     import sys
 
-    from conformance.backends.subprocess_backend import SubprocessBackend
+    from conformance.backends.subprocess.client import SubprocessBackend
 
     engine = SubprocessBackend(command=[sys.executable, "-m", "conformance.serve", "--backend", "refimpl"])
     engine.open(model_dir)

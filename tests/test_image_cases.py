@@ -24,16 +24,9 @@ import pytest
 from conformance.check import materialise
 from conformance.check.profiles import PROFILES
 from conformance.check.runner import run
-from conformance.fixtures import (
-    MANIFEST,
-    FixtureError,
-    generate_set,
-    load_set,
-    sha256_file,
-    synthetic_image,
-    verify_set,
-)
+from conformance.generate import generate_set, synthetic_image, verify_set
 from conformance.protocol import Capabilities, Response
+from conformance.sets import MANIFEST, FixtureError, load_set, sha256_file
 from conformance.sets.case import DECODE_STEPS, Case, check_case
 from refimpl.model import Gemma4
 from refimpl.multimodal import multimodal_inputs

@@ -295,7 +295,7 @@ def test_tokenizer_json_keeps_vocab_size(tmp_path, e2b_dir):
 
 
 def test_abort_is_an_error_and_the_next_case_runs(gguf_cache, altpat_dir, e2b_dir):
-    from conformance.backends.subprocess_backend import EngineCrash
+    from conformance.protocol.wire import EngineCrash
 
     b = LlamaCppBackend(kv_type="f32")
     try:

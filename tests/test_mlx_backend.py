@@ -27,8 +27,8 @@ from conformance import registry
 from conformance.backends.mlx_lm.backend import EXPECTATIONS_DIR, MlxLmBackend, config_patch
 from conformance.check.profiles import PROFILES
 from conformance.check.runner import run
-from conformance.fixtures import bundled_set
 from conformance.protocol import Backend, BackendError, Piece, Request
+from conformance.sets import bundled_set
 from refimpl import Gemma4, load_config
 from refimpl.synth import write_checkpoint
 

@@ -51,10 +51,9 @@ from conformance.check import expectations
 from conformance.check.profiles import PROFILES
 from conformance.check.requests import build_request
 from conformance.check.runner import run
-from conformance.fixtures import bundled_set
 from conformance.generate import generate_set
 from conformance.protocol import Backend, BackendError, Request
-from conformance.sets import load_set
+from conformance.sets import bundled_set, load_set
 from refimpl import Gemma4, load_config
 from refimpl.assistant import Drafter
 from refimpl.model import LayerKV

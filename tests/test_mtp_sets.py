@@ -148,7 +148,7 @@ def test_the_subprocess_protocol_carries_mtp_requests():
     case of a bundled MTP set passes, its rows, hidden rows, acceptances and traces read back from files."""
     import sys
 
-    from conformance.backends.subprocess_backend import SubprocessBackend
+    from conformance.backends.subprocess.client import SubprocessBackend
 
     engine = SubprocessBackend(command=[sys.executable, "-m", "conformance.serve", "--backend", "refimpl"])
     result = run(engine, [bundled_set("12b-assistant-mini")], EXACT, select="/M[03]/")

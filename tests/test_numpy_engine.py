@@ -252,7 +252,7 @@ def test_layers_from_k_run_on_output_rows_only(engines, bases, preset):
 
 
 def test_bundled_sets_pass_at_exact_f64(capsys):
-    from conformance.fixtures import bundled_sets, load_set
+    from conformance.sets import bundled_sets, load_set
 
     sets = [load_set(p) for p in bundled_sets()]
     # 260 text cases, and the image sets' cases; not those of the GGUF sets made under ggml's activation

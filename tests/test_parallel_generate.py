@@ -23,8 +23,8 @@ import pytest
 from dask_local import local_cluster, need_distributed
 
 from conformance.cli import main
-from conformance.fixtures import CASES, MANIFEST, FixtureError, PartialRunMismatch, generate_set, load_set
-from conformance.generate import executors, jobs
+from conformance.generate import PartialRunMismatch, executors, generate_set, jobs
+from conformance.sets import CASES, MANIFEST, FixtureError, load_set
 
 REPO = Path(__file__).resolve().parent.parent
 TEXT = "26b-a4b-mini"  # MoE: router margins travel too
@@ -255,7 +255,7 @@ def test_cli_unreachable_scheduler(tmp_path, monkeypatch, capsys):
 
 
 def test_distributed_is_not_imported_without_cluster(tmp_path):
-    code = ("import sys; from conformance.fixtures import generate_set; import conformance.cli; "
+    code = ("import sys; from conformance.generate import generate_set; import conformance.cli; "
             f"generate_set({str(tmp_path / 'x')!r}, preset={TEXT!r}, workers=2); "
             "print('distributed' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)

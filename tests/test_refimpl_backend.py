@@ -588,8 +588,9 @@ def _pytest(tmp_path, *args, env_path: str | None = None):
 
 
 def _bundled(name: str) -> str:
-    fixtures = pytest.importorskip("conformance.fixtures")
-    paths = {p.name: p for p in map(__import__("pathlib").Path, fixtures.bundled_sets())}
+    from conformance.sets import bundled_sets
+
+    paths = {p.name: p for p in map(__import__("pathlib").Path, bundled_sets())}
     if name not in paths:
         pytest.skip(f"bundled set {name} not installed")
     return str(paths[name])

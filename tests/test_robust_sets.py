@@ -19,12 +19,11 @@ from pathlib import Path
 import pytest
 from helpers import micro_checkpoint, micro_config
 
-from conformance import fixtures
 from conformance.check import materialise
 from conformance.cli import main
-from conformance.fixtures import MANIFEST, FixtureError, generate_set, load_set, sha256_file, verify_set
-from conformance.generate import jobs
+from conformance.generate import PartialRunBusy, generate_set, jobs, verify_set
 from conformance.generate.partial import RunLock
+from conformance.sets import MANIFEST, FixtureError, load_set, sha256_file
 from conformance.sets.format import model_files
 
 REPO = Path(__file__).resolve().parent.parent
@@ -64,7 +63,7 @@ def test_a_second_run_stops_at_once_and_leaves_the_holders_partial_run_alone(tmp
         capsys.readouterr()
         assert _generate(out) == 2
         assert capsys.readouterr().err == _busy(out, lock)
-        with pytest.raises(fixtures.PartialRunBusy) as e:
+        with pytest.raises(PartialRunBusy) as e:
             generate_set(out, preset=PRESET, cases="text", workers=1)
         assert isinstance(e.value, FixtureError) and str(e.value) == _busy(out, lock)[len("conformance: error: "):-1]
         assert writing.is_dir() and sorted(os.listdir(partial / "jobs")) == [".G.tmp-held", "A", "B", "C"]

@@ -25,9 +25,9 @@ import pytest
 from conformance.backends.refimpl_backend import RefimplBackend
 from conformance.check.results import CaseResult, RunResult
 from conformance.cli import main
-from conformance.fixtures import bundled_set
 from conformance.protocol import Response
 from conformance.report import junit_tree, printable, validate
+from conformance.sets import bundled_set
 
 HERE = __name__
 TESTS = Path(__file__).resolve().parent

@@ -21,7 +21,7 @@ import pytest
 from conformance import selftest as st
 from conformance.backends.refimpl_backend import RefimplBackend
 from conformance.cli import main
-from conformance.fixtures import bundled_sets
+from conformance.sets import bundled_sets
 from refimpl.threads import cores
 
 CLOSENESS = frozenset({"max_abs", "max_rel", "nmse", "cosine", "kl", "kl_mean", "delta_p"})

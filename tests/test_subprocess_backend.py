@@ -19,22 +19,14 @@ import numpy as np
 import pytest
 
 from conformance.backends.refimpl_backend import RefimplBackend, all_capabilities
-from conformance.backends.subprocess_backend import (
-    PROTOCOL,
-    ArrayError,
-    EngineCrash,
-    EngineError,
-    EngineTimeout,
-    RefimplSubprocessBackend,
-    SubprocessBackend,
-    read_array,
-)
+from conformance.backends.subprocess.client import RefimplSubprocessBackend, SubprocessBackend
 from conformance.check import materialise
 from conformance.check.profiles import get_profile
 from conformance.check.runner import run
 from conformance.cli import main as cli_main
-from conformance.fixtures import bundled_set, load_set
 from conformance.protocol import BackendError, Request
+from conformance.protocol.wire import PROTOCOL, ArrayError, EngineCrash, EngineError, EngineTimeout, read_array
+from conformance.sets import bundled_set, load_set
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKES = Path(__file__).resolve().parent / "subprocess_fakes"
@@ -82,7 +74,7 @@ def statuses(result) -> list[str]:
 
 def _bundled_count() -> int:
     """How many cases the bundled sets hold (text and image sets alike)."""
-    from conformance.fixtures import bundled_sets
+    from conformance.sets import bundled_sets
 
     return sum(len(json.loads((s / "cases.json").read_text())["cases"]) for s in bundled_sets())
 
@@ -155,7 +147,7 @@ def test_responses_equal_the_in_process_backend(model_dir, backends):
 
 def _serve(lines, *args, env=None):
     text = "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines)
-    return subprocess.run([sys.executable, "-m", "conformance.backends.protocol_server", *args], input=text,
+    return subprocess.run([sys.executable, "-m", "conformance.serve", *args], input=text,
                           capture_output=True, text=True, timeout=120, env=env, cwd=ROOT, check=False)
 
 
@@ -200,7 +192,7 @@ def test_server_answers_hand_written_json_lines(model_dir, tmp_path):
     assert replies[5] == {"id": 4, "ok": False,
                           "error": "ValueError: refimpl backend: last_pos 7 is outside the 2 tokens of the call"}
     assert replies[6] == {"id": 5, "ok": True} and replies[7] == {"id": 6, "ok": True}
-    assert "protocol_server: run failed" in proc.stderr
+    assert "conformance.serve: run failed" in proc.stderr
 
 
 def test_server_refuses_another_version_and_a_chatty_backend_cannot_corrupt_stdout(model_dir, tmp_path):
@@ -229,7 +221,7 @@ def test_server_refuses_another_version_and_a_chatty_backend_cannot_corrupt_stdo
 def test_server_cli_errors_go_to_stderr():
     proc = _serve([], "--backend", "no_such_module:Backend")
     assert proc.returncode == 2 and proc.stdout == ""
-    assert "protocol_server: error: backend 'no_such_module:Backend': no module named 'no_such_module'" in proc.stderr
+    assert "conformance.serve: error: backend 'no_such_module:Backend': no module named 'no_such_module'" in proc.stderr
 
 
 # ----------------------------------------------------------------------------------------------
@@ -572,7 +564,7 @@ def test_sigterm_of_the_harness_kills_the_engine_process_group(tmp_path):
     script.write_text(
         "import sys, time\n"
         f"sys.path.insert(0, {str(ROOT)!r})\n"
-        "from conformance.backends.subprocess_backend import SubprocessBackend\n"
+        "from conformance.backends.subprocess.client import SubprocessBackend\n"
         f"b = SubprocessBackend({fake('spawn-worker', 0, pids)!r}, startup_timeout=30)\n"
         "print('ready', flush=True)\n"
         "time.sleep(60)\n")
@@ -708,8 +700,7 @@ def test_image_requests_equal_the_in_process_backend(vision, backends):
 
 
 def test_wire_form_of_an_image_request(vision, tmp_path):
-    from conformance.backends.protocol_server import request_from_json
-    from conformance.backends.subprocess_backend import request_to_json
+    from conformance.protocol.wire import request_from_json, request_to_json
 
     _, p = vision
     req = image_requests(p)[2]
@@ -859,8 +850,7 @@ def test_audio_requests_equal_the_in_process_backend(audio, backends):
 
 
 def test_wire_form_of_an_audio_request(audio, tmp_path):
-    from conformance.backends.protocol_server import request_from_json
-    from conformance.backends.subprocess_backend import request_to_json
+    from conformance.protocol.wire import request_from_json, request_to_json
 
     _, p = audio
     req = audio_requests(p)[2]

@@ -26,10 +26,10 @@ import pytest
 from conformance.backends.subprocess.client import SubprocessBackend
 from conformance.check import materialise
 from conformance.cli import main as cli_main
-from conformance.fixtures import bundled_set, load_set
 from conformance.protocol import BackendError, Request
 from conformance.protocol.wire import PROTOCOL, ProtocolError
 from conformance.registry import load_backend
+from conformance.sets import bundled_set, load_set
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKES = Path(__file__).resolve().parent / "subprocess_fakes"

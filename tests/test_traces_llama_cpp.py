@@ -41,9 +41,9 @@ from conformance.check.profiles import PROFILES
 from conformance.check.requests import build_request
 from conformance.check.session import Checkpoints, Session
 from conformance.check.traces import compare_traces, point_errors
-from conformance.fixtures import bundled_set
 from conformance.protocol import BackendError, Request
 from conformance.protocol.trace import point_names
+from conformance.sets import bundled_set
 from conformance.sets.integrity import load_set
 
 try:

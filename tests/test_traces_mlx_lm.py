@@ -27,7 +27,7 @@ from conformance.check.profiles import PROFILES
 from conformance.check.requests import build_request
 from conformance.check.session import Checkpoints, Session
 from conformance.check.traces import compare_traces, point_errors
-from conformance.fixtures import bundled_set, load_set
+from conformance.sets import bundled_set, load_set
 
 FLOOR = PROFILES["fp32"].nmse  # 1e-6
 # the oracle's points the mlx-lm backend does not serve, with the reason: every point maps exactly

@@ -34,7 +34,7 @@ from conformance.check.profiles import PROFILES  # noqa: E402 - after the import
 from conformance.check.requests import build_request  # noqa: E402 - after the importorskip of torch
 from conformance.check.session import Checkpoints, Session  # noqa: E402 - after the importorskip of torch
 from conformance.check.traces import compare_traces, point_errors  # noqa: E402 - after the importorskip of torch
-from conformance.fixtures import bundled_set  # noqa: E402 - after the importorskip of torch
+from conformance.sets import bundled_set  # noqa: E402 - after the importorskip of torch
 from conformance.sets.integrity import load_set  # noqa: E402 - after the importorskip of torch
 
 pytestmark = pytest.mark.hf

@@ -45,8 +45,8 @@ from conformance.backends.transformers.backend import EXPECTATIONS_DIR, Transfor
 from conformance.check.expectations import load as load_expectations  # noqa: E402 - after the importorskip of torch
 from conformance.check.profiles import PROFILES  # noqa: E402 - after the importorskip of torch
 from conformance.check.runner import run as run_cases  # noqa: E402 - after the importorskip of torch
-from conformance.fixtures import bundled_set  # noqa: E402 - after the importorskip of torch
 from conformance.protocol import Backend, BackendError, Piece, Request  # noqa: E402 - after the importorskip of torch
+from conformance.sets import bundled_set  # noqa: E402 - after the importorskip of torch
 from refimpl.synth import write_checkpoint  # noqa: E402 - after the importorskip of torch
 
 pytestmark = pytest.mark.hf

@@ -18,10 +18,11 @@ from conformance.check import materialise
 from conformance.check.profiles import PROFILES
 from conformance.check.requests import build_request
 from conformance.check.runner import run
-from conformance.fixtures import generate_set, load_set
+from conformance.generate import generate_set
 from conformance.protocol.types import ImageInput, Request
 from conformance.protocol.wire import request_from_json, request_to_json
 from conformance.selftest.engine import NumpyEngineBackend
+from conformance.sets import load_set
 from conformance.sets.bundled import bundled_sets
 
 SET = next(p for p in bundled_sets() if p.name == "12b-mini")

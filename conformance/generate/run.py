@@ -574,7 +574,7 @@ def _write_set(staged: Path, got: _Assembled, results: Mapping[str, partial.JobR
         "version": version,
         "storage": store,
         "provenance": {
-            "generator": f"conformance.fixtures.generate_set (conformance {CONFORMANCE_VERSION})",
+            "generator": f"conformance.generate.generate_set (conformance {CONFORMANCE_VERSION})",
             "command": command if command is not None else default_command(),
             **{k: v for k, v in recorded.items() if k != "conformance_version"},
             "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z"),

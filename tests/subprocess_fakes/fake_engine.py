@@ -1,6 +1,6 @@
 """Misbehaving engines for tests/test_subprocess_backend.py: ``python fake_engine.py MODE [N] [MARKER]``.
 
-Modes that serve the refimpl oracle through ``protocol_server.serve`` and misbehave once:
+Modes that serve the refimpl oracle through ``conformance.backends.subprocess.server.serve`` and misbehave once:
   abort-run N MARKER   os.abort() on the Nth run (only if MARKER does not exist; it is created first)
   exit-run N MARKER    exit with code 3 on the Nth run (same rule)
   hang-run N MARKER    sleep for an hour on the Nth run (same rule)
@@ -209,7 +209,7 @@ def multi_reply(req, out: Path, vocab: int, form: str) -> dict:
 if __name__ == "__main__":
     if MODE in ("abort-run", "exit-run", "hang-run", "garbage-run", "abort-open", "abort-run-worker",
                 "hang-run-escape", "abort-run-escape"):
-        from conformance.backends.protocol_server import serve
+        from conformance.backends.subprocess.server import serve
 
         if MODE == "abort-run-worker":
             worker = sleeper()  # a multi-process engine: the worker keeps stdout open after an abort

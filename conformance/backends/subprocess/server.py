@@ -113,7 +113,7 @@ def serve(backend: Any, stdin: TextIO, stdout: TextIO, format: str = "raw") -> i
             raise
         except BaseException as exc:  # noqa: BLE001 - every failure (SystemExit too) is an ok:false reply
             tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
-            sys.stderr.write(f"protocol_server: {op} failed:\n{''.join(tb[-2:])}")
+            sys.stderr.write(f"conformance.serve: {op} failed:\n{''.join(tb[-2:])}")
             sys.stderr.flush()
             reply = {"id": mid, "ok": False, "error": _error_text(exc)}
         stdout.write(json.dumps(reply, separators=(",", ":")) + "\n")
