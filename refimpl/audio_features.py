@@ -38,7 +38,7 @@ Where transformers computes in float32 (here everything stays float64): ``Sequen
 casts a float64 waveform to float32; the Hann window is stored as float32; so the frames, the FFT
 (NumPy 2 keeps float32 -> complex64) and the magnitude are float32; the mel matmul (float64 filters)
 and the log are float64 again; the output is cast to float32. Fed float32-exact audio, the results
-agree to a bound set by float32 FFT rounding divided by (mel + mel_floor) (tests/test_audio_features.py).
+agree to a bound set by float32 FFT rounding divided by (mel + mel_floor) (tests/oracle/towers/test_audio_features.py).
 
 Choices this module makes on purpose:
 * Multi-channel WAV is averaged to mono, as every transformers audio loader does

@@ -1,4 +1,7 @@
-"""Shared fixtures.
+"""Fixtures shared by the rooms of tests/ (tests/oracle/, tests/gate/); a fixture that one room alone uses is
+in that room's conftest.py (tests/gate/conftest.py: ``oracle_bases``; tests/gate/cli/conftest.py: ``e2b_mini``;
+tests/gate/backends/transformers/conftest.py: torch on one thread). Support modules (helpers.py, naive_gemma4.py,
+hf_reference.py, hf_towers.py, ...) sit beside this file, which puts tests/ on ``sys.path``.
 
 * ``preset_dirs``   (session): every preset of ``refimpl.synth.PRESETS`` written once (seed 0, F32),
   as ``{preset: path}``.
@@ -7,7 +10,7 @@
 * ``micro_factory`` (session): ``micro_factory(config_dict, seed) -> path``, a fresh directory per
   call; safe inside hypothesis tests (it is not function-scoped).
 * ``micro_checkpoint`` / ``micro_config`` are re-exported from ``tests/helpers.py`` for direct use.
-* ``e2b_mini`` (session): the bundled set ``e2b-mini``'s path (the test is skipped when it is not installed).
+* ``torch_one_thread`` (module): torch, transformers' modeling_gemma4 and hf_reference, torch on one thread.
 * hypothesis profiles: ``ci`` (the default: each test's own budget, ``helpers.examples``) and ``deep``
   (``pytest --hypothesis-profile deep``: ten times each budget).
 * ``digest_cache`` (session, autouse): ``$CONFORMANCE_CACHE_DIR`` set to a temporary directory, so the
@@ -25,7 +28,6 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 from hypothesis import settings
 
@@ -33,7 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from helpers import micro_checkpoint, micro_config  # noqa: F401 - for the tests that import them from here
 
-from conformance.sets import bundled_sets
 from refimpl.model import Gemma4
 from refimpl.synth import PRESETS, write_checkpoint
 
@@ -50,14 +51,6 @@ def digest_cache(tmp_path_factory):
         path = tmp_path_factory.mktemp("digest-cache")
         mp.setenv("CONFORMANCE_CACHE_DIR", str(path))
         yield path
-
-
-@pytest.fixture(scope="session")
-def e2b_mini() -> Path:
-    sets = {p.name: p for p in map(Path, bundled_sets())}
-    if "e2b-mini" not in sets:
-        pytest.skip("bundled set e2b-mini not installed")
-    return sets["e2b-mini"]
 
 
 @pytest.fixture(scope="session")
@@ -97,27 +90,10 @@ def torch_one_thread():
     torch.set_num_threads(before)
 
 
-BASE_LEN = 40  # oracle_bases: length of each base, as the fixture sets use
-
-
-@pytest.fixture(scope="session")
-def oracle_bases(preset_models) -> dict[str, list]:
-    """{preset: [(ids [BASE_LEN], full-forward logits [BASE_LEN, V]) for 3 seeded bases]}."""
-    out = {}
-    for preset, model in preset_models.items():
-        rng = np.random.default_rng(1234)
-        items = []
-        for _ in range(3):
-            ids = np.concatenate([[2], rng.integers(3, model.cfg.vocab_size, BASE_LEN - 1)]).astype(np.int64)
-            items.append((ids, model.forward(ids, rows="all")))
-        out[preset] = items
-    return out
-
-
 # ----------------------------------------------------------------------------------------------
 # CI: an engine that is not installed fails instead of skipping
 
-ENGINE_TEST_MODULES = ("test_transformers_backend.py", "test_mlx_backend.py", "test_mlx_vlm_backend.py",
+ENGINE_TEST_MODULES = ("test_transformers_backend.py", "test_mlx_lm_backend.py", "test_mlx_vlm_backend.py",
                        "test_llama_cpp_backend.py", "test_traces_transformers.py", "test_traces_mlx_lm.py",
                        "test_traces_llama_cpp.py", "test_hf_agreement.py",
                        "test_parallel_generate.py", "test_generation_faults.py",  # these two: Dask distributed

@@ -3,7 +3,7 @@ spec, §3.2-3.4): the ``gemma4.*`` keys from config.json, the tensors under thei
 generated, the converter's type rules (F32 for vectors, norms, the router and names not ending ``.weight``; the
 out type for the rest). For tests: ``kv`` edits a key (None drops it), ``types`` sets a tensor's type, ``drop``
 leaves tensors out, ``quantizer`` makes the blocks (tests/libggml.py: libggml's own). llama.cpp's own converter
-is compared with the oracle in tests/test_gguf_llama_cpp.py."""
+is compared with the oracle in tests/oracle/quantised/test_gguf_llama_cpp.py."""
 
 from __future__ import annotations
 

@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 from hypothesis import settings
 
+from refimpl.config import parse_config
 from refimpl.safetensors_io import write_safetensors
-from refimpl.synth import make_unified_weights, make_weights
+from refimpl.synth import make_unified_weights, make_weights, published_config
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -332,3 +333,47 @@ def examples(n: int) -> int:
     ``--hypothesis-profile deep`` (docs/testing.md)."""
     return 10 * n if settings.default.max_examples >= settings.get_profile(DEEP).max_examples else n
 
+
+# audio prompts
+
+
+def audio_prompt(model_dir, clips=((41, 41), (37, 26)), seed: int = 0, text=(4, 5)) -> dict:
+    """An audio prompt for an audio checkpoint (``refimpl.synth`` preset ``e2b-audio-mini``), made with
+    refimpl: per clip ``(T, valid)``, T random log-mel frames of which the first ``valid`` are real (the
+    rest masked padding, as the feature extractor pads a batch), through the oracle's audio tower, merged
+    into ``bos + text + (boa + audio x M + eoa + text)``.
+
+    Returns ``ids``, ``embeddings`` [T, H] (scaled convention: E[id] * sqrt(H) at text rows, soft tokens
+    unscaled at audio rows), ``audio`` [(start, M), ...], ``audio_inputs`` (``AudioInput`` per clip),
+    ``soft`` (per clip) and ``logits`` [T, V] (the oracle's full forward, float64)."""
+    from conformance.protocol import AudioInput
+    from refimpl import Gemma4
+    from refimpl.audio import audio_tower, load_audio_tower
+    from refimpl.multimodal import audio_spans, load_multimodal_tokens, multimodal_inputs
+
+    model = Gemma4(model_dir)
+    weights, cfg = load_audio_tower(model_dir)
+    tokens = load_multimodal_tokens(model_dir)
+    rng = np.random.default_rng(seed)
+    inputs, soft = [], []
+    for T, valid in clips:
+        mask = np.arange(T) < valid
+        n_mels = 4 * cfg.freq_out  # what input_proj_linear takes: ceil(F / 4) == C0 // 4
+        inputs.append(AudioInput(rng.normal(0.0, 1.0, (T, n_mels)), mask))
+        soft.append(audio_tower(inputs[-1].features, mask, weights, cfg))
+    words = lambda n: [int(t) for t in rng.integers(20, 400, n)]  # noqa: E731 - ordinary pieces of the tiny vocab
+    ids = [2] + words(text[0])
+    for s in soft:
+        ids += [tokens.boa_token_id] + [tokens.audio_token_id] * s.shape[0] + [tokens.eoa_token_id] + words(text[1])
+    m = multimodal_inputs(model, ids, [], tokens, audio_soft_tokens=soft)
+    logits = model.forward(m.ids, embeddings=m.embeddings, vision_blocks=m.vision_blocks)
+    return {"ids": np.asarray(ids, dtype=np.int64), "embeddings": m.embeddings, "soft": soft,
+            "audio": audio_spans(ids, tokens), "audio_inputs": tuple(inputs), "logits": logits, "tokens": tokens}
+
+
+# published shapes
+
+
+def e2b_config(layers: int | None = None):
+    """The published E2B text config (refimpl.synth.published_config, seed 7), cut to ``layers`` if given."""
+    return parse_config(published_config("e2b", 7, layers))

@@ -1,5 +1,5 @@
 """Backends a new engine author might write, each with one of the defects a new user hits first, for
-tests/test_new_user.py: degenerate outputs (zeros, a constant, one row repeated, one canned response for every
+tests/gate/cli/test_new_user.py: degenerate outputs (zeros, a constant, one row repeated, one canned response for every
 case), a backend that ends the process (os._exit, SIGKILL), one that fails at start."""
 
 from __future__ import annotations

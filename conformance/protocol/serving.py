@@ -170,13 +170,21 @@ class CachedBackend:
 
     @property
     def vocab_size(self) -> int:
-        """V, the number of logits per row."""
-        raise NotImplementedError
+        """V, the number of logits per row; by default that of ``self.text_config`` (the checkpoint's text config,
+        refimpl's or the engine's own, which a backend that holds one sets at open)."""
+        return self._text_size("vocab_size")
 
     @property
     def hidden_size(self) -> int:
-        """H, the width of the input embeddings the ``embeddings`` entry takes."""
-        raise NotImplementedError
+        """H, the width of the input embeddings the ``embeddings`` entry takes; by default that of
+        ``self.text_config``."""
+        return self._text_size("hidden_size")
+
+    def _text_size(self, name: str) -> int:
+        cfg = getattr(self, "text_config", None)
+        if cfg is None:
+            raise NotImplementedError(f"{type(self).__name__} holds no text_config: it must define {name}")
+        return int(getattr(cfg, name))
 
     @property
     def out_dtype(self) -> Any:

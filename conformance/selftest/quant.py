@@ -240,8 +240,8 @@ QUANT_MUTANTS = (
                     equivalent="the x86 and reference Q8_0 quantisers part only where x * 127 / amax and x / (amax / "
                                "127) round to either side of a half-way point, or on an exact tie: on the bundled "
                                "prompts no activation lands there (every row of every base equal, measured), so "
-                               "the mutant computes the control's forward; tests/test_ggml_act.py tells the two "
-                               "rules apart on drawn blocks of exact ties"),
+                               "the mutant computes the control's forward; tests/oracle/quantised/test_ggml_act.py "
+                               "tells the two rules apart on drawn blocks of exact ties"),
     QuantMutantSpec(Q8KScalePositive, ("Q4_K", "Q6_K"), activations=True),
     QuantMutantSpec(MlxBiasDropped, ("mlx-affine",)),
     QuantMutantSpec(MlxGroupSizeMisread, ("mlx-affine",)),

@@ -1,4 +1,5 @@
-"""Misbehaving engines for tests/test_subprocess_backend.py: ``python fake_engine.py MODE [N] [MARKER]``.
+"""Misbehaving engines for tests/gate/backends/subprocess/test_subprocess_backend.py:
+``python fake_engine.py MODE [N] [MARKER]``.
 
 Modes that serve the refimpl oracle through ``conformance.backends.subprocess.server.serve`` and misbehave once:
   abort-run N MARKER   os.abort() on the Nth run (only if MARKER does not exist; it is created first)

@@ -274,14 +274,6 @@ class MlxVlmBackend(CachedBackend):
     # -- engine hooks ---------------------------------------------------------------------------
 
     @property
-    def vocab_size(self) -> int:
-        return self.text_config.vocab_size
-
-    @property
-    def hidden_size(self) -> int:
-        return self.text_config.hidden_size
-
-    @property
     def out_dtype(self):
         return np.float32
 

@@ -7,7 +7,7 @@ call a round) and the acceptance (``accept_lens``, the drafter's own record of e
 ``mlx_vlm.speculative.common._record_speculative_round``).
 
 What mlx-vlm 0.7.10 does, read off its source and reproduced step by step by ``refimpl.mtp`` with these keys
-(tests/test_mlx_vlm_backend.py: every drafter state within 1e-4):
+(tests/gate/backends/mlx/test_mlx_vlm_backend.py: every drafter state within 1e-4):
 
 * **query position** ``P-1``: ``_mtp_rounds`` binds the drafter with ``set_shared_kv(kv, kv_offset,
   position=_mtp_draft_position(kv_offset))``, ``_mtp_draft_position(n) = n - 1``, ``kv_offset`` the target

@@ -64,7 +64,7 @@ forward, and with it how each request kind reaches transformers:
   float64 backend does not claim ``audio_tower`` and takes the request's soft tokens as given (option
   ``audio_tower``). Measured on a two-clip prompt of e2b-audio-mini (11 and 7 soft tokens, one clip with
   masked padding frames; last rows, output-row and chunked prefill, decode): with the float64 patches of
-  tests/hf_reference.py and tests/test_audio_tower.py (tower on) worst 5.8e-12 against the oracle, the
+  tests/hf_reference.py and tests/oracle/towers/test_audio_tower.py (tower on) worst 5.8e-12 against the oracle, the
   tower's soft tokens within 4.0e-14 of the oracle's; float32 as shipped worst 1.3e-3 (soft tokens
   5.9e-6), passing ``fp32``.
 * ``multi``: one ``DynamicCache`` per sequence id, each sequence prefilled on its own; decode steps
@@ -590,14 +590,6 @@ class TransformersBackend(CachedBackend):
         return Response(logits, None, self._executed("mtp", **notes), hidden=hidden, mtp=mtp)
 
     # -- engine hooks ---------------------------------------------------------------------------
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.text_config.vocab_size)
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.text_config.hidden_size)
 
     @property
     def out_dtype(self):
