@@ -4,11 +4,15 @@ model refimpl derives from config.json (``GeometryCheck``, ``text_geometry``).""
 
 from __future__ import annotations
 
+import json
 import math
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
+from refimpl import RefimplError, load_config
 from refimpl.model import rope_inv_freq
 
 from ..protocol.types import BackendError
@@ -125,3 +129,23 @@ def text_geometry(check: GeometryCheck, inner, cfg, *, softcap: Any, tied: Any,
         router = inner.layers[0].router
         check("num_experts", router.config.num_experts, cfg.num_experts)
         check("top_k_experts", router.config.top_k_experts, cfg.top_k_experts)
+
+
+def versions(*dists: str) -> dict[str, str]:
+    """The installed version of each distribution (``"unknown"`` for one importable but not installed as a
+    distribution), as a backend's ``executed`` record and its messages report them."""
+    out = {}
+    for dist in dists:
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:  # pragma: no cover - importable but not installed as a dist
+            out[dist] = "unknown"
+    return out
+
+
+def read_configs(model_dir: Path, who: str) -> tuple[Any, dict[str, Any]]:
+    """(refimpl's config of the checkpoint, its config.json as read), or one BackendError naming ``who``."""
+    try:
+        return load_config(model_dir), json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (RefimplError, OSError, ValueError) as exc:
+        raise BackendError(f"{who} backend cannot open {model_dir}: {exc}") from exc

@@ -52,9 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 from contextlib import contextmanager
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -64,14 +62,13 @@ from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
-from refimpl import RefimplError, load_config
 from refimpl.errors import check_choice
 from refimpl.legacy_keys import legacy_text_keys
 
 from ...check.profiles import PROFILES
 from ...protocol.serving import CachedBackend
 from ...protocol.types import BackendError, Capabilities, Request, Response
-from ..mlx_common import GeometryCheck, same, text_geometry, text_key_patch
+from ..mlx_common import GeometryCheck, read_configs, same, text_geometry, text_key_patch, versions
 
 __all__ = ["MlxLmBackend", "DTYPES", "config_patch", "EXPECTATIONS_DIR"]
 
@@ -82,13 +79,7 @@ _MISSING = object()
 
 
 def _versions() -> dict[str, str]:
-    out = {}
-    for dist in ("mlx", "mlx-lm"):
-        try:
-            out[dist] = version(dist)
-        except PackageNotFoundError:  # pragma: no cover - importable but not installed as a dist
-            out[dist] = "unknown"
-    return out
+    return versions("mlx", "mlx-lm")
 
 
 def _mlx_text_keys(cfg) -> dict[str, Any]:
@@ -182,11 +173,7 @@ class MlxLmBackend(CachedBackend):
 
     def open(self, model_dir: Path) -> None:
         model_dir = Path(model_dir)
-        try:
-            cfg = load_config(model_dir)
-            raw = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-        except (RefimplError, OSError, ValueError) as exc:
-            raise BackendError(f"mlx-lm backend cannot open {model_dir}: {exc}") from exc
+        cfg, raw = read_configs(model_dir, "mlx-lm")
         patch = config_patch(raw, cfg)
         try:
             model, _ = load_model(model_dir, model_config=_model_config(raw, patch))

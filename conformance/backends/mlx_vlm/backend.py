@@ -63,8 +63,6 @@ Known divergences are listed, with their reasons, in
 
 from __future__ import annotations
 
-import json
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -74,13 +72,13 @@ from mlx.utils import tree_flatten, tree_map
 from mlx_vlm.models.cache import make_prompt_cache
 from mlx_vlm.utils import load_model
 
-from refimpl import RefimplError, load_config
 from refimpl.errors import check_choice
 from refimpl.mtp import CONVENTIONS
 
 from ...check.profiles import PROFILES
 from ...protocol.serving import CachedBackend, padded_clips
 from ...protocol.types import BackendError, Capabilities, Request, Response
+from ..mlx_common import read_configs, versions
 from .config import checkpoint_view, config_patch, remove_view
 from .families import Family, family_for, geometry_problems
 from .mtp import CONVENTION as MTP_CONVENTION
@@ -96,13 +94,7 @@ IMAGE_TYPE, AUDIO_TYPE = 1, 3  # mm_token_type_ids, as mlx-vlm's Gemma4Processor
 
 
 def _versions() -> dict[str, str]:
-    out = {}
-    for dist in ("mlx", "mlx-vlm"):
-        try:
-            out[dist] = version(dist)
-        except PackageNotFoundError:  # pragma: no cover - importable but not installed as a dist
-            out[dist] = "unknown"
-    return out
+    return versions("mlx", "mlx-vlm")
 
 
 
@@ -174,11 +166,7 @@ class MlxVlmBackend(CachedBackend):
 
     def open(self, model_dir: Path) -> None:
         model_dir = Path(model_dir)
-        try:
-            cfg = load_config(model_dir)
-            raw = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-        except (RefimplError, OSError, ValueError) as exc:
-            raise BackendError(f"mlx-vlm backend cannot open {model_dir}: {exc}") from exc
+        cfg, raw = read_configs(model_dir, "mlx-vlm")
         family = family_for(raw, str(model_dir))
         patch = config_patch(raw, cfg, family.model_type)
         view = checkpoint_view(model_dir, raw, patch) if patch else None
