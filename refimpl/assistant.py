@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from . import memory
-from .config import FULL, SLIDING, TextConfig, check_positive, get_field, parse_config, read_config_json
+from .config import FULL, SLIDING, TextConfig, parse_config
+from .config_fields import check_positive, get_field, read_config_json
 from .errors import ConfigError, InputError, WeightsError
 from .gguf_config import ASSISTANT_ARCH, hf_assistant_config
 from .gguf_io import GGUFError, is_gguf, open_gguf

@@ -65,7 +65,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .config import check_positive, check_positive_float, get_field, required_positive, tower_section
+from .config_fields import check_positive, check_positive_float, get_field, required_positive, tower_section
 from .errors import ConfigError, InputError
 from .model import Trace
 from .ops import clamp, linear, rms_norm, sigmoid, silu, softcap, softmax, softplus

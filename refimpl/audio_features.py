@@ -66,7 +66,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import read_json, read_media_file
+from .config_fields import read_json, read_media_file
 from .errors import ConfigError, InputError
 
 SAMPLE_RATE = 16_000  # Hz, what Gemma 4's audio tower was trained on

@@ -17,13 +17,22 @@ and RoPE parameters. The forward pass reads only this table.
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, InputError, WeightsError
+from .config_fields import (
+    check_positive,
+    check_positive_float,
+    get_field,
+    json_kind,
+    read_config_json,
+    read_json,
+    required_positive,
+    token_ids,
+)
+from .errors import ConfigError, WeightsError
 from .gguf_config import hf_config
 from .gguf_io import is_gguf, open_gguf
 from .safetensors_io import TensorStore
@@ -140,62 +149,6 @@ class TextConfig:
             for layer in self.layers
             if not layer.owns_kv and self.fixed_rule_kv_source(layer.index) != layer.kv_source
         ]
-
-
-# ----------------------------------------------------------------------------------------------
-# reading fields (also used by vision.py and audio.py for their config sections)
-
-
-_REQUIRED = object()
-
-
-def get_field(d: dict, key: str, kind: type | tuple, default: Any = _REQUIRED, where: str = "config.json") -> Any:
-    """``d[key]`` checked to be of ``kind`` (an int is accepted as a float, a bool never as an int);
-    ``default`` when absent or null, ConfigError naming ``where`` when absent without a default."""
-    if key not in d or (d[key] is None and default is not _REQUIRED):
-        if default is _REQUIRED:
-            raise ConfigError(f"{where}: required field '{key}' is missing; add it to the config")
-        return default
-    value = d[key]
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if int in kinds and isinstance(value, bool):
-        ok = bool in kinds
-    elif float in kinds and isinstance(value, int) and not isinstance(value, bool):
-        ok = True
-        value = float(value)
-    else:
-        ok = isinstance(value, kinds)
-    if not ok:
-        names = " or ".join(k.__name__ for k in kinds)
-        raise ConfigError(f"{where}: field '{key}' must be {names}, got {value!r}; fix the value in the config")
-    return value
-
-
-def check_positive(value: int, key: str, where: str) -> int:
-    """``value`` when > 0, else ConfigError naming field ``key`` of ``where``."""
-    if value <= 0:
-        raise ConfigError(f"{where}: field '{key}' must be positive, got {value}")
-    return value
-
-
-def required_positive(d: dict, key: str, where: str) -> int:
-    """The required positive integer ``d[key]`` (``get_field`` then ``check_positive``)."""
-    return check_positive(get_field(d, key, int, where=where), key, where)
-
-
-def check_positive_float(value: float, key: str, where: str) -> None:
-    """ConfigError unless ``value`` is a finite number > 0."""
-    if not (value > 0 and math.isfinite(value)):
-        raise ConfigError(f"{where}: '{key}' must be a positive number, got {value}")
-
-
-def _token_ids(value: Any, key: str, where: str) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    items = value if isinstance(value, list) else [value]
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
-        raise ConfigError(f"{where}: field '{key}' must be an integer or a list of integers, got {value!r}")
-    return tuple(items)
 
 
 def _rope_specs(text: dict, used_types: set[str], where: str) -> dict[str, RopeSpec]:
@@ -324,54 +277,48 @@ def config_family(raw: dict) -> str:
     return "gemma4_unified" if any(t in UNIFIED_MODEL_TYPES for t in types) else "gemma4"
 
 
-def parse_config(raw: dict, where: str = "config.json", extra_eos: tuple[int, ...] = (),
-                 layers_held: int | None = None) -> TextConfig:
-    """Build a ``TextConfig`` from a parsed config.json (either architecture, either serialisation).
+def _unified_text(text: dict, notes: list[str]) -> dict:
+    """The Unified decoder has no code path for PLE or MoE, and its class defaults differ from Gemma 4's."""
+    ignored = [key for key in UNIFIED_IGNORED if text.get(key)]
+    if ignored:
+        notes.append(f"Gemma 4 Unified: ignored {', '.join(ignored)} (kept in the config for backward "
+                     "compatibility, not used by the model)")
+    text = {k: v for k, v in text.items() if k not in UNIFIED_IGNORED}
+    text["hidden_size_per_layer_input"] = 0
+    text.setdefault("sliding_window", 1024)
+    text.setdefault("use_bidirectional_attention", "vision")
+    return text
 
-    ``layers_held``: how many decoder layers the checkpoint's tensors hold (``decoder_layers_held``);
-    a larger num_hidden_layers is refused before any per-layer list is derived from it."""
-    text, top, arch = text_section(raw, where)
-    family = config_family(top)
-    if "text_config" in top:
-        where = f"{where} text_config"
-    notes: list[str] = []
-    if family == "gemma4_unified":
-        # the Unified decoder has no code path for PLE or MoE; its class defaults differ from Gemma 4's
-        ignored = [key for key in UNIFIED_IGNORED if text.get(key)]
-        if ignored:
-            notes.append(f"Gemma 4 Unified: ignored {', '.join(ignored)} (kept in the config for backward "
-                         "compatibility, not used by the model)")
-        text = {k: v for k, v in text.items() if k not in UNIFIED_IGNORED}
-        text["hidden_size_per_layer_input"] = 0
-        text.setdefault("sliding_window", 1024)
-        text.setdefault("use_bidirectional_attention", "vision")
 
+def _num_layers(text: dict, layers_held: int | None, where: str) -> int:
+    """num_hidden_layers, refused when the checkpoint's tensors hold fewer layers."""
     L = required_positive(text, "num_hidden_layers", where)
     if layers_held is not None and L > layers_held:
         raise ConfigError(f"{where}: 'num_hidden_layers' is {L}, but the checkpoint's tensors hold "
                           f"{layers_held or 'no'} decoder layer{'' if layers_held == 1 else 's'}; set "
                           "num_hidden_layers to the number of layers the weights hold")
-    H = required_positive(text, "hidden_size", where)
-    V = required_positive(text, "vocab_size", where)
-    N = required_positive(text, "num_attention_heads", where)
-    kv_heads = required_positive(text, "num_key_value_heads", where)
-    I = required_positive(text, "intermediate_size", where)  # noqa: E741 - I: the intermediate size (spec)
-    head_dim = check_positive(get_field(text, "head_dim", int, 256, where), "head_dim", where)
-    W = check_positive(get_field(text, "sliding_window", int, 512, where), "sliding_window", where)
-    eps = get_field(text, "rms_norm_eps", float, 1e-6, where)
-    check_positive_float(eps, "rms_norm_eps", where)
-    context = get_field(text, "max_position_embeddings", int, None, where)
-    if context is not None:
-        check_positive(context, "max_position_embeddings", where)
-    softcap = get_field(text, "final_logit_softcapping", float, None, where)
-    if softcap is not None:
-        check_positive_float(softcap, "final_logit_softcapping", where)
+    return L
+
+
+def _optional_positive(text: dict, key: str, kind: type, where: str) -> Any:
+    value = get_field(text, key, kind, None, where)
+    if value is not None:
+        (check_positive if kind is int else check_positive_float)(value, key, where)
+    return value
+
+
+def _ple_fields(text: dict, where: str) -> tuple[int, int]:
+    """(hidden_size_per_layer_input P, vocab_size_per_layer_input; 0 without PLE)."""
     P = get_field(text, "hidden_size_per_layer_input", int, 256, where)
     if P < 0:
         raise ConfigError(f"{where}: 'hidden_size_per_layer_input' must be >= 0, got {P}")
     V_ple = get_field(text, "vocab_size_per_layer_input", int, 262_144, where)
     if P > 0:
         check_positive(V_ple, "vocab_size_per_layer_input", where)
+    return P, V_ple if P > 0 else 0
+
+
+def _num_shared(text: dict, L: int, where: str) -> int:
     num_shared = get_field(text, "num_kv_shared_layers", int, 0, where)
     if not 0 <= num_shared < L:
         hint = " (an all-shared assistant/drafter model needs its target's cache, which this oracle does not serve)"
@@ -379,10 +326,12 @@ def parse_config(raw: dict, where: str = "config.json", extra_eos: tuple[int, ..
             f"{where}: 'num_kv_shared_layers' must be in [0, num_hidden_layers) = [0, {L}), got {num_shared}"
             + (hint if num_shared == L else "")
         )
-    double_wide = get_field(text, "use_double_wide_mlp", bool, False, where)
-    k_eq_v = get_field(text, "attention_k_eq_v", bool, False, where)
-    moe = get_field(text, "enable_moe_block", bool, False, where)
-    tie = get_field(text, "tie_word_embeddings", bool, top.get("tie_word_embeddings", True) is not False, where)
+    return num_shared
+
+
+def _check_served(text: dict, where: str) -> Any:
+    """Refuse what the oracle does not compute (fully bidirectional models, another activation, biases);
+    returns use_bidirectional_attention (None or "vision")."""
     bidir = text.get("use_bidirectional_attention")
     if bidir not in (None, "vision"):
         raise ConfigError(
@@ -394,70 +343,86 @@ def parse_config(raw: dict, where: str = "config.json", extra_eos: tuple[int, ..
         raise ConfigError(f"{where}: 'hidden_activation' is {act!r}; Gemma 4 uses 'gelu_pytorch_tanh'")
     if text.get("attention_bias"):
         raise ConfigError(f"{where}: 'attention_bias' is true; Gemma 4 has no biases (set it to false)")
+    return bidir
 
-    num_experts = top_k = moe_I = None
-    if moe:
-        for key in ("num_experts", "top_k_experts", "moe_intermediate_size"):
-            if text.get(key) is None:
-                raise ConfigError(
-                    f"{where}: 'enable_moe_block' is true but '{key}' is missing; set '{key}' "
-                    "(the 26B-A4B uses num_experts 128, top_k_experts 8, moe_intermediate_size 704)"
-                )
-        num_experts = required_positive(text, "num_experts", where)
-        top_k = required_positive(text, "top_k_experts", where)
-        moe_I = required_positive(text, "moe_intermediate_size", where)
-        if top_k > num_experts:
+
+def _moe_fields(text: dict, where: str) -> tuple[int | None, int | None, int | None]:
+    """(num_experts, top_k_experts, moe_intermediate_size) of a MoE block, or three Nones."""
+    if not get_field(text, "enable_moe_block", bool, False, where):
+        return None, None, None
+    for key in ("num_experts", "top_k_experts", "moe_intermediate_size"):
+        if text.get(key) is None:
             raise ConfigError(
-                f"{where}: 'top_k_experts' ({top_k}) exceeds 'num_experts' ({num_experts}); lower top_k_experts"
+                f"{where}: 'enable_moe_block' is true but '{key}' is missing; set '{key}' "
+                "(the 26B-A4B uses num_experts 128, top_k_experts 8, moe_intermediate_size 704)"
             )
+    num_experts = required_positive(text, "num_experts", where)
+    top_k = required_positive(text, "top_k_experts", where)
+    moe_I = required_positive(text, "moe_intermediate_size", where)
+    if top_k > num_experts:
+        raise ConfigError(
+            f"{where}: 'top_k_experts' ({top_k}) exceeds 'num_experts' ({num_experts}); lower top_k_experts"
+        )
+    return num_experts, top_k, moe_I
 
-    types, type_notes = _layer_types(text, L, where)
-    notes += type_notes
-    rope = _rope_specs(text, set(types), where)
 
-    # per-layer head dim and KV heads, from either serialisation
-    if "per_layer_config" in text and text["per_layer_config"] is not None:
-        serialisation = "per_layer_config"
-        plc = text["per_layer_config"]
-        if not isinstance(plc, dict):
-            raise ConfigError(f"{where}: 'per_layer_config' must map layer indices to override objects")
-        overrides: dict[int, dict] = {}
-        for key, value in plc.items():
-            if not (isinstance(key, str) and key.lstrip("-").isdigit()) or not 0 <= int(key) < L:
-                raise ConfigError(f"{where}: 'per_layer_config' key {key!r} is not a layer index in [0, {L})")
-            if not isinstance(value, dict):
-                raise ConfigError(f"{where}: 'per_layer_config[{key}]' must be an object of overridden fields")
-            unknown = sorted(set(value) - {"head_dim", "num_key_value_heads"})
-            if unknown:
-                raise ConfigError(
-                    f"{where}: 'per_layer_config[{key}]' overrides {unknown}, which this oracle does not derive "
-                    "per layer (only head_dim and num_key_value_heads)"
-                )
-            overrides[int(key)] = value
+def _layer_overrides(plc: Any, L: int, where: str) -> dict[int, dict]:
+    """per_layer_config's overrides by layer index, each only head_dim and num_key_value_heads."""
+    if not isinstance(plc, dict):
+        raise ConfigError(f"{where}: 'per_layer_config' must map layer indices to override objects")
+    overrides: dict[int, dict] = {}
+    for key, value in plc.items():
+        if not (isinstance(key, str) and key.lstrip("-").isdigit()) or not 0 <= int(key) < L:
+            raise ConfigError(f"{where}: 'per_layer_config' key {key!r} is not a layer index in [0, {L})")
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: 'per_layer_config[{key}]' must be an object of overridden fields")
+        unknown = sorted(set(value) - {"head_dim", "num_key_value_heads"})
+        if unknown:
+            raise ConfigError(
+                f"{where}: 'per_layer_config[{key}]' overrides {unknown}, which this oracle does not derive "
+                "per layer (only head_dim and num_key_value_heads)"
+            )
+        overrides[int(key)] = value
+    return overrides
+
+
+def _per_layer_heads(text: dict, types: list[str], k_eq_v: bool, where: str,
+                     notes: list[str]) -> tuple[list[tuple[int, int]], str]:
+    """([(head_dim, KV heads)] per layer, the serialisation it was read from: per_layer_config or legacy)."""
+    head_dim = check_positive(get_field(text, "head_dim", int, 256, where), "head_dim", where)
+    kv_heads = required_positive(text, "num_key_value_heads", where)
+    if text.get("per_layer_config") is not None:
+        overrides = _layer_overrides(text["per_layer_config"], len(types), where)
         per_layer = []
-        for i in range(L):
-            o = overrides.get(i, {})
-            at = f"{where} per_layer_config[{i}]"
+        for i in range(len(types)):
+            o, at = overrides.get(i, {}), f"{where} per_layer_config[{i}]"
             d = check_positive(get_field(o, "head_dim", int, head_dim, at), "head_dim", where)
             k = get_field(o, "num_key_value_heads", int, kv_heads, at)
             per_layer.append((d, check_positive(k, "num_key_value_heads", where)))
-    else:
-        serialisation = "legacy"
-        global_head_dim = check_positive(get_field(text, "global_head_dim", int, 512, where), "global_head_dim",
-                                         where)
-        if "global_head_dim" not in text:
-            notes.append("global_head_dim absent: full layers use the transformers default 512")
-        global_kv = get_field(text, "num_global_key_value_heads", int, None, where)
-        per_layer = []
-        for t in types:
-            if t == FULL:
-                k = global_kv if (k_eq_v and global_kv is not None) else kv_heads
-                per_layer.append((global_head_dim, check_positive(k, "num_global_key_value_heads", where)))
-            else:
-                per_layer.append((head_dim, kv_heads))
+        return per_layer, "per_layer_config"
+    global_head_dim = check_positive(get_field(text, "global_head_dim", int, 512, where), "global_head_dim", where)
+    if "global_head_dim" not in text:
+        notes.append("global_head_dim absent: full layers use the transformers default 512")
+    global_kv = get_field(text, "num_global_key_value_heads", int, None, where)
+    per_layer = []
+    for t in types:
+        if t == FULL:
+            k = global_kv if (k_eq_v and global_kv is not None) else kv_heads
+            per_layer.append((global_head_dim, check_positive(k, "num_global_key_value_heads", where)))
+        else:
+            per_layer.append((head_dim, kv_heads))
+    return per_layer, "legacy"
 
-    sources = _kv_sources(types, num_shared, where)
-    first = L - num_shared
+
+def _layer_specs(text: dict, types: list[str], per_layer: list[tuple[int, int]], serialisation: str,
+                 num_shared: int, where: str) -> tuple[LayerSpec, ...]:
+    """Every layer's spec, checked: heads divisible by KV heads, even head_dim, a shared layer's geometry
+    equal to its source's."""
+    N, I = text["num_attention_heads"], text["intermediate_size"]  # noqa: E741 - I: the intermediate size (spec)
+    k_eq_v = get_field(text, "attention_k_eq_v", bool, False, where)
+    double_wide = get_field(text, "use_double_wide_mlp", bool, False, where)
+    rope = _rope_specs(text, set(types), where)
+    sources, first = _kv_sources(types, num_shared, where), len(types) - num_shared
     layers = []
     for i, t in enumerate(types):
         d, k = per_layer[i]
@@ -472,8 +437,7 @@ def parse_config(raw: dict, where: str = "config.json", extra_eos: tuple[int, ..
             raise ConfigError(f"{where}: layer {i} has odd head_dim {d}; RoPE pairs dimension i with i + D/2")
         width = 2 * I if (double_wide and i >= first) else I
         layers.append(LayerSpec(i, t, d, k, k_eq_v and t == FULL, sources[i], width, rope[t]))
-    # a shared layer attends over its source's K/V, so the geometry must match
-    for layer in layers:
+    for layer in layers:  # a shared layer attends over its source's K/V, so the geometry must match
         src = layers[layer.kv_source]
         if (layer.head_dim, layer.num_kv_heads) != (src.head_dim, src.num_kv_heads):
             raise ConfigError(
@@ -481,21 +445,57 @@ def parse_config(raw: dict, where: str = "config.json", extra_eos: tuple[int, ..
                 f"reads the K/V of layer {src.index} (head_dim {src.head_dim}, {src.num_kv_heads} KV heads); "
                 "their geometry must match"
             )
+    return tuple(layers)
 
-    eos = _token_ids(text.get("eos_token_id", top.get("eos_token_id", 1)), "eos_token_id", where)
-    eos = tuple(dict.fromkeys(eos + tuple(extra_eos)))
-    bos = text.get("bos_token_id", top.get("bos_token_id", 2))
-    pad = text.get("pad_token_id", top.get("pad_token_id", 0))
 
+def parse_config(raw: dict, where: str = "config.json", extra_eos: tuple[int, ...] = (),
+                 layers_held: int | None = None) -> TextConfig:
+    """Build a ``TextConfig`` from a parsed config.json (either architecture, either serialisation).
+
+    ``layers_held``: how many decoder layers the checkpoint's tensors hold (``decoder_layers_held``);
+    a larger num_hidden_layers is refused before any per-layer list is derived from it."""
+    text, top, arch = text_section(raw, where)
+    family = config_family(top)
+    if "text_config" in top:
+        where = f"{where} text_config"
+    notes: list[str] = []
+    if family == "gemma4_unified":
+        text = _unified_text(text, notes)
+    L = _num_layers(text, layers_held, where)
+    text = {**text, **{key: required_positive(text, key, where) for key in (
+        "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "intermediate_size")}}
+    check_positive(get_field(text, "head_dim", int, 256, where), "head_dim", where)
+    W = check_positive(get_field(text, "sliding_window", int, 512, where), "sliding_window", where)
+    eps = get_field(text, "rms_norm_eps", float, 1e-6, where)
+    check_positive_float(eps, "rms_norm_eps", where)
+    context = _optional_positive(text, "max_position_embeddings", int, where)
+    softcap = _optional_positive(text, "final_logit_softcapping", float, where)
+    P, V_ple = _ple_fields(text, where)
+    num_shared = _num_shared(text, L, where)
+    double_wide = get_field(text, "use_double_wide_mlp", bool, False, where)
+    k_eq_v = get_field(text, "attention_k_eq_v", bool, False, where)
+    get_field(text, "enable_moe_block", bool, False, where)
+    tie = get_field(text, "tie_word_embeddings", bool, top.get("tie_word_embeddings", True) is not False, where)
+    bidir = _check_served(text, where)
+    num_experts, top_k, moe_I = _moe_fields(text, where)
+    types, type_notes = _layer_types(text, L, where)
+    notes += type_notes
+    per_layer, serialisation = _per_layer_heads(text, types, k_eq_v, where, notes)
+    layers = _layer_specs(text, types, per_layer, serialisation, num_shared, where)
+    eos = token_ids(text.get("eos_token_id", top.get("eos_token_id", 1)), "eos_token_id", where)
     return TextConfig(
-        vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=N, intermediate_size=I,
+        vocab_size=text["vocab_size"], hidden_size=text["hidden_size"], num_hidden_layers=L,
+        num_attention_heads=text["num_attention_heads"], intermediate_size=text["intermediate_size"],
         sliding_window=W, rms_norm_eps=eps, final_logit_softcapping=softcap,
-        hidden_size_per_layer_input=P, vocab_size_per_layer_input=V_ple if P > 0 else 0,
-        num_kv_shared_layers=num_shared, use_double_wide_mlp=double_wide, attention_k_eq_v=k_eq_v,
-        enable_moe_block=moe, num_experts=num_experts, top_k_experts=top_k, moe_intermediate_size=moe_I,
-        tie_word_embeddings=tie, use_bidirectional_attention=bidir, layers=tuple(layers),
-        bos_token_id=bos, eos_token_ids=eos, pad_token_id=pad, architecture=arch,
-        serialisation=serialisation, family=family, notes=tuple(notes), max_position_embeddings=context,
+        hidden_size_per_layer_input=P, vocab_size_per_layer_input=V_ple, num_kv_shared_layers=num_shared,
+        use_double_wide_mlp=double_wide, attention_k_eq_v=k_eq_v, enable_moe_block=num_experts is not None,
+        num_experts=num_experts, top_k_experts=top_k, moe_intermediate_size=moe_I, tie_word_embeddings=tie,
+        use_bidirectional_attention=bidir, layers=layers,
+        bos_token_id=text.get("bos_token_id", top.get("bos_token_id", 2)),
+        eos_token_ids=tuple(dict.fromkeys(eos + tuple(extra_eos))),
+        pad_token_id=text.get("pad_token_id", top.get("pad_token_id", 0)), architecture=arch,
+        serialisation=serialisation, family=family, notes=tuple(notes),
+        max_position_embeddings=context,
     )
 
 
@@ -515,17 +515,10 @@ def load_config(model_dir: str | Path) -> TextConfig:
     if gen.is_file():
         gen_raw = read_json(gen)
         if not isinstance(gen_raw, dict):
-            raise ConfigError(f"{gen}: expected a JSON object at the top level, got {_json_kind(gen_raw)}; "
+            raise ConfigError(f"{gen}: expected a JSON object at the top level, got {json_kind(gen_raw)}; "
                               "fix or remove generation_config.json")
-        extra_eos = _token_ids(gen_raw.get("eos_token_id"), "eos_token_id", str(gen))
+        extra_eos = token_ids(gen_raw.get("eos_token_id"), "eos_token_id", str(gen))
     return parse_config(raw, str(path), extra_eos, _layers_held(model_dir))
-
-
-def _json_kind(value: Any) -> str:
-    """What a parsed JSON value is, for messages: "an array", "a string", ..."""
-    kinds = ((bool, "a boolean"), ((int, float), "a number"), (str, "a string"), (list, "an array"),
-             (dict, "an object"))
-    return "null" if value is None else next(name for kind, name in kinds if isinstance(value, kind))
 
 
 def decoder_layers_held(names) -> int:
@@ -542,60 +535,3 @@ def _layers_held(model_dir: Path) -> int | None:
         return None
 
 
-def tower_section(raw: Any, key: str, embedder: str, missing: str, where: str) -> tuple[dict, int, str]:
-    """(the ``key`` section, e.g. ``vision_config``, of a Gemma4ForConditionalGeneration config.json; the
-    text hidden_size, the width of the tower's ``embedder`` projection; the section's name for
-    messages). ConfigError naming the problem; ``missing`` says why a checkpoint may lack the section."""
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a JSON object at the top level")
-    section = raw.get(key)
-    if section is None:
-        raise ConfigError(f"{where}: no '{key}'; this checkpoint has no {missing}")
-    if not isinstance(section, dict):
-        raise ConfigError(f"{where}: '{key}' must be an object")
-    text = raw.get("text_config")
-    if not isinstance(text, dict):
-        raise ConfigError(f"{where}: 'text_config' must be an object holding the text hidden_size ({embedder}'s width)")
-    text_hidden = required_positive(text, "hidden_size", f"{where} text_config")
-    return section, text_hidden, f"{where} {key}"
-
-
-def read_config_json(model_dir: str | Path) -> tuple[Path, Any]:
-    """(path, parsed content) of a checkpoint directory's config.json; ConfigError naming the problem."""
-    model_dir = Path(model_dir)
-    path = model_dir / "config.json"
-    if is_gguf(model_dir):
-        raise ConfigError(f"{model_dir}: a GGUF file holds the text model only; the image and audio towers are read "
-                          "from a checkpoint directory (config.json and safetensors)")
-    if not model_dir.is_dir():
-        raise ConfigError(f"{model_dir}: not a directory; pass a checkpoint directory holding config.json")
-    if not path.is_file():
-        raise ConfigError(f"{path}: not found; a checkpoint directory must hold config.json")
-    return path, read_json(path)
-
-
-def read_media_file(path: str | Path, what: str, kind: str) -> bytes:
-    """The bytes of a user-given media file; InputError for a missing path, a directory or a read error.
-    ``what``: "image" or "audio"; ``kind``: what to pass instead ("an image file", "a .wav file")."""
-    path = Path(path)
-    if not path.exists():
-        raise InputError(f"{what} file {path} does not exist; check the path")
-    if path.is_dir():
-        raise InputError(f"{what} path {path} is a directory; pass the path of {kind}")
-    try:
-        return path.read_bytes()
-    except OSError as e:
-        raise InputError(f"{what} file {path} cannot be read ({e.strerror or e})") from None
-
-
-def read_json(path: Path) -> Any:
-    """A JSON file's content; ConfigError naming the file for unreadable or invalid JSON."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot be read ({e})") from None
-    except ValueError as e:  # e.g. an integer of more digits than Python converts
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None

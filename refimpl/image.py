@@ -48,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import read_json, read_media_file
+from .config_fields import read_json, read_media_file
 from .errors import ConfigError, InputError
 from .vision import VisionConfig
 

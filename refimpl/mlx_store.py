@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import read_config_json
+from .config_fields import read_config_json
 from .errors import WeightsError
 from .mlx_quant import QuantSpec, check_shapes, dequantize, parse_quantization
 from .safetensors_io import TensorStore

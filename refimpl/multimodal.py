@@ -30,7 +30,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .config import read_config_json, text_section
+from .config import text_section
+from .config_fields import read_config_json
 from .errors import ConfigError, InputError
 from .gguf_io import is_gguf, open_gguf
 from .model import Gemma4, KVCache, Trace

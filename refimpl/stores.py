@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .config import read_config_json
+from .config_fields import read_config_json
 from .gguf_io import is_gguf
 from .gguf_store import GGUFStore
 from .mlx_store import MlxStore, is_mlx_quantised

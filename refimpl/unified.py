@@ -38,7 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import check_positive, check_positive_float, config_family, get_field, read_config_json, tower_section
+from .config import config_family
+from .config_fields import check_positive, check_positive_float, get_field, read_config_json, tower_section
 from .errors import ConfigError, InputError
 from .image import (
     ImageProcessorSettings,

@@ -44,7 +44,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .config import check_positive_float, get_field, required_positive, tower_section
+from .config_fields import check_positive_float, get_field, required_positive, tower_section
 from .errors import ConfigError, InputError
 from .model import Trace
 from .ops import apply_rope_2d, attention, geglu, linear, rms_norm, rope_cos_sin

@@ -18,7 +18,8 @@ from typing import Any, Callable
 import numpy as np
 
 from . import memory
-from .config import TEXT_PREFIXES, TextConfig, read_config_json
+from .config import TEXT_PREFIXES, TextConfig
+from .config_fields import read_config_json
 from .errors import InputError, NonFiniteError, WeightsError
 from .ggml_act import NOT_EMULATED, VEC_DOT_TYPE, activation_values, convention_path
 from .gguf_store import GGUFStore

@@ -25,7 +25,7 @@ import numpy as np
 
 from refimpl import Gemma4, KVCache, RefimplError
 from refimpl.assistant import Drafter
-from refimpl.config import read_config_json
+from refimpl.config_fields import read_config_json
 from refimpl.errors import check_choice
 from refimpl.frontends import audio_front_end, image_front_end
 from refimpl.ggml_act import CONVENTIONS as ACTIVATION_CONVENTIONS

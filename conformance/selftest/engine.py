@@ -73,7 +73,7 @@ import numpy as np
 
 from refimpl import RefimplError
 from refimpl.audio import AudioConfig, AudioWeights, load_audio_tower
-from refimpl.config import read_config_json
+from refimpl.config_fields import read_config_json
 from refimpl.errors import check_choice
 from refimpl.frontends import ImageFrontEnd, image_front_end
 from refimpl.gguf_io import is_gguf
