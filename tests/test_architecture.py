@@ -44,9 +44,24 @@ LONG_OK = {
     "conformance/selftest/engine.py": "the numpy engine is one production-style engine; its hooks are the mutants' API",
     "conformance/backends/llama_cpp/engine.py": "the llama.cpp engine: conversion, context, batches and logits",
     "conformance/backends/transformers/backend.py": "transformers: loading, the cache driver and the multimodal path",
-    "conformance/selftest/run.py": "the self-test run and its table",
 }
 MAX_LINES = 600
+# functions over 80 lines, being split (issue 52); the list only shrinks
+LONG_FUNCTIONS = {
+    "conformance/backends/transformers/backend.py:_forward",
+    "conformance/check/expectations.py:parse",
+    "conformance/check/grading.py:_grade_row",
+    "conformance/check/grading.py:grade_case",
+    "conformance/cli/__init__.py:build_parser",
+    "conformance/generate/matrix.py:generate_cases",
+    "conformance/generate/matrix.py:generate_image_cases",
+    "conformance/generate/run.py:generate_set",
+    "conformance/generate/run.py:_generate",
+    "conformance/selftest/run.py:run_selftest",
+    "conformance/sets/integrity.py:_read_dir",
+    "refimpl/synth.py:write_checkpoint",
+}
+MAX_FUNCTION_LINES = 80
 
 
 def modules() -> list[tuple[str, Path]]:
@@ -181,8 +196,20 @@ def test_no_import_circle():
 
 def test_modules_are_readable_in_one_sitting():
     long = {str(path.relative_to(REPO)): len(path.read_text(encoding="utf-8").splitlines()) for _, path in ALL}
-    over = {p: n for p, n in long.items() if n > MAX_LINES and p.startswith("conformance/")}
+    over = {p: n for p, n in long.items() if n > MAX_LINES}
     assert set(over) == set(LONG_OK), over
+
+
+def test_functions_are_readable_in_one_sitting():
+    """Every function of refimpl/ and conformance/ is at most MAX_FUNCTION_LINES long (its def to its last line)."""
+    over = {}
+    for _, path in ALL:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    over[f"{path.relative_to(REPO)}:{node.name}"] = n
+    assert set(over) == LONG_FUNCTIONS, over
 
 
 def test_the_wheel_lists_every_package_of_the_tree():

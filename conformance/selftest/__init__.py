@@ -1,6 +1,7 @@
 """The gate's self-test: ``engine`` (numpy-engine, a second NumPy backend organised like a production
-engine), ``mutants`` (the engine with one known bug planted, one factory), and ``run`` (``run_selftest``: the
-control, then every mutant, graded; which check catches which bug). Imports ``conformance.check``,
+engine), ``mutants`` (the engine with one known bug planted, one factory), ``run`` (``run_selftest``: the
+control, then every mutant, graded; which check catches which bug), ``results`` (its records) and ``output`` (its
+table, console summary and JSON). Imports ``conformance.check``,
 ``conformance.report`` and below.
 
     from conformance.selftest import run_selftest, MUTANTS
@@ -8,7 +9,8 @@ control, then every mutant, graded; which check catches which bug). Imports ``co
 
 from .engine import NumpyEngineBackend
 from .mutants import EQUIVALENT, MUTANTS, Mutant
-from .run import (
+from .output import console_summary, format_table, table_rows, to_json, write_json
+from .results import (
     CONTROL_PROFILE,
     DEFAULT_PROFILES,
     SCHEMA,
@@ -17,18 +19,8 @@ from .run import (
     MutantResult,
     SelftestResult,
     Verdict,
-    console_summary,
-    default_control,
-    format_table,
-    load_equivalents,
-    load_mutants,
-    run_selftest,
-    select_equivalents,
-    select_mutants,
-    table_rows,
-    to_json,
-    write_json,
 )
+from .run import default_control, load_equivalents, load_mutants, run_selftest, select_equivalents, select_mutants
 
 __all__ = ["CONTROL_PROFILE", "DEFAULT_PROFILES", "EQUIVALENT", "MUTANTS", "SCHEMA", "SCHEMA_VERSION", "ControlResult",
            "Mutant", "MutantResult", "NumpyEngineBackend", "SelftestResult", "Verdict", "console_summary",

@@ -32,18 +32,16 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import datetime as _dt
-import json
 import multiprocessing
 import os
 import re
 import sys
 import tempfile
-import textwrap
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from refimpl.threads import cores, use_threads
 
@@ -51,245 +49,14 @@ from ..check.cases import run_case
 from ..check.expectations import Expectations
 from ..check.policy import Policy
 from ..check.profiles import get_profile
-from ..check.results import FAILING, CaseResult
 from ..check.session import Checkpoints, Selection, Session, Work
 from ..protocol.types import Backend, BackendError
-from ..report.json_report import clean, versions, write_output
 from .engine import NumpyEngineBackend
 from .mutants import EQUIVALENT, MUTANTS
+from .results import CONTROL_PROFILE, DEFAULT_PROFILES, ControlResult, MutantResult, Progress, SelftestResult, Verdict
 
-__all__ = ["SCHEMA", "SCHEMA_VERSION", "DEFAULT_PROFILES", "CONTROL_PROFILE", "Verdict", "ControlResult",
-           "MutantResult", "SelftestResult", "run_selftest", "default_control", "load_mutants",
-           "select_mutants", "format_table", "to_json", "write_json"]
-
-SCHEMA = "gemma4-conformance/selftest"
-SCHEMA_VERSION = 1
-#: the profiles every mutant is graded with; the first is the primary one (the self-test's verdict)
-DEFAULT_PROFILES = ("fp32", "bf16", "q8")
-#: the profile the control (the unmutated engine, float64) must pass
-CONTROL_PROFILE = "exact-f64"
-CONTROL_BACKEND = "numpy-engine"
-
-# progress(done, total, label, result): result is None before a case runs, its CaseResult (graded
-# with the primary profile, or the control profile for the control) after it, and a ControlResult /
-# MutantResult when a backend has finished all its cases. label is "<backend>: <case id>" or the
-# backend's name. done counts the case runs finished so far; total = (1 + mutants) x cases.
-Progress = Callable[[int, int, str, Any], None]
-
-
-# ----------------------------------------------------------------------------------------------
-# results
-
-
-def _check_of(c: CaseResult) -> str:
-    """The check a failing case is attributed to: its grading check, or 'error' when the backend raised."""
-    return c.check or ("error" if c.status == "error" else c.status)
-
-
-@dataclass
-class Verdict:
-    """One backend under one profile, over every selected case."""
-
-    profile: str
-    cases_run: int = 0
-    not_run: int = 0  # not claimed by the backend (or skipped)
-    failing_cases: int = 0
-    first_case: str | None = None  # the first failing case, in fixture order
-    check: str | None = None  # its check
-    status: str | None = None  # its status (fail, error)
-    message: str = ""  # its message
-    checks: dict[str, int] = field(default_factory=dict)  # check -> failing cases
-    failing: list[tuple[str, str]] = field(default_factory=list)  # (case id, check), fixture order
-
-    @property
-    def killed(self) -> bool:
-        return self.failing_cases > 0
-
-    def add(self, c: CaseResult) -> None:
-        if c.status in ("not-claimed", "skipped"):
-            self.not_run += 1
-            return
-        self.cases_run += 1
-        if c.status not in FAILING:
-            return
-        self.failing_cases += 1
-        chk = _check_of(c)
-        self.checks[chk] = self.checks.get(chk, 0) + 1
-        self.failing.append((c.id, chk))
-        if self.first_case is None:
-            self.first_case, self.check, self.status = c.id, chk, c.status
-            self.message = c.message
-
-    def to_json(self) -> dict[str, Any]:
-        return {"profile": self.profile, "killed": self.killed, "cases_run": self.cases_run,
-                "not_run": self.not_run, "failing_cases": self.failing_cases, "first_case": self.first_case,
-                "check": self.check, "status": self.status, "message": self.message, "checks": dict(self.checks)}
-
-
-@dataclass
-class ControlResult:
-    backend: str
-    profile: str
-    verdict: Verdict
-    duration: float = 0.0
-    error: str | None = None  # could not be built or opened
-    note: str | None = None  # e.g. the stand-in used when numpy-engine is not installed
-
-    @property
-    def passed(self) -> bool:
-        return self.error is None and not self.verdict.killed and self.verdict.cases_run > 0
-
-    def problem(self) -> str | None:
-        if self.error is not None:
-            return f"the control backend {self.backend!r} could not run: {self.error}"
-        v = self.verdict
-        if v.cases_run == 0:
-            return f"the control backend {self.backend!r} ran no case (every selected case not claimed)"
-        if v.killed:
-            return (f"the unmutated control backend {self.backend!r} failed {v.failing_cases} of {v.cases_run} "
-                    f"case(s) at {self.profile} (first: {v.first_case} [{v.check}]: {_short(v.message, 300)}); "
-                    "a mutant killed by a case the correct engine fails proves nothing, so the mutants were "
-                    "not run. Fix the engine or the fixtures first (conformance check --backend "
-                    f"{self.backend} --profile {self.profile})")
-        return None
-
-    def to_json(self) -> dict[str, Any]:
-        return {"backend": self.backend, "profile": self.profile, "passed": self.passed,
-                "cases_run": self.verdict.cases_run, "not_run": self.verdict.not_run,
-                "failing_cases": self.verdict.failing_cases, "first_case": self.verdict.first_case,
-                "check": self.verdict.check, "message": self.verdict.message, "checks": dict(self.verdict.checks),
-                "duration": self.duration, "error": self.error, "note": self.note}
-
-
-@dataclass
-class MutantResult:
-    name: str
-    breaks: str
-    bug_class: str
-    expected_checks: frozenset[str] | None
-    verdicts: dict[str, Verdict]  # profile name -> verdict, primary first
-    primary: str
-    duration: float = 0.0  # seconds for the mutant (run + grading)
-    run_calls: int = 0  # backend.run calls made (one per case that ran)
-    error: str | None = None  # the mutant could not be built or opened
-    equivalent: str | None = None  # why no float profile can see this bug (graded at exact-f64 too)
-    kill_sets: tuple[str, ...] = ()  # the only fixture sets that can kill it (empty: any)
-    sets_run: tuple[str, ...] = ()  # the fixture sets it ran cases of
-
-    # -- the primary profile -------------------------------------------------------------------
-
-    @property
-    def verdict(self) -> Verdict:
-        return self.verdicts[self.primary]
-
-    @property
-    def killed(self) -> bool:
-        return self.error is None and self.verdict.killed
-
-    def matches(self, check: str | None) -> bool:
-        return check is not None and (self.expected_checks is None or check in self.expected_checks)
-
-    @property
-    def matching(self) -> bool:
-        """Killed at the primary profile by at least one case whose check matches the bug."""
-        return self.killed and any(self.matches(chk) for _, chk in self.verdict.failing)
-
-    @property
-    def caught_by(self) -> tuple[str | None, str | None]:
-        """(case, check) shown for the primary profile: the first failing case whose check matches the
-        bug; if none matches, the first failing case."""
-        for cid, chk in self.verdict.failing:
-            if self.matches(chk):
-                return cid, chk
-        return self.verdict.first_case, self.verdict.check
-
-    @property
-    def ok(self) -> bool:
-        return self.matching
-
-    def survives(self, profile: str) -> bool:
-        return self.error is None and not self.verdicts[profile].killed
-
-    def problem(self) -> str | None:
-        if self.error is not None:
-            return f"mutant {self.name!r} could not run: {self.error}"
-        if self.equivalent is not None:
-            if not self.verdicts[CONTROL_PROFILE].killed:
-                return f"equivalent mutant {self.name!r} ({self.bug_class}) is not caught even at {CONTROL_PROFILE}"
-            return None
-        v = self.verdict
-        if self.kill_sets and not set(self.kill_sets) & set(self.sets_run):
-            return (f"mutant {self.name!r} ({self.bug_class}: {self.breaks}) SURVIVED at {self.primary}: only the "
-                    f"fixture set(s) {', '.join(self.kill_sets)} can kill it, and none of their cases was selected")
-        if v.cases_run == 0:
-            return f"mutant {self.name!r} ran no case (every selected case not claimed or skipped)"
-        if not v.killed:
-            return (f"mutant {self.name!r} ({self.bug_class}: {self.breaks}) SURVIVED at {self.primary}: all "
-                    f"{v.cases_run} case(s) passed")
-        if not self.matching:
-            want = ", ".join(sorted(self.expected_checks or ()))
-            got = ", ".join(f"{k} ({n})" for k, n in v.checks.items())
-            return (f"mutant {self.name!r} ({self.bug_class}) was killed at {self.primary} only by {got}, not by a "
-                    f"check that matches its bug ({want})")
-        return None
-
-    def to_json(self) -> dict[str, Any]:
-        case, check = self.caught_by
-        v = self.verdict
-        return {
-            "name": self.name, "bug_class": self.bug_class, "breaks": self.breaks,
-            "expected_checks": None if self.expected_checks is None else sorted(self.expected_checks),
-            "killed": self.killed, "matching": self.matching, "ok": self.ok,
-            "check": check if self.killed else None, "first_case": case if self.killed else None,
-            "failing_cases": v.failing_cases, "cases_run": v.cases_run,
-            "first_failure": ({"case": v.first_case, "check": v.check, "status": v.status, "message": v.message}
-                              if v.killed else None),
-            "checks": dict(v.checks),
-            "failing": [{"case": cid, "check": chk} for cid, chk in v.failing],
-            "survives": {p: self.survives(p) for p in self.verdicts},
-            "profiles": {p: vv.to_json() for p, vv in self.verdicts.items()},
-            "run_calls": self.run_calls, "duration": self.duration, "error": self.error,
-            "equivalent": self.equivalent, "kill_sets": list(self.kill_sets), "problem": self.problem(),
-        }
-
-
-@dataclass
-class SelftestResult:
-    control: ControlResult
-    mutants: list[MutantResult]
-    profiles: list[str]  # primary first
-    sets: list[dict[str, Any]]  # name, version, path, cases_total, cases_selected
-    select: str | None
-    cases: int  # selected cases (per backend)
-    started: _dt.datetime
-    finished: _dt.datetime
-    duration: float
-
-    @property
-    def primary(self) -> str:
-        return self.profiles[0]
-
-    @property
-    def valid(self) -> bool:
-        return self.control.passed
-
-    def problems(self) -> list[str]:
-        """Why the self-test fails (empty when it passes)."""
-        p = self.control.problem()
-        if p is not None:
-            return [p]
-        out = [m.problem() for m in self.mutants]
-        out = [x for x in out if x is not None]
-        if not self.mutants:
-            out.append("no mutant was run")
-        return out
-
-    @property
-    def exit_code(self) -> int:
-        return 1 if self.problems() else 0
-
-    def survivors(self, profile: str) -> list[str]:
-        return [m.name for m in self.mutants if m.survives(profile)]
+__all__ = ["run_selftest", "default_control", "load_mutants", "load_equivalents", "select_mutants",
+           "select_equivalents"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -332,11 +99,6 @@ class _Replay:
 def _error_text(exc: BaseException) -> str:
     last = traceback.format_exception_only(type(exc), exc)[-1].strip()
     return last
-
-
-def _short(s: str, limit: int = 200) -> str:
-    s = " ".join(str(s).split())
-    return s if len(s) <= limit else s[: limit - 3] + "..."
 
 
 class _Counter:
@@ -592,144 +354,3 @@ def run_selftest(
     )
 
 
-# ----------------------------------------------------------------------------------------------
-# output
-
-#: the mark after a check that does not match the mutant's bug
-MISMATCH_MARK = " (!)"
-#: the primary-profile cell of an equivalent mutant that no float profile can see
-EQUIVALENT_MARK = "equivalent*"
-
-
-def _cell_profile(m: MutantResult, profile: str) -> str:
-    if m.error is not None:
-        return "-"
-    return "survives" if m.survives(profile) else f"killed ({m.verdicts[profile].failing_cases})"
-
-
-def table_rows(result: SelftestResult, breaks_width: int | None = 48) -> list[list[str]]:
-    """The table as rows of cells (a header row first). A 'breaks' text longer than ``breaks_width``
-    is wrapped onto continuation rows (the other cells empty); None: never wrapped."""
-    primary = result.primary
-    others = result.profiles[1:]
-    head = ["mutant", "bug class", "breaks", primary, "check", "first case", "failing"] + others
-    rows = [head]
-    c = result.control
-    v = c.verdict
-    ctl_status = "ERROR" if c.error else ("pass" if c.passed else "FAILED")
-    rows.append([f"(control) {c.backend}", "-", f"nothing (graded at {c.profile})", ctl_status,
-                 (v.check or "-") if v.killed else "-", v.first_case or "-",
-                 f"{v.failing_cases}/{v.cases_run}"] + ["-"] * len(others))
-
-    def add(cells: list[str]) -> None:
-        text = cells[2]
-        if breaks_width is None or len(text) <= breaks_width:
-            rows.append(cells)
-            return
-        parts = textwrap.wrap(text, breaks_width, break_long_words=True) or [text]
-        rows.append(cells[:2] + [parts[0]] + cells[3:])
-        rows.extend(["", ""] + [p] + [""] * (len(cells) - 3) for p in parts[1:])
-
-    for m in result.mutants:
-        mv = m.verdict
-        if m.error is not None:
-            add([m.name, m.bug_class, m.breaks, "ERROR", "-", "-", "-"] + ["-"] * len(others))
-            continue
-        if m.equivalent is not None:
-            ev = m.verdicts[CONTROL_PROFILE]
-            status = "killed" if m.killed else EQUIVALENT_MARK
-            check = f"{CONTROL_PROFILE}: {ev.check}" if ev.killed else f"{CONTROL_PROFILE}: survives"
-            add([m.name, m.bug_class, m.breaks, status, check, ev.first_case or "-",
-                 f"{ev.failing_cases}/{ev.cases_run}"] + [_cell_profile(m, p) for p in others])
-            continue
-        case, check = m.caught_by
-        check_cell = "-" if not m.killed else (check or "-") + ("" if m.matching else MISMATCH_MARK)
-        add([m.name, m.bug_class, m.breaks, "killed" if m.killed else "SURVIVED", check_cell,
-             case or "-", f"{mv.failing_cases}/{mv.cases_run}"] + [_cell_profile(m, p) for p in others])
-    return rows
-
-
-def format_table(result: SelftestResult, breaks_width: int | None = 48) -> str:
-    rows = table_rows(result, breaks_width)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    right = {6}  # the failing column
-    lines = []
-    for n, r in enumerate(rows):
-        cells = [cell.rjust(w) if i in right else cell.ljust(w)
-                 for i, (cell, w) in enumerate(zip(r, widths, strict=True))]
-        lines.append("  ".join(cells).rstrip())
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def console_summary(result: SelftestResult, breaks_width: int | None = 48) -> str:
-    """The text ``conformance selftest`` prints: header, table, verdict, exit line."""
-    sets = ", ".join(f"{s['name']} {s['version']}" for s in result.sets if s["cases_selected"])
-    primary = result.primary
-    lines = [f"self-test: {len(result.mutants)} mutant(s) of {result.control.backend}, graded at {primary} "
-             f"(verdict) and {', '.join(result.profiles[1:]) or 'no other profile'} (information); "
-             f"{result.cases} case(s) from {sets or 'no set'}"]
-    if result.select:
-        lines.append(f"selected with {result.select}")
-    if result.control.note:
-        lines.append(f"note: {result.control.note}")
-    lines.append("")
-    lines.append(format_table(result, breaks_width))
-    if any(m.killed and not m.matching and m.equivalent is None for m in result.mutants):
-        lines.append(f"{MISMATCH_MARK.strip()} killed, but not by a check that matches the bug")
-    for m in result.mutants:
-        if m.equivalent is not None:
-            lines.append(f"* {m.name}: equivalent at float precision, graded at {CONTROL_PROFILE} (its row shows "
-                         f"that verdict): {m.equivalent}")
-    lines.append("")
-    if result.valid:
-        for p in result.profiles[1:]:
-            surv = result.survivors(p)
-            lines.append(f"would survive at {p}: " + (", ".join(surv) if surv else "none")
-                         + f" ({len(surv)} of {len(result.mutants)})")
-
-    problems = result.problems()
-    if not problems:
-        eq = [m.name for m in result.mutants if m.equivalent is not None]
-        lines.append(f"every mutant killed at {primary} by a matching check"
-                     + (f" (equivalent ones at {CONTROL_PROFILE}: {', '.join(eq)})" if eq else "")
-                     + f"; the control passes at {result.control.profile}")
-    else:
-        head = "SELF-TEST INVALID" if not result.valid else "SELF-TEST FAILED"
-        lines.append(f"{head}:")
-        lines += [f"  - {p}" for p in problems]
-    lines.append(f"{len(result.mutants)} mutant(s) x {result.cases} case(s) in {result.duration:.1f}s")
-    code = result.exit_code
-    lines.append(f"exit {code}: " + ("self-test passed" if code == 0 else
-                                      "self-test invalid (the control fails)" if not result.valid else
-                                      "self-test failed"))
-    return "\n".join(lines)
-
-
-def to_json(result: SelftestResult, *, argv: list[str] | None = None) -> dict[str, Any]:
-    return clean({
-        "schema": SCHEMA,
-        "schema_version": SCHEMA_VERSION,
-        "harness": versions(),
-        "command": list(argv) if argv is not None else None,
-        "profiles": list(result.profiles),
-        "primary_profile": result.primary,
-        "fixture_sets": result.sets,
-        "select": result.select,
-        "cases": result.cases,
-        "started": result.started.isoformat().replace("+00:00", "Z"),
-        "finished": result.finished.isoformat().replace("+00:00", "Z"),
-        "duration": result.duration,
-        "valid": result.valid,
-        "control": result.control.to_json(),
-        "mutants": [m.to_json() for m in result.mutants],
-        "survivors": {p: result.survivors(p) for p in result.profiles},
-        "problems": result.problems(),
-        "exit_code": result.exit_code,
-    })
-
-
-def write_json(result: SelftestResult, path: str | Path, **kw) -> Path:
-    """Write the self-test table as JSON to ``path`` (``-``: standard output)."""
-    return write_output(path, json.dumps(to_json(result, **kw), indent=1, allow_nan=False) + "\n")
