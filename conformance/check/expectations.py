@@ -211,9 +211,8 @@ def _parse_date(value: Any, where: str) -> _dt.date:
         raise ExpectationsError(f"{where}: 'expires' is not a valid ISO date (YYYY-MM-DD): {value!r}") from None
 
 
-def parse(data: Any, *, path: str | None = None, today: _dt.date | None = None) -> Expectations:
-    """Validate a decoded expectations document and build ``Expectations``."""
-    src = path or "expectations"
+def _top_level(data: Any, src: str) -> tuple[str | None, list]:
+    """(backend, entries) of a document whose top level is checked: known fields, schema, version, types."""
     if not isinstance(data, dict):
         raise ExpectationsError(f"{src}: the top level must be an object with an 'entries' list")
     unknown = sorted(set(data) - TOP_FIELDS)
@@ -235,65 +234,76 @@ def parse(data: Any, *, path: str | None = None, today: _dt.date | None = None) 
         raise ExpectationsError(f"{src}: missing 'entries' (a list of entries)")
     if not isinstance(raw, list):
         raise ExpectationsError(f"{src}: 'entries' must be a list")
-    tol_fields: tuple[str, ...] | None = None
-    entries: list[Entry] = []
-    for i, e in enumerate(raw):
-        where = f"{src}: entry {i}"
-        if not isinstance(e, dict):
-            raise ExpectationsError(f"{where}: must be an object")
-        unknown = sorted(set(e) - ENTRY_FIELDS)
-        if unknown:
-            raise ExpectationsError(
-                f"{where}: unknown field(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(sorted(ENTRY_FIELDS))}"
-            )
-        match = e.get("match")
-        if not isinstance(match, str) or not match:
-            raise ExpectationsError(f"{where}: 'match' is required (a regular expression over case ids)")
-        try:
-            pattern = re.compile(match)
-        except re.error as err:
-            raise ExpectationsError(f"{where}: 'match' is not a valid regular expression ({err}): {match!r}") from None
-        action = e.get("action")
-        if action not in ACTIONS:
-            if action is None:
-                raise ExpectationsError(f"{where}: 'action' is required; one of {', '.join(ACTIONS)}")
-            raise ExpectationsError(f"{where}: unknown 'action' {action!r}; one of {', '.join(ACTIONS)}")
-        reason = e.get("reason")
-        if not isinstance(reason, str) or not reason.strip():
-            raise ExpectationsError(f"{where}: 'reason' is required and must be a non-empty string")
-        expires = _parse_date(e["expires"], where) if e.get("expires") is not None else None
-        issue = e.get("issue")
-        if issue is not None and not isinstance(issue, str):
-            raise ExpectationsError(f"{where}: 'issue' must be a string")
-        tolerance: dict[str, float] = {}
-        if action == "tolerance":
-            tol = e.get("tolerance")
-            if not isinstance(tol, dict) or not tol:
-                raise ExpectationsError(
-                    f"{where}: 'tolerance' is required for action 'tolerance' (an object of profile fields)"
-                )
-            if tol_fields is None:
-                tol_fields = _tolerance_fields()
-            for k, v in tol.items():
-                if k not in tol_fields:
-                    raise ExpectationsError(
-                        f"{where}: field 'tolerance.{k}' is not a profile threshold; one of {', '.join(tol_fields)}"
-                    )
-                if isinstance(v, bool) or not isinstance(v, (int, float)):
-                    raise ExpectationsError(f"{where}: field 'tolerance.{k}' must be a number, got {v!r}")
-                if k == "topk":
-                    if float(v) != int(v) or v < 1:
-                        raise ExpectationsError(f"{where}: field 'tolerance.topk' must be a positive integer, got "
-                                                f"{v!r}")
-                    v = int(v)
-                elif not v >= 0:
-                    raise ExpectationsError(f"{where}: field 'tolerance.{k}' must be >= 0, got {v!r}")
-                else:
-                    v = float(v)
-                tolerance[k] = v
-        elif "tolerance" in e:
+    return backend, raw
+
+
+def _tolerance(e: dict, action: str, where: str) -> dict[str, float]:
+    """The profile fields an entry of action 'tolerance' overrides, each checked; {} for another action."""
+    if action != "tolerance":
+        if "tolerance" in e:
             raise ExpectationsError(f"{where}: field 'tolerance' is only allowed with action 'tolerance'")
-        entries.append(Entry(i, match, action, reason.strip(), expires, issue, tolerance, pattern))
+        return {}
+    tol = e.get("tolerance")
+    if not isinstance(tol, dict) or not tol:
+        raise ExpectationsError(
+            f"{where}: 'tolerance' is required for action 'tolerance' (an object of profile fields)"
+        )
+    tol_fields, tolerance = _tolerance_fields(), {}
+    for k, v in tol.items():
+        if k not in tol_fields:
+            raise ExpectationsError(
+                f"{where}: field 'tolerance.{k}' is not a profile threshold; one of {', '.join(tol_fields)}"
+            )
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ExpectationsError(f"{where}: field 'tolerance.{k}' must be a number, got {v!r}")
+        if k == "topk":
+            if float(v) != int(v) or v < 1:
+                raise ExpectationsError(f"{where}: field 'tolerance.topk' must be a positive integer, got {v!r}")
+            tolerance[k] = int(v)
+        elif not v >= 0:
+            raise ExpectationsError(f"{where}: field 'tolerance.{k}' must be >= 0, got {v!r}")
+        else:
+            tolerance[k] = float(v)
+    return tolerance
+
+
+def _entry(i: int, e: Any, src: str) -> Entry:
+    """Entry ``i`` of the document, every field checked."""
+    where = f"{src}: entry {i}"
+    if not isinstance(e, dict):
+        raise ExpectationsError(f"{where}: must be an object")
+    unknown = sorted(set(e) - ENTRY_FIELDS)
+    if unknown:
+        raise ExpectationsError(
+            f"{where}: unknown field(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(sorted(ENTRY_FIELDS))}"
+        )
+    match = e.get("match")
+    if not isinstance(match, str) or not match:
+        raise ExpectationsError(f"{where}: 'match' is required (a regular expression over case ids)")
+    try:
+        pattern = re.compile(match)
+    except re.error as err:
+        raise ExpectationsError(f"{where}: 'match' is not a valid regular expression ({err}): {match!r}") from None
+    action = e.get("action")
+    if action not in ACTIONS:
+        if action is None:
+            raise ExpectationsError(f"{where}: 'action' is required; one of {', '.join(ACTIONS)}")
+        raise ExpectationsError(f"{where}: unknown 'action' {action!r}; one of {', '.join(ACTIONS)}")
+    reason = e.get("reason")
+    if not isinstance(reason, str) or not reason.strip():
+        raise ExpectationsError(f"{where}: 'reason' is required and must be a non-empty string")
+    expires = _parse_date(e["expires"], where) if e.get("expires") is not None else None
+    issue = e.get("issue")
+    if issue is not None and not isinstance(issue, str):
+        raise ExpectationsError(f"{where}: 'issue' must be a string")
+    return Entry(i, match, action, reason.strip(), expires, issue, _tolerance(e, action, where), pattern)
+
+
+def parse(data: Any, *, path: str | None = None, today: _dt.date | None = None) -> Expectations:
+    """Validate a decoded expectations document and build ``Expectations``."""
+    src = path or "expectations"
+    backend, raw = _top_level(data, src)
+    entries = [_entry(i, e, src) for i, e in enumerate(raw)]
     return Expectations(entries, path, backend, today or _dt.date.today())
 
 

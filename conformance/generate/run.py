@@ -4,12 +4,9 @@ and publishes it atomically. docs/fixtures.md and docs/distributed-generation.md
 
 from __future__ import annotations
 
-import datetime as _dt
 import hashlib
 import os
-import shlex
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,13 +17,11 @@ import numpy as np
 from refimpl.errors import check_choice
 from refimpl.gguf_io import is_gguf
 from refimpl.model import VISION_MASK_RULES, Gemma4
-from refimpl.safetensors_io import write_safetensors
 from refimpl.synth import PRESETS
 from refimpl.threads import cores
 from refimpl.tokenizer import Tokenizer
 from refimpl.unified import is_unified
 
-from .. import __version__ as CONFORMANCE_VERSION
 from ..sets.case import (
     DECODE_STEPS,
     GENERATION_BASE,
@@ -38,24 +33,14 @@ from ..sets.case import (
 )
 from ..sets.checkpoint import checkpoint_record
 from ..sets.format import (
-    AUDIO_LEAVES,
-    CASES,
-    IMAGE_LEAVES,
-    MANIFEST,
-    MTP_FILE,
     NAME_RE,
-    SCHEMA,
-    SCHEMA_VERSION,
     SEMVER_RE,
     STORAGES,
     SYNTHETIC_FILES,
     FixtureError,
-    base_file,
     checkpoint_files,
     hash_files,
     sha256_file,
-    versions,
-    write_json,
 )
 from ..sets.head import SUMMARY_LEAVES, RebuiltLogits
 from . import executors, partial
@@ -78,6 +63,7 @@ from .media import (
 from .mtp import SCENARIOS, checked_drafter, mtp_drafter, mtp_matrix
 from .progress import IN_PROCESS, StageLog, Write, held_bound
 from .prompts import chat_ids, encode_prompt, prompt_entries
+from .write import write_set
 
 # chunked prefill + decode vs full forward inside the oracle (float64): per base the larger of this floor (the
 # miniatures' fixed bound) and the float64 rounding bound of the base (conformance.sets.bounds, docs/profiles.md)
@@ -99,11 +85,6 @@ Progress = Callable[[int, int, str], None]
 # cross_check(model_dir, bases, base_logits) -> {"implementation", "agreement", "detail"} | [...] | None
 # (None: the check could not run, e.g. its packages are missing, and nothing is recorded)
 CrossCheck = Callable[[Path, Mapping[str, np.ndarray], Mapping[str, np.ndarray]], Any]
-
-
-def default_command() -> str:
-    argv = [Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "python", *sys.argv[1:]]
-    return shlex.join(argv)
 
 
 def publish_path(out: str | Path) -> Path:
@@ -144,65 +125,8 @@ def count_by_base(cases: Iterable[Case]) -> dict[str, int]:
     return counts
 
 
-def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset: str | None = None, seed: int = 0,
-                 prompts=None, name: str | None = None, version: str = "1.0.0", progress: Progress | None = None,
-                 cross_check: CrossCheck | None = None, command: str | None = None, cases: str = "auto",
-                 images=None, audio=None, workers: int | None = None, cluster: str | None = None,
-                 store: str = "hidden", vision_mask: str = VISION_MASK_RULES[0],
-                 drafter: str | Path | None = None, stages: Write | None = None,
-                 allow_beyond_context: bool = False, activations: str = "none") -> Path:
-    """Write a fixture set to ``out``: the only writer. Refuses an existing ``out`` (an empty directory
-    is allowed). The work is split into one job per base (docs/distributed-generation.md), run in
-    parallel, and resumable: every finished job's result is kept in ``<out.parent>/.<out.name>.partial/``
-    (with the synthetic checkpoint of a ``preset``) until the set is published, so a run that fails or
-    is killed is resumed by running it again with the same arguments (a partial directory of other
-    arguments raises PartialRunMismatch, a FixtureError). The set is published atomically (renamed
-    into place) only when every job is done and assembly succeeded; the partial directory is then
-    removed. A failure before any job finished leaves nothing behind.
-
-    ``workers``: local processes (default: the cores this process may run on; 1 runs everything in this process).
-    ``cluster``: the address of a Dask distributed scheduler (e.g. ``tcp://host:8786``) whose workers
-    run the jobs instead; they must see the model directory and ``out``'s parent at the same absolute
-    paths. Not both. Whatever the executor, the set is the same, byte for byte (the manifest's
-    provenance aside).
-
-    Exactly one of ``model_dir`` (an external checkpoint: recorded by each file's size and sha256, the
-    absolute path as provenance; never copied) and ``preset`` (a ``refimpl synth`` preset, regenerated
-    from ``seed`` when the set is used).
-    ``prompts``: a JSONL path or a list of entries (see ``load_prompts``) -> bases P0, P1, ...
-    ``progress(done, total, label)`` is called as work completes (``label`` e.g. ``"base A: 48 tokens,
-    14 cases, 0.3 s"``, or ``"base A: done in an earlier run"``). ``stages(line)``: a line per stage of every job
-    and per base its consistency against its bound (``progress``). ``allow_beyond_context``: bases past the
-    checkpoint's context are generated and recorded, not refused (``context``). ``cross_check(model_dir, bases,
-    base_logits)`` compares another implementation (entries are recorded only when it returns some).
-    ``command`` is recorded as the generator command line (default: this process's argv).
-    ``store``: "hidden" (default: per row the float64 hidden state and a summary; the logits are rebuilt
-    through the checkpoint's head when the set is used, docs/fixtures.md) or "logits" (also the full
-    float64 logits, so the set can be read without its checkpoint: N x V x 8 bytes per base).
-    ``drafter``: an MTP assistant for ``model_dir`` (a preset with one has its own): the MTP matrix too
-    (conformance.generate.mtp; cases auto, all or mtp), the drafter recorded by its files' sha256.
-    ``vision_mask``: the rule the oracle opens vision blocks with on "vision" checkpoints
-    (refimpl.model.VISION_MASK_RULES; default "sliding-clamped"), recorded in the manifest. ``activations``:
-    the oracle's activation convention (refimpl.ggml_act.CONVENTIONS; other than none for a GGUF file only).
-    ``cases``: "text" (the text matrix), "images" (the image matrix only: image bases I0, I1), "audio"
-    (the audio matrix only: audio bases S0, S1), "mtp" (the MTP matrix only: MTP bases M0, M1, ...), "all" or "auto"
-    (the text matrix plus the image and audio matrices the checkpoint's towers allow). ``images``: the images of
-    the image bases (file paths or uint8 [h, w, 3] arrays; default: synthetic images from ``seed``); ``audio``:
-    the clips of the audio bases (WAV paths or float arrays at 16 kHz; default: synthetic clips). With image or
-    audio bases, ``cross_check`` is also given ``images={base: [ProcessedImage, ...]}`` and/or
-    ``audio={base: [AudioFeatures, ...]}``.
-
-    Errors: ValueError for bad arguments (PromptError, a ValueError, for bad prompts, naming the line;
-    conformance.generate.executors.ClusterError, a ValueError, when the cluster cannot be used), refimpl's
-    RefimplError when the oracle cannot load the checkpoint, FixtureError when ``out`` exists or the set
-    cannot be made (the oracle is not self-consistent, a cross check returned garbage, a partial run of
-    other arguments is in the way), PartialRunBusy (a FixtureError) at once when another run is
-    generating ``out`` (one run per ``out``: conformance.generate.partial.RunLock, taken before any work), and
-    refimpl's ContextLimitError (a RefimplError) before any forward for a base past the context, and
-    ValueError for an ``out`` that is a dangling symbolic link (a link to an existing empty directory
-    is followed: the set is published there).
-    """
-    out = Path(out)
+def _checked_identity(out: Path, model_dir: Any, preset: str | None, seed: Any, version: Any, name: Any) -> str:
+    """The set's name (default: the preset's, else ``out``'s), after checking the model, seed and version."""
     if (model_dir is None) == (preset is None):
         raise ValueError("give exactly one of a model directory (--model) and a synthetic preset (--preset)")
     if preset is not None and preset not in PRESETS:
@@ -215,18 +139,25 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
     if not isinstance(name, str) or not NAME_RE.match(name):
         raise ValueError(f"set name {name!r} must be letters, digits, '.', '_' or '-' (and start with a letter "
                          "or digit)")
-    target = publish_path(out)
-    _refuse_existing(out, target)
-    entries = prompt_entries(prompts)  # validate before any work
+    return name
+
+
+def _checked_choices(model_dir: Any, store: str, vision_mask: str, activations: str, cases: str) -> Path | None:
+    """The model directory (or GGUF file) resolved, after checking the options that are choices."""
     check_choice("store", store, STORAGES, error=ValueError)
     check_choice("vision_mask", vision_mask, VISION_MASK_RULES, error=ValueError)
     check_activations(activations, model_dir)
     check_choice("cases", cases, CASE_KINDS, error=ValueError)
-    if model_dir is not None:
-        model_dir = Path(model_dir).resolve()
-        if not model_dir.is_dir() and not (model_dir.is_file() and is_gguf(model_dir)):
-            raise ValueError(f"{model_dir}: not a directory or a GGUF file")
-    drafter = checked_drafter(drafter, preset)
+    if model_dir is None:
+        return None
+    model_dir = Path(model_dir).resolve()
+    if not model_dir.is_dir() and not (model_dir.is_file() and is_gguf(model_dir)):
+        raise ValueError(f"{model_dir}: not a directory or a GGUF file")
+    return model_dir
+
+
+def _check_bases_asked(cases: str, entries: list, images: Any, audio: Any) -> None:
+    """Prompts, images and audio only where the case kinds asked for write bases of them."""
     if cases == "images" and entries:
         raise ValueError("prompts make text bases, but cases='images' writes the image matrix only; use cases='all'")
     if images is not None and cases in ("text", "audio"):
@@ -235,12 +166,77 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
         raise ValueError(f"audio was given, but cases={cases!r} writes no audio base; use cases='all' or 'audio'")
     if cases == "audio" and entries:
         raise ValueError("prompts make text bases, but cases='audio' writes the audio matrix only; use cases='all'")
+
+
+def _check_executor(workers: Any, cluster: Any) -> None:
     if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
     if cluster is not None and workers is not None:
         raise ValueError("give either workers (local processes) or cluster (a Dask scheduler address), not both")
     if cluster is not None and (not isinstance(cluster, str) or not cluster.strip()):
         raise ValueError(f"cluster must be a Dask scheduler address such as tcp://host:8786, got {cluster!r}")
+
+
+def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset: str | None = None, seed: int = 0,
+                 prompts=None, name: str | None = None, version: str = "1.0.0", progress: Progress | None = None,
+                 cross_check: CrossCheck | None = None, command: str | None = None, cases: str = "auto",
+                 images=None, audio=None, workers: int | None = None, cluster: str | None = None,
+                 store: str = "hidden", vision_mask: str = VISION_MASK_RULES[0],
+                 drafter: str | Path | None = None, stages: Write | None = None,
+                 allow_beyond_context: bool = False, activations: str = "none") -> Path:
+    """Write a fixture set to ``out``: the only writer. Refuses an existing ``out`` (an empty directory is allowed). The
+    work is split into one job per base (docs/distributed-generation.md), run in parallel, and resumable: every finished
+    job's result is kept in ``<out.parent>/.<out.name>.partial/`` (with the synthetic checkpoint of a ``preset``) until
+    the set is published, so a run that fails or is killed is resumed by running it again with the same arguments (a
+    partial directory of other arguments raises PartialRunMismatch, a FixtureError). The set is published atomically
+    (renamed into place) only when every job is done and assembly succeeded; the partial directory is then removed. A
+    failure before any job finished leaves nothing behind.
+
+    ``workers``: local processes (default: the cores this process may run on; 1 runs everything in this process).
+    ``cluster``: the address of a Dask distributed scheduler (e.g. ``tcp://host:8786``) whose workers run the jobs
+    instead; they must see the model directory and ``out``'s parent at the same absolute paths. Not both. Whatever the
+    executor, the set is the same, byte for byte (the manifest's provenance aside).
+
+    Exactly one of ``model_dir`` (an external checkpoint: recorded by each file's size and sha256, the absolute path as
+    provenance; never copied) and ``preset`` (a ``refimpl synth`` preset, regenerated from ``seed`` when the set is
+    used). ``prompts``: a JSONL path or a list of entries (see ``load_prompts``) -> bases P0, P1, ... ``progress(done,
+    total, label)`` is called as work completes (``label`` e.g. ``"base A: 48 tokens, 14 cases, 0.3 s"``, or ``"base A:
+    done in an earlier run"``). ``stages(line)``: a line per stage of every job and per base its consistency against its
+    bound (``progress``). ``allow_beyond_context``: bases past the checkpoint's context are generated and recorded, not
+    refused (``context``). ``cross_check(model_dir, bases, base_logits)`` compares another implementation (entries are
+    recorded only when it returns some). ``command`` is recorded as the generator command line (default: this process's
+    argv). ``store``: "hidden" (default: per row the float64 hidden state and a summary; the logits are rebuilt through
+    the checkpoint's head when the set is used, docs/fixtures.md) or "logits" (also the full float64 logits, so the set
+    can be read without its checkpoint: N x V x 8 bytes per base). ``drafter``: an MTP assistant for ``model_dir`` (a
+    preset with one has its own): the MTP matrix too (conformance.generate.mtp; cases auto, all or mtp), the drafter
+    recorded by its files' sha256. ``vision_mask``: the rule the oracle opens vision blocks with on "vision" checkpoints
+    (refimpl.model.VISION_MASK_RULES; default "sliding-clamped"), recorded in the manifest. ``activations``: the
+    oracle's activation convention (refimpl.ggml_act.CONVENTIONS; other than none for a GGUF file only). ``cases``:
+    "text" (the text matrix), "images" (the image matrix only: image bases I0, I1), "audio" (the audio matrix only:
+    audio bases S0, S1), "mtp" (the MTP matrix only: MTP bases M0, M1, ...), "all" or "auto" (the text matrix plus the
+    image and audio matrices the checkpoint's towers allow). ``images``: the images of the image bases (file paths or
+    uint8 [h, w, 3] arrays; default: synthetic images from ``seed``); ``audio``: the clips of the audio bases (WAV paths
+    or float arrays at 16 kHz; default: synthetic clips). With image or audio bases, ``cross_check`` is also given
+    ``images={base: [ProcessedImage, ...]}`` and/or ``audio={base: [AudioFeatures, ...]}``.
+
+    Errors: ValueError for bad arguments (PromptError, a ValueError, for bad prompts, naming the line;
+    conformance.generate.executors.ClusterError, a ValueError, when the cluster cannot be used), refimpl's RefimplError
+    when the oracle cannot load the checkpoint, FixtureError when ``out`` exists or the set cannot be made (the oracle
+    is not self-consistent, a cross check returned garbage, a partial run of other arguments is in the way),
+    PartialRunBusy (a FixtureError) at once when another run is generating ``out`` (one run per ``out``:
+    conformance.generate.partial.RunLock, taken before any work), and refimpl's ContextLimitError (a RefimplError)
+    before any forward for a base past the context, and ValueError for an ``out`` that is a dangling symbolic link (a
+    link to an existing empty directory is followed: the set is published there).
+    """
+    out = Path(out)
+    name = _checked_identity(out, model_dir, preset, seed, version, name)
+    target = publish_path(out)
+    _refuse_existing(out, target)
+    entries = prompt_entries(prompts)  # validate before any work
+    model_dir = _checked_choices(model_dir, store, vision_mask, activations, cases)
+    drafter = checked_drafter(drafter, preset)
+    _check_bases_asked(cases, entries, images, audio)
+    _check_executor(workers, cluster)
 
     target.parent.mkdir(parents=True, exist_ok=True)
     with partial.RunLock.acquire(target):  # PartialRunBusy at once while another run writes this set
@@ -310,6 +306,26 @@ class _Assembled:
     probes: dict[str, float] = field(default_factory=dict)  # base -> rounding probe, where one was measured
 
 
+def _model_and_key(model_dir: Path | None, preset: str | None, seed: int, vision_mask: str,
+                   activations: str) -> tuple[Gemma4 | None, dict[str, Any]]:
+    """(the oracle of an external checkpoint, None for a preset: made in the partial run; the model's part of
+    the run key). An external checkpoint is keyed by content (sha256 and size of each file, digests cached);
+    its path is provenance only."""
+    if preset is not None:
+        return None, {"kind": "synthetic", "preset": preset, "seed": seed, "dtype": "f32"}
+    model = Gemma4(model_dir, vision_mask=vision_mask, activations=activations)  # float64; RefimplError: bad
+    return model, {"kind": "external", **checkpoint_record(*checkpoint_files(model_dir))}
+
+
+def _matrix(name: str, cfg: Any, got: Any, plan: Any) -> list:
+    """The text, image and audio cases of the set's bases, annotated with each row's top-2 margin."""
+    matrix = (generate_cases(name, cfg, got.bases) if plan.with_text else []) + \
+        (generate_image_cases(name, cfg, got.bases, got.spans) if plan.vision else []) + \
+        (generate_image_cases(name, cfg, got.bases, got.audio_spans, kind="audio") if plan.audio else [])
+    top2 = {b: s["margin"] for b, s in got.summaries.items()}
+    return [annotate(c, top2, got.margins or None) for c in matrix]
+
+
 def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str | None, seed: int, entries: list[dict],
               name: str, version: str, progress: Progress | None, cross_check: CrossCheck | None, command: str | None,
               cases: str, images, audio, workers: int, dask, store: str, vision_mask: str,
@@ -317,13 +333,8 @@ def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str |
               activations: str = "none") -> Path:
     """generate_set after argument checks, under the run's lock: plan the jobs, run the missing ones, assemble,
     publish to ``out_abs`` (publish_path(out))."""
-    t0, model = time.perf_counter(), None
-    if preset is not None:
-        model_key: dict[str, Any] = {"kind": "synthetic", "preset": preset, "seed": seed, "dtype": "f32"}
-    else:
-        model = Gemma4(model_dir, vision_mask=vision_mask, activations=activations)  # float64; RefimplError: bad
-        # the checkpoint by content (sha256 and size of each file, digests cached); its path is provenance only
-        model_key = {"kind": "external", **checkpoint_record(*checkpoint_files(model_dir))}
+    t0 = time.perf_counter()
+    model, model_key = _model_and_key(model_dir, preset, seed, vision_mask, activations)
     # the run key: what the results depend on, never how a path was spelled (docs/distributed-generation.md)
     arguments = {"model": model_key, "cases": cases, "name": name, "version": version, "store": store,
                  "prompts": [{k: e[k] for k in ("kind", "value", "id", "chat")} for e in entries],
@@ -359,11 +370,7 @@ def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str |
             checks += cross_check_entries(cross_check, src, got, results, oracle)
             steps("cross check")
         cfg = model.cfg
-        matrix = (generate_cases(name, cfg, got.bases) if plan.with_text else []) + \
-            (generate_image_cases(name, cfg, got.bases, got.spans) if plan.vision else []) + \
-            (generate_image_cases(name, cfg, got.bases, got.audio_spans, kind="audio") if plan.audio else [])
-        top2 = {b: s["margin"] for b, s in got.summaries.items()}
-        set_cases = [annotate(c, top2, got.margins or None) for c in matrix]
+        set_cases = _matrix(name, cfg, got, plan)
         mtp = mtp_matrix(name, model, drafter_dir, seed, steps, synthetic=preset is not None)
         set_cases += mtp.cases if mtp is not None else []
         staging = run.staging()
@@ -374,7 +381,7 @@ def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str |
             beyond = context_record(cfg, {**{b: len(ids) for b, ids in got.bases.items()},
                                           **(mtp_lengths(cfg) if mtp is not None else {})})
         with partial.full_disk_named(run.path):
-            _write_set(staged, got, results, set_cases, plan, cfg, name=name, version=version, checks=checks,
+            write_set(staged, got, results, set_cases, plan, cfg, name=name, version=version, checks=checks,
                        command=command, model_info=model_info, store=store, vision_mask=vision_mask, mtp=mtp,
                        beyond=beyond)
         steps("write")
@@ -539,60 +546,3 @@ def _assemble(run: partial.PartialRun, plan: _Plan, results: Mapping[str, partia
     return got
 
 
-def _write_set(staged: Path, got: _Assembled, results: Mapping[str, partial.JobResult], set_cases: list[Case],
-               plan: _Plan, cfg, *, name: str, version: str, checks: list[dict], command: str | None,
-               model_info: dict, store: str, vision_mask: str, mtp=None, beyond: dict | None = None) -> None:
-    """The set's files in ``staged``: one base-<id>.safetensors per base, cases.json and the manifest
-    (written last, with the sha256 of the others)."""
-    media = {**{b: ("image", IMAGE_LEAVES, "images", s) for b, s in got.spans.items()},
-             **{b: ("audio", AUDIO_LEAVES, "audio", s) for b, s in got.audio_spans.items()}}
-    for b, ids in got.bases.items():
-        tensors: dict[str, np.ndarray] = {"tokens": np.asarray(ids, dtype=np.int64), "hidden": got.hidden[b],
-                                          **got.summaries[b]}
-        if store == "logits":
-            tensors["logits"] = got.logits[b]
-        if b in got.margins:
-            tensors["router_margin"] = got.margins[b]
-        if b in media:
-            kind, leaves, spans_leaf, spans = media[b]
-            r = results[b]
-            tensors["embeddings"] = r.array("embeddings")
-            tensors[spans_leaf] = np.asarray(spans, dtype=np.int64)
-            for j in range(r.meta["n_media"]):
-                for leaf in leaves:
-                    a = r.array(f"media.{j}.{leaf}")
-                    tensors[f"{kind}/{j}/{leaf}"] = np.asarray(a, dtype=np.uint8) if leaf == "mask" else a
-        write_safetensors(staged / base_file(b), tensors, "F64", metadata={"schema": SCHEMA, "name": name, "base": b})
-    write_json(staged / CASES, {"cases": [c.to_json() for c in set_cases]})
-    if mtp is not None:
-        write_safetensors(staged / MTP_FILE, mtp.tensors, "F64", metadata={"schema": SCHEMA, "name": name})
-    recorded = versions()
-    manifest = {
-        "schema": SCHEMA,
-        "schema_version": SCHEMA_VERSION,
-        "name": name,
-        "version": version,
-        "storage": store,
-        "provenance": {
-            "generator": f"conformance.generate.generate_set (conformance {CONFORMANCE_VERSION})",
-            "command": command if command is not None else default_command(),
-            **{k: v for k, v in recorded.items() if k != "conformance_version"},
-            "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z"),
-            "cross_checks": checks,
-        },
-        "model": model_info,
-        "oracle": {"dtype": "float64", "embed_scale": "exact",
-                   **({"vision_mask": vision_mask} if cfg.use_bidirectional_attention == "vision" else {}),
-                   **({"beyond_context": beyond} if beyond is not None else {})},
-        "config": {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-                   "num_hidden_layers": cfg.num_hidden_layers, "sliding_window": cfg.sliding_window},
-        "bases": got.info,
-        **({"images": plan.vision.manifest(cfg.use_bidirectional_attention == "vision", vision_mask)}
-           if plan.vision else {}),
-        **({"audio": plan.audio.manifest()} if plan.audio else {}),
-        **({"mtp": mtp.manifest} if mtp is not None else {}),
-        "cases": len(set_cases),
-        "files": {f: sha256_file(staged / f) for f in (CASES, *(base_file(b) for b in got.bases),
-                                                       *((MTP_FILE,) if mtp is not None else ()))},
-    }
-    write_json(staged / MANIFEST, manifest)
