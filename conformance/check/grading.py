@@ -193,27 +193,12 @@ def _tie_aware_overlap(ref: np.ndarray, got: np.ndarray, k: int, tie_margin: flo
 # one row
 
 
-def _grade_row(row: _Row, got_row: np.ndarray, base_rows: np.ndarray, base_cols: np.ndarray | None,
-               profile: Profile, approx_sq_dist: np.ndarray | None = None) -> None:
-    spec, res = row.spec, row.result
-    label = spec.label
-    ref = np.asarray(base_rows[spec.position], dtype=np.float64)
-    got = np.asarray(got_row, dtype=np.float64)
-    failures: list[tuple[str, str]] = []  # (check, message) in check order
-
-    # -- shape
-    if got.shape[-1] != ref.shape[-1]:
-        res.status, res.check = "fail", "shape"
-        res.message = f"{label}: vocabulary size {got.shape[-1]} != oracle's {ref.shape[-1]}"
-        res.top_ref = M.topk_ids(ref, TOP_N).tolist()
-        return
-    row.got, row.ref = got, ref
-
-    # -- nonfinite
+def _nonfinite(label: str, ref: np.ndarray, got: np.ndarray,
+               failures: list[tuple[str, str]]) -> np.ndarray | None:
+    """The columns finite in both rows (None: all), a failure for each row's non-finite mismatches."""
     fin_ref, fin_got = np.isfinite(ref), np.isfinite(got)
     same_inf = (~fin_ref) & (~fin_got) & (ref == got)  # the same +-inf on both sides (nan != nan)
     bad = (fin_ref != fin_got) | ((~fin_ref) & (~fin_got) & ~same_inf)
-    cols = None if fin_ref.all() and fin_got.all() else (fin_ref & fin_got)
     if bad.any():
         idx = np.flatnonzero(bad)
         j = int(idx[0])
@@ -225,27 +210,15 @@ def _grade_row(row: _Row, got_row: np.ndarray, base_rows: np.ndarray, base_cols:
             what = f"{gv} where the oracle is {_describe_nonfinite(ref[j])}"
         failures.append(("nonfinite", f"{label}: {len(idx)} non-finite mismatch(es) ({where_finite} where the "
                                       f"oracle is finite); first at token {j}: {what}"))
+    return None if fin_ref.all() and fin_got.all() else (fin_ref & fin_got)
 
-    r = ref if cols is None else ref[cols]
-    g = got if cols is None else got[cols]
-    colmap = np.arange(ref.shape[-1]) if cols is None else np.flatnonzero(cols)
-    m = res.metrics
-    m["margin"] = finite_or_none(M.top1_margin(ref))
-    m["got_max_abs"] = finite_or_none(np.abs(g).max()) if g.size else None
-    m["got_spread"] = finite_or_none(g.max() - g.min()) if g.size else None
-    m["got_digest"] = M.row_digest(got)
-    res.top_ref = M.topk_ids(ref, TOP_N).tolist()
-    res.top_got = M.topk_ids(got, TOP_N).tolist()
-    row.argmax_got = int(M.top1(got))
-    row.margin = float(M.top1_margin(ref))
-    row.decided = row.margin > profile.tie_margin
-    if r.size == 0:
-        failures.append(("nonfinite", f"{label}: no column where both rows are finite"))
-        _finish(res, failures)
-        return
 
-    # -- identity (over columns finite in every oracle row of the base and in the returned row)
-    idcols = fin_got if base_cols is None else (base_cols & fin_got)
+def _identity(spec: Any, got: np.ndarray, base_rows: np.ndarray, base_cols: np.ndarray | None, profile: Profile,
+              approx_sq_dist: np.ndarray | None, m: dict, failures: list[tuple[str, str]]) -> str | None:
+    """The identity check over the columns finite in every oracle row of the base and in the returned row: a
+    failure when the row is nearest another oracle row; the message of a short ratio (reported only when nothing
+    else fails), else None."""
+    idcols = np.isfinite(got) if base_cols is None else (base_cols & np.isfinite(got))
     if idcols.any():
         if idcols.all():
             nearest, ratio = M.row_identity(got, base_rows, spec.position, approx_sq_dist=approx_sq_dist)
@@ -255,20 +228,23 @@ def _grade_row(row: _Row, got_row: np.ndarray, base_rows: np.ndarray, base_cols:
         m["identity_ratio"] = finite_or_none(ratio)
     else:
         nearest, ratio = spec.position, math.inf
-    ratio_short = None
     if nearest != spec.position:
         a = got if idcols.all() else got[idcols]
         pair = np.asarray(base_rows[[nearest, spec.position]], dtype=np.float64)
         d_near, d_own = M.row_distances(a, pair if idcols.all() else pair[:, idcols])
-        failures.append(("identity", f"{label}: identity: the returned row is nearest to oracle row {nearest} "
+        failures.append(("identity", f"{spec.label}: identity: the returned row is nearest to oracle row {nearest} "
                                      f"(distance {show_value(d_near)}), not to row {spec.position} (distance "
                                      f"{show_value(d_own)}): a shifted or misindexed row"))
     elif ratio < profile.identity_ratio:
-        ratio_short = (f"{label}: identity ratio {show_value(ratio)} < {show_threshold(profile.identity_ratio)}: rows "
-                       f"{spec.position}±1 are not clearly farther than row {spec.position} (the row cannot be "
-                       f"told apart from its neighbours at this precision)")
+        return (f"{spec.label}: identity ratio {show_value(ratio)} < {show_threshold(profile.identity_ratio)}: rows "
+                f"{spec.position}±1 are not clearly farther than row {spec.position} (the row cannot be "
+                f"told apart from its neighbours at this precision)")
+    return None
 
-    # -- closeness
+
+def _closeness(label: str, ref: np.ndarray, got: np.ndarray, r: np.ndarray, g: np.ndarray, colmap: np.ndarray,
+               profile: Profile, m: dict, failures: list[tuple[str, str]]) -> str:
+    """max_abs, max_rel, nmse and cosine over the finite columns (``r``, ``g``); returns where max_abs is."""
     diff = np.abs(g - r)
     j = int(np.argmax(diff))
     ma = float(diff[j])
@@ -280,7 +256,6 @@ def _grade_row(row: _Row, got_row: np.ndarray, base_rows: np.ndarray, base_cols:
     cs = float(M.cosine(g, r))
     m["max_abs"], m["max_rel"] = finite_or_none(ma), finite_or_none(mr)
     m["nmse"], m["cosine"] = finite_or_none(nm), finite_or_none(cs)
-    at = f"max_abs {show_value(ma)} at token {tok}: got {got[tok]:.7g}, oracle {ref[tok]:.7g}"
     if not ma <= profile.max_abs:
         failures.append(("max_abs", f"{label}: max_abs {show_value(ma)} > {show_threshold(profile.max_abs)} at token "
                                     f"{tok} (got {got[tok]:.7g}, oracle {ref[tok]:.7g}; nmse {show_value(nm)})"))
@@ -289,13 +264,18 @@ def _grade_row(row: _Row, got_row: np.ndarray, base_rows: np.ndarray, base_cols:
         failures.append(("max_rel", f"{label}: max_rel {show_value(mr)} > {show_threshold(profile.max_rel)} at token "
                                     f"{tr} (got {got[tr]:.7g}, oracle {ref[tr]:.7g}, floor "
                                     f"{show_threshold(profile.rel_floor)})"))
+    at = f"max_abs {show_value(ma)} at token {tok}: got {got[tok]:.7g}, oracle {ref[tok]:.7g}"
     if not nm <= profile.nmse:
         failures.append(("nmse", f"{label}: nmse {show_value(nm)} > {show_threshold(profile.nmse)} ({at})"))
     if not cs >= profile.cosine_min:
         failures.append(("cosine", f"{label}: cosine {cs:.9f} < {profile.cosine_min:.9f} (1 - cosine "
                                    f"{show_value(1 - cs)}; nmse {show_value(nm)})"))
+    return at
 
-    # -- distribution
+
+def _distribution(label: str, r: np.ndarray, g: np.ndarray, colmap: np.ndarray, at: str, profile: Profile, m: dict,
+                  failures: list[tuple[str, str]]) -> None:
+    """KL and the change of the oracle's top token's probability, over the finite columns."""
     kl = float(M.kl(r, g))
     dp = float(M.delta_p(r, g))
     m["kl"], m["delta_p"] = finite_or_none(kl), finite_or_none(dp)
@@ -309,7 +289,11 @@ def _grade_row(row: _Row, got_row: np.ndarray, base_rows: np.ndarray, base_cols:
                                     f"oracle's top token {int(colmap[jt])} (p oracle {p_ref:.4g}, p got {p_got:.4g}; "
                                     f"kl {show_value(kl)})"))
 
-    # -- token agreement
+
+def _agreement(row: _Row, ref: np.ndarray, got: np.ndarray, profile: Profile, m: dict,
+               failures: list[tuple[str, str]]) -> None:
+    """Top-1 and the tie-aware top-k overlap, failing only on a decided row."""
+    label = row.spec.label
     ref_top = int(M.top1(ref))
     agree = row.argmax_got == ref_top
     m["top1_agree"] = 1.0 if agree else 0.0
@@ -329,6 +313,44 @@ def _grade_row(row: _Row, got_row: np.ndarray, base_rows: np.ndarray, base_cols:
                                  f"{show_threshold(profile.topk_overlap_min)} on a decided row: oracle {ids_ref}, got "
                                  f"{ids_got}"))
 
+
+def _grade_row(row: _Row, got_row: np.ndarray, base_rows: np.ndarray, base_cols: np.ndarray | None,
+               profile: Profile, approx_sq_dist: np.ndarray | None = None) -> None:
+    """Grade one returned row against the oracle's, check by check in check order (shape, nonfinite, identity,
+    closeness, distribution, token agreement); the first failure is the row's verdict."""
+    spec, res = row.spec, row.result
+    label = spec.label
+    ref = np.asarray(base_rows[spec.position], dtype=np.float64)
+    got = np.asarray(got_row, dtype=np.float64)
+    failures: list[tuple[str, str]] = []  # (check, message) in check order
+    if got.shape[-1] != ref.shape[-1]:
+        res.status, res.check = "fail", "shape"
+        res.message = f"{label}: vocabulary size {got.shape[-1]} != oracle's {ref.shape[-1]}"
+        res.top_ref = M.topk_ids(ref, TOP_N).tolist()
+        return
+    row.got, row.ref = got, ref
+    cols = _nonfinite(label, ref, got, failures)
+    r = ref if cols is None else ref[cols]
+    g = got if cols is None else got[cols]
+    colmap = np.arange(ref.shape[-1]) if cols is None else np.flatnonzero(cols)
+    m = res.metrics
+    m["margin"] = finite_or_none(M.top1_margin(ref))
+    m["got_max_abs"] = finite_or_none(np.abs(g).max()) if g.size else None
+    m["got_spread"] = finite_or_none(g.max() - g.min()) if g.size else None
+    m["got_digest"] = M.row_digest(got)
+    res.top_ref = M.topk_ids(ref, TOP_N).tolist()
+    res.top_got = M.topk_ids(got, TOP_N).tolist()
+    row.argmax_got = int(M.top1(got))
+    row.margin = float(M.top1_margin(ref))
+    row.decided = row.margin > profile.tie_margin
+    if r.size == 0:
+        failures.append(("nonfinite", f"{label}: no column where both rows are finite"))
+        _finish(res, failures)
+        return
+    ratio_short = _identity(spec, got, base_rows, base_cols, profile, approx_sq_dist, m, failures)
+    at = _closeness(label, ref, got, r, g, colmap, profile, m, failures)
+    _distribution(label, r, g, colmap, at, profile, m, failures)
+    _agreement(row, ref, got, profile, m, failures)
     if ratio_short is not None and not failures:
         failures.append(("identity", ratio_short))
     _finish(res, failures)
@@ -390,31 +412,27 @@ def real_array(gname: str, arr: Any) -> tuple[np.ndarray | None, str | None]:
 
 
 
-def grade_case(case, groups: Sequence[tuple[str, Sequence[Any]]], got: Sequence[np.ndarray | None],
-               base_logits: dict[str, np.ndarray], profile: Profile) -> CaseGrade:
-    """Grade a case's returned rows against the oracle's.
+def _group_problem(gname: str, specs: Sequence[Any], arr: Any) -> tuple[Any, tuple[str, str] | None]:
+    """(the group's rows as a real array, None when it cannot be graded row by row: (check, message))."""
+    if arr is None:
+        return None, ("count", f"no rows returned for group '{gname}' (expected {len(specs)})")
+    arr, bad_dtype = real_array(gname, arr)
+    if bad_dtype is not None:
+        return arr, ("dtype", bad_dtype)
+    if arr.ndim != 2:
+        return arr, ("count", f"group '{gname}' has shape {tuple(arr.shape)}, expected [{len(specs)}, V]")
+    if arr.shape[0] != len(specs):
+        return arr, ("count", f"group '{gname}' returned {arr.shape[0]} rows, expected {len(specs)}")
+    return arr, None
 
-    ``groups`` is ``row_groups(case)``: ``[(group_name, [RowSpec, ...]), ...]``; ``got`` is aligned
-    with it (one ``[R, V]`` array per group, or ``None`` where the backend returned nothing; a
-    missing trailing entry counts as ``None``); ``base_logits`` maps base id -> ``[N, V]`` float64
-    oracle rows; ``profile`` the tolerances. Uses ``case.generation`` and ``case.moe_min_margin``.
-    """
-    bases = _BaseCache(base_logits)
+
+def _grade_rows(groups: Sequence[tuple[str, Sequence[Any]]], got: Sequence[np.ndarray | None], bases: _BaseCache,
+                profile: Profile) -> tuple[list[_Row], bool]:
+    """(every row graded, whether some group had the wrong row count or dtype)."""
     rows: list[_Row] = []
-    count_failed = False  # some group has the wrong row count
+    count_failed = False
     for gi, (gname, specs) in enumerate(groups):
-        arr = got[gi] if gi < len(got) else None
-        problem = None  # (check, message): the group cannot be graded row by row
-        if arr is None:
-            problem = "count", f"no rows returned for group '{gname}' (expected {len(specs)})"
-        else:
-            arr, bad_dtype = real_array(gname, arr)
-            if bad_dtype is not None:
-                problem = "dtype", bad_dtype
-            elif arr.ndim != 2:
-                problem = "count", f"group '{gname}' has shape {tuple(arr.shape)}, expected [{len(specs)}, V]"
-            elif arr.shape[0] != len(specs):
-                problem = "count", f"group '{gname}' returned {arr.shape[0]} rows, expected {len(specs)}"
+        arr, problem = _group_problem(gname, specs, got[gi] if gi < len(got) else None)
         approx = _group_sq_distances(bases, specs, arr) if problem is None else {}
         for ri, spec in enumerate(specs):
             res = RowResult(label=spec.label, position=int(spec.position), status="fail", check=None,
@@ -428,7 +446,11 @@ def grade_case(case, groups: Sequence[tuple[str, Sequence[Any]]], got: Sequence[
                 res.top_ref = M.topk_ids(np.asarray(base_rows[spec.position], dtype=np.float64), TOP_N).tolist()
                 continue
             _grade_row(row, arr[ri], base_rows, bases.finite_cols(spec.base), profile, approx.get(ri))
+    return rows, count_failed
 
+
+def _summary(rows: list[_Row]) -> dict[str, float | None]:
+    """The case's row metrics summed up: KL mean, p99 and max, the largest max_abs and nmse, the top-1 rate."""
     results = [r.result for r in rows]
     kls = [r.metrics["kl"] for r in results if r.metrics["kl"] is not None]
     mas = [r.metrics["max_abs"] for r in results if r.metrics["max_abs"] is not None]
@@ -436,7 +458,7 @@ def grade_case(case, groups: Sequence[tuple[str, Sequence[Any]]], got: Sequence[
     # top-1 agreement is undefined on a row with no finite column (it failed nonfinite before)
     top1 = [a for r in rows if r.got is not None and r.decided
             and (a := r.result.metrics["top1_agree"]) is not None]
-    summary: dict[str, float | None] = {
+    return {
         "kl_mean": finite_or_none(np.mean(kls)) if kls else None,
         "kl_p99": finite_or_none(np.quantile(kls, 0.99)) if kls else None,
         "kl_max": finite_or_none(max(kls)) if kls else None,
@@ -445,20 +467,35 @@ def grade_case(case, groups: Sequence[tuple[str, Sequence[Any]]], got: Sequence[
         "top1_rate": finite_or_none(np.mean(top1)) if top1 else None,
     }
 
-    # -- generation: first decided step whose argmax is not the golden token
-    first_div = None
-    div_msg = None
-    if getattr(case, "generation", False):
-        for r in rows:
-            gold = getattr(r.spec, "golden_token", None)
-            if gold is None or r.got is None or not r.decided:
-                continue
-            if r.argmax_got != int(gold):
-                first_div = r.index
-                div_msg = (f"generation diverges at step {r.index} ({r.spec.label}): got token {r.argmax_got}, golden "
-                           f"{int(gold)} (oracle margin {show_value(r.margin)} > {show_threshold(profile.tie_margin)})")
-                break
 
+def _divergence(case: Any, rows: list[_Row], profile: Profile) -> tuple[int | None, str | None]:
+    """A generation case's first decided step whose argmax is not the golden token: (its index, the message)."""
+    if not getattr(case, "generation", False):
+        return None, None
+    for r in rows:
+        gold = getattr(r.spec, "golden_token", None)
+        if gold is None or r.got is None or not r.decided:
+            continue
+        if r.argmax_got != int(gold):
+            return r.index, (f"generation diverges at step {r.index} ({r.spec.label}): got token {r.argmax_got}, "
+                             f"golden {int(gold)} (oracle margin {show_value(r.margin)} > "
+                             f"{show_threshold(profile.tie_margin)})")
+    return None, None
+
+
+def grade_case(case, groups: Sequence[tuple[str, Sequence[Any]]], got: Sequence[np.ndarray | None],
+               base_logits: dict[str, np.ndarray], profile: Profile) -> CaseGrade:
+    """Grade a case's returned rows against the oracle's.
+
+    ``groups`` is ``row_groups(case)``: ``[(group_name, [RowSpec, ...]), ...]``; ``got`` is aligned
+    with it (one ``[R, V]`` array per group, or ``None`` where the backend returned nothing; a
+    missing trailing entry counts as ``None``); ``base_logits`` maps base id -> ``[N, V]`` float64
+    oracle rows; ``profile`` the tolerances. Uses ``case.generation`` and ``case.moe_min_margin``.
+    """
+    rows, count_failed = _grade_rows(groups, got, _BaseCache(base_logits), profile)
+    results = [r.result for r in rows]
+    summary = _summary(rows)
+    first_div, div_msg = _divergence(case, rows, profile)
     failing = [r for r in results if r.status == "fail"]
     n = len(results)
     status, check, message = "pass", None, ""
@@ -477,7 +514,8 @@ def grade_case(case, groups: Sequence[tuple[str, Sequence[Any]]], got: Sequence[
         status, check, message = "fail", "generation", div_msg
     elif summary["kl_mean"] is not None and not summary["kl_mean"] <= profile.kl_mean:
         status, check = "fail", "kl_mean"
-        message = (f"kl_mean {show_value(summary['kl_mean'])} > {show_threshold(profile.kl_mean)} over {len(kls)} rows "
+        kls = sum(r.metrics["kl"] is not None for r in results)
+        message = (f"kl_mean {show_value(summary['kl_mean'])} > {show_threshold(profile.kl_mean)} over {kls} rows "
                    f"(kl_max {show_value(summary['kl_max'])})")
     else:
         message = (f"{n} row{'s' if n != 1 else ''} pass (max_abs {show_value(summary['max_abs'])}, nmse_max "
