@@ -52,7 +52,6 @@ LONG_FUNCTIONS = {
     "conformance/cli/__init__.py:build_parser",
     "conformance/generate/matrix.py:generate_cases",
     "conformance/generate/matrix.py:generate_image_cases",
-    "conformance/selftest/run.py:run_selftest",
     "conformance/sets/integrity.py:_read_dir",
     "refimpl/synth.py:write_checkpoint",
 }

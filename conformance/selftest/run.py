@@ -245,6 +245,94 @@ def select_mutants(mutants: Iterable, regex: str | re.Pattern | None) -> list:
     return [m for m in mutants if pat.search(m.name) or pat.fullmatch(str(m.bug_class))]
 
 
+def _checked(profiles: Sequence, control_profile: str, mutants: Iterable,
+             equivalents: Iterable) -> tuple[list, Any, list, list]:
+    """(the profiles, the control's profile, the mutants, the equivalent pairs), checked: at least one profile,
+    none twice, every mutant name unique."""
+    profs = [get_profile(p) for p in profiles]
+    if not profs:
+        raise ValueError("run_selftest: at least one profile is needed")
+    if len({p.name for p in profs}) != len(profs):
+        raise ValueError(f"run_selftest: profiles given twice: {[p.name for p in profs]}")
+    mutants, equivalents = list(mutants), list(equivalents)
+    names = [m.name for m in mutants] + [m.name for m, _ in equivalents]
+    if len(set(names)) != len(names):
+        raise ValueError(f"run_selftest: mutant names are not unique: {names}")
+    return profs, get_profile(control_profile), mutants, equivalents
+
+
+@dataclass
+class _Run:
+    """One self-test run: its selection, checkpoints, expectations, progress and case counter."""
+
+    selection: Selection
+    checkpoints: Checkpoints
+    expectations: Expectations
+    progress: Progress | None
+    count: Any = None
+
+    def cases_of(self, m: Any) -> int:
+        """The cases a mutant runs (those of its kill sets only, when it names some)."""
+        kill_sets = tuple(getattr(m, "kill_sets", ()) or ())
+        return sum(len(chosen) for _, chosen in _sets_of(self.selection, kill_sets))
+
+    def control(self, control: Backend, note: str | None, cprof: Any) -> ControlResult:
+        """The unmutated backend on every selected case at the control profile."""
+        cname = getattr(control, "name", type(control).__name__)
+        t = time.perf_counter()
+        try:
+            cverdicts, _ = _run_backend(control, self.selection, self.checkpoints, self.expectations, [cprof],
+                                        self.count, cname)
+            cres = ControlResult(cname, cprof.name, cverdicts[cprof.name], note=note)
+        except BackendError as exc:
+            cres = ControlResult(cname, cprof.name, Verdict(cprof.name), error=str(exc), note=note)
+        cres.duration = time.perf_counter() - t
+        if self.progress is not None:
+            self.progress(self.count.done, self.count.total, cname, cres)
+        return cres
+
+    def mutants(self, planned: list, workers: int, tmp: Path, primary: str,
+                sets_run: tuple[str, ...]) -> list[MutantResult]:
+        """Every planned (mutant, reason of an equivalent one, profiles), forked or in this process."""
+        results: list[MutantResult] = []
+        forked = None
+        try:
+            forked = _run_forked(planned, workers, self.selection, self.checkpoints, self.expectations, tmp)
+            for i, (m, reason, mprofs) in enumerate(planned):
+                exp = None if m.expected_checks is None else frozenset(m.expected_checks)
+                mres = MutantResult(m.name, str(m.breaks), str(m.bug_class), exp,
+                                    {p.name: Verdict(p.name) for p in mprofs}, primary, equivalent=reason,
+                                    kill_sets=tuple(getattr(m, "kill_sets", ()) or ()), sets_run=sets_run)
+                self.mutant(m, mres, mprofs, forked[i] if forked is not None else None)
+                results.append(mres)
+                if self.progress is not None:
+                    self.progress(self.count.done, self.count.total, m.name, mres)
+        finally:
+            if forked is not None:
+                forked.shutdown()
+        return results
+
+    def mutant(self, m: Any, mres: MutantResult, mprofs: list, future: cf.Future | None) -> None:
+        """One mutant's verdicts into ``mres``: from its worker's ``future``, or run here."""
+        t = time.perf_counter()
+        done_before = self.count.done
+        if future is not None:  # run in a worker: its outcome arrives whole
+            verdicts, mres.run_calls, mres.error, mres.duration = _outcome(future)
+            if verdicts is not None:
+                mres.verdicts = verdicts
+            self.count.done = done_before + self.cases_of(m)
+            return
+        try:
+            backend = m.backend()
+            mres.verdicts, mres.run_calls = _run_backend(backend, self.selection, self.checkpoints,
+                                                         self.expectations, mprofs, self.count, m.name,
+                                                         mres.kill_sets)
+        except Exception as exc:  # noqa: BLE001 - a broken mutant fails the self-test, the rest go on
+            mres.error = _error_text(exc)
+            self.count.done = done_before + self.cases_of(m)  # as if its cases had run
+        mres.duration = time.perf_counter() - t
+
+
 def run_selftest(
     sets: Iterable,
     mutants: Iterable,
@@ -273,84 +361,27 @@ def run_selftest(
     """
     started = _dt.datetime.now(_dt.timezone.utc)
     t0 = time.perf_counter()
-    profs = [get_profile(p) for p in profiles]
-    if not profs:
-        raise ValueError("run_selftest: at least one profile is needed")
-    if len({p.name for p in profs}) != len(profs):
-        raise ValueError(f"run_selftest: profiles given twice: {[p.name for p in profs]}")
-    cprof = get_profile(control_profile)
-    mutants = list(mutants)
-    equivalents = list(equivalents)
-    names = [m.name for m in mutants] + [m.name for m, _ in equivalents]
-    if len(set(names)) != len(names):
-        raise ValueError(f"run_selftest: mutant names are not unique: {names}")
-
+    profs, cprof, mutants, equivalents = _checked(profiles, control_profile, mutants, equivalents)
     with tempfile.TemporaryDirectory(prefix="gemma4-selftest-", dir=workdir) as tmp:
-        selection = Selection(sets, select)
-        checkpoints, expectations = Checkpoints(tmp), Expectations()
-        def cases_of(m) -> int:
-            return sum(len(chosen) for _, chosen in _sets_of(selection, tuple(getattr(m, "kill_sets", ()) or ())))
-
-        count = _Counter(selection.total + sum(map(cases_of, mutants)) + sum(cases_of(m) for m, _ in equivalents),
-                         progress)
-
-        note = control_note
+        run = _Run(Selection(sets, select), Checkpoints(tmp), Expectations(), progress)
+        run.count = _Counter(run.selection.total + sum(map(run.cases_of, mutants))
+                             + sum(run.cases_of(m) for m, _ in equivalents), progress)
         if control is None:
-            control, note = default_control()
-        cname = getattr(control, "name", type(control).__name__)
-        t = time.perf_counter()
-        try:
-            cverdicts, _ = _run_backend(control, selection, checkpoints, expectations, [cprof], count, cname)
-            cres = ControlResult(cname, cprof.name, cverdicts[cprof.name], note=note)
-        except BackendError as exc:
-            cres = ControlResult(cname, cprof.name, Verdict(cprof.name), error=str(exc), note=note)
-        cres.duration = time.perf_counter() - t
-        if progress is not None:
-            progress(count.done, count.total, cname, cres)
-
+            control, control_note = default_control()
+        cres = run.control(control, control_note, cprof)
         results: list[MutantResult] = []
         sets_info = [{"name": i.name, "version": i.version, "path": i.path, "cases_total": i.cases_total,
-                      "cases_selected": i.cases_selected} for i in selection.infos()]
-        sets_run = tuple(s["name"] for s in sets_info if s["cases_selected"])
+                      "cases_selected": i.cases_selected} for i in run.selection.infos()]
         if cres.passed:
             planned = [(m, None, profs) for m in mutants]
             with_exact = profs + ([] if cprof.name in {p.name for p in profs} else [cprof])
             planned += [(m, str(reason), with_exact) for m, reason in equivalents]
-            forked = None
-            try:
-                forked = _run_forked(planned, workers, selection, checkpoints, expectations, Path(tmp))
-                for i, (m, reason, mprofs) in enumerate(planned):
-                    exp = None if m.expected_checks is None else frozenset(m.expected_checks)
-                    mres = MutantResult(m.name, str(m.breaks), str(m.bug_class), exp,
-                                        {p.name: Verdict(p.name) for p in mprofs}, profs[0].name, equivalent=reason,
-                                        kill_sets=tuple(getattr(m, "kill_sets", ()) or ()), sets_run=sets_run)
-                    t = time.perf_counter()
-                    done_before = count.done
-                    if forked is not None:  # run in a worker: its outcome arrives whole
-                        verdicts, mres.run_calls, mres.error, mres.duration = _outcome(forked[i])
-                        if verdicts is not None:
-                            mres.verdicts = verdicts
-                        count.done = done_before + cases_of(m)
-                    else:
-                        try:
-                            backend = m.backend()
-                            mres.verdicts, mres.run_calls = _run_backend(backend, selection, checkpoints, expectations,
-                                                                         mprofs, count, m.name, mres.kill_sets)
-                        except Exception as exc:  # noqa: BLE001 - a broken mutant fails the self-test, the rest go on
-                            mres.error = _error_text(exc)
-                            count.done = done_before + cases_of(m)  # as if its cases had run
-                        mres.duration = time.perf_counter() - t
-                    results.append(mres)
-                    if progress is not None:
-                        progress(count.done, count.total, m.name, mres)
-            finally:
-                if forked is not None:
-                    forked.shutdown()
-
+            sets_run = tuple(s["name"] for s in sets_info if s["cases_selected"])
+            results = run.mutants(planned, workers, Path(tmp), profs[0].name, sets_run)
     return SelftestResult(
-        control=cres, mutants=results, profiles=[p.name for p in profs], sets=sets_info, select=selection.select,
-        cases=selection.total, started=started, finished=_dt.datetime.now(_dt.timezone.utc),
-        duration=time.perf_counter() - t0,
+        control=cres, mutants=results, profiles=[p.name for p in profs], sets=sets_info,
+        select=run.selection.select, cases=run.selection.total, started=started,
+        finished=_dt.datetime.now(_dt.timezone.utc), duration=time.perf_counter() - t0,
     )
 
 
