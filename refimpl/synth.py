@@ -435,16 +435,40 @@ def write_checkpoint(preset: str, seed: int, out: str | Path, dtype: str = "f32"
         layout = "conditional"  # image/audio-text models exist only in this layout
     if layout == "conditional":
         prefix = "model.language_model."
-        text = {k: v for k, v in config.items() if k not in ("architectures",)}
-        arch, model_type = UNIFIED_ARCHITECTURES["conditional"] if unified else ("Gemma4ForConditionalGeneration",
-                                                                                 "gemma4")
-        text["model_type"] = "gemma4_unified_text" if unified else "gemma4_text"
-        config = {
-            "architectures": [arch], "model_type": model_type, "text_config": text,
-            "vision_config": None, "audio_config": None, "eos_token_id": text["eos_token_id"],
-            "tie_word_embeddings": True, "dtype": text["dtype"],
-        }
+        config = _conditional_config(config, unified)
     tensors = {prefix + name: value for name, value in weights.items()}
+    processor = _towers(preset, config, tensors, seed)
+    with _atomic_directory(out) as tmp:
+        if PRESETS[preset].get("assistant") is not None:
+            _write_assistant(tmp / ASSISTANT_DIR, preset, config, seed, dtype, tokenizer)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        write_safetensors(tmp / "model.safetensors", tensors, "BF16" if dtype == "bf16" else "F32",
+                          metadata={"format": "pt", "preset": preset, "seed": str(seed)})
+        (tmp / "tokenizer.model").write_bytes(tokenizer)
+        if processor is not None:
+            (tmp / "processor_config.json").write_text(json.dumps(processor, indent=2, sort_keys=True) + "\n",
+                                                       encoding="utf-8")
+    return out
+
+
+def _conditional_config(config: dict, unified: bool) -> dict:
+    """The Gemma4ForConditionalGeneration (or Unified) form of a text config: the text under ``text_config``."""
+    text = {k: v for k, v in config.items() if k not in ("architectures",)}
+    arch, model_type = UNIFIED_ARCHITECTURES["conditional"] if unified else ("Gemma4ForConditionalGeneration",
+                                                                             "gemma4")
+    text["model_type"] = "gemma4_unified_text" if unified else "gemma4_text"
+    return {
+        "architectures": [arch], "model_type": model_type, "text_config": text,
+        "vision_config": None, "audio_config": None, "eos_token_id": text["eos_token_id"],
+        "tie_word_embeddings": True, "dtype": text["dtype"],
+    }
+
+
+def _towers(preset: str, config: dict, tensors: dict, seed: int) -> dict | None:
+    """A preset's vision and audio towers (or Unified's embedders): their config sections and token ids into
+    ``config``, their weights into ``tensors``; returns the processor config (None without towers)."""
+    vision, audio = PRESETS[preset].get("vision"), PRESETS[preset].get("audio")
+    u_vision, u_audio = PRESETS[preset].get("unified_vision"), PRESETS[preset].get("unified_audio")
     processor = None
     if vision is not None:
         config["vision_config"] = dict(vision)
@@ -476,28 +500,19 @@ def write_checkpoint(preset: str, seed: int, out: str | Path, dtype: str = "f32"
             processor["feature_extractor"] = {"feature_extractor_type": "Gemma4UnifiedAudioFeatureExtractor",
                                               "audio_samples_per_token": u_audio["audio_embed_dim"],
                                               "sampling_rate": 16000}
+    return processor
 
-    assistant = PRESETS[preset].get("assistant")
-    with _atomic_directory(out) as tmp:
-        if assistant is not None:
-            a_config, a_tensors = assistant_checkpoint(assistant, config, seed)
-            a_config["dtype"] = config.get("dtype", "float32")
-            (tmp / ASSISTANT_DIR).mkdir()
-            (tmp / ASSISTANT_DIR / "config.json").write_text(json.dumps(a_config, indent=2, sort_keys=True) + "\n",
-                                                             encoding="utf-8")
-            write_safetensors(tmp / ASSISTANT_DIR / "model.safetensors", a_tensors,
-                              "BF16" if dtype == "bf16" else "F32",
-                              metadata={"format": "pt", "preset": preset, "seed": str(seed)})
-            (tmp / ASSISTANT_DIR / "tokenizer.model").write_bytes(tokenizer)
-            # transformers takes the drafts per round from the assistant's generation config (and fails without)
-            (tmp / ASSISTANT_DIR / "generation_config.json").write_text(
-                json.dumps({"num_assistant_tokens": 3, "num_assistant_tokens_schedule": "constant"}, indent=2) + "\n",
-                encoding="utf-8")
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        write_safetensors(tmp / "model.safetensors", tensors, "BF16" if dtype == "bf16" else "F32",
-                          metadata={"format": "pt", "preset": preset, "seed": str(seed)})
-        (tmp / "tokenizer.model").write_bytes(tokenizer)
-        if processor is not None:
-            (tmp / "processor_config.json").write_text(json.dumps(processor, indent=2, sort_keys=True) + "\n",
-                                                       encoding="utf-8")
-    return out
+
+def _write_assistant(folder: Path, preset: str, config: dict, seed: int, dtype: str, tokenizer: bytes) -> None:
+    """The preset's MTP assistant (drafter) checkpoint in ``folder``, made for the target's ``config``."""
+    a_config, a_tensors = assistant_checkpoint(PRESETS[preset]["assistant"], config, seed)
+    a_config["dtype"] = config.get("dtype", "float32")
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(a_config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    write_safetensors(folder / "model.safetensors", a_tensors, "BF16" if dtype == "bf16" else "F32",
+                      metadata={"format": "pt", "preset": preset, "seed": str(seed)})
+    (folder / "tokenizer.model").write_bytes(tokenizer)
+    # transformers takes the drafts per round from the assistant's generation config (and fails without)
+    (folder / "generation_config.json").write_text(
+        json.dumps({"num_assistant_tokens": 3, "num_assistant_tokens_schedule": "constant"}, indent=2) + "\n",
+        encoding="utf-8")

@@ -53,7 +53,6 @@ LONG_FUNCTIONS = {
     "conformance/generate/matrix.py:generate_cases",
     "conformance/generate/matrix.py:generate_image_cases",
     "conformance/sets/integrity.py:_read_dir",
-    "refimpl/synth.py:write_checkpoint",
 }
 MAX_FUNCTION_LINES = 80
 
