@@ -790,42 +790,8 @@ class TransformersBackend(CachedBackend):
         if embeddings is None:
             kwargs["input_ids"] = ids
         else:
-            inputs_embeds = torch.tensor(np.asarray(embeddings)[None]).to(self.device, self.torch_dtype)
-            if images and self.image_tower:
-                at = [start + i for start, n in images for i in range(n)]
-                soft = self._image_soft_tokens(images, image_inputs)
-                notes["image_soft_tokens"] = "transformers vision embedder (Gemma4UnifiedModel.get_image_features)"
-                notes["image_rows_max_abs"] = float(np.abs(soft.double().cpu().numpy()
-                                                           - np.asarray(embeddings, dtype=np.float64)[at]).max())
-                inputs_embeds[0, at] = soft.to(inputs_embeds.dtype)
-            if audio:
-                at = [start + i for start, n in audio for i in range(n)]
-                if self.audio_tower:
-                    soft = self._audio_soft_tokens(audio, audio_inputs)
-                    given = np.asarray(embeddings, dtype=np.float64)[at]
-                    notes["audio_soft_tokens"] = ("transformers audio tower (Gemma4Model.get_audio_features, "
-                                                  "pooler_output[attention_mask])")
-                    notes["audio_rows_max_abs"] = float(np.abs(soft.double().cpu().numpy() - given).max())
-                    inputs_embeds[0, at] = soft.to(inputs_embeds.dtype)  # Gemma4Model.forward's masked_scatter
-                else:
-                    notes["audio_soft_tokens"] = "given (the request's embeddings)"
-            kwargs["inputs_embeds"] = inputs_embeds
-            if self.ple:
-                # the token-identity part of the per-layer embeddings, looked up by id; at image and
-                # audio positions the pad row (Gemma4Model.forward's llm_input_ids)
-                ple_ids = ids
-                if any(types):
-                    is_media = torch.tensor([types], dtype=torch.bool, device=self.device)
-                    ple_ids = torch.where(is_media, self.pad_token_id, ids)
-                kwargs["per_layer_inputs"] = self.text_model.get_per_layer_inputs(ple_ids, None)
-            if self.conditional and any(token_types):
-                kwargs["mm_token_type_ids"] = torch.tensor([token_types], dtype=torch.long, device=self.device)
-                notes["mm_token_type_ids"] = len(token_types)
-                notes["mask_function"] = ("create_masks_for_generate with block_sequence_ids (Gemma4UnifiedModel"
-                                          ".forward: the overlay on every layer, after the window)"
-                                          if self.unified and self.vision_masks else
-                                          "create_masks_for_vision_model" if self.vision_masks
-                                          else "create_masks_for_generate")
+            kwargs.update(self._embeddings_kwargs(ids, embeddings, images, audio, audio_inputs, image_inputs, types,
+                                                  token_types, notes))
         if self._hidden is not None:
             kwargs["output_hidden_states"] = True  # hidden_states[-1]: the final norm's output (capture_outputs)
         before = state.cache.get_seq_length()
@@ -846,6 +812,51 @@ class TransformersBackend(CachedBackend):
         if hidden is not None:
             return self._numpy(logits), notes, hidden
         return self._numpy(logits), notes
+
+    def _embeddings_kwargs(self, ids: Any, embeddings: np.ndarray, images: Sequence[tuple[int, int]],
+                           audio: Sequence[tuple[int, int]], audio_inputs: Sequence, image_inputs: Sequence,
+                           types: list[int], token_types: list[int], notes: dict[str, Any]) -> dict[str, Any]:
+        """The model's inputs of an embeddings forward: ``inputs_embeds`` (the image and audio blocks' rows from
+        transformers' own towers when they are on), the per-layer inputs' token part (the pad row at media
+        positions) and ``mm_token_type_ids``; what was done goes into ``notes``."""
+        kwargs: dict[str, Any] = {}
+        inputs_embeds = torch.tensor(np.asarray(embeddings)[None]).to(self.device, self.torch_dtype)
+        if images and self.image_tower:
+            at = [start + i for start, n in images for i in range(n)]
+            soft = self._image_soft_tokens(images, image_inputs)
+            notes["image_soft_tokens"] = "transformers vision embedder (Gemma4UnifiedModel.get_image_features)"
+            notes["image_rows_max_abs"] = float(np.abs(soft.double().cpu().numpy()
+                                                       - np.asarray(embeddings, dtype=np.float64)[at]).max())
+            inputs_embeds[0, at] = soft.to(inputs_embeds.dtype)
+        if audio:
+            at = [start + i for start, n in audio for i in range(n)]
+            if self.audio_tower:
+                soft = self._audio_soft_tokens(audio, audio_inputs)
+                given = np.asarray(embeddings, dtype=np.float64)[at]
+                notes["audio_soft_tokens"] = ("transformers audio tower (Gemma4Model.get_audio_features, "
+                                              "pooler_output[attention_mask])")
+                notes["audio_rows_max_abs"] = float(np.abs(soft.double().cpu().numpy() - given).max())
+                inputs_embeds[0, at] = soft.to(inputs_embeds.dtype)  # Gemma4Model.forward's masked_scatter
+            else:
+                notes["audio_soft_tokens"] = "given (the request's embeddings)"
+        kwargs["inputs_embeds"] = inputs_embeds
+        if self.ple:
+            # the token-identity part of the per-layer embeddings, looked up by id; at image and
+            # audio positions the pad row (Gemma4Model.forward's llm_input_ids)
+            ple_ids = ids
+            if any(types):
+                is_media = torch.tensor([types], dtype=torch.bool, device=self.device)
+                ple_ids = torch.where(is_media, self.pad_token_id, ids)
+            kwargs["per_layer_inputs"] = self.text_model.get_per_layer_inputs(ple_ids, None)
+        if self.conditional and any(token_types):
+            kwargs["mm_token_type_ids"] = torch.tensor([token_types], dtype=torch.long, device=self.device)
+            notes["mm_token_type_ids"] = len(token_types)
+            notes["mask_function"] = ("create_masks_for_generate with block_sequence_ids (Gemma4UnifiedModel"
+                                      ".forward: the overlay on every layer, after the window)"
+                                      if self.unified and self.vision_masks else
+                                      "create_masks_for_vision_model" if self.vision_masks
+                                      else "create_masks_for_generate")
+        return kwargs
 
     def _forward_all(self, tokens: Sequence[int], state: SequenceState) -> tuple:
         """The full forward: ``logits_to_keep=0`` (all rows)."""
