@@ -51,7 +51,6 @@ LONG_FUNCTIONS = {
     "conformance/cli/__init__.py:build_parser",
     "conformance/generate/matrix.py:generate_cases",
     "conformance/generate/matrix.py:generate_image_cases",
-    "conformance/sets/integrity.py:_read_dir",
 }
 MAX_FUNCTION_LINES = 80
 

@@ -11,13 +11,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from refimpl.errors import WeightsError, choice_message
-from refimpl.ggml_act import CONVENTIONS as ACTIVATION_CONVENTIONS
-from refimpl.ggml_blocks import TYPES
-from refimpl.mlx_quant import BITS as MLX_BITS
-from refimpl.mlx_quant import FLOAT_MODES as MLX_FLOAT_MODES
-from refimpl.mlx_quant import GROUP_SIZES as MLX_GROUP_SIZES
-from refimpl.presets import PRESETS
+from refimpl.errors import WeightsError
 from refimpl.safetensors_io import TensorStore, read_header
 
 from .archive import is_archive, unpack
@@ -35,138 +29,13 @@ from .format import (
     MEDIA_LEAVES,
     MTP_FILE,
     MTP_TENSOR_RE,
-    NAME_RE,
-    READABLE_SCHEMA_VERSIONS,
-    SCHEMA,
-    SCHEMA_VERSION,
-    SEMVER_RE,
     SET_FILES,
-    SHA_RE,
-    STORAGES,
-    SYNTHETIC_CHECKED,
     FixtureError,
-    checkpoint_name_problem,
     read_json,
     sha256_file,
 )
 from .head import SUMMARY_LEAVES
-
-QUANTISATION_FORMATS = ("mlx-affine", "gguf")  # quantised checkpoints a set can be made from
-GGML_TYPES = {t.name for t in TYPES.values()}
-ACTIVATIONS = ACTIVATION_CONVENTIONS  # none, or ggml's CPU activation quantisation on a kernel path (GGUF only)
-
-
-def quantisation_problems(rec: Any, where: str) -> list[str]:
-    """The problems of a manifest's ``model.quantisation`` (absent for an unquantised checkpoint)."""
-    if rec is None:
-        return []
-    if not isinstance(rec, dict):
-        return [f"{where}: model.quantisation must be an object, got {type(rec).__name__}"]
-    for key, choices in (("format", QUANTISATION_FORMATS), ("activations", ACTIVATIONS)):
-        if rec.get(key) not in choices:
-            return [choice_message(f"model.quantisation.{key}", rec.get(key), choices, who=where)]
-    if rec["activations"] != "none" and rec["format"] != "gguf":
-        return [f"{where}: model.quantisation.activations {rec['activations']} applies to a gguf checkpoint only"]
-    tensors = rec.get("tensors")
-    if rec["format"] == "gguf":
-        if not (isinstance(tensors, dict) and all(isinstance(k, str) and isinstance(v, dict) and v.get("type") in
-                                                  GGML_TYPES for k, v in tensors.items())):
-            return [f"{where}: model.quantisation.tensors must map the file's tensor names to their ggml types"]
-        return []
-    if not (isinstance(tensors, dict) and all(isinstance(k, str) and _mlx_entry(v) for k, v in tensors.items())):
-        return [f"{where}: model.quantisation.tensors must map module paths to their type, bits and group_size"]
-    return []
-
-
-def _mlx_entry(v: Any) -> bool:
-    """Whether a manifest's entry for an MLX-quantised module is one the oracle decodes: affine at one of its widths
-    and group sizes, or a floating-point mode at its own."""
-    if not isinstance(v, dict):
-        return False
-    if v.get("type") == "affine":
-        return v.get("bits") in MLX_BITS and v.get("group_size") in MLX_GROUP_SIZES
-    mode = MLX_FLOAT_MODES.get(v.get("type"))
-    return mode is not None and (v.get("bits"), v.get("group_size")) == mode[:2]
-
-
-def _check_manifest(m: Any, where: str) -> list[str]:
-    if not isinstance(m, dict):
-        return [f"{where}: must be a JSON object"]
-    out = []
-    if m.get("schema") != SCHEMA:
-        return [f"{where}: schema is {m.get('schema')!r}, expected {SCHEMA!r} (not a conformance fixture set)"]
-    sv = m.get("schema_version")
-    if not isinstance(sv, int) or isinstance(sv, bool):
-        return [f"{where}: schema_version must be an integer, got {sv!r}"]
-    if sv > SCHEMA_VERSION:
-        return [f"{where}: schema_version {sv} is newer than this harness reads ({SCHEMA_VERSION}); upgrade "
-                "gemma4-conformance"]
-    if sv not in READABLE_SCHEMA_VERSIONS:
-        return [f"{where}: schema_version {sv} is not supported (this harness reads "
-                f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))})"]
-    if sv >= 2 and m.get("storage") not in STORAGES:
-        out.append(choice_message("storage", m.get("storage"), STORAGES, who=where))
-    if not isinstance(m.get("name"), str) or not NAME_RE.match(m["name"]):
-        out.append(f"{where}: name {m.get('name')!r} is missing or not a valid set name")
-    if not isinstance(m.get("version"), str) or not SEMVER_RE.match(m["version"]):
-        out.append(f"{where}: version {m.get('version')!r} is not a semantic version (MAJOR.MINOR.PATCH)")
-    if not isinstance(m.get("provenance"), dict):
-        out.append(f"{where}: provenance is missing")
-    elif not isinstance(m["provenance"].get("cross_checks", []), list):
-        out.append(f"{where}: provenance.cross_checks must be a list")
-    oracle = m.get("oracle")
-    if not isinstance(oracle, dict) or oracle.get("dtype") != "float64":
-        out.append(f"{where}: oracle.dtype must be float64, got {oracle!r}")
-    model = m.get("model")
-    if not isinstance(model, dict) or model.get("kind") not in ("synthetic", "external"):
-        out.append(f"{where}: model.kind must be 'synthetic' or 'external'")
-    else:
-        hashes = model.get("sha256")
-        unsafe = [(k, checkpoint_name_problem(k)) for k in hashes] if isinstance(hashes, dict) else []
-        unsafe = [(k, why) for k, why in unsafe if why is not None]
-        if not (isinstance(hashes, dict) and all(isinstance(k, str) and isinstance(v, str) and SHA_RE.match(v)
-                                                 for k, v in hashes.items())):
-            out.append(f"{where}: model.sha256 must map file names to sha256 hex digests")
-        elif unsafe:
-            out += [f"{where}: model.sha256 names {k!r}, which is not a plain relative path inside the checkpoint "
-                    f"({why})" for k, why in unsafe]
-        elif model["kind"] == "synthetic":
-            if model.get("preset") not in PRESETS:
-                out.append(f"{where}: model.preset {model.get('preset')!r} is not a preset of this refimpl "
-                           f"({', '.join(PRESETS)})")
-            if not isinstance(model.get("seed"), int) or isinstance(model.get("seed"), bool) or model["seed"] < 0:
-                out.append(f"{where}: model.seed must be a non-negative integer")
-            if model.get("dtype") not in ("f32", "bf16"):
-                out.append(f"{where}: model.dtype must be f32 or bf16")
-            missing = [n for n in SYNTHETIC_CHECKED if n not in hashes]
-            if missing:
-                out.append(f"{where}: model.sha256 lacks {missing[0]}")
-        else:
-            sizes = model.get("size")  # optional: sets made before it was recorded have none
-            if not isinstance(model.get("path"), str):
-                out.append(f"{where}: model.path must be a string (where the checkpoint was made from)")
-            elif "config.json" not in hashes and not (len(hashes) == 1 and next(iter(hashes)).endswith(".gguf")):
-                out.append(f"{where}: model.sha256 lacks config.json")
-            elif sizes is not None and not (isinstance(sizes, dict) and set(sizes) == set(hashes) and all(
-                    isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in sizes.values())):
-                out.append(f"{where}: model.size must map the files of model.sha256 to their sizes in bytes")
-            out += quantisation_problems(model.get("quantisation"), where)
-    files = m.get("files")
-    if not isinstance(files, dict):
-        out.append(f"{where}: files must map file names to sha256 digests")
-    else:
-        for f in (SET_FILES if sv == 1 else (CASES,)):
-            if f not in files:
-                out.append(f"{where}: files lacks {f}")
-        if sv >= 2 and not any(isinstance(f, str) and (BASE_FILE_RE.match(f) or f == MTP_FILE) for f in files):
-            out.append(f"{where}: files lists no base file (base-<id>.safetensors)")
-        for f, h in files.items():
-            if not isinstance(f, str) or Path(f).name != f or f in (".", "..", MANIFEST) or \
-                    (sv >= 2 and f not in (CASES, MTP_FILE) and not BASE_FILE_RE.match(f)):
-                out.append(f"{where}: files entry {f!r} is not a file name of the set")
-            elif not isinstance(h, str) or not SHA_RE.match(h):
-                out.append(f"{where}: files[{f!r}] is not a sha256 hex digest")
-    return out
+from .manifest import check_manifest
 
 
 def _stored_items(infos: Mapping[str, Any], kind: str, b: str, leaves: tuple[str, ...],
@@ -369,7 +238,9 @@ def _check_mtp_file(path: Path, hidden: Any) -> tuple[dict[str, int], list[str]]
     return lengths, problems
 
 
-def _read_dir(path: Path) -> tuple[list[str], FixtureSet | None]:
+def _manifest_and_files(path: Path) -> tuple[list[str], dict | None]:
+    """(problems, the manifest): the manifest read and checked, every file it lists present with its sha256; the
+    manifest is None when the set cannot be read further."""
     if not path.is_dir():
         return [f"{path}: not a directory (a fixture set is a directory with {MANIFEST}, or a .tar of one)"], None
     mpath = path / MANIFEST
@@ -379,7 +250,7 @@ def _read_dir(path: Path) -> tuple[list[str], FixtureSet | None]:
         return [f"{mpath}: missing; {path} is not a fixture set"], None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         return [f"{mpath}: not valid JSON ({e})"], None
-    problems = _check_manifest(manifest, str(mpath))
+    problems = check_manifest(manifest, str(mpath))
     if problems:
         return problems, None
     ok_files = set()
@@ -396,33 +267,39 @@ def _read_dir(path: Path) -> tuple[list[str], FixtureSet | None]:
             ok_files.add(f)
     if problems or not (set(SET_FILES) if manifest["schema_version"] == 1 else {CASES}) <= ok_files:
         return problems, None
+    return problems, manifest
 
-    # the stored tensors
-    v2 = manifest["schema_version"] >= 2
-    storage = manifest.get("storage", "logits")
-    epath = path / EXPECTED if not v2 else path
-    infos, unreadable = _stored_infos(path, manifest)
-    if unreadable:
-        return problems + unreadable, None
-    lengths: dict[str, int] = {}
-    vocab = None
+
+def _base_leaves(infos: dict, v2: bool, epath: Path, problems: list[str]) -> dict[str, set]:
+    """{base: its stored leaves}; a problem for each tensor name the format does not know."""
     seen: dict[str, set] = {}
     for n in infos:
         parts = n.split("/")
         if len(parts) == 4 and parts[2].isdigit() and (parts[0], parts[3]) in MEDIA_LEAVES:
-            continue  # checked with its base below
+            continue  # checked with its base
         if len(parts) != 3 or parts[0] != "base" or parts[2] not in BASE_LEAVES or \
                 (not v2 and parts[2] in ("hidden",) + SUMMARY_LEAVES):
             problems.append(f"{epath}: unexpected tensor '{n}'")
             continue
         seen.setdefault(parts[1], set()).add(parts[2])
+    return seen
+
+
+def _stored_bases(path: Path, manifest: dict, infos: dict, problems: list[str]) -> tuple[dict[str, int], int | None]:
+    """({base: its length}, the vocabulary size): every base's tensors checked by shape and type."""
+    v2 = manifest["schema_version"] >= 2
+    storage = manifest.get("storage", "logits")
+    epath = path / EXPECTED if not v2 else path
+    seen = _base_leaves(infos, v2, epath, problems)
     config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
+    vocab = None
     if v2 and storage == "hidden":
         vocab = config.get("vocab_size")
         if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 2:
             problems.append(f"{path / MANIFEST}: config.vocab_size must be an integer (a set stored as hidden "
                             "states needs it)")
             vocab = None
+    lengths: dict[str, int] = {}
     for b in sorted(seen):
         where = str(path / f"base-{b}.safetensors") if v2 else str(epath)
         t, lg = infos.get(f"base/{b}/tokens"), infos.get(f"base/{b}/logits")
@@ -452,6 +329,12 @@ def _read_dir(path: Path) -> tuple[list[str], FixtureSet | None]:
         mtp_lengths, mtp_problems = _check_mtp_file(path / MTP_FILE, config.get("hidden_size"))
         problems += mtp_problems
         lengths.update(mtp_lengths)
+    _check_declared(manifest, lengths, epath, problems)
+    return lengths, vocab
+
+
+def _check_declared(manifest: dict, lengths: dict[str, int], epath: Path, problems: list[str]) -> None:
+    """The bases the manifest declares are the bases stored, at the declared lengths."""
     if not lengths:
         problems.append(f"{epath}: holds no base")
     declared = manifest.get("bases")
@@ -461,39 +344,46 @@ def _read_dir(path: Path) -> tuple[list[str], FixtureSet | None]:
                 problems.append(f"{epath}: base {b} of {MANIFEST} is not stored")
             elif isinstance(d, dict) and d.get("length") not in (None, lengths[b]):
                 problems.append(f"{epath}: base {b} has {lengths[b]} tokens, {MANIFEST} says {d.get('length')}")
-    fs = FixtureSet(path=path, manifest=manifest, cases=[])
-    blocks: dict[str, list[tuple[int, int]]] = {}
-    if not problems:
-        tokens = fs.bases()
-        for b, ids in tokens.items():
-            if vocab is not None and (ids.min() < 0 or ids.max() >= vocab):
-                problems.append(f"{epath}: base/{b}/tokens holds ids outside the vocabulary [0, {vocab})")
-        blocks = fs.image_blocks()
-        problems += _check_image_blocks(fs, blocks, tokens, manifest, str(epath))
-        audio_blocks = fs.audio_blocks()
-        problems += _check_image_blocks(fs, audio_blocks, tokens, manifest, str(epath), "audio")
-        blocks = {**blocks, **audio_blocks}
-        stored = {"logits": fs.base_logits() if storage == "logits" else {}, "hidden": fs.hidden_states(),
-                  **({leaf: fs.stored(leaf) for leaf in ("top_logits", "lse")} if v2 else {})}
-        for leaf, arrays in stored.items():
-            for b, a in arrays.items():
-                if not _all_finite(a):
-                    problems.append(f"{epath}: base/{b}/{leaf} holds non-finite values")
-        if v2 and vocab is not None:
-            for b, ids in fs.stored("top_ids").items():
-                if np.asarray(ids).size and (np.min(ids) < 0 or np.max(ids) >= vocab):
-                    problems.append(f"{epath}: base/{b}/top_ids holds ids outside the vocabulary [0, {vocab})")
-    else:
-        tokens = {}
 
-    # cases.json
+
+def _stored_values(fs: FixtureSet, vocab: int | None, epath: Path, problems: list[str]) -> tuple[dict, dict]:
+    """(tokens, media blocks) of every base, their values checked: ids in the vocabulary, media blocks where the
+    media tokens are, every stored float finite."""
+    v2 = fs.manifest["schema_version"] >= 2
+    tokens = fs.bases()
+    for b, ids in tokens.items():
+        if vocab is not None and (ids.min() < 0 or ids.max() >= vocab):
+            problems.append(f"{epath}: base/{b}/tokens holds ids outside the vocabulary [0, {vocab})")
+    blocks = fs.image_blocks()
+    problems += _check_image_blocks(fs, blocks, tokens, fs.manifest, str(epath))
+    audio_blocks = fs.audio_blocks()
+    problems += _check_image_blocks(fs, audio_blocks, tokens, fs.manifest, str(epath), "audio")
+    storage = fs.manifest.get("storage", "logits")
+    stored = {"logits": fs.base_logits() if storage == "logits" else {}, "hidden": fs.hidden_states(),
+              **({leaf: fs.stored(leaf) for leaf in ("top_logits", "lse")} if v2 else {})}
+    for leaf, arrays in stored.items():
+        for b, a in arrays.items():
+            if not _all_finite(a):
+                problems.append(f"{epath}: base/{b}/{leaf} holds non-finite values")
+    if v2 and vocab is not None:
+        for b, ids in fs.stored("top_ids").items():
+            if np.asarray(ids).size and (np.min(ids) < 0 or np.max(ids) >= vocab):
+                problems.append(f"{epath}: base/{b}/top_ids holds ids outside the vocabulary [0, {vocab})")
+    return tokens, {**blocks, **audio_blocks}
+
+
+def _read_cases(path: Path, manifest: dict, lengths: dict[str, int], blocks: dict, tokens: dict,
+                problems: list[str]) -> list[Case] | None:
+    """cases.json's cases, each checked against the stored bases (None: the file cannot be read at all)."""
     cpath = path / CASES
     try:
         doc = read_json(cpath)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        return problems + [f"{cpath}: not valid JSON ({e})"], None
+        problems.append(f"{cpath}: not valid JSON ({e})")
+        return None
     if not isinstance(doc, dict) or not isinstance(doc.get("cases"), list):
-        return problems + [f"{cpath}: must be an object with a 'cases' list"], None
+        problems.append(f"{cpath}: must be an object with a 'cases' list")
+        return None
     cases: list[Case] = []
     for k, d in enumerate(doc["cases"]):
         try:
@@ -516,7 +406,27 @@ def _read_dir(path: Path) -> tuple[list[str], FixtureSet | None]:
                                 f"base {c.base}[{c.length}:{c.length + c.decode_len + 1}] = {list(want)}")
     if isinstance(manifest.get("cases"), int) and manifest["cases"] != len(cases):
         problems.append(f"{cpath}: holds {len(cases)} cases, {MANIFEST} says {manifest['cases']}")
-    if problems:
+    return cases
+
+
+def _read_dir(path: Path) -> tuple[list[str], FixtureSet | None]:
+    """(problems, the set): the manifest and its files, the stored tensors, their values, the cases; the set is
+    None when anything is wrong."""
+    problems, manifest = _manifest_and_files(path)
+    if manifest is None:
+        return problems, None
+    infos, unreadable = _stored_infos(path, manifest)
+    if unreadable:
+        return problems + unreadable, None
+    lengths, vocab = _stored_bases(path, manifest, infos, problems)
+    fs = FixtureSet(path=path, manifest=manifest, cases=[])
+    tokens: dict = {}
+    blocks: dict = {}
+    if not problems:
+        epath = path / EXPECTED if manifest["schema_version"] < 2 else path
+        tokens, blocks = _stored_values(fs, vocab, epath, problems)
+    cases = _read_cases(path, manifest, lengths, blocks, tokens, problems)
+    if cases is None or problems:
         return problems, None
     fs.cases = cases
     return problems, fs

@@ -13,7 +13,7 @@ import pytest
 
 from conformance.backends.refimpl_backend import RefimplBackend
 from conformance.cli import main
-from conformance.sets.integrity import quantisation_problems
+from conformance.sets.manifest import quantisation_problems
 from refimpl.synth import write_checkpoint
 
 pytest.importorskip("mlx.core", reason="mlx is not installed (the 'mlx' extra)")

@@ -132,7 +132,7 @@ def test_a_set_made_under_the_convention(q8, tmp_path, capsys):
     import json
 
     from conformance.cli import main
-    from conformance.sets.integrity import quantisation_problems
+    from conformance.sets.manifest import quantisation_problems
 
     src, path, _ = q8
     out = tmp_path / "set"
