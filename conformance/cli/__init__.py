@@ -64,14 +64,8 @@ MODEL_HELP = ("the checkpoint of every external fixture set: a directory anywher
 LIST_WHAT = ("backends", "cases", "profiles")
 REHASH_HELP = "read every checkpoint file again instead of trusting the digest cache (docs/fixtures.md)"
 
-def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog=PROG, description="Conformance gate for Gemma 4 inference engines against the exact "
-                                       "float64 refimpl oracle. See docs/conformance.md.")
-    p.add_argument("--version", action=_Version, nargs=0, help="print the version and the formats it speaks, then exit")
-    sub = p.add_subparsers(dest="command", metavar="{check,explain,loss,list,generate,verify,selftest,scoreboard}",
-                           parser_class=Parser)
-    sub.required = True
-
+def _add_check(sub) -> None:
+    """The 'check' command's options."""
     c = sub.add_parser("check", help="run the fixture sets' cases on a backend and grade them",
                        description="Run the selected cases of the fixture sets on a backend and grade every "
                                    "returned logits row against the oracle's float64 rows. Exit codes: 0 pass, "
@@ -113,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     c.add_argument("-v", "--verbose", action="store_true", help="details of every failing case, not only the first")
 
+
+def _add_explain(sub) -> None:
+    """The 'explain' command's options."""
     ex = sub.add_parser("explain", help="re-run cases with traces and name where the backend first leaves the oracle",
                         description="Re-run the selected cases (by default the failed ones of --from REPORT.json) "
                                     "with traces (capability traces), compare every traced point inside the model "
@@ -142,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     ex.add_argument("-v", "--verbose", action="store_true", help="the table of every case, not only diverging ones")
 
+
+def _add_loss(sub) -> None:
+    """The 'loss' command's options."""
     lo = sub.add_parser("loss", help="the quantisation loss on the same rows: a quantised set against the "
                         "unquantised set of the same model, and an engine against both",
                         description="Compare every case of a quantised fixture set with the same case of the "
@@ -154,12 +154,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_loss_options(lo)
     add_selection(lo)
 
+
+def _add_list(sub) -> None:
+    """The 'list' command's options."""
     ls = sub.add_parser("list", help="list backends, cases or profiles")
     ls.add_argument("what", choices=LIST_WHAT, nargs="?")
     ls.add_argument("--fixtures", nargs="+", action="extend", metavar="DIR",
                     help="fixture sets for 'list cases' (default: the bundled sets)")
     add_selection(ls)
 
+
+def _add_generate(sub) -> None:
+    """The 'generate' command's options."""
     g = sub.add_parser("generate", help="generate a fixture set with the oracle (the only writer of goldens)")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", metavar="DIR", help="a checkpoint directory (config.json, safetensors, tokenizer)")
@@ -208,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "on storage every worker sees at the same path; docs/distributed-generation.md)")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress output")
 
+
+def _add_verify(sub) -> None:
+    """The 'verify' command's options."""
     v = sub.add_parser("verify", help="check fixture sets' schema and sha256 digests")
     v.add_argument("dirs", nargs="+", metavar="DIR")
     v.add_argument("--model", metavar="DIR", help=MODEL_HELP + "; without it, an external set whose recorded path "
@@ -216,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--recompute", action="store_true",
                    help="also recompute every base's logits with the oracle (slow for real checkpoints)")
 
+
+def _add_selftest(sub) -> None:
+    """The 'selftest' command's options."""
     st = sub.add_parser("selftest", help="check that the gate kills a deliberately broken engine per bug class",
                         description="Run the harness on the unmutated numpy-engine (the control, which must pass "
                                     "every case at exact-f64) and on its mutants (one planted bug each), graded "
@@ -236,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     st.add_argument("-v", "--verbose", action="store_true", help="do not wrap the 'breaks' column")
 
+
+def _add_scoreboard(sub) -> None:
+    """The 'scoreboard' command's options."""
     sb = sub.add_parser("scoreboard", help="a Markdown table of several check reports, one column per run",
                         description="Read JSON reports written by 'conformance check --json' and print a "
                                     "Markdown scoreboard: per run, per entry point and per feature, passed/graded "
@@ -246,6 +261,18 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--into", metavar="PAGE.md", help="replace the text between the lines "
                        "'<!-- scoreboard:begin -->' and '<!-- scoreboard:end -->' of PAGE.md")
     sb.add_argument("--title", default="Conformance scoreboard", help="the page title")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog=PROG, description="Conformance gate for Gemma 4 inference engines against the exact "
+                                       "float64 refimpl oracle. See docs/conformance.md.")
+    p.add_argument("--version", action=_Version, nargs=0, help="print the version and the formats it speaks, then exit")
+    sub = p.add_subparsers(dest="command", metavar="{check,explain,loss,list,generate,verify,selftest,scoreboard}",
+                           parser_class=Parser)
+    sub.required = True
+    for add in (_add_check, _add_explain, _add_loss, _add_list, _add_generate, _add_verify, _add_selftest,
+                _add_scoreboard):  # one parser per command, in the order of the help
+        add(sub)
     return p
 
 
