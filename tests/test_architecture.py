@@ -48,7 +48,6 @@ LONG_OK = {
 MAX_LINES = 600
 # functions over 80 lines, being split (issue 52); the list only shrinks
 LONG_FUNCTIONS = {
-    "conformance/generate/matrix.py:generate_cases",
     "conformance/generate/matrix.py:generate_image_cases",
 }
 MAX_FUNCTION_LINES = 80

@@ -116,6 +116,123 @@ def _prompt_bases(bases: Mapping[str, Sequence[int]]) -> list[str]:
     return sorted(ids, key=lambda b: int(b[len(PROMPT_PREFIX):]))
 
 
+class _TextMatrix:
+    """The text case matrix being built: every case added is tagged (entry, lengths against the window, decode,
+    generation, the model's features) and checked against the bases' lengths."""
+
+    def __init__(self, set_name: str, cfg, bases: Mapping[str, Sequence[int]]):
+        self.p, self.bases, self.W = f"{set_name}/", bases, cfg.sliding_window
+        self.model = model_features(cfg)
+        self.lengths = {b: len(t) for b, t in bases.items()}
+        self.seq = _SeqIds()
+        self.cases: list[Case] = []
+        self.k = 0  # the random base of the next prefill case: A, B, C in turn
+
+    def add(self, case: Case, extra: Sequence[str] = ()) -> None:
+        T = prompt_length(case)
+        tags = [case.kind] + ([case.entry] if case.kind == "last" else []) + list(extra)
+        if case.kind != "multi":
+            tags += _length_tags(T, self.W)
+        if case.decode_len > 0 or any(d > 0 for *_, d in case.sequences):
+            tags.append("decode")
+        if case.generation:
+            tags.append("generation")
+        case = replace(case, features=_unique(tags + list(self.model)))
+        problems = check_case(case, self.lengths)
+        if problems:
+            raise ValueError(problems[0])
+        self.cases.append(case)
+
+    def last(self, base: str, T: int, pos: int, entry: str, extra=(), generation=False, decode=DECODE_STEPS) -> None:
+        sid = self.seq.next() if entry != "plain" else None
+        tags = list(extra) + (["interior"] if pos < T - 1 else [])
+        gen = "/generation" if generation else ""
+        golden = tuple(int(t) for t in self.bases[base][T:T + decode + 1]) if generation else ()
+        self.add(Case(f"{self.p}last/{entry}/{base}/T{T}/pos{pos}{gen}", "last", base, T, entry=entry, last_pos=pos,
+                      seq_id=sid, decode_len=decode, generation=generation, golden_tokens=golden), tags)
+
+    def prefill(self, base: str | None, pieces, ubatch, label: str, extra=()) -> None:
+        """A prefill case; on the next random base in turn when ``base`` is None."""
+        if base is None:
+            base = RANDOM_BASES[self.k % 3]
+            self.k += 1
+        pieces = tuple((n, tuple(rows)) for n, rows in pieces)
+        T = sum(n for n, _ in pieces)
+        ub = f"/ub{ubatch}" if ubatch else ""
+        self.add(Case(f"{self.p}prefill/{base}/T{T}/{label}{ub}", "prefill", base, T, pieces=pieces, ubatch=ubatch,
+                      decode_len=DECODE_STEPS), list(extra) + _prefill_tags(pieces, ubatch, self.W))
+
+    def full_and_last(self) -> None:
+        """1. the full forward; 2. the three last-logits entry points, one base each, at the last and a middle row."""
+        W = self.W
+        for base, T in (("A", W + 1), ("B", 2 * W + 3)):
+            self.add(Case(f"{self.p}full/{base}/T{T}", "full", base, T, decode_len=DECODE_STEPS))
+        entry_base = {"plain": "A", "seq_id": "B", "embeddings": "C"}
+        for T in dict.fromkeys((W - 1, W, W + 1, 2 * W + 3)):
+            if T < 1:
+                continue
+            for pos in dict.fromkeys((T - 1, T // 2)):
+                for entry in ENTRIES:
+                    self.last(entry_base[entry], T, pos, entry)
+
+    def output_rows(self) -> None:
+        """3. output-row prefill: output sets at 2W+3, with and without micro-batches, other micro-batch sizes,
+        lengths around the micro-batch size, and no output row in the first call."""
+        W, U = self.W, UBATCH
+        T = 2 * W + 3
+        sets = [("last", (T - 1,)), ("middle", (T // 2,)), ("first", (0,)), ("middle+last", (T // 2, T - 1)),
+                ("all", tuple(range(T)))]
+        for label, rows in sets:
+            for ubatch in (None, U):
+                self.prefill(None, [(T, sorted(set(rows)))], ubatch, f"rows-{label}")
+        for ubatch in (1, W + 1):  # one token per micro-batch, and micro-batches wider than the window
+            self.prefill(None, [(T, sorted({T // 2, T - 1}))], ubatch, "rows-middle+last")
+        for T in dict.fromkeys((U - 1, U, U + 1, 2 * U + 1)):
+            if T >= 1:
+                self.prefill(None, [(T, sorted({T // 2, T - 1}))], U, "rows-middle+last")
+        for ubatch in (None, U):
+            self.prefill(None, [(2 * W + 1, ()), (3, (2,))], ubatch, f"none-then-last-{2 * W + 1}+3")
+
+    def chunks_and_packs(self) -> None:
+        """4. chunked prefill, the last row of every piece; 5. multi-sequence packs."""
+        W = self.W
+        plans = [(W + 3, W + 2), (3, W + 4, 5), (1, 1, 2 * W), (W, W, 3)]
+        for plan in dict.fromkeys(tuple(n for n in plan if n > 0) for plan in plans):
+            if len(plan) >= 2:
+                self.prefill(None, [(n, (n - 1,)) for n in plan], None, "chunks-" + "+".join(map(str, plan)))
+        packs = [[("A", W + 1)], [("B", W - 1), ("C", 2 * W + 3)], [("A", 3), ("B", W), ("C", W + 5)]]
+        for pack in packs:
+            pack = [(b, n) for b, n in pack if n > 0]
+            seqs = tuple((b, n, self.seq.next(), DECODE_STEPS) for b, n in pack)
+            tags = [t for _, n, _, _ in seqs for t in _length_tags(n, W)]
+            self.add(Case(f"{self.p}multi/" + "+".join(f"{b}-T{n}" for b, n, _, _ in seqs), "multi", seqs[0][0],
+                          seqs[0][1], sequences=seqs), ["multi"] + tags)
+
+    def generation_and_prompts(self) -> None:
+        """6. teacher-forced greedy generation on G; 7. the user prompts P0, P1, ..."""
+        if GENERATION_BASE in self.bases:
+            T = self.lengths[GENERATION_BASE] - GENERATION_STEPS
+            if T < 1:
+                raise ValueError(f"base {GENERATION_BASE} must hold a prompt and {GENERATION_STEPS} generated tokens")
+            self.last(GENERATION_BASE, T, T - 1, "plain", generation=True, decode=GENERATION_STEPS - 1)
+        for base in _prompt_bases(self.bases):
+            T = self.lengths[base] - PROMPT_CONTINUATION
+            if T < 1:
+                raise ValueError(f"base {base} must hold a prompt and {PROMPT_CONTINUATION} generated tokens")
+            d = min(DECODE_STEPS, self.lengths[base] - T)
+            for pos in dict.fromkeys((T - 1, T // 2)):
+                self.last(base, T, pos, "plain", extra=["prompt"], decode=d)
+            rows = sorted({T // 2, T - 1})
+            self.add(Case(f"{self.p}prefill/{base}/T{T}/rows-middle+last", "prefill", base, T,
+                          pieces=((T, tuple(rows)),), decode_len=d), ["prompt"] + _prefill_tags(((T, rows),), None,
+                                                                                                self.W))
+            if T >= 2:
+                plan = (T // 2, T - T // 2)
+                pieces = tuple((n, (n - 1,)) for n in plan)
+                self.add(Case(f"{self.p}prefill/{base}/T{T}/chunks-{plan[0]}+{plan[1]}", "prefill", base, T,
+                              pieces=pieces, decode_len=d), ["prompt"] + _prefill_tags(pieces, None, self.W))
+
+
 def generate_cases(set_name: str, cfg, bases: Mapping[str, Sequence[int]]) -> list[Case]:
     """The case matrix for one model (docs/fixtures.md lists it).
 
@@ -124,131 +241,22 @@ def generate_cases(set_name: str, cfg, bases: Mapping[str, Sequence[int]]) -> li
     PROMPT_CONTINUATION greedy tokens). ``ties`` and ``moe_min_margin`` are left empty: they need the
     oracle's logits and are filled by ``annotate``.
     """
-    W, U, D = cfg.sliding_window, UBATCH, DECODE_STEPS
-    model = model_features(cfg)
     lengths = {b: len(t) for b, t in bases.items()}
     for b in RANDOM_BASES:
         if b not in lengths:
             raise ValueError(f"base {b} is missing")
         if lengths[b] < random_base_length(cfg):
             raise ValueError(f"base {b} has {lengths[b]} tokens; the matrix needs {random_base_length(cfg)}")
-    seq = _SeqIds()
-    cases: list[Case] = []
-    p = f"{set_name}/"
-
-    def add(case: Case, extra: Sequence[str] = ()) -> None:
-        T = prompt_length(case)
-        tags = [case.kind] + ([case.entry] if case.kind == "last" else []) + list(extra)
-        if case.kind != "multi":
-            tags += _length_tags(T, W)
-        if case.decode_len > 0 or any(d > 0 for *_, d in case.sequences):
-            tags.append("decode")
-        if case.generation:
-            tags.append("generation")
-        case = replace(case, features=_unique(tags + list(model)))
-        problems = check_case(case, lengths)
-        if problems:
-            raise ValueError(problems[0])
-        cases.append(case)
-
-    def last(base: str, T: int, pos: int, entry: str, extra=(), generation=False, decode=D) -> None:
-        sid = seq.next() if entry != "plain" else None
-        tags = list(extra) + (["interior"] if pos < T - 1 else [])
-        gen = "/generation" if generation else ""
-        golden = tuple(int(t) for t in bases[base][T:T + decode + 1]) if generation else ()
-        add(Case(f"{p}last/{entry}/{base}/T{T}/pos{pos}{gen}", "last", base, T, entry=entry, last_pos=pos,
-                 seq_id=sid, decode_len=decode, generation=generation, golden_tokens=golden), tags)
-
-    def prefill(base: str, pieces, ubatch, label: str, extra=()) -> None:
-        pieces = tuple((n, tuple(rows)) for n, rows in pieces)
-        T = sum(n for n, _ in pieces)
-        ub = f"/ub{ubatch}" if ubatch else ""
-        add(Case(f"{p}prefill/{base}/T{T}/{label}{ub}", "prefill", base, T, pieces=pieces, ubatch=ubatch,
-                 decode_len=D), list(extra) + _prefill_tags(pieces, ubatch, W))
-
-    # 1. full forward
-    for base, T in (("A", W + 1), ("B", 2 * W + 3)):
-        add(Case(f"{p}full/{base}/T{T}", "full", base, T, decode_len=D))
-
-    # 2. the three last-logits entry points, one base each, at the last and a middle row
-    entry_base = {"plain": "A", "seq_id": "B", "embeddings": "C"}
-    for T in dict.fromkeys((W - 1, W, W + 1, 2 * W + 3)):
-        if T < 1:
-            continue
-        for pos in dict.fromkeys((T - 1, T // 2)):
-            for entry in ENTRIES:
-                last(entry_base[entry], T, pos, entry)
-
-    # 3. output-row prefill: output sets at 2W+3, with and without micro-batches
-    T = 2 * W + 3
-    sets = [("last", (T - 1,)), ("middle", (T // 2,)), ("first", (0,)), ("middle+last", (T // 2, T - 1)),
-            ("all", tuple(range(T)))]
-    k = 0
-    for label, rows in sets:
-        for ubatch in (None, U):
-            prefill(RANDOM_BASES[k % 3], [(T, sorted(set(rows)))], ubatch, f"rows-{label}")
-            k += 1
-    # other micro-batch sizes: one token per micro-batch, and micro-batches wider than the window
-    for ubatch in (1, W + 1):
-        prefill(RANDOM_BASES[k % 3], [(T, sorted({T // 2, T - 1}))], ubatch, "rows-middle+last")
-        k += 1
-    # lengths around the micro-batch size
-    for T in dict.fromkeys((U - 1, U, U + 1, 2 * U + 1)):
-        if T < 1:
-            continue
-        prefill(RANDOM_BASES[k % 3], [(T, sorted({T // 2, T - 1}))], U, "rows-middle+last")
-        k += 1
-    # no output row in the first call, the last row in the next
-    for ubatch in (None, U):
-        prefill(RANDOM_BASES[k % 3], [(2 * W + 1, ()), (3, (2,))], ubatch, f"none-then-last-{2 * W + 1}+3")
-        k += 1
-
-    # 4. chunked prefill, the last row of every piece
-    plans = [(W + 3, W + 2), (3, W + 4, 5), (1, 1, 2 * W), (W, W, 3)]
-    for plan in dict.fromkeys(tuple(n for n in plan if n > 0) for plan in plans):
-        if len(plan) < 2:
-            continue
-        prefill(RANDOM_BASES[k % 3], [(n, (n - 1,)) for n in plan], None, "chunks-" + "+".join(map(str, plan)))
-        k += 1
-
-    # 5. multi-sequence packs
-    packs = [[("A", W + 1)], [("B", W - 1), ("C", 2 * W + 3)], [("A", 3), ("B", W), ("C", W + 5)]]
-    for pack in packs:
-        pack = [(b, n) for b, n in pack if n > 0]
-        seqs = tuple((b, n, seq.next(), D) for b, n in pack)
-        tags = [t for _, n, _, _ in seqs for t in _length_tags(n, W)]
-        add(Case(f"{p}multi/" + "+".join(f"{b}-T{n}" for b, n, _, _ in seqs), "multi", seqs[0][0], seqs[0][1],
-                 sequences=seqs), ["multi"] + tags)
-
-    # 6. teacher-forced greedy generation on G
-    if GENERATION_BASE in bases:
-        T = lengths[GENERATION_BASE] - GENERATION_STEPS
-        if T < 1:
-            raise ValueError(f"base {GENERATION_BASE} must hold a prompt and {GENERATION_STEPS} generated tokens")
-        last(GENERATION_BASE, T, T - 1, "plain", generation=True, decode=GENERATION_STEPS - 1)
-
-    # 7. user prompts
-    for base in _prompt_bases(bases):
-        T = lengths[base] - PROMPT_CONTINUATION
-        if T < 1:
-            raise ValueError(f"base {base} must hold a prompt and {PROMPT_CONTINUATION} generated tokens")
-        d = min(D, lengths[base] - T)
-        for pos in dict.fromkeys((T - 1, T // 2)):
-            last(base, T, pos, "plain", extra=["prompt"], decode=d)
-        rows = sorted({T // 2, T - 1})
-        add(Case(f"{p}prefill/{base}/T{T}/rows-middle+last", "prefill", base, T, pieces=((T, tuple(rows)),),
-                 decode_len=d), ["prompt"] + _prefill_tags(((T, rows),), None, W))
-        if T >= 2:
-            plan = (T // 2, T - T // 2)
-            pieces = tuple((n, (n - 1,)) for n in plan)
-            add(Case(f"{p}prefill/{base}/T{T}/chunks-{plan[0]}+{plan[1]}", "prefill", base, T, pieces=pieces,
-                     decode_len=d), ["prompt"] + _prefill_tags(pieces, None, W))
-
-    ids = [c.id for c in cases]
+    m = _TextMatrix(set_name, cfg, bases)
+    m.full_and_last()
+    m.output_rows()
+    m.chunks_and_packs()
+    m.generation_and_prompts()
+    ids = [c.id for c in m.cases]
     if len(set(ids)) != len(ids):
         dup = next(i for i in ids if ids.count(i) > 1)
         raise ValueError(f"duplicate case id {dup}")
-    return cases
+    return m.cases
 
 
 def media_bases(bases: Mapping[str, Sequence[int]], kind: str = "image") -> list[str]:
