@@ -265,6 +265,91 @@ def media_bases(bases: Mapping[str, Sequence[int]], kind: str = "image") -> list
     return sorted(ids, key=lambda b: int(b[len(prefix):]))
 
 
+class _MediaMatrix:
+    """The image (audio) case matrix being built, one media base at a time (``generate_image_cases``)."""
+
+    def __init__(self, set_name: str, cfg, bases: Mapping[str, Sequence[int]],
+                 images: Mapping[str, Sequence[tuple[int, int]]], kind: str):
+        self.p, self.W, self.kind, self.images = f"{set_name}/", cfg.sliding_window, kind, images
+        self.model = model_features(cfg)
+        self.bidirectional = kind == "image" and getattr(cfg, "use_bidirectional_attention", None) == "vision"
+        self.lengths = {b: len(t) for b, t in bases.items()}
+        self.seq = _SeqIds()
+        self.cases: list[Case] = []
+        self.inside, self.after = f"inside-{kind}", f"after-{kind}"
+
+    def add(self, case: Case, extra: Sequence[str]) -> None:
+        tags = [case.kind] + ([case.entry] if case.kind == "last" else ["embeddings"]) + [self.kind] + list(extra)
+        if self.bidirectional:
+            tags.append("vision-blocks")
+        if case.decode_len > 0:
+            tags.append("decode")
+        case = replace(case, features=_unique(tags + list(self.model)))
+        problems = check_case(case, self.lengths, {b: self.images[b] for b in self.images})
+        if problems:
+            raise ValueError(problems[0])
+        self.cases.append(case)
+
+    def row_tags(self, blocks: list[tuple[int, int]], r: int, T: int) -> list[str]:
+        """Where row ``r`` sits: at a block's opening token, inside a block, right after one; interior."""
+        tags = []
+        for a, n in blocks:
+            if r == a - 1:
+                tags.append(MEDIA_OPEN[self.kind])
+            elif a <= r < a + n:
+                tags.append(self.inside)
+            elif r == a + n:
+                tags.append(self.after)
+        if r < T - 1:
+            tags.append("interior")
+        return tags
+
+    def last(self, base: str, blocks: list[tuple[int, int]], T: int, pos: int) -> None:
+        self.add(Case(f"{self.p}last/embeddings/{base}/T{T}/pos{pos}", "last", base, T, entry="embeddings",
+                      last_pos=pos, seq_id=self.seq.next(), decode_len=DECODE_STEPS), self.row_tags(blocks, pos, T))
+
+    def prefill(self, base: str, pieces, label: str, extra=()) -> None:
+        pieces = tuple((k, tuple(rows)) for k, rows in pieces)
+        T = sum(k for k, _ in pieces)
+        self.add(Case(f"{self.p}prefill/{base}/T{T}/{label}", "prefill", base, T, entry="embeddings", pieces=pieces,
+                      decode_len=DECODE_STEPS), list(extra) + _prefill_tags(pieces, None, self.W))
+
+    def base_cases(self, base: str) -> None:
+        """Every case of one media base: the embeddings entry, output-row prefill, chunks at block boundaries."""
+        kind, D = self.kind, DECODE_STEPS
+        blocks = [(int(a), int(n)) for a, n in self.images[base]]
+        if not blocks:
+            raise ValueError(f"{kind} base {base} has no {kind} block")
+        T_full = self.lengths[base] - D
+        first, last_block = blocks[0], blocks[-1]
+        if T_full <= last_block[0] + last_block[1] + 1:
+            raise ValueError(f"{kind} base {base} needs text after its last {kind} block and {D} decode tokens")
+        # 1. the embeddings entry, the prompt ending right after the first block, then the full prompt
+        a, n = first
+        T_eoi = a + n + 1
+        for pos in dict.fromkeys((T_eoi - 1, a - 1, a, a + n // 2, a + n - 1)):
+            self.last(base, blocks, T_eoi, pos)
+        a, n = last_block
+        for pos in dict.fromkeys((T_full - 1, a + n + 1, a + n, a + n // 2, a)):
+            self.last(base, blocks, T_full, pos)
+        # 2. output-row prefill: inside and right after every block, and the last row; every row
+        rows = sorted({r for a, n in blocks for r in (a, a + n // 2, a + n - 1, a + n)} | {T_full - 1})
+        self.prefill(base, [(T_full, rows)], f"rows-{kind}+last", [self.inside, self.after])
+        self.prefill(base, [(T_full, range(T_full))], "rows-all", [self.inside, self.after])
+        # 3. chunks split at block boundaries (right after an eoi, right before a boi), and no output row
+        #    in the first call
+        a, n = first
+        cut = a + n + 1
+        self.prefill(base, [(cut, (cut - 1,)), (T_full - cut, (T_full - cut - 1,))], f"chunks-{cut}+{T_full - cut}",
+                     [self.after])
+        self.prefill(base, [(cut, ()), (T_full - cut, (T_full - cut - 1,))], f"none-then-last-{cut}+{T_full - cut}")
+        a, n = last_block
+        cut = a - 1  # the boi starts the second piece
+        if cut > 0:
+            self.prefill(base, [(cut, (cut - 1,)), (T_full - cut, (0, n // 2 + 1, T_full - cut - 1))],
+                         f"chunks-{cut}+{T_full - cut}", [self.inside])
+
+
 def generate_image_cases(set_name: str, cfg, bases: Mapping[str, Sequence[int]],
                          images: Mapping[str, Sequence[tuple[int, int]]], kind: str = "image") -> list[Case]:
     """The image matrix (docs/fixtures.md): for every image base ``I<k>`` (a prompt of text and image
@@ -283,92 +368,14 @@ def generate_image_cases(set_name: str, cfg, bases: Mapping[str, Sequence[int]],
     Every case decodes DECODE_STEPS text tokens after its prompt. Prompts never cut a block, so
     every row's expected logits are the base's (the bidirectional block is whole in both).
     """
-    W, D = cfg.sliding_window, DECODE_STEPS
-    model = model_features(cfg)
-    bidirectional = kind == "image" and getattr(cfg, "use_bidirectional_attention", None) == "vision"
-    lengths = {b: len(t) for b, t in bases.items()}
-    seq = _SeqIds()
-    cases: list[Case] = []
-    p = f"{set_name}/"
-
-    def add(case: Case, extra: Sequence[str]) -> None:
-        tags = [case.kind] + ([case.entry] if case.kind == "last" else ["embeddings"]) + [kind] + list(extra)
-        if bidirectional:
-            tags.append("vision-blocks")
-        if case.decode_len > 0:
-            tags.append("decode")
-        case = replace(case, features=_unique(tags + list(model)))
-        problems = check_case(case, lengths, {b: images[b] for b in images})
-        if problems:
-            raise ValueError(problems[0])
-        cases.append(case)
-
-    inside, after = f"inside-{kind}", f"after-{kind}"
+    m = _MediaMatrix(set_name, cfg, bases, images, kind)
     for base in media_bases(bases, kind):
-        blocks = [(int(a), int(n)) for a, n in images[base]]
-        if not blocks:
-            raise ValueError(f"{kind} base {base} has no {kind} block")
-        N = lengths[base]
-        T_full = N - D
-        first, last_block = blocks[0], blocks[-1]
-        if T_full <= last_block[0] + last_block[1] + 1:
-            raise ValueError(f"{kind} base {base} needs text after its last {kind} block and {D} decode tokens")
-
-        def row_tags(r: int, T: int, blocks=blocks) -> list[str]:
-            tags = []
-            for a, n in blocks:
-                if r == a - 1:
-                    tags.append(MEDIA_OPEN[kind])
-                elif a <= r < a + n:
-                    tags.append(inside)
-                elif r == a + n:
-                    tags.append(after)
-            if r < T - 1:
-                tags.append("interior")
-            return tags
-
-        def last(T: int, pos: int, base: str = base) -> None:
-            add(Case(f"{p}last/embeddings/{base}/T{T}/pos{pos}", "last", base, T, entry="embeddings", last_pos=pos,
-                     seq_id=seq.next(), decode_len=D), row_tags(pos, T))
-
-        # 1. the embeddings entry, the prompt ending right after the first block, then the full prompt
-        a, n = first
-        T_eoi = a + n + 1
-        for pos in dict.fromkeys((T_eoi - 1, a - 1, a, a + n // 2, a + n - 1)):
-            last(T_eoi, pos)
-        a, n = last_block
-        for pos in dict.fromkeys((T_full - 1, a + n + 1, a + n, a + n // 2, a)):
-            last(T_full, pos)
-
-        def prefill(pieces, label: str, extra=(), base: str = base) -> None:
-            pieces = tuple((k, tuple(rows)) for k, rows in pieces)
-            T = sum(k for k, _ in pieces)
-            add(Case(f"{p}prefill/{base}/T{T}/{label}", "prefill", base, T, entry="embeddings", pieces=pieces,
-                     decode_len=D), list(extra) + _prefill_tags(pieces, None, W))
-
-        # 2. output-row prefill: inside and right after every block, and the last row; every row
-        rows = sorted({r for a, n in blocks for r in (a, a + n // 2, a + n - 1, a + n)} | {T_full - 1})
-        prefill([(T_full, rows)], f"rows-{kind}+last", [inside, after])
-        prefill([(T_full, range(T_full))], "rows-all", [inside, after])
-
-        # 3. chunks split at block boundaries (right after an eoi, right before a boi), and no output row
-        #    in the first call
-        a, n = first
-        cut = a + n + 1
-        prefill([(cut, (cut - 1,)), (T_full - cut, (T_full - cut - 1,))], f"chunks-{cut}+{T_full - cut}",
-                [after])
-        prefill([(cut, ()), (T_full - cut, (T_full - cut - 1,))], f"none-then-last-{cut}+{T_full - cut}")
-        a, n = last_block
-        cut = a - 1  # the boi starts the second piece
-        if cut > 0:
-            prefill([(cut, (cut - 1,)), (T_full - cut, (0, n // 2 + 1, T_full - cut - 1))],
-                    f"chunks-{cut}+{T_full - cut}", [inside])
-
-    ids = [c.id for c in cases]
+        m.base_cases(base)
+    ids = [c.id for c in m.cases]
     if len(set(ids)) != len(ids):
         dup = next(i for i in ids if ids.count(i) > 1)
         raise ValueError(f"duplicate case id {dup}")
-    return cases
+    return m.cases
 
 
 
