@@ -7,7 +7,7 @@ convention, llama.cpp checked on that set; wall time and peak memory of each ste
 From a checkpoint directory (``refimpl synth --preset e2b --layers 4``: the published E2B shapes, cut): its
 512-piece synthetic tokenizer padded with UNUSED pieces to the config's vocabulary size (the converter needs one
 piece per row of the embedding; the weights are linked, not copied); llama.cpp's own converter to an F16 GGUF
-(``conformance.backends.llama_cpp.engine.convert_to_gguf``); its own quantiser to ``--ftype``
+(``conformance.backends.llama_cpp.convert.convert_to_gguf``); its own quantiser to ``--ftype``
 (``llama_model_quantize``, no importance matrix); ``conformance generate --model FILE.gguf --cases text
 --activations CONV`` (CONV: the stock library's convention with ``--kv-type``, ggml-cpu/x86[/f16-kv]/gelu-table);
 then ``conformance check --backend llama-cpp`` on that set (``--match REGEX`` when given: at real size every
@@ -35,8 +35,8 @@ WRAPPER = ("import json, resource, subprocess, sys, time; t0 = time.monotonic();
            "rc = subprocess.run(sys.argv[1:]).returncode; "
            "print(json.dumps({'rc': rc, 'wall_s': time.monotonic() - t0, "
            "'peak_kib': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))")
-CONVERT = ("import sys; from pathlib import Path; from conformance.backends.llama_cpp import engine as eng; "
-           "path, _ = eng.convert_to_gguf(Path(sys.argv[1]), eng.resolve_source(), 'f16', Path(sys.argv[2])); "
+CONVERT = ("import sys; from pathlib import Path; from conformance.backends.llama_cpp import convert, library; "
+           "path, _ = convert.convert_to_gguf(Path(sys.argv[1]), library.resolve_source(), 'f16', Path(sys.argv[2])); "
            "Path(sys.argv[3]).write_text(str(path))")
 QUANTISE = ("import sys; sys.path.insert(0, sys.argv[4]); from pathlib import Path; "
             "from llama_quantize import quantize; quantize(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])")

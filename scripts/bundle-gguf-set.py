@@ -27,7 +27,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from llama_quantize import quantize  # noqa: E402 - after sys.path
 
-from conformance.backends.llama_cpp import engine as eng  # noqa: E402
+from conformance.backends.llama_cpp import convert, library  # noqa: E402
 from conformance.generate import generate_set  # noqa: E402
 from conformance.sets.format import write_json  # noqa: E402
 from refimpl.synth import write_checkpoint  # noqa: E402
@@ -48,7 +48,7 @@ def main() -> int:
              if getattr(args, k) != ap.get_default(k)]
     with tempfile.TemporaryDirectory() as tmp:
         src = write_checkpoint(args.preset, 0, Path(tmp) / args.preset)
-        f32, _ = eng.convert_to_gguf(src, eng.resolve_source(), "f32", Path(tmp) / "cache")
+        f32, _ = convert.convert_to_gguf(src, library.resolve_source(), "f32", Path(tmp) / "cache")
         gguf = quantize(f32, Path(tmp) / "model.gguf", args.ftype)
         shutil.rmtree(out, ignore_errors=True)
         generate_set(out, model_dir=gguf, name=out.name, cases="text", store="logits", activations=args.activations,

@@ -21,7 +21,8 @@ import sys
 from pathlib import Path
 sys.path[:0] = ["tests"]
 from llama_quantize import quantize
-from conformance.backends.llama_cpp.engine import convert_to_gguf, resolve_source
+from conformance.backends.llama_cpp.convert import convert_to_gguf
+from conformance.backends.llama_cpp.library import resolve_source
 from refimpl.synth import write_checkpoint
 work = Path(sys.argv[1])
 for preset in ("e2b-mini", "e2b-256-mini"):

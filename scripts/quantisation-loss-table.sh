@@ -22,7 +22,8 @@ import sys
 from pathlib import Path
 sys.path[:0] = ["tests"]
 from llama_quantize import quantize
-from conformance.backends.llama_cpp.engine import convert_to_gguf, resolve_source
+from conformance.backends.llama_cpp.convert import convert_to_gguf
+from conformance.backends.llama_cpp.library import resolve_source
 from refimpl.synth import write_checkpoint
 work = Path(sys.argv[1])
 f32, _ = convert_to_gguf(write_checkpoint("e2b-mini", 0, work / "e2b-mini"), resolve_source(None), "f32", work / "cache")

@@ -42,7 +42,6 @@ LAZY_OK = {"torch", "transformers", "mlx", "mlx_lm", "llama_cpp", "distributed",
 # modules over about 600 lines, and why (docs/architecture.md says the same)
 LONG_OK = {
     "conformance/selftest/engine.py": "the numpy engine is one production-style engine; its hooks are the mutants' API",
-    "conformance/backends/llama_cpp/engine.py": "the llama.cpp engine: conversion, context, batches and logits",
     "conformance/backends/transformers/backend.py": "transformers: loading, the cache driver and the multimodal path",
 }
 MAX_LINES = 600
@@ -307,11 +306,11 @@ def test_a_wheel_of_the_tree_ships_the_bundled_sets_and_finds_them(tmp_path):
 def test_paths_computed_from_a_module_location_point_into_the_checkout():
     """A module that moved deeper must not lose its way to the checkout (the llama.cpp sources and builds
     under .cache/, the directory put on the engine child's PYTHONPATH), nor to the data beside it."""
-    from conformance.backends.llama_cpp import backend, engine
+    from conformance.backends.llama_cpp import backend, library, options
     from conformance.report import SCHEMA_PATH
 
-    assert engine.REPO_ROOT == REPO and engine.DEFAULT_SOURCE.is_relative_to(REPO / ".cache" / "llama-cpp")
-    assert engine.EXACT_GELU_LIB.is_relative_to(REPO / ".cache" / "llama-cpp")
-    assert engine.EXPECTATIONS_DIR == REPO / "conformance" / "backends" / "llama_cpp" / "expectations"
-    assert any(engine.EXPECTATIONS_DIR.glob("*.json")) and SCHEMA_PATH.is_file()
+    assert library.REPO_ROOT == REPO and library.DEFAULT_SOURCE.is_relative_to(REPO / ".cache" / "llama-cpp")
+    assert library.EXACT_GELU_LIB.is_relative_to(REPO / ".cache" / "llama-cpp")
+    assert options.EXPECTATIONS_DIR == REPO / "conformance" / "backends" / "llama_cpp" / "expectations"
+    assert any(options.EXPECTATIONS_DIR.glob("*.json")) and SCHEMA_PATH.is_file()
     assert (backend.PACKAGE_ROOT / "conformance" / "__init__.py").is_file()  # what the engine child imports

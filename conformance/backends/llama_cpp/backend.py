@@ -47,15 +47,8 @@ from typing import Any
 
 from ...protocol.types import BackendError
 from ..subprocess.client import SubprocessBackend
-from .engine import (
-    BUILD_HINT,
-    check_options,
-    config_name,
-    default_profile_for,
-    expectations_for,
-    resolve_lib,
-    resolve_source,
-)
+from .library import BUILD_HINT, resolve_lib, resolve_source
+from .options import check_options, config_name, default_profile_for, expectations_for
 
 __all__ = ["ENGINE", "LlamaCppBackend"]
 

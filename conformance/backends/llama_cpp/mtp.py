@@ -58,8 +58,8 @@ import numpy as np
 
 from ...protocol.types import BackendError, MtpResponse, Request, Response
 
-# the engine (``engine.LlamaCppEngine``) and its request contexts (``engine._Ctx``) are passed in: engine imports
-# this module, so the annotations below name them without importing them
+# the engine (``engine.LlamaCppEngine``) and its request contexts (``context.LlamaContext``) are passed in: engine
+# imports this module, so the annotations below name them without importing them
 __all__ = ["ASSISTANT_TYPES", "CONVENTION", "DraftContext", "run_mtp"]
 
 CONVENTION = "target-cache/P"

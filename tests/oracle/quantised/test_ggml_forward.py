@@ -19,18 +19,18 @@ import pytest
 if importlib.util.find_spec("llama_cpp") is None:  # looked up, not imported: importing it loads a library
     pytest.skip("llama-cpp-python is not installed (scripts/build-llama-cpp.sh)", allow_module_level=True)
 
-from conformance.backends.llama_cpp import engine as eng
+from conformance.backends.llama_cpp import convert, library
 from conformance.protocol import BackendError, Request
 from refimpl import Gemma4
 from refimpl.errors import InputError
 from refimpl.synth import write_checkpoint
 
 try:
-    SOURCE = eng.resolve_source()
+    SOURCE = library.resolve_source()
 except BackendError as exc:  # pragma: no cover - depends on the machine
     pytest.skip(f"llama.cpp converter sources missing: {exc}", allow_module_level=True)
 
-HAVE_EXACT = (eng.EXACT_GELU_LIB / "libllama.so").is_file()
+HAVE_EXACT = (library.EXACT_GELU_LIB / "libllama.so").is_file()
 REPO = Path(__file__).resolve().parents[3]
 CHILD = """
 import pickle, sys
@@ -66,7 +66,7 @@ def q8(tmp_path_factory) -> tuple[Path, Path, Path]:
     """(e2b-mini, its Q8_0 GGUF by llama.cpp's own converter, the converter cache)."""
     root = tmp_path_factory.mktemp("ggml-forward")
     src = write_checkpoint("e2b-mini", 0, root / "e2b-mini")
-    path, _ = eng.convert_to_gguf(src, SOURCE, "q8_0", root / "cache")
+    path, _ = convert.convert_to_gguf(src, SOURCE, "q8_0", root / "cache")
     return src, path, root / "cache"
 
 
@@ -219,7 +219,7 @@ def test_the_moe_experts_follow_the_convention(tmp_path):
     import llama_quantize
 
     src = write_checkpoint("26b-a4b-mini", 0, tmp_path / "moe")
-    f32, _ = eng.convert_to_gguf(src, SOURCE, "f32", tmp_path / "cache")
+    f32, _ = convert.convert_to_gguf(src, SOURCE, "f32", tmp_path / "cache")
     path = llama_quantize.quantize(f32, tmp_path / "moe-q8_0.gguf", "Q8_0")
     options = {"kv_type": "f32", "lib": "exact-gelu"}
     theirs = llama_logits(options, path, tmp_path)

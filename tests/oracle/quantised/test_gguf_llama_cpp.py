@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_ggml_blocks import PLAIN, QK, QUANT, ROUNDED, blocks
 
-from conformance.backends.llama_cpp import engine as eng
+from conformance.backends.llama_cpp import convert, library
 from conformance.protocol import BackendError
 from refimpl import Gemma4, load_config
 from refimpl.errors import RefimplError
@@ -129,7 +129,7 @@ def test_llama_cpps_k_quants_on_a_256_wide_checkpoint(qtype, micro_factory, tmp_
 
 
 try:
-    SOURCE = eng.resolve_source()
+    SOURCE = library.resolve_source()
 except BackendError:  # pragma: no cover - depends on the machine
     SOURCE = None
 
@@ -142,7 +142,7 @@ def test_llama_cpps_converter(preset, outtype, tmp_path_factory, tmp_path):
 
     # a bf16 checkpoint, as published: the converter reads bf16 through float32
     model_dir = write_checkpoint(preset, 0, tmp_path_factory.mktemp("ckpt") / preset)
-    path, _ = eng.convert_to_gguf(model_dir, SOURCE, outtype, tmp_path_factory.mktemp("cache"))
+    path, _ = convert.convert_to_gguf(model_dir, SOURCE, outtype, tmp_path_factory.mktemp("cache"))
     ref, got = load_config(model_dir), load_config(path)
     same = ("architecture", "serialisation", "notes", "max_position_embeddings", "eos_token_ids")
     assert dataclasses.replace(got, **{k: getattr(ref, k) for k in same}) == ref
@@ -169,7 +169,7 @@ def _converted(preset: str, tmp_path_factory):
     if SOURCE is None:
         pytest.skip("llama.cpp converter sources missing (scripts/build-llama-cpp.sh)")
     model_dir = write_checkpoint(preset, 0, tmp_path_factory.mktemp("ckpt") / preset)
-    path, _ = eng.convert_to_gguf(model_dir, SOURCE, "f32", tmp_path_factory.mktemp("cache"))
+    path, _ = convert.convert_to_gguf(model_dir, SOURCE, "f32", tmp_path_factory.mktemp("cache"))
     return model_dir, path
 
 
@@ -244,7 +244,7 @@ def test_a_drafter_gguf_steps_as_its_checkpoint(preset, tmp_path_factory, tmp_pa
     from refimpl.synth import write_checkpoint
 
     drafter_dir = write_checkpoint(preset, 0, tmp_path_factory.mktemp("ckpt") / preset) / "assistant"
-    path, _ = eng.convert_to_gguf(drafter_dir, SOURCE, "f32", tmp_path_factory.mktemp("cache"))
+    path, _ = convert.convert_to_gguf(drafter_dir, SOURCE, "f32", tmp_path_factory.mktemp("cache"))
     assert is_assistant(path) and is_assistant(drafter_dir)
     want, got = Drafter(_dense_head_copy(drafter_dir, tmp_path / "dense")), Drafter(path)
     assert got.acfg.backbone_hidden_size == want.acfg.backbone_hidden_size and not got.acfg.use_ordered_embeddings
@@ -348,7 +348,7 @@ def _mmproj(preset: str, tmp_path_factory):
         if preset == OMNI:
             mp.setitem(PRESETS, OMNI, _omni())
         model_dir = write_checkpoint(preset, 0, root / preset)
-    src = eng.make_tokenizer_json(model_dir, root / "converter-input", 512)
+    src = convert.make_tokenizer_json(model_dir, root / "converter-input", 512)
     processor = json.loads((src / "processor_config.json").read_text(encoding="utf-8"))
     processor["image_processor"].update(image_mean=[0.0] * 3, image_std=[1.0] * 3)
     (src / "processor_config.json").write_text(json.dumps(processor), encoding="utf-8")
@@ -380,7 +380,7 @@ def test_a_vision_projector_gguf_is_the_checkpoints_tower(preset, tmp_path_facto
     positions = np.array([(x, y) for y in range(6) for x in range(6)])
     _close(vision_tower(pixels, positions, wd, cd), vision_tower(pixels, positions, wg, cg))
     with pytest.raises(RefimplError, match="not a projector GGUF"):
-        load_mmproj_tower(eng.convert_to_gguf(model_dir, SOURCE, "f32", tmp_path_factory.mktemp("c"))[0], "vision")
+        load_mmproj_tower(convert.convert_to_gguf(model_dir, SOURCE, "f32", tmp_path_factory.mktemp("c"))[0], "vision")
 
 
 
@@ -482,7 +482,7 @@ def test_refimpl_reads_image_and_audio_prompts_through_the_projector(preset, med
     config's rule), the towers from the projector. Equal up to float64 rounding; with the conformer, up to the
     float32 rounding of its stored per_dim_scale."""
     model_dir, mmproj = _mmproj(preset, tmp_path_factory)
-    text, _ = eng.convert_to_gguf(model_dir, SOURCE, "f32", tmp_path_factory.mktemp("text"))
+    text, _ = convert.convert_to_gguf(model_dir, SOURCE, "f32", tmp_path_factory.mktemp("text"))
     rng = np.random.default_rng(1)
     argv = ["--prompt", "Describe what you see and hear."]
     if "image" in media:

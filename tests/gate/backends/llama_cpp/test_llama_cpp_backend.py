@@ -16,18 +16,19 @@ import pytest
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/build-llama-cpp.sh)")
 
+from conformance.backends.llama_cpp import convert, library, options
 from conformance.backends.llama_cpp import engine as eng
 from conformance.check.profiles import PROFILES
 from conformance.protocol import BackendError, Request
 
 try:
-    SOURCE = eng.resolve_source()
+    SOURCE = library.resolve_source()
 except BackendError as exc:  # pragma: no cover - depends on the machine
     pytest.skip(f"llama.cpp converter sources missing: {exc}", allow_module_level=True)
 
 from conformance.backends.llama_cpp.backend import LlamaCppBackend
 
-HAVE_EXACT = (eng.EXACT_GELU_LIB / "libllama.so").is_file()
+HAVE_EXACT = (library.EXACT_GELU_LIB / "libllama.so").is_file()
 S, F = "sliding_attention", "full_attention"
 
 
@@ -220,28 +221,28 @@ def test_staging_api_names_a_missing_symbol():
 def test_names_profiles_and_shipped_expectations():
     from conformance.check.expectations import load
 
-    assert eng.config_name("f16", "stock") == "llama-cpp-f16kv"
-    assert eng.config_name("f32", "stock") == "llama-cpp-f32kv"
-    assert eng.config_name("f32", "exact-gelu") == "llama-cpp-f32kv-exact-gelu"
-    assert eng.config_name("f32", "exact-gelu", flash_attn=True, embeddings=True) == \
+    assert options.config_name("f16", "stock") == "llama-cpp-f16kv"
+    assert options.config_name("f32", "stock") == "llama-cpp-f32kv"
+    assert options.config_name("f32", "exact-gelu") == "llama-cpp-f32kv-exact-gelu"
+    assert options.config_name("f32", "exact-gelu", flash_attn=True, embeddings=True) == \
         "llama-cpp-f32kv-exact-gelu-fa-embd"
     # the default configurations pass every claimed text case; they declare e2b-assistant-mini's MTP cases
     # (no centroid head in llama.cpp) and mtp-layout-mini's (its positional KV-sharing rule aborts), the -embd
     # ones also the PLE presets' input-embeddings cases
     for name in ("llama-cpp-f16kv", "llama-cpp-f32kv", "llama-cpp-f32kv-exact-gelu"):
         for suffix, n in (("", 3), ("-embd", 4)):
-            ex = load(eng.expectations_for(name + suffix))
+            ex = load(options.expectations_for(name + suffix))
             assert ex.backend == name + suffix and [e.action for e in ex.entries] == ["known-failure"] * n
             assert all("e2b\\-assistant\\-mini/mtp/" in e.match for e in ex.entries[-3:-1])
             assert ex.entries[-1].match == "^mtp\\-layout\\-mini/mtp/" and "GGML_ASSERT" in ex.entries[-1].reason
-    assert eng.expectations_for("llama-cpp-f32kv-exact-gelu-fa") is None
-    caps = eng.capabilities_for("fp32", False)
+    assert options.expectations_for("llama-cpp-f32kv-exact-gelu-fa") is None
+    caps = options.capabilities_for("fp32", False)
     assert caps.hidden_states and caps.mtp and caps.mtp_generate and caps.mtp_conventions == "target-cache/P"
-    assert eng.default_profile_for("f16", "stock") == "fp16-kv"
-    assert eng.default_profile_for("f32", "stock") == "fp16-kv"  # the fp16 GELU table stays
-    assert eng.default_profile_for("f32", "exact-gelu") == "fp32"
-    assert eng.default_profile_for("f16", "exact-gelu") == "fp16-kv"
-    assert eng.default_profile_for("f32", "exact-gelu", flash_attn=True) == "fp16-kv"  # K/V cast to f16
+    assert options.default_profile_for("f16", "stock") == "fp16-kv"
+    assert options.default_profile_for("f32", "stock") == "fp16-kv"  # the fp16 GELU table stays
+    assert options.default_profile_for("f32", "exact-gelu") == "fp32"
+    assert options.default_profile_for("f16", "exact-gelu") == "fp16-kv"
+    assert options.default_profile_for("f32", "exact-gelu", flash_attn=True) == "fp16-kv"  # K/V cast to f16
 
 
 # ----------------------------------------------------------------------------------------------
@@ -250,10 +251,10 @@ def test_names_profiles_and_shipped_expectations():
 
 def test_gguf_cache_hit_on_second_open(tmp_path, e2b_dir):
     cache = tmp_path / "cache"
-    path, info = eng.convert_to_gguf(e2b_dir, SOURCE, "f32", cache)
+    path, info = convert.convert_to_gguf(e2b_dir, SOURCE, "f32", cache)
     assert info["cached"] is False and path.is_file() and path.parent == cache
     mtime = path.stat().st_mtime_ns
-    path2, info2 = eng.convert_to_gguf(e2b_dir, SOURCE, "f32", cache)
+    path2, info2 = convert.convert_to_gguf(e2b_dir, SOURCE, "f32", cache)
     assert info2["cached"] is True and path2 == path and path.stat().st_mtime_ns == mtime
     assert [p.name for p in cache.glob("*.gguf")] == [path.name]
     # the key is the content, not the directory: a copy elsewhere hits the same file
@@ -261,25 +262,25 @@ def test_gguf_cache_hit_on_second_open(tmp_path, e2b_dir):
     copy.mkdir()
     for p in e2b_dir.iterdir():
         (copy / p.name).write_bytes(p.read_bytes())
-    assert eng.convert_to_gguf(copy, SOURCE, "f32", cache)[1]["cached"] is True
+    assert convert.convert_to_gguf(copy, SOURCE, "f32", cache)[1]["cached"] is True
     # another outtype or other weights are another key
-    assert eng.gguf_cache_key(copy, SOURCE, "f16")[0] != info["key"]
+    assert convert.gguf_cache_key(copy, SOURCE, "f16")[0] != info["key"]
     blob = bytearray((copy / "model.safetensors").read_bytes())
     blob[-1] ^= 1
     (copy / "model.safetensors").write_bytes(bytes(blob))
-    assert eng.gguf_cache_key(copy, SOURCE, "f32")[0] != info["key"]
+    assert convert.gguf_cache_key(copy, SOURCE, "f32")[0] != info["key"]
 
 
 def test_default_cache_location(gguf_cache, e2b_dir):
-    key, _ = eng.gguf_cache_key(e2b_dir, SOURCE, "f32")
-    path, _ = eng.convert_to_gguf(e2b_dir, SOURCE, "f32")
+    key, _ = convert.gguf_cache_key(e2b_dir, SOURCE, "f32")
+    path, _ = convert.convert_to_gguf(e2b_dir, SOURCE, "f32")
     assert path == gguf_cache / "gguf" / f"{key}.gguf"
-    assert eng.convert_to_gguf(e2b_dir, SOURCE, "f32")[1]["cached"] is True
+    assert convert.convert_to_gguf(e2b_dir, SOURCE, "f32")[1]["cached"] is True
 
 
 def test_tokenizer_json_keeps_vocab_size(tmp_path, e2b_dir):
     before = sorted(p.name for p in e2b_dir.iterdir())
-    out = eng.make_tokenizer_json(e2b_dir, tmp_path / "t", 512)
+    out = convert.make_tokenizer_json(e2b_dir, tmp_path / "t", 512)
     tok = json.loads((out / "tokenizer.json").read_text())
     assert len(tok["model"]["vocab"]) == 512 and tok["model"]["type"] == "BPE" and tok["model"]["byte_fallback"]
     assert max(t["id"] for t in tok["added_tokens"]) < 512
@@ -287,7 +288,7 @@ def test_tokenizer_json_keeps_vocab_size(tmp_path, e2b_dir):
     assert sorted(p.name for p in e2b_dir.iterdir()) == before  # nothing written into the checkpoint
     with pytest.raises(BackendError, match=r"has 512 tokens .* the config's vocab_size is 600; the GGUF converter "
                                            r"needs exactly vocab_size"):
-        eng.make_tokenizer_json(e2b_dir, tmp_path / "t2", 600)
+        convert.make_tokenizer_json(e2b_dir, tmp_path / "t2", 600)
 
 
 # ----------------------------------------------------------------------------------------------

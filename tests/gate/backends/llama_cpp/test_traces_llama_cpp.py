@@ -35,7 +35,7 @@ if importlib.util.find_spec("llama_cpp") is None:  # looked up, not imported: im
 
 from helpers import same_run
 
-from conformance.backends.llama_cpp import engine as eng
+from conformance.backends.llama_cpp import convert, library
 from conformance.backends.refimpl_backend import RefimplBackend
 from conformance.check.profiles import PROFILES
 from conformance.check.requests import build_request
@@ -47,11 +47,11 @@ from conformance.sets import bundled_set
 from conformance.sets.integrity import load_set
 
 try:
-    eng.resolve_source()
+    library.resolve_source()
 except BackendError as exc:  # pragma: no cover - depends on the machine
     pytest.skip(f"llama.cpp converter sources missing: {exc}", allow_module_level=True)
 
-HAVE_EXACT = (eng.EXACT_GELU_LIB / "libllama.so").is_file()
+HAVE_EXACT = (library.EXACT_GELU_LIB / "libllama.so").is_file()
 REPO = Path(__file__).resolve().parents[4]
 SETS = ("e2b-mini", "26b-a4b-mini")
 CASES = ("full/A/T9", "last/plain/A/T9/pos8", "last/seq_id/B/T9/pos4", "prefill/A/T19/rows-middle/ub5",
@@ -160,7 +160,7 @@ def test_every_oracle_point_within_the_profile(served, oracle):
     worst: dict[str, float] = {}
     for name in SETS:
         model_dir, cases = oracle[name]
-        cfg = eng.read_text_config(model_dir)
+        cfg = convert.read_text_config(model_dir)
         for case, got in traced[name].items():
             ref = cases[case.removesuffix("/batched")][1]
             assert got.executed["trace"].startswith("cb_eval") and len(groups(got)) == len(groups(ref)), case
