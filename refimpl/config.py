@@ -346,9 +346,9 @@ def _check_served(text: dict, where: str) -> Any:
     return bidir
 
 
-def _moe_fields(text: dict, where: str) -> tuple[int | None, int | None, int | None]:
-    """(num_experts, top_k_experts, moe_intermediate_size) of a MoE block, or three Nones."""
-    if not get_field(text, "enable_moe_block", bool, False, where):
+def _moe_fields(text: dict, moe: bool, where: str) -> tuple[int | None, int | None, int | None]:
+    """(num_experts, top_k_experts, moe_intermediate_size) of a MoE block (``moe``), or three Nones."""
+    if not moe:
         return None, None, None
     for key in ("num_experts", "top_k_experts", "moe_intermediate_size"):
         if text.get(key) is None:
@@ -386,11 +386,11 @@ def _layer_overrides(plc: Any, L: int, where: str) -> dict[int, dict]:
     return overrides
 
 
-def _per_layer_heads(text: dict, types: list[str], k_eq_v: bool, where: str,
+def _per_layer_heads(text: dict, types: list[str], head_dim: int, k_eq_v: bool, where: str,
                      notes: list[str]) -> tuple[list[tuple[int, int]], str]:
-    """([(head_dim, KV heads)] per layer, the serialisation it was read from: per_layer_config or legacy)."""
-    head_dim = check_positive(get_field(text, "head_dim", int, 256, where), "head_dim", where)
-    kv_heads = required_positive(text, "num_key_value_heads", where)
+    """([(head_dim, KV heads)] per layer, the serialisation it was read from: per_layer_config or legacy);
+    ``head_dim`` is the config's default for the layers."""
+    kv_heads = text["num_key_value_heads"]
     if text.get("per_layer_config") is not None:
         overrides = _layer_overrides(text["per_layer_config"], len(types), where)
         per_layer = []
@@ -415,12 +415,10 @@ def _per_layer_heads(text: dict, types: list[str], k_eq_v: bool, where: str,
 
 
 def _layer_specs(text: dict, types: list[str], per_layer: list[tuple[int, int]], serialisation: str,
-                 num_shared: int, where: str) -> tuple[LayerSpec, ...]:
+                 num_shared: int, k_eq_v: bool, double_wide: bool, where: str) -> tuple[LayerSpec, ...]:
     """Every layer's spec, checked: heads divisible by KV heads, even head_dim, a shared layer's geometry
     equal to its source's."""
     N, I = text["num_attention_heads"], text["intermediate_size"]  # noqa: E741 - I: the intermediate size (spec)
-    k_eq_v = get_field(text, "attention_k_eq_v", bool, False, where)
-    double_wide = get_field(text, "use_double_wide_mlp", bool, False, where)
     rope = _rope_specs(text, set(types), where)
     sources, first = _kv_sources(types, num_shared, where), len(types) - num_shared
     layers = []
@@ -464,7 +462,7 @@ def parse_config(raw: dict, where: str = "config.json", extra_eos: tuple[int, ..
     L = _num_layers(text, layers_held, where)
     text = {**text, **{key: required_positive(text, key, where) for key in (
         "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "intermediate_size")}}
-    check_positive(get_field(text, "head_dim", int, 256, where), "head_dim", where)
+    head_dim = check_positive(get_field(text, "head_dim", int, 256, where), "head_dim", where)
     W = check_positive(get_field(text, "sliding_window", int, 512, where), "sliding_window", where)
     eps = get_field(text, "rms_norm_eps", float, 1e-6, where)
     check_positive_float(eps, "rms_norm_eps", where)
@@ -474,21 +472,21 @@ def parse_config(raw: dict, where: str = "config.json", extra_eos: tuple[int, ..
     num_shared = _num_shared(text, L, where)
     double_wide = get_field(text, "use_double_wide_mlp", bool, False, where)
     k_eq_v = get_field(text, "attention_k_eq_v", bool, False, where)
-    get_field(text, "enable_moe_block", bool, False, where)
+    moe = get_field(text, "enable_moe_block", bool, False, where)
     tie = get_field(text, "tie_word_embeddings", bool, top.get("tie_word_embeddings", True) is not False, where)
     bidir = _check_served(text, where)
-    num_experts, top_k, moe_I = _moe_fields(text, where)
+    num_experts, top_k, moe_I = _moe_fields(text, moe, where)
     types, type_notes = _layer_types(text, L, where)
     notes += type_notes
-    per_layer, serialisation = _per_layer_heads(text, types, k_eq_v, where, notes)
-    layers = _layer_specs(text, types, per_layer, serialisation, num_shared, where)
+    per_layer, serialisation = _per_layer_heads(text, types, head_dim, k_eq_v, where, notes)
+    layers = _layer_specs(text, types, per_layer, serialisation, num_shared, k_eq_v, double_wide, where)
     eos = token_ids(text.get("eos_token_id", top.get("eos_token_id", 1)), "eos_token_id", where)
     return TextConfig(
         vocab_size=text["vocab_size"], hidden_size=text["hidden_size"], num_hidden_layers=L,
         num_attention_heads=text["num_attention_heads"], intermediate_size=text["intermediate_size"],
         sliding_window=W, rms_norm_eps=eps, final_logit_softcapping=softcap,
         hidden_size_per_layer_input=P, vocab_size_per_layer_input=V_ple, num_kv_shared_layers=num_shared,
-        use_double_wide_mlp=double_wide, attention_k_eq_v=k_eq_v, enable_moe_block=num_experts is not None,
+        use_double_wide_mlp=double_wide, attention_k_eq_v=k_eq_v, enable_moe_block=moe,
         num_experts=num_experts, top_k_experts=top_k, moe_intermediate_size=moe_I, tie_word_embeddings=tie,
         use_bidirectional_attention=bidir, layers=layers,
         bos_token_id=text.get("bos_token_id", top.get("bos_token_id", 2)),

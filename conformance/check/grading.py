@@ -194,8 +194,9 @@ def _tie_aware_overlap(ref: np.ndarray, got: np.ndarray, k: int, tie_margin: flo
 
 
 def _nonfinite(label: str, ref: np.ndarray, got: np.ndarray,
-               failures: list[tuple[str, str]]) -> np.ndarray | None:
-    """The columns finite in both rows (None: all), a failure for each row's non-finite mismatches."""
+               failures: list[tuple[str, str]]) -> tuple[np.ndarray | None, np.ndarray]:
+    """(the columns finite in both rows, None: all; the returned row's finite columns), a failure for the
+    non-finite mismatches."""
     fin_ref, fin_got = np.isfinite(ref), np.isfinite(got)
     same_inf = (~fin_ref) & (~fin_got) & (ref == got)  # the same +-inf on both sides (nan != nan)
     bad = (fin_ref != fin_got) | ((~fin_ref) & (~fin_got) & ~same_inf)
@@ -210,15 +211,16 @@ def _nonfinite(label: str, ref: np.ndarray, got: np.ndarray,
             what = f"{gv} where the oracle is {_describe_nonfinite(ref[j])}"
         failures.append(("nonfinite", f"{label}: {len(idx)} non-finite mismatch(es) ({where_finite} where the "
                                       f"oracle is finite); first at token {j}: {what}"))
-    return None if fin_ref.all() and fin_got.all() else (fin_ref & fin_got)
+    return (None if fin_ref.all() and fin_got.all() else (fin_ref & fin_got)), fin_got
 
 
-def _identity(spec: Any, got: np.ndarray, base_rows: np.ndarray, base_cols: np.ndarray | None, profile: Profile,
-              approx_sq_dist: np.ndarray | None, m: dict, failures: list[tuple[str, str]]) -> str | None:
+def _identity(spec: Any, got: np.ndarray, fin_got: np.ndarray, base_rows: np.ndarray, base_cols: np.ndarray | None,
+              profile: Profile, approx_sq_dist: np.ndarray | None, m: dict,
+              failures: list[tuple[str, str]]) -> str | None:
     """The identity check over the columns finite in every oracle row of the base and in the returned row: a
     failure when the row is nearest another oracle row; the message of a short ratio (reported only when nothing
     else fails), else None."""
-    idcols = np.isfinite(got) if base_cols is None else (base_cols & np.isfinite(got))
+    idcols = fin_got if base_cols is None else (base_cols & fin_got)
     if idcols.any():
         if idcols.all():
             nearest, ratio = M.row_identity(got, base_rows, spec.position, approx_sq_dist=approx_sq_dist)
@@ -329,7 +331,7 @@ def _grade_row(row: _Row, got_row: np.ndarray, base_rows: np.ndarray, base_cols:
         res.top_ref = M.topk_ids(ref, TOP_N).tolist()
         return
     row.got, row.ref = got, ref
-    cols = _nonfinite(label, ref, got, failures)
+    cols, fin_got = _nonfinite(label, ref, got, failures)
     r = ref if cols is None else ref[cols]
     g = got if cols is None else got[cols]
     colmap = np.arange(ref.shape[-1]) if cols is None else np.flatnonzero(cols)
@@ -347,7 +349,7 @@ def _grade_row(row: _Row, got_row: np.ndarray, base_rows: np.ndarray, base_cols:
         failures.append(("nonfinite", f"{label}: no column where both rows are finite"))
         _finish(res, failures)
         return
-    ratio_short = _identity(spec, got, base_rows, base_cols, profile, approx_sq_dist, m, failures)
+    ratio_short = _identity(spec, got, fin_got, base_rows, base_cols, profile, approx_sq_dist, m, failures)
     at = _closeness(label, ref, got, r, g, colmap, profile, m, failures)
     _distribution(label, r, g, colmap, at, profile, m, failures)
     _agreement(row, ref, got, profile, m, failures)

@@ -270,6 +270,11 @@ def _manifest_and_files(path: Path) -> tuple[list[str], dict | None]:
     return problems, manifest
 
 
+def _tensors_path(path: Path, manifest: dict) -> Path:
+    """Where a set's tensors are named in messages: expected.safetensors (schema 1), else the set."""
+    return path / EXPECTED if manifest["schema_version"] < 2 else path
+
+
 def _base_leaves(infos: dict, v2: bool, epath: Path, problems: list[str]) -> dict[str, set]:
     """{base: its stored leaves}; a problem for each tensor name the format does not know."""
     seen: dict[str, set] = {}
@@ -289,7 +294,7 @@ def _stored_bases(path: Path, manifest: dict, infos: dict, problems: list[str]) 
     """({base: its length}, the vocabulary size): every base's tensors checked by shape and type."""
     v2 = manifest["schema_version"] >= 2
     storage = manifest.get("storage", "logits")
-    epath = path / EXPECTED if not v2 else path
+    epath = _tensors_path(path, manifest)
     seen = _base_leaves(infos, v2, epath, problems)
     config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
     vocab = None
@@ -423,8 +428,7 @@ def _read_dir(path: Path) -> tuple[list[str], FixtureSet | None]:
     tokens: dict = {}
     blocks: dict = {}
     if not problems:
-        epath = path / EXPECTED if manifest["schema_version"] < 2 else path
-        tokens, blocks = _stored_values(fs, vocab, epath, problems)
+        tokens, blocks = _stored_values(fs, vocab, _tensors_path(path, manifest), problems)
     cases = _read_cases(path, manifest, lengths, blocks, tokens, problems)
     if cases is None or problems:
         return problems, None
