@@ -213,7 +213,7 @@ def part_transformers(model: str, tokens: int, rows: str, repeat: int, flavour: 
         from hf_unified_reference import recompute_float64_buffers
         from hf_unified_reference import unified_float64_exact as float64_exact
 
-        from conformance.backends.transformers.backend import load_gemma4_unified
+        from conformance.backends.transformers.loading import load_gemma4_unified
         hf = load_gemma4_unified(model, torch.float64)
         if flavour == "exact":
             recompute_float64_buffers(hf)

@@ -75,7 +75,8 @@ from torch import nn
 from transformers import DynamicCache, Gemma4ForCausalLM
 from transformers.modeling_rope_utils import dynamic_rope_update
 
-from conformance.backends.transformers.backend import TransformersBackend, load_gemma4_causal_lm
+from conformance.backends.transformers.backend import TransformersBackend
+from conformance.backends.transformers.loading import load_gemma4_causal_lm
 
 __all__ = [
     "load_hf_causal_lm",
@@ -349,7 +350,7 @@ def load_hf_causal_lm(model_dir, dtype: str | torch.dtype = "float64", exact: bo
     recomputed in float64 (:func:`recompute_float64_buffers`).
 
     The loading itself is the transformers backend's loader,
-    ``conformance.backends.transformers.backend.load_gemma4_causal_lm``, so the
+    ``conformance.backends.transformers.loading.load_gemma4_causal_lm``, so the
     tests and the backend read checkpoints the same way. Two layouts are accepted:
 
     * a text checkpoint (config ``Gemma4TextConfig`` / model_type ``gemma4_text``,

@@ -7,7 +7,7 @@ table, console summary and JSON). Imports ``conformance.check``,
     from conformance.selftest import run_selftest, MUTANTS
 """
 
-from .engine import NumpyEngineBackend
+from .backend import NumpyEngineBackend
 from .mutants import EQUIVALENT, MUTANTS, Mutant
 from .output import console_summary, format_table, table_rows, to_json, write_json
 from .results import (

@@ -46,7 +46,8 @@ from refimpl.ops import apply_rope, layer_norm, linear, rms_norm, rope_cos_sin, 
 from refimpl.unified import LAYER_NORM_EPS
 
 from ..protocol.types import Backend
-from .engine import CacheSet, Engine, KVView, MicroBatch, NumpyEngineBackend, Rows, SequenceCache
+from .backend import NumpyEngineBackend
+from .engine import Engine
 from .mtp_mutants import (
     HiddenNormWeightSkipped,
     HiddenPreNorm,
@@ -64,6 +65,7 @@ from .mtp_mutants import (
     MtpPositionPMinus1,
 )
 from .planting import planted
+from .state import CacheSet, KVView, MicroBatch, Rows, SequenceCache
 
 __all__ = ["AUDIO_SET", "BACKENDS", "MTP_SETS", "MTP_SET_CENTROID", "MTP_SET_LAYOUT", "CLOSENESS", "EQUIVALENT",
            "IMAGE_SETS", "IMAGE_SET_BIDIRECTIONAL", "IMAGE_SET_PLE", "MUTANTS", "Mutant", "UNIFIED_SET", "mutant",

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from .engine import Engine, NumpyEngineBackend
+from .backend import NumpyEngineBackend
+from .engine import Engine
 from .mtp import DraftModel, MtpDriver
 
 __all__ = ["MODULE", "planted"]

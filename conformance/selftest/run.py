@@ -51,7 +51,7 @@ from ..check.policy import Policy
 from ..check.profiles import get_profile
 from ..check.session import Checkpoints, Selection, Session, Work
 from ..protocol.types import Backend, BackendError
-from .engine import NumpyEngineBackend
+from .backend import NumpyEngineBackend
 from .mutants import EQUIVALENT, MUTANTS
 from .results import CONTROL_PROFILE, DEFAULT_PROFILES, ControlResult, MutantResult, Progress, SelftestResult, Verdict
 

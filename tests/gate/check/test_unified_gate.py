@@ -22,7 +22,7 @@ from conformance.check.runner import run
 from conformance.generate import generate_set
 from conformance.protocol.types import ImageInput, Request
 from conformance.protocol.wire import request_from_json, request_to_json
-from conformance.selftest.engine import NumpyEngineBackend
+from conformance.selftest.backend import NumpyEngineBackend
 from conformance.sets import load_set
 from conformance.sets.bundled import bundled_sets
 

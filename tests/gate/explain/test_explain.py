@@ -34,7 +34,7 @@ from conformance.cli import main
 from conformance.explain import explain, row_roles
 from conformance.explain.mutants import locate
 from conformance.protocol.trace import point_names, split_point
-from conformance.selftest.engine import NumpyEngineBackend
+from conformance.selftest.backend import NumpyEngineBackend
 from conformance.selftest.mutants import mutant
 from conformance.sets.bundled import bundled_sets
 from conformance.sets.integrity import load_set

@@ -274,6 +274,7 @@ def test_transformers_backend_refuses_pickled_weights(pickled, tmp_path, capsys,
     from safetensors.torch import load_file
 
     from conformance.backends.transformers import backend as tb
+    from conformance.backends.transformers import loading
     from conformance.protocol import BackendError
     from refimpl.synth import write_checkpoint
 
@@ -284,7 +285,7 @@ def test_transformers_backend_refuses_pickled_weights(pickled, tmp_path, capsys,
     assert verify_set(s) == []  # the set itself is sound
     assert main(["check", "--backend", "transformers", "--fixtures", str(s), "-q"]) == 4
     assert capsys.readouterr().err == f"conformance: error: {msg}\n"
-    for load in (tb.TransformersBackend().open, tb.load_gemma4_causal_lm):
+    for load in (tb.TransformersBackend().open, loading.load_gemma4_causal_lm):
         with pytest.raises(BackendError) as e:
             load(ckpt)
         assert str(e.value) == msg
@@ -293,13 +294,13 @@ def test_transformers_backend_refuses_pickled_weights(pickled, tmp_path, capsys,
     torch.save(load_file(str(vision / "model.safetensors")), vision / "pytorch_model.bin")
     (vision / "model.safetensors").unlink()
     with pytest.raises(BackendError) as e:
-        tb.load_gemma4_conditional_generation(vision)
+        loading.load_gemma4_conditional_generation(vision)
     assert str(e.value) == msg.replace(str(ckpt), str(vision))
 
     # without that check, from_pretrained itself still refuses the pickle (use_safetensors=True)
-    monkeypatch.setattr(tb, "_require_safetensors", lambda model_dir: None)
-    for load, what in ((tb.load_gemma4_causal_lm, "causal layout"),
-                       (tb.load_gemma4_conditional_generation, "conditional layout, vision")):
+    monkeypatch.setattr(loading, "_require_safetensors", lambda model_dir: None)
+    for load, what in ((loading.load_gemma4_causal_lm, "causal layout"),
+                       (loading.load_gemma4_conditional_generation, "conditional layout, vision")):
         d = ckpt if what == "causal layout" else vision
         with pytest.raises(BackendError) as e:
             load(d)

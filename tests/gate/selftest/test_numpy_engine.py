@@ -32,7 +32,8 @@ from helpers import image_prompt, max_abs, micro_config, open_per_preset, tup
 from conformance import cli, registry
 from conformance.backends.refimpl_backend import RefimplBackend
 from conformance.protocol import AudioInput, Capabilities, Piece, Request
-from conformance.selftest.engine import NO_BLOCK, Engine, NumpyEngineBackend
+from conformance.selftest.backend import NumpyEngineBackend
+from conformance.selftest.engine import Engine
 from conformance.selftest.mutants import (
     AUDIO_SET,
     BACKENDS,
@@ -49,6 +50,7 @@ from conformance.selftest.mutants import (
     Mutant,
     mutant,
 )
+from conformance.selftest.state import NO_BLOCK
 from refimpl.model import Gemma4
 from refimpl.mtp import CONVENTIONS
 from refimpl.synth import PRESETS

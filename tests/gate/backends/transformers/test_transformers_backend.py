@@ -41,7 +41,8 @@ import hf_reference as H  # noqa: E402  (needs torch + transformers)
 from helpers import max_abs, tup  # noqa: E402 - after the importorskip of torch
 
 from conformance import registry  # noqa: E402 - after the importorskip of torch
-from conformance.backends.transformers.backend import EXPECTATIONS_DIR, TransformersBackend, load_gemma4_causal_lm  # noqa: E402 - after the importorskip
+from conformance.backends.transformers.backend import EXPECTATIONS_DIR, TransformersBackend  # noqa: E402 - after the importorskip
+from conformance.backends.transformers.loading import load_gemma4_causal_lm  # noqa: E402 - after the importorskip
 from conformance.check.expectations import load as load_expectations  # noqa: E402 - after the importorskip of torch
 from conformance.check.profiles import PROFILES  # noqa: E402 - after the importorskip of torch
 from conformance.check.runner import run as run_cases  # noqa: E402 - after the importorskip of torch
