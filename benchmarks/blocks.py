@@ -2,7 +2,7 @@
 
     python benchmarks/blocks.py --model DIR --what rowwise|decode [--threads 8,16]
 
-``--what rowwise``: the ``@rowwise`` steps of ``refimpl.ops`` on the shapes of a 512-token E2B prefill
+``--what rowwise``: the row-wise steps of ``refimpl.schedule`` on the shapes of a 512-token E2B prefill
 (GeGLU on [512, 6144], the norms on [512, 1536] and [512, 8, 256], softmax on [1, 8, 512, 512], RoPE on
 [512, 8, 256]; a plain addition for scale), on one thread, then with ``ROWWISE_BLOCK`` 2^15, 2^16, 2^17
 and block growth x1, x2, x4 (``scaled``) on each ``--threads`` count: best of 5, in ms.
@@ -32,8 +32,8 @@ import refimpl  # noqa: E402,F401  (first: OpenBLAS's thread timeout)
 # isort: split
 import numpy as np  # noqa: E402 - after sys.path and refimpl
 
-from refimpl import ops, threads  # noqa: E402 - after sys.path and refimpl
 from refimpl import safetensors_io as sio  # noqa: E402 - after sys.path and refimpl
+from refimpl import schedule, threads  # noqa: E402 - after sys.path and refimpl
 from refimpl import weights as weights_module  # noqa: E402 - after sys.path and refimpl
 from refimpl.model import Gemma4  # noqa: E402 - after sys.path and refimpl
 
@@ -70,10 +70,11 @@ def sweep_rowwise(counts: list[int]) -> None:
     g, u, h = rng.standard_normal((T, 6144)), rng.standard_normal((T, 6144)), rng.standard_normal((T, 1536))
     q, scores = rng.standard_normal((T, 8, 256)), rng.standard_normal((1, 8, T, T))
     cos, sin, hw = rng.standard_normal((T, 128)), rng.standard_normal((T, 128)), rng.standard_normal(1536)
-    steps = {"geglu [512,6144]": lambda: ops.geglu(g, u), "rms_norm [512,1536]": lambda: ops.rms_norm(h, hw, 1e-6),
-             "rms_norm [512,8,256]": lambda: ops.rms_norm(q, None, 1e-6),
-             "softmax [1,8,512,512]": lambda: ops.softmax(scores, axis=-1),
-             "apply_rope [512,8,256]": lambda: ops.apply_rope(q, cos, sin), "add [512,1536]": lambda: h + h}
+    steps = {"geglu [512,6144]": lambda: schedule.geglu(g, u),
+             "rms_norm [512,1536]": lambda: schedule.rms_norm(h, hw, 1e-6),
+             "rms_norm [512,8,256]": lambda: schedule.rms_norm(q, None, 1e-6),
+             "softmax [1,8,512,512]": lambda: schedule.softmax(scores, axis=-1),
+             "apply_rope [512,8,256]": lambda: schedule.apply_rope(q, cos, sin), "add [512,1536]": lambda: h + h}
     for name, fn in steps.items():
         with threads.use_threads(1):
             line = f"{name:24s} 1 thread {best_ms(fn):.2f} ms;"

@@ -17,7 +17,7 @@ after the other, on the same checkpoint and the same prompt (``--tokens`` ids dr
 - ``roofline``: the float64 matrix multiplies of the same forward, with the same shapes, on weights
   decoded beforehand (decoding not timed): every projection ``x [T, in] @ W[out, in]^T`` of every
   layer, the two attention products per layer (``[K, T G, D] @ [K, D, S]`` and back, a block of query
-  rows at a time over the span of keys they see, as ``refimpl.ops.attention`` multiplies), the PLE
+  rows at a time over the span of keys they see, as ``refimpl.schedule.attention`` multiplies), the PLE
   model projection, and the head over the requested rows. The KV-shared layers run on the requested
   rows only (T -> R), as the oracle and transformers both do, and so does the last layer that makes
   K/V, but for its K and V projections (the oracle's pruning; transformers runs that layer on every
@@ -145,7 +145,8 @@ def matmul_plan(cfg):
 
 def part_roofline(model: str, tokens: int, rows: str, repeat: int) -> dict:
     from refimpl.model import HEAD_CHUNK, Gemma4
-    from refimpl.ops import ATTENTION_BLOCK, attention_mask, key_span
+    from refimpl.ops import attention_mask
+    from refimpl.schedule import ATTENTION_BLOCK, key_span
 
     m = Gemma4(model)
     cfg, w = m.cfg, m.weights

@@ -9,7 +9,7 @@ On a checkpoint with real shapes (``refimpl synth --preset e2b [--layers 10]``),
   run to run (the decoding of the weights a prefill multiplies whole), in G values/s;
 - ``stream``: ``Gemma4Weights.product`` of one row with the same rows (the streamed matrix-vector product of
   a last-row prefill's KV-shared layers and head: decoding and multiplying a block at a time);
-- the ``@rowwise`` steps of ``refimpl.ops`` on the shapes of a prefill of ``--tokens`` tokens (GELU on
+- the row-wise steps of ``refimpl.schedule`` on the shapes of a prefill of ``--tokens`` tokens (GELU on
   [T, I], the norms on [T, H] and [T, N, D], softmax on the attention scores [K, G, T, T], RoPE on
   [T, N, D]): the step in one call (``.whole``) and on row blocks, with the largest difference between
   the two (row blocks compute every element as one call does: 0 is expected);
@@ -34,7 +34,7 @@ import refimpl  # noqa: E402,F401  (first: OpenBLAS's thread timeout)
 # isort: split
 import numpy as np  # noqa: E402 - after sys.path and refimpl
 
-from refimpl import ops, threads  # noqa: E402 - after sys.path and refimpl
+from refimpl import schedule, threads  # noqa: E402 - after sys.path and refimpl
 from refimpl.model import Gemma4, rope_cos_sin, rope_inv_freq  # noqa: E402 - after sys.path and refimpl
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -55,12 +55,13 @@ def step_inputs(m: Gemma4, T: int) -> dict[str, tuple]:
     scores[..., np.triu_indices(T, 1)[0], np.triu_indices(T, 1)[1]] = -np.inf  # causal
     cos, sin = rope_cos_sin(np.arange(T), rope_inv_freq(layer.rope, D))
     return {
-        f"gelu_tanh [{T}, {I}]": (ops.gelu_tanh, (rng.standard_normal((T, I)),)),
-        f"rms_norm [{T}, {H}]": (ops.rms_norm, (rng.standard_normal((T, H)), rng.standard_normal(H), 1e-6)),
-        f"rms_norm [{T}, {N}, {D}]": (ops.rms_norm, (rng.standard_normal((T, N, D)), rng.standard_normal(D), 1e-6)),
-        f"softmax [{K}, {N // K}, {T}, {T}]": (ops.softmax, (scores,)),
-        f"apply_rope [{T}, {N}, {D}]": (ops.apply_rope, (rng.standard_normal((T, N, D)), cos, sin)),
-        f"softcap [{T}, 16384]": (ops.softcap, (10 * rng.standard_normal((T, 16384)), 30.0)),
+        f"gelu_tanh [{T}, {I}]": (schedule.gelu_tanh, (rng.standard_normal((T, I)),)),
+        f"rms_norm [{T}, {H}]": (schedule.rms_norm, (rng.standard_normal((T, H)), rng.standard_normal(H), 1e-6)),
+        f"rms_norm [{T}, {N}, {D}]": (schedule.rms_norm, (rng.standard_normal((T, N, D)), rng.standard_normal(D),
+                                                         1e-6)),
+        f"softmax [{K}, {N // K}, {T}, {T}]": (schedule.softmax, (scores,)),
+        f"apply_rope [{T}, {N}, {D}]": (schedule.apply_rope, (rng.standard_normal((T, N, D)), cos, sin)),
+        f"softcap [{T}, 16384]": (schedule.softcap, (10 * rng.standard_normal((T, 16384)), 30.0)),
     }
 
 

@@ -31,7 +31,8 @@ from .errors import ConfigError, InputError, WeightsError
 from .gguf_config import ASSISTANT_ARCH, hf_assistant_config
 from .gguf_io import GGUFError, is_gguf, open_gguf
 from .model import LayerKV, rope_inv_freq
-from .ops import apply_rope, attention, geglu, linear, rms_norm, rope_cos_sin
+from .ops import linear, rope_cos_sin
+from .schedule import apply_rope, attention, geglu, rms_norm
 from .stores import open_store
 
 ASSISTANT_ARCHITECTURES = {"gemma4_assistant": "Gemma4AssistantForCausalLM",

@@ -68,7 +68,8 @@ import numpy as np
 from .config_fields import check_positive, check_positive_float, get_field, required_positive, tower_section
 from .errors import ConfigError, InputError
 from .model import Trace
-from .ops import clamp, linear, rms_norm, sigmoid, silu, softcap, softmax, softplus
+from .ops import clamp, linear, sigmoid, silu, softplus
+from .schedule import rms_norm, softcap, softmax
 from .weights import TowerWeights, clippable_tensors
 
 TOWER = "model.audio_tower."

@@ -1,6 +1,33 @@
 """The Gemma 4 text decoder, one small pure function per math step (gemma4-text-spec.md section 4),
-written over the primitives of ``refimpl.ops`` (norms, activations, RoPE, attention), which stay
-importable from here too.
+written over ``refimpl.ops`` (every primitive's plain definition) run as ``refimpl.schedule`` schedules them
+(blocks of rows over the threads); the primitives stay importable from here too.
+
+Where each Gemma 4 feature lives (here unless a file is named):
+
+=================================================  ==========================================================
+embedding x0 = E[ids] * sqrt(H) (exact or bf16)     ``Gemma4.embed``
+per-layer inputs (PLE): table rows + projection     ``per_layer_inputs``, ``Gemma4.ple``; added per layer by
+                                                    ``Gemma4.ple_block``
+pre-norms, q/k norms, scale-free v norm             ``Gemma4.attention_block`` (``rms_norm``, ``norm_rope``)
+RoPE: default and proportional (partial) per type   ``rope_inv_freq``, ``Gemma4.rope``; ``ops.apply_rope``
+sliding and full layers, the window                 ``Gemma4.attention_block``; ``ops.attention_mask``
+KV sharing (layers >= first_shared_layer)           ``Gemma4.attention_block`` (``owns_kv``, ``kv_source``);
+                                                    ``config.py`` (``first_shared_layer``)
+K = V layers, double-wide MLPs, layer types         ``config.py`` (``LayerSpec``); ``Gemma4.attention_block``
+attention (scale 1, GQA, no softcap)                ``ops.attention``; its blocks: ``schedule.attention``
+image blocks in the mask (two rules)                ``VISION_MASK_RULES``; ``ops.vision_block_mask``,
+                                                    ``ops.vision_overlay_mask``
+GeGLU MLP; MoE router and experts (26B-A4B)         ``Gemma4.ffn_block``; ``route``, ``router_margin``,
+                                                    ``experts``
+layer_scalar, the residual adds                     ``Gemma4.layer``
+row pruning before the KV-shared layers             ``Gemma4.hidden_states`` (``keep``)
+KV cache (sliding layers keep W - 1 keys)           ``KVCache``, ``LayerKV``; ``Gemma4.hidden_states``
+final norm, tied streamed LM head, final softcap    ``Gemma4.final_norm``, ``Gemma4.logits_of`` (``HEAD_CHUNK``)
+traces of the named points                          ``Trace``; ``Gemma4.layer``
+quantised weights, ggml's activation conventions    ``weights.py``, ``ggml_act.py``; ``Gemma4.__init__``
+vision and audio towers, Unified's embedders        ``vision.py``, ``audio.py``, ``unified.py``
+MTP drafters and the round protocol                 ``assistant.py``, ``mtp.py``
+=================================================  ==========================================================
 
 Shapes: T new tokens, S keys (cached + new), H hidden, N query heads, K KV heads, G = N / K,
 D head dim, P per-layer-input dim, L layers, V vocabulary, E experts.
@@ -23,25 +50,20 @@ import numpy as np
 from .config import RopeSpec, TextConfig, load_config
 from .errors import InputError, NonFiniteError, check_choice
 from .ggml_act import convention_gelu, convention_kv
-from .ops import apply_rope as apply_rope  # re-exported: refimpl.model.apply_rope stays importable
 from .ops import (
-    attention,
     attention_mask,
     bf16_round,
     fp16,
-    geglu,
     geglu_table,
     linear,
-    norm_rope,
-    rms_norm,
     rope_cos_sin,
-    softcap,
-    softmax,
     vision_block_mask,
     vision_overlay_mask,
 )
-from .ops import gelu_tanh as gelu_tanh  # re-exported
-from .ops import mlp as mlp  # re-exported
+from .schedule import apply_rope as apply_rope  # re-exported: refimpl.model.apply_rope stays importable
+from .schedule import attention, geglu, norm_rope, rms_norm, softcap, softmax
+from .schedule import gelu_tanh as gelu_tanh  # re-exported
+from .schedule import mlp as mlp  # re-exported
 from .threads import all_finite
 from .weights import FEW_ROWS, Gemma4Weights, expected_tensors, nonfinite_error, weight_cache_bytes
 
@@ -547,6 +569,7 @@ class Gemma4:
                 x = self.hidden_states(ids, cache=cache, embeddings=embeddings, vision_blocks=vision_blocks, keep=index)
             y = self.final_norm(x)
             return self.logits_of(y), y
+
 
 def resolve_rows(rows: str | Sequence[int], T: int) -> np.ndarray:
     """"last" | "all" | indices (negative counts from the end) -> index array into [0, T)."""

@@ -10,8 +10,9 @@ Every function computes in the dtype of its inputs (float64 for the exact oracle
 and evaluates its formula in the order written: the oracle's results are bit-for-bit those of these
 definitions, so an edit here is an edit to every golden.
 
-The steps marked ``@rowwise`` have independent rows: on a large input each core runs the same function
-on its own block of rows (``threads.py``), which computes every element exactly as one call would.
+Nothing here is scheduled: every function is the step in one call, on the whole input. How the oracle
+runs them on a large input (in blocks of rows, over the threads) is ``schedule.py``'s, which wraps these
+definitions without changing them; the model modules take the scheduled steps from there.
 
 Shapes: T queries, S keys, N query heads, K KV heads (G = N / K), D head dim, in/out feature widths.
 """
@@ -23,7 +24,6 @@ import math
 import numpy as np
 
 from .safetensors_io import bf16_to_f32, f32_to_bf16
-from .threads import in_parts, rowwise
 
 # ----------------------------------------------------------------------------------------------
 # linear maps
@@ -46,7 +46,6 @@ def clipped_linear(x: np.ndarray, weight: np.ndarray, bounds: tuple[float, float
 # norms, activations, caps
 
 
-@rowwise(flat=True)
 def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
     """x [..., D] -> x / sqrt(mean(x^2) + eps) * weight. Gemma 4 uses w, not 1 + w; None = scale-free.
 
@@ -57,7 +56,6 @@ def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray
     return y
 
 
-@rowwise(flat=True)
 def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
     """x [..., D] -> (x - mean(x)) / sqrt(var(x) + eps) * weight + bias, population variance over the
     last axis (torch's nn.LayerNorm; Gemma 4 Unified's vision embedder, eps 1e-5)."""
@@ -65,7 +63,6 @@ def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) 
     return c / np.sqrt(np.mean(c * c, axis=-1, keepdims=True) + eps) * weight + bias
 
 
-@rowwise(flat=True)
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
     """gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
 
@@ -100,7 +97,6 @@ def softplus(x: np.ndarray) -> np.ndarray:
     return np.logaddexp(np.zeros((), dtype=x.dtype), x)
 
 
-@rowwise(flat=True)
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     """exp(x - max) / sum(exp(x - max)) along ``axis``, in one new buffer."""
     e = x - np.max(x, axis=axis, keepdims=True)
@@ -109,7 +105,6 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return e
 
 
-@rowwise(flat=True)
 def softcap(logits: np.ndarray, cap: float | None, out: np.ndarray | None = None) -> np.ndarray:
     """cap * tanh(logits / cap); identity when the config has no cap. ``out``: an array of logits' shape
     to write the result into (the LM head's columns of the full logits), else a new one (or logits
@@ -120,7 +115,7 @@ def softcap(logits: np.ndarray, cap: float | None, out: np.ndarray | None = None
         np.copyto(out, logits)
         return out
     if out is not None and out.dtype != logits.dtype:  # computed in logits' dtype, then stored
-        np.copyto(out, softcap.whole(logits, cap))
+        np.copyto(out, softcap(logits, cap))
         return out
     y = np.divide(logits, cap, out=out)
     np.tanh(y, out=y)
@@ -134,10 +129,9 @@ def clamp(x: np.ndarray, limit: float) -> np.ndarray:
     return np.clip(x, -g, g)
 
 
-@rowwise(aligned=2)
 def geglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """The gated activation of a GeGLU MLP: gelu_tanh(gate) * up, both [T, I]."""
-    y = gelu_tanh.whole(gate)  # (the row blocks are this function's; gelu_tanh runs whole on each)
+    y = gelu_tanh(gate)
     return np.multiply(y, up, out=y) if y.dtype == np.result_type(y, up) else y * up  # (in place: one array fewer)
 
 
@@ -146,7 +140,7 @@ def geglu_table(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     float32), its GELU looked up in a table of fp16 values (here the float64 GELU of the fp16 input, rounded to
     fp16; ggml tabulates float32's), 0 at or below -10 and the gate itself at or above 10, times up."""
     x16 = fp16(gate)
-    y = fp16(gelu_tanh.whole(x16))
+    y = fp16(gelu_tanh(x16))
     y = np.where(gate <= -10.0, 0.0, np.where(gate >= 10.0, gate, y))
     return y * up
 
@@ -171,7 +165,6 @@ def rope_cos_sin(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarra
     return np.cos(angles), np.sin(angles)
 
 
-@rowwise(aligned=3)
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """x [T, heads, D]; rotate-half (NeoX): out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin."""
     half = x.shape[-1] // 2
@@ -180,10 +173,9 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
-@rowwise(aligned=3)
 def norm_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """apply_rope(rms_norm(x, weight, eps), cos, sin) for x [T, heads, D] (the q and k norms): one pass of
-    the threads over blocks of rows, each block through both steps while it is in the core's cache."""
+    """apply_rope(rms_norm(x, weight, eps), cos, sin) for x [T, heads, D] (the q and k norms; one step, so
+    that a schedule can take each block of rows through both while it is in the core's cache)."""
     return apply_rope(rms_norm(x, weight, eps), cos, sin)
 
 
@@ -196,8 +188,6 @@ def apply_rope_2d(x: np.ndarray, cos_x: np.ndarray, sin_x: np.ndarray, cos_y: np
 
 # ----------------------------------------------------------------------------------------------
 # attention
-
-ATTENTION_BLOCK = 1 << 17  # scores per block of query rows of ``attention`` (1 MiB of float64)
 
 
 def attention_mask(q_pos: np.ndarray, k_pos: np.ndarray, window: int | None) -> np.ndarray:
@@ -234,56 +224,20 @@ def vision_overlay_mask(q_pos: np.ndarray, k_pos: np.ndarray, window: int | None
     return attention_mask(q_pos, k_pos, window) | same_block(q_blocks, k_blocks)
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, half: bool = False) -> np.ndarray:
-    """q [T, N, D], k/v [S, K, D], mask [T, S] -> [T, N, D]. Scale 1.0, no softcap, GQA head j -> j // G.
-    ``half``: the products with an fp16 K/V cache as ggml's CPU matmul takes them (the queries and the
-    probabilities rounded to fp16 for their products; K and V are the caller's, already in fp16).
-
-    Query rows are independent. They are taken in blocks of ATTENTION_BLOCK scores (blocks fixed by the
-    shapes, whatever the thread count), and a block attends only over the span of keys its rows can see
-    (``key_span``: causal and sliding masks leave the rest of the keys to other blocks); the keys outside
-    have probability 0 either way. With several threads the blocks are split between them, each block's
-    ``attention_rows`` on its thread's own BLAS, in the order ``balanced_order`` gives (a causal block's
-    work grows with its row: in row order the last thread would get the most of it)."""
-    T, N, _ = q.shape
-    unit = max(1, ATTENTION_BLOCK // max(1, N * k.shape[0]))  # query rows whose scores [N, S] fill a block
-    out = np.empty(q.shape, dtype=np.result_type(q, k, v))
-    order = balanced_order(-(-T // unit))
-
-    def blocks(first: int, last: int) -> None:  # the blocks order[first:last]
-        for j in order[first:last]:
-            a, b = j * unit, min(j * unit + unit, T)
-            lo, hi = key_span(mask[a:b])
-            args = (q[a:b], k[lo:hi], v[lo:hi], mask[a:b, lo:hi])
-            out[a:b] = attention_rows(*args, half=True) if half else attention_rows(*args)
-
-    in_parts(len(order), blocks, own_blas=True)
-    return out
-
-
 def fp16(x: np.ndarray) -> np.ndarray:
     """x rounded to fp16 through float32 (ggml's conversion of a float32 tensor to F16), in x's dtype."""
     return x.astype(np.float32).astype(np.float16).astype(x.dtype)
 
 
-def balanced_order(n: int) -> list[int]:
-    """0, n-1, 1, n-2, 2, ...: for blocks whose work grows (or shrinks) steadily with their index, each pair
-    order[2i], order[2i+1] holds about the same work, so the parts ``in_parts`` cuts of whole pairs are
-    balanced (with one block per thread there is nothing to balance)."""
-    return [j // 2 if j % 2 == 0 else n - 1 - j // 2 for j in range(n)]
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, half: bool = False) -> np.ndarray:
+    """q [T, N, D], k/v [S, K, D], mask [T, S] -> [T, N, D]: softmax(q k^T + mask) v per head. Scale 1.0, no
+    softcap, GQA head j -> KV head j // G. ``half``: the products with an fp16 K/V cache as ggml's CPU matmul
+    takes them (the queries and the probabilities rounded to fp16 for their products; K and V are the
+    caller's, already in fp16).
 
-
-def key_span(mask: np.ndarray) -> tuple[int, int]:
-    """[lo, hi): from the first key any of the rows of ``mask`` [T, S] sees to one past the last (all the
-    keys when none is seen: the rows' results are then NaN either way)."""
-    seen = np.flatnonzero(mask.any(axis=0))
-    return (int(seen[0]), int(seen[-1]) + 1) if seen.size else (0, mask.shape[1])
-
-
-def attention_rows(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, half: bool = False) -> np.ndarray:
-    """``attention`` in one call. The G query heads of a KV head are rows of one product: q as
-    [K, T G, D] (t major, a view when K = 1), so the scores [K, T G, S] and the output [K, T G, D] come
-    from one matrix product per KV head, the output already in [T, N, D] order when K = 1."""
+    The G query heads of a KV head are rows of one product: q as [K, T G, D] (t major, a view when K = 1),
+    so the scores [K, T G, S] and the output [K, T G, D] come from one matrix product per KV head, the
+    output already in [T, N, D] order when K = 1."""
     T, N, D = q.shape
     S, K = k.shape[:2]
     G = N // K

@@ -5,12 +5,12 @@ the softcap, the bf16 decoding of weights) on one. The steps here spread that wo
 
 - ``in_parts(total, work)`` splits a range of rows into contiguous parts, one per thread, and runs
   ``work(first, last)`` on each (the decoding of weights and the streamed products of ``weights.py``,
-  attention's blocks of query rows in ``ops.py``).
+  attention's blocks of query rows in ``schedule.py``).
 - ``all_finite`` checks a large array for NaN and infinities a block of rows per thread.
-- ``rowwise`` wraps a step of ``ops.py`` whose rows are independent (an elementwise formula, or one along
-  the last axis): on a large input each thread runs the unchanged function on its own block of rows and
-  writes that block of the result. Every element is computed by the same NumPy calls, in the same order,
-  as in one call over the whole input, so the result does not depend on the thread count.
+- ``rowwise`` wraps a step of ``ops.py`` (in ``schedule.py``) whose rows are independent (an elementwise
+  formula, or one along the last axis): on a large input each thread runs the unchanged function on its own
+  block of rows and writes that block of the result. Every element is computed by the same NumPy calls, in
+  the same order, as in one call over the whole input, so the result does not depend on the thread count.
 
 NumPy releases the GIL inside its loops, so the parts run on separate cores. The pool is made once per
 process (again after a fork); its threads wait on locks of their own (``_Worker``), so handing out the

@@ -50,7 +50,8 @@ from .image import (
     rescale,
     resize_bicubic,
 )
-from .ops import layer_norm, linear, rms_norm
+from .ops import linear
+from .schedule import layer_norm, rms_norm
 from .weights import TowerWeights
 
 LAYER_NORM_EPS = 1e-5  # torch nn.LayerNorm's default: the patch-embedding LayerNorms do not use rms_norm_eps

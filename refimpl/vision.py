@@ -47,7 +47,8 @@ import numpy as np
 from .config_fields import check_positive_float, get_field, required_positive, tower_section
 from .errors import ConfigError, InputError
 from .model import Trace
-from .ops import apply_rope_2d, attention, geglu, linear, rms_norm, rope_cos_sin
+from .ops import linear, rope_cos_sin
+from .schedule import apply_rope_2d, attention, geglu, rms_norm
 from .weights import TowerWeights, clippable_tensors
 
 TOWER = "model.vision_tower."

@@ -20,7 +20,8 @@ import numpy as np
 
 from refimpl.audio import AudioConfig
 from refimpl.audio import audio_tower as refimpl_audio_tower
-from refimpl.ops import layer_norm, linear, rms_norm
+from refimpl.ops import linear
+from refimpl.schedule import layer_norm, rms_norm
 from refimpl.unified import AUDIO_PROJECTION, LAYER_NORM_EPS, UnifiedAudioConfig
 
 __all__ = ["MediaEncoders"]

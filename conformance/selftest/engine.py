@@ -72,7 +72,8 @@ import numpy as np
 from refimpl.audio import AudioConfig, AudioWeights
 from refimpl.frontends import ImageFrontEnd
 from refimpl.model import Gemma4, experts, per_layer_inputs, rope_inv_freq, route
-from refimpl.ops import apply_rope, attention, attention_mask, gelu_tanh, linear, mlp, rms_norm, rope_cos_sin, softcap
+from refimpl.ops import attention_mask, linear, rope_cos_sin
+from refimpl.schedule import apply_rope, attention, gelu_tanh, mlp, rms_norm, softcap
 
 from .encoders import MediaEncoders
 from .state import NO_BLOCK, Batch, CacheSet, KVView, MicroBatch, Rows, no_blocks

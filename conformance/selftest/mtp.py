@@ -31,7 +31,8 @@ from refimpl.assistant import Drafter, centroid_head
 from refimpl.config import FULL, SLIDING
 from refimpl.model import LayerKV, rope_inv_freq
 from refimpl.mtp import CONVENTIONS, TargetCall, handed_over, parse_convention
-from refimpl.ops import apply_rope, attention, gelu_tanh, linear, rms_norm, rope_cos_sin
+from refimpl.ops import linear, rope_cos_sin
+from refimpl.schedule import apply_rope, attention, gelu_tanh, rms_norm
 
 from ..protocol.types import MtpResponse, Request, Response
 

@@ -8,7 +8,8 @@ import math
 
 import numpy as np
 
-from refimpl.ops import apply_rope, rms_norm, rope_cos_sin
+from refimpl.ops import rope_cos_sin
+from refimpl.schedule import apply_rope, rms_norm
 
 from .planting import planted
 

@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from refimpl.ops import apply_rope, layer_norm, linear, rms_norm, rope_cos_sin, softmax
+from refimpl.ops import linear, rope_cos_sin
+from refimpl.schedule import apply_rope, layer_norm, rms_norm, softmax
 from refimpl.unified import LAYER_NORM_EPS
 
 from ..protocol.types import Backend

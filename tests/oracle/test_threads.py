@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import refimpl.safetensors_io as sio
 import refimpl.weights as weights
-from refimpl import ops, threads
+from refimpl import ops, schedule, threads
 from refimpl.errors import InputError
 from refimpl.model import KVCache, rope_cos_sin
 
@@ -55,7 +55,7 @@ def recorded_parts(monkeypatch):
         if len(seen) > 1:
             calls.append((work.__module__.rsplit(".", 1)[-1], total, sorted(seen)))
 
-    for module in (threads, weights, sio, ops):  # each module calls the name it imported
+    for module in (threads, weights, sio, schedule):  # each module calls the name it imported
         monkeypatch.setattr(module, "in_parts", in_parts)
     return calls
 
@@ -261,17 +261,17 @@ def _steps(rng, dtype):
     scores[..., np.triu_indices(T, 1)[0], np.triu_indices(T, 1)[1]] = -np.inf
     cos, sin = (a.astype(dtype) for a in rope_cos_sin(np.arange(T), 1.0 / 10000 ** (np.arange(0, D, 2) / D)))
     return {
-        "rms_norm [T, H]": (ops.rms_norm, (x, rng.standard_normal(H).astype(dtype), 1e-6), {}),
-        "rms_norm [T, N, D], no weight": (ops.rms_norm, (q, None, 1e-6), {}),
-        "layer_norm": (ops.layer_norm, (x, rng.standard_normal(H).astype(dtype), rng.standard_normal(H).astype(dtype),
-                                        1e-5), {}),
-        "gelu_tanh": (ops.gelu_tanh, (4 * x,), {}),
-        "softmax of masked scores": (ops.softmax, (scores,), {"axis": -1}),
-        "softmax along axis 0": (ops.softmax, (np.nan_to_num(scores, neginf=-5.0),), {"axis": 0}),
-        "softcap": (ops.softcap, (40 * x, 30.0), {}),
-        "apply_rope": (ops.apply_rope, (q, cos, sin), {}),
-        "norm_rope": (ops.norm_rope, (q, cos, sin, rng.standard_normal(D).astype(dtype), 1e-6), {}),
-        "geglu": (ops.geglu, (4 * x, x), {}),
+        "rms_norm [T, H]": (schedule.rms_norm, (x, rng.standard_normal(H).astype(dtype), 1e-6), {}),
+        "rms_norm [T, N, D], no weight": (schedule.rms_norm, (q, None, 1e-6), {}),
+        "layer_norm": (schedule.layer_norm, (x, rng.standard_normal(H).astype(dtype),
+                                             rng.standard_normal(H).astype(dtype), 1e-5), {}),
+        "gelu_tanh": (schedule.gelu_tanh, (4 * x,), {}),
+        "softmax of masked scores": (schedule.softmax, (scores,), {"axis": -1}),
+        "softmax along axis 0": (schedule.softmax, (np.nan_to_num(scores, neginf=-5.0),), {"axis": 0}),
+        "softcap": (schedule.softcap, (40 * x, 30.0), {}),
+        "apply_rope": (schedule.apply_rope, (q, cos, sin), {}),
+        "norm_rope": (schedule.norm_rope, (q, cos, sin, rng.standard_normal(D).astype(dtype), 1e-6), {}),
+        "geglu": (schedule.geglu, (4 * x, x), {}),
     }
 
 
@@ -301,7 +301,7 @@ def test_softcap_into_columns_of_the_logits(monkeypatch, recorded_parts, cap):
     z = 40 * np.random.default_rng(8).standard_normal((30, 16))
     logits = np.full((30, 50), 7.0)
     with threads.use_threads(3):
-        got = ops.softcap(z, cap, out=logits[:, 20:36])
+        got = schedule.softcap(z, cap, out=logits[:, 20:36])
     assert recorded_parts and recorded_parts[0][1] == 30  # split into row blocks
     assert np.shares_memory(got, logits) and got.shape == (30, 16)
     want = z if cap is None else cap * np.tanh(z / cap)
@@ -337,18 +337,18 @@ def test_rowwise_takes_keywords_the_last_axis_by_number_and_the_step_s_dtype(mon
     scores = rng.standard_normal((2, 3, 40, 40))
     with threads.use_threads(3):
         got = {
-            "keywords": (ops.rms_norm(x=x, weight=w, eps=1e-6), ops.rms_norm.whole(x, w, 1e-6)),
-            "aligned keywords": (ops.apply_rope(q, cos=cos, sin=sin), ops.apply_rope.whole(q, cos, sin)),
-            "axis by number": (ops.softmax(scores, 3), ops.softmax.whole(scores, -1)),
-            "float32 x, float64 weights": (ops.layer_norm(x.astype(np.float32), w, w, 1e-5),
-                                           ops.layer_norm.whole(x.astype(np.float32), w, w, 1e-5)),
+            "keywords": (schedule.rms_norm(x=x, weight=w, eps=1e-6), schedule.rms_norm.whole(x, w, 1e-6)),
+            "aligned keywords": (schedule.apply_rope(q, cos=cos, sin=sin), schedule.apply_rope.whole(q, cos, sin)),
+            "axis by number": (schedule.softmax(scores, 3), schedule.softmax.whole(scores, -1)),
+            "float32 x, float64 weights": (schedule.layer_norm(x.astype(np.float32), w, w, 1e-5),
+                                           schedule.layer_norm.whole(x.astype(np.float32), w, w, 1e-5)),
         }
     assert len(recorded_parts) == len(got)  # each one split
     for name, (blocked, whole) in got.items():
         assert within_rounding(blocked, whole), name
     recorded_parts.clear()
     with threads.use_threads(3):
-        flat = ops.softmax(rng.standard_normal(4096))  # one row of a flat step: never split
+        flat = schedule.softmax(rng.standard_normal(4096))  # one row of a flat step: never split
     assert recorded_parts == [] and abs(flat.sum() - 1.0) < 1e-12
 
 
@@ -356,10 +356,10 @@ def test_rowwise_steps_run_in_one_call_on_one_thread_or_small_inputs(monkeypatch
     rng = np.random.default_rng(0)
     x = rng.standard_normal((50, 30))
     with threads.use_threads(1):
-        ops.gelu_tanh(x)
+        schedule.gelu_tanh(x)
     monkeypatch.setattr(threads, "ROWWISE_BLOCK", x.size)  # one block: nothing to split
     with threads.use_threads(4):
-        ops.gelu_tanh(x)
+        schedule.gelu_tanh(x)
     assert recorded_parts == []
 
 
@@ -394,16 +394,17 @@ def naive_attention(q, k, v, mask):
 
 @pytest.mark.parametrize("K", [1, 2])
 def test_attention_by_blocks_of_query_rows_equals_one_call_and_a_naive_loop(monkeypatch, recorded_parts, K):
-    monkeypatch.setattr(ops, "ATTENTION_BLOCK", 16)  # fewer than the [N, S] scores of one row: a block is a row
+    monkeypatch.setattr(schedule, "ATTENTION_BLOCK", 16)  # fewer than the [N, S] scores of one row: a block is a row
     rng = np.random.default_rng(3)
     T, S, N, D = 21, 25, 4, 8
     q, k, v = rng.standard_normal((T, N, D)), rng.standard_normal((S, K, D)), rng.standard_normal((S, K, D))
     mask = ops.attention_mask(np.arange(S - T, S), np.arange(S), 6)  # a cached prefix and a window
     with threads.use_threads(1):
-        one = ops.attention(q, k, v, mask)
+        one = schedule.attention(q, k, v, mask)
     with threads.use_threads(4):
-        four = ops.attention(q, k, v, mask)
-    assert recorded_parts and recorded_parts[0][:2] == ("ops", T)  # the four-thread call split its T one-row blocks
+        four = schedule.attention(q, k, v, mask)
+    # the four-thread call split its T one-row blocks
+    assert recorded_parts and recorded_parts[0][:2] == ("schedule", T)
     assert np.max(np.abs(four - one)) <= 1e-14
     assert np.max(np.abs(one - naive_attention(q, k, v, mask))) <= 1e-14
 
@@ -412,36 +413,36 @@ def test_attention_blocks_see_only_their_span_of_keys(monkeypatch):
     """Each block of query rows multiplies only the keys from the first one its rows see to the last: a
     window of 6 over 40 keys gives blocks of 2 rows spans of 7 keys; the blocks and their spans are the
     same on one thread and on four, and the result equals the naive loop's."""
-    monkeypatch.setattr(ops, "ATTENTION_BLOCK", 160)  # [N, S] scores of 2 rows fill a block
+    monkeypatch.setattr(schedule, "ATTENTION_BLOCK", 160)  # [N, S] scores of 2 rows fill a block
     rng = np.random.default_rng(5)
     T, S, N, D = 20, 40, 2, 4
     q, k, v = rng.standard_normal((T, N, D)), rng.standard_normal((S, 1, D)), rng.standard_normal((S, 1, D))
     mask = ops.attention_mask(np.arange(S - T, S), np.arange(S), 6)
     calls = {}
-    real = ops.attention_rows
+    real = ops.attention
     for n in (1, 4):
         seen = calls[n] = []
-        monkeypatch.setattr(ops, "attention_rows", lambda q, k, v, m, seen=seen: seen.append((q.shape[0], k.shape[0]))
+        monkeypatch.setattr(ops, "attention", lambda q, k, v, m, seen=seen: seen.append((q.shape[0], k.shape[0]))
                             or real(q, k, v, m))
         with threads.use_threads(n):
-            out = ops.attention(q, k, v, mask)
+            out = schedule.attention(q, k, v, mask)
         assert np.max(np.abs(out - naive_attention(q, k, v, mask))) <= 1e-14
     assert sorted(calls[1]) == sorted(calls[4]) == [(2, 7)] * 10
-    assert ops.key_span(np.zeros((3, 5), dtype=bool)) == (0, 5)  # nothing seen: every key (NaN rows either way)
+    assert schedule.key_span(np.zeros((3, 5), dtype=bool)) == (0, 5)  # nothing seen: every key (NaN rows either way)
 
 
 def test_attention_parts_of_a_causal_prompt_get_equal_work(monkeypatch):
     """A causal block's keys grow with its rows: 16 blocks of 2 rows over 32 keys see 2, 4, ..., 32 keys. Cut in
     row order, four threads would get 20, 52, 84 and 116 (rows x keys / 2); in ``balanced_order`` each gets 68.
     The blocks themselves are those of one thread, and the result the naive loop's."""
-    monkeypatch.setattr(ops, "ATTENTION_BLOCK", 128)  # [N, S] scores of 2 rows fill a block
+    monkeypatch.setattr(schedule, "ATTENTION_BLOCK", 128)  # [N, S] scores of 2 rows fill a block
     rng = np.random.default_rng(6)
     T, N, D = 32, 2, 4
     q, k, v = rng.standard_normal((T, N, D)), rng.standard_normal((T, 1, D)), rng.standard_normal((T, 1, D))
     mask = ops.attention_mask(np.arange(T), np.arange(T), None)
     work: dict[int, int] = {}
     blocks: list[tuple[int, int]] = []
-    real = ops.attention_rows
+    real = ops.attention
 
     def counted(q, k, v, m):
         ident = threading.get_ident()
@@ -449,14 +450,14 @@ def test_attention_parts_of_a_causal_prompt_get_equal_work(monkeypatch):
         blocks.append((q.shape[0], k.shape[0]))
         return real(q, k, v, m)
 
-    monkeypatch.setattr(ops, "attention_rows", counted)
+    monkeypatch.setattr(ops, "attention", counted)
     with threads.use_threads(1):
-        ops.attention(q, k, v, mask)
+        schedule.attention(q, k, v, mask)
     one = sorted(blocks)
     blocks.clear()
     work.clear()
     with threads.use_threads(4):
-        out = ops.attention(q, k, v, mask)
+        out = schedule.attention(q, k, v, mask)
     assert sorted(work.values()) == [68] * 4
     assert sorted(blocks) == one == [(2, 2 * (j + 1)) for j in range(16)]
     assert np.max(np.abs(out - naive_attention(q, k, v, mask))) <= 1e-14
@@ -464,7 +465,7 @@ def test_attention_parts_of_a_causal_prompt_get_equal_work(monkeypatch):
 
 def test_balanced_order_pairs_the_first_blocks_with_the_last():
     for n in range(12):
-        order = ops.balanced_order(n)
+        order = schedule.balanced_order(n)
         assert sorted(order) == list(range(n)), n
         assert all(order[j] + order[j + 1] == n - 1 for j in range(0, n - 1, 2)), n  # each pair: j and n - 1 - j
 
@@ -480,7 +481,7 @@ def test_forward_on_one_and_on_four_threads_agree(preset_models, monkeypatch, re
     monkeypatch.setattr(threads, "ROWWISE_BLOCK", 64)
     monkeypatch.setattr(weights, "STREAM_VALUES", 300)
     monkeypatch.setattr(sio, "DECODE_BLOCK", 256)
-    monkeypatch.setattr(ops, "ATTENTION_BLOCK", 64)
+    monkeypatch.setattr(schedule, "ATTENTION_BLOCK", 64)
     model = preset_models[preset]
     ids = np.random.default_rng(7).integers(3, model.cfg.vocab_size, 23)
     runs = {}
@@ -495,6 +496,6 @@ def test_forward_on_one_and_on_four_threads_agree(preset_models, monkeypatch, re
             assert recorded_parts == []
             assert np.max(np.abs(runs[1][0])) > 1.0  # logits of a real size
     # decoding, streamed products, row-blocked steps and attention all split
-    assert {kind for kind, _, _ in recorded_parts} == {"threads", "weights", "safetensors_io", "ops"}
+    assert {kind for kind, _, _ in recorded_parts} == {"threads", "weights", "safetensors_io", "schedule"}
     for one, four in zip(runs[1], runs[4], strict=True):
         assert np.max(np.abs(one - four)) < 1e-12
