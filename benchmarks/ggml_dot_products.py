@@ -7,7 +7,8 @@ they are.
 For each weight type: ``rows`` rows of N(0, 0.05) weights quantised by libggml (``ggml_quantize_chunk``; F16 by
 a float16 cast), each against its own N(0, 1) float32 activation row; libggml's CPU dot product (the CPU
 backend's ``from_float`` of the weight type's vec_dot_type, then ``vec_dot``: on x86 the SIMD kernels) against
-(a) the float64 product of the exactly dequantised weights and ggml's activations decoded (path x86), (b) the
+(a) the float64 product of the exactly dequantised weights and ggml's activations decoded (path x86; Q4_1 / Q5_1
+plus what ggml's min term adds, ``min_term_error``), (b) the
 float64 product with the float32 activations unquantised. Columns: the largest |difference| over the rows in
 units of sum |w| |x| of its row. Needs the library ``make llama-cpp`` builds.
 """
@@ -26,10 +27,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import libggml  # noqa: E402 - tests/libggml.py: ctypes on the built libggml
 
-from refimpl.ggml_act import VEC_DOT_TYPE, activation_values  # noqa: E402
-from refimpl.ggml_blocks import TYPES, dequantize  # noqa: E402
+from refimpl.ggml_act import VEC_DOT_TYPE, activation_values, min_term_error  # noqa: E402
+from refimpl.ggml_blocks import MIN_TYPES, TYPES, block_mins, dequantize  # noqa: E402
 
-WEIGHT_TYPES = ("Q4_0", "Q5_0", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16")
+WEIGHT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16")
 
 
 def measure(name: str, rows: int, cols: int, rng: np.random.Generator) -> dict:
@@ -41,7 +42,10 @@ def measure(name: str, rows: int, cols: int, rng: np.random.Generator) -> dict:
         raw = w.astype(np.float16).tobytes() if name == "F16" else libggml.quantize(w, ggml_type)[0].tobytes()
         exact, theirs = dequantize(raw, ggml_type, cols), libggml.vec_dot(raw, x, ggml_type)
         scale = float(np.abs(exact) @ np.abs(x.astype(np.float64)))
-        emulated = max(emulated, abs(float(exact @ activation_values(x, name)) - theirs) / scale)
+        ours = float(exact @ activation_values(x, name))
+        if name in MIN_TYPES:  # Q4_1 / Q5_1: ggml's min term with Q8_1's s, beyond the exact one
+            ours += float(block_mins(raw, ggml_type, cols) @ min_term_error(x))
+        emulated = max(emulated, abs(ours - theirs) / scale)
         plain = max(plain, abs(float(exact @ x.astype(np.float64)) - theirs) / scale)
     return {"weights": name, "activations": VEC_DOT_TYPE[name], "emulated": emulated, "unquantised": plain}
 

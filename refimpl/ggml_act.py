@@ -14,8 +14,10 @@ quantisers, for a float32 block x (every step in float32, as ggml computes it):
   repacked kernels' ``ggml_quantize_mat_q8_0_4x8``): id = 127 / amax, rounded half to even; ``ref``
   (``quantize_row_q8_0_ref``, builds without an architecture-specific version): id = 1 / d, rounded half away
   from zero. An all-zero block has d = 0 and codes 0.
-* **Q8_1**: the Q8_0 codes and d of the same path, and s = fp16(d * sum(codes)) with the float32 d (used by the
-  min term of Q4_1 / Q5_1 weights).
+* **Q8_1**: the Q8_0 codes and d of the same path, and s = fp16(d * sum(codes)) with the float32 d. A Q4_1 / Q5_1
+  weight block (w = d_w q + m) is multiplied as d_w d sum(q codes) + m s: against the exact product of the
+  dequantised weights and x_hat, whose min term is m fp16(d) sum(codes), that adds m e per block, e = s - fp16(d)
+  sum(codes) (``min_term_error``; the weights' ``product`` adds it).
 * **Q8_K** (blocks of 256, one path: the x86 build calls the reference): m the signed element of largest |x|
   (the first under strict comparison), iscale = -127 / m, codes min(127, round-half-even(iscale * x)), d = 1 /
   iscale stored as float32 (negative when m > 0: the codes then have the opposite sign to x); x_hat = code * d.
@@ -29,8 +31,8 @@ import numpy as np
 
 from .errors import InputError
 
-__all__ = ["CONVENTIONS", "NOT_EMULATED", "PATHS", "VEC_DOT_TYPE", "activation_values", "convention_gelu",
-           "convention_kv", "convention_path", "quantize_q8_0", "quantize_q8_1", "quantize_q8_k", "round_bf16",
+__all__ = ["CONVENTIONS", "PATHS", "VEC_DOT_TYPE", "activation_values", "convention_gelu", "convention_kv",
+           "convention_path", "min_term_error", "quantize_q8_0", "quantize_q8_1", "quantize_q8_k", "round_bf16",
            "round_f16"]
 
 PATHS = ("x86", "ref")  # the kernel paths of the Q8_0 / Q8_1 quantisers emulated
@@ -41,7 +43,6 @@ GELU_TABLE = "/gelu-table"  # and the stock library's GELU: a table of fp16 valu
 # with the exact GELU or (GELU_TABLE) the stock library's table
 CONVENTIONS = ("none", *(f"ggml-cpu/{path}{kv}{gelu}" for gelu in ("", GELU_TABLE) for kv in ("", F16_KV)
                          for path in PATHS))
-NOT_EMULATED = {"Q4_1": "the Q8_1 min term", "Q5_1": "the Q8_1 min term"}  # weight types refused under ggml-cpu
 # ggml-cpu's type_traits_cpu[weight type].vec_dot_type, for the weight types ggml_blocks decodes
 VEC_DOT_TYPE = {"Q4_0": "Q8_0", "Q5_0": "Q8_0", "Q8_0": "Q8_0", "IQ4_NL": "Q8_0", "MXFP4": "Q8_0",
                 "Q4_1": "Q8_1", "Q5_1": "Q8_1",
@@ -89,6 +90,15 @@ def quantize_q8_1(x: np.ndarray, path: str = "x86") -> tuple[np.ndarray, np.ndar
     sums = codes.reshape(*d32.shape, QK8_0).sum(axis=-1)
     s = (d32 * sums.astype(F32)).astype(F32)
     return codes, d16, s.astype(np.float16).astype(np.float64)
+
+
+def min_term_error(x: np.ndarray, path: str = "x86") -> np.ndarray:
+    """[..., n / 32] float64: per block of float32 activations x [..., n], what ggml's Q4_1 / Q5_1 dot product adds
+    to the exact product of the dequantised weights and x_hat per unit of the weight block's minimum m: its min
+    term m s uses Q8_1's fp16 s = fp16(d * sum(codes)), the exact product's is m fp16(d) sum(codes), so e = s -
+    fp16(d) sum(codes) (exact in float64)."""
+    codes, d16, s = quantize_q8_1(x, path)
+    return s - d16 * codes.reshape(*d16.shape, QK8_0).sum(axis=-1)
 
 
 def quantize_q8_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -139,7 +149,7 @@ def convention_gelu(convention: str) -> str:
 def activation_values(x: np.ndarray, weight_type: str, path: str = "x86") -> np.ndarray:
     """The float64 values ggml's CPU dot product multiplies a ``weight_type`` row by, for float32 activations x
     [..., n]: x converted to the weight type's vec_dot_type and decoded (exact in float64). Q4_1 / Q5_1 weights
-    add a min term built from Q8_1's s, which these values alone do not give."""
+    add a min term built from Q8_1's s, which these values alone do not give (``min_term_error``)."""
     act = VEC_DOT_TYPE.get(weight_type)
     if act is None:
         raise InputError(f"no emulated activation quantisation for weight type {weight_type!r}")

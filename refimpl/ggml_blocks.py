@@ -243,3 +243,19 @@ def dequantize(raw, ggml_type: int, n: int, what: str = "a tensor") -> np.ndarra
             return (data.view("<u2").astype("<u4") << 16).view("<f4").astype(np.float64)
     blocks = data.reshape(-1, TYPES[ggml_type].nbytes)  # [B, bytes]
     return BLOCK_DECODERS[name](blocks).reshape(-1)
+
+
+MIN_TYPES = ("Q4_1", "Q5_1")  # the types whose blocks hold an f16 minimum m: w = d q + m
+
+
+def block_mins(raw, ggml_type: int, n: int, what: str = "a tensor") -> np.ndarray:
+    """The f16 minimum m of each block of ``n`` elements of a Q4_1 or Q5_1 tensor -> float64 [n / 32] (ggml's
+    Q4_1 / Q5_1 dot product multiplies it by the activations' Q8_1 sum term: refimpl/ggml_act.py)."""
+    name = block_type(ggml_type, what).name
+    if name not in MIN_TYPES:
+        raise QuantError(f"{what}: {name} blocks hold no minimum (only {' and '.join(MIN_TYPES)} do)")
+    need = tensor_nbytes(ggml_type, n, what)
+    data = np.frombuffer(raw, dtype=np.uint8) if not isinstance(raw, np.ndarray) else raw.reshape(-1)
+    if data.size != need:
+        raise QuantError(f"{what}: {data.size} bytes, where {n} {name} elements take {need}")
+    return f16_field(data.reshape(-1, TYPES[ggml_type].nbytes), 2)[:, 0]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .ggml_blocks import TYPES, dequantize
+from .ggml_blocks import TYPES, block_mins, dequantize
 from .gguf_io import GGUFError, GGUFFile, open_gguf
 from .gguf_names import GENERATED, UNPREFIXED, GGUFNameError, oracle_name
 from .threads import in_parts
@@ -133,6 +133,14 @@ class GGUFStore:
         """Fill ``dst`` (1-D, whole rows) with the values stored from absolute offset ``offset``, decoded."""
         rows = dst.size // info.row_values
         dst[:] = self.decode(self._bytes(info, offset, rows * info.row_bytes), info, dst.size)
+
+    def block_mins(self, name: str, start: int, stop: int) -> np.ndarray:
+        """The f16 minimum of every block of rows [start, stop) of a Q4_1 / Q5_1 tensor -> float64 [rows, blocks]
+        (the weights' ``product`` under ggml's activation convention adds their min term)."""
+        info = self.infos[name]
+        raw = self._bytes(info, self.row_offset(info, start), (stop - start) * info.row_bytes)
+        return block_mins(raw, info.ggml_type, (stop - start) * info.row_values,
+                          f"tensor {info.gguf_name!r}").reshape(stop - start, -1)
 
     def read(self, name: str, start: int = 0, stop: int | None = None, dtype: np.dtype = np.float64,
              out: np.ndarray | None = None) -> np.ndarray:

@@ -21,7 +21,8 @@ from . import memory
 from .config import TEXT_PREFIXES, TextConfig
 from .config_fields import read_config_json
 from .errors import InputError, NonFiniteError, WeightsError
-from .ggml_act import NOT_EMULATED, VEC_DOT_TYPE, activation_values, convention_path
+from .ggml_act import VEC_DOT_TYPE, activation_values, convention_path, min_term_error
+from .ggml_blocks import MIN_TYPES
 from .gguf_store import GGUFStore
 from .ops import clipped_linear
 from .safetensors_io import TensorStore
@@ -146,10 +147,15 @@ class Gemma4Weights:
         for full in [self.head_name, *(self.prefix + n for n, shape in expected_tensors(self.cfg).items()
                                        if len(shape) >= 2 and not n.startswith("embed_tokens"))]:
             kind = self.store.infos[full].dtype
-            if kind in NOT_EMULATED or kind not in VEC_DOT_TYPE:
-                why = NOT_EMULATED.get(kind, "its activation quantisation")
+            if kind not in VEC_DOT_TYPE:
                 raise InputError(f"{where}: {self.store.describe(full)} is {kind}, whose products ggml computes with "
-                                 f"{why}, not emulated yet")
+                                 "its activation quantisation, not emulated yet")
+            if kind in MIN_TYPES and (".experts." in full or full.endswith("per_layer_model_projection.weight")):
+                # the min term is added in ``product``; these two are multiplied elsewhere (model.experts, the
+                # per-layer inputs), where it is not (llama.cpp's quantiser leaves the projection F32)
+                raise InputError(f"{where}: {self.store.describe(full)} is {kind}, whose products ggml computes with "
+                                 "the Q8_1 min term, not emulated yet for this tensor (MoE experts, the per-layer "
+                                 "model projection)")
 
     def activations_for(self, x: np.ndarray, full: str) -> np.ndarray:
         """x [R, in] as the product with the tensor ``full`` sees it: ggml's converted activations, decoded
@@ -261,14 +267,14 @@ class Gemma4Weights:
         it multiplies and so would run the threads' products one at a time.)"""
         rows, cols = self.store.infos[full].shape
         stop = rows if stop is None else stop
-        x = self.activations_for(x, full)
+        seen = self.activations_for(x, full)
         W = self._cached(full, start, stop)
         if W is not None:
-            return x @ W.T
+            return self._with_min_term(seen @ W.T, x, full, start, stop)
         if x.shape[0] > FEW_ROWS:
             W = self.store.read(full, start, stop, self.dtype, out=self._buffer((stop - start, cols)))
-            return x @ W.T
-        out = np.empty((x.shape[0], stop - start), dtype=np.result_type(x.dtype, self.dtype))
+            return self._with_min_term(seen @ W.T, x, full, start, stop)
+        out = np.empty((seen.shape[0], stop - start), dtype=np.result_type(seen.dtype, self.dtype))
         unit = max(1, STREAM_VALUES // cols)  # rows of a block on a few threads: parts are whole units
         step = unit if stop - start <= unit else max(1, scaled(STREAM_VALUES) // cols)  # rows of a block of a part
         info = self.store.infos[full]
@@ -279,10 +285,19 @@ class Gemma4Weights:
                 b = min(a + step, last)
                 W = block[:b - a]
                 self.store.decode_into(info, self.store.row_offset(info, start + a), W.reshape(-1))
-                out[:, a:b] = np.dot(x, W.T)
+                out[:, a:b] = np.dot(seen, W.T)
 
         in_parts(stop - start, work, unit=unit, own_blas=True)
-        return out
+        return self._with_min_term(out, x, full, start, stop)
+
+    def _with_min_term(self, y: np.ndarray, x: np.ndarray, full: str, start: int, stop: int) -> np.ndarray:
+        """``y`` = x_hat @ W[start:stop]^T, plus, for a Q4_1 / Q5_1 weight under ggml's activation convention, what
+        ggml's min term adds beyond the exact one: the activations' ``min_term_error`` [R, blocks] times the weight
+        blocks' minima [stop - start, blocks] (ggml_act.py). Every other product is returned as it is."""
+        if self.activation_path is None or self.store.infos[full].dtype not in MIN_TYPES:
+            return y
+        y += min_term_error(x, self.activation_path) @ self.store.block_mins(full, start, stop).T
+        return y
 
     def _cached(self, full: str, start: int, stop: int) -> np.ndarray | None:
         """W[start:stop] decoded, kept in the weight cache while its budget lasts; None once it is spent.

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-FTYPES = {"Q8_0": 7, "Q4_0": 2, "Q5_0": 8, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}  # llama.h's LLAMA_FTYPE_MOSTLY_*
+# llama.h's LLAMA_FTYPE_MOSTLY_*
+FTYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q5_1": 9, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
 
 
 def quantize(src: Path, out: Path, ftype: str, threads: int = 2) -> Path:

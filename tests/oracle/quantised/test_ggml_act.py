@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from refimpl.errors import InputError
-from refimpl.ggml_act import activation_values, quantize_q8_0, quantize_q8_1, quantize_q8_k
-from refimpl.ggml_blocks import TYPES, dequantize
+from refimpl.ggml_act import activation_values, min_term_error, quantize_q8_0, quantize_q8_1, quantize_q8_k
+from refimpl.ggml_blocks import MIN_TYPES, TYPES, QuantError, block_mins, dequantize
 
 libggml = pytest.importorskip("libggml", reason="helper module")
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make llama-cpp)")
@@ -75,7 +75,16 @@ def test_q8_k_codes_and_scales_are_libggml_s(seed, blocks, ties):
     assert np.array_equal(d, b[:, :4].copy().view(np.float32).astype(np.float64)[:, 0])
 
 
-EMULATED = ("Q4_0", "Q5_0", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16")
+EMULATED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16")
+
+
+
+def emulated_dot(raw: bytes, ggml_type: int, name: str, x: np.ndarray) -> float:
+    """The float64 product of the exact weights and the emulated activations, plus for Q4_1 / Q5_1 what ggml's
+    min term (the weight block's m times Q8_1's fp16 s) adds beyond the exact one."""
+    n = x.size
+    ours = float(dequantize(raw, ggml_type, n) @ activation_values(x, name, "x86"))
+    return ours + (float(block_mins(raw, ggml_type, n) @ min_term_error(x)) if name in MIN_TYPES else 0.0)
 
 
 @settings(max_examples=examples(40), deadline=None)
@@ -84,7 +93,7 @@ def test_each_weight_type_s_dot_product_is_libggml_s(name, seed, superblocks):
     """A weight row quantised by libggml, activations drawn: libggml's CPU dot product (from_float, vec_dot)
     equals the float64 product of the exact weights and the emulated activations within float32 accumulation
     (a few roundings per block of the sum of |w| |x_hat|); with the activations as they are, ggml is off by the
-    activation quantisation itself, far more."""
+    activation quantisation itself, far more. Q4_1 / Q5_1: with the min term's difference (Q8_1's fp16 s)."""
     rng = np.random.default_rng(seed)
     n = 256 * superblocks
     x = (rng.normal(0, 1, n) * rng.choice([0.1, 1.0, 30.0])).astype(np.float32)
@@ -95,24 +104,29 @@ def test_each_weight_type_s_dot_product_is_libggml_s(name, seed, superblocks):
     x_hat = activation_values(x, name, "x86")
     theirs = libggml.vec_dot(raw, x, ggml_type)
     scale = float(np.abs(exact) @ np.abs(x_hat))
-    assert abs(float(exact @ x_hat) - theirs) <= 2.0 ** -23 * (n / 16 + 8) * scale
+    assert abs(emulated_dot(raw, ggml_type, name, x) - theirs) <= 2.0 ** -23 * (n / 16 + 8) * scale
 
 
 @pytest.mark.parametrize("name", EMULATED)
 def test_the_emulation_is_what_closes_the_gap(name):
     """32 rows of 1024 (fixed draws): the median error of the float64 product with the emulated activations is
-    at least a hundred times below that of the product with the activations as they are."""
+    at least a hundred times below that of the product with the activations as they are; for Q4_1 / Q5_1 also
+    below that of the product with the emulated activations but the exact min term (fp16(d) sum(codes), not
+    Q8_1's fp16 s)."""
     rng = np.random.default_rng(20261205)
     n, ggml_type = 1024, TYPE_IDS[name]
-    emulated, plain = [], []
+    emulated, plain, exact_min = [], [], []
     for _ in range(32):
         x = rng.normal(0, 1, n).astype(np.float32)
         w = rng.normal(0, 0.05, (1, n)).astype(np.float32)
         raw = w.astype(np.float16).tobytes() if name == "F16" else libggml.quantize(w, ggml_type)[0].tobytes()
         exact, theirs = dequantize(raw, ggml_type, n), libggml.vec_dot(raw, x, ggml_type)
-        emulated.append(abs(float(exact @ activation_values(x, name)) - theirs))
+        emulated.append(abs(emulated_dot(raw, ggml_type, name, x) - theirs))
         plain.append(abs(float(exact @ x.astype(np.float64)) - theirs))
+        exact_min.append(abs(float(exact @ activation_values(x, name)) - theirs))
     assert np.median(plain) > 100 * np.median(emulated)
+    if name in MIN_TYPES:
+        assert np.median(exact_min) > 100 * np.median(emulated)
 
 
 def test_bad_input_is_one_line():
@@ -122,3 +136,7 @@ def test_bad_input_is_one_line():
         quantize_q8_0(np.zeros(32, np.float32), "neon")
     with pytest.raises(InputError, match="^no emulated activation quantisation for weight type 'IQ2_XS'$"):
         activation_values(np.zeros(32, np.float32), "IQ2_XS")
+    with pytest.raises(QuantError, match="^a tensor: Q4_0 blocks hold no minimum \\(only Q4_1 and Q5_1 do\\)$"):
+        block_mins(bytes(18), TYPE_IDS["Q4_0"], 32)
+    with pytest.raises(QuantError, match="^a tensor: 19 bytes, where 32 Q4_1 elements take 20$"):
+        block_mins(bytes(19), TYPE_IDS["Q4_1"], 32)
