@@ -10,15 +10,18 @@ Which activation type goes with which weight type is ggml-cpu's ``type_traits_cp
 quantisers, for a float32 block x (every step in float32, as ggml computes it):
 
 * **Q8_0** (blocks of 32): amax = max|x|, d = amax / 127, codes round(x * id), d stored as fp16 (nearest-even);
-  x_hat = code * fp16(d). Two kernel paths: ``x86`` (the AVX / AVX2 / AVX-512 ``quantize_row_q8_0`` and the
+  x_hat = code * fp16(d). Three kernel paths: ``x86`` (the AVX / AVX2 / AVX-512 ``quantize_row_q8_0`` and the
   repacked kernels' ``ggml_quantize_mat_q8_0_4x8``): id = 127 / amax, rounded half to even; ``ref``
   (``quantize_row_q8_0_ref``, builds without an architecture-specific version): id = 1 / d, rounded half away
-  from zero. An all-zero block has d = 0 and codes 0.
+  from zero; ``arm`` (the NEON ``quantize_row_q8_0`` / ``_q8_1`` of ggml-cpu/arch/arm/quants.c and the repacked
+  ``ggml_quantize_mat_q8_0_4x4`` / ``_4x8`` of arch/arm/repack.cpp): id = 1 / d, rounded half to even
+  (``vcvtnq_s32_f32``); read from the vendored source, not checked against an ARM build. An all-zero block has
+  d = 0 and codes 0.
 * **Q8_1**: the Q8_0 codes and d of the same path, and s = fp16(d * sum(codes)) with the float32 d. A Q4_1 / Q5_1
   weight block (w = d_w q + m) is multiplied as d_w d sum(q codes) + m s: against the exact product of the
   dequantised weights and x_hat, whose min term is m fp16(d) sum(codes), that adds m e per block, e = s - fp16(d)
   sum(codes) (``min_term_error``; the weights' ``product`` adds it).
-* **Q8_K** (blocks of 256, one path: the x86 build calls the reference): m the signed element of largest |x|
+* **Q8_K** (blocks of 256, one path: the x86 and ARM builds call the reference): m the signed element of largest |x|
   (the first under strict comparison), iscale = -127 / m, codes min(127, round-half-even(iscale * x)), d = 1 /
   iscale stored as float32 (negative when m > 0: the codes then have the opposite sign to x); x_hat = code * d.
   An all-zero block has d = 0.
@@ -35,7 +38,7 @@ __all__ = ["CONVENTIONS", "PATHS", "VEC_DOT_TYPE", "activation_values", "convent
            "convention_path", "min_term_error", "quantize_q8_0", "quantize_q8_1", "quantize_q8_k", "round_bf16",
            "round_f16"]
 
-PATHS = ("x86", "ref")  # the kernel paths of the Q8_0 / Q8_1 quantisers emulated
+PATHS = ("x86", "ref", "arm")  # the kernel paths of the Q8_0 / Q8_1 quantisers emulated
 F16_KV = "/f16-kv"  # a convention's suffix: llama.cpp's fp16 K/V cache, as ggml's CPU path computes with it
 GELU_TABLE = "/gelu-table"  # and the stock library's GELU: a table of fp16 values (GGML_GELU_FP16)
 # the activation conventions of a forward: "none" (the dequantised weights times the activations as they are:
@@ -76,10 +79,10 @@ def quantize_q8_0(x: np.ndarray, path: str = "x86") -> tuple[np.ndarray, np.ndar
     with np.errstate(divide="ignore"):
         if path == "x86":
             inv = np.where(amax > 0, F32(127) / np.where(amax > 0, amax, F32(1)), F32(0)).astype(F32)
-        else:
+        else:  # ref, arm: 1 / d
             inv = np.where(d > 0, F32(1) / np.where(d > 0, d, F32(1)), F32(0)).astype(F32)
     v = (xb * inv[..., None]).astype(F32)
-    codes = np.rint(v) if path == "x86" else _round_half_away(v)
+    codes = _round_half_away(v) if path == "ref" else np.rint(v)  # x86, arm: half to even
     codes = codes.astype(np.int64).reshape(np.shape(x))
     return codes, d.astype(np.float16).astype(np.float64), d
 

@@ -216,8 +216,9 @@ class Gemma4:
         """``kv_cache``: "exact" (float64 keys and values), or "f16" (llama.cpp's default cache type as ggml's
         CPU path computes with it: K and V stored rounded to fp16, the queries and the attention probabilities
         rounded to fp16 for their products). ``activations``: the activation convention of the products
-        (refimpl.ggml_act.CONVENTIONS; "none", or "ggml-cpu/x86" / "ggml-cpu/ref" on a GGUF checkpoint: ggml's
-        CPU activation quantisation emulated, docs/quantised.md; with "/f16-kv", the "f16" cache too).
+        (refimpl.ggml_act.CONVENTIONS; "none", or "ggml-cpu/x86" / "ggml-cpu/ref" / "ggml-cpu/arm" on a GGUF
+        checkpoint: ggml's CPU activation quantisation emulated, docs/quantised.md; with "/f16-kv", the "f16" cache
+        too).
         ``vision_mask``: how vision blocks open the mask (VISION_MASK_RULES). ``weight_cache``: bytes of
         decoded weights kept between forwards (an int, "12GiB", "all"; None: the REFIMPL_WEIGHT_CACHE
         environment variable, else 0). 0 streams every weight from the checkpoint on every forward (the least

@@ -82,7 +82,7 @@ class RefimplBackend(CachedBackend):
     ``default_profile`` (default: "exact-f64" for float64, "fp32" for float32), ``vision_mask``
     (refimpl.model.VISION_MASK_RULES; default "sliding-clamped", the bundled sets' rule), ``activations`` (the
     activation convention of its products, refimpl.ggml_act.CONVENTIONS: "none", the default, or ggml's CPU
-    activation quantisation, "ggml-cpu/x86" / "ggml-cpu/ref", on a GGUF checkpoint; declared as its one
+    activation quantisation, "ggml-cpu/x86" / "ggml-cpu/ref" / "ggml-cpu/arm", on a GGUF checkpoint; declared as its one
     ``activation_conventions``). ``oracle`` (Python
     only): a function that lends the model of a checkpoint directory instead of building one at ``open``, for
     a harness that already holds the set's oracle (explain); the float64, exact, default-mask backend only.

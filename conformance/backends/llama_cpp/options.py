@@ -100,14 +100,19 @@ def expectations_for(name: str) -> Path | None:
     return p if p.is_file() else None
 
 
+# platform.machine() -> the ggml CPU kernel path its build quantises activations with (refimpl/ggml_act.PATHS)
+KERNEL_PATHS = {"x86_64": "x86", "amd64": "x86", "aarch64": "arm", "arm64": "arm"}
+
+
 def activation_convention(kv_type: str = "f32", flash_attn: bool = False, lib_kind: str = "exact-gelu") -> str:
-    """The activation convention ggml's CPU kernels follow on this machine: the x86 SIMD quantisers on x86-64
-    (refimpl/ggml_act.py), with the fp16 K/V cache's roundings for ``kv_type`` f16 and the stock library's fp16
-    GELU table (``/gelu-table``); none that the oracle emulates on other machines (ARM's NEON path), with
-    flash attention (fp16 accumulators) or with a library of unknown build (``lib`` a directory)."""
-    if platform.machine().lower() not in ("x86_64", "amd64") or flash_attn or lib_kind not in ("exact-gelu", "stock"):
+    """The activation convention ggml's CPU kernels follow on this machine: the x86 SIMD quantisers on x86-64, the
+    NEON ones on 64-bit ARM (refimpl/ggml_act.py), with the fp16 K/V cache's roundings for ``kv_type`` f16 and the
+    stock library's fp16 GELU table (``/gelu-table``); none on other machines, with flash attention (its fp16
+    accumulators) or with a library of unknown build (``lib`` a directory)."""
+    path = KERNEL_PATHS.get(platform.machine().lower())
+    if path is None or flash_attn or lib_kind not in ("exact-gelu", "stock"):
         return "none"
-    return "ggml-cpu/x86" + ("/f16-kv" if kv_type == "f16" else "") + ("/gelu-table" if lib_kind == "stock" else "")
+    return f"ggml-cpu/{path}" + ("/f16-kv" if kv_type == "f16" else "") + ("/gelu-table" if lib_kind == "stock" else "")
 
 
 def capabilities_for(default_profile: str, embeddings: bool, traces: bool = True, kv_type: str = "f32",

@@ -47,9 +47,10 @@ def test_the_manifest_records_the_quantisation(mixed):
                                                                  "mlx-affine, gguf, got 'q4'"]
     assert quantisation_problems("q4", "s") == ["s: model.quantisation must be an object, got str"]
     assert quantisation_problems({**q, "activations": "q8"}, "s") == [
-        "s: model.quantisation.activations must be one of none, ggml-cpu/x86, ggml-cpu/ref, ggml-cpu/x86/f16-kv, "
-        "ggml-cpu/ref/f16-kv, ggml-cpu/x86/gelu-table, ggml-cpu/ref/gelu-table, ggml-cpu/x86/f16-kv/gelu-table, "
-        "ggml-cpu/ref/f16-kv/gelu-table, got 'q8'"]
+        "s: model.quantisation.activations must be one of none, ggml-cpu/x86, ggml-cpu/ref, ggml-cpu/arm, "
+        "ggml-cpu/x86/f16-kv, ggml-cpu/ref/f16-kv, ggml-cpu/arm/f16-kv, ggml-cpu/x86/gelu-table, "
+        "ggml-cpu/ref/gelu-table, ggml-cpu/arm/gelu-table, ggml-cpu/x86/f16-kv/gelu-table, "
+        "ggml-cpu/ref/f16-kv/gelu-table, ggml-cpu/arm/f16-kv/gelu-table, got 'q8'"]
 
 
 def test_verify_check_and_relocation(mixed, tmp_path, capsys):

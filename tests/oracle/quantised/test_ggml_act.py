@@ -65,6 +65,54 @@ def test_the_paths_part_on_ties():
 
 
 @settings(max_examples=examples(60), deadline=None)
+@given(seed=st.integers(0, 2 ** 32 - 1), blocks=st.integers(2, 9))
+def test_the_arm_path_is_ref_s_multiplier_with_x86_s_rounding(seed, blocks):
+    """arm (NEON: id = 1 / d, vcvtnq rounds half to even; no ARM build here to compare with, so the rule is
+    checked against the other two): off exact ties its codes are ref's (the same multiplier); on a block of
+    exact half-integer products (amax 127: d = 1, both multipliers exactly 1) they are x86's, and its d and s
+    are the same as every path's."""
+    x = _row(seed, blocks, 32, False)
+    arm, ref = quantize_q8_1(x, "arm"), quantize_q8_1(x, "ref")
+    d = quantize_q8_0(x, "ref")[2]
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, np.float32(1)), np.float32(0)).astype(np.float32)
+    v = (x.reshape(-1, 32) * inv[:, None]).astype(np.float32).reshape(-1)  # the product both round
+    off_ties = np.abs(v) % 1 != 0.5
+    assert np.array_equal(arm[0][off_ties], ref[0][off_ties])
+    assert np.array_equal(arm[1], ref[1]) and (np.array_equal(arm[2], ref[2]) or not off_ties.all())
+    ties = _row(seed, 2, 32, True)
+    assert np.array_equal(quantize_q8_0(ties, "arm")[0], quantize_q8_0(ties, "x86")[0])
+    assert not np.array_equal(quantize_q8_0(ties, "arm")[0], quantize_q8_0(ties, "ref")[0])
+
+
+KERNELS = {  # the emulated rules, as the vendored ggml CPU sources spell them: file, function, what it must say
+    "x86": ("arch/x86/quants.c", "void quantize_row_q8_0(", ("127.f / maxScalar", "_MM_ROUND_NEAREST")),
+    "arm": ("arch/arm/quants.c", "void quantize_row_q8_0(", ("id = d ? 1.0f/d : 0.0f", "vcvtnq_s32_f32")),
+    "arm q8_1": ("arch/arm/quants.c", "void quantize_row_q8_1(", ("id = d ? 1.0f/d : 0.0f", "vcvtnq_s32_f32",
+                                                               "d * vaddvq_s32(accv)")),
+    "arm q8_K": ("arch/arm/quants.c", "void quantize_row_q8_K(", ("quantize_row_q8_K_ref(x, y, k)",)),
+}
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_the_emulated_rules_are_the_vendored_kernels(kernel):
+    """The quantisers ggml_act.py emulates still read so in the llama.cpp sources the build uses: a change of
+    rounding or multiplier there fails here (the ARM rules can be checked no other way on this machine)."""
+    from conformance.backends.llama_cpp import library
+    from conformance.protocol import BackendError
+
+    try:
+        root = library.resolve_source() / "ggml" / "src" / "ggml-cpu"
+    except BackendError as exc:  # pragma: no cover - depends on the machine
+        pytest.skip(f"llama.cpp sources missing: {exc}")
+    rel, head, needles = KERNELS[kernel]
+    text = (root / rel).read_text()
+    body = text[text.index(head):]
+    body = body[:body.index("\n}\n")]
+    for needle in needles:
+        assert needle in body, (kernel, needle)
+
+
+@settings(max_examples=examples(60), deadline=None)
 @given(seed=st.integers(0, 2 ** 32 - 1), blocks=st.integers(2, 4), ties=st.booleans())
 def test_q8_k_codes_and_scales_are_libggml_s(seed, blocks, ties):
     """Q8_K: codes and the float32 d (negative when the largest element is positive) equal libggml's."""
@@ -132,7 +180,7 @@ def test_the_emulation_is_what_closes_the_gap(name):
 def test_bad_input_is_one_line():
     with pytest.raises(InputError, match="^an activation row of 33 values is not a whole number of 32-value blocks$"):
         quantize_q8_0(np.zeros(33, np.float32))
-    with pytest.raises(InputError, match="^unknown ggml kernel path 'neon' \\(emulated: x86, ref\\)$"):
+    with pytest.raises(InputError, match="^unknown ggml kernel path 'neon' \\(emulated: x86, ref, arm\\)$"):
         quantize_q8_0(np.zeros(32, np.float32), "neon")
     with pytest.raises(InputError, match="^no emulated activation quantisation for weight type 'IQ2_XS'$"):
         activation_values(np.zeros(32, np.float32), "IQ2_XS")

@@ -103,9 +103,10 @@ def test_the_convention_changes_only_what_it_names(q8):
 def test_bad_uses_are_one_line(q8):
     src, path, _ = q8
     with pytest.raises(InputError, match=r"^unknown activation convention 'ggml-gpu' \(known: none, ggml-cpu/x86, "
-                                         r"ggml-cpu/ref, ggml-cpu/x86/f16-kv, ggml-cpu/ref/f16-kv, "
-                                         r"ggml-cpu/x86/gelu-table, ggml-cpu/ref/gelu-table, "
-                                         r"ggml-cpu/x86/f16-kv/gelu-table, ggml-cpu/ref/f16-kv/gelu-table\)$"):
+                                         r"ggml-cpu/ref, ggml-cpu/arm, ggml-cpu/x86/f16-kv, ggml-cpu/ref/f16-kv, "
+                                         r"ggml-cpu/arm/f16-kv, ggml-cpu/x86/gelu-table, ggml-cpu/ref/gelu-table, "
+                                         r"ggml-cpu/arm/gelu-table, ggml-cpu/x86/f16-kv/gelu-table, "
+                                         r"ggml-cpu/ref/f16-kv/gelu-table, ggml-cpu/arm/f16-kv/gelu-table\)$"):
         Gemma4(path, activations="ggml-gpu")
     with pytest.raises(InputError, match=r": activations ggml-cpu/x86: ggml's activation convention applies to GGUF "
                                          r"checkpoints only$"):
