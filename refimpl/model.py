@@ -21,12 +21,13 @@ GeGLU MLP; MoE router and experts (26B-A4B)         ``Gemma4.ffn_block``; ``rout
                                                     ``experts``
 layer_scalar, the residual adds                     ``Gemma4.layer``
 row pruning before the KV-shared layers             ``Gemma4.hidden_states`` (``keep``)
-KV cache (sliding layers keep W - 1 keys)           ``KVCache``, ``LayerKV``; ``Gemma4.hidden_states``
+KV cache (sliding layers keep W - 1 keys)           ``kv_cache.py``; ``Gemma4.hidden_states``
 final norm, tied streamed LM head, final softcap    ``Gemma4.final_norm``, ``Gemma4.logits_of`` (``HEAD_CHUNK``)
 traces of the named points                          ``Trace``; ``Gemma4.layer``
 quantised weights, ggml's activation conventions    ``weights.py``, ``ggml_act.py``; ``Gemma4.__init__``
 vision and audio towers, Unified's embedders        ``vision.py``, ``audio.py``, ``unified.py``
 MTP drafters and the round protocol                 ``assistant.py``, ``mtp.py``
+the device: NumPy, or CuPy on a GPU                 ``arrays.py``; ``Gemma4.__init__`` (``xp``)
 =================================================  ==========================================================
 
 Shapes: T new tokens, S keys (cached + new), H hidden, N query heads, K KV heads, G = N / K,
@@ -47,9 +48,11 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from .arrays import array_module, resolve_device, take_rows, to_host
 from .config import RopeSpec, TextConfig, load_config
 from .errors import InputError, NonFiniteError, check_choice
 from .ggml_act import convention_gelu, convention_kv
+from .kv_cache import KVCache, LayerKV
 from .ops import (
     attention_mask,
     bf16_round,
@@ -159,41 +162,6 @@ def per_layer_inputs(x0: np.ndarray, tok_rows: np.ndarray, proj: np.ndarray, nor
 
 
 # ----------------------------------------------------------------------------------------------
-# KV cache
-
-
-@dataclass
-class LayerKV:
-    """K/V of one KV-owning layer: post-k_norm, post-RoPE keys and post-v_norm values, with positions."""
-
-    k: np.ndarray  # [S, K, D]
-    v: np.ndarray  # [S, K, D]
-    pos: np.ndarray  # [S] absolute positions
-    blocks: np.ndarray | None = None  # [S] vision block ids of the keys during one call (-1 outside); not cached
-
-
-@dataclass
-class KVCache:
-    """Per-sequence state. Sliding layers keep their last W - 1 keys (all a future query can see);
-    full layers keep everything; KV-shared layers own nothing and read their source layer's K/V."""
-
-    length: int = 0
-    layers: dict[int, LayerKV] = field(default_factory=dict)
-    keep_all: bool = False  # sliding layers keep every key too (the mask still applies the window): a
-    #                         speculative round can then roll back rejected tokens (``truncate``)
-
-    def truncate(self, length: int) -> None:
-        """Forget every position from ``length`` on (rejected drafts). Needs ``keep_all`` for sliding
-        layers: a cache trimmed to W - 1 keys no longer holds the keys before the rejected ones."""
-        if not 0 <= length <= self.length:
-            raise InputError(f"cannot truncate a cache of {self.length} positions to {length}")
-        for i, kv in self.layers.items():
-            keep = kv.pos < length
-            self.layers[i] = LayerKV(kv.k[keep], kv.v[keep], kv.pos[keep])
-        self.length = length
-
-
-# ----------------------------------------------------------------------------------------------
 # the model
 
 
@@ -204,7 +172,7 @@ class Trace:
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
 
     def put(self, name: str, value: np.ndarray) -> None:
-        self.tensors[name] = np.array(value, copy=True)
+        self.tensors[name] = np.array(to_host(value), copy=True)
 
 
 class Gemma4:
@@ -212,7 +180,7 @@ class Gemma4:
 
     def __init__(self, model_dir: str | Path, dtype: str | np.dtype = "float64", embed_scale: str = "exact",
                  weight_cache: int | str | None = None, vision_mask: str = "sliding-clamped",
-                 activations: str = "none", kv_cache: str = "exact"):
+                 activations: str = "none", kv_cache: str = "exact", device: str = "cpu"):
         """``kv_cache``: "exact" (float64 keys and values), or "f16" (llama.cpp's default cache type as ggml's
         CPU path computes with it: K and V stored rounded to fp16, the queries and the attention probabilities
         rounded to fp16 for their products). ``activations``: the activation convention of the products
@@ -223,7 +191,9 @@ class Gemma4:
         decoded weights kept between forwards (an int, "12GiB", "all"; None: the REFIMPL_WEIGHT_CACHE
         environment variable, else 0). 0 streams every weight from the checkpoint on every forward (the least
         memory); a cache makes repeated forwards (decode steps, many prompts) skip the decoding of the weights
-        it holds (docs/refimpl.md, "Weight cache")."""
+        it holds (docs/refimpl.md, "Weight cache"). ``device``: "cpu" (NumPy) or "cuda" (CuPy: the weights, the
+        activations and the KV cache on the GPU, the same float64 formulas; refimpl/arrays.py). ``forward`` and
+        ``forward_rows`` return NumPy arrays either way; the steps below them keep the device's arrays."""
         dtype = np.dtype(dtype)
         if dtype not in (np.float64, np.float32):
             raise InputError(f"dtype must be float64 or float32, got {dtype}")
@@ -232,7 +202,12 @@ class Gemma4:
         self.vision_mask = check_choice("vision_mask", vision_mask, VISION_MASK_RULES)
         self.model_dir = Path(model_dir)
         self.cfg: TextConfig = load_config(model_dir)
-        self.weights = Gemma4Weights(model_dir, self.cfg, dtype, weight_cache_bytes(weight_cache), activations)
+        self.device = resolve_device(device)
+        if self.device != "cpu" and activations != "none":
+            raise InputError(f"activations {activations}: ggml's CPU activation convention runs on device cpu only")
+        self.xp = array_module(self.device)  # numpy or cupy: the arrays the forward makes live there
+        self.weights = Gemma4Weights(model_dir, self.cfg, dtype, weight_cache_bytes(weight_cache), activations,
+                                     self.xp)
         self.activations = activations
         check_choice("kv_cache", kv_cache, KV_CACHES)
         self.kv_cache = "f16" if convention_kv(activations) == "f16" else kv_cache  # a /f16-kv convention
@@ -335,7 +310,8 @@ class Gemma4:
         kept = self._rope_kept.get(key)
         if kept is None or not np.array_equal(kept[0], positions):
             cos, sin = rope_cos_sin(positions, self._inv_freq[key])
-            kept = self._rope_kept[key] = (positions.copy(), cos.astype(self.dtype), sin.astype(self.dtype))
+            kept = self._rope_kept[key] = (positions.copy(), self.xp.asarray(cos.astype(self.dtype)),
+                                           self.xp.asarray(sin.astype(self.dtype)))
         return kept[1], kept[2]
 
     def attention_block(self, i: int, x: np.ndarray, positions: np.ndarray, cache: KVCache,
@@ -354,9 +330,10 @@ class Gemma4:
         h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
 
         q_rows = slice(None) if keep is None else keep  # the rows that ask (the positions of their queries)
-        hq, q_pos, q_blocks = h[q_rows], positions[q_rows], None if blocks is None else blocks[q_rows]
+        q_pos, q_blocks = positions[q_rows], None if blocks is None else blocks[q_rows]
+        hq, cq, sq = (h, cos, sin) if keep is None else (take_rows(h, keep), take_rows(cos, keep), take_rows(sin, keep))
         q = w.linear(hq, p + "self_attn.q_proj.weight").reshape(len(hq), N, D)
-        q = norm_rope(q, cos[q_rows], sin[q_rows], w[p + "self_attn.q_norm.weight"], eps)  # q_norm, then RoPE
+        q = norm_rope(q, cq, sq, w[p + "self_attn.q_norm.weight"], eps)  # q_norm, then RoPE
 
         if layer.owns_kv:
             K = layer.num_kv_heads
@@ -385,6 +362,7 @@ class Gemma4:
             mask = vision_block_mask(q_pos, kv.pos, cfg.sliding_window, q_blocks, kv.blocks)
         else:
             mask = attention_mask(q_pos, kv.pos, window)
+        mask = self.xp.asarray(mask)  # made where the positions are (the host), used where the scores are
         a = (attention(q, kv.k, kv.v, mask, half=True) if self.kv_cache == "f16"
              else attention(q, kv.k, kv.v, mask)).reshape(len(q), N * D)
         o = w.linear(a, p + "self_attn.o_proj.weight")
@@ -434,7 +412,7 @@ class Gemma4:
         p = f"layers.{i}."
         a = self.attention_block(i, x, positions, cache, call_kv, blocks, keep)
         if keep is not None:
-            x, ple_i = x[keep], None if ple_i is None else ple_i[keep]
+            x, ple_i = take_rows(x, keep), None if ple_i is None else take_rows(ple_i, keep)
         r = x + a
         m = self.ffn_block(i, r, trace)
         x = r + m  # a new array: the two steps below work in place
@@ -481,7 +459,7 @@ class Gemma4:
         if embeddings is None:
             x = self.embed(ids)
         else:
-            x = np.asarray(embeddings, dtype=self.dtype)
+            x = self.xp.asarray(np.asarray(to_host(embeddings), dtype=self.dtype))
             if x.shape != (T, cfg.hidden_size):
                 raise InputError(f"embeddings must have shape [{T}, {cfg.hidden_size}], got {list(x.shape)}")
         self._check_inputs_finite(x, ids, embeddings is not None)
@@ -501,20 +479,21 @@ class Gemma4:
             if prune is not None and i >= cfg.first_shared_layer - 1:  # the last layer that makes K/V
                 x = self.layer(i, x, ple_i, positions, cache, call_kv, trace, blocks, keep=prune)
                 positions, blocks = positions[prune], None if blocks is None else blocks[prune]
-                ple, prune = None if ple is None else ple[prune], None
+                ple, prune = None if ple is None else take_rows(ple, prune), None
             else:
                 x = self.layer(i, x, ple_i, positions, cache, call_kv, trace, blocks)
             self._check_layer_finite(i, x)
         if keep is not None and trace is not None:
-            x = x[keep]
+            x = take_rows(x, keep)
 
         self._rope_kept.clear()  # (a long prompt's angles are not kept past the call)
         # keep what future tokens can attend to: sliding layers their last W - 1 keys, full layers all
         end = cache.length + T  # (positions may be pruned by now; the call still covered T tokens)
         for i, kv in call_kv.items():
-            recent = (kv.pos > end - cfg.sliding_window if cfg.layers[i].is_sliding and not cache.keep_all
-                      else slice(None))
-            cache.layers[i] = LayerKV(kv.k[recent], kv.v[recent], kv.pos[recent])
+            if cfg.layers[i].is_sliding and not cache.keep_all:
+                recent = kv.pos > end - cfg.sliding_window
+                kv = LayerKV(take_rows(kv.k, recent), take_rows(kv.v, recent), kv.pos[recent])
+            cache.layers[i] = LayerKV(kv.k, kv.v, kv.pos)
         cache.length = end
         return x
 
@@ -543,7 +522,10 @@ class Gemma4:
             z = self.weights.head_linear(y, start, stop)
             if not all_finite(z):  # before the softcap, which turns +-inf into +-cap
                 self._refuse_nonfinite("the logits are", [(self.weights.head_name, None)])
-            softcap(z, cfg.final_logit_softcapping, out=logits[:, start:stop])
+            if self.device == "cpu":  # straight into the columns of the logits
+                softcap(z, cfg.final_logit_softcapping, out=logits[:, start:stop])
+            else:  # the logits are returned on the host
+                logits[:, start:stop] = to_host(softcap(z, cfg.final_logit_softcapping))
         return logits
 
     def forward(self, ids: Sequence[int] | np.ndarray, *, rows: str | Sequence[int] = "all",
@@ -564,12 +546,12 @@ class Gemma4:
         index = resolve_rows(rows, len(ids))
         with np.errstate(over="ignore", invalid="ignore"):  # a non-finite result is refused (NonFiniteError)
             if trace is not None or np.array_equal(index, np.arange(len(ids))):
-                x = self.hidden_states(ids, cache=cache, embeddings=embeddings, vision_blocks=vision_blocks,
-                                       trace=trace)[index]
+                x = take_rows(self.hidden_states(ids, cache=cache, embeddings=embeddings, vision_blocks=vision_blocks,
+                                                 trace=trace), index)
             else:
                 x = self.hidden_states(ids, cache=cache, embeddings=embeddings, vision_blocks=vision_blocks, keep=index)
             y = self.final_norm(x)
-            return self.logits_of(y), y
+            return self.logits_of(y), to_host(y)
 
 
 def resolve_rows(rows: str | Sequence[int], T: int) -> np.ndarray:

@@ -94,7 +94,7 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 def softplus(x: np.ndarray) -> np.ndarray:
     """log(1 + e^x), overflow-free."""
-    return np.logaddexp(np.zeros((), dtype=x.dtype), x)
+    return np.logaddexp(0.0, x)  # (a Python 0: the result keeps x's dtype and array module)
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:

@@ -65,6 +65,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, hal
     about ATTENTION_BLOCK scores, each over its span of keys (``key_span``); with several threads the blocks
     are split between them in the order ``balanced_order`` gives (a causal block's work grows with its row:
     in row order the last thread would get the most of it), each block's product on its thread's own BLAS."""
+    if not isinstance(q, np.ndarray):  # a device array (CuPy): one call, the device schedules it
+        return ops.attention(q, k, v, mask, half=half)
     T, N, _ = q.shape
     unit = max(1, ATTENTION_BLOCK // max(1, N * k.shape[0]))  # query rows whose scores [N, S] fill a block
     out = np.empty(q.shape, dtype=np.result_type(q, k, v))

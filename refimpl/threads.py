@@ -278,7 +278,7 @@ def in_parts(total: int, work: Callable[[int, int], None], unit: int = 1, least:
 def all_finite(x: np.ndarray) -> bool:
     """``np.isfinite(x).all()``, blocks of the rows of x (ROWWISE_BLOCK values or more) split between the
     threads: the checks of the forward's large arrays (the LM head's [R, chunk] products)."""
-    if x.ndim == 0 or x.shape[0] == 0:
+    if not isinstance(x, np.ndarray) or x.ndim == 0 or x.shape[0] == 0:  # (a device array: one call there)
         return bool(np.isfinite(x).all())
     bad: list[int] = []
 

@@ -116,11 +116,14 @@ class Gemma4Weights:
     """The text-decoder tensors of one checkpoint, validated against its config, decoded on demand."""
 
     def __init__(self, model_dir: str | Path, cfg: TextConfig, dtype: np.dtype = np.float64,
-                 weight_cache: int = 0, activations: str = "none"):
+                 weight_cache: int = 0, activations: str = "none", xp=np):
         """``activations``: the activation convention of every product (ggml_act.CONVENTIONS): "none", or
         ggml's CPU rule on a kernel path (a GGUF checkpoint's only), each product's activations converted as
-        ggml converts them for that weight's type before it multiplies."""
+        ggml converts them for that weight's type before it multiplies. ``xp``: the array module the weights
+        are used in (numpy; cupy for a model on the GPU: each weight decoded on the host and copied there, the
+        weight cache held there)."""
         self.cfg = cfg
+        self.xp = xp
         self.activation_path = convention_path(activations)
         self.activations = activations
         # x, weight type, kernel path -> the values ggml's product multiplies (replaceable: the self-test's
@@ -240,11 +243,11 @@ class Gemma4Weights:
 
     def __getitem__(self, name: str) -> np.ndarray:
         """A whole tensor, decoded to the compute dtype."""
-        return self.store.get(self.prefix + name, self.dtype)
+        return self.xp.asarray(self.store.get(self.prefix + name, self.dtype))
 
     def rows(self, name: str, index) -> np.ndarray:
         """Only ``tensor[index]`` (first axis), gathered from the memory map and decoded."""
-        return self.store.rows(self.prefix + name, index, self.dtype)
+        return self.xp.asarray(self.store.rows(self.prefix + name, index, self.dtype))
 
     def linear(self, x: np.ndarray, name: str) -> np.ndarray:
         """x [R, in] @ W[out, in]^T for the named weight W, decoded from the checkpoint as it runs."""
@@ -271,6 +274,8 @@ class Gemma4Weights:
         W = self._cached(full, start, stop)
         if W is not None:
             return self._with_min_term(seen @ W.T, x, full, start, stop)
+        if self.xp is not np:  # on the device: decoded on the host, multiplied there
+            return seen @ self.xp.asarray(self.store.read(full, start, stop, self.dtype)).T
         if x.shape[0] > FEW_ROWS:
             W = self.store.read(full, start, stop, self.dtype, out=self._buffer((stop - start, cols)))
             return self._with_min_term(seen @ W.T, x, full, start, stop)
@@ -310,7 +315,7 @@ class Gemma4Weights:
         nbytes = (stop - start) * self.store.infos[full].shape[1] * self.dtype.itemsize
         if self.cache_bytes + nbytes > self.cache_budget:
             return None
-        W = self.cache[key] = self.store.read(full, start, stop, self.dtype)
+        W = self.cache[key] = self.xp.asarray(self.store.read(full, start, stop, self.dtype))
         self.cache_bytes += nbytes
         return W
 

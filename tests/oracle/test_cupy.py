@@ -1,0 +1,104 @@
+"""The oracle on CuPy arrays (issue 53): refimpl.ops and the text decoder.
+
+refimpl.ops on CuPy arrays: every plain definition, given CuPy inputs, computes on the GPU and returns
+CuPy arrays equal to the NumPy result within float64 rounding (the kernels differ: GEMM blocking and reduction
+order, libm against CUDA's math library, so the bound is a few units of rounding of the values involved, not
+equal bits). Skipped, with the reason, where CuPy or a CUDA device is missing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conformance.sets.bounds import logit_bound
+from refimpl import ops
+from refimpl.kv_cache import KVCache
+from refimpl.model import Gemma4
+from refimpl.synth import PRESETS
+
+cp = pytest.importorskip("cupy", reason="CuPy is not installed (a CUDA machine with the cuda extra)")
+try:
+    if cp.cuda.runtime.getDeviceCount() < 1:
+        pytest.skip("no CUDA device is visible", allow_module_level=True)
+except cp.cuda.runtime.CUDARuntimeError as exc:  # pragma: no cover - depends on the machine
+    pytest.skip(f"no CUDA device: {exc}", allow_module_level=True)
+
+EPS = np.finfo(np.float64).eps
+T, S, N, K, D, H = 7, 11, 4, 2, 16, 24
+
+
+def _inputs() -> dict[str, tuple]:
+    rng = np.random.default_rng(53)
+    x = rng.standard_normal((T, H))
+    w = rng.standard_normal((3 * H, H)) / np.sqrt(H)
+    q, k, v = rng.standard_normal((T, N, D)), rng.standard_normal((S, K, D)), rng.standard_normal((S, K, D))
+    cos, sin = ops.rope_cos_sin(np.arange(S - T, S), 1.0 / 10000 ** (np.arange(0, D, 2) / D))
+    cx, sx = ops.rope_cos_sin(np.arange(T), 1.0 / 100 ** (np.arange(0, D // 2, 2) / (D // 2)))
+    mask = ops.attention_mask(np.arange(S - T, S), np.arange(S), 5)
+    return {
+        "linear": (x, w), "clipped_linear": (x, w, (-1.0, 1.0, -0.5, 0.5)),
+        "rms_norm": (x, rng.standard_normal(H), 1e-6),
+        "layer_norm": (x, rng.standard_normal(H), rng.standard_normal(H), 1e-5), "gelu_tanh": (3 * x,),
+        "sigmoid": (3 * x,), "silu": (3 * x,), "softplus": (3 * x,), "softmax": (3 * x,), "softcap": (40 * x, 30.0),
+        "clamp": (1e3 * x, 500.0), "geglu": (x, x[::-1].copy()), "mlp": (x, w[:H], w[H:2 * H], w[2 * H:].T.copy()),
+        "rope_cos_sin": (np.arange(S, dtype=np.int64), 1.0 / 10000 ** (np.arange(0, D, 2) / D)),
+        "apply_rope": (q, cos[-T:], sin[-T:]), "norm_rope": (q, cos[-T:], sin[-T:], rng.standard_normal(D), 1e-6),
+        "apply_rope_2d": (q, cx, sx, cx[::-1].copy(), sx[::-1].copy()),
+        "attention_mask": (np.arange(S - T, S), np.arange(S), 5), "fp16": (x,),
+        "attention": (q, k, v, mask), "attention half": (q, ops.fp16(k), ops.fp16(v), mask, True),
+    }
+
+
+def _on_gpu(a):
+    if isinstance(a, np.ndarray):
+        return cp.asarray(a)
+    if isinstance(a, tuple):
+        return a  # (bounds) stay Python numbers
+    return a
+
+
+@pytest.mark.parametrize("name", sorted(_inputs()))
+def test_each_op_on_cupy_is_the_numpy_op(name):
+    args = _inputs()[name]
+    fn = getattr(ops, name.split()[0])
+    want = fn(*args)
+    got = fn(*(_on_gpu(a) for a in args))
+    assert isinstance(got, cp.ndarray), f"{name} returned {type(got).__name__}, not a CuPy array"
+    got = cp.asnumpy(got)
+    assert got.shape == want.shape and got.dtype == want.dtype, name
+    if want.dtype == bool:
+        assert np.array_equal(got, want), name
+        return
+    scale = max(1.0, float(np.max(np.abs(want))))
+    # a few roundings per element of a product or reduction of length at most 3 H (fp16: one fp16 unit)
+    bound = (2.0 ** -10 * scale) if name in ("fp16", "attention half") else 8 * 3 * H * EPS * scale
+    assert float(np.max(np.abs(got - want))) <= bound, name
+
+
+# ----------------------------------------------------------------------------------------------
+# the model
+
+
+@pytest.mark.parametrize("kv_cache", ["exact", "f16"])
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_the_model_on_cupy_is_the_numpy_model(preset_dirs, preset, kv_cache):
+    """Every text preset, ``Gemma4(dir, device="cuda")`` against the NumPy model: a prefill of every row, decode
+    steps through the KV cache, and some rows of a pruned forward, within the rounding two float64 evaluations of
+    the same logits may differ by (conformance.sets.bounds.logit_bound); NumPy arrays come back."""
+    cpu = Gemma4(preset_dirs[preset], kv_cache=kv_cache)
+    gpu = Gemma4(preset_dirs[preset], kv_cache=kv_cache, device="cuda")
+    ids = list(np.random.default_rng(5).integers(3, cpu.cfg.vocab_size, 23))
+
+    def run(m):
+        cache = KVCache()
+        prefill = m.forward(ids[:20], rows="all", cache=cache)
+        steps = [m.forward(ids[i:i + 1], rows="last", cache=cache) for i in range(20, 23)]
+        logits, hidden = m.forward_rows(ids, rows=[3, -1])
+        return [prefill, *steps, logits, hidden]
+
+    want, got = run(cpu), run(gpu)
+    scale = max(float(np.max(np.abs(w))) for w in want)
+    bound = logit_bound(cpu.cfg, len(ids), scale)  # (an fp16 rounding of the cache a unit apart: ~1e-13 a value)
+    for w, g in zip(want, got, strict=True):
+        assert type(g) is np.ndarray and g.dtype == w.dtype and g.shape == w.shape
+        assert float(np.max(np.abs(g - w))) <= bound, (preset, kv_cache, float(np.max(np.abs(g - w))), bound)
