@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .arrays import DEVICES
 from .audio_features import RESAMPLE_HINT, read_wav
 from .chat import encode_conversation, user_turn
 from .context import check_prompt_context
@@ -388,12 +389,12 @@ def cmd_logits(args) -> int:
     model_dir = Path(args.model)
     _check_out(Path(args.out), model_dir, args.force)
     if _media(args):
-        model = Gemma4(model_dir, args.dtype, args.embed_scale, vision_mask=args.vision_mask)
+        model = Gemma4(model_dir, args.dtype, args.embed_scale, vision_mask=args.vision_mask, device=args.device)
         prompt = _image_prompt(args, model_dir, model)
         ids, tok = prompt.ids, prompt.tok
     else:
         ids, tok = _prompt_ids(args, model_dir)
-        model = Gemma4(model_dir, args.dtype, args.embed_scale, vision_mask=args.vision_mask)
+        model = Gemma4(model_dir, args.dtype, args.embed_scale, vision_mask=args.vision_mask, device=args.device)
     rows = args.rows if args.rows in ("last", "all") else _parse_ints(args.rows, "--rows")
     index = resolve_rows(rows, len(ids))
     _check_context(args, model, ids)
@@ -427,7 +428,7 @@ def cmd_generate(args) -> int:
     if _media(args):
         if args.max_new_tokens < 0:
             raise InputError(f"max_new_tokens must be >= 0, got {args.max_new_tokens}")
-        model = Gemma4(model_dir, args.dtype, args.embed_scale, vision_mask=args.vision_mask)
+        model = Gemma4(model_dir, args.dtype, args.embed_scale, vision_mask=args.vision_mask, device=args.device)
         prompt = _image_prompt(args, model_dir, model)
         ids, tok = prompt.ids, prompt.tok
         _check_context(args, model, ids, args.max_new_tokens)
@@ -436,7 +437,7 @@ def cmd_generate(args) -> int:
         print("\n".join(prompt.lines()), file=sys.stderr)
     else:
         ids, tok = _prompt_ids(args, model_dir)
-        model = Gemma4(model_dir, args.dtype, args.embed_scale, vision_mask=args.vision_mask)
+        model = Gemma4(model_dir, args.dtype, args.embed_scale, vision_mask=args.vision_mask, device=args.device)
         _check_context(args, model, ids, args.max_new_tokens)
 
     new_tokens: list[int] = []
@@ -485,6 +486,9 @@ def _add_prompt(p: argparse.ArgumentParser) -> None:
                         "template (chat_template.jinja or tokenizer_config.json; needs jinja2: pip install "
                         "'gemma4-conformance[chat]') or, without one, the hand-written Gemma 4 chat format")
     p.add_argument("--dtype", choices=["float64", "float32"], default="float64")
+    p.add_argument("--device", choices=list(DEVICES), default="cpu",
+                   help="where the text decoder runs: cpu (NumPy, default) or cuda (CuPy on a GPU: pip install "
+                        "'gemma4-conformance[cuda12]' or '[cuda13]'; docs/refimpl.md, 'GPU')")
     p.add_argument("--embed-scale", choices=["exact", "bf16"], default="exact",
                    help="sqrt(hidden_size) exactly (default, as HF float32) or rounded to bfloat16 (HF bf16, JAX)")
     p.add_argument("--image", action="append", default=[], metavar="FILE",

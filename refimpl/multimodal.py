@@ -30,6 +30,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .arrays import to_host
 from .config import text_section
 from .config_fields import read_config_json
 from .errors import ConfigError, InputError
@@ -222,7 +223,7 @@ def multimodal_inputs(model: Gemma4, ids: Sequence[int] | np.ndarray, soft_token
     pad = model.cfg.pad_token_id if model.cfg.pad_token_id is not None else 0
     placeholder = np.isin(ids, tokens.placeholders)
     llm_ids = llm_input_ids(ids, placeholder, pad)
-    x = model.embed(llm_ids)
+    x = to_host(model.embed(llm_ids))  # merged on the host (a model on the GPU copies it back)
     if soft:
         x = merge_soft_tokens(x, ids == tokens.image_token_id, np.concatenate(soft).astype(model.dtype))
     if audio:

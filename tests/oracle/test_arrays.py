@@ -67,3 +67,18 @@ def test_a_model_on_the_cpu_keeps_numpy(preset_dirs, monkeypatch):
     with pytest.raises(InputError, match=r"^activations ggml-cpu/x86: ggml's CPU activation convention runs on device "
                                          r"cpu only$"):
         Gemma4(preset_dirs["e2b-mini"], device="cuda", activations="ggml-cpu/x86")
+
+
+def test_the_command_line_without_cupy_is_one_line_and_writes_nothing(preset_dirs, monkeypatch, tmp_path, capsys):
+    """``refimpl logits --device cuda`` where CuPy is missing: exit 2, the one line on stderr, no output file."""
+    from refimpl.cli import main
+
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    out = tmp_path / "l.safetensors"
+    assert main(["logits", "--model", str(preset_dirs["e2b-mini"]), "--tokens", "2,17,30", "--out", str(out),
+                 "--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("refimpl: error: device cuda: CuPy is not installed")
+    assert not out.exists()
+    assert main(["logits", "--model", str(preset_dirs["e2b-mini"]), "--tokens", "2,17,30", "--out", str(out),
+                 "--device", "cpu"]) == 0 and out.exists()
