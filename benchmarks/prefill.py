@@ -2,7 +2,7 @@
 
     python benchmarks/prefill.py --model DIR [--tokens 512] [--rows last|all] [--repeat 2]
                                  [--transformers exact|plain|off] [--cached on|off] [--baseline DIR]
-                                 [--json OUT.json]
+                                 [--device cpu|cuda] [--json OUT.json]
 
 Every part runs in a fresh child process (so each peak resident set is its own, ``ru_maxrss``), one
 after the other, on the same checkpoint and the same prompt (``--tokens`` ids drawn from
@@ -32,6 +32,11 @@ after the other, on the same checkpoint and the same prompt (``--tokens`` ids dr
   eager attention, ``logits_to_keep`` for the requested rows, best of ``--repeat``; skipped, with the
   reason, when its float64 weights would not fit in the memory available. Its logits are compared with
   the oracle's (max |difference|).
+
+``--device cuda`` (a CUDA machine with CuPy): the oracle, the cached oracle and the roofline run on the GPU
+(``Gemma4(DIR, device="cuda")``, CuPy's float64 GEMM; every timed call ends with the device synchronised),
+transformers on the same GPU (the model moved there, ``torch.cuda``), and ``oracle-cpu`` is the streamed oracle
+on the CPU cores beside them; each GPU part reports its peak GPU memory (CuPy's pool, torch's reserved bytes).
 
 Threads: NumPy (OpenBLAS), the oracle's weight decoding and torch all use every core this process may
 run on (so ``taskset -c 0,1 python benchmarks/prefill.py ...`` measures two cores).
@@ -99,11 +104,29 @@ def rows_index(rows: str, T: int) -> np.ndarray:
 # parts (each runs in its own process)
 
 
-def part_oracle(model: str, tokens: int, rows: str, repeat: int, weight_cache: str = "0") -> dict:
+def gpu_peak_gib(device: str) -> dict:
+    """The GPU memory a CuPy part holds at its end: the pool only grows (freed blocks stay in it), so its total
+    is the most the part ever held."""
+    if device == "cpu":
+        return {}
+    import cupy
+
+    return {"gpu_peak_gib": cupy.get_default_memory_pool().total_bytes() / 2**30,
+            "gpu": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()}
+
+
+def synchronise(device: str) -> None:
+    if device != "cpu":
+        import cupy
+
+        cupy.cuda.Device().synchronize()
+
+
+def part_oracle(model: str, tokens: int, rows: str, repeat: int, weight_cache: str = "0", device: str = "cpu") -> dict:
     from refimpl.model import Gemma4
 
     ids = prompt_ids(tokens)
-    m = Gemma4(model, weight_cache=weight_cache)
+    m = Gemma4(model, weight_cache=weight_cache, device=device)
     times, logits = [], None
     for _ in range(repeat + 1):
         t = time.perf_counter()
@@ -111,7 +134,7 @@ def part_oracle(model: str, tokens: int, rows: str, repeat: int, weight_cache: s
         times.append(time.perf_counter() - t)
     np.save(os.environ["BENCH_LOGITS"], logits)
     return {"first_s": times[0], "best_s": min(times[1:]), "times_s": times, "peak_rss_gib": peak_rss_gib(),
-            "weight_cache_gib": m.weights.cache_bytes / 2**30}
+            "weight_cache_gib": m.weights.cache_bytes / 2**30, "device": device, **gpu_peak_gib(device)}
 
 
 def cacheable_gib(model: str) -> float:
@@ -143,26 +166,29 @@ def matmul_plan(cfg):
         yield layer, [p + n for n in names]
 
 
-def part_roofline(model: str, tokens: int, rows: str, repeat: int) -> dict:
+def part_roofline(model: str, tokens: int, rows: str, repeat: int, device: str = "cpu") -> dict:
     from refimpl.model import HEAD_CHUNK, Gemma4
     from refimpl.ops import attention_mask
     from refimpl.schedule import ATTENTION_BLOCK, key_span
 
-    m = Gemma4(model)
-    cfg, w = m.cfg, m.weights
+    m = Gemma4(model, device=device)
+    cfg, w, xp = m.cfg, m.weights, m.xp
     if cfg.enable_moe_block:
         raise SystemExit("the roofline part covers dense models (E2B, E4B, 31B shapes); MoE routing is data-dependent")
     T = tokens
     R = len(rows_index(rows, T))
-    rng = np.random.default_rng(1)
+    host = np.random.default_rng(1)
 
-    def best(fn) -> float:
-        return best_of(fn, repeat)
+    def normal(shape):  # standard normal values where the model's arrays live
+        return xp.asarray(host.standard_normal(shape))
+
+    def best(fn) -> float:  # on the GPU: the product and the device synchronised, warmed up once
+        return best_of(lambda: (fn(), synchronise(device)), repeat, warm_up=device != "cpu")
 
     total_s, flops = 0.0, 0
     if cfg.has_ple:
         W = w["per_layer_model_projection.weight"]
-        x = rng.standard_normal((T, W.shape[1]))
+        x = normal((T, W.shape[1]))
         total_s += best(lambda x=x, W=W: x @ W.T)
         flops += 2 * T * W.size
     for layer, names in matmul_plan(cfg):
@@ -171,38 +197,40 @@ def part_roofline(model: str, tokens: int, rows: str, repeat: int) -> dict:
         Q = T if layer.index < cfg.first_shared_layer - 1 else R
         for name in names:
             W = w[name]  # decoded now, not timed
-            x = rng.standard_normal((T if name.endswith(("k_proj.weight", "v_proj.weight")) else Q, W.shape[1]))
+            x = normal((T if name.endswith(("k_proj.weight", "v_proj.weight")) else Q, W.shape[1]))
             total_s += best(lambda x=x, W=W: x @ W.T)
             flops += 2 * x.shape[0] * W.size
             del W
         N, D = cfg.num_attention_heads, layer.head_dim
         K = layer.num_kv_heads
         S = T  # a prefill from an empty cache attends over its own T keys
-        q = rng.standard_normal((K, Q * (N // K), D))
-        kt = rng.standard_normal((K, D, S))
-        v = rng.standard_normal((K, S, D))
+        q = normal((K, Q * (N // K), D))
+        kt = normal((K, D, S))
+        v = normal((K, S, D))
         # as ``ops.attention`` multiplies: blocks of query rows, each over the span of keys its rows see
         mask = attention_mask(np.arange(T) if Q == T else rows_index(rows, T), np.arange(S),
                               cfg.sliding_window if layer.is_sliding else None)
-        unit = max(1, ATTENTION_BLOCK // (N * S))
+        # (on the GPU, ``schedule.attention`` steps aside: one product over every query row)
+        unit = max(1, ATTENTION_BLOCK // (N * S)) if device == "cpu" else Q
         for a in range(0, Q, unit):
             b = min(a + unit, Q)
             lo, hi = key_span(mask[a:b])
-            qb, pb = q[:, a * (N // K):b * (N // K)], rng.standard_normal((K, (b - a) * (N // K), hi - lo))
+            qb, pb = q[:, a * (N // K):b * (N // K)], normal((K, (b - a) * (N // K), hi - lo))
             total_s += best(lambda qb=qb, kt=kt, lo=lo, hi=hi: qb @ kt[:, :, lo:hi]) + \
                 best(lambda pb=pb, v=v, lo=lo, hi=hi: pb @ v[:, lo:hi])
             flops += 2 * (2 * N * (b - a) * (hi - lo) * D)
-    y = rng.standard_normal((R, cfg.hidden_size))
+    y = normal((R, cfg.hidden_size))
     head_s = 0.0
     for start in range(0, cfg.vocab_size, HEAD_CHUNK):
-        E = w.head_rows(start, min(start + HEAD_CHUNK, cfg.vocab_size))
+        E = xp.asarray(w.head_rows(start, min(start + HEAD_CHUNK, cfg.vocab_size)))
         head_s += best(lambda E=E: y @ E.T)
         flops += 2 * R * E.size
     total_s += head_s
-    return {"matmul_s": total_s, "flops": flops, "gflops_per_s": flops / total_s / 1e9, "peak_rss_gib": peak_rss_gib()}
+    return {"matmul_s": total_s, "flops": flops, "gflops_per_s": flops / total_s / 1e9, "peak_rss_gib": peak_rss_gib(),
+            "device": device, **gpu_peak_gib(device)}
 
 
-def part_transformers(model: str, tokens: int, rows: str, repeat: int, flavour: str) -> dict:
+def part_transformers(model: str, tokens: int, rows: str, repeat: int, flavour: str, device: str = "cpu") -> dict:
     import torch
 
     sys.path.insert(0, str(ROOT / "tests"))
@@ -221,8 +249,9 @@ def part_transformers(model: str, tokens: int, rows: str, repeat: int, flavour: 
     else:
         from hf_reference import float64_exact, load_hf_causal_lm
         hf = load_hf_causal_lm(model, "float64", exact=flavour == "exact")
+    hf = hf.to(device)
     load_s = time.perf_counter() - t
-    ids = torch.tensor([prompt_ids(tokens).tolist()])
+    ids = torch.tensor([prompt_ids(tokens).tolist()], device=device)
     keep = 1 if rows == "last" else 0  # 0 = every row
     times, logits = [], None
     ctx = float64_exact if flavour == "exact" else __import__("contextlib").nullcontext
@@ -230,19 +259,38 @@ def part_transformers(model: str, tokens: int, rows: str, repeat: int, flavour: 
         t = time.perf_counter()
         with torch.inference_mode(), ctx():
             logits = hf(input_ids=ids, use_cache=False, logits_to_keep=keep).logits[0]
+            if device != "cpu":
+                torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
-    np.save(os.environ["BENCH_LOGITS"], logits.numpy())
+    np.save(os.environ["BENCH_LOGITS"], logits.cpu().numpy())
+    gpu = {} if device == "cpu" else {"gpu_peak_gib": torch.cuda.max_memory_reserved() / 2**30,
+                                      "gpu": torch.cuda.get_device_name()}
     return {"load_s": load_s, "first_s": times[0], "best_s": min(times[1:]), "times_s": times,
-            "peak_rss_gib": peak_rss_gib(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+            "peak_rss_gib": peak_rss_gib(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "device": device, **gpu}
 
 
 # ----------------------------------------------------------------------------------------------
 # the driver
 
 
+def run_here(args) -> dict:
+    """The part ``--part`` names, in this process."""
+    common = (args.model, args.tokens, args.rows, args.repeat)
+    if args.part == "oracle":
+        return part_oracle(*common, device=args.device)
+    if args.part == "oracle-cpu":
+        return part_oracle(*common, device="cpu")
+    if args.part == "oracle-cached":
+        return part_oracle(*common, weight_cache="all", device=args.device)
+    if args.part == "roofline":
+        return part_roofline(*common, device=args.device)
+    return part_transformers(*common, args.transformers, device=args.device)
+
+
 def run_part(part: str, args, extra: list[str], logits_path: Path | None = None, root: str | None = None) -> dict:
     cmd = [sys.executable, __file__, "--model", args.model, "--tokens", str(args.tokens), "--rows", args.rows,
-           "--repeat", str(args.repeat), "--part", part, *extra]
+           "--repeat", str(args.repeat), "--device", args.device, "--part", part, *extra]
     env = dict(os.environ, PYTHONPATH=(root or str(ROOT)) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("BENCH_REFIMPL_ROOT", None)
     if root is not None:
@@ -306,8 +354,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cached", choices=("on", "off"), default="on",
                     help="also time the oracle with every weight decoded once and kept (weight_cache='all')")
     ap.add_argument("--baseline", metavar="DIR", help="also time the oracle of another checkout (its refimpl/)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the oracle, the roofline and transformers run (cuda: CuPy and torch on the GPU, and "
+                         "the streamed oracle on the CPU beside them)")
     ap.add_argument("--json", metavar="OUT", help="write every number here")
-    ap.add_argument("--part", choices=("oracle", "oracle-cached", "roofline", "transformers"), help=argparse.SUPPRESS)
+    ap.add_argument("--part", choices=("oracle", "oracle-cpu", "oracle-cached", "roofline", "transformers"),
+                    help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if not Path(args.model, "config.json").is_file():
         ap.error(f"--model: {args.model} is not a checkpoint directory (no config.json)")
@@ -316,17 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline is not None and not Path(args.baseline, "refimpl", "model.py").is_file():
         ap.error(f"--baseline: {args.baseline} is not a checkout of this project (no refimpl/model.py)")
 
-    if args.part == "oracle":
-        print(json.dumps(part_oracle(args.model, args.tokens, args.rows, args.repeat)))
-        return 0
-    if args.part == "oracle-cached":
-        print(json.dumps(part_oracle(args.model, args.tokens, args.rows, args.repeat, weight_cache="all")))
-        return 0
-    if args.part == "roofline":
-        print(json.dumps(part_roofline(args.model, args.tokens, args.rows, args.repeat)))
-        return 0
-    if args.part == "transformers":
-        print(json.dumps(part_transformers(args.model, args.tokens, args.rows, args.repeat, args.transformers)))
+    if args.part is not None:
+        print(json.dumps(run_here(args)))
         return 0
 
     import tempfile
@@ -338,6 +381,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         ours = Path(tmp, "oracle.npy")
         result["oracle"] = run_part("oracle", args, [], ours)
+        if args.device != "cpu":
+            on_cpu = Path(tmp, "cpu.npy")
+            result["oracle_cpu"] = run_part("oracle-cpu", args, [], on_cpu)
+            if "error" not in result["oracle_cpu"] and "error" not in result["oracle"]:
+                result["oracle_cpu"]["max_abs_diff_vs_oracle"] = float(np.max(np.abs(np.load(ours) - np.load(on_cpu))))
         if args.baseline is not None:
             before = Path(tmp, "baseline.npy")
             result["baseline"] = run_part("oracle", args, [], before, root=str(Path(args.baseline).resolve()))
@@ -347,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         result["roofline"] = run_part("roofline", args, [])
         if args.cached == "on":
             need, avail = cacheable_gib(args.model) * 1.1, mem_available_gib()
-            if need > avail:
+            if need > avail and args.device == "cpu":
                 result["oracle_cached"] = {"skipped": f"the decoded weights need about {need:.1f} GiB, {avail:.1f} GiB "
                                                       "available"}
             else:
@@ -378,11 +426,15 @@ def main(argv: list[str] | None = None) -> int:
     b = result.get("baseline", {})
     if "best_s" in b and "matmul_s" in r:
         result["baseline_fraction_of_roofline"] = r["matmul_s"] / b["best_s"]
+    p = result.get("oracle_cpu", {})
+    if "best_s" in p and "matmul_s" in r:
+        result["oracle_cpu_fraction_of_roofline"] = r["matmul_s"] / p["best_s"]
     c = result.get("oracle_cached", {})
     if "best_s" in c and "matmul_s" in r:
         result["oracle_cached_fraction_of_roofline"] = r["matmul_s"] / c["best_s"]
     if "best_s" in c and "best_s" in h:
         result["transformers_over_oracle_cached"] = h["best_s"] / c["best_s"]
+    result["device"] = args.device
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     print(report(result))
@@ -391,41 +443,51 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(r: dict) -> str:
     o, f, h = r["oracle"], r["roofline"], r.get("transformers", {})
+
+    def sec(x: float) -> str:  # GPU parts take tens of milliseconds
+        return f"{x:.3f}" if x < 1 else f"{x:.2f}"
+
+    def gpu(part: dict) -> str:
+        return f"; {part['gpu']}, GPU peak {part['gpu_peak_gib']:.1f} GiB" if "gpu_peak_gib" in part else ""
+
     lines = [f"{Path(r['model']).name}: {r['parameters'] / 1e9:.2f} B parameters, {r['layers']} layers, "
-             f"{r['tokens']} tokens, rows {r['rows']}; {r['machine']['cpu']}, {r['machine']['cores']} cores",
+             f"{r['tokens']} tokens, rows {r['rows']}; {r['machine']['cpu']}, {r['machine']['cores']} cores"
+             + (f"; device {r['device']}" if r.get("device", "cpu") != "cpu" else ""),
              "", "| part | time (s) | GFLOP/s | peak RSS (GiB) | note |", "|---|---|---|---|---|"]
     if "best_s" in o:
-        lines.append(f"| oracle float64 | {o['best_s']:.2f} | {r.get('oracle_gflops_per_s', float('nan')):.1f} | "
+        lines.append(f"| oracle float64 | {sec(o['best_s'])} | {r.get('oracle_gflops_per_s', float('nan')):.1f} | "
                      f"{o['peak_rss_gib']:.2f} | first run {o['first_s']:.2f} s; "
-                     f"{100 * r.get('oracle_fraction_of_roofline', float('nan')):.0f}% of the roofline |")
+                     f"{100 * r.get('oracle_fraction_of_roofline', float('nan')):.0f}% of the roofline{gpu(o)} |")
     else:
         lines.append(f"| oracle float64 | - | - | - | {o.get('error')} |")
     def other_oracle(key: str, label: str, first: str, versus: str) -> None:  # the baseline, the cached oracle
         p = r.get(key, {})
         if "best_s" in p:
-            lines.append(f"| {label} | {p['best_s']:.2f} | {f.get('flops', 0) / p['best_s'] / 1e9:.1f} | "
+            lines.append(f"| {label} | {sec(p['best_s'])} | {f.get('flops', 0) / p['best_s'] / 1e9:.1f} | "
                          f"{p['peak_rss_gib']:.2f} | {first} {p['first_s']:.2f} s; "
                          f"{100 * r.get(key + '_fraction_of_roofline', float('nan')):.0f}% of the roofline; "
-                         f"max |logit diff| vs {versus} {p['max_abs_diff_vs_oracle']:.1e} |")
+                         f"max |logit diff| vs {versus} {p['max_abs_diff_vs_oracle']:.1e}{gpu(p)} |")
         elif p:
             lines.append(f"| {label.split(' (')[0]} | - | - | - | {p.get('skipped') or p.get('error')} |")
 
+    if "oracle_cpu" in r:
+        other_oracle("oracle_cpu", f"oracle float64, CPU ({r['machine']['cores']} cores)", "first run", "GPU oracle")
     b = r.get("baseline", {})
     other_oracle("baseline", f"oracle float64, baseline ({Path(b.get('checkout', '')).name})", "first run", "oracle")
     other_oracle("oracle_cached", "oracle float64, weight cache", "first run (decodes into the cache)", "streamed")
     if "matmul_s" in f:
-        lines.append(f"| roofline (matmuls only) | {f['matmul_s']:.2f} | {f['gflops_per_s']:.1f} | "
-                     f"{f['peak_rss_gib']:.2f} | {f['flops'] / 1e12:.2f} TFLOP |")
+        lines.append(f"| roofline (matmuls only) | {sec(f['matmul_s'])} | {f['gflops_per_s']:.1f} | "
+                     f"{f['peak_rss_gib']:.2f} | {f['flops'] / 1e12:.2f} TFLOP{gpu(f)} |")
     else:
         lines.append(f"| roofline | - | - | - | {f.get('error')} |")
     if "best_s" in h:
-        lines.append(f"| transformers float64 ({h['flavour']}) | {h['best_s']:.2f} | "
+        lines.append(f"| transformers float64 ({h['flavour']}) | {sec(h['best_s'])} | "
                      f"{f.get('flops', 0) / h['best_s'] / 1e9:.1f} | {h['peak_rss_gib']:.2f} | "
                      f"{r['transformers_over_oracle']:.2f}x the oracle's time"
                      + (f", {r['transformers_over_oracle_cached']:.2f}x the cached "
                         "oracle's" if "transformers_over_oracle_cached" in r else "")
                      + f"; max |logit diff| vs oracle "
-                     f"{h['max_abs_diff_vs_oracle']:.1e}; load {h['load_s']:.1f} s |")
+                     f"{h['max_abs_diff_vs_oracle']:.1e}; load {h['load_s']:.1f} s{gpu(h)} |")
     elif h:
         lines.append(f"| transformers float64 | - | - | - | {h.get('skipped') or h.get('error')} |")
     return "\n".join(lines)

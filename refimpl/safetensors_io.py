@@ -43,6 +43,7 @@ STORAGE = {
     "F16": np.dtype("<f2"),
     "BF16": np.dtype("<u2"),
 }
+PLAIN_FLOATS = ("BF16", "F16", "F32", "F64")  # stored types ``decode_where_stored`` decodes
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -50,6 +51,15 @@ SINGLE_FILE = "model.safetensors"
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     """Exact decode: the 16 stored bits are the high half of a float32."""
     return np.left_shift(bits, 16, dtype=np.uint32).view(np.float32)
+
+
+def decode_where_stored(stored, dtype: str, out: np.dtype = np.float64):
+    """Decode stored values of a plain float type (PLAIN_FLOATS) with the array's own methods, so the work runs
+    where the array lives (a CuPy array: on the GPU, after only the stored bytes crossed): BF16 shifted into
+    the high half of a float32, exactly as ``bf16_to_f32``; F16, F32 and F64 converted (exact)."""
+    if dtype == "BF16":
+        return (stored.astype(np.uint32) << 16).view(np.float32).astype(out)
+    return stored.astype(out)
 
 
 def f32_to_bf16(x: np.ndarray) -> np.ndarray:

@@ -25,7 +25,7 @@ from .ggml_act import VEC_DOT_TYPE, activation_values, convention_path, min_term
 from .ggml_blocks import MIN_TYPES
 from .gguf_store import GGUFStore
 from .ops import clipped_linear
-from .safetensors_io import TensorStore
+from .safetensors_io import PLAIN_FLOATS, TensorStore, decode_where_stored
 from .stores import open_store
 from .threads import in_parts, scaled
 
@@ -243,7 +243,7 @@ class Gemma4Weights:
 
     def __getitem__(self, name: str) -> np.ndarray:
         """A whole tensor, decoded to the compute dtype."""
-        return self.xp.asarray(self.store.get(self.prefix + name, self.dtype))
+        return self._decoded(self.prefix + name, 0, None)
 
     def rows(self, name: str, index) -> np.ndarray:
         """Only ``tensor[index]`` (first axis), gathered from the memory map and decoded."""
@@ -274,8 +274,8 @@ class Gemma4Weights:
         W = self._cached(full, start, stop)
         if W is not None:
             return self._with_min_term(seen @ W.T, x, full, start, stop)
-        if self.xp is not np:  # on the device: decoded on the host, multiplied there
-            return seen @ self.xp.asarray(self.store.read(full, start, stop, self.dtype)).T
+        if self.xp is not np:  # on the device: copied there, decoded and multiplied there
+            return seen @ self._decoded(full, start, stop).T
         if x.shape[0] > FEW_ROWS:
             W = self.store.read(full, start, stop, self.dtype, out=self._buffer((stop - start, cols)))
             return self._with_min_term(seen @ W.T, x, full, start, stop)
@@ -315,9 +315,21 @@ class Gemma4Weights:
         nbytes = (stop - start) * self.store.infos[full].shape[1] * self.dtype.itemsize
         if self.cache_bytes + nbytes > self.cache_budget:
             return None
-        W = self.cache[key] = self.xp.asarray(self.store.read(full, start, stop, self.dtype))
+        W = self.cache[key] = self._decoded(full, start, stop)
         self.cache_bytes += nbytes
         return W
+
+    def _decoded(self, full: str, start: int, stop: int | None) -> np.ndarray:
+        """Rows [start, stop) of the tensor ``full`` decoded to the compute dtype, as an array of ``xp``. On the
+        device, a BF16/F16/F32 tensor of a safetensors checkpoint crosses as stored (2 bytes a value for BF16,
+        not 8) and is decoded there (``decode_where_stored``, exact); other stores decode on the host."""
+        info = self.store.infos[full]
+        if self.xp is np or not (isinstance(self.store, TensorStore) and info.dtype in PLAIN_FLOATS):
+            return self.xp.asarray(self.store.read(full, start, stop, self.dtype))
+        raw = self.store.raw(full)
+        stored = self.xp.asarray(raw[start:stop] if info.shape else raw)
+        self.store.release(full)
+        return decode_where_stored(stored, info.dtype, self.dtype)
 
     def _buffer(self, shape: tuple[int, int]) -> np.ndarray:
         """A float array of ``shape`` reused by this thread's next call (grown to the largest shape asked)."""

@@ -82,3 +82,19 @@ def test_the_command_line_without_cupy_is_one_line_and_writes_nothing(preset_dir
     assert not out.exists()
     assert main(["logits", "--model", str(preset_dirs["e2b-mini"]), "--tokens", "2,17,30", "--out", str(out),
                  "--device", "cpu"]) == 0 and out.exists()
+
+
+@pytest.mark.parametrize("kind", ["BF16", "F16", "F32", "F64"])
+def test_decoding_where_stored_is_the_host_decoder(kind):
+    """What the device path runs on the stored values (the array's own methods: astype, shift, view) decodes every
+    plain float type as the host decoder does, bit for bit (both exact), NaN, infinities and subnormals included."""
+    from refimpl.safetensors_io import STORAGE, decode, decode_where_stored
+
+    rng = np.random.default_rng(3)
+    if kind == "BF16":
+        stored = rng.integers(0, 2**16, 5000, dtype=np.uint16)
+    else:
+        width = STORAGE[kind].itemsize * 8
+        stored = rng.integers(0, 2**width, 5000, dtype=np.uint64).astype(f"u{width // 8}").view(STORAGE[kind])
+    want, got = decode(stored, kind, np.float64), decode_where_stored(stored, kind, np.float64)
+    assert got.dtype == np.float64 and np.array_equal(got.view(np.uint64), want.view(np.uint64))
