@@ -8,6 +8,9 @@ its logits on the host.
 
     xp = array_module(device)           # numpy for "cpu"; cupy for "cuda" (imported only then)
 
+A model not given a device takes REFIMPL_DEVICE's (cpu without it): ``conformance generate|check|explain
+--device cuda`` sets it, so every oracle the command builds runs there.
+
 Without a GPU, ``array_module("cuda")`` is one line (InputError, exit 2 from the command lines): CuPy not
 installed (and which extra installs it), no CUDA device visible.
 """
@@ -15,6 +18,7 @@ installed (and which extra installs it), no CUDA device visible.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from types import ModuleType
 
@@ -22,16 +26,23 @@ import numpy as np
 
 from .errors import InputError, check_choice
 
-__all__ = ["DEVICES", "array_module", "is_host", "resolve_device", "take_rows", "to_host"]
+__all__ = ["DEVICES", "DEVICE_ENV", "array_module", "is_host", "resolve_device", "take_rows", "to_host"]
 
 DEVICES = ("cpu", "cuda")
+DEVICE_ENV = "REFIMPL_DEVICE"  # the device of a model not given one (default cpu)
 INSTALL = ("install CuPy for the machine's CUDA major version: pip install 'gemma4-conformance[cuda12]' or "
            "'gemma4-conformance[cuda13]' (docs/refimpl.md, 'GPU')")
 
 
-def resolve_device(device: str) -> str:
-    """``device`` when it is one of DEVICES; InputError (one line) otherwise."""
-    return check_choice("device", device, DEVICES)
+def resolve_device(device: str | None = None) -> str:
+    """``device`` when it is one of DEVICES; None reads REFIMPL_DEVICE (cpu without it); InputError (one line,
+    naming the variable when it came from there) otherwise."""
+    if device is not None:
+        return check_choice("device", device, DEVICES)
+    value = os.environ.get(DEVICE_ENV) or "cpu"
+    if value not in DEVICES:
+        raise InputError(f"{DEVICE_ENV}={value!r}: the device must be one of {', '.join(DEVICES)}")
+    return value
 
 
 def array_module(device: str) -> ModuleType:

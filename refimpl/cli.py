@@ -486,9 +486,9 @@ def _add_prompt(p: argparse.ArgumentParser) -> None:
                         "template (chat_template.jinja or tokenizer_config.json; needs jinja2: pip install "
                         "'gemma4-conformance[chat]') or, without one, the hand-written Gemma 4 chat format")
     p.add_argument("--dtype", choices=["float64", "float32"], default="float64")
-    p.add_argument("--device", choices=list(DEVICES), default="cpu",
-                   help="where the text decoder runs: cpu (NumPy, default) or cuda (CuPy on a GPU: pip install "
-                        "'gemma4-conformance[cuda12]' or '[cuda13]'; docs/refimpl.md, 'GPU')")
+    p.add_argument("--device", choices=list(DEVICES), default=None,
+                   help="where the text decoder runs: cpu (NumPy; the default, or REFIMPL_DEVICE's) or cuda (CuPy on a "
+                        "GPU: pip install 'gemma4-conformance[cuda12]' or '[cuda13]'; docs/refimpl.md, 'GPU')")
     p.add_argument("--embed-scale", choices=["exact", "bf16"], default="exact",
                    help="sqrt(hidden_size) exactly (default, as HF float32) or rounded to bfloat16 (HF bf16, JAX)")
     p.add_argument("--image", action="append", default=[], metavar="FILE",

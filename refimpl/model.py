@@ -180,7 +180,7 @@ class Gemma4:
 
     def __init__(self, model_dir: str | Path, dtype: str | np.dtype = "float64", embed_scale: str = "exact",
                  weight_cache: int | str | None = None, vision_mask: str = "sliding-clamped",
-                 activations: str = "none", kv_cache: str = "exact", device: str = "cpu"):
+                 activations: str = "none", kv_cache: str = "exact", device: str | None = None):
         """``kv_cache``: "exact" (float64 keys and values), or "f16" (llama.cpp's default cache type as ggml's
         CPU path computes with it: K and V stored rounded to fp16, the queries and the attention probabilities
         rounded to fp16 for their products). ``activations``: the activation convention of the products
@@ -192,7 +192,9 @@ class Gemma4:
         environment variable, else 0). 0 streams every weight from the checkpoint on every forward (the least
         memory); a cache makes repeated forwards (decode steps, many prompts) skip the decoding of the weights
         it holds (docs/refimpl.md, "Weight cache"). ``device``: "cpu" (NumPy) or "cuda" (CuPy: the weights, the
-        activations and the KV cache on the GPU, the same float64 formulas; refimpl/arrays.py). ``forward`` and
+        activations and the KV cache on the GPU, the same float64 formulas; refimpl/arrays.py); None: the
+        REFIMPL_DEVICE environment variable, else cpu; a ggml activation convention (which emulates CPU kernels)
+        runs on the cpu unless cuda is asked for by name, which is refused. ``forward`` and
         ``forward_rows`` return NumPy arrays either way; the steps below them keep the device's arrays."""
         dtype = np.dtype(dtype)
         if dtype not in (np.float64, np.float32):
@@ -202,7 +204,7 @@ class Gemma4:
         self.vision_mask = check_choice("vision_mask", vision_mask, VISION_MASK_RULES)
         self.model_dir = Path(model_dir)
         self.cfg: TextConfig = load_config(model_dir)
-        self.device = resolve_device(device)
+        self.device = resolve_device(device if device is not None or activations == "none" else "cpu")
         if self.device != "cpu" and activations != "none":
             raise InputError(f"activations {activations}: ggml's CPU activation convention runs on device cpu only")
         self.xp = array_module(self.device)  # numpy or cupy: the arrays the forward makes live there
@@ -295,11 +297,26 @@ class Gemma4:
             ("embed_tokens_per_layer.weight", row), ("per_layer_model_projection.weight", None),
             ("per_layer_projection_norm.weight", None)])
 
-    def _check_layer_finite(self, i: int, x: np.ndarray) -> None:
-        if not all_finite(x):
-            p = f"layers.{i}."
-            self._refuse_nonfinite(f"the residual stream after layer {i} is",
-                                   [(name, None) for name in expected_tensors(self.cfg) if name.startswith(p)])
+    def _check_layer_finite(self, i: int, x: np.ndarray, pending: list | None = None) -> None:
+        """The residual stream after layer i. On the device (``pending``, a list) the check's answer stays there
+        and ``_check_layers`` reads them all once the last layer is queued: one wait for the GPU a forward, not
+        one a layer, and the first layer that is not finite still named."""
+        if pending is not None:
+            pending.append(np.isfinite(x).all())
+        elif not all_finite(x):
+            self._refuse_layer(i)
+
+    def _check_layers(self, pending: list) -> None:
+        """The answers ``_check_layer_finite`` left on the device, read at once: the first layer not finite."""
+        if pending:
+            bad = np.flatnonzero(~to_host(self.xp.stack(pending)))
+            if bad.size:
+                self._refuse_layer(int(bad[0]))
+
+    def _refuse_layer(self, i: int) -> None:
+        p = f"layers.{i}."
+        self._refuse_nonfinite(f"the residual stream after layer {i} is",
+                               [(name, None) for name in expected_tensors(self.cfg) if name.startswith(p)])
 
     # -- one layer ----------------------------------------------------------------------------
 
@@ -474,6 +491,7 @@ class Gemma4:
 
         call_kv: dict[int, LayerKV] = {}
         prune = None if trace is not None else keep  # rows to prune to, [T] -> [R], after the last K/V
+        pending = None if self.device == "cpu" else []  # (the device's layer checks, read after the last layer)
         for i in range(cfg.num_hidden_layers):
             ple_i = None if ple is None else ple[:, i, :]
             if prune is not None and i >= cfg.first_shared_layer - 1:  # the last layer that makes K/V
@@ -482,7 +500,8 @@ class Gemma4:
                 ple, prune = None if ple is None else take_rows(ple, prune), None
             else:
                 x = self.layer(i, x, ple_i, positions, cache, call_kv, trace, blocks)
-            self._check_layer_finite(i, x)
+            self._check_layer_finite(i, x, pending)
+        self._check_layers(pending or [])
         if keep is not None and trace is not None:
             x = take_rows(x, keep)
 
@@ -500,6 +519,7 @@ class Gemma4:
     def final_norm(self, x: np.ndarray) -> np.ndarray:
         """The final norm: residual stream x [R, H] -> the LM head's input [R, H] (what an MTP drafter reads
         of the target, and the protocol's hidden-state rows)."""
+        x = self.xp.asarray(x)  # (a caller's host rows, on a model on the GPU)
         y = rms_norm(x, self.weights["norm.weight"], self.cfg.rms_norm_eps)
         if not np.isfinite(y).all():
             self._refuse_nonfinite("the final norm's output is", [("norm.weight", None)])
@@ -514,7 +534,7 @@ class Gemma4:
     def logits_of(self, y: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Tied LM head and softcap of final-normed rows y [R, H] -> logits [R, V] (``head`` without the norm),
         HEAD_CHUNK vocabulary rows at a time (FEW_ROWS_HEAD_CHUNK for at most FEW_ROWS rows of y)."""
-        cfg = self.cfg
+        cfg, y = self.cfg, self.xp.asarray(y)  # (a caller's host rows, on a model on the GPU)
         logits = out if out is not None else np.empty((y.shape[0], cfg.vocab_size), dtype=self.dtype)
         chunk = HEAD_CHUNK if y.shape[0] > FEW_ROWS else FEW_ROWS_HEAD_CHUNK
         for start in range(0, cfg.vocab_size, chunk):

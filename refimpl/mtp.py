@@ -36,6 +36,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .arrays import to_host
 from .assistant import Drafter
 from .config import FULL, SLIDING
 from .errors import InputError
@@ -87,7 +88,7 @@ def handed_over(call: TargetCall, P: int, window: int, kv_rule: str) -> dict[str
         else:
             first = P - window + (1 if kv_rule == "target-cache" else 0)
             keep = (pos >= first) & (pos < P)
-        out[kind] = LayerKV(kv.k[keep], kv.v[keep], pos[keep])
+        out[kind] = LayerKV(to_host(kv.k)[keep], to_host(kv.v)[keep], pos[keep])  # (the drafter runs on the host)
     return out
 
 
@@ -131,7 +132,7 @@ def _target_call(target: Gemma4, ids: Sequence[int], cache: KVCache, store: dict
         y = target.final_norm(target.hidden_states(ids, cache=cache))
         logits = target.logits_of(y)
     kv = {kind: cache.layers[i] for kind, i in store.items()}
-    return logits, y, TargetCall(kv, first, cache.length - 1, prefill)
+    return logits, to_host(y), TargetCall(kv, first, cache.length - 1, prefill)  # (the drafter runs on the host)
 
 
 class Assisted:
@@ -164,7 +165,7 @@ class Assisted:
         drafts, argmax, steps, states = [], [], [], []
         tok, state = t, self.h
         for j in range(k):
-            step = drafter.step(target.embed(np.array([tok]))[0], state, q_pos, kv)
+            step = drafter.step(to_host(target.embed(np.array([tok])))[0], state, q_pos, kv)
             argmax.append(int(np.argmax(step.logits)))
             tok = int(forced[j]) if forced is not None else argmax[-1]
             drafts.append(tok)

@@ -37,6 +37,7 @@ FEW_ROWS = 16  # Gemma4Weights.linear streams the weight for at most this many r
 STREAM_VALUES = 1 << 18  # weight values decoded per block when streaming (2 MiB of float64)
 
 
+SMALL_VALUES = 1 << 16  # on the device, tensors of at most this many values stay there once decoded
 WEIGHT_CACHE_ENV = "REFIMPL_WEIGHT_CACHE"  # the weight cache size when Gemma4 is not given one
 SIZE_UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -120,8 +121,9 @@ class Gemma4Weights:
         """``activations``: the activation convention of every product (ggml_act.CONVENTIONS): "none", or
         ggml's CPU rule on a kernel path (a GGUF checkpoint's only), each product's activations converted as
         ggml converts them for that weight's type before it multiplies. ``xp``: the array module the weights
-        are used in (numpy; cupy for a model on the GPU: each weight decoded on the host and copied there, the
-        weight cache held there)."""
+        are used in (numpy; cupy for a model on the GPU: each weight copied there as stored and decoded there, the
+        weight cache held there, and the vectors (norm scales, per-layer scalars: ``__getitem__`` of at most
+        SMALL_VALUES values) kept there after their first use, a copy a forward saved per use)."""
         self.cfg = cfg
         self.xp = xp
         self.activation_path = convention_path(activations)
@@ -138,6 +140,7 @@ class Gemma4Weights:
         self.prefix = self._find_prefix()
         self.ignored: list[str] = []
         self._local = threading.local()  # per-thread buffer of ``product``
+        self._small: dict[str, Any] = {}  # on the device: the small tensors, decoded there once
         self._validate()
         if self.activation_path is not None:
             self._check_activation_types()
@@ -243,7 +246,13 @@ class Gemma4Weights:
 
     def __getitem__(self, name: str) -> np.ndarray:
         """A whole tensor, decoded to the compute dtype."""
-        return self._decoded(self.prefix + name, 0, None)
+        full = self.prefix + name
+        if self.xp is np or math.prod(self.store.infos[full].shape) > SMALL_VALUES:
+            return self._decoded(full, 0, None)
+        kept = self._small.get(full)
+        if kept is None:
+            kept = self._small[full] = self._decoded(full, 0, None)
+        return kept
 
     def rows(self, name: str, index) -> np.ndarray:
         """Only ``tensor[index]`` (first axis), gathered from the memory map and decoded."""

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from refimpl import Gemma4, KVCache, RefimplError
+from refimpl.arrays import DEVICES, to_host
 from refimpl.assistant import Drafter
 from refimpl.config_fields import read_config_json
 from refimpl.errors import check_choice
@@ -83,7 +84,8 @@ class RefimplBackend(CachedBackend):
     (refimpl.model.VISION_MASK_RULES; default "sliding-clamped", the bundled sets' rule), ``activations`` (the
     activation convention of its products, refimpl.ggml_act.CONVENTIONS: "none", the default, or ggml's CPU
     activation quantisation, "ggml-cpu/x86" / "ggml-cpu/ref" / "ggml-cpu/arm", on a GGUF checkpoint; declared as its one
-    ``activation_conventions``). ``oracle`` (Python
+    ``activation_conventions``), ``device`` ("cpu" or "cuda": the text decoder on CuPy; default REFIMPL_DEVICE's, else
+    cpu: grading the GPU oracle against sets made on the CPU is ``--backend-option device=cuda``). ``oracle`` (Python
     only): a function that lends the model of a checkpoint directory instead of building one at ``open``, for
     a harness that already holds the set's oracle (explain); the float64, exact, default-mask backend only.
     """
@@ -92,8 +94,10 @@ class RefimplBackend(CachedBackend):
 
     def __init__(self, dtype: str = "float64", embed_scale: str = "exact", default_profile: str | None = None,
                  vision_mask: str = "sliding-clamped", oracle: Callable[[Path], Gemma4] | None = None,
-                 activations: str = "none"):
+                 activations: str = "none", device: str | None = None):
         super().__init__()
+        self.device = None if device is None else check_choice("device", device, DEVICES, who=self.who,
+                                                               error=ValueError)
         self.dtype, self.embed_scale = check_options(self.who, dtype, embed_scale)
         self.vision_mask = check_choice("vision_mask", vision_mask, VISION_MASK_RULES, who=self.who, error=ValueError)
         self.activations = check_choice("activations", activations, ACTIVATION_CONVENTIONS, who=self.who,
@@ -119,7 +123,7 @@ class RefimplBackend(CachedBackend):
                 self.model = self.lent(model_dir)
             else:
                 self.model = Gemma4(model_dir, dtype=self.dtype, embed_scale=self.embed_scale,
-                                    vision_mask=self.vision_mask, activations=self.activations)
+                                    vision_mask=self.vision_mask, activations=self.activations, device=self.device)
             self.tokens = load_multimodal_tokens(model_dir)
             raw = {} if is_gguf(model_dir) else read_config_json(model_dir)[1]  # a GGUF: the text model only
             self.vision = image_front_end(model_dir, self.dtype) if isinstance(raw.get("vision_config"), dict) else None
@@ -137,7 +141,7 @@ class RefimplBackend(CachedBackend):
         """Input embeddings in this backend's convention ("scaled"): E[ids] * sqrt(H), float64."""
         if self.model is None:
             raise RuntimeError("refimpl backend: embed() called before open()")
-        return np.asarray(self.model.embed(self.model.check_ids(ids)), dtype=np.float64)
+        return np.asarray(to_host(self.model.embed(self.model.check_ids(ids))), dtype=np.float64)
 
     # -- engine hooks ---------------------------------------------------------------------------
 

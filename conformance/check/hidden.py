@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from refimpl.arrays import to_host
 from refimpl.model import Gemma4
 
 from . import metrics as M
@@ -34,7 +35,7 @@ class OracleHidden(Mapping):
 
     def __getitem__(self, base: str) -> np.ndarray:
         if base not in self._done:
-            self._done[base] = self._oracle().final_norm(np.asarray(self._stored[base], dtype=np.float64))
+            self._done[base] = to_host(self._oracle().final_norm(np.asarray(self._stored[base], dtype=np.float64)))
         return self._done[base]
 
     def __iter__(self):

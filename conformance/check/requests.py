@@ -10,6 +10,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from refimpl.arrays import to_host
 from refimpl.model import Gemma4
 
 from ..protocol.types import MtpRequest, MtpRound, Piece, Request, Response
@@ -138,8 +139,8 @@ class Embedder:
     def __call__(self, ids) -> np.ndarray:
         model, ids = self.oracle(), np.asarray(ids, dtype=np.int64)
         if self.convention == "scaled":
-            return np.asarray(model.embed(ids), dtype=np.float64)
-        return np.asarray(model.weights.rows("embed_tokens.weight", ids), dtype=np.float64)
+            return np.asarray(to_host(model.embed(ids)), dtype=np.float64)
+        return np.asarray(to_host(model.weights.rows("embed_tokens.weight", ids)), dtype=np.float64)
 
 
 def without_decode(case: Case) -> Case:

@@ -47,8 +47,10 @@ from .common import (
     PROG,
     Parser,
     UsageError,
+    add_device,
     add_selection,
     err,
+    oracle_device,
     positive_seconds,
     silence_stdout,
 )
@@ -104,6 +106,7 @@ def _add_check(sub) -> None:
     c.add_argument("--case-timeout", type=positive_seconds, metavar="SECONDS",
                    help="a case whose request takes longer is an error (check 'timeout'); a backend in a child "
                         "process (--isolate, subprocess, llama-cpp) is restarted, an in-process one ends the run")
+    add_device(c, "the oracle (the rows rebuilt through the head, the embeddings, the MTP rows)")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     c.add_argument("-v", "--verbose", action="store_true", help="details of every failing case, not only the first")
 
@@ -136,6 +139,7 @@ def _add_explain(sub) -> None:
                     help="draw the error per point and row as a heat map (needs matplotlib: the plot extra)")
     ex.add_argument("--backend-option", action="append", metavar="KEY=VALUE",
                     help="keyword argument for the backend's class or factory (repeatable)")
+    add_device(ex, "the oracle whose traces the backend's are compared with")
     ex.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     ex.add_argument("-v", "--verbose", action="store_true", help="the table of every case, not only diverging ones")
 
@@ -206,12 +210,13 @@ def _add_generate(sub) -> None:
     g.add_argument("--version", metavar="V", help="set version, semver (default 1.0.0)")
     where = g.add_mutually_exclusive_group()
     where.add_argument("--workers", type=int, metavar="N",
-                       help="local worker processes, one job (base) each at a time (default: the CPU count; 1 runs "
-                            "everything in this process)")
+                       help="local worker processes, one job (base) each at a time (default: the CPU count, 1 with "
+                            "--device cuda; 1 runs everything in this process)")
     where.add_argument("--cluster", metavar="ADDRESS",
                        help="run the jobs on a Dask distributed cluster: its scheduler's address, e.g. "
                             "tcp://host:8786 (needs gemma4-conformance[cluster]; the model and --out's parent must be "
                             "on storage every worker sees at the same path; docs/distributed-generation.md)")
+    add_device(g, "the oracle that writes the set")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress output")
 
 
@@ -319,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "selftest": lambda: cmd_selftest(args, argv), "scoreboard": lambda: cmd_scoreboard(args)}
         if args.command not in commands:
             raise UsageError(f"unknown command {args.command!r}")
-        with stop_signals():  # SIGTERM and SIGHUP end a command as Ctrl-C does
+        with stop_signals(), oracle_device(getattr(args, "device", None)):  # SIGTERM/SIGHUP end it as Ctrl-C does
             return commands[args.command]()
     except UsageError as e:
         err(str(e))

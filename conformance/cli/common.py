@@ -4,12 +4,15 @@ closed pipe cannot turn into a pass, report paths checked before a run, and the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from refimpl.arrays import DEVICE_ENV, DEVICES, array_module
+from refimpl.errors import InputError
 from refimpl.gguf_io import is_gguf
 
 from ..check.runner import load_sets
@@ -85,6 +88,37 @@ def backend_option(text: str) -> tuple[str, Any]:
 K_HELP = ("only the cases this pytest-style expression selects: words (a substring of the case id, or a feature tag, "
           "kind, entry point or set name) joined by and, or, not and parentheses, e.g. 'last and not embeddings'")
 MATCH_HELP = "only the cases whose id matches this regular expression (re.search)"
+
+
+def add_device(parser, what: str = "the oracle") -> None:
+    """--device: where the oracle runs (REFIMPL_DEVICE for the command, ``oracle_device``)."""
+    parser.add_argument("--device", choices=DEVICES, default=None,
+                        help=f"where {what} runs: cpu (NumPy; the default, or REFIMPL_DEVICE's) or cuda (CuPy on a "
+                             "GPU, the same float64 formulas; pip install 'gemma4-conformance[cuda12]' or '[cuda13]'; "
+                             "docs/refimpl.md, 'GPU'). A backend under test keeps its own device")
+
+
+@contextlib.contextmanager
+def oracle_device(device: str | None):
+    """REFIMPL_DEVICE = ``device`` while a command runs, so that every oracle it builds (in this process and in
+    its worker processes) takes it; checked first: no CuPy or no GPU is a UsageError (one line, exit 2) before
+    anything is read or written. None leaves the environment as it is."""
+    if device is None:
+        yield
+        return
+    try:
+        array_module(device)
+    except InputError as e:
+        raise UsageError(str(e)) from None
+    before = os.environ.get(DEVICE_ENV)
+    os.environ[DEVICE_ENV] = device
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(DEVICE_ENV, None)
+        else:
+            os.environ[DEVICE_ENV] = before
 
 
 def add_selection(parser) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from refimpl.arrays import to_host
 from refimpl.generate import greedy_generate
 from refimpl.model import KVCache, Trace
 
@@ -59,7 +60,8 @@ def base_rows_of(model, ids: list[int], inputs=None) -> tuple[np.ndarray, np.nda
         logits = model.head(hidden)
     margins = [v for k, v in trace.tensors.items() if k.endswith(".router.margin")]
     margin = np.min(np.stack(margins), axis=0) if margins else None
-    return (np.ascontiguousarray(hidden, dtype=np.float64), np.ascontiguousarray(logits, dtype=np.float64), margin)
+    return (np.ascontiguousarray(to_host(hidden), dtype=np.float64), np.ascontiguousarray(logits, dtype=np.float64),
+            margin)
 
 
 def consistency_plan(n: int, window: int) -> list[int]:
@@ -91,7 +93,7 @@ def rounding_probe(model, ids: list[int], full: np.ndarray, inputs=None, seed: i
     ``inputs`` (refimpl.multimodal.MultimodalInputs) for an image or audio base. A correct oracle's
     chunked-vs-full difference is of the same order (docs/profiles.md, "Rounding bounds");
     ``conformance.sets.bounds.probe_bound`` turns it into a bound. One more full forward."""
-    x = model.embed(np.asarray(ids, dtype=np.int64)) if inputs is None else np.asarray(inputs.embeddings)
+    x = to_host(model.embed(np.asarray(ids, dtype=np.int64))) if inputs is None else np.asarray(inputs.embeddings)
     r = np.random.default_rng(seed).choice([-1.0, 1.0], size=x.shape)
     moved = x * (1.0 + 2.0 ** -53 * r)
     moved = np.where(moved == x, np.nextafter(x, r * np.inf), moved)

@@ -77,7 +77,8 @@ class NumpyEngineBackend:
 
     def open(self, model_dir: Path) -> None:
         try:
-            model = Gemma4(model_dir, dtype=self.dtype, embed_scale=self.embed_scale, vision_mask=self.vision_mask)
+            model = Gemma4(model_dir, dtype=self.dtype, embed_scale=self.embed_scale, vision_mask=self.vision_mask,
+                           device="cpu")  # (a NumPy engine, whatever REFIMPL_DEVICE says)
             self.tokens = load_multimodal_tokens(model_dir)
             raw = {} if is_gguf(model_dir) else read_config_json(model_dir)[1]  # a GGUF: the text model only
             load_audio = load_unified_audio if is_unified(model_dir) else load_audio_tower

@@ -16,6 +16,7 @@ from typing import Iterator, Mapping
 
 import numpy as np
 
+from refimpl.arrays import to_host
 from refimpl.errors import RefimplError
 
 from .format import FixtureError
@@ -75,7 +76,7 @@ def head_bound(model, hidden: np.ndarray, e_norm: float) -> float:
     H = cfg.hidden_size
     x = np.asarray(hidden, dtype=np.float64)
     ms = np.mean(x * x, axis=-1, keepdims=True)
-    w = np.asarray(model.weights["norm.weight"], dtype=np.float64)
+    w = np.asarray(to_host(model.weights["norm.weight"]), dtype=np.float64)
     y_norm = float(np.max(np.sqrt(np.sum((x / np.sqrt(ms + cfg.rms_norm_eps) * w) ** 2, axis=-1)))) if len(x) else 0.0
     gamma = (H + 8) * U / (1 - (H + 8) * U)
     cap = cfg.final_logit_softcapping or 0.0

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from strict_device import model_outputs
 
 from conformance.sets.bounds import logit_bound
 from refimpl import ops
-from refimpl.kv_cache import KVCache
 from refimpl.model import Gemma4
 from refimpl.synth import PRESETS
 
@@ -61,18 +61,20 @@ def _on_gpu(a):
 def test_each_op_on_cupy_is_the_numpy_op(name):
     args = _inputs()[name]
     fn = getattr(ops, name.split()[0])
-    want = fn(*args)
-    got = fn(*(_on_gpu(a) for a in args))
-    assert isinstance(got, cp.ndarray), f"{name} returned {type(got).__name__}, not a CuPy array"
-    got = cp.asnumpy(got)
-    assert got.shape == want.shape and got.dtype == want.dtype, name
-    if want.dtype == bool:
-        assert np.array_equal(got, want), name
-        return
-    scale = max(1.0, float(np.max(np.abs(want))))
-    # a few roundings per element of a product or reduction of length at most 3 H (fp16: one fp16 unit)
-    bound = (2.0 ** -10 * scale) if name in ("fp16", "attention half") else 8 * 3 * H * EPS * scale
-    assert float(np.max(np.abs(got - want))) <= bound, name
+    wants, gots = fn(*args), fn(*(_on_gpu(a) for a in args))
+    if not isinstance(wants, tuple):  # (rope_cos_sin returns cos and sin)
+        wants, gots = (wants,), (gots,)
+    for want, got in zip(wants, gots, strict=True):
+        assert isinstance(got, cp.ndarray), f"{name} returned {type(got).__name__}, not a CuPy array"
+        got = cp.asnumpy(got)
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+        if want.dtype == bool:
+            assert np.array_equal(got, want), name
+            continue
+        scale = max(1.0, float(np.max(np.abs(want))))
+        # a few roundings per element of a product or reduction of length at most 3 H (fp16: one fp16 unit)
+        bound = (2.0 ** -10 * scale) if name in ("fp16", "attention half") else 8 * 3 * H * EPS * scale
+        assert float(np.max(np.abs(got - want))) <= bound, name
 
 
 # ----------------------------------------------------------------------------------------------
@@ -88,15 +90,7 @@ def test_the_model_on_cupy_is_the_numpy_model(preset_dirs, preset, kv_cache):
     cpu = Gemma4(preset_dirs[preset], kv_cache=kv_cache)
     gpu = Gemma4(preset_dirs[preset], kv_cache=kv_cache, device="cuda")
     ids = list(np.random.default_rng(5).integers(3, cpu.cfg.vocab_size, 23))
-
-    def run(m):
-        cache = KVCache()
-        prefill = m.forward(ids[:20], rows="all", cache=cache)
-        steps = [m.forward(ids[i:i + 1], rows="last", cache=cache) for i in range(20, 23)]
-        logits, hidden = m.forward_rows(ids, rows=[3, -1])
-        return [prefill, *steps, logits, hidden]
-
-    want, got = run(cpu), run(gpu)
+    want, got = model_outputs(cpu, ids), model_outputs(gpu, ids)
     scale = max(float(np.max(np.abs(w))) for w in want)
     bound = logit_bound(cpu.cfg, len(ids), scale)  # (an fp16 rounding of the cache a unit apart: ~1e-13 a value)
     for w, g in zip(want, got, strict=True):

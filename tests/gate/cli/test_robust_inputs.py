@@ -14,6 +14,7 @@ import zlib
 
 import numpy as np
 import pytest
+import strict_device
 from helpers import micro_checkpoint, micro_config
 
 from conformance.cli import main as conformance_main
@@ -291,16 +292,22 @@ def poisoned(src, dst, changes, dtype="F32"):
 CORRUPT = "; the checkpoint is corrupt (re-download or re-convert it)"
 
 
-@pytest.mark.parametrize("dtype", ["F32", "BF16"])
-def test_nan_weight_names_the_layer_and_tensor(tmp_path, text_ckpt, capsys, dtype):
+@pytest.mark.parametrize(("dtype", "device"), [("F32", "cpu"), ("BF16", "cpu"), ("BF16", "cuda")])
+def test_nan_weight_names_the_layer_and_tensor(tmp_path, text_ckpt, capsys, monkeypatch, dtype, device):
+    """cuda: on the device (CuPy stood in for, tests/strict_device.py) the layers' checks are read after the last
+    layer; the first layer that is not finite is still the one named."""
+    if device == "cuda":
+        strict_device.install(monkeypatch)
     model = poisoned(text_ckpt, tmp_path / "nan", {"model.layers.3.mlp.up_proj.weight": (7, np.nan)}, dtype)
     out = tmp_path / "o.safetensors"
     message = (f"{model}: the residual stream after layer 3 is not finite: tensor 'model.layers.3.mlp.up_proj.weight' "
                f"(model.safetensors) holds 1 NaN/inf value{CORRUPT}\n")
-    code, _, err = run(capsys, "logits", "--model", model, "--tokens", "2,5,7", "--rows", "all", "--out", out)
+    code, _, err = run(capsys, "logits", "--model", model, "--tokens", "2,5,7", "--rows", "all", "--out", out,
+                       "--device", device)
     assert (code, err) == (2, f"refimpl: error: {message}")
     assert not out.exists()
-    code, _, err = run(capsys, "generate", "--model", model, "--tokens", "2,5,7", "--max-new-tokens", "2")
+    code, _, err = run(capsys, "generate", "--model", model, "--tokens", "2,5,7", "--max-new-tokens", "2",
+                       "--device", device)
     assert (code, err) == (2, f"refimpl: error: {message}")
 
 

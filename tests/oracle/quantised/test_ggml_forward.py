@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import strict_device
 
 if importlib.util.find_spec("llama_cpp") is None:  # looked up, not imported: importing it loads a library
     pytest.skip("llama-cpp-python is not installed (scripts/build-llama-cpp.sh)", allow_module_level=True)
@@ -154,7 +155,7 @@ def test_q4_1_and_q5_1_with_the_q8_1_min_term(tmp_path, monkeypatch, ftype, ever
 
 
 
-def test_a_set_made_under_the_convention(q8, tmp_path, capsys):
+def test_a_set_made_under_the_convention(q8, tmp_path, capsys, monkeypatch):
     """generate --activations records the convention (model.quantisation.activations); verify --recompute
     rebuilds the rows under it; its cases need activation_conventions=ggml-cpu/x86: the oracle backend declaring
     none reports them not claimed, the one built under it passes them exactly, under the other path (a convention
@@ -182,6 +183,12 @@ def test_a_set_made_under_the_convention(q8, tmp_path, capsys):
                  str(out), "-q", "--profile", "exact-f64"]) == 0
     assert main(["check", "--backend", "refimpl", "--backend-option", "activations=ggml-cpu/ref", "--fixtures",
                  str(out), "-q"]) == 5
+    # the convention emulates CPU kernels: under --device cuda (CuPy stood in for) its oracle stays on the host
+    strict_device.install(monkeypatch)
+    assert main(["check", "--backend", "refimpl", "--backend-option", "activations=ggml-cpu/x86", "--fixtures",
+                 str(out), "-q", "--profile", "exact-f64", "--device", "cuda"]) == 0
+    monkeypatch.setenv("REFIMPL_DEVICE", "cuda")
+    assert Gemma4(path, activations="ggml-cpu/x86").device == "cpu" and Gemma4(path).device == "cuda"
     capsys.readouterr()
     assert main(["generate", "--model", str(src), "--out", str(tmp_path / "no"), "--activations", "ggml-cpu/x86",
                  "-q"]) == 2

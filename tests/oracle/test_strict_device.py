@@ -1,0 +1,63 @@
+"""The oracle's device path on every machine (issue 53): ``Gemma4(dir, device="cuda")`` with CuPy stood in for by
+tests/strict_device.py, whose arrays compute with NumPy and refuse every implicit crossing between the host and
+the device, as CuPy does (stricter). Every preset runs there as on the host, so the crossings the GPU needs are
+all explicit; tests/oracle/test_cupy.py runs CuPy's own kernels on a CUDA machine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import strict_device
+
+from conformance.sets.bounds import logit_bound
+from refimpl.arrays import DEVICE_ENV, resolve_device
+from refimpl.errors import InputError
+from refimpl.model import Gemma4
+from refimpl.synth import PRESETS
+
+
+def test_the_stand_in_refuses_what_cupy_refuses(monkeypatch):
+    cp = strict_device.install(monkeypatch)
+    a = cp.asarray(np.arange(6.0).reshape(2, 3))
+    with pytest.raises(TypeError, match="Implicit conversion to a NumPy array is not allowed"):
+        np.asarray(a)
+    with pytest.raises(TypeError, match=r"a host numpy.ndarray \[3\] given to the device's ufunc add"):
+        a + np.ones(3)
+    with pytest.raises(TypeError, match=r"a host numpy.ndarray \[1\] given to the device's indexing"):
+        a[np.array([1])]
+    with pytest.raises(TypeError, match=r"given to the device's concatenate"):
+        np.concatenate([a, np.ones((1, 3))])
+    assert isinstance(np.exp(a), cp.ndarray) and isinstance(a @ a.T, cp.ndarray) and isinstance(a.sum(), cp.ndarray)
+    assert np.array_equal((a * 2.0).get(), np.arange(6.0).reshape(2, 3) * 2.0)  # numpy scalars and floats are fine
+    assert type(cp.asnumpy(a[cp.asarray(np.array([1]))])) is np.ndarray
+
+
+@pytest.mark.parametrize("kv_cache", ["exact", "f16"])
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_preset_runs_under_the_device_rules(preset_dirs, monkeypatch, preset, kv_cache):
+    """Each preset's prefill, decode steps and pruned rows on the stand-in device: NumPy arrays back, equal to the
+    host model's within the rounding of two float64 evaluations (the device multiplies a weight whole where the
+    host streams it in blocks)."""
+    cp = strict_device.install(monkeypatch)
+    cpu = Gemma4(preset_dirs[preset], kv_cache=kv_cache, device="cpu")
+    gpu = Gemma4(preset_dirs[preset], kv_cache=kv_cache, device="cuda")
+    assert gpu.xp is cp and isinstance(gpu.weights["norm.weight"], cp.ndarray)
+    ids = list(np.random.default_rng(5).integers(3, cpu.cfg.vocab_size, 23))
+    want, got = strict_device.model_outputs(cpu, ids), strict_device.model_outputs(gpu, ids)
+    scale = max(float(np.max(np.abs(w))) for w in want)
+    bound = logit_bound(cpu.cfg, len(ids), scale)
+    for w, g in zip(want, got, strict=True):
+        assert type(g) is np.ndarray and g.dtype == w.dtype and g.shape == w.shape
+        assert float(np.max(np.abs(g - w))) <= bound, (preset, kv_cache)
+
+
+def test_refimpl_device_names_the_device_of_a_model_not_given_one(preset_dirs, monkeypatch):
+    strict_device.install(monkeypatch)
+    monkeypatch.setenv(DEVICE_ENV, "cuda")
+    assert resolve_device() == "cuda" and Gemma4(preset_dirs["e2b-mini"]).device == "cuda"
+    assert Gemma4(preset_dirs["e2b-mini"], device="cpu").device == "cpu"  # a device given wins
+    monkeypatch.setenv(DEVICE_ENV, "gpu")
+    with pytest.raises(InputError, match=r"^REFIMPL_DEVICE='gpu': the device must be one of cpu, cuda$"):
+        Gemma4(preset_dirs["e2b-mini"])
+    monkeypatch.delenv(DEVICE_ENV)
+    assert resolve_device() == "cpu"
