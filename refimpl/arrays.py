@@ -17,6 +17,7 @@ installed (and which extra installs it), no CUDA device visible.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -26,7 +27,8 @@ import numpy as np
 
 from .errors import InputError, check_choice
 
-__all__ = ["DEVICES", "DEVICE_ENV", "array_module", "is_host", "resolve_device", "take_rows", "to_host"]
+__all__ = ["DEVICES", "DEVICE_ENV", "array_module", "is_host", "memory_errors", "resolve_device", "take_rows",
+           "to_host"]
 
 DEVICES = ("cpu", "cuda")
 DEVICE_ENV = "REFIMPL_DEVICE"  # the device of a model not given one (default cpu)
@@ -80,3 +82,22 @@ def take_rows(a, index):
     if is_host(a):
         return a[index]
     return a[sys.modules[type(a).__module__.split(".")[0]].asarray(index)]
+
+
+def memory_errors(method):
+    """A model method whose GPU running out of memory is one line (InputError) naming what was asked and what is
+    free, and how to ask for less, not CuPy's traceback. On the CPU the method runs as it is."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if self.xp is np:
+            return method(self, *args, **kwargs)
+        try:
+            return method(self, *args, **kwargs)
+        except self.xp.cuda.memory.OutOfMemoryError as exc:
+            free, total = self.xp.cuda.runtime.memGetInfo()
+            raise InputError(f"device cuda: out of GPU memory ({exc}; {free / 2**30:.1f} of {total / 2**30:.1f} GiB "
+                             f"free): keep fewer weights there (a smaller weight cache, REFIMPL_WEIGHT_CACHE; the "
+                             f"cache now holds {self.weights.cache_bytes / 2**30:.1f} GiB), ask for fewer rows or "
+                             "tokens at once, or use device cpu") from None
+    return run

@@ -48,7 +48,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .arrays import array_module, resolve_device, take_rows, to_host
+from .arrays import array_module, memory_errors, resolve_device, take_rows, to_host
 from .config import RopeSpec, TextConfig, load_config
 from .errors import InputError, NonFiniteError, check_choice
 from .ggml_act import convention_gelu, convention_kv
@@ -447,6 +447,7 @@ class Gemma4:
 
     # -- whole model --------------------------------------------------------------------------
 
+    @memory_errors
     def hidden_states(self, ids: Sequence[int] | np.ndarray, *, cache: KVCache | None = None,
                       embeddings: np.ndarray | None = None, vision_blocks: Sequence[int] | np.ndarray | None = None,
                       trace: Trace | None = None, keep: np.ndarray | None = None) -> np.ndarray:
@@ -516,6 +517,7 @@ class Gemma4:
         cache.length = end
         return x
 
+    @memory_errors
     def final_norm(self, x: np.ndarray) -> np.ndarray:
         """The final norm: residual stream x [R, H] -> the LM head's input [R, H] (what an MTP drafter reads
         of the target, and the protocol's hidden-state rows)."""
@@ -531,6 +533,7 @@ class Gemma4:
         (``out``, when given: e.g. a memory-mapped file, written a block of columns at a time)."""
         return self.logits_of(self.final_norm(x), out)
 
+    @memory_errors
     def logits_of(self, y: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Tied LM head and softcap of final-normed rows y [R, H] -> logits [R, V] (``head`` without the norm),
         HEAD_CHUNK vocabulary rows at a time (FEW_ROWS_HEAD_CHUNK for at most FEW_ROWS rows of y)."""

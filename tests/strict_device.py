@@ -134,11 +134,22 @@ class DeviceArray(NDArrayOperatorsMixin):
 DeviceArray.__module__ = "cupy"  # (refimpl.arrays.take_rows finds an array's module by its type)
 
 
+class OutOfMemoryError(MemoryError):
+    """cupy.cuda.memory.OutOfMemoryError."""
+
+
+CAPACITY = {"bytes": float("inf")}  # the largest copy to the device (``install(capacity=...)``)
+
+
 def asarray(a, dtype=None, order=None):
-    """To the device: a copy of a host array (or a DeviceArray itself, converted to ``dtype`` if given)."""
+    """To the device: a copy of a host array (or a DeviceArray itself, converted to ``dtype`` if given); a copy
+    larger than the device's capacity is CuPy's OutOfMemoryError."""
     if isinstance(a, DeviceArray):
         return a if dtype is None or a.dtype == np.dtype(dtype) else DeviceArray(a.a.astype(dtype))
-    return DeviceArray(np.array(a, dtype=dtype, order=order or "K"))
+    copy = np.array(a, dtype=dtype, order=order or "K")
+    if copy.nbytes > CAPACITY["bytes"]:
+        raise OutOfMemoryError(f"Out of memory allocating {copy.nbytes:,} bytes (allocated so far: 0 bytes).")
+    return DeviceArray(copy)
 
 
 def asnumpy(a):
@@ -167,15 +178,19 @@ def module() -> types.ModuleType:
             setattr(m, name, value)  # dtypes, constants
         elif isinstance(value, np.ufunc) or callable(value):
             setattr(m, name, _creation(name))
-    runtime = types.SimpleNamespace(getDeviceCount=lambda: 1, CUDARuntimeError=RuntimeError)
-    m.cuda = types.SimpleNamespace(runtime=runtime, Device=lambda *a: types.SimpleNamespace(synchronize=lambda: None))
+    runtime = types.SimpleNamespace(getDeviceCount=lambda: 1, CUDARuntimeError=RuntimeError,
+                                    memGetInfo=lambda: (0, 80 * 2**30))
+    m.cuda = types.SimpleNamespace(runtime=runtime, Device=lambda *a: types.SimpleNamespace(synchronize=lambda: None),
+                                   memory=types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError))
     return m
 
 
-def install(monkeypatch) -> types.ModuleType:
-    """``sys.modules["cupy"]`` = a fresh stand-in for the test's duration."""
+def install(monkeypatch, capacity: float = float("inf")) -> types.ModuleType:
+    """``sys.modules["cupy"]`` = a fresh stand-in for the test's duration; ``capacity``: the largest copy to the
+    device, in bytes, before it runs out of memory."""
     m = module()
     monkeypatch.setitem(sys.modules, "cupy", m)
+    monkeypatch.setitem(CAPACITY, "bytes", capacity)
     return m
 
 

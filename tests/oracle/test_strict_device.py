@@ -61,3 +61,20 @@ def test_refimpl_device_names_the_device_of_a_model_not_given_one(preset_dirs, m
         Gemma4(preset_dirs["e2b-mini"])
     monkeypatch.delenv(DEVICE_ENV)
     assert resolve_device() == "cpu"
+
+
+def test_a_gpu_out_of_memory_is_one_line(preset_dirs, monkeypatch, tmp_path, capsys):
+    """CuPy's OutOfMemoryError in a forward: one line naming the allocation, the memory free, and how to ask for
+    less; exit 2 from the command line, nothing written."""
+    from refimpl.cli import main
+
+    strict_device.install(monkeypatch, capacity=4096)  # (the miniature's projections are 16 KB and more)
+    out = tmp_path / "l.safetensors"
+    assert main(["logits", "--model", str(preset_dirs["e2b-mini"]), "--tokens", "2,17,30", "--out", str(out),
+                 "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("refimpl: error: device cuda: out of GPU memory (Out of memory allocating ") and err.endswith(
+        " bytes (allocated so far: 0 bytes).; 0.0 of 80.0 GiB free): keep fewer weights there (a smaller weight "
+        "cache, REFIMPL_WEIGHT_CACHE; the cache now holds 0.0 GiB), ask for fewer rows or tokens at once, or use "
+        "device cpu\n") and err.count("\n") == 1
+    assert not out.exists()
