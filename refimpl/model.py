@@ -9,8 +9,10 @@ embedding x0 = E[ids] * sqrt(H) (exact or bf16)     ``Gemma4.embed``
 per-layer inputs (PLE): table rows + projection     ``per_layer_inputs``, ``Gemma4.ple``; added per layer by
                                                     ``Gemma4.ple_block``
 pre-norms, q/k norms, scale-free v norm             ``Gemma4.attention_block`` (``rms_norm``, ``norm_rope``)
-RoPE: default and proportional (partial) per type   ``rope_inv_freq``, ``Gemma4.rope``; ``ops.apply_rope``
-sliding and full layers, the window                 ``Gemma4.attention_block``; ``ops.attention_mask``
+RoPE: default and proportional (partial) per type   ``positions.py`` (``rope_inv_freq``, ``CallTables``);
+                                                    ``ops.apply_rope``
+sliding and full layers, the window                 ``Gemma4.attention_block``; ``ops.attention_mask``,
+                                                    ``CallTables.mask``
 KV sharing (layers >= first_shared_layer)           ``Gemma4.attention_block`` (``owns_kv``, ``kv_source``);
                                                     ``config.py`` (``first_shared_layer``)
 K = V layers, double-wide MLPs, layer types         ``config.py`` (``LayerSpec``); ``Gemma4.attention_block``
@@ -49,20 +51,15 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from .arrays import array_module, memory_errors, resolve_device, take_rows, to_host
-from .config import RopeSpec, TextConfig, load_config
+from .config import TextConfig, load_config
 from .errors import InputError, NonFiniteError, check_choice
 from .ggml_act import convention_gelu, convention_kv
 from .kv_cache import KVCache, LayerKV
-from .ops import (
-    attention_mask,
-    bf16_round,
-    fp16,
-    geglu_table,
-    linear,
-    rope_cos_sin,
-    vision_block_mask,
-    vision_overlay_mask,
-)
+from .ops import attention_mask as attention_mask  # re-exported
+from .ops import bf16_round, fp16, geglu_table, linear, vision_block_mask, vision_overlay_mask
+from .ops import rope_cos_sin as rope_cos_sin  # re-exported
+from .positions import CallTables
+from .positions import rope_inv_freq as rope_inv_freq  # re-exported: refimpl.model.rope_inv_freq stays importable
 from .schedule import apply_rope as apply_rope  # re-exported: refimpl.model.apply_rope stays importable
 from .schedule import attention, geglu, norm_rope, rms_norm, softcap, softmax
 from .schedule import gelu_tanh as gelu_tanh  # re-exported
@@ -87,20 +84,6 @@ FEW_ROWS_HEAD_CHUNK = 32_768
 
 # ----------------------------------------------------------------------------------------------
 # the text decoder's own steps (the generic primitives are in ops.py)
-
-
-def rope_inv_freq(rope: RopeSpec, head_dim: int) -> np.ndarray:
-    """Inverse frequencies [D/2] for the rotate-half pairs (i, i + D/2).
-
-    default:      1 / theta^(2i/D) for every pair.
-    proportional: the first n_rot = int(prf * D // 2) pairs get 1 / theta^(2i/D) / factor, with the
-                  FULL head dim D as denominator; the remaining pairs get 0 (cos 1, sin 0: identity).
-    """
-    if rope.rope_type == "default":
-        return 1.0 / rope.theta ** (np.arange(0, head_dim, 2) / head_dim)
-    n_rot = int(rope.partial_rotary_factor * head_dim // 2)
-    rotated = 1.0 / rope.theta ** (np.arange(0, 2 * n_rot, 2) / head_dim) / rope.factor
-    return np.concatenate([rotated, np.zeros(head_dim // 2 - n_rot)])
 
 
 def route(r: np.ndarray, scale: np.ndarray, proj: np.ndarray, per_expert_scale: np.ndarray,
@@ -217,11 +200,7 @@ class Gemma4:
         self.dtype = dtype
         root = math.sqrt(self.cfg.hidden_size)
         self.embed_scale = root if embed_scale == "exact" else bf16_round(root)
-        self._inv_freq = {
-            (layer.layer_type, layer.head_dim): rope_inv_freq(layer.rope, layer.head_dim)
-            for layer in self.cfg.layers
-        }
-        self._rope_kept: dict[tuple[str, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self.tables = CallTables(self.cfg, dtype, self.xp)  # RoPE angles and masks, once per call
 
     # -- inputs -------------------------------------------------------------------------------
 
@@ -320,17 +299,6 @@ class Gemma4:
 
     # -- one layer ----------------------------------------------------------------------------
 
-    def rope(self, layer_type: str, head_dim: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """cos, sin [T, D/2] of a layer type's RoPE at ``positions``; kept for the next layer of that type
-        (every layer of a type rotates the same positions in a call) until ``hidden_states`` returns."""
-        key = (layer_type, head_dim)
-        kept = self._rope_kept.get(key)
-        if kept is None or not np.array_equal(kept[0], positions):
-            cos, sin = rope_cos_sin(positions, self._inv_freq[key])
-            kept = self._rope_kept[key] = (positions.copy(), self.xp.asarray(cos.astype(self.dtype)),
-                                           self.xp.asarray(sin.astype(self.dtype)))
-        return kept[1], kept[2]
-
     def attention_block(self, i: int, x: np.ndarray, positions: np.ndarray, cache: KVCache,
                         call_kv: dict[int, LayerKV], blocks: np.ndarray | None = None,
                         keep: np.ndarray | None = None) -> np.ndarray:
@@ -343,7 +311,7 @@ class Gemma4:
         cfg, layer, w = self.cfg, self.cfg.layers[i], self.weights
         p = f"layers.{i}."
         T, N, D, eps = x.shape[0], cfg.num_attention_heads, layer.head_dim, cfg.rms_norm_eps
-        cos, sin = self.rope(layer.layer_type, D, positions)
+        cos, sin = self.tables.rope(layer.layer_type, D, positions)
         h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
 
         q_rows = slice(None) if keep is None else keep  # the rows that ask (the positions of their queries)
@@ -378,7 +346,7 @@ class Gemma4:
         elif blocks is not None and layer.is_sliding:
             mask = vision_block_mask(q_pos, kv.pos, cfg.sliding_window, q_blocks, kv.blocks)
         else:
-            mask = attention_mask(q_pos, kv.pos, window)
+            mask = self.tables.mask(q_pos, kv.pos, window)  # (on the device, made once per call)
         mask = self.xp.asarray(mask)  # made where the positions are (the host), used where the scores are
         a = (attention(q, kv.k, kv.v, mask, half=True) if self.kv_cache == "f16"
              else attention(q, kv.k, kv.v, mask)).reshape(len(q), N * D)
@@ -506,7 +474,7 @@ class Gemma4:
         if keep is not None and trace is not None:
             x = take_rows(x, keep)
 
-        self._rope_kept.clear()  # (a long prompt's angles are not kept past the call)
+        self.tables.clear()  # (a long prompt's angles and masks are not kept past the call)
         # keep what future tokens can attend to: sliding layers their last W - 1 keys, full layers all
         end = cache.length + T  # (positions may be pruned by now; the call still covered T tokens)
         for i, kv in call_kv.items():

@@ -96,3 +96,28 @@ def test_the_model_on_cupy_is_the_numpy_model(preset_dirs, preset, kv_cache):
     for w, g in zip(want, got, strict=True):
         assert type(g) is np.ndarray and g.dtype == w.dtype and g.shape == w.shape
         assert float(np.max(np.abs(g - w))) <= bound, (preset, kv_cache, float(np.max(np.abs(g - w))), bound)
+
+
+# ----------------------------------------------------------------------------------------------
+# the harness
+
+
+@pytest.mark.parametrize("preset", ["e2b-vision-mini", "e2b-audio-mini", "e2b-assistant-mini", "12b-mini",
+                                    "12b-assistant-mini"])
+def test_a_set_written_on_the_gpu_passes_the_host_oracle(preset, tmp_path):
+    """``conformance generate --device cuda``: the decoder on the GPU (the towers and the MTP drafter on the host
+    beside it), images, audio, Gemma 4 Unified and MTP; the set it writes passes the CPU oracle at exact-f64."""
+    from conformance.cli import main
+
+    out = tmp_path / preset
+    assert main(["generate", "--preset", preset, "--device", "cuda", "--out", str(out), "-q"]) == 0
+    assert main(["check", "--backend", "refimpl", "--device", "cpu", "--fixtures", str(out), "-q",
+                 "--profile", "exact-f64"]) == 0
+
+
+def test_the_bundled_sets_graded_by_the_gpu_oracle():
+    """``conformance check --device cuda`` with the refimpl backend on the GPU too: every claimed bundled case
+    passes."""
+    from conformance.cli import main
+
+    assert main(["check", "--backend", "refimpl", "--device", "cuda", "--backend-option", "device=cuda", "-q"]) == 0
