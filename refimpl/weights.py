@@ -245,9 +245,12 @@ class Gemma4Weights:
         return counts
 
     def __getitem__(self, name: str) -> np.ndarray:
-        """A whole tensor, decoded to the compute dtype."""
+        """A whole tensor, decoded to the compute dtype (a matrix from the weight cache while its budget lasts)."""
         full = self.prefix + name
-        if self.xp is np or math.prod(self.store.infos[full].shape) > SMALL_VALUES:
+        shape = self.store.infos[full].shape
+        if len(shape) == 2 and (W := self._cached(full, 0, shape[0])) is not None:  # (the PLE model projection)
+            return W
+        if self.xp is np or math.prod(shape) > SMALL_VALUES:
             return self._decoded(full, 0, None)
         kept = self._small.get(full)
         if kept is None:
