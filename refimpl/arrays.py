@@ -41,10 +41,7 @@ def resolve_device(device: str | None = None) -> str:
     naming the variable when it came from there) otherwise."""
     if device is not None:
         return check_choice("device", device, DEVICES)
-    value = os.environ.get(DEVICE_ENV) or "cpu"
-    if value not in DEVICES:
-        raise InputError(f"{DEVICE_ENV}={value!r}: the device must be one of {', '.join(DEVICES)}")
-    return value
+    return check_choice(DEVICE_ENV, os.environ.get(DEVICE_ENV) or "cpu", DEVICES)
 
 
 def array_module(device: str) -> ModuleType:
