@@ -380,18 +380,21 @@ def main(argv: list[str] | None = None) -> int:
               "layers": cfg.num_hidden_layers, "tokens": args.tokens, "rows": args.rows, "repeat": args.repeat}
     with tempfile.TemporaryDirectory() as tmp:
         ours = Path(tmp, "oracle.npy")
+
+        def beside(key: str, part: str, extra: tuple[str, ...] = (), root: str | None = None) -> dict:
+            """Run ``part`` as ``key``; its logits' max |difference| from the oracle's when both ran."""
+            theirs = Path(tmp, f"{key}.npy")
+            got = run_part(part, args, list(extra), theirs, root=root)
+            if "error" not in got and ours.exists():
+                got["max_abs_diff_vs_oracle"] = float(np.max(np.abs(np.load(ours) - np.load(theirs))))
+            return got
+
         result["oracle"] = run_part("oracle", args, [], ours)
         if args.device != "cpu":
-            on_cpu = Path(tmp, "cpu.npy")
-            result["oracle_cpu"] = run_part("oracle-cpu", args, [], on_cpu)
-            if "error" not in result["oracle_cpu"] and "error" not in result["oracle"]:
-                result["oracle_cpu"]["max_abs_diff_vs_oracle"] = float(np.max(np.abs(np.load(ours) - np.load(on_cpu))))
+            result["oracle_cpu"] = beside("oracle_cpu", "oracle-cpu")
         if args.baseline is not None:
-            before = Path(tmp, "baseline.npy")
-            result["baseline"] = run_part("oracle", args, [], before, root=str(Path(args.baseline).resolve()))
+            result["baseline"] = beside("baseline", "oracle", root=str(Path(args.baseline).resolve()))
             result["baseline"]["checkout"] = str(Path(args.baseline).resolve())
-            if "error" not in result["baseline"]:
-                result["baseline"]["max_abs_diff_vs_oracle"] = float(np.max(np.abs(np.load(ours) - np.load(before))))
         result["roofline"] = run_part("roofline", args, [])
         if args.cached == "on":
             need, avail = cacheable_gib(args.model) * 1.1, mem_available_gib()
@@ -399,11 +402,7 @@ def main(argv: list[str] | None = None) -> int:
                 result["oracle_cached"] = {"skipped": f"the decoded weights need about {need:.1f} GiB, {avail:.1f} GiB "
                                                       "available"}
             else:
-                cached = Path(tmp, "cached.npy")
-                result["oracle_cached"] = run_part("oracle-cached", args, [], cached)
-                if "error" not in result["oracle_cached"]:
-                    diff = float(np.max(np.abs(np.load(ours) - np.load(cached))))
-                    result["oracle_cached"]["max_abs_diff_vs_oracle"] = diff
+                result["oracle_cached"] = beside("oracle_cached", "oracle-cached")
         if args.transformers != "off":
             need = params * 8 / 2**30 * 1.15  # float64 weights plus loading slack
             avail = mem_available_gib()
@@ -411,12 +410,9 @@ def main(argv: list[str] | None = None) -> int:
                 result["transformers"] = {"skipped": f"float64 weights need about {need:.1f} GiB, {avail:.1f} GiB "
                                                      "available"}
             else:
-                theirs = Path(tmp, "hf.npy")
-                result["transformers"] = run_part("transformers", args, ["--transformers", args.transformers], theirs)
+                result["transformers"] = beside("transformers", "transformers", ("--transformers", args.transformers))
                 if "error" not in result["transformers"]:
-                    diff = float(np.max(np.abs(np.load(ours) - np.load(theirs))))
                     result["transformers"]["flavour"] = args.transformers
-                    result["transformers"]["max_abs_diff_vs_oracle"] = diff
     o, r, h = result["oracle"], result["roofline"], result.get("transformers", {})
     if "best_s" in o and "matmul_s" in r:
         result["oracle_fraction_of_roofline"] = r["matmul_s"] / o["best_s"]

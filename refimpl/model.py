@@ -287,10 +287,9 @@ class Gemma4:
 
     def _check_layers(self, pending: list) -> None:
         """The answers ``_check_layer_finite`` left on the device, read at once: the first layer not finite."""
-        if pending:
-            bad = np.flatnonzero(~to_host(self.xp.stack(pending)))
-            if bad.size:
-                self._refuse_layer(int(bad[0]))
+        bad = np.flatnonzero(~to_host(self.xp.stack(pending)))
+        if bad.size:
+            self._refuse_layer(int(bad[0]))
 
     def _refuse_layer(self, i: int) -> None:
         p = f"layers.{i}."
@@ -341,13 +340,12 @@ class Gemma4:
             kv = call_kv[layer.kv_source]  # post-norm, post-RoPE K/V of the source layer
 
         window = cfg.sliding_window if layer.is_sliding else None
-        if blocks is not None and self.vision_mask == "all-unclamped":
-            mask = vision_overlay_mask(q_pos, kv.pos, window, q_blocks, kv.blocks)
+        if blocks is not None and self.vision_mask == "all-unclamped":  # (made on the host, used on the device)
+            mask = self.xp.asarray(vision_overlay_mask(q_pos, kv.pos, window, q_blocks, kv.blocks))
         elif blocks is not None and layer.is_sliding:
-            mask = vision_block_mask(q_pos, kv.pos, cfg.sliding_window, q_blocks, kv.blocks)
+            mask = self.xp.asarray(vision_block_mask(q_pos, kv.pos, cfg.sliding_window, q_blocks, kv.blocks))
         else:
             mask = self.tables.mask(q_pos, kv.pos, window)  # (on the device, made once per call)
-        mask = self.xp.asarray(mask)  # made where the positions are (the host), used where the scores are
         a = (attention(q, kv.k, kv.v, mask, half=True) if self.kv_cache == "f16"
              else attention(q, kv.k, kv.v, mask)).reshape(len(q), N * D)
         o = w.linear(a, p + "self_attn.o_proj.weight")
@@ -470,7 +468,8 @@ class Gemma4:
             else:
                 x = self.layer(i, x, ple_i, positions, cache, call_kv, trace, blocks)
             self._check_layer_finite(i, x, pending)
-        self._check_layers(pending or [])
+        if pending:
+            self._check_layers(pending)
         if keep is not None and trace is not None:
             x = take_rows(x, keep)
 

@@ -204,3 +204,17 @@ def model_outputs(model, ids) -> list:
     steps = [model.forward(ids[i:i + 1], rows="last", cache=cache) for i in range(len(ids) - 3, len(ids))]
     logits, hidden = model.forward_rows(ids, rows=[3, -1])
     return [prefill, *steps, logits, hidden]
+
+
+def assert_device_is_host(cpu, gpu) -> None:
+    """``model_outputs`` of a model on the device (``gpu``) against the same model on the host: NumPy arrays of
+    the same shapes and dtypes, within the rounding two float64 evaluations of the same logits may differ by
+    (conformance.sets.bounds.logit_bound; it covers an fp16 K/V rounding a unit apart too)."""
+    from conformance.sets.bounds import logit_bound
+
+    ids = list(np.random.default_rng(5).integers(3, cpu.cfg.vocab_size, 23))
+    want, got = model_outputs(cpu, ids), model_outputs(gpu, ids)
+    bound = logit_bound(cpu.cfg, len(ids), max(float(np.max(np.abs(w))) for w in want))
+    for w, g in zip(want, got, strict=True):
+        assert type(g) is np.ndarray and g.dtype == w.dtype and g.shape == w.shape
+        assert float(np.max(np.abs(g - w))) <= bound, (float(np.max(np.abs(g - w))), bound)
