@@ -21,15 +21,23 @@ rest of the math from ``ops.py``.
   among them associates differently), which moves each output by at most a few units of rounding of the
   values it averages (``tests/oracle/test_schedule.py`` states and checks the bound).
 * ``mlp``: ``ops.mlp`` with the scheduled ``geglu``.
+* **On a GPU** (float64 CuPy arrays) ``rms_norm``, ``gelu_tanh``, ``geglu`` and ``norm_rope`` run as
+  ``device_kernels``' fused kernels: the same operations in the same order, one or two launches where the
+  composition makes up to fifteen (a launch from Python costs more than the pass it starts at these sizes);
+  the rest run as defined, one call each, the device scheduling it.
 
 Shapes as in ``ops.py``: T queries, S keys, N query heads, K KV heads, D head dim.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+from typing import Any, Callable
+
 import numpy as np
 
-from . import ops
+from . import device_kernels, ops
 from .threads import in_parts, rowwise
 
 __all__ = ["ATTENTION_BLOCK", "apply_rope", "apply_rope_2d", "attention", "balanced_order", "geglu", "gelu_tanh",
@@ -38,14 +46,33 @@ __all__ = ["ATTENTION_BLOCK", "apply_rope", "apply_rope_2d", "attention", "balan
 # ----------------------------------------------------------------------------------------------
 # row-wise steps: the plain step on blocks of rows
 
-rms_norm = rowwise(flat=True)(ops.rms_norm)
+
+def fused(kernel: Callable[..., Any]) -> Callable[[Callable[..., np.ndarray]], Callable[..., np.ndarray]]:
+    """Decorator: on a device array, the step as ``device_kernels``' fused kernel where that applies (float64
+    CuPy; it returns None elsewhere), else the step as it is."""
+
+    def wrap(step: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
+        first = next(iter(inspect.signature(step).parameters))
+
+        @functools.wraps(step)
+        def run(*args, **kwargs):
+            if not isinstance(args[0] if args else kwargs.get(first), np.ndarray):
+                y = kernel(*args, **kwargs)
+                if y is not None:
+                    return y
+            return step(*args, **kwargs)
+        return run
+    return wrap
+
+
+rms_norm = fused(device_kernels.rms_norm)(rowwise(flat=True)(ops.rms_norm))
 layer_norm = rowwise(flat=True)(ops.layer_norm)
-gelu_tanh = rowwise(flat=True)(ops.gelu_tanh)
+gelu_tanh = fused(device_kernels.gelu_tanh)(rowwise(flat=True)(ops.gelu_tanh))
 softmax = rowwise(flat=True)(ops.softmax)
 softcap = rowwise(flat=True)(ops.softcap)
-geglu = rowwise(aligned=2)(ops.geglu)
+geglu = fused(device_kernels.geglu)(rowwise(aligned=2)(ops.geglu))
 apply_rope = rowwise(aligned=3)(ops.apply_rope)
-norm_rope = rowwise(aligned=3)(ops.norm_rope)
+norm_rope = fused(device_kernels.norm_rope)(rowwise(aligned=3)(ops.norm_rope))
 apply_rope_2d = rowwise(aligned=5)(ops.apply_rope_2d)
 
 

@@ -77,6 +77,57 @@ def test_each_op_on_cupy_is_the_numpy_op(name):
 
 
 # ----------------------------------------------------------------------------------------------
+# the fused kernels (refimpl.device_kernels, run by refimpl.schedule on CuPy arrays)
+
+
+def _fused_inputs() -> dict[str, tuple]:
+    rng = np.random.default_rng(530)
+    x, q = 3 * rng.standard_normal((T, 4, H)), rng.standard_normal((T, N, D))
+    cos, sin = ops.rope_cos_sin(np.arange(40, 40 + T), 1.0 / 10000 ** (np.arange(0, D, 2) / D))
+    return {"rms_norm": (x, rng.standard_normal(H), 1e-6), "rms_norm scale-free": (x, None, 1e-6),
+            "gelu_tanh": (x,), "geglu": (x, x[::-1].copy()),
+            "norm_rope": (q, cos, sin, rng.standard_normal(D), 1e-6),
+            "norm_rope strided": (q[:, ::2], cos, sin, rng.standard_normal(D), 1e-6),
+            # rows wider than a block of threads (256), not a multiple of it
+            "rms_norm wide": (rng.standard_normal((3, 2, 600)), rng.standard_normal(600), 1e-6),
+            "norm_rope wide": (rng.standard_normal((T, 2, 520)), *ops.rope_cos_sin(
+                np.arange(T), 1.0 / 10000 ** (np.arange(0, 520, 2) / 520)), rng.standard_normal(520), 1e-6)}
+
+
+@pytest.mark.parametrize("name", sorted(_fused_inputs()))
+def test_each_fused_kernel_is_the_op(name):
+    """The fused kernel against ``ops`` on NumPy (float64 rounding apart: CUDA's tanh and the order of the sum of
+    squares) and against ``ops`` on CuPy, the same CUDA operations unfused: the elementwise steps round the same,
+    so only the sum of squares' order may move the norms' last bits; and ``refimpl.schedule`` runs it."""
+    from refimpl import device_kernels, schedule
+
+    args = _fused_inputs()[name]
+    step = name.split()[0]
+    gpu_args = tuple(_on_gpu(a) for a in args)
+    got = getattr(device_kernels, step)(*gpu_args)
+    assert isinstance(got, cp.ndarray) and got.dtype == np.float64, f"{step} did not run fused"
+    host, unfused = getattr(ops, step)(*args), cp.asnumpy(getattr(ops, step)(*gpu_args))
+    got = cp.asnumpy(got)
+    scale, width = max(1.0, float(np.max(np.abs(host)))), args[0].shape[-1]
+    assert got.shape == host.shape
+    assert float(np.max(np.abs(got - host))) <= 8 * width * EPS * scale, name
+    apart = 0.0 if step in ("gelu_tanh", "geglu") else width * EPS * scale  # (elementwise: the same roundings)
+    assert float(np.max(np.abs(got - unfused))) <= apart, name
+    assert cp.asnumpy(getattr(schedule, step)(*gpu_args)).tobytes() == got.tobytes(), f"schedule.{step} not fused"
+
+
+def test_the_fused_kernels_leave_other_inputs_to_ops():
+    """float32 CuPy arrays, host arrays and shapes the kernels do not take: None (the schedule runs ``ops``)."""
+    from refimpl import device_kernels
+
+    x32 = cp.ones((T, H), dtype=cp.float32)
+    assert device_kernels.rms_norm(x32, None, 1e-6) is None and device_kernels.gelu_tanh(np.ones(3)) is None
+    assert device_kernels.geglu(cp.ones((T, H)), cp.ones((T, 1))) is None
+    q = cp.ones((T, N, D))
+    assert device_kernels.norm_rope(q, cp.ones((T, D)), cp.ones((T, D)), cp.ones(D), 1e-6) is None
+
+
+# ----------------------------------------------------------------------------------------------
 # the model
 
 
