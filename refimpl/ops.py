@@ -20,6 +20,7 @@ Shapes: T queries, S keys, N query heads, K KV heads (G = N / K), D head dim, in
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import numpy as np
 
@@ -229,11 +230,20 @@ def fp16(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float32).astype(np.float16).astype(x.dtype)
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, half: bool = False) -> np.ndarray:
+def masked_softmax(scores: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """``softmax`` over the last axis of scores [..., S] with the entries where ``mask`` (broadcast to scores' shape)
+    is False at probability 0: their scores set to -inf first. In scores' buffer."""
+    np.copyto(scores, -np.inf, where=~mask)
+    return softmax(scores, axis=-1)
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, half: bool = False,
+              masked_softmax: Callable[[np.ndarray, np.ndarray], np.ndarray] = masked_softmax) -> np.ndarray:
     """q [T, N, D], k/v [S, K, D], mask [T, S] -> [T, N, D]: softmax(q k^T + mask) v per head. Scale 1.0, no
     softcap, GQA head j -> KV head j // G. ``half``: the products with an fp16 K/V cache as ggml's CPU matmul
     takes them (the queries and the probabilities rounded to fp16 for their products; K and V are the
-    caller's, already in fp16).
+    caller's, already in fp16). ``masked_softmax``: the step that turns the scores into probabilities (this
+    module's; a schedule may give the same step run otherwise).
 
     The G query heads of a KV head are rows of one product: q as [K, T G, D] (t major, a view when K = 1),
     so the scores [K, T G, S] and the output [K, T G, D] come from one matrix product per KV head, the
@@ -245,8 +255,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, hal
     if half:
         qk = fp16(qk)
     scores = (qk @ k.transpose(1, 2, 0)).reshape(K, T, G, S)  # [K, T G, D] @ [K, D, S] -> [K, T, G, S]
-    np.copyto(scores, -np.inf, where=~mask[None, :, None, :])  # masked keys get probability 0
-    probs = softmax(scores, axis=-1)
+    probs = masked_softmax(scores, mask[None, :, None, :])  # masked keys get probability 0
     if half:
         probs = fp16(probs)
     out = probs.reshape(K, T * G, S) @ v.transpose(1, 0, 2)  # [K, T G, S] @ [K, S, D] -> [K, T G, D]

@@ -1,9 +1,10 @@
 """What a call's positions decide, made once per call: RoPE's angles and the attention masks.
 
 Every layer of a type rotates the same positions and, without vision blocks, masks its queries against the same
-keys, so a call of ``Gemma4.hidden_states`` makes each table once, on the host, and copies it to the model's
-device once (on a GPU each copy from the host waits for the work queued before it: one a layer type, not one a
-layer). ``clear`` when the call returns: a long prompt's tables are not kept.
+keys, so a call of ``Gemma4.hidden_states`` makes each table once, on the model's device (only the positions
+and the frequencies cross: on a GPU the angles' cos and sin are CUDA's, within a unit of rounding of the host's,
+and a [T, T] mask is not copied a layer type at a time). ``clear`` when the call returns: a long prompt's
+tables are not kept.
 """
 
 from __future__ import annotations
@@ -46,16 +47,17 @@ class CallTables:
         key = (layer_type, head_dim)
         kept = self._rope.get(key)
         if kept is None or not np.array_equal(kept[0], positions):
-            cos, sin = rope_cos_sin(positions, self.inv_freq[key])
-            kept = self._rope[key] = (positions.copy(), self.xp.asarray(cos.astype(self.dtype)),
-                                      self.xp.asarray(sin.astype(self.dtype)))
+            xp = self.xp
+            cos, sin = rope_cos_sin(xp.asarray(positions), xp.asarray(self.inv_freq[key]))
+            kept = self._rope[key] = (positions.copy(), cos.astype(self.dtype, copy=False),
+                                      sin.astype(self.dtype, copy=False))
         return kept[1], kept[2]
 
     def mask(self, q_pos: np.ndarray, k_pos: np.ndarray, window: int | None) -> np.ndarray:
-        """``ops.attention_mask(q_pos, k_pos, window)`` [T, S], on the device."""
+        """``ops.attention_mask(q_pos, k_pos, window)`` [T, S], made on the device."""
         key = (window, q_pos.tobytes(), k_pos.tobytes())
         if key not in self._masks:
-            self._masks[key] = self.xp.asarray(attention_mask(q_pos, k_pos, window))
+            self._masks[key] = attention_mask(self.xp.asarray(q_pos), self.xp.asarray(k_pos), window)
         return self._masks[key]
 
     def clear(self) -> None:

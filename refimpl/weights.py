@@ -258,8 +258,16 @@ class Gemma4Weights:
         return kept
 
     def rows(self, name: str, index) -> np.ndarray:
-        """Only ``tensor[index]`` (first axis), gathered from the memory map and decoded."""
-        return self.xp.asarray(self.store.rows(self.prefix + name, index, self.dtype))
+        """Only ``tensor[index]`` (first axis), gathered from the memory map and decoded. On the device, the rows of
+        a BF16/F16/F32 tensor of a safetensors checkpoint cross as stored and are decoded there, as ``_decoded``
+        (the embedding and PLE rows of a prompt: a quarter of the bytes, and no decoding on the host)."""
+        full = self.prefix + name
+        info = self.store.infos[full]
+        if self.xp is np or not (isinstance(self.store, TensorStore) and info.dtype in PLAIN_FLOATS):
+            return self.xp.asarray(self.store.rows(full, index, self.dtype))
+        stored = self.xp.asarray(self.store.raw(full)[index])
+        self.store.release(full)
+        return decode_where_stored(stored, info.dtype, self.dtype)
 
     def linear(self, x: np.ndarray, name: str) -> np.ndarray:
         """x [R, in] @ W[out, in]^T for the named weight W, decoded from the checkpoint as it runs."""
