@@ -21,10 +21,10 @@ rest of the math from ``ops.py``.
   among them associates differently), which moves each output by at most a few units of rounding of the
   values it averages (``tests/oracle/test_schedule.py`` states and checks the bound).
 * ``mlp``: ``ops.mlp`` with the scheduled ``geglu``.
-* **On a GPU** (float64 CuPy arrays) ``rms_norm``, ``gelu_tanh``, ``geglu`` and ``norm_rope`` run as
-  ``device_kernels``' fused kernels: the same operations in the same order, one or two launches where the
-  composition makes up to fifteen (a launch from Python costs more than the pass it starts at these sizes);
-  the rest run as defined, one call each, the device scheduling it.
+* **On a GPU** (float64 CuPy arrays) ``rms_norm``, ``gelu_tanh``, ``geglu``, ``norm_rope`` and attention's
+  ``masked_softmax`` run as ``device_kernels``' fused kernels: the same operations in the same order, one launch
+  where the composition makes up to fifteen (a launch from Python costs more than the pass it starts at these
+  sizes); the rest run as defined, one call each, the device scheduling it.
 
 Shapes as in ``ops.py``: T queries, S keys, N query heads, K KV heads, D head dim.
 """
@@ -71,6 +71,7 @@ gelu_tanh = fused(device_kernels.gelu_tanh)(rowwise(flat=True)(ops.gelu_tanh))
 softmax = rowwise(flat=True)(ops.softmax)
 softcap = rowwise(flat=True)(ops.softcap)
 geglu = fused(device_kernels.geglu)(rowwise(aligned=2)(ops.geglu))
+masked_softmax = fused(device_kernels.masked_softmax)(ops.masked_softmax)  # (attention's, on a device)
 apply_rope = rowwise(aligned=3)(ops.apply_rope)
 norm_rope = fused(device_kernels.norm_rope)(rowwise(aligned=3)(ops.norm_rope))
 apply_rope_2d = rowwise(aligned=5)(ops.apply_rope_2d)
@@ -93,7 +94,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, hal
     are split between them in the order ``balanced_order`` gives (a causal block's work grows with its row:
     in row order the last thread would get the most of it), each block's product on its thread's own BLAS."""
     if not isinstance(q, np.ndarray):  # a device array (CuPy): one call, the device schedules it
-        return ops.attention(q, k, v, mask, half=half)
+        return ops.attention(q, k, v, mask, half=half, masked_softmax=masked_softmax)
     T, N, _ = q.shape
     unit = max(1, ATTENTION_BLOCK // max(1, N * k.shape[0]))  # query rows whose scores [N, S] fill a block
     out = np.empty(q.shape, dtype=np.result_type(q, k, v))

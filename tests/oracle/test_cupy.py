@@ -88,6 +88,12 @@ def _fused_inputs() -> dict[str, tuple]:
             "gelu_tanh": (x,), "geglu": (x, x[::-1].copy()),
             "norm_rope": (q, cos, sin, rng.standard_normal(D), 1e-6),
             "norm_rope strided": (q[:, ::2], cos, sin, rng.standard_normal(D), 1e-6),
+            # attention's scores [K, T, G, S] under a sliding mask (every row sees a key), as ops.attention passes it
+            "masked_softmax": (8 * rng.standard_normal((K, T, N // K, S)),
+                               ops.attention_mask(np.arange(S - T, S), np.arange(S), 5)[None, :, None, :]),
+            # keys past a block of threads (256)
+            "masked_softmax long": (8 * rng.standard_normal((1, 3, 2, 700)),
+                                    ops.attention_mask(np.arange(697, 700), np.arange(700), None)[None, :, None, :]),
             # rows wider than a block of threads (256), not a multiple of it
             "rms_norm wide": (rng.standard_normal((3, 2, 600)), rng.standard_normal(600), 1e-6),
             "norm_rope wide": (rng.standard_normal((T, 2, 520)), *ops.rope_cos_sin(
@@ -103,17 +109,21 @@ def test_each_fused_kernel_is_the_op(name):
 
     args = _fused_inputs()[name]
     step = name.split()[0]
-    gpu_args = tuple(_on_gpu(a) for a in args)
-    got = getattr(device_kernels, step)(*gpu_args)
+
+    def on_gpu():  # (fresh copies for each call: masked_softmax works in its input's buffer)
+        return tuple(_on_gpu(a) for a in args)
+
+    got = getattr(device_kernels, step)(*on_gpu())
     assert isinstance(got, cp.ndarray) and got.dtype == np.float64, f"{step} did not run fused"
-    host, unfused = getattr(ops, step)(*args), cp.asnumpy(getattr(ops, step)(*gpu_args))
+    host = getattr(ops, step)(*(a.copy() if isinstance(a, np.ndarray) else a for a in args))
+    unfused = cp.asnumpy(getattr(ops, step)(*on_gpu()))
     got = cp.asnumpy(got)
     scale, width = max(1.0, float(np.max(np.abs(host)))), args[0].shape[-1]
     assert got.shape == host.shape
     assert float(np.max(np.abs(got - host))) <= 8 * width * EPS * scale, name
     apart = 0.0 if step in ("gelu_tanh", "geglu") else width * EPS * scale  # (elementwise: the same roundings)
     assert float(np.max(np.abs(got - unfused))) <= apart, name
-    assert cp.asnumpy(getattr(schedule, step)(*gpu_args)).tobytes() == got.tobytes(), f"schedule.{step} not fused"
+    assert cp.asnumpy(getattr(schedule, step)(*on_gpu())).tobytes() == got.tobytes(), f"schedule.{step} not fused"
 
 
 def test_the_fused_kernels_leave_other_inputs_to_ops():
@@ -125,6 +135,7 @@ def test_the_fused_kernels_leave_other_inputs_to_ops():
     assert device_kernels.geglu(cp.ones((T, H)), cp.ones((T, 1))) is None
     q = cp.ones((T, N, D))
     assert device_kernels.norm_rope(q, cp.ones((T, D)), cp.ones((T, D)), cp.ones(D), 1e-6) is None
+    assert device_kernels.masked_softmax(cp.ones((K, T, N // K, S)), cp.ones((T, S), dtype=bool)) is None
 
 
 # ----------------------------------------------------------------------------------------------
