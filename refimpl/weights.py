@@ -40,11 +40,14 @@ STREAM_VALUES = 1 << 18  # weight values decoded per block when streaming (2 MiB
 SMALL_VALUES = 1 << 16  # on the device, tensors of at most this many values stay there once decoded
 WEIGHT_CACHE_ENV = "REFIMPL_WEIGHT_CACHE"  # the weight cache size when Gemma4 is not given one
 SIZE_UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+AUTO_CACHE = -1  # weight_cache_bytes("auto"): on a GPU, AUTO_SHARE of its free memory; on the CPU, off
+AUTO_SHARE = 0.8  # (the rest for the activations: a 4k-token prompt's attention scores alone are 1 GiB)
 
 
 def weight_cache_bytes(value: int | str | None) -> int:
-    """The decoded-weight cache budget in bytes: an int, a size such as "12GiB" / "512MiB" / "0", or
-    "all" (no limit); None reads REFIMPL_WEIGHT_CACHE, and without it the cache is off (0)."""
+    """The decoded-weight cache budget in bytes: an int, a size such as "12GiB" / "512MiB" / "0", "all" (no
+    limit) or "auto" (AUTO_CACHE: sized when the model knows its device); None reads REFIMPL_WEIGHT_CACHE, and
+    without it the cache is off (0)."""
     if value is None:
         value = os.environ.get(WEIGHT_CACHE_ENV, "0")
         source = f"{WEIGHT_CACHE_ENV}={value!r}"
@@ -56,6 +59,8 @@ def weight_cache_bytes(value: int | str | None) -> int:
         text = value.strip().upper().replace(" ", "")
         if text == "ALL":
             return sys.maxsize
+        if text == "AUTO":
+            return AUTO_CACHE
         number = text.rstrip("KMGTIB")
         unit = text[len(number):]
         try:
@@ -65,7 +70,7 @@ def weight_cache_bytes(value: int | str | None) -> int:
         if unit in SIZE_UNITS and amount >= 0 and math.isfinite(amount):
             return int(amount * SIZE_UNITS[unit])
     raise InputError(f"{source}: the weight cache size must be a number of bytes, a size such as '12GiB' or "
-                     "'512MiB', '0' (off) or 'all'")
+                     "'512MiB', '0' (off), 'all' or 'auto'")
 
 
 def expected_tensors(cfg: TextConfig) -> dict[str, tuple[int, ...]]:
@@ -132,7 +137,8 @@ class Gemma4Weights:
         # quantisation mutants plant another rule here)
         self.activation_rule = activation_values
         self.dtype = np.dtype(dtype)
-        self.cache_budget = weight_cache  # bytes of decoded weights ``product`` may keep between calls
+        # bytes of weights ``product`` may keep between calls (decoded, or on the device as stored: ``keep``)
+        self.cache_budget = self._auto_budget() if weight_cache == AUTO_CACHE else weight_cache
         self.cache: dict[tuple[str, int, int], np.ndarray] = {}
         self.cache_bytes = 0
         memory.for_the_oracle()  # the allocator reuses freed arrays (memory.py); once per process
@@ -141,9 +147,48 @@ class Gemma4Weights:
         self.ignored: list[str] = []
         self._local = threading.local()  # per-thread buffer of ``product``
         self._small: dict[str, Any] = {}  # on the device: the small tensors, decoded there once
+        self.resident: dict[str, Any] = {}  # on the device, keep "stored": whole tensors as stored
         self._validate()
+        self.keep = self._keep()
         if self.activation_path is not None:
             self._check_activation_types()
+
+    def _auto_budget(self) -> int:
+        """weight_cache "auto": AUTO_SHARE of the GPU's free memory now; 0 (streamed) on the CPU."""
+        if self.xp is np:
+            return 0
+        return int(AUTO_SHARE * self.xp.cuda.runtime.memGetInfo()[0])
+
+    def _keep(self) -> str:
+        """What the weight cache keeps: "decoded" float64 weights (the CPU; a device whose budget holds every
+        matrix decoded), or, on a device whose budget does not but holds them as stored (a safetensors
+        checkpoint's BF16/F16/F32: a quarter of the bytes for BF16), "stored": whole tensors copied there once
+        and decoded at each use (``_decoded``, ``rows``), the budget counted in stored bytes. With the cache
+        off, "decoded" (nothing is kept)."""
+        if self.xp is np or self.cache_budget == 0 or not isinstance(self.store, TensorStore):
+            return "decoded"
+        infos = [self.store.infos[self.prefix + name] for name, shape in expected_tensors(self.cfg).items()
+                 if len(shape) == 2 and name != "embed_tokens_per_layer.weight"]  # (what ``product`` multiplies by)
+        decoded = sum(math.prod(info.shape) for info in infos) * self.dtype.itemsize
+        stored = [info for info in infos if info.dtype in PLAIN_FLOATS]
+        if decoded <= self.cache_budget or len(stored) < len(infos):
+            return "decoded"
+        return "stored"
+
+    def _resident(self, full: str):
+        """Under keep "stored": the whole tensor ``full`` as stored on the device, copied there on first use while
+        the budget lasts; None otherwise (then copied at each use)."""
+        if self.keep != "stored" or self.store.infos[full].dtype not in PLAIN_FLOATS:
+            return None
+        kept = self.resident.get(full)
+        if kept is None:
+            raw = self.store.raw(full)
+            if self.cache_bytes + raw.nbytes > self.cache_budget:
+                return None
+            kept = self.resident[full] = self.xp.asarray(raw)
+            self.cache_bytes += raw.nbytes
+            self.store.release(full)
+        return kept
 
     def _check_activation_types(self) -> None:
         """Under the ggml-cpu convention: a GGUF checkpoint, every product's weight type emulated (InputError)."""
@@ -265,8 +310,12 @@ class Gemma4Weights:
         info = self.store.infos[full]
         if self.xp is np or not (isinstance(self.store, TensorStore) and info.dtype in PLAIN_FLOATS):
             return self.xp.asarray(self.store.rows(full, index, self.dtype))
-        stored = self.xp.asarray(self.store.raw(full)[index])
-        self.store.release(full)
+        kept = self._resident(full)
+        if kept is not None:  # (gathered there)
+            stored = kept[self.xp.asarray(index)] if isinstance(index, np.ndarray) else kept[index]
+        else:
+            stored = self.xp.asarray(self.store.raw(full)[index])
+            self.store.release(full)
         return decode_where_stored(stored, info.dtype, self.dtype)
 
     def linear(self, x: np.ndarray, name: str) -> np.ndarray:
@@ -332,6 +381,8 @@ class Gemma4Weights:
         key = (full, start, stop)
         if key in self.cache:
             return self.cache[key]
+        if self.keep == "stored":
+            return None
         nbytes = (stop - start) * self.store.infos[full].shape[1] * self.dtype.itemsize
         if self.cache_bytes + nbytes > self.cache_budget:
             return None
@@ -346,6 +397,9 @@ class Gemma4Weights:
         info = self.store.infos[full]
         if self.xp is np or not (isinstance(self.store, TensorStore) and info.dtype in PLAIN_FLOATS):
             return self.xp.asarray(self.store.read(full, start, stop, self.dtype))
+        kept = self._resident(full)
+        if kept is not None:
+            return decode_where_stored(kept[start:stop] if info.shape else kept, info.dtype, self.dtype)
         raw = self.store.raw(full)
         stored = self.xp.asarray(raw[start:stop] if info.shape else raw)
         self.store.release(full)

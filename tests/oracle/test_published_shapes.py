@@ -347,7 +347,7 @@ def test_weight_cache_size_parsing(monkeypatch, tmp_path):
     with pytest.raises(InputError) as e:
         weight_cache_bytes(None)
     assert str(e.value) == ("REFIMPL_WEIGHT_CACHE='lots': the weight cache size must be a number of bytes, a size "
-                            "such as '12GiB' or '512MiB', '0' (off) or 'all'")
+                            "such as '12GiB' or '512MiB', '0' (off), 'all' or 'auto'")
     for bad in (-1, "12GB", "-3MiB", True, "nanGiB"):
         with pytest.raises(InputError, match="the weight cache size must be"):
             weight_cache_bytes(bad)

@@ -71,3 +71,33 @@ def test_a_gpu_out_of_memory_is_one_line(preset_dirs, monkeypatch, tmp_path, cap
         "cache, REFIMPL_WEIGHT_CACHE; the cache now holds 0.0 GiB), ask for fewer rows or tokens at once, or use "
         "device cpu\n") and err.count("\n") == 1
     assert not out.exists()
+
+
+@pytest.mark.parametrize("preset", ["e2b-mini", "26b-a4b-mini", "31b-mini"])
+def test_weights_kept_as_stored_where_their_decoded_copies_do_not_fit(preset_dirs, monkeypatch, preset):
+    """A weight cache under the decoded matrices' bytes but over their stored bytes (the minis store F32: half):
+    keep "stored", whole tensors copied to the device once and decoded at each use, no float64 copy kept, the
+    budget never passed, the logits the host's."""
+    strict_device.install(monkeypatch)
+    probe = Gemma4(preset_dirs[preset], device="cuda", weight_cache="all")
+    strict_device.model_outputs(probe, list(range(3, 26)))
+    decoded = probe.weights.cache_bytes  # every matrix the forward multiplies by, in float64
+    assert probe.weights.keep == "decoded" and not probe.weights.resident
+    budget = int(0.75 * decoded)
+    cpu = Gemma4(preset_dirs[preset], device="cpu")
+    gpu = Gemma4(preset_dirs[preset], device="cuda", weight_cache=budget)
+    assert gpu.weights.keep == "stored"
+    strict_device.assert_device_is_host(cpu, gpu)
+    w = gpu.weights
+    assert not w.cache and w.resident and w.cache_bytes <= budget
+    assert w.cache_bytes >= decoded // 2  # (every matrix is there as stored)
+    assert Gemma4(preset_dirs[preset], device="cuda", weight_cache=decoded).weights.keep == "decoded"
+
+
+def test_the_auto_weight_cache_takes_most_of_the_free_gpu_memory(preset_dirs, monkeypatch):
+    cp = strict_device.install(monkeypatch)
+    monkeypatch.setattr(cp.cuda.runtime, "memGetInfo", lambda: (10 * 2**30, 80 * 2**30))
+    assert Gemma4(preset_dirs["e2b-mini"], device="cuda", weight_cache="auto").weights.cache_budget == 8 * 2**30
+    assert Gemma4(preset_dirs["e2b-mini"], device="cpu", weight_cache="auto").weights.cache_budget == 0
+    monkeypatch.setenv("REFIMPL_WEIGHT_CACHE", "auto")
+    assert Gemma4(preset_dirs["e2b-mini"], device="cuda").weights.cache_budget == 8 * 2**30
