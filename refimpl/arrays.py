@@ -27,7 +27,7 @@ import numpy as np
 
 from .errors import InputError, check_choice
 
-__all__ = ["DEVICES", "DEVICE_ENV", "array_module", "is_host", "memory_errors", "resolve_device", "take_rows",
+__all__ = ["DEVICES", "DEVICE_ENV", "array_module", "gpus", "is_host", "memory_errors", "resolve_device", "take_rows",
            "to_host"]
 
 DEVICES = ("cpu", "cuda")
@@ -61,6 +61,15 @@ def array_module(device: str) -> ModuleType:
         raise InputError(f"device cuda: CuPy {cupy.__version__} sees no CUDA device (getDeviceCount() is 0); run "
                          "on a machine with an NVIDIA GPU and its driver, or use device cpu")
     return cupy
+
+
+def gpus() -> list[str]:
+    """The CUDA devices this process may use, as CUDA_VISIBLE_DEVICES names them (each a worker's
+    CUDA_VISIBLE_DEVICES: ``conformance generate --device cuda`` runs one worker on each); CuPy checked first
+    (``array_module``)."""
+    count = int(array_module("cuda").cuda.runtime.getDeviceCount())
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    return visible[:count] if visible else [str(i) for i in range(count)]
 
 
 def is_host(a) -> bool:

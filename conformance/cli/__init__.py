@@ -210,8 +210,8 @@ def _add_generate(sub) -> None:
     g.add_argument("--version", metavar="V", help="set version, semver (default 1.0.0)")
     where = g.add_mutually_exclusive_group()
     where.add_argument("--workers", type=int, metavar="N",
-                       help="local worker processes, one job (base) each at a time (default: the CPU count, 1 with "
-                            "--device cuda; 1 runs everything in this process)")
+                       help="local worker processes, one job (base) each at a time (default: the CPU count; with "
+                            "--device cuda one per GPU, each seeing only its own; 1 runs everything in this process)")
     where.add_argument("--cluster", metavar="ADDRESS",
                        help="run the jobs on a Dask distributed cluster: its scheduler's address, e.g. "
                             "tcp://host:8786 (needs gemma4-conformance[cluster]; the model and --out's parent must be "

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from refimpl.arrays import gpus
 from refimpl.errors import RefimplError
 from refimpl.gguf_io import is_gguf
 
@@ -109,8 +110,8 @@ def cmd_generate(args) -> int:
     kw: dict[str, Any] = {"model_dir": args.model, "preset": args.preset, "seed": args.seed or 0,
                           "prompts": args.prompts, "name": args.name, "progress": progress,
                           "cases": args.cases, "images": args.image or None, "audio": args.audio or None,
-                          "workers": 1 if args.workers is None and args.cluster is None and args.device == "cuda"
-                          else args.workers, "cluster": args.cluster, "store": args.store,
+                          "workers": len(gpus()) if args.workers is None and args.cluster is None
+                          and args.device == "cuda" else args.workers, "cluster": args.cluster, "store": args.store,
                           "vision_mask": args.vision_mask, "drafter": args.drafter, "stages": progress.line,
                           "allow_beyond_context": getattr(args, "allow_beyond_context", False),
                           "activations": getattr(args, "activations", "none")}

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from refimpl import memory
+from refimpl.arrays import DEVICE_ENV, gpus
 from refimpl.threads import cores
 
 from .jobs import JobContext, run_job
@@ -107,8 +108,10 @@ def _run_local(specs: list[dict], workers: int, on_done: OnDone, on_stage: Sink 
     spawn = multiprocessing.get_context("spawn")
     # stage events: written synchronously by the workers, so a job's are in the pipe before its result
     events = spawn.SimpleQueue() if on_stage is not None else None
+    devices = _gpu_slots(spawn, n)
     with blas_threads(threads):  # the children start during submit (spawn context), inheriting these
-        pool = cf.ProcessPoolExecutor(max_workers=n, mp_context=spawn, initializer=_worker_init, initargs=(events,))
+        pool = cf.ProcessPoolExecutor(max_workers=n, mp_context=spawn, initializer=_worker_init,
+                                      initargs=(events, devices))
         try:
             for spec in specs:
                 futures[pool.submit(run_job, spec)] = spec["base"]
@@ -142,10 +145,29 @@ def _drain(events, on_stage: Sink | None) -> None:
         on_stage(events.get())
 
 
-def _worker_init(events=None) -> None:
-    """In a local worker process: the oracle's allocator settings first (before any other thread allocates:
-    ``refimpl.memory``), the queue for stage events (``events``; None: nobody listens), then exit when the
-    parent dies (e.g. SIGKILL), instead of lingering."""
+def gpu_plan(gpus: list[str], n: int) -> list[str]:
+    """The GPU of each of ``n`` workers: in turn over ``gpus`` (one worker per GPU at the default)."""
+    return [gpus[k % len(gpus)] for k in range(n)]
+
+
+def _gpu_slots(spawn, n: int):
+    """With the oracle on the GPU (REFIMPL_DEVICE=cuda, ``--device cuda``): a queue of each worker's GPU
+    (``gpu_plan``), each worker taking one as it starts (``_worker_init``); None on the CPU."""
+    if os.environ.get(DEVICE_ENV) != "cuda":
+        return None
+    slots = spawn.SimpleQueue()
+    for gpu in gpu_plan(gpus(), n):
+        slots.put(gpu)
+    return slots
+
+
+def _worker_init(events=None, devices=None) -> None:
+    """In a local worker process: its GPU, when the oracle runs on GPUs (``devices``, a queue of them: this worker
+    sees only the one it takes, as CUDA_VISIBLE_DEVICES, before CuPy starts), the oracle's allocator settings
+    (before any other thread allocates: ``refimpl.memory``), the queue for stage events (``events``; None: nobody
+    listens), then exit when the parent dies (e.g. SIGKILL), instead of lingering."""
+    if devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices.get()
     memory.for_the_oracle()
     set_sink(events.put if events is not None else None)
     parent = multiprocessing.parent_process()

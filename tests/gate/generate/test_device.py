@@ -64,3 +64,35 @@ def test_device_cuda_without_cupy_is_one_line(command, tmp_path, monkeypatch, ca
     assert err.endswith("pip install 'gemma4-conformance[cuda12]' or 'gemma4-conformance[cuda13]' "
                         "(docs/refimpl.md, 'GPU')")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_generate_on_gpus_plans_a_worker_on_each(monkeypatch):
+    """``--device cuda`` defaults to a worker per GPU CuPy sees (CUDA_VISIBLE_DEVICES' names where it is set), the
+    workers over the GPUs in turn when ``--workers`` asks for more."""
+    from conformance.generate.executors import gpu_plan
+    from refimpl.arrays import gpus
+
+    cp = strict_device.install(monkeypatch)
+    monkeypatch.setattr(cp.cuda.runtime, "getDeviceCount", lambda: 3)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert gpus() == ["0", "1", "2"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4, 6,7,9")
+    assert gpus() == ["4", "6", "7"]
+    assert gpu_plan(["4", "6"], 5) == ["4", "6", "4", "6", "4"]
+
+
+def test_a_local_worker_sees_only_its_gpu(monkeypatch):
+    """A worker process of ``generate --device cuda`` takes its GPU from the parent's queue as it starts, before
+    CuPy does: CUDA_VISIBLE_DEVICES names that one alone there."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from conformance.generate.executors import _worker_init
+
+    spawn = multiprocessing.get_context("spawn")
+    slots = spawn.SimpleQueue()
+    slots.put("6")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    with ProcessPoolExecutor(1, mp_context=spawn, initializer=_worker_init, initargs=(None, slots)) as pool:
+        assert pool.submit(os.getenv, "CUDA_VISIBLE_DEVICES").result(timeout=60) == "6"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,6"  # (the parent's own is untouched)
