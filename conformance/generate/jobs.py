@@ -54,10 +54,10 @@ class JobContext:
     random-id pool and the towers, each loaded on first use."""
 
     def __init__(self, model_dir: Path, model=None, vision: VisionSide | None = None, audio: AudioSide | None = None,
-                 vision_mask: str = "sliding-clamped", activations: str = "none"):
+                 vision_mask: str = "sliding-clamped", activations: str = "none", device: str | None = None):
         self.model_dir = model_dir
         self.model = model if model is not None else Gemma4(model_dir, vision_mask=vision_mask,
-                                                             activations=activations)
+                                                             activations=activations, device=device)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self._lock = threading.Lock()
         self._pool = None
@@ -88,8 +88,9 @@ _CONTEXTS_LOCK = threading.Lock()
 
 
 def job_context(model_dir: str, key: str, vision_mask: str = "sliding-clamped",
-                activations: str = "none") -> JobContext:
-    """The worker's context for a run (one kept: a new run's model replaces the last one)."""
+                activations: str = "none", device: str | None = None) -> JobContext:
+    """The worker's context for a run (one kept: a new run's model replaces the last one); ``device``: the run's
+    (its oracle's: a Dask worker on a GPU machine runs it there; None, this worker's REFIMPL_DEVICE)."""
     with _CONTEXTS_LOCK:
         ctx = _CONTEXTS.get((model_dir, key))
         if ctx is None:
@@ -98,7 +99,8 @@ def job_context(model_dir: str, key: str, vision_mask: str = "sliding-clamped",
                 raise FixtureError(f"worker {where()} cannot see the model directory {model_dir}; the model and "
                                    "--out's parent must be on storage every worker mounts at the same absolute path")
             _CONTEXTS.clear()
-            ctx = _CONTEXTS[(model_dir, key)] = JobContext(path, vision_mask=vision_mask, activations=activations)
+            ctx = _CONTEXTS[(model_dir, key)] = JobContext(path, vision_mask=vision_mask, activations=activations,
+                                                           device=device)
         return ctx
 
 
@@ -127,7 +129,7 @@ def run_job(spec: dict, context: JobContext | None = None, on_stage: Sink | None
         raise RuntimeError(f"base {spec['base']}: injected failure ({FAULT_ENV}={fault})")
     ctx = context if context is not None else job_context(spec["model_dir"], spec["key"],
                                                           spec.get("vision_mask", "sliding-clamped"),
-                                                          spec.get("activations", "none"))
+                                                          spec.get("activations", "none"), spec.get("device"))
     model, kind, base = ctx.model, spec["kind"], spec["base"]
     emit({"base": base, "event": "start", "worker": where()}, on_stage)
     arrays: dict[str, Any] = {}

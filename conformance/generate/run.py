@@ -423,6 +423,7 @@ def _plan(run: partial.PartialRun, src: Path, model, seed: int, entries: list[di
     bos = bos_id(cfg, tokenizer)
     common = {"key": run.key, "partial": str(run.path), "model_dir": str(src), "seed": seed, "bos": bos,
               "vision_mask": model.vision_mask, "activations": model.activations,
+              "device": model.device,  # (a Dask worker's own REFIMPL_DEVICE is not the run's)
               "store": store}
 
     if plan.with_text:

@@ -96,3 +96,15 @@ def test_a_local_worker_sees_only_its_gpu(monkeypatch):
     with ProcessPoolExecutor(1, mp_context=spawn, initializer=_worker_init, initargs=(None, slots)) as pool:
         assert pool.submit(os.getenv, "CUDA_VISIBLE_DEVICES").result(timeout=60) == "6"
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,6"  # (the parent's own is untouched)
+
+
+def test_a_job_runs_on_the_runs_device_not_its_workers(preset_dirs, monkeypatch):
+    """A job carries its run's device: a Dask worker whose own REFIMPL_DEVICE says cpu (or nothing) builds the
+    run's oracle on the GPU all the same, and a cpu run's stays on the host."""
+    from conformance.generate.jobs import job_context
+
+    strict_device.install(monkeypatch)
+    monkeypatch.setenv(DEVICE_ENV, "cpu")
+    assert job_context(str(preset_dirs["e2b-mini"]), "run-a", device="cuda").model.device == "cuda"
+    monkeypatch.setenv(DEVICE_ENV, "cuda")
+    assert job_context(str(preset_dirs["e2b-mini"]), "run-b", device="cpu").model.device == "cpu"
