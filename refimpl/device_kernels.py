@@ -18,13 +18,15 @@ CuPy is never imported here: the array's own module builds the kernels, once per
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import sys
+from typing import Iterator
 
 import numpy as np
 
-__all__ = ["geglu", "gelu_tanh", "masked_softmax", "norm_rope", "rms_norm"]
+__all__ = ["geglu", "gelu_tanh", "masked_softmax", "norm_rope", "rms_norm", "switched"]
 
 FLAGS = ("--fmad=false",)  # every product and sum rounded on its own, as the separate kernels round it
 
@@ -126,10 +128,24 @@ extern "C" __global__ void refimpl_masked_softmax(double* x, const bool* mask, l
 """
 
 
+_STATE = {"on": True}  # (``switched``)
+
+
+@contextlib.contextmanager
+def switched(on: bool) -> Iterator[None]:
+    """The fused kernels on or off inside the block (off: the schedule runs ``ops.py``'s compositions on the
+    device too): benchmarks/fused_kernels.py's side-by-side timing."""
+    before, _STATE["on"] = _STATE["on"], on
+    try:
+        yield
+    finally:
+        _STATE["on"] = before
+
+
 def _cupy(*arrays):
-    """CuPy, when every array given is a float64 CuPy array (None skipped); else None."""
+    """CuPy, when every array given is a float64 CuPy array (None skipped) and the kernels are on; else None."""
     cp = sys.modules.get("cupy")
-    if cp is None or not hasattr(cp, "ElementwiseKernel"):  # (tests/strict_device.py's stand-in compiles nothing)
+    if cp is None or not _STATE["on"] or not hasattr(cp, "ElementwiseKernel"):  # (the stand-in compiles nothing)
         return None
     for a in arrays:
         if a is not None and (not isinstance(a, cp.ndarray) or a.dtype != cp.float64):

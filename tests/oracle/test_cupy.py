@@ -126,6 +126,16 @@ def test_each_fused_kernel_is_the_op(name):
     assert cp.asnumpy(getattr(schedule, step)(*on_gpu())).tobytes() == got.tobytes(), f"schedule.{step} not fused"
 
 
+def test_the_fused_kernels_switch_off_for_a_block():
+    """``device_kernels.switched(False)`` (benchmarks/fused_kernels.py's unfused side): None inside, on again after."""
+    from refimpl import device_kernels
+
+    x = cp.ones((T, H))
+    with device_kernels.switched(False):
+        assert device_kernels.rms_norm(x, None, 1e-6) is None
+    assert isinstance(device_kernels.rms_norm(x, None, 1e-6), cp.ndarray)
+
+
 def test_the_fused_kernels_leave_other_inputs_to_ops():
     """float32 CuPy arrays, host arrays and shapes the kernels do not take: None (the schedule runs ``ops``)."""
     from refimpl import device_kernels
