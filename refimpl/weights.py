@@ -170,25 +170,32 @@ class Gemma4Weights:
         infos = [self.store.infos[self.prefix + name] for name, shape in expected_tensors(self.cfg).items()
                  if len(shape) == 2 and name != "embed_tokens_per_layer.weight"]  # (what ``product`` multiplies by)
         decoded = sum(math.prod(info.shape) for info in infos) * self.dtype.itemsize
-        stored = [info for info in infos if info.dtype in PLAIN_FLOATS]
-        if decoded <= self.cache_budget or len(stored) < len(infos):
+        if decoded <= self.cache_budget or not all(info.dtype in PLAIN_FLOATS for info in infos):
             return "decoded"
         return "stored"
 
-    def _resident(self, full: str):
-        """Under keep "stored": the whole tensor ``full`` as stored on the device, copied there on first use while
-        the budget lasts; None otherwise (then copied at each use)."""
-        if self.keep != "stored" or self.store.infos[full].dtype not in PLAIN_FLOATS:
-            return None
+    def _crosses_as_stored(self, full: str) -> bool:
+        """On the device, a BF16/F16/F32 tensor of a safetensors checkpoint crosses as stored and is decoded there
+        (``_stored_on_device``); other stores decode on the host."""
+        return (self.xp is not np and isinstance(self.store, TensorStore)
+                and self.store.infos[full].dtype in PLAIN_FLOATS)
+
+    def _stored_on_device(self, full: str, index):
+        """The stored values of ``tensor[index]`` (first axis; ``...`` for all) on the device: taken from its
+        resident copy under keep "stored" (the whole tensor copied there on first use while the budget lasts),
+        else copied there from the memory map."""
         kept = self.resident.get(full)
-        if kept is None:
+        if kept is None and self.keep == "stored":
             raw = self.store.raw(full)
-            if self.cache_bytes + raw.nbytes > self.cache_budget:
-                return None
-            kept = self.resident[full] = self.xp.asarray(raw)
-            self.cache_bytes += raw.nbytes
-            self.store.release(full)
-        return kept
+            if self.cache_bytes + raw.nbytes <= self.cache_budget:
+                kept = self.resident[full] = self.xp.asarray(raw)
+                self.cache_bytes += raw.nbytes
+                self.store.release(full)
+        if kept is not None:
+            return kept[self.xp.asarray(index)] if isinstance(index, np.ndarray) else kept[index]
+        stored = self.xp.asarray(self.store.raw(full)[index])
+        self.store.release(full)
+        return stored
 
     def _check_activation_types(self) -> None:
         """Under the ggml-cpu convention: a GGUF checkpoint, every product's weight type emulated (InputError)."""
@@ -307,16 +314,9 @@ class Gemma4Weights:
         a BF16/F16/F32 tensor of a safetensors checkpoint cross as stored and are decoded there, as ``_decoded``
         (the embedding and PLE rows of a prompt: a quarter of the bytes, and no decoding on the host)."""
         full = self.prefix + name
-        info = self.store.infos[full]
-        if self.xp is np or not (isinstance(self.store, TensorStore) and info.dtype in PLAIN_FLOATS):
+        if not self._crosses_as_stored(full):
             return self.xp.asarray(self.store.rows(full, index, self.dtype))
-        kept = self._resident(full)
-        if kept is not None:  # (gathered there)
-            stored = kept[self.xp.asarray(index)] if isinstance(index, np.ndarray) else kept[index]
-        else:
-            stored = self.xp.asarray(self.store.raw(full)[index])
-            self.store.release(full)
-        return decode_where_stored(stored, info.dtype, self.dtype)
+        return decode_where_stored(self._stored_on_device(full, index), self.store.infos[full].dtype, self.dtype)
 
     def linear(self, x: np.ndarray, name: str) -> np.ndarray:
         """x [R, in] @ W[out, in]^T for the named weight W, decoded from the checkpoint as it runs."""
@@ -395,15 +395,10 @@ class Gemma4Weights:
         device, a BF16/F16/F32 tensor of a safetensors checkpoint crosses as stored (2 bytes a value for BF16,
         not 8) and is decoded there (``decode_where_stored``, exact); other stores decode on the host."""
         info = self.store.infos[full]
-        if self.xp is np or not (isinstance(self.store, TensorStore) and info.dtype in PLAIN_FLOATS):
+        if not self._crosses_as_stored(full):
             return self.xp.asarray(self.store.read(full, start, stop, self.dtype))
-        kept = self._resident(full)
-        if kept is not None:
-            return decode_where_stored(kept[start:stop] if info.shape else kept, info.dtype, self.dtype)
-        raw = self.store.raw(full)
-        stored = self.xp.asarray(raw[start:stop] if info.shape else raw)
-        self.store.release(full)
-        return decode_where_stored(stored, info.dtype, self.dtype)
+        index = slice(start, stop) if info.shape else ...
+        return decode_where_stored(self._stored_on_device(full, index), info.dtype, self.dtype)
 
     def _buffer(self, shape: tuple[int, int]) -> np.ndarray:
         """A float array of ``shape`` reused by this thread's next call (grown to the largest shape asked)."""
