@@ -34,6 +34,7 @@ result, or a value that is not finite, such as the identity ratio of a one-row b
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
@@ -131,13 +132,32 @@ def _describe_nonfinite(v: float) -> str:
     return "nan" if math.isnan(v) else ("+inf" if v > 0 else "-inf")
 
 
+# what _BaseCache derives from a base's oracle rows, kept while that array lives: a set's cases grade against
+# the same bases, and each derived value is a pass over all of a base's rows (at real size 1,032 rows of 262,144
+# logits: a second or so a case, before the rows it grades)
+_DERIVED: dict[int, tuple[weakref.ref, dict[str, Any]]] = {}  # id(rows) -> (a weak reference to rows, what)
+
+
+def _derived_of(rows: Any) -> dict[str, Any]:
+    """The values derived from the array ``rows`` so far (forgotten when it is): TypeError where it cannot be
+    weakly referenced."""
+    key = id(rows)
+    entry = _DERIVED.get(key)
+    if entry is None or entry[0]() is not rows:
+        entry = (weakref.ref(rows), {})
+        _DERIVED[key] = entry
+        weakref.finalize(rows, _DERIVED.pop, key, None)
+    return entry[1]
+
+
 class _BaseCache:
-    """Per-base data computed once per grade_case call: float64 view and finite-column mask."""
+    """Per-base data: the oracle rows, their finite-column mask and squared norms, each computed once per base
+    array (shared by the cases that grade against it; computed per grade_case call for rows that cannot be
+    weakly referenced)."""
 
     def __init__(self, base_logits: dict[str, np.ndarray]):
         self.base_logits = base_logits
-        self._cols: dict[str, np.ndarray | None] = {}
-        self._sq: dict[str, np.ndarray] = {}
+        self._own: dict[str, dict[str, Any]] = {}
 
     def rows(self, base: str) -> np.ndarray:
         try:
@@ -145,20 +165,27 @@ class _BaseCache:
         except KeyError:
             raise KeyError(f"no oracle logits for base {base!r} (have: {', '.join(self.base_logits)})") from None
 
+    def _derived(self, base: str, what: str, make) -> Any:
+        rows = self.rows(base)
+        try:
+            kept = _derived_of(rows)
+        except TypeError:  # (not weakly referable)
+            kept = self._own.setdefault(base, {})
+        if what not in kept:
+            kept[what] = make(rows)
+        return kept[what]
+
     def sq_norms(self, base: str) -> np.ndarray:
         """sum of squares of every oracle row of the base (for row identity's candidate search)."""
-        if base not in self._sq:
-            rows = self.rows(base)
-            self._sq[base] = np.concatenate(
-                [np.sum(np.asarray(rows[s : s + 64], dtype=np.float64) ** 2, axis=-1) for s in range(0, len(rows), 64)])
-        return self._sq[base]
+        return self._derived(base, "sq", lambda rows: np.concatenate(
+            [np.sum(np.asarray(rows[s : s + 64], dtype=np.float64) ** 2, axis=-1) for s in range(0, len(rows), 64)]))
 
     def finite_cols(self, base: str) -> np.ndarray | None:
         """Columns finite in every oracle row of the base (None: all of them)."""
-        if base not in self._cols:
-            ok = np.all(np.isfinite(np.asarray(self.rows(base))), axis=0)
-            self._cols[base] = None if ok.all() else ok
-        return self._cols[base]
+        def make(rows):
+            ok = np.all(np.isfinite(np.asarray(rows)), axis=0)
+            return None if ok.all() else ok
+        return self._derived(base, "cols", make)
 
 
 @dataclass
@@ -175,15 +202,17 @@ class _Row:
     argmax_got: int | None = None
 
 
-def _tie_aware_overlap(ref: np.ndarray, got: np.ndarray, k: int, tie_margin: float) -> tuple[float, float, list, list]:
-    """(plain overlap, tie-aware overlap, ref top-k ids, got top-k ids)."""
+def _tie_aware_overlap(ref: np.ndarray, top_ref: np.ndarray, top_got: np.ndarray, k: int,
+                       tie_margin: float) -> tuple[float, float, list, list]:
+    """(plain overlap, tie-aware overlap, ref top-k ids, got top-k ids); ``top_ref``: the oracle's top k + 1
+    ids or more (``M.topk_ids``), ``top_got``: the returned row's top k or more (a longer stable top list starts
+    with the shorter one: each row's ids are ranked once for every check that reads them)."""
     k = min(k, ref.shape[-1])
-    ids_ref = M.topk_ids(ref, k)
-    ids_got = M.topk_ids(got, k)
+    ids_ref, ids_got = top_ref[:k], top_got[:k]
     plain = M.topk_overlap(ids_ref, ids_got)
     if k >= ref.shape[-1]:
         return plain, 1.0, ids_ref.tolist(), ids_got.tolist()
-    kth1 = float(ref[M.topk_ids(ref, k + 1)[-1]])  # the oracle's (k+1)-th logit
+    kth1 = float(ref[top_ref[k]])  # the oracle's (k+1)-th logit
     got_set = set(ids_got.tolist())
     ok = sum(1 for t in ids_ref.tolist() if t in got_set or ref[t] - kth1 <= tie_margin)
     return plain, ok / k, ids_ref.tolist(), ids_got.tolist()
@@ -292,15 +321,15 @@ def _distribution(label: str, r: np.ndarray, g: np.ndarray, colmap: np.ndarray, 
                                     f"kl {show_value(kl)})"))
 
 
-def _agreement(row: _Row, ref: np.ndarray, got: np.ndarray, profile: Profile, m: dict,
-               failures: list[tuple[str, str]]) -> None:
-    """Top-1 and the tie-aware top-k overlap, failing only on a decided row."""
+def _agreement(row: _Row, ref: np.ndarray, got: np.ndarray, tops: tuple[np.ndarray, np.ndarray], profile: Profile,
+               m: dict, failures: list[tuple[str, str]]) -> None:
+    """Top-1 and the tie-aware top-k overlap, failing only on a decided row; ``tops``: the rows' ranked ids
+    (``_tie_aware_overlap``)."""
     label = row.spec.label
     ref_top = int(M.top1(ref))
     agree = row.argmax_got == ref_top
     m["top1_agree"] = 1.0 if agree else 0.0
-    plain, tie_aware, ids_ref, ids_got = _tie_aware_overlap(ref, np.nan_to_num(got, nan=-np.inf),
-                                                            profile.topk, profile.tie_margin)
+    plain, tie_aware, ids_ref, ids_got = _tie_aware_overlap(ref, *tops, profile.topk, profile.tie_margin)
     m["topk_overlap"] = finite_or_none(plain)
     if row.decided and not agree:
         gg = np.nan_to_num(got, nan=-np.inf)
@@ -336,14 +365,15 @@ def _grade_row(row: _Row, got_row: np.ndarray, base_rows: np.ndarray, base_cols:
     g = got if cols is None else got[cols]
     colmap = np.arange(ref.shape[-1]) if cols is None else np.flatnonzero(cols)
     m = res.metrics
-    m["margin"] = finite_or_none(M.top1_margin(ref))
+    margin = M.top1_margin(ref)
+    m["margin"] = finite_or_none(margin)
     m["got_max_abs"] = finite_or_none(np.abs(g).max()) if g.size else None
     m["got_spread"] = finite_or_none(g.max() - g.min()) if g.size else None
     m["got_digest"] = M.row_digest(got)
-    res.top_ref = M.topk_ids(ref, TOP_N).tolist()
-    res.top_got = M.topk_ids(got, TOP_N).tolist()
+    tops = M.topk_ids(ref, max(TOP_N, profile.topk + 1)), M.topk_ids(got, max(TOP_N, profile.topk))
+    res.top_ref, res.top_got = tops[0][:TOP_N].tolist(), tops[1][:TOP_N].tolist()
     row.argmax_got = int(M.top1(got))
-    row.margin = float(M.top1_margin(ref))
+    row.margin = float(margin)
     row.decided = row.margin > profile.tie_margin
     if r.size == 0:
         failures.append(("nonfinite", f"{label}: no column where both rows are finite"))
@@ -352,7 +382,7 @@ def _grade_row(row: _Row, got_row: np.ndarray, base_rows: np.ndarray, base_cols:
     ratio_short = _identity(spec, got, fin_got, base_rows, base_cols, profile, approx_sq_dist, m, failures)
     at = _closeness(label, ref, got, r, g, colmap, profile, m, failures)
     _distribution(label, r, g, colmap, at, profile, m, failures)
-    _agreement(row, ref, got, profile, m, failures)
+    _agreement(row, ref, got, tops, profile, m, failures)
     if ratio_short is not None and not failures:
         failures.append(("identity", ratio_short))
     _finish(res, failures)

@@ -567,3 +567,34 @@ def test_oracle_in_float32_passes_fp32_not_exact(oracle_rows):
     assert grade(base, [oracle_rows["f32"]], "exact-f64").check == "max_abs"
     for name in ("fp16-kv", "bf16", "q8", "q4"):
         assert grade(base, [oracle_rows["f32"]], name).status == "pass"
+
+
+def test_a_base_is_scanned_once_for_the_cases_that_grade_against_it(monkeypatch):
+    """The finite columns of a base's oracle rows (a pass over all of them) are found once for every case graded
+    against that array, again for a new array, and the cases grade as they did alone (issue 55: repeated work)."""
+    rng = np.random.default_rng(5)
+    scans: list[tuple] = []
+    isfinite = np.isfinite
+
+    def counted(x, *args, **kwargs):
+        if np.shape(x) == (24, V):
+            scans.append(np.shape(x))
+        return isfinite(x, *args, **kwargs)
+
+    def grade_three(bases, target: np.ndarray) -> list[str]:
+        grades = []
+        for first in (0, 9, 18):  # three cases of 4 rows, each against the array bases() gives
+            got = target[first : first + 4] + 1e-13
+            grades.append(json.dumps(grade_case(make_case(), full_groups("A", 4, first), [got], {"A": bases()},
+                                                PROFILES["exact-f64"]).to_json(), sort_keys=True))
+        return grades
+
+    base = 30.0 * np.tanh(rng.normal(0.0, 4.0, (24, V)) / 30.0)
+    alone = grade_three(base.copy, base)  # each case against its own copy of the base
+    monkeypatch.setattr(np, "isfinite", counted)
+    shared = grade_three(lambda: base, base)
+    assert len(scans) == 1 and shared == alone
+    assert json.loads(shared[0])["status"] == "pass"
+    other = base.copy()
+    shifted = grade_three(lambda: other, np.roll(base, 1, axis=0))  # a new array, scanned again; rows shifted
+    assert len(scans) == 2 and [json.loads(g)["status"] for g in shifted] == ["fail"] * 3
