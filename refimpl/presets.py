@@ -130,6 +130,17 @@ PRESETS["12b-assistant-mini"] = dict(
     assistant=dict(_ASSISTANT_COMMON, family="gemma4_unified_assistant", num_key_value_heads=2,
                    attention_k_eq_v=True, num_global_key_value_heads=1, use_ordered_embeddings=False),
 )
+# The PLE-fold trap (docs/bug-classes.md): RMSNorm(s y; eps) = RMSNorm(y; eps / s^2), so an engine may fold the
+# per-layer context's scale s = H^-1/2 into the norm's eps; keeping eps, or dividing it by s once, changes the
+# result only where that context is near eps. Here the embedding rows of a band of ordinary ids are a thousandth of
+# the others (as a real vocabulary's never-trained ids can be): their per-layer context's mean square is ~4e-7,
+# next to eps 1e-6, where every other token's is ~0.4. The random bases draw them as often as any other id.
+PRESETS["e2b-ple-eps-mini"] = dict(
+    PRESETS["e2b-mini"],
+    description="E2B in miniature (e2b-mini's weights) with the embedding rows of ids 472-511 scaled by 1e-3: "
+                "their per-layer inputs' context is near the RMSNorm eps (the PLE-fold trap)",
+    quiet_rows=dict(first=472, stop=512, scale=1e-3),
+)
 PRESETS["mtp-layout-mini"] = dict(
     description="an MTP pair whose target's KV-owning prefix does not end in (sliding, full): layers S F S | S F F "
                 "with the last 3 KV-shared, so the drafter's store layers are 2 (sliding) and 1 (full), while "
@@ -142,7 +153,8 @@ PRESETS["mtp-layout-mini"] = dict(
 ASSISTANT_DIR = "assistant"  # where write_checkpoint puts a preset's drafter, inside the target's directory
 UNIFIED_ARCHITECTURES = {"causal": ("Gemma4UnifiedForCausalLM", "gemma4_unified_text"),
                          "conditional": ("Gemma4UnifiedForConditionalGeneration", "gemma4_unified")}
-PRESET_EXTRAS = ("description", "vision", "audio", "family", "unified_vision", "unified_audio", "assistant")
+PRESET_EXTRAS = ("description", "vision", "audio", "family", "unified_vision", "unified_audio", "assistant",
+                 "quiet_rows")
 
 # ----------------------------------------------------------------------------------------------
 # published shapes (gemma4-text-spec.md section 1): real-size checkpoints for memory and speed work

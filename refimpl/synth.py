@@ -404,6 +404,14 @@ def train_tokenizer() -> bytes:
 # the directory
 
 
+def quieten(weights: dict[str, np.ndarray], quiet: dict | None) -> dict[str, np.ndarray]:
+    """The weights with the embedding rows of ids [first, stop) scaled by ``scale`` (a preset's ``quiet_rows``;
+    the other tensors, drawn before, unchanged)."""
+    if quiet is not None:
+        weights["embed_tokens.weight"][quiet["first"]:quiet["stop"]] *= quiet["scale"]
+    return weights
+
+
 def write_checkpoint(preset: str, seed: int, out: str | Path, dtype: str = "f32",
                      layout: str = "causal", overwrite: bool = False) -> Path:
     """Write a complete checkpoint directory; atomic (a temporary directory renamed into place).
@@ -425,7 +433,7 @@ def write_checkpoint(preset: str, seed: int, out: str | Path, dtype: str = "f32"
     tokenizer = train_tokenizer()
     turn_end = SPECIAL_PIECES.index("<turn|>") + 4  # user-defined pieces follow the 4 core ids
     config = preset_config(preset, turn_end)
-    weights = make_weights(config, seed)
+    weights = quieten(make_weights(config, seed), PRESETS[preset].get("quiet_rows"))
     config["dtype"] = "bfloat16" if dtype == "bf16" else "float32"
     prefix = "model."
     vision, audio = PRESETS[preset].get("vision"), PRESETS[preset].get("audio")

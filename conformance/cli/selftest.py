@@ -42,13 +42,18 @@ class _SelftestProgress:
         elif isinstance(result, st.MutantResult):
             if result.error is not None:
                 state = f"ERROR {result.error}"
+            elif result.rewrite is not None:
+                rv = result.verdicts[st.CONTROL_PROFILE]
+                state = (f"FAILED at {rv.profile} ({rv.failing_cases} cases; first {rv.first_case} [{rv.check}])"
+                         if rv.killed else f"passes at {rv.profile} ({rv.cases_run} cases)")
             elif result.killed:
                 case, check = result.caught_by
                 mark = "" if result.matching else " (not a matching check)"
                 state = f"killed by {check}{mark} ({result.verdict.failing_cases} cases; first {case})"
             else:
                 state = "SURVIVED"
-            line = f"mutant {result.name} [{result.bug_class}]: {state} ({result.duration:.1f}s)"
+            kind = "rewrite" if result.rewrite is not None else "mutant"
+            line = f"{kind} {result.name} [{result.bug_class}]: {state} ({result.duration:.1f}s)"
         else:  # pragma: no cover
             return
         self.bar.message(line)
@@ -78,14 +83,16 @@ def cmd_selftest(args, argv: Sequence[str]) -> int:
         return EXIT_BACKEND
     mutants = st.select_mutants(every, mutant_pattern)
     equivalents = st.select_equivalents(st.load_equivalents(), mutant_pattern)
-    if not mutants and not equivalents:
+    rewrites = st.select_equivalents(st.load_rewrites(), mutant_pattern)
+    if not mutants and not equivalents and not rewrites:
         raise UsageError(f"--mutant {args.mutant!r} matches none of the {len(every)} mutants: "
                          + ", ".join(m.name for m in every))
 
     bar = _SelftestProgress(enabled=not args.quiet)
     control, note = st.default_control()
     result, failed = guarded(bar, lambda: st.run_selftest(sets, mutants, select=pattern, progress=bar,
-                                                           equivalents=equivalents, control=control,
+                                                           equivalents=equivalents, rewrites=rewrites,
+                                                           control=control,
                                                            control_note=note, workers=args.workers))
     if failed is not None:
         return failed

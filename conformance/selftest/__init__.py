@@ -20,9 +20,17 @@ from .results import (
     SelftestResult,
     Verdict,
 )
-from .run import default_control, load_equivalents, load_mutants, run_selftest, select_equivalents, select_mutants
+from .run import (
+    default_control,
+    load_equivalents,
+    load_mutants,
+    load_rewrites,
+    run_selftest,
+    select_equivalents,
+    select_mutants,
+)
 
 __all__ = ["CONTROL_PROFILE", "DEFAULT_PROFILES", "EQUIVALENT", "MUTANTS", "SCHEMA", "SCHEMA_VERSION", "ControlResult",
            "Mutant", "MutantResult", "NumpyEngineBackend", "SelftestResult", "Verdict", "console_summary",
-           "default_control", "load_equivalents", "load_mutants", "run_selftest", "select_equivalents",
+           "default_control", "load_equivalents", "load_mutants", "load_rewrites", "run_selftest", "select_equivalents",
            "select_mutants", "format_table", "table_rows", "to_json", "write_json"]

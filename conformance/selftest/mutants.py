@@ -66,11 +66,12 @@ from .mtp_mutants import (
     MtpPositionPMinus1,
 )
 from .planting import planted
+from .ple_mutants import PleFoldEpsKept, PleFoldEpsOverS, PleFoldRight
 from .state import CacheSet, KVView, MicroBatch, Rows, SequenceCache
 
 __all__ = ["AUDIO_SET", "BACKENDS", "MTP_SETS", "MTP_SET_CENTROID", "MTP_SET_LAYOUT", "CLOSENESS", "EQUIVALENT",
-           "IMAGE_SETS", "IMAGE_SET_BIDIRECTIONAL", "IMAGE_SET_PLE", "MUTANTS", "Mutant", "UNIFIED_SET", "mutant",
-           "planted"]
+           "IMAGE_SETS", "IMAGE_SET_BIDIRECTIONAL", "IMAGE_SET_PLE", "MUTANTS", "Mutant", "PLE_EPS_SET", "REWRITES",
+           "UNIFIED_SET", "mutant", "planted"]
 
 CLOSENESS = frozenset({"max_abs", "max_rel", "nmse", "cosine", "kl", "kl_mean", "delta_p"})
 IDENTITY = frozenset({"identity"})
@@ -364,6 +365,8 @@ PleMissingSqrtP = planted(
     "ple-missing-sqrt-p", "The per-layer-embedding table lookup is not multiplied by sqrt(P) (trap 10).",
     engine={"ple_table_rows": _ple_unscaled})
 
+
+
 MoeNoRenormalise = planted(
     "moe-no-renormalise", "MoE router weights are the top-k softmax probabilities without renormalising them (trap "
                           "12).",
@@ -484,6 +487,8 @@ def _m(cls: type, bug_class: str, expected: frozenset[str] | None = None, kill_s
 IMAGE_SET_PLE = "e2b-vision-mini"
 IMAGE_SET_BIDIRECTIONAL = "31b-vision-mini"
 IMAGE_SETS = (IMAGE_SET_PLE, IMAGE_SET_BIDIRECTIONAL)
+#: the bundled set of the PLE-fold trap: tokens whose per-layer context is near the RMSNorm eps
+PLE_EPS_SET = "e2b-ple-eps-mini"
 #: the bundled audio set: E2B miniature with PLE and a tiny audio tower (audio bases S0, S1)
 AUDIO_SET = "e2b-audio-mini"
 #: the bundled Gemma 4 Unified set: encoder-free image and audio embedders, vision blocks longer than the window
@@ -518,6 +523,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(SlidingWindowOffByOne, "trap 7", where="attn_out@sliding"),
     _m(SharedWrongSource, "trap 8", where="attn_out@wrong-source"),
     _m(PleMissingSqrtP, "trap 10", where="ple_add@0"),
+    _m(PleFoldEpsKept, "trap 10", CLOSENESS, kill_sets=(PLE_EPS_SET,), where="ple_add@0"),
+    _m(PleFoldEpsOverS, "trap 10", CLOSENESS, kill_sets=(PLE_EPS_SET,), where="ple_add@0"),
     _m(LayerScalarSkipped, "trap 11", where="residual@0"),
     _m(MoeRouterNormedInput, "trap 12", where="ffn_out@0"),
     _m(PlePlaceholderRow, "trap 17", kill_sets=(IMAGE_SET_PLE,), where="ple_add@0"),
@@ -564,6 +571,17 @@ EQUIVALENT: dict[str, tuple[Mutant, str]] = {
         "after the expert sum and removes any per-token scale; only the eps of that norm leaks the "
         "difference (max_abs ~3e-5 on the bundled MoE sets: caught at exact-f64, invisible at fp32 and "
         "coarser, on any input)",
+    ),
+}
+
+# Engines rewritten to compute the same function otherwise (not bugs): each must pass at exact-f64 where the
+# mutants beside it are killed, or the gate would fail an engine that is right.
+REWRITES: dict[str, tuple[Mutant, str]] = {
+    "ple-fold-right": (
+        _m(PleFoldRight, "trap 10", kill_sets=(PLE_EPS_SET, "e2b-mini"), where="ple_add@0"),
+        "RMSNorm(s y; eps) = RMSNorm(y; eps / s^2) for s > 0 and (a + b) / sqrt(2) = a / sqrt(2) + b / sqrt(2): the "
+        "fold llama.cpp's PLE simplification makes, done right, changes only the rounding; on the sets where the "
+        "two wrong folds are killed and on one where they pass",
     ),
 }
 

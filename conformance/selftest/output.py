@@ -27,7 +27,15 @@ EQUIVALENT_MARK = "equivalent*"
 def _cell_profile(m: MutantResult, profile: str) -> str:
     if m.error is not None:
         return "-"
+    if m.rewrite is not None:  # (not a bug: it passes or fails)
+        return "passes" if m.survives(profile) else f"FAILED ({m.verdicts[profile].failing_cases})"
     return "survives" if m.survives(profile) else f"killed ({m.verdicts[profile].failing_cases})"
+
+
+def _counted(result: SelftestResult) -> str:
+    """'N mutant(s)', and the rewrites beside them when there are some."""
+    rewrites = sum(m.rewrite is not None for m in result.mutants)
+    return f"{len(result.mutants) - rewrites} mutant(s)" + (f" and {rewrites} rewrite(s)" if rewrites else "")
 
 
 def table_rows(result: SelftestResult, breaks_width: int | None = 48) -> list[list[str]]:
@@ -57,6 +65,12 @@ def table_rows(result: SelftestResult, breaks_width: int | None = 48) -> list[li
         mv = m.verdict
         if m.error is not None:
             add([m.name, m.bug_class, m.breaks, "ERROR", "-", "-", "-"] + ["-"] * len(others))
+            continue
+        if m.rewrite is not None:  # the same function: must pass at exact-f64
+            rv = m.verdicts[CONTROL_PROFILE]
+            add([f"(rewrite) {m.name}", m.bug_class, m.breaks, "FAILED" if rv.killed else "passes",
+                 f"{CONTROL_PROFILE}: {rv.check}" if rv.killed else f"{CONTROL_PROFILE}: passes",
+                 rv.first_case or "-", f"{rv.failing_cases}/{rv.cases_run}"] + [_cell_profile(m, p) for p in others])
             continue
         if m.equivalent is not None:
             ev = m.verdicts[CONTROL_PROFILE]
@@ -90,7 +104,7 @@ def console_summary(result: SelftestResult, breaks_width: int | None = 48) -> st
     """The text ``conformance selftest`` prints: header, table, verdict, exit line."""
     sets = ", ".join(f"{s['name']} {s['version']}" for s in result.sets if s["cases_selected"])
     primary = result.primary
-    lines = [f"self-test: {len(result.mutants)} mutant(s) of {result.control.backend}, graded at {primary} "
+    lines = [f"self-test: {_counted(result)} of {result.control.backend}, graded at {primary} "
              f"(verdict) and {', '.join(result.profiles[1:]) or 'no other profile'} (information); "
              f"{result.cases} case(s) from {sets or 'no set'}"]
     if result.select:
@@ -99,30 +113,35 @@ def console_summary(result: SelftestResult, breaks_width: int | None = 48) -> st
         lines.append(f"note: {result.control.note}")
     lines.append("")
     lines.append(format_table(result, breaks_width))
-    if any(m.killed and not m.matching and m.equivalent is None for m in result.mutants):
+    if any(m.killed and not m.matching and m.equivalent is None and m.rewrite is None for m in result.mutants):
         lines.append(f"{MISMATCH_MARK.strip()} killed, but not by a check that matches the bug")
     for m in result.mutants:
         if m.equivalent is not None:
             lines.append(f"* {m.name}: equivalent at float precision, graded at {CONTROL_PROFILE} (its row shows "
                          f"that verdict): {m.equivalent}")
+        if m.rewrite is not None:
+            lines.append(f"* (rewrite) {m.name}: not a bug, graded at {CONTROL_PROFILE}, where it must pass: "
+                         f"{m.rewrite}")
     lines.append("")
     if result.valid:
         for p in result.profiles[1:]:
             surv = result.survivors(p)
             lines.append(f"would survive at {p}: " + (", ".join(surv) if surv else "none")
-                         + f" ({len(surv)} of {len(result.mutants)})")
+                         + f" ({len(surv)} of {sum(m.rewrite is None for m in result.mutants)})")
 
     problems = result.problems()
     if not problems:
         eq = [m.name for m in result.mutants if m.equivalent is not None]
+        rw = [m.name for m in result.mutants if m.rewrite is not None]
         lines.append(f"every mutant killed at {primary} by a matching check"
                      + (f" (equivalent ones at {CONTROL_PROFILE}: {', '.join(eq)})" if eq else "")
+                     + (f"; the rewrites pass at {CONTROL_PROFILE}: {', '.join(rw)}" if rw else "")
                      + f"; the control passes at {result.control.profile}")
     else:
         head = "SELF-TEST INVALID" if not result.valid else "SELF-TEST FAILED"
         lines.append(f"{head}:")
         lines += [f"  - {p}" for p in problems]
-    lines.append(f"{len(result.mutants)} mutant(s) x {result.cases} case(s) in {result.duration:.1f}s")
+    lines.append(f"{_counted(result)} x {result.cases} case(s) in {result.duration:.1f}s")
     code = result.exit_code
     lines.append(f"exit {code}: " + ("self-test passed" if code == 0 else
                                       "self-test invalid (the control fails)" if not result.valid else

@@ -130,6 +130,8 @@ class MutantResult:
     run_calls: int = 0  # backend.run calls made (one per case that ran)
     error: str | None = None  # the mutant could not be built or opened
     equivalent: str | None = None  # why no float profile can see this bug (graded at exact-f64 too)
+    rewrite: str | None = None  # not a bug: a rewrite of the engine that computes the same function (why), which
+    # must pass at exact-f64 (the PLE fold done right: a gate that failed it would fail a correct engine)
     kill_sets: tuple[str, ...] = ()  # the only fixture sets that can kill it (empty: any)
     sets_run: tuple[str, ...] = ()  # the fixture sets it ran cases of
 
@@ -170,6 +172,15 @@ class MutantResult:
     def problem(self) -> str | None:
         if self.error is not None:
             return f"mutant {self.name!r} could not run: {self.error}"
+        if self.rewrite is not None:
+            v = self.verdicts[CONTROL_PROFILE]
+            if v.cases_run == 0:
+                return f"rewrite {self.name!r} ran no case (every selected case not claimed or skipped)"
+            if v.killed:
+                return (f"rewrite {self.name!r} (the same function: {self.breaks}) failed {v.failing_cases} of "
+                        f"{v.cases_run} case(s) at {CONTROL_PROFILE} (first: {v.first_case} [{v.check}]): the gate "
+                        "would fail an engine that computes the model")
+            return None
         if self.equivalent is not None:
             if not self.verdicts[CONTROL_PROFILE].killed:
                 return f"equivalent mutant {self.name!r} ({self.bug_class}) is not caught even at {CONTROL_PROFILE}"
@@ -206,7 +217,8 @@ class MutantResult:
             "survives": {p: self.survives(p) for p in self.verdicts},
             "profiles": {p: vv.to_json() for p, vv in self.verdicts.items()},
             "run_calls": self.run_calls, "duration": self.duration, "error": self.error,
-            "equivalent": self.equivalent, "kill_sets": list(self.kill_sets), "problem": self.problem(),
+            "equivalent": self.equivalent, "rewrite": self.rewrite, "kill_sets": list(self.kill_sets),
+            "problem": self.problem(),
         }
 
 
@@ -246,6 +258,6 @@ class SelftestResult:
         return 1 if self.problems() else 0
 
     def survivors(self, profile: str) -> list[str]:
-        return [m.name for m in self.mutants if m.survives(profile)]
+        return [m.name for m in self.mutants if m.rewrite is None and m.survives(profile)]
 
 

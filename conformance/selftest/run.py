@@ -52,10 +52,10 @@ from ..check.profiles import get_profile
 from ..check.session import Checkpoints, Selection, Session, Work
 from ..protocol.types import Backend, BackendError
 from .backend import NumpyEngineBackend
-from .mutants import EQUIVALENT, MUTANTS
+from .mutants import EQUIVALENT, MUTANTS, REWRITES
 from .results import CONTROL_PROFILE, DEFAULT_PROFILES, ControlResult, MutantResult, Progress, SelftestResult, Verdict
 
-__all__ = ["run_selftest", "default_control", "load_mutants", "load_equivalents", "select_mutants",
+__all__ = ["run_selftest", "default_control", "load_mutants", "load_equivalents", "load_rewrites", "select_mutants",
            "select_equivalents"]
 
 
@@ -192,7 +192,7 @@ class _Forked:
 def _run_planned(i: int) -> tuple[dict[str, Verdict] | None, int, str | None, float]:
     """In a forked worker: run planned mutant ``i`` as the sequential loop does; (verdicts, run calls, error,
     seconds). A checkpoint the control did not materialise goes under this worker's own directory."""
-    m, _, mprofs = _FORKED["planned"][i]
+    m, *_, mprofs = _FORKED["planned"][i]
     checkpoints = _FORKED["checkpoints"]
     checkpoints.workdir = _FORKED["tmp"] / f"worker-{os.getpid()}"
     t = time.perf_counter()
@@ -229,6 +229,11 @@ def load_equivalents() -> tuple:
     return tuple(EQUIVALENT.values())
 
 
+def load_rewrites() -> tuple:
+    """``conformance.selftest.mutants.REWRITES`` as (variant, reason) pairs (``select_equivalents`` picks them)."""
+    return tuple(REWRITES.values())
+
+
 def select_equivalents(equivalents: Iterable, regex: str | re.Pattern | None) -> list:
     """The (mutant, reason) pairs whose mutant matches ``regex`` as in ``select_mutants``."""
     equivalents = list(equivalents)
@@ -245,17 +250,17 @@ def select_mutants(mutants: Iterable, regex: str | re.Pattern | None) -> list:
     return [m for m in mutants if pat.search(m.name) or pat.fullmatch(str(m.bug_class))]
 
 
-def _checked(profiles: Sequence, control_profile: str, mutants: Iterable,
-             equivalents: Iterable) -> tuple[list, Any, list, list]:
+def _checked(profiles: Sequence, control_profile: str, mutants: Iterable, equivalents: Iterable,
+             rewrites: Iterable = ()) -> tuple[list, Any, list, list]:
     """(the profiles, the control's profile, the mutants, the equivalent pairs), checked: at least one profile,
-    none twice, every mutant name unique."""
+    none twice, every mutant name (and rewrite's) unique."""
     profs = [get_profile(p) for p in profiles]
     if not profs:
         raise ValueError("run_selftest: at least one profile is needed")
     if len({p.name for p in profs}) != len(profs):
         raise ValueError(f"run_selftest: profiles given twice: {[p.name for p in profs]}")
     mutants, equivalents = list(mutants), list(equivalents)
-    names = [m.name for m in mutants] + [m.name for m, _ in equivalents]
+    names = [m.name for m in mutants] + [m.name for m, _ in [*equivalents, *rewrites]]
     if len(set(names)) != len(names):
         raise ValueError(f"run_selftest: mutant names are not unique: {names}")
     return profs, get_profile(control_profile), mutants, equivalents
@@ -293,15 +298,17 @@ class _Run:
 
     def mutants(self, planned: list, workers: int, tmp: Path, primary: str,
                 sets_run: tuple[str, ...]) -> list[MutantResult]:
-        """Every planned (mutant, reason of an equivalent one, profiles), forked or in this process."""
+        """Every planned (mutant, reason of an equivalent one, reason of a rewrite, profiles), forked or in this
+        process."""
         results: list[MutantResult] = []
         forked = None
         try:
             forked = _run_forked(planned, workers, self.selection, self.checkpoints, self.expectations, tmp)
-            for i, (m, reason, mprofs) in enumerate(planned):
+            for i, (m, reason, rewrite, mprofs) in enumerate(planned):
                 exp = None if m.expected_checks is None else frozenset(m.expected_checks)
                 mres = MutantResult(m.name, str(m.breaks), str(m.bug_class), exp,
                                     {p.name: Verdict(p.name) for p in mprofs}, primary, equivalent=reason,
+                                    rewrite=rewrite,
                                     kill_sets=tuple(getattr(m, "kill_sets", ()) or ()), sets_run=sets_run)
                 self.mutant(m, mres, mprofs, forked[i] if forked is not None else None)
                 results.append(mres)
@@ -345,6 +352,7 @@ def run_selftest(
     control_profile: str = CONTROL_PROFILE,
     workdir: str | Path | None = None,
     equivalents: Iterable = (),
+    rewrites: Iterable = (),
     workers: int = 1,
 ) -> SelftestResult:
     """Run the control, then every mutant, on the selected cases of ``sets`` (paths or ``FixtureSet``s).
@@ -353,7 +361,9 @@ def run_selftest(
     backend (default: ``numpy-engine``), ``control_note`` a note on it for the report. ``equivalents``: (mutant, reason)
     pairs for planted bugs that no
     float profile can see; they run after the mutants, are graded at every profile and at exact-f64,
-    and count as a problem only if even exact-f64 misses them. ``workers``: mutants run at the same time, each in
+    and count as a problem only if even exact-f64 misses them. ``rewrites``: (variant, reason) pairs for engines
+    rewritten to compute the same function (the PLE fold done right), run like the equivalent ones; a problem when
+    exact-f64 fails one (the gate would fail a correct engine). ``workers``: mutants run at the same time, each in
     a process forked after the control (``_run_forked``; Linux; elsewhere, or with 1, one after the other in
     this process). Raises FixtureError (a broken set), NoCasesSelected,
     ValueError (bad regex or unknown profile), BackendError when the default control cannot be
@@ -361,11 +371,12 @@ def run_selftest(
     """
     started = _dt.datetime.now(_dt.timezone.utc)
     t0 = time.perf_counter()
-    profs, cprof, mutants, equivalents = _checked(profiles, control_profile, mutants, equivalents)
+    rewrites = list(rewrites)
+    profs, cprof, mutants, equivalents = _checked(profiles, control_profile, mutants, equivalents, rewrites)
     with tempfile.TemporaryDirectory(prefix="gemma4-selftest-", dir=workdir) as tmp:
         run = _Run(Selection(sets, select), Checkpoints(tmp), Expectations(), progress)
         run.count = _Counter(run.selection.total + sum(map(run.cases_of, mutants))
-                             + sum(run.cases_of(m) for m, _ in equivalents), progress)
+                             + sum(run.cases_of(m) for m, _ in [*equivalents, *rewrites]), progress)
         if control is None:
             control, control_note = default_control()
         cres = run.control(control, control_note, cprof)
@@ -373,9 +384,10 @@ def run_selftest(
         sets_info = [{"name": i.name, "version": i.version, "path": i.path, "cases_total": i.cases_total,
                       "cases_selected": i.cases_selected} for i in run.selection.infos()]
         if cres.passed:
-            planned = [(m, None, profs) for m in mutants]
+            planned = [(m, None, None, profs) for m in mutants]
             with_exact = profs + ([] if cprof.name in {p.name for p in profs} else [cprof])
-            planned += [(m, str(reason), with_exact) for m, reason in equivalents]
+            planned += [(m, str(reason), None, with_exact) for m, reason in equivalents]
+            planned += [(m, None, str(reason), with_exact) for m, reason in rewrites]
             sets_run = tuple(s["name"] for s in sets_info if s["cases_selected"])
             results = run.mutants(planned, workers, Path(tmp), profs[0].name, sets_run)
     return SelftestResult(

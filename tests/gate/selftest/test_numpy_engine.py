@@ -46,6 +46,7 @@ from conformance.selftest.mutants import (
     MTP_SET_LAYOUT,
     MTP_SETS,
     MUTANTS,
+    PLE_EPS_SET,
     UNIFIED_SET,
     Mutant,
     mutant,
@@ -65,6 +66,7 @@ IMAGE_MUTANTS = [m for m in MUTANTS if set(m.kill_sets) & set(IMAGE_SETS)]  # ne
 AUDIO_MUTANTS = [m for m in MUTANTS if AUDIO_SET in m.kill_sets]  # need audio prompts
 MTP_MUTANTS = [m for m in MUTANTS if set(m.kill_sets) & set(MTP_SETS)]  # need MTP requests
 UNIFIED_MUTANTS = [m for m in MUTANTS if m.kill_sets == (UNIFIED_SET,)]  # need Gemma 4 Unified's embedders
+PLE_FOLD_MUTANTS = [m for m in MUTANTS if m.kill_sets == (PLE_EPS_SET,)]  # need per-layer contexts near eps
 AUDIO_PRESET = "e2b-audio-mini"
 GRADING_CHECKS = CLOSENESS | {"count", "shape", "nonfinite", "identity", "top1", "topk", "generation", "hidden",
                                "hidden_identity", "mtp", "mtp_output", "mtp_accepted", "mtp_trace"}
@@ -304,8 +306,9 @@ def test_mutant_catalogue():
     assert {m.name for m in MTP_MUTANTS} == {n for n in BACKENDS if n.startswith("mtp-")}
     special = {"mtp-centroid-top-k-minus-1": (MTP_SET_CENTROID,), "mtp-positional-store-layers": (MTP_SET_LAYOUT,)}
     assert all(m.kill_sets == special.get(m.name, MTP_SETS) for m in MTP_MUTANTS)
+    assert {m.name for m in PLE_FOLD_MUTANTS} == {"ple-fold-eps-kept", "ple-fold-eps-over-s"}
     assert len(MUTANTS) == len(TEXT_MUTANTS) + len(IMAGE_MUTANTS) + len(AUDIO_MUTANTS) + len(UNIFIED_MUTANTS) + \
-        len(MTP_MUTANTS)
+        len(MTP_MUTANTS) + len(PLE_FOLD_MUTANTS)
     assert "moe-no-renormalise" in EQUIVALENT and "moe-no-renormalise" not in BACKENDS
 
 

@@ -312,6 +312,7 @@ def test_mutant_selection_by_name_or_bug_class():
 def standins(monkeypatch):
     monkeypatch.setattr(st, "load_mutants", lambda: (SHIFT, SOFTCAP, CORRECT))
     monkeypatch.setattr(st, "load_equivalents", lambda: ())
+    monkeypatch.setattr(st, "load_rewrites", lambda: ())
     monkeypatch.setattr(st, "default_control", lambda: (_control(), None))
 
 
@@ -398,6 +399,7 @@ def test_cli_broken_fixture_set_exits_3(standins, tmp_path, capsys):
 def test_cli_control_failure_exits_1(monkeypatch, capsys):
     monkeypatch.setattr(st, "load_mutants", lambda: (SHIFT,))
     monkeypatch.setattr(st, "load_equivalents", lambda: ())
+    monkeypatch.setattr(st, "load_rewrites", lambda: ())
     monkeypatch.setattr(st, "default_control", lambda: (ShiftInteriorRow(), None))
     assert main(["selftest", "--match", FEW, "-q"]) == 1
     out = capsys.readouterr().out
@@ -616,11 +618,13 @@ def test_unified_mutants_are_killed_by_the_bundled_unified_set(sets):
 
 def test_the_subsets_cover_every_mutant():
     """What lets the full self-test be opt-in: every mutant of the catalogue is in one of the subset tests above
-    (no kill set: REAL_SUBSET; image, audio, MTP and Unified kill sets: their own subsets)."""
+    (no kill set: REAL_SUBSET; image, audio, MTP and Unified kill sets: their own subsets; the PLE-fold mutants:
+    tests/gate/selftest/test_ple_fold.py)."""
     m = pytest.importorskip("conformance.selftest.mutants")
     groups = [[x for x in m.MUTANTS if not x.kill_sets], _image_mutants(m), _audio_mutants(m),
               [x for x in m.MUTANTS if set(x.kill_sets) & set(m.MTP_SETS)],
-              [x for x in m.MUTANTS if x.kill_sets == (m.UNIFIED_SET,)]]
+              [x for x in m.MUTANTS if x.kill_sets == (m.UNIFIED_SET,)],
+              [x for x in m.MUTANTS if x.kill_sets == (m.PLE_EPS_SET,)]]
     assert {x.name for g in groups for x in g} == {x.name for x in m.MUTANTS}
 
 
