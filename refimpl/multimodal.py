@@ -19,7 +19,8 @@ positions and the vision block ids of the decoder mask (gemma4-multimodal-spec.m
 builds its three inputs (``multimodal_inputs``) and runs it (``multimodal_logits``). The image soft
 tokens come from ``refimpl.vision.vision_tower``, the audio ones from ``refimpl.audio.audio_tower`` (one
 call per clip), or anything else that yields [M_i, H] per image / clip. Image i fills the i-th run of
-image tokens and clip j the j-th run of audio tokens; video placeholders are refused.
+image tokens, clip j the j-th run of audio tokens, and video frame f (refimpl.video: each sampled frame an image
+of its own) the f-th run of video tokens; a frame is a vision block like an image.
 """
 
 from __future__ import annotations
@@ -161,18 +162,24 @@ def merge_soft_tokens(x: np.ndarray, image_mask: np.ndarray, soft_tokens: np.nda
 
 
 def check_image_runs(ids: np.ndarray, tokens: MultimodalTokens, counts: Sequence[int],
-                     audio_counts: Sequence[int] = ()) -> None:
-    """Image i must fill exactly the i-th maximal run of image tokens (``boi + image x M_i + eoi``).
-    Video placeholders are refused; audio placeholders only pass with audio soft tokens
-    (``audio_counts``, checked by ``check_audio_runs``)."""
+                     audio_counts: Sequence[int] = (), frame_counts: Sequence[int] = ()) -> None:
+    """Image i must fill exactly the i-th maximal run of image tokens (``boi + image x M_i + eoi``), video frame f
+    the f-th run of video tokens (``frame_counts``: each frame's soft tokens, the frames of every video in prompt
+    order); audio placeholders only pass with audio soft tokens (``audio_counts``, checked by
+    ``check_audio_runs``)."""
     runs = run_lengths(ids == tokens.image_token_id)
     if runs != list(counts):
         raise InputError(
             f"the prompt's image-token runs have lengths {runs}, but the images have {list(counts)} soft tokens; "
             f"each image needs its own run boi + {tokens.image_token_id} x M + eoi with M its soft-token count"
         )
-    if (ids == tokens.video_token_id).any():
-        raise InputError(f"video placeholders ({tokens.video_token_id}) are not supported yet (images and audio only)")
+    frames = run_lengths(ids == tokens.video_token_id)
+    if frames != list(frame_counts):
+        raise InputError(
+            f"the prompt's video-token runs have lengths {frames}, but the video frames given have "
+            f"{list(frame_counts)} soft tokens; each frame needs its own run boi + {tokens.video_token_id} x N + eoi "
+            "(refimpl.video.video_ids) and its soft tokens in video_soft_tokens, one [N, H] array a frame"
+        )
     n_audio = int(np.count_nonzero(ids == tokens.audio_token_id))
     if n_audio and not len(audio_counts):
         raise InputError(
@@ -212,14 +219,18 @@ class MultimodalInputs:
 
 
 def multimodal_inputs(model: Gemma4, ids: Sequence[int] | np.ndarray, soft_tokens: Sequence[np.ndarray],
-                      tokens: MultimodalTokens, *, audio_soft_tokens: Sequence[np.ndarray] = ()) -> MultimodalInputs:
-    """Merge the soft tokens of each image ([M_i, H], in prompt order) and of each audio clip
-    (``audio_soft_tokens``, [A_j, H], in prompt order) into the prompt ``ids``."""
+                      tokens: MultimodalTokens, *, audio_soft_tokens: Sequence[np.ndarray] = (),
+                      video_soft_tokens: Sequence[np.ndarray] = ()) -> MultimodalInputs:
+    """Merge the soft tokens of each image ([M_i, H], in prompt order), of each audio clip
+    (``audio_soft_tokens``, [A_j, H], in prompt order) and of each video frame (``video_soft_tokens``, [N_f, H],
+    the frames of every video in prompt order; refimpl.video) into the prompt ``ids``."""
     ids = model.check_ids(ids)
     H = model.cfg.hidden_size
     soft = check_soft_tokens(soft_tokens, H, "image")
     audio = check_soft_tokens(audio_soft_tokens, H, "audio clip")
-    check_image_runs(ids, tokens, [s.shape[0] for s in soft], [a.shape[0] for a in audio])
+    frames = check_soft_tokens(video_soft_tokens, H, "video frame")
+    check_image_runs(ids, tokens, [s.shape[0] for s in soft], [a.shape[0] for a in audio],
+                     [f.shape[0] for f in frames])
     pad = model.cfg.pad_token_id if model.cfg.pad_token_id is not None else 0
     placeholder = np.isin(ids, tokens.placeholders)
     llm_ids = llm_input_ids(ids, placeholder, pad)
@@ -228,6 +239,8 @@ def multimodal_inputs(model: Gemma4, ids: Sequence[int] | np.ndarray, soft_token
         x = merge_soft_tokens(x, ids == tokens.image_token_id, np.concatenate(soft).astype(model.dtype))
     if audio:
         x = merge_soft_tokens(x, ids == tokens.audio_token_id, np.concatenate(audio).astype(model.dtype))
+    if frames:
+        x = merge_soft_tokens(x, ids == tokens.video_token_id, np.concatenate(frames).astype(model.dtype))
     vision = vision_token_mask(ids, tokens)
     blocks = vision_block_ids(vision) if model.cfg.use_bidirectional_attention == "vision" else None
     return MultimodalInputs(llm_ids, x, blocks)
@@ -294,11 +307,13 @@ def audio_spans(ids: Sequence[int] | np.ndarray, tokens: MultimodalTokens) -> li
 
 def multimodal_logits(model: Gemma4, ids: Sequence[int] | np.ndarray, soft_tokens: Sequence[np.ndarray],
                       tokens: MultimodalTokens, *, rows: str | Sequence[int] = "all", cache: KVCache | None = None,
-                      trace: Trace | None = None, audio_soft_tokens: Sequence[np.ndarray] = ()) -> np.ndarray:
-    """Logits [R, V] of an image / audio prompt: ``multimodal_inputs`` then ``Gemma4.forward``. With a
-    cache, each image and clip must lie whole in the call that holds it (a block is never split across
+                      trace: Trace | None = None, audio_soft_tokens: Sequence[np.ndarray] = (),
+                      video_soft_tokens: Sequence[np.ndarray] = ()) -> np.ndarray:
+    """Logits [R, V] of an image / audio / video prompt: ``multimodal_inputs`` then ``Gemma4.forward``. With a
+    cache, each image, frame and clip must lie whole in the call that holds it (a block is never split across
     calls; the runs are checked per call); calls without placeholders can be plain ``Gemma4.forward``."""
-    m = multimodal_inputs(model, ids, soft_tokens, tokens, audio_soft_tokens=audio_soft_tokens)
+    m = multimodal_inputs(model, ids, soft_tokens, tokens, audio_soft_tokens=audio_soft_tokens,
+                          video_soft_tokens=video_soft_tokens)
     return model.forward(m.ids, rows=rows, cache=cache, embeddings=m.embeddings, vision_blocks=m.vision_blocks,
                          trace=trace)
 

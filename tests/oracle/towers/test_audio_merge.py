@@ -330,7 +330,9 @@ def test_check_runs():
         check_image_runs(ids, TOKENS, [2], [4])
     with pytest.raises(InputError, match=r"audio-token runs have lengths \[\], but the audio clips have \[2\]"):
         check_image_runs(ids[:5], TOKENS, [2], [2])
-    with pytest.raises(InputError, match=r"video placeholders \(506\) are not supported yet"):
+    with pytest.raises(InputError, match=r"video-token runs have lengths \[1\], but the video frames given have "
+                                         r"\[\] soft tokens; each frame needs its own run"):
         check_image_runs(np.append(ids, 506), TOKENS, [2], [3, 1])
+    check_image_runs(np.append(ids, 506), TOKENS, [2], [3, 1], [1])
     # audio never forms a vision block
     assert vision_token_mask(ids, TOKENS).tolist() == [i in (IMG,) for i in ids.tolist()]

@@ -1,0 +1,186 @@
+"""Video prompts (refimpl.video + refimpl.multimodal) against transformers' ``Gemma4ForConditionalGeneration``,
+float64 with the float32 spots patched (issue 58, part 1).
+
+The checkpoints of tests/oracle/towers/test_image_merge.py's kind (a tiny vision tower; text: hidden 64, 3 layers
+sliding/sliding/full, window 8, PLE), one with vision blocks and one causal. A video of 84 x 120 frames (the size
+the video budget of 70 soft tokens keeps: no resize, so the pixels are the processor's whatever its resize
+rounds) sampled to 3 frames; the prompt ``text + "mm:ss " + boi + video x 70 + eoi + " mm:ss " + ... + text``;
+transformers gets input_ids, pixel_values_videos (float64), video_position_ids, num_frames_per_video and
+mm_token_type_ids (2 at the video tokens). Every row of the logits is compared. Also: each frame is its own
+vision block, the timestamps and markers outside; the layout against transformers' own processor rules
+(frame sampling, timestamps, the replacement text, the resize rule at the video budget); the bad inputs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hf_towers import randomise_text, randomise_vision, recompute_vision_inv_freq, vision_float64_exact
+
+from refimpl.errors import InputError
+from refimpl.image import preprocess_image
+from refimpl.model import Gemma4
+from refimpl.multimodal import MultimodalTokens, load_multimodal_tokens, multimodal_inputs, multimodal_logits
+from refimpl.video import (
+    VideoSettings,
+    check_frames,
+    frame_timestamps,
+    preprocess_video,
+    sample_frame_indices,
+    video_frame_size,
+    video_ids,
+)
+from refimpl.vision import load_vision_tower, vision_tower_batch
+
+EXACT_BOUND = 5e-12  # as for image prompts (tests/oracle/towers/test_image_merge.py)
+
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=3, position_embedding_size=64)
+TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=16, global_head_dim=32, sliding_window=8, hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=512, final_logit_softcapping=30.0,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+TOKEN_IDS = dict(image_token_id=500, boi_token_id=501, eoi_token_id=502, audio_token_id=503, boa_token_id=504,
+                 eoa_token_index=505, video_token_id=506)
+VID, BOI, EOI = TOKEN_IDS["video_token_id"], TOKEN_IDS["boi_token_id"], TOKEN_IDS["eoi_token_id"]
+FRAME = (84, 120)  # 21 x 30 patches of 4 = 630 = 70 x 3^2: kept as it is at the video budget
+FPS = 0.8  # 7 frames: kept 0, 2, 4 -> 00:00, 00:02, 00:05
+
+
+def encode(text: str) -> list[int]:
+    """A stand-in tokenizer for the timestamps (the forward only needs ids): one id a character."""
+    return [3 + (ord(c) % 400) for c in text]
+
+
+@pytest.fixture(scope="module")
+def env(torch_one_thread):
+    return torch_one_thread
+
+
+@pytest.fixture(scope="module")
+def video():
+    rng = np.random.default_rng(58)
+    frames = [rng.integers(0, 256, (*FRAME, 3), dtype=np.uint8) for _ in range(7)]
+    return preprocess_video(frames, FPS, lambda f: preprocess_image(f, 4, 3, 70), VideoSettings(70, 3))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(env, tmp_path_factory):
+    """{name: (dir, float64 HF model)} for "vision" (bidirectional blocks) and "causal"."""
+    torch, mg, hf_reference = env
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    out = {}
+    for seed, (name, bidir) in enumerate([("vision", "vision"), ("causal", None)]):
+        cfg = Gemma4Config(text_config={**TEXT, "use_bidirectional_attention": bidir}, vision_config=dict(VISION),
+                           audio_config=None, **TOKEN_IDS)
+        model = Gemma4ForConditionalGeneration(cfg)
+        randomise_vision(torch, model, seed + 5)
+        randomise_text(torch, model, seed + 5)
+        path = tmp_path_factory.mktemp(f"video_{name}")
+        model.save_pretrained(path)
+        hf = Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float64, attn_implementation="eager",
+                                                            use_safetensors=True)
+        hf.eval()
+        recompute_vision_inv_freq(torch, mg, hf)
+        hf_reference.recompute_float64_buffers(hf)
+        out[name] = (path, hf)
+    return out
+
+
+def _prompt(video, tokens: MultimodalTokens) -> np.ndarray:
+    rng = np.random.default_rng(3)
+    return np.concatenate([[2], rng.integers(3, 480, 5), video_ids(video, tokens, encode),
+                           rng.integers(3, 480, 6)]).astype(np.int64)
+
+
+def _hf_logits(env, hf, ids, video):
+    torch, mg, hf_reference = env
+    pixels = np.stack([p.pixel_values for p in video.processed])  # [F, 630, 48]
+    positions = np.stack([p.positions for p in video.processed])  # [F, 630, 2]
+    types = np.where(ids == VID, 2, 0)[None]
+    with torch.no_grad(), vision_float64_exact(torch, mg, hf_reference):
+        out = hf(input_ids=torch.from_numpy(ids[None]), pixel_values_videos=torch.from_numpy(pixels),
+                 video_position_ids=torch.from_numpy(positions), num_frames_per_video=torch.tensor([video.frames]),
+                 mm_token_type_ids=torch.from_numpy(types), use_cache=False)
+    return out.logits[0].numpy()
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("name", ["vision", "causal"])
+def test_video_prompt_logits_equal_transformers(name, checkpoints, video, env):
+    path, hf = checkpoints[name]
+    tokens = load_multimodal_tokens(path)
+    ids = _prompt(video, tokens)
+    frames = list(vision_tower_batch(np.stack([p.pixel_values for p in video.processed]),
+                                     np.stack([p.positions for p in video.processed]), *load_vision_tower(path)))
+    model = Gemma4(path)
+    ours = multimodal_logits(model, ids, [], tokens, video_soft_tokens=frames)
+    theirs = _hf_logits(env, hf, ids, video)
+    diff = float(np.abs(ours - theirs).max())
+    print(f"\n{name}: {video.frames} frames of {video.num_soft_tokens} soft tokens, T={len(ids)}: "
+          f"max |refimpl - transformers| = {diff:.2e} (logits up to {np.abs(theirs).max():.1f})")
+    assert ours.shape == theirs.shape == (len(ids), TEXT["vocab_size"]) and diff < EXACT_BOUND
+    m = multimodal_inputs(model, ids, [], tokens, video_soft_tokens=frames)
+    if name == "vision":  # each frame its own block; markers and timestamps outside
+        assert sorted(set(m.vision_blocks.tolist())) == [-1, 0, 1, 2]
+        assert (m.vision_blocks[ids != VID] == -1).all()
+        one_block = np.where(ids == VID, 0, -1)  # the frames as one block: another function
+        wrong = model.forward(m.ids, embeddings=m.embeddings, vision_blocks=one_block)
+        assert np.abs(wrong - theirs).max() > 0.1
+    else:
+        assert m.vision_blocks is None
+    assert (m.ids[ids == VID] == 0).all()  # the pad row of the per-layer table
+
+
+def test_the_layout_follows_the_processors_rules():
+    """Frame sampling, timestamps, the replacement text and the frame size: transformers' own functions (the video
+    processor's size rule is a copy of the image processor's, marked so; its module needs torchvision to import)."""
+    from transformers.models.gemma4.image_processing_pil_gemma4 import get_aspect_ratio_preserving_size
+    from transformers.video_utils import VideoMetadata, default_sample_indices_fn
+
+    for total, n in [(7, 3), (100, 32), (32, 32), (5, 1)]:
+        meta = VideoMetadata(total_num_frames=total, fps=24.0)
+        assert sample_frame_indices(total, n).tolist() == default_sample_indices_fn(meta, num_frames=n).tolist()
+    idx = [0, 31, 1440, 1499, 86400]
+    for fps in (24.0, 0.8, 29.97):
+        want = [f"{int(i / fps // 60):02d}:{int(i / fps % 60):02d}" for i in idx]  # the processor's f-string
+        assert frame_timestamps(idx, fps) == want
+    assert frame_timestamps([0, 2, 4], FPS) == ["00:00", "00:02", "00:05"]
+    for h, w in [(84, 120), (480, 640), (1080, 1920), (30, 400)]:
+        assert video_frame_size(h, w, 16, 3) == get_aspect_ratio_preserving_size(h, w, 16, 70 * 9, 3)
+
+
+def test_the_frames_tokens_are_the_processors_replacement(video):
+    """The ids of one video: the processor's text ("mm:ss " + boi + video x N + eoi, joined by one space) with the
+    timestamps tokenized between the special tokens."""
+    tokens = MultimodalTokens(**{k.replace("eoa_token_index", "eoa_token_id"): v for k, v in TOKEN_IDS.items()})
+    ids = video_ids(video, tokens, encode).tolist()
+    boi, vid, eoi = "<|image>", "<|video|>", "<image|>"
+    text = " ".join(f"{t} {boi}{vid * video.num_soft_tokens}{eoi}" for t in video.timestamps)  # the processor
+    pieces = {BOI: boi, VID: vid, EOI: eoi}
+    rendered, run = "", []
+    for i in ids:
+        if i in pieces:
+            rendered += "".join(chr((c - 3) % 400) for c in run) + pieces[i]
+            run = []
+        else:
+            run.append(i)
+    assert rendered == text and video.timestamps == ["00:00", "00:02", "00:05"]
+
+
+def test_bad_videos_are_one_line_errors():
+    rng = np.random.default_rng(0)
+    frame = rng.integers(0, 256, (12, 12, 3), dtype=np.uint8)
+    cases = [
+        (lambda: check_frames([]), r"^the video has no frames$"),
+        (lambda: check_frames([frame, frame[:6]]), r"frames differ in size \(6x12, 12x12, HxW\)"),
+        (lambda: sample_frame_indices(4, 32), r"has 4 frame\(s\), fewer than the 32 the processor samples; give "
+                                              r"num_frames <= 4 \(--num-frames\)"),
+        (lambda: frame_timestamps([0, 1], 0), r"frame rate must be a positive number .* got 0"),
+        (lambda: frame_timestamps([0, 1], float("nan")), r"frame rate must be a positive number"),
+    ]
+    for call, message in cases:
+        with pytest.raises(InputError, match=message) as e:
+            call()
+        assert "\n" not in str(e.value)
