@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from refimpl.chat import ChatTemplate, find_chat_template, render_chat_template, user_turn
-from refimpl.cli import _prompt_ids, main
+from refimpl.cli import main
+from refimpl.cli_inputs import prompt_ids
 from refimpl.multimodal import expand_image_placeholders, load_multimodal_tokens
 from refimpl.safetensors_io import TensorStore
 from refimpl.tokenizer import Tokenizer
@@ -202,8 +203,8 @@ def test_spec_template_places_images_then_clips(spec_dirs, preset_dirs):
     tok = Tokenizer.from_dir(bare)
     for prompt, images, clips in (("x", 1, 1), ("x", 2, 1), ("listen <|audio|> then", 1, 1), ("", 0, 2)):
         args = SimpleNamespace(tokens=None, prompt=prompt, chat=True)
-        ids = _prompt_ids(args, model_dir, images, mm, tok.bos_id, clips)[0]
-        assert ids == _prompt_ids(args, bare, images, mm, tok.bos_id, clips)[0]
+        ids = prompt_ids(args, model_dir, images, mm, tok.bos_id, clips)[0]
+        assert ids == prompt_ids(args, bare, images, mm, tok.bos_id, clips)[0]
         assert ids.count(mm.image_token_id) == images and ids.count(mm.audio_token_id) == clips
 
 
@@ -272,7 +273,7 @@ def test_without_jinja2_images_still_go_to_the_start_of_the_user_turn(preset_dir
     mm = load_multimodal_tokens(model_dir)
     tok = Tokenizer.from_dir(model_dir)
     _no_jinja2(monkeypatch)
-    ids, _ = _prompt_ids(SimpleNamespace(tokens=None, prompt="x", chat=True), model_dir, 1, mm, tok.bos_id, 1)
+    ids, _ = prompt_ids(SimpleNamespace(tokens=None, prompt="x", chat=True), model_dir, 1, mm, tok.bos_id, 1)
     assert ids == tok.encode_chat([{"role": "user", "content": "<|image|><|audio|>x"}])
     assert capsys.readouterr().err.startswith(f"warning: {model_dir / 'tokenizer_config.json'} (chat_template): ")
 

@@ -409,7 +409,7 @@ from types import SimpleNamespace  # noqa: E402 - this section's imports, with i
 
 from refimpl.audio import audio_tower, load_audio_tower  # noqa: E402 - this section's imports, with its tests
 from refimpl.audio_features import audio_features, load_audio_feature_settings, read_wav  # noqa: E402 - see above
-from refimpl.cli import _prompt_ids  # noqa: E402 - this section's imports, with its tests
+from refimpl.cli_inputs import prompt_ids  # noqa: E402 - this section's imports, with its tests
 from refimpl.multimodal import expand_audio_placeholders  # noqa: E402 - this section's imports, with its tests
 
 
@@ -504,11 +504,11 @@ def test_audio_without_a_placeholder_goes_in_front_of_the_text(tmp_path, preset_
     assert ids == [tok.bos_id] + clip + [50, 60]
     # with images too, the images come first, then the clips (each kind only when it has no placeholder)
     args = SimpleNamespace(tokens=f"{tok.bos_id},50", prompt=None, chat=False)
-    assert _prompt_ids(args, model_dir, 1, mm, tok.bos_id, 2)[0] == [tok.bos_id, 9, 12, 12, 50]
+    assert prompt_ids(args, model_dir, 1, mm, tok.bos_id, 2)[0] == [tok.bos_id, 9, 12, 12, 50]
     args.tokens = f"{tok.bos_id},50,9"
-    assert _prompt_ids(args, model_dir, 1, mm, tok.bos_id, 1)[0] == [tok.bos_id, 12, 50, 9]
+    assert prompt_ids(args, model_dir, 1, mm, tok.bos_id, 1)[0] == [tok.bos_id, 12, 50, 9]
     args = SimpleNamespace(tokens=None, prompt="x", chat=False)
-    assert _prompt_ids(args, model_dir, 1, mm, tok.bos_id, 1)[0] == tok.encode("<|image|><|audio|>x")
+    assert prompt_ids(args, model_dir, 1, mm, tok.bos_id, 1)[0] == tok.encode("<|image|><|audio|>x")
 
 
 def test_generate_with_audio_equals_argmax_of_full_forwards(preset_dirs, wavs, capsys):
