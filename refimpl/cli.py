@@ -1,5 +1,6 @@
 """``refimpl``: the oracle's command line (synth, inspect, logits, generate; logits and generate take
-images with ``--image`` and 16 kHz WAV audio clips with ``--audio``).
+images with ``--image``, videos as directories of frames with ``--video`` and 16 kHz WAV audio clips with
+``--audio``).
 
 Bad input prints one ``error:`` line and exits 2; no traceback.
 """
@@ -23,6 +24,7 @@ from .cli_inputs import (
     media_prompt,
     parse_ints,
     prompt_ids,
+    video_soft_tokens,
 )
 from .context import check_prompt_context
 from .errors import InputError, RefimplError
@@ -136,11 +138,15 @@ def cmd_logits(args) -> int:
     if has_media(args):
         soft = image_soft_tokens(model_dir, prompt, args.dtype)
         audio = audio_soft_tokens(model_dir, prompt, args.dtype)
-        logits = multimodal_logits(model, ids, soft, prompt.tokens, rows=rows, audio_soft_tokens=audio)
+        video = video_soft_tokens(prompt)
+        logits = multimodal_logits(model, ids, soft, prompt.tokens, rows=rows, audio_soft_tokens=audio,
+                                   video_soft_tokens=video)
         if args.image:
             metadata["images"] = json.dumps(prompt.info)
         if args.audio:
             metadata["audio"] = json.dumps(prompt.audio_info)
+        if args.video:
+            metadata["videos"] = json.dumps(prompt.video_info)
     else:
         logits = model.forward(ids, rows=rows)
     write_safetensors(args.out, {"logits": logits, "rows": index, "tokens": np.asarray(ids)},
@@ -168,6 +174,7 @@ def cmd_generate(args) -> int:
         _check_context(args, model, ids, args.max_new_tokens)
         soft = image_soft_tokens(model_dir, prompt, args.dtype)
         audio = audio_soft_tokens(model_dir, prompt, args.dtype)
+        video = video_soft_tokens(prompt)
         print("\n".join(prompt.lines()), file=sys.stderr)
     else:
         ids, tok = prompt_ids(args, model_dir)
@@ -193,7 +200,7 @@ def cmd_generate(args) -> int:
 
     if has_media(args):
         result = greedy_generate_multimodal(model, ids, soft, prompt.tokens, args.max_new_tokens, on_token=show,
-                                            audio_soft_tokens=audio)
+                                            audio_soft_tokens=audio, video_soft_tokens=video)
     else:
         result = greedy_generate(model, ids, args.max_new_tokens, on_token=show)
     if tok is not None:
@@ -229,6 +236,15 @@ def _add_prompt(p: argparse.ArgumentParser) -> None:
                    help="an image (PNG, PPM/PGM; other formats through Pillow); repeat for more. Each goes where the "
                         "prompt has an <|image|> placeholder, in order; with no placeholder the images go in front "
                         "of the text (after <bos>; with --chat, at the start of the user turn)")
+    p.add_argument("--video", action="append", default=[], metavar="DIR",
+                   help="a video as a directory of its frames (image files, in file-name order); repeat for more. "
+                        "Each goes where the prompt has a <|video|> placeholder, in order (else in front of the text, "
+                        "after the images): its sampled frames, each 'mm:ss ' + <|image> + <|video|> x N + <image|>")
+    p.add_argument("--fps", type=float, default=None, metavar="F",
+                   help="--video's frame rate, for the frames' timestamps (default 24, as transformers' processor "
+                        "without metadata)")
+    p.add_argument("--num-frames", type=int, default=None, metavar="N",
+                   help="frames sampled of each --video (default: the checkpoint's video processor, else 32)")
     p.add_argument("--audio", action="append", default=[], metavar="FILE.wav",
                    help="an audio clip (16 kHz WAV; other rates are refused, not resampled); repeat for more. Each "
                         "goes where the prompt has an <|audio|> placeholder, in order; with no placeholder the clips "

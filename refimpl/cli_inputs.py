@@ -25,11 +25,13 @@ from .multimodal import (
     expand_image_placeholders,
     image_spans,
     load_multimodal_tokens,
+    video_spans,
 )
 from .tokenizer import Tokenizer
+from .video import expand_video_placeholders, load_video_settings, preprocess_video, read_video_frames, video_ids
 
 __all__ = ["ImagePrompt", "audio_soft_tokens", "check_media_args", "has_media", "image_soft_tokens", "media_prompt",
-           "parse_ints", "prompt_ids"]
+           "parse_ints", "prompt_ids", "video_soft_tokens"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -47,12 +49,13 @@ def parse_ints(text: str, what: str) -> list[int]:
 
 
 def prompt_ids(args, model_dir: Path, images: int = 0, mm: MultimodalTokens | None = None,
-                bos: int | None = None, clips: int = 0) -> tuple[list[int], Tokenizer | None]:
+                bos: int | None = None, clips: int = 0, videos: int = 0) -> tuple[list[int], Tokenizer | None]:
     """The prompt's ids. With ``images`` > 0 and no image placeholder in the prompt, one placeholder per
     image is put in front of the text: after <bos> (for --tokens, when the ids start with it), or at the
     start of the user turn's content with --chat, as the Gemma 4 chat template places image items.
     Audio clips (``clips`` > 0) follow the same rule with the audio placeholder; when both kinds go in
-    front, the images come first, then the clips (the chat template's order of image and audio items).
+    front, the images come first, then the clips (the chat template's order of image and audio items). Videos
+    (``videos`` > 0) likewise with the video placeholder, after the images (not with --chat yet).
     --chat renders the checkpoint's own chat template when it has one (``refimpl.chat``; media in front
     go as ``{"type": "image"}`` / ``{"type": "audio"}`` items before the text item), else the
     hand-written Gemma 4 format with the placeholders at the start of the user turn's text."""
@@ -64,6 +67,8 @@ def prompt_ids(args, model_dir: Path, images: int = 0, mm: MultimodalTokens | No
         front = []
         if images and mm.image_token_id not in ids:
             front += [mm.image_token_id] * images
+        if videos and mm.video_token_id not in ids:
+            front += [mm.video_token_id] * videos
         if clips and mm.audio_token_id not in ids:
             front += [mm.audio_token_id] * clips
         if front:
@@ -76,8 +81,12 @@ def prompt_ids(args, model_dir: Path, images: int = 0, mm: MultimodalTokens | No
     if tok is None:
         raise TokenizerError(f"{model_dir} has no tokenizer.model; pass token ids with --tokens instead of --prompt")
     text = args.prompt
+    if videos and args.chat:
+        raise InputError("--chat with --video is not supported yet; write the <|video|> placeholder into --prompt "
+                         "(or pass --tokens) without --chat")
     kinds = [] if mm is None else [k for k in (
         (images, "image", mm.image_token_id, mm.boi_token_id, mm.eoi_token_id),
+        (videos, "video", mm.video_token_id, mm.boi_token_id, mm.eoi_token_id),
         (clips, "audio", mm.audio_token_id, mm.boa_token_id, mm.eoa_token_id)) if k[0]]
     # per kind: (what, placeholder token, how many placeholders go in front of the text)
     front = [(what, token, _placeholders_in_front(tok, text, n, what, token, begin, end))
@@ -110,6 +119,8 @@ def prompt_ids(args, model_dir: Path, images: int = 0, mm: MultimodalTokens | No
 
 _MARKERS_GIVEN = ("the prompt already holds begin/end-of-image markers ({boi} / {eoi}); write one bare {image} "
                   "where each image goes and refimpl expands it to {boi} + {image} x M + {eoi}")
+_VIDEO_MARKERS_GIVEN = ("the prompt already holds begin/end-of-image markers ({boi} / {eoi}); write one bare {image} "
+                        "where each video goes and refimpl expands it to its frames, each {boi} + {image} x N + {eoi}")
 _AUDIO_MARKERS_GIVEN = ("the prompt already holds begin/end-of-audio markers ({boi} / {eoi}); write one bare {image} "
                         "where each clip goes and refimpl expands it to {boi} + {image} x M + {eoi}")
 
@@ -119,7 +130,8 @@ def _placeholders_in_front(tok: Tokenizer, text: str, n: int, what: str, token: 
     begin/end markers; one per item when the text has none, else none."""
     b, e, placeholder = (tok.piece(i) for i in (begin, end, token))
     if b in text or e in text:
-        raise InputError((_MARKERS_GIVEN if what == "image" else _AUDIO_MARKERS_GIVEN).format(
+        template = {"image": _MARKERS_GIVEN, "video": _VIDEO_MARKERS_GIVEN}.get(what, _AUDIO_MARKERS_GIVEN)
+        raise InputError(template.format(
             boi=b, eoi=e, image=placeholder))
     return 0 if placeholder in text else n
 
@@ -139,11 +151,15 @@ class ImagePrompt:
     #                                                       frame_kind, soft_tokens, rows
     image_front: ImageFrontEnd | None = None
     audio_front: AudioFrontEnd | None = None
+    videos: list = field(default_factory=list)  # refimpl.video.Video per video
+    video_info: list[dict] = field(default_factory=list)  # per video: dir, frames, kept, fps, size, resized,
+    #                                                       per_frame, soft_tokens, rows
+    video_front: ImageFrontEnd | None = None
 
     @property
     def summary(self) -> str:
         parts = []
-        for items, noun in ((self.info, "image"), (self.audio_info, "audio clip")):
+        for items, noun in ((self.info, "image"), (self.video_info, "video"), (self.audio_info, "audio clip")):
             n = len(items)
             if n:
                 parts.append(f"{sum(i['soft_tokens'] for i in items)} soft tokens of {n} {noun}{'s' if n > 1 else ''}")
@@ -153,6 +169,9 @@ class ImagePrompt:
         return [f"  image {n} {i['file']}: {i['size'][0]}x{i['size'][1]} (HxW) resized to {i['resized'][0]}x"
                 f"{i['resized'][1]}, {i['soft_tokens']} soft tokens at rows {i['rows'][0]}-{i['rows'][1]}"
                 for n, i in enumerate(self.info)] + [
+                f"  video {n} {i['dir']}: {i['kept']} of {i['frames']} frames at {i['fps']:g} fps, {i['size'][0]}x"
+                f"{i['size'][1]} (HxW) resized to {i['resized'][0]}x{i['resized'][1]}, {i['per_frame']} soft tokens a "
+                f"frame, rows {i['rows'][0]}-{i['rows'][1]}" for n, i in enumerate(self.video_info)] + [
                 f"  audio {n} {i['file']}: {i['duration_s']:.3f} s, {i['frames']} {i['frame_kind']} frames "
                 f"({i['valid_frames']} valid), {i['soft_tokens']} soft tokens at rows {i['rows'][0]}-{i['rows'][1]}"
                 for n, i in enumerate(self.audio_info)]
@@ -173,7 +192,7 @@ def _config_has(model_dir: Path, key: str, kind: str, flag: str) -> None:
 
 
 def _check_markers(ids: list[int], tok: Tokenizer | None, mm: MultimodalTokens) -> None:
-    """Begin/end markers in the (token-id) prompt are refused; so are video placeholders."""
+    """Begin/end markers in the (token-id) prompt are refused (the videos' are the images')."""
 
     def names(i: int) -> str:
         return tok.piece(i) if tok is not None else str(i)
@@ -182,8 +201,6 @@ def _check_markers(ids: list[int], tok: Tokenizer | None, mm: MultimodalTokens) 
                                         (_AUDIO_MARKERS_GIVEN, mm.boa_token_id, mm.eoa_token_id, mm.audio_token_id)):
         if begin in ids or end in ids:
             raise InputError(template.format(boi=names(begin), eoi=names(end), image=names(token)))
-    if mm.video_token_id in ids:
-        raise InputError("video placeholders are not supported yet (images and audio only)")
 
 
 def _image_front_end(args, model_dir: Path, model: Gemma4) -> ImageFrontEnd | None:
@@ -218,13 +235,14 @@ def media_prompt(args, model_dir: Path, model: Gemma4) -> ImagePrompt:
     """Prompt ids expanded for ``args.image`` and ``args.audio`` (placeholder rule of ``prompt_ids``),
     the images read and preprocessed as the checkpoint's processor does, the clips read and turned into
     the model's input (log-mel features, or Unified's raw frames); no tower or embedder is run yet."""
-    images, clips = list(args.image), list(args.audio)
+    images, clips, videos = list(args.image), list(args.audio), list(args.video)
     front = _image_front_end(args, model_dir, model)
-    mm = load_multimodal_tokens(model_dir, (["image"] if images else []) + (["audio"] if clips else []))
-    ids, tok = prompt_ids(args, model_dir, len(images), mm, model.cfg.bos_token_id, len(clips))
+    mm = load_multimodal_tokens(model_dir, (["image"] if images or videos else []) + (["audio"] if clips else []))
+    ids, tok = prompt_ids(args, model_dir, len(images), mm, model.cfg.bos_token_id, len(clips), len(videos))
     _check_markers(ids, tok, mm)
-    # placeholder counts, before any image or audio work
-    expand_audio_placeholders(expand_image_placeholders(ids, [1] * len(images), mm), [1] * len(clips), mm)
+    # placeholder counts, before any image, video or audio work
+    counted = expand_image_placeholders(ids, [1] * len(images), mm)
+    expand_audio_placeholders(expand_video_placeholders(counted, [[]] * len(videos), mm), [1] * len(clips), mm)
     prompt = ImagePrompt(ids, tok, mm, image_front=front)
     if images:
         if args.max_soft_tokens is not None:
@@ -235,17 +253,52 @@ def media_prompt(args, model_dir: Path, model: Gemma4) -> ImagePrompt:
             prompt.processed.append(pre)
             prompt.info.append({"file": str(path), "size": list(pixels.shape[:2]),
                                 "resized": list(pre.pixels.shape[:2]), "soft_tokens": pre.num_soft_tokens})
+    if videos:
+        _read_videos(args, model_dir, prompt)
     if clips:
         _read_clips(model_dir, clips, prompt, args.dtype, args.mmproj)
         if args.mmproj is not None:
             _check_width(prompt.audio_front.cfg.text_hidden_size, model, args.mmproj, "audio")
     expanded = expand_image_placeholders(ids, [p.num_soft_tokens for p in prompt.processed], mm)
+    encode = (lambda text: tok.encode(text, add_bos=False)) if tok is not None else None
+    expanded = expand_video_placeholders(expanded, [video_ids(v, mm, encode) for v in prompt.videos], mm)
     prompt.ids = expand_audio_placeholders(expanded, [i["soft_tokens"] for i in prompt.audio_info], mm).tolist()
     for info, (start, length) in zip(prompt.info, image_spans(prompt.ids, mm), strict=True):
         info["rows"] = [start, start + length - 1]
+    frames = video_spans(prompt.ids, mm)
+    for info in prompt.video_info:  # (the frames of each video in turn)
+        mine, frames = frames[:info["kept"]], frames[info["kept"]:]
+        info["rows"] = [mine[0][0], mine[-1][0] + mine[-1][1] - 1]
     for info, (start, length) in zip(prompt.audio_info, audio_spans(prompt.ids, mm), strict=True):
         info["rows"] = [start, start + length - 1]
     return prompt
+
+
+def _read_videos(args, model_dir: Path, prompt: ImagePrompt) -> None:
+    """Each --video directory: its frames read, sampled, time-stamped and preprocessed at the video budget
+    (refimpl.video), with a vision front end of its own (not the images' budget)."""
+    if prompt.tok is None:
+        raise InputError(f"{model_dir} has no tokenizer.model: --video needs it for the frames' timestamps")
+    _config_has(model_dir, "vision_config", "vision", "--video")
+    front = prompt.video_front = image_front_end(model_dir, args.dtype, args.mmproj)
+    if front.unified:
+        raise InputError(f"{model_dir} is a Gemma 4 Unified checkpoint: its video processor is not supported yet "
+                         "(--video takes Gemma 4's vision-tower checkpoints)")
+    settings = load_video_settings(model_dir if args.mmproj is None else Path(args.mmproj).parent)
+    front.with_budget(settings.max_soft_tokens)
+    fps = 24.0 if args.fps is None else args.fps
+    for path in args.video:
+        frames = read_video_frames(path)
+        video = preprocess_video(frames, fps, front.preprocess, settings, args.num_frames)
+        prompt.videos.append(video)
+        first = video.processed[0]
+        prompt.video_info.append({"dir": str(path), "frames": len(frames), "kept": video.frames, "fps": fps,
+                                  "size": list(frames[0].shape[:2]), "resized": list(first.pixels.shape[:2]),
+                                  "per_frame": video.num_soft_tokens,
+                                  "soft_tokens": video.num_soft_tokens * video.frames})
+    if args.fps is None:  # (after the frames are read: a bad video is one error line)
+        print("warning: --fps not given: the frames are stamped at 24 frames a second, as transformers' video "
+              "processor does without the video's metadata", file=sys.stderr)
 
 
 def _read_clips(model_dir: Path, paths: list, prompt: ImagePrompt, dtype: str, projector: str | None) -> None:
@@ -283,12 +336,20 @@ def audio_soft_tokens(model_dir: Path, prompt: ImagePrompt, dtype: str) -> list[
     return soft
 
 
+def video_soft_tokens(prompt: ImagePrompt) -> list[np.ndarray]:
+    """The soft tokens of every video frame, one [N, H] a frame, the videos in prompt order ([] without)."""
+    return [prompt.video_front.soft_tokens(p) for v in prompt.videos for p in v.processed]
+
+
 def check_media_args(args) -> None:
     if args.max_soft_tokens is not None and not args.image:
         raise InputError("--max-soft-tokens applies to --image")
     if args.mmproj is not None and not has_media(args):
-        raise InputError("--mmproj applies to --image and --audio")
+        raise InputError("--mmproj applies to --image, --video and --audio")
+    for flag, value in (("--fps", args.fps), ("--num-frames", args.num_frames)):
+        if value is not None and not args.video:
+            raise InputError(f"{flag} applies to --video")
 
 
 def has_media(args) -> bool:
-    return bool(args.image or args.audio)
+    return bool(args.image or args.audio or args.video)

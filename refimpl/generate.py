@@ -40,7 +40,8 @@ def greedy_generate_multimodal(model: Gemma4, ids: Sequence[int] | np.ndarray, s
                                tokens: MultimodalTokens, max_new_tokens: int,
                                stop_ids: Sequence[int] | None = None,
                                on_token: Callable[[int], None] | None = None, *,
-                               audio_soft_tokens: Sequence[np.ndarray] = ()) -> Generation:
+                               audio_soft_tokens: Sequence[np.ndarray] = (),
+                               video_soft_tokens: Sequence[np.ndarray] = ()) -> Generation:
     """``greedy_generate`` after an image and/or audio prompt.
 
     ``ids`` is the expanded prompt (``boi + image_token x M_i + eoi`` for image i, e.g. from
@@ -50,13 +51,15 @@ def greedy_generate_multimodal(model: Gemma4, ids: Sequence[int] | np.ndarray, s
     tokens see each other), built by ``multimodal_inputs`` (pad-row PLE, unscaled soft tokens, vision
     block ids); the new tokens are then decoded as text through the cache. Audio clips work the same
     way: ``ids`` holds ``boa + audio_token x A_j + eoa`` for clip j and ``audio_soft_tokens`` their
-    [A_j, H] soft tokens in prompt order (``refimpl.audio.audio_tower``); they are causal. A generated
+    [A_j, H] soft tokens in prompt order (``refimpl.audio.audio_tower``); they are causal. Video frames likewise
+(``video_soft_tokens``, one [N, H] a frame; refimpl.video). A generated
     placeholder id (image, video or audio token) is fed back as ``pad_token_id``, as transformers'
     forward does with any placeholder it gets no features for. Inputs are checked even when ``max_new_tokens`` is 0.
     """
     if max_new_tokens < 0:
         raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    m = multimodal_inputs(model, ids, soft_tokens, tokens, audio_soft_tokens=audio_soft_tokens)
+    m = multimodal_inputs(model, ids, soft_tokens, tokens, audio_soft_tokens=audio_soft_tokens,
+                          video_soft_tokens=video_soft_tokens)
     if max_new_tokens == 0:
         return Generation([], False, [])
     cache = KVCache()

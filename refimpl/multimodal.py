@@ -300,6 +300,11 @@ def image_spans(ids: Sequence[int] | np.ndarray, tokens: MultimodalTokens) -> li
     return _spans(np.asarray(ids) == tokens.image_token_id)
 
 
+def video_spans(ids: Sequence[int] | np.ndarray, tokens: MultimodalTokens) -> list[tuple[int, int]]:
+    """(first position, length) of every maximal run of video tokens in ``ids``: one a frame."""
+    return _spans(np.asarray(ids) == tokens.video_token_id)
+
+
 def audio_spans(ids: Sequence[int] | np.ndarray, tokens: MultimodalTokens) -> list[tuple[int, int]]:
     """(first position, length) of every maximal run of audio tokens in ``ids``."""
     return _spans(np.asarray(ids) == tokens.audio_token_id)
@@ -322,5 +327,5 @@ __all__: Sequence[str] = [
     "MultimodalTokens", "MultimodalInputs", "parse_multimodal_tokens", "load_multimodal_tokens",
     "vision_block_ids", "run_lengths", "vision_token_mask", "llm_input_ids", "merge_soft_tokens", "check_image_runs",
     "check_audio_runs", "check_soft_tokens", "multimodal_inputs", "multimodal_logits", "expand_image_placeholders",
-    "expand_audio_placeholders", "image_spans", "audio_spans",
+    "expand_audio_placeholders", "image_spans", "audio_spans", "video_spans",
 ]

@@ -47,8 +47,8 @@ DEFAULT_NUM_FRAMES = 32  # its num_frames (do_sample_frames True)
 FRAME_SUFFIXES = (".png", ".ppm", ".pgm", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
 __all__ = ["DEFAULT_NUM_FRAMES", "DEFAULT_VIDEO_SOFT_TOKENS", "Video", "VideoSettings", "check_frames",
-           "frame_timestamps", "load_video_settings", "preprocess_video", "read_video_frames",
-           "sample_frame_indices", "video_frame_size", "video_ids"]
+           "expand_video_placeholders", "frame_timestamps", "load_video_settings", "preprocess_video",
+           "read_video_frames", "sample_frame_indices", "video_frame_size", "video_ids"]
 
 
 @dataclass(frozen=True)
@@ -160,3 +160,22 @@ def video_ids(video: Video, tokens: MultimodalTokens, encode: Callable[[str], li
         out += list(encode(f"{stamp} " if k == 0 else f" {stamp} "))
         out += [tokens.boi_token_id] + [tokens.video_token_id] * video.num_soft_tokens + [tokens.eoi_token_id]
     return np.asarray(out, dtype=np.int64)
+
+
+def expand_video_placeholders(ids: Sequence[int] | np.ndarray, videos: Sequence[np.ndarray],
+                              tokens: MultimodalTokens) -> np.ndarray:
+    """Each video placeholder of ``ids`` (one per video, in order) replaced by that video's tokens (``video_ids``).
+    Run after the images' expansion (``refimpl.multimodal.expand_image_placeholders`` refuses the boi/eoi markers
+    this puts in)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    at = np.flatnonzero(ids == tokens.video_token_id)
+    if at.size != len(videos):
+        raise InputError(f"the prompt holds {at.size} video placeholder(s) ({tokens.video_token_id}, the <|video|> "
+                         f"token) but {len(videos)} video(s) were given; put one placeholder where each video goes, "
+                         "in order")
+    out, start = [], 0
+    for a, expanded in zip(at, videos, strict=True):
+        out += [ids[start:a], np.asarray(expanded, dtype=np.int64)]
+        start = a + 1
+    out.append(ids[start:])
+    return np.concatenate(out)

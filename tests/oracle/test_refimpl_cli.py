@@ -382,7 +382,8 @@ def test_max_soft_tokens_sets_the_image_budget(tmp_path, preset_dirs, pngs, caps
      "refimpl: error: the prompt already holds begin/end-of-image markers (<|image> / <image|>); write one bare "
      "<|image|> where each image goes and refimpl expands it to <|image> + <|image|> x M + <image|>\n"),
     ("e2b-vision-mini", ["--tokens", "2,9,13", "--image", "{a}"],
-     "refimpl: error: video placeholders are not supported yet (images and audio only)\n"),
+     "refimpl: error: the prompt holds 1 video placeholder(s) (13, the <|video|> token) but 0 video(s) were given; "
+     "put one placeholder where each video goes, in order\n"),
     ("e2b-vision-mini", ["--tokens", "2,9,12", "--image", "{a}"],
      "refimpl: error: the prompt holds 1 audio placeholder(s) (12, the <|audio|> token) but 0 audio clip(s) were "
      "given; put one placeholder where each clip goes, in order\n"),
@@ -558,7 +559,8 @@ def test_generate_with_audio_equals_argmax_of_full_forwards(preset_dirs, wavs, c
      "refimpl: error: the prompt already holds begin/end-of-audio markers (<|audio> / <audio|>); write one bare "
      "<|audio|> where each clip goes and refimpl expands it to <|audio> + <|audio|> x M + <audio|>\n"),
     ("e2b-audio-mini", ["--tokens", "2,12,13", "--audio", "{a}"],
-     "refimpl: error: video placeholders are not supported yet (images and audio only)\n"),
+     "refimpl: error: the prompt holds 1 video placeholder(s) (13, the <|video|> token) but 0 video(s) were given; "
+     "put one placeholder where each video goes, in order\n"),
     ("e2b-audio-mini", ["--prompt", "hi", "--audio", "{a}", "--image", "{a}"],
      "refimpl: error: {model} has no vision tower (config.json has no vision_config); --image needs an image-text "
      "checkpoint (Gemma4ForConditionalGeneration or Gemma4UnifiedForConditionalGeneration with its vision weights)\n"),

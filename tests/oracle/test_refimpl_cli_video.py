@@ -1,0 +1,105 @@
+"""``refimpl logits|generate --video DIR`` (issue 58): a video as a directory of frames, through the command line,
+equal bit for bit to refimpl.video + multimodal_logits called directly (which tests/oracle/towers/test_video_merge.py
+holds against transformers), and its bad inputs as one error line with exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from test_refimpl_cli import run, write_png
+
+from refimpl.image import preprocess_image, read_image
+from refimpl.model import Gemma4
+from refimpl.multimodal import load_multimodal_tokens, multimodal_logits
+from refimpl.safetensors_io import TensorStore
+from refimpl.tokenizer import Tokenizer
+from refimpl.video import VideoSettings, load_video_settings, preprocess_video, video_ids
+from refimpl.vision import load_vision_tower, vision_tower
+
+PRESET = "e2b-vision-mini"
+
+
+@pytest.fixture(scope="module")
+def frames_dir(tmp_path_factory):
+    """5 frames of 30 x 50 (resized to the video budget), as PNG files."""
+    root = tmp_path_factory.mktemp("video")
+    rng = np.random.default_rng(9)
+    for k in range(5):
+        write_png(root / f"frame{k:03d}.png", rng.integers(0, 256, (30, 50, 3), dtype=np.uint8))
+    return root
+
+
+def _metadata(path) -> dict:
+    data = path.read_bytes()
+    return json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])["__metadata__"]
+
+
+def test_logits_with_a_video_equal_the_library(tmp_path, preset_dirs, frames_dir, capsys):
+    model_dir = preset_dirs[PRESET]
+    out_file = tmp_path / "video.safetensors"
+    prompt = "what happens in <|video|> here"
+    code, out, err = run(capsys, "logits", "--model", str(model_dir), "--prompt", prompt, "--video", str(frames_dir),
+                         "--fps", "0.5", "--num-frames", "3", "--rows", "all", "--out", str(out_file), "--top-k", "1")
+    assert code == 0, err
+    tok, mm = Tokenizer.from_dir(model_dir), load_multimodal_tokens(model_dir)
+    weights, cfg = load_vision_tower(model_dir)
+    settings = load_video_settings(model_dir)
+    frames = [read_image(p) for p in sorted(frames_dir.iterdir())]
+    video = preprocess_video(frames, 0.5, lambda f: preprocess_image(f, cfg.patch_size, cfg.pooling_kernel_size,
+                                                                     settings.max_soft_tokens),
+                             VideoSettings(settings.max_soft_tokens, 3))
+    assert video.indices.tolist() == [0, 1, 3] and video.timestamps == ["00:00", "00:02", "00:06"]
+    ids = tok.encode(prompt)
+    at = ids.index(mm.video_token_id)
+    expanded = ids[:at] + video_ids(video, mm, lambda t: tok.encode(t, add_bos=False)).tolist() + ids[at + 1:]
+    soft = [vision_tower(p.pixel_values, p.positions, weights, cfg) for p in video.processed]
+    expected = multimodal_logits(Gemma4(model_dir), expanded, [], mm, rows="all", video_soft_tokens=soft)
+    store = TensorStore(out_file)
+    assert np.array_equal(store.get("logits"), expected)  # bit for bit
+    assert store.raw("tokens").tolist() == expanded
+    (info,) = json.loads(_metadata(out_file)["videos"])
+    assert (info["frames"], info["kept"], info["per_frame"]) == (5, 3, video.num_soft_tokens)
+    first = expanded.index(mm.video_token_id)
+    last = len(expanded) - 1 - expanded[::-1].index(mm.video_token_id)
+    assert info["rows"] == [first, last]
+    assert f"  video 0 {frames_dir}: 3 of 5 frames at 0.5 fps, 30x50 (HxW) resized to" in out
+
+
+def test_generate_with_a_video_runs_and_a_missing_fps_warns(preset_dirs, frames_dir, capsys):
+    model_dir = preset_dirs[PRESET]
+    code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", "see", "--video", str(frames_dir),
+                         "--num-frames", "2", "--max-new-tokens", "2")
+    assert code == 0, err
+    assert "warning: --fps not given: the frames are stamped at 24 frames a second" in err
+    assert "  video 0 " in err and "2 of 5 frames at 24 fps" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--video", "{empty}"], "the video has no frames (no image file: "),
+    (["--video", "{mixed}"], "the video's frames differ in size (20x20, 30x50, HxW)"),
+    (["--video", "{frames}", "--fps", "0", "--num-frames", "2"],
+     "the frame rate must be a positive number of frames a second, got 0.0"),
+    (["--video", "{frames}", "--num-frames", "9"],
+     "the video has 5 frame(s), fewer than the 9 the processor samples"),
+    (["--video", "{frames}", "--chat"], "--chat with --video is not supported yet"),
+    (["--fps", "2"], "--fps applies to --video"),
+    (["--video", "{frames}", "--video", "{frames}", "--prompt", "a <|video|> b"],
+     "the prompt holds 1 video placeholder(s)"),
+])
+def test_bad_video_input_is_one_error_line_and_exit_2(tmp_path, preset_dirs, frames_dir, capsys, argv, message):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    rng = np.random.default_rng(1)
+    write_png(mixed / "a.png", rng.integers(0, 256, (30, 50, 3), dtype=np.uint8))
+    write_png(mixed / "b.png", rng.integers(0, 256, (20, 20, 3), dtype=np.uint8))
+    argv = [a.format(empty=empty, mixed=mixed, frames=frames_dir) for a in argv]
+    if "--prompt" not in argv:
+        argv += ["--prompt", "x"]
+    code, out, err = run(capsys, "logits", "--model", str(preset_dirs[PRESET]), *argv,
+                         "--out", str(tmp_path / "o.safetensors"))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert message in err and "Traceback" not in err
