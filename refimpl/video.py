@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .config_fields import read_json
-from .errors import ConfigError, InputError
+from .errors import ConfigError, InputError, check_choice
 from .image import (
     SUPPORTED_SOFT_TOKENS,
     aspect_ratio_preserving_size,
@@ -67,9 +67,8 @@ def load_video_settings(model_dir: str | Path) -> VideoSettings:
         raise ConfigError(f"{path} ['video_processor']: expected a JSON object")
     budget = raw.get("max_soft_tokens") or DEFAULT_VIDEO_SOFT_TOKENS
     frames = raw.get("num_frames") or DEFAULT_NUM_FRAMES
-    if budget not in SUPPORTED_SOFT_TOKENS or isinstance(budget, bool):
-        raise ConfigError(f"{path} ['video_processor']: 'max_soft_tokens' must be one of {SUPPORTED_SOFT_TOKENS}, "
-                          f"got {budget!r}")
+    check_choice("'max_soft_tokens'", budget, SUPPORTED_SOFT_TOKENS, who=f"{path} ['video_processor']",
+                 error=ConfigError)
     if isinstance(frames, bool) or not isinstance(frames, int) or frames <= 0:
         raise ConfigError(f"{path} ['video_processor']: 'num_frames' must be a positive integer, got {frames!r}")
     return VideoSettings(budget, frames)

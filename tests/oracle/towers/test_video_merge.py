@@ -184,3 +184,20 @@ def test_bad_videos_are_one_line_errors():
         with pytest.raises(InputError, match=message) as e:
             call()
         assert "\n" not in str(e.value)
+
+
+def test_the_video_processor_settings_of_a_checkpoint(tmp_path):
+    """processor_config.json's "video_processor": its budget and frame count, else the processor's defaults."""
+    import json
+
+    from refimpl.errors import ConfigError
+    from refimpl.video import load_video_settings
+
+    assert load_video_settings(tmp_path) == VideoSettings(70, 32)
+    (tmp_path / "processor_config.json").write_text(json.dumps({"video_processor": {"max_soft_tokens": 140,
+                                                                                    "num_frames": 8}}))
+    assert load_video_settings(tmp_path) == VideoSettings(140, 8)
+    (tmp_path / "processor_config.json").write_text(json.dumps({"video_processor": {"max_soft_tokens": 71}}))
+    with pytest.raises(ConfigError, match=r"\['video_processor'\]: 'max_soft_tokens' must be one of 70, 140, 280, "
+                                          r"560, 1120, got 71$"):
+        load_video_settings(tmp_path)
