@@ -280,10 +280,7 @@ def _read_videos(args, model_dir: Path, prompt: ImagePrompt) -> None:
     if prompt.tok is None:
         raise InputError(f"{model_dir} has no tokenizer.model: --video needs it for the frames' timestamps")
     _config_has(model_dir, "vision_config", "vision", "--video")
-    front = prompt.video_front = image_front_end(model_dir, args.dtype, args.mmproj)
-    if front.unified:
-        raise InputError(f"{model_dir} is a Gemma 4 Unified checkpoint: its video processor is not supported yet "
-                         "(--video takes Gemma 4's vision-tower checkpoints)")
+    front = prompt.video_front = image_front_end(model_dir, args.dtype, args.mmproj)  # (Unified: its embedder)
     settings = load_video_settings(model_dir if args.mmproj is None else Path(args.mmproj).parent)
     front.with_budget(settings.max_soft_tokens)
     fps = 24.0 if args.fps is None else args.fps

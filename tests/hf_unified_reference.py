@@ -102,10 +102,16 @@ def token_types(ids: Sequence[int], config) -> torch.Tensor:
     return types
 
 
-def media_kwargs(images=(), clips=()) -> dict:
-    """pixel_values [n, R, C] + image_position_ids [n, R, 2] (images padded alike) and input_features
-    [m, F, A] + input_features_mask [m, F] (clips padded with invalid frames) for forward."""
+def media_kwargs(images=(), clips=(), videos=()) -> dict:
+    """pixel_values [n, R, C] + image_position_ids [n, R, 2] (images padded alike), input_features
+    [m, F, A] + input_features_mask [m, F] (clips padded with invalid frames), and pixel_values_videos
+    [frames, R, C] + video_position_ids [frames, R, 2] + num_frames_per_video (``videos``: (pixel_values
+    [F, R, C], positions [F, R, 2]) per video) for forward."""
     kw = {}
+    if videos:
+        kw["pixel_values_videos"] = torch.tensor(np.concatenate([np.asarray(pv, dtype=np.float64) for pv, _ in videos]))
+        kw["video_position_ids"] = torch.tensor(np.concatenate([np.asarray(pos, dtype=np.int64) for _, pos in videos]))
+        kw["num_frames_per_video"] = torch.tensor([len(pv) for pv, _ in videos])
     if images:
         kw["pixel_values"] = torch.tensor(np.stack([np.asarray(pv, dtype=np.float64) for pv, _ in images]))
         kw["image_position_ids"] = torch.tensor(np.stack([np.asarray(pos, dtype=np.int64) for _, pos in images]))
@@ -122,13 +128,13 @@ def media_kwargs(images=(), clips=()) -> dict:
 
 
 def hf_logits(model, ids: Sequence[int], *, images=(), clips=(), rule: str = "all-unclamped",
-              types: bool = True, exact: bool = True) -> np.ndarray:
+              types: bool = True, exact: bool = True, videos=()) -> np.ndarray:
     """Logits [T, V] (float64) of one prompt. ``images``: (pixel_values [R, C], positions [R, 2]) per
     image, padded as the processor pads; ``clips``: frames [F, A] per clip. ``rule``: "all-unclamped"
     (transformers' default forward, rule A) or "sliding-clamped" (the static-cache mask dict, rule B);
     ``types=False`` passes no mm_token_type_ids (causal image tokens)."""
     tt = token_types(ids, model.config) if types else None
-    kwargs = media_kwargs(images, clips)
+    kwargs = media_kwargs(images, clips, videos)
     input_ids = torch.tensor([list(ids)])
     if rule == "sliding-clamped":
         embeds = torch.zeros((1, len(ids), model.config.get_text_config().hidden_size), dtype=model.dtype)

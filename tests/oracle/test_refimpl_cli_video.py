@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from test_refimpl_cli import run, write_png
 
-from refimpl.image import preprocess_image, read_image
+from refimpl.frontends import image_front_end
+from refimpl.image import read_image
 from refimpl.model import Gemma4
 from refimpl.multimodal import load_multimodal_tokens, multimodal_logits
 from refimpl.safetensors_io import TensorStore
 from refimpl.tokenizer import Tokenizer
 from refimpl.video import VideoSettings, load_video_settings, preprocess_video, video_ids
-from refimpl.vision import load_vision_tower, vision_tower
 
 PRESET = "e2b-vision-mini"
 
@@ -36,25 +36,25 @@ def _metadata(path) -> dict:
     return json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])["__metadata__"]
 
 
-def test_logits_with_a_video_equal_the_library(tmp_path, preset_dirs, frames_dir, capsys):
-    model_dir = preset_dirs[PRESET]
+@pytest.mark.parametrize("preset", [PRESET, "12b-mini"])
+def test_logits_with_a_video_equal_the_library(tmp_path, preset_dirs, frames_dir, capsys, preset):
+    """Gemma 4 (vision tower) and Gemma 4 Unified (encoder-free embedder) alike."""
+    model_dir = preset_dirs[preset]
     out_file = tmp_path / "video.safetensors"
     prompt = "what happens in <|video|> here"
     code, out, err = run(capsys, "logits", "--model", str(model_dir), "--prompt", prompt, "--video", str(frames_dir),
                          "--fps", "0.5", "--num-frames", "3", "--rows", "all", "--out", str(out_file), "--top-k", "1")
     assert code == 0, err
     tok, mm = Tokenizer.from_dir(model_dir), load_multimodal_tokens(model_dir)
-    weights, cfg = load_vision_tower(model_dir)
     settings = load_video_settings(model_dir)
+    front = image_front_end(model_dir).with_budget(settings.max_soft_tokens)
     frames = [read_image(p) for p in sorted(frames_dir.iterdir())]
-    video = preprocess_video(frames, 0.5, lambda f: preprocess_image(f, cfg.patch_size, cfg.pooling_kernel_size,
-                                                                     settings.max_soft_tokens),
-                             VideoSettings(settings.max_soft_tokens, 3))
+    video = preprocess_video(frames, 0.5, front.preprocess, VideoSettings(settings.max_soft_tokens, 3))
     assert video.indices.tolist() == [0, 1, 3] and video.timestamps == ["00:00", "00:02", "00:06"]
     ids = tok.encode(prompt)
     at = ids.index(mm.video_token_id)
     expanded = ids[:at] + video_ids(video, mm, lambda t: tok.encode(t, add_bos=False)).tolist() + ids[at + 1:]
-    soft = [vision_tower(p.pixel_values, p.positions, weights, cfg) for p in video.processed]
+    soft = [front.soft_tokens(p) for p in video.processed]
     expected = multimodal_logits(Gemma4(model_dir), expanded, [], mm, rows="all", video_soft_tokens=soft)
     store = TensorStore(out_file)
     assert np.array_equal(store.get("logits"), expected)  # bit for bit

@@ -147,6 +147,29 @@ def test_media_prompts_each_rule_against_its_transformers_path(unified, media):
         assert gap == 0.0  # audio is never a vision block: both rules are the causal mask
 
 
+def test_video_prompt_each_rule_against_its_transformers_path(unified):
+    """A 2-frame video (frames of 84 x 120: 70 soft tokens at 12-px model patches, no resize) through the Unified
+    embedder, each frame its own block (issue 58): both rules against transformers' pixel_values_videos path."""
+    from refimpl.video import VideoSettings, preprocess_video, video_ids
+
+    d, hf = unified
+    front, mm = image_front_end(d).with_budget(70), load_multimodal_tokens(d)
+    video = preprocess_video([image(k, 84, 120) for k in range(4)], 1.0, front.preprocess, VideoSettings(70, 2))
+    assert video.frames == 2 and video.num_soft_tokens == 70 and video.timestamps == ["00:00", "00:02"]
+    ids = [2, 30, 31] + video_ids(video, mm, lambda t: [40 + (ord(c) % 50) for c in t]).tolist() + [32, 33, 34]
+    frames = [front.soft_tokens(p) for p in video.processed]
+    pixels = (np.stack([p.pixel_values for p in video.processed]), np.stack([p.positions for p in video.processed]))
+    ours = {}
+    for rule in VISION_MASK_RULES:
+        m = Gemma4(d, vision_mask=rule)
+        x = multimodal_inputs(m, ids, [], mm, video_soft_tokens=frames)
+        ours[rule] = m.forward(x.ids, embeddings=x.embeddings, vision_blocks=x.vision_blocks)
+        diff = np.abs(ours[rule] - hf_logits(hf, ids, videos=[pixels], rule=rule)).max()
+        print(f"\nvideo, {rule}: max |refimpl - transformers| = {diff:.2e}")
+        assert diff < EXACT_BOUND, f"video, {rule}: {diff:.3g}"
+    assert np.abs(ours["all-unclamped"] - ours["sliding-clamped"]).max() > RULES_DIFFER
+
+
 def test_no_token_types_is_causal(unified):
     """transformers without mm_token_type_ids builds plain causal masks: the oracle without blocks."""
     d, hf = unified
