@@ -286,7 +286,7 @@ def _read_videos(args, model_dir: Path, prompt: ImagePrompt) -> None:
     fps = 24.0 if args.fps is None else args.fps
     for path in args.video:
         frames = read_video_frames(path)
-        video = preprocess_video(frames, fps, front.preprocess, settings, args.num_frames)
+        video = preprocess_video(frames, fps, front.preprocess_frame, settings, args.num_frames)
         prompt.videos.append(video)
         first = video.processed[0]
         prompt.video_info.append({"dir": str(path), "frames": len(frames), "kept": video.frames, "fps": fps,

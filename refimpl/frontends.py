@@ -41,6 +41,7 @@ from .audio_features import (
 from .errors import InputError
 from .gguf_mmproj import load_mmproj_tower
 from .image import ImageProcessorSettings, check_soft_token_budget, load_image_processor_settings, preprocess_image
+from .resample import resize_bicubic, resize_bicubic_torch
 from .unified import (
     SAMPLING_RATE,
     UnifiedAudioConfig,
@@ -84,12 +85,17 @@ class ImageFrontEnd:
                                                check_soft_token_budget(max_soft_tokens))
         return self
 
-    def preprocess(self, pixels: np.ndarray):
-        """RGB uint8 [h, w, 3] -> refimpl.image.ProcessedImage or refimpl.unified.UnifiedImage."""
+    def preprocess(self, pixels: np.ndarray, resize=resize_bicubic):
+        """RGB uint8 [h, w, 3] -> refimpl.image.ProcessedImage or refimpl.unified.UnifiedImage (``resize``: the
+        image processors' Pillow rule; ``refimpl.resample.resize_bicubic_torch`` for a video frame)."""
         st = self.settings
         if self.unified:
-            return preprocess_unified_image(pixels, st)
-        return preprocess_image(pixels, st.patch_size, st.pooling_kernel_size, st.max_soft_tokens)
+            return preprocess_unified_image(pixels, st, resize)
+        return preprocess_image(pixels, st.patch_size, st.pooling_kernel_size, st.max_soft_tokens, resize)
+
+    def preprocess_frame(self, pixels: np.ndarray):
+        """One video frame: ``preprocess`` with the video processors' resize (torchvision on a uint8 tensor)."""
+        return self.preprocess(pixels, resize_bicubic_torch)
 
     @property
     def weights(self):

@@ -45,11 +45,13 @@ import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from .config_fields import read_json, read_media_file
 from .errors import ConfigError, InputError
+from .resample import check_image_array, positive_int, resize_bicubic
 from .vision import VisionConfig
 
 SUPPORTED_SOFT_TOKENS = (70, 140, 280, 560, 1120)
@@ -362,12 +364,6 @@ def check_soft_token_budget(max_soft_tokens: int) -> int:
     return int(max_soft_tokens)
 
 
-def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise InputError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
 def aspect_ratio_preserving_size(
     height: int, width: int, patch_size: int, max_soft_tokens: int, pooling_kernel_size: int
 ) -> tuple[int, int]:
@@ -376,8 +372,8 @@ def aspect_ratio_preserving_size(
     Same float arithmetic as transformers' ``get_aspect_ratio_preserving_size``; when one side rounds
     to 0 it becomes k p and the other floor(long / short) k p, capped at max_soft_tokens k p.
     """
-    height, width = _positive_int(height, "height"), _positive_int(width, "width")
-    p, k = _positive_int(patch_size, "patch_size"), _positive_int(pooling_kernel_size, "pooling_kernel_size")
+    height, width = positive_int(height, "height"), positive_int(width, "width")
+    p, k = positive_int(patch_size, "patch_size"), positive_int(pooling_kernel_size, "pooling_kernel_size")
     max_patches = check_soft_token_budget(max_soft_tokens) * k**2
     target_px = max_patches * p**2
     factor = math.sqrt(target_px / (height * width))
@@ -401,86 +397,6 @@ def aspect_ratio_preserving_size(
 
 # ----------------------------------------------------------------------------------------------
 # Pillow's bicubic resampling (src/libImaging/Resample.c, 8 bits per channel)
-
-PRECISION_BITS = 32 - 8 - 2
-BICUBIC_SUPPORT = 2.0
-
-
-def bicubic_filter(x: np.ndarray) -> np.ndarray:
-    """Keys' cubic with a = -0.5, evaluated with Pillow's operation order."""
-    a = -0.5
-    x = np.abs(x)
-    near = ((a + 2.0) * x - (a + 3.0)) * x * x + 1
-    far = (((x - 5) * x + 8) * x - 4) * a
-    return np.where(x < 1.0, near, np.where(x < 2.0, far, 0.0))
-
-
-def resample_coefficients(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """``precompute_coeffs`` + ``normalize_coeffs_8bpc``: first source index [out] and int taps [out, ksize].
-
-    Downscaling widens the filter by the scale (antialias); taps past the image edge are dropped and the
-    rest renormalised, then rounded half away from zero to PRECISION_BITS fixed point.
-    """
-    scale = in_size / out_size
-    filterscale = max(scale, 1.0)
-    support = BICUBIC_SUPPORT * filterscale
-    ksize = math.ceil(support) * 2 + 1
-    center = (np.arange(out_size) + 0.5) * scale  # [out]
-    xmin = np.maximum(np.trunc(center - support + 0.5).astype(np.int64), 0)
-    count = np.minimum(np.trunc(center + support + 0.5).astype(np.int64), in_size) - xmin
-    taps = np.arange(ksize)  # [ksize]
-    w = bicubic_filter(((taps + xmin[:, None]) - center[:, None] + 0.5) * (1.0 / filterscale))
-    w = np.where(taps < count[:, None], w, 0.0)  # [out, ksize]
-    total = np.zeros(out_size)
-    for j in range(ksize):  # Pillow sums left to right; keep that order for bit-exact sums
-        total = total + w[:, j]
-    w = np.where(total[:, None] != 0.0, w / np.where(total == 0.0, 1.0, total)[:, None], w)
-    fixed = w * (1 << PRECISION_BITS)
-    fixed = np.where(w < 0, np.trunc(-0.5 + fixed), np.trunc(0.5 + fixed)).astype(np.int64)
-    return xmin, fixed
-
-
-def resample_rows(image: np.ndarray, out_width: int) -> np.ndarray:
-    """One pass along axis 1: uint8 [h, w, c] -> uint8 [h, out_width, c] (``ImagingResampleHorizontal_8bpc``).
-
-    Sums are exact integers in int32, as Pillow's ``int`` accumulators (at most about 2^31 / 1.5).
-    """
-    w = image.shape[1]
-    xmin, taps = resample_coefficients(w, out_width)  # [W'], [W', ksize]
-    taps = taps.astype(np.int32)
-    acc = np.full((image.shape[0], out_width, image.shape[2]), 1 << (PRECISION_BITS - 1), np.int32)
-    for j in range(taps.shape[1]):  # gather tap j of every output pixel; taps past the edge are 0
-        column = np.take(image, np.minimum(xmin + j, w - 1), axis=1)  # [h, W', c] uint8
-        acc += column * taps[None, :, j, None]
-    return np.clip(acc >> PRECISION_BITS, 0, 255).astype(np.uint8)
-
-
-def resize_bicubic(image: np.ndarray, height: int, width: int) -> np.ndarray:
-    """uint8 [h, w, 3] -> uint8 [height, width, 3], bit-exact with Pillow ``resize((width, height), BICUBIC)``.
-
-    Two rounded passes. Pillow (``ImagingResampleInner``) runs the vertical pass first when the height
-    shrinks by more than twice as many pixels as the width does, else the horizontal pass first; the
-    order changes the rounding, so it is copied.
-    """
-    image = check_image_array(image)
-    height, width = _positive_int(height, "height"), _positive_int(width, "width")
-    h, w, _ = image.shape
-    if (h, w) == (height, width):
-        return image.copy()
-    if h - height > 0 and h - height > 2 * (w - width):  # vertical pass first
-        return _resize_width(_resize_height(image, height), width)
-    return _resize_height(_resize_width(image, width), height)
-
-
-def _resize_width(image: np.ndarray, width: int) -> np.ndarray:
-    return image if image.shape[1] == width else resample_rows(image, width)  # [h, width, 3]
-
-
-def _resize_height(image: np.ndarray, height: int) -> np.ndarray:
-    if image.shape[0] == height:
-        return image
-    return np.ascontiguousarray(resample_rows(image.transpose(1, 0, 2), height).transpose(1, 0, 2))
-
 
 # ----------------------------------------------------------------------------------------------
 # rescale, patches, positions
@@ -515,29 +431,16 @@ class ProcessedImage:
     num_soft_tokens: int  # N / k^2
 
 
-def check_image_array(image) -> np.ndarray:
-    if not isinstance(image, np.ndarray):
-        raise InputError(f"the image must be a NumPy array [height, width, 3] of uint8, got {type(image).__name__}")
-    if image.dtype != np.uint8:
-        raise InputError(
-            f"the image must have dtype uint8 (values 0..255), got {image.dtype}; "
-            "convert it with np.clip(x, 0, 255).astype(np.uint8) or read it with read_image"
-        )
-    if image.ndim != 3 or image.shape[2] != 3:
-        raise InputError(f"the image must have shape [height, width, 3] (RGB), got {list(image.shape)}")
-    if image.shape[0] == 0 or image.shape[1] == 0:
-        raise InputError(f"the image is empty (shape {list(image.shape)}); pass at least one pixel")
-    return image
-
-
 def preprocess_image(
-    image: np.ndarray, patch_size: int, pooling_kernel_size: int, max_soft_tokens: int
+    image: np.ndarray, patch_size: int, pooling_kernel_size: int, max_soft_tokens: int,
+    resize: Callable[[np.ndarray, int, int], np.ndarray] = resize_bicubic,
 ) -> ProcessedImage:
-    """RGB uint8 [h, w, 3] -> the vision tower's unpadded input (module docstring)."""
+    """RGB uint8 [h, w, 3] -> the vision tower's unpadded input (module docstring). ``resize``: Pillow's rule (the
+    image processor's); a video frame takes ``refimpl.resample.resize_bicubic_torch`` (the video processor's)."""
     image = check_image_array(image)
     h, w = aspect_ratio_preserving_size(image.shape[0], image.shape[1], patch_size, max_soft_tokens,
                                         pooling_kernel_size)
-    pixels = image if (h, w) == image.shape[:2] else resize_bicubic(image, h, w)  # [H', W', 3]
+    pixels = image if (h, w) == image.shape[:2] else resize(image, h, w)  # [H', W', 3]
     values = patchify(rescale(pixels), patch_size)  # [N, 3 p^2]
     positions = patch_positions(h // patch_size, w // patch_size)  # [N, 2]
     return ProcessedImage(pixels, values, positions, values.shape[0] // pooling_kernel_size**2)

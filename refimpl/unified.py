@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -223,13 +224,15 @@ def pad_patches(patches: np.ndarray, positions: np.ndarray, rows: int) -> tuple[
     return padded, where
 
 
-def preprocess_unified_image(image: np.ndarray, settings: ImageProcessorSettings) -> UnifiedImage:
-    """RGB uint8 [h, w, 3] -> the vision embedder's padded input (module doc)."""
+def preprocess_unified_image(image: np.ndarray, settings: ImageProcessorSettings,
+                             resize: Callable[[np.ndarray, int, int], np.ndarray] = resize_bicubic) -> UnifiedImage:
+    """RGB uint8 [h, w, 3] -> the vision embedder's padded input (module doc); ``resize`` as
+    ``refimpl.image.preprocess_image``'s."""
     image = check_image_array(image)
     p, k, budget = settings.patch_size, settings.pooling_kernel_size, settings.max_soft_tokens
     M = p * k
     h, w = aspect_ratio_preserving_size(image.shape[0], image.shape[1], p, budget, k)
-    pixels = image if (h, w) == image.shape[:2] else resize_bicubic(image, h, w)  # [H', W', 3]
+    pixels = image if (h, w) == image.shape[:2] else resize(image, h, w)  # [H', W', 3]
     patches = patchify(rescale(pixels), M)  # [N, 3 M^2]: one M-pixel patch = k x k merged p-pixel patches
     values, positions = pad_patches(patches, patch_positions(h // M, w // M), budget)
     return UnifiedImage(pixels, values, positions, patches.shape[0])

@@ -8,7 +8,9 @@ A video reaches the decoder as its sampled frames, each an image of its own:
         there)
       --frame_timestamps--> "mm:ss" of each kept frame (index / fps, minutes and whole seconds)
       --refimpl.image.preprocess_image (or the Unified one)--> each frame through the image path with the video
-        processor's own budget (``max_soft_tokens`` 70 by default): the same resized size for every frame
+        processor's own budget (``max_soft_tokens`` 70 by default) and its resize (torchvision's on a uint8 tensor:
+        ``refimpl.resample.resize_bicubic_torch``, not the image processor's Pillow rule; ``ImageFrontEnd
+        .preprocess_frame``): the same resized size for every frame
       --video_ids--> the frames' tokens: "mm:ss " + boi + video_token x N + eoi, frames joined by one space,
         each timestamp's text tokenized on its own (it sits between two special tokens, or begins the run)
 
@@ -17,10 +19,9 @@ their rows unscaled, their per-layer-embedding rows are the pad row, and on a ch
 ``use_bidirectional_attention == "vision"`` each frame is its own vision block (its boi/eoi and the timestamps
 between frames are text). ``refimpl.multimodal.multimodal_inputs(..., video_soft_tokens=...)`` merges them.
 
-The resize is the image path's (Pillow's bicubic, bit-exact with transformers' ``Gemma4ImageProcessorPil``);
-transformers' video processor resizes with torchvision on uint8 tensors, which rounds otherwise: frames already
-at their target size (``video_frame_size``) are exact; a frame that is resized may differ by a unit or two of
-255 at about one pixel value in a hundred (docs/refimpl.md, "Video").
+transformers' video processors resize with torchvision on uint8 tensors (``torch.nn.functional.interpolate``,
+bicubic, antialiased), which rounds otherwise than the image processors' Pillow rule (by a unit or two of 255 at
+about one pixel value in a hundred): ``resize_bicubic_torch`` is that rule, bit for bit.
 """
 
 from __future__ import annotations
@@ -142,7 +143,8 @@ class Video:
 def preprocess_video(frames: Sequence[np.ndarray], fps: float, preprocess: Callable[[np.ndarray], object],
                      settings: VideoSettings = VideoSettings(), num_frames: int | None = None) -> Video:
     """Sample, time-stamp and preprocess a video's frames. ``preprocess``: one frame -> its processed input at
-    the video budget (``refimpl.frontends.ImageFrontEnd.with_budget(settings.max_soft_tokens).preprocess``)."""
+    the video budget with the video processor's resize
+    (``refimpl.frontends.ImageFrontEnd.with_budget(settings.max_soft_tokens).preprocess_frame``)."""
     check_soft_token_budget(settings.max_soft_tokens)
     frames = check_frames(frames)
     indices = sample_frame_indices(len(frames), settings.num_frames if num_frames is None else num_frames)

@@ -49,7 +49,7 @@ def test_logits_with_a_video_equal_the_library(tmp_path, preset_dirs, frames_dir
     settings = load_video_settings(model_dir)
     front = image_front_end(model_dir).with_budget(settings.max_soft_tokens)
     frames = [read_image(p) for p in sorted(frames_dir.iterdir())]
-    video = preprocess_video(frames, 0.5, front.preprocess, VideoSettings(settings.max_soft_tokens, 3))
+    video = preprocess_video(frames, 0.5, front.preprocess_frame, VideoSettings(settings.max_soft_tokens, 3))
     assert video.indices.tolist() == [0, 1, 3] and video.timestamps == ["00:00", "00:02", "00:06"]
     ids = tok.encode(prompt)
     at = ids.index(mm.video_token_id)

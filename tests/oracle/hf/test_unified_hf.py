@@ -154,7 +154,7 @@ def test_video_prompt_each_rule_against_its_transformers_path(unified):
 
     d, hf = unified
     front, mm = image_front_end(d).with_budget(70), load_multimodal_tokens(d)
-    video = preprocess_video([image(k, 84, 120) for k in range(4)], 1.0, front.preprocess, VideoSettings(70, 2))
+    video = preprocess_video([image(k, 84, 120) for k in range(4)], 1.0, front.preprocess_frame, VideoSettings(70, 2))
     assert video.frames == 2 and video.num_soft_tokens == 70 and video.timestamps == ["00:00", "00:02"]
     ids = [2, 30, 31] + video_ids(video, mm, lambda t: [40 + (ord(c) % 50) for c in t]).tolist() + [32, 33, 34]
     frames = [front.soft_tokens(p) for p in video.processed]

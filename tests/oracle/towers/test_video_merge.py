@@ -21,6 +21,7 @@ from refimpl.errors import InputError
 from refimpl.image import preprocess_image
 from refimpl.model import Gemma4
 from refimpl.multimodal import MultimodalTokens, load_multimodal_tokens, multimodal_inputs, multimodal_logits
+from refimpl.resample import resize_bicubic, resize_bicubic_torch
 from refimpl.video import (
     VideoSettings,
     check_frames,
@@ -61,7 +62,8 @@ def env(torch_one_thread):
 def video():
     rng = np.random.default_rng(58)
     frames = [rng.integers(0, 256, (*FRAME, 3), dtype=np.uint8) for _ in range(7)]
-    return preprocess_video(frames, FPS, lambda f: preprocess_image(f, 4, 3, 70), VideoSettings(70, 3))
+    return preprocess_video(frames, FPS, lambda f: preprocess_image(f, 4, 3, 70, resize_bicubic_torch),
+                            VideoSettings(70, 3))
 
 
 @pytest.fixture(scope="module")
@@ -201,3 +203,19 @@ def test_the_video_processor_settings_of_a_checkpoint(tmp_path):
     with pytest.raises(ConfigError, match=r"\['video_processor'\]: 'max_soft_tokens' must be one of 70, 140, 280, "
                                           r"560, 1120, got 71$"):
         load_video_settings(tmp_path)
+
+
+@pytest.mark.parametrize("h, w, budget, patch", [(40, 56, 70, 4), (200, 120, 70, 4), (17, 23, 280, 16),
+                                                 (480, 640, 70, 16), (1080, 1920, 280, 16), (300, 7, 70, 16)])
+def test_frames_resize_as_the_video_processor_does(h, w, budget, patch):
+    """resize_bicubic_torch is torch's interpolate(uint8, bicubic, antialias) bit for bit (what torchvision's resize
+    of a uint8 frame runs on the CPU), up- and downscaling; Pillow's rule (the image processors') is not."""
+    torch = pytest.importorskip("torch")
+    img = np.random.default_rng(h * w).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    H, W = video_frame_size(h, w, patch, 3, VideoSettings(budget))
+    theirs = torch.nn.functional.interpolate(torch.from_numpy(img).permute(2, 0, 1)[None], size=(H, W),
+                                             mode="bicubic", antialias=True)[0].permute(1, 2, 0).numpy()
+    ours = resize_bicubic_torch(img, H, W)
+    assert ours.dtype == np.uint8 and np.array_equal(ours, theirs)
+    if (h, w) in [(40, 56), (200, 120)]:  # measured: Pillow's taps round a few values otherwise
+        assert not np.array_equal(resize_bicubic(img, H, W), theirs)
