@@ -16,6 +16,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hf_towers import randomise_text, randomise_vision, recompute_vision_inv_freq, vision_float64_exact
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from refimpl.errors import InputError
 from refimpl.image import preprocess_image
@@ -31,7 +33,7 @@ from refimpl.video import (
     video_frame_size,
     video_ids,
 )
-from refimpl.vision import load_vision_tower, vision_tower_batch
+from refimpl.vision import load_vision_tower, vision_tower, vision_tower_batch
 
 EXACT_BOUND = 5e-12  # as for image prompts (tests/oracle/towers/test_image_merge.py)
 
@@ -219,3 +221,61 @@ def test_frames_resize_as_the_video_processor_does(h, w, budget, patch):
     assert ours.dtype == np.uint8 and np.array_equal(ours, theirs)
     if (h, w) in [(40, 56), (200, 120)]:  # measured: Pillow's taps round a few values otherwise
         assert not np.array_equal(resize_bicubic(img, H, W), theirs)
+
+
+def _hf_logits_videos(env, hf, ids, videos):
+    """transformers' logits with several videos (their frames concatenated, num_frames_per_video; each frame padded
+    to the budget's 630 patches with zero pixels at position (-1, -1), as the video processor pads)."""
+    torch, mg, hf_reference = env
+
+    def padded(p):
+        n = 630 - len(p.pixel_values)
+        return (np.concatenate([p.pixel_values, np.zeros((n, p.pixel_values.shape[1]))]),
+                np.concatenate([p.positions, np.full((n, 2), -1, dtype=np.int64)]))
+
+    frames = [padded(p) for v in videos for p in v.processed]
+    pixels, positions = np.stack([f[0] for f in frames]), np.stack([f[1] for f in frames])
+    types = np.where(ids == VID, 2, 0)[None]
+    with torch.no_grad(), vision_float64_exact(torch, mg, hf_reference):
+        out = hf(input_ids=torch.from_numpy(ids[None]), pixel_values_videos=torch.from_numpy(pixels),
+                 video_position_ids=torch.from_numpy(positions),
+                 num_frames_per_video=torch.tensor([v.frames for v in videos]),
+                 mm_token_type_ids=torch.from_numpy(types), use_cache=False)
+    return out.logits[0].numpy()
+
+
+@pytest.mark.hf
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.tuples(st.integers(12, 90), st.integers(12, 90), st.integers(1, 4)), min_size=1, max_size=2),
+       fps=st.sampled_from([0.5, 1.0, 24.0]), seed=st.integers(0, 2**16), name=st.sampled_from(["vision", "causal"]))
+def test_drawn_videos_equal_transformers_whole_and_chunked(checkpoints, env, sizes, fps, seed, name):
+    """Videos of drawn frame sizes (resized to the budget by the video processor's rule, so frames of different
+    videos differ in size and soft-token count) and frame counts: the oracle's logits equal transformers' over the
+    whole prompt, and the same prompt fed in chunks through the KV cache (cut at frame boundaries: a frame's block
+    is never split) equals them too."""
+    from refimpl.model import KVCache
+
+    path, hf = checkpoints[name]
+    tokens = load_multimodal_tokens(path)
+    rng = np.random.default_rng(seed)
+    videos = [preprocess_video([rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for _ in range(n)], fps,
+                               lambda f: preprocess_image(f, 4, 3, 70, resize_bicubic_torch), VideoSettings(70, n))
+              for h, w, n in sizes]
+    ids = [2, *rng.integers(3, 480, 3)]
+    for v in videos:
+        ids += [*video_ids(v, tokens, encode), *rng.integers(3, 480, 2)]
+    ids = np.asarray(ids, dtype=np.int64)
+    weights, cfg = load_vision_tower(path)
+    frames = [vision_tower(p.pixel_values, p.positions, weights, cfg) for v in videos for p in v.processed]
+    model = Gemma4(path)
+    theirs = _hf_logits_videos(env, hf, ids, videos)
+    ours = multimodal_logits(model, ids, [], tokens, video_soft_tokens=frames)
+    assert np.abs(ours - theirs).max() < EXACT_BOUND
+    m = multimodal_inputs(model, ids, [], tokens, video_soft_tokens=frames)
+    ends = [int(e) + 1 for e in np.flatnonzero(ids == EOI)]  # after each frame's eoi
+    cuts = sorted({0, *ends[:: max(1, len(ends) // 3)], len(ids)})
+    cache, rows = KVCache(), []
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        blocks = None if m.vision_blocks is None else m.vision_blocks[a:b]
+        rows.append(model.forward(m.ids[a:b], cache=cache, embeddings=m.embeddings[a:b], vision_blocks=blocks))
+    assert np.abs(np.concatenate(rows) - theirs).max() < EXACT_BOUND
