@@ -310,3 +310,41 @@ def randomise_text(torch, model, seed):
     with torch.no_grad():
         lm.embed_tokens.weight.copy_(torch.randn(lm.embed_tokens.weight.shape, generator=g))
         lm.embed_tokens_per_layer.weight.copy_(torch.randn(lm.embed_tokens_per_layer.weight.shape, generator=g))
+
+
+# the tiny image-text checkpoints of the towers' merge tests (tests/oracle/towers/test_{image,video,audio}_merge.py):
+# a 2-layer vision tower, text of hidden 64 with 3 layers (sliding, sliding, full), window 8, PLE width 8, softcap 30
+TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                   num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=3,
+                   position_embedding_size=64)
+TINY_TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16, global_head_dim=32, sliding_window=8,
+                 hidden_size_per_layer_input=8, vocab_size_per_layer_input=512, final_logit_softcapping=30.0,
+                 layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+TINY_TOKEN_IDS = dict(image_token_id=500, boi_token_id=501, eoi_token_id=502, audio_token_id=503, boa_token_id=504,
+                      eoa_token_index=505, video_token_id=506)
+
+
+def tiny_vision_checkpoints(env, tmp_path_factory, prefix: str, seed: int = 0) -> dict:
+    """{name: (directory, float64 transformers model)} for "vision" (bidirectional vision blocks) and "causal":
+    Gemma4ForConditionalGeneration of TINY_VISION / TINY_TEXT with random weights (seeds ``seed``, ``seed + 1``),
+    saved by transformers and loaded back in float64 with its float32 spots made float64."""
+    torch, mg, hf_reference = env
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    out = {}
+    for k, (name, bidir) in enumerate([("vision", "vision"), ("causal", None)]):
+        cfg = Gemma4Config(text_config={**TINY_TEXT, "use_bidirectional_attention": bidir},
+                           vision_config=dict(TINY_VISION), audio_config=None, **TINY_TOKEN_IDS)
+        model = Gemma4ForConditionalGeneration(cfg)
+        randomise_vision(torch, model, seed + k)
+        randomise_text(torch, model, seed + k)
+        path = tmp_path_factory.mktemp(f"{prefix}_{name}")
+        model.save_pretrained(path)
+        hf = Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float64, attn_implementation="eager",
+                                                            use_safetensors=True)
+        hf.eval()
+        recompute_vision_inv_freq(torch, mg, hf)
+        hf_reference.recompute_float64_buffers(hf)
+        out[name] = (path, hf)
+    return out

@@ -30,6 +30,9 @@ import itertools
 import numpy as np
 import pytest
 from hf_towers import (
+    TINY_TEXT,
+    TINY_TOKEN_IDS,
+    TINY_VISION,
     audio_float64_exact,
     randomise_audio,
     randomise_text,
@@ -64,14 +67,7 @@ EXACT_BOUND = 5e-12
 AUDIO = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, subsampling_conv_channels=[16, 8],
              conv_kernel_size=5, attention_chunk_size=4, attention_context_left=5, attention_context_right=0,
              output_proj_dims=24, use_clipped_linears=False, rms_norm_eps=1e-3)
-VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-              num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=3, position_embedding_size=64)
-TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=16, global_head_dim=32, sliding_window=8, hidden_size_per_layer_input=8,
-            vocab_size_per_layer_input=512, final_logit_softcapping=30.0,
-            layer_types=["sliding_attention", "sliding_attention", "full_attention"])
-TOKEN_IDS = dict(image_token_id=500, boi_token_id=501, eoi_token_id=502, audio_token_id=503, boa_token_id=504,
-                 eoa_token_index=505, video_token_id=506)
+VISION, TEXT, TOKEN_IDS = TINY_VISION, TINY_TEXT, TINY_TOKEN_IDS
 IMG, BOI, EOI = 500, 501, 502
 AUD, BOA, EOA = 503, 504, 505
 N_MELS, T_FRAMES = 16, 41

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hf_towers import randomise_text, randomise_vision, recompute_vision_inv_freq, vision_float64_exact
+from hf_towers import TINY_TEXT, TINY_TOKEN_IDS, tiny_vision_checkpoints, vision_float64_exact
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -37,14 +37,7 @@ from refimpl.vision import load_vision_tower, vision_tower, vision_tower_batch
 
 EXACT_BOUND = 5e-12  # as for image prompts (tests/oracle/towers/test_image_merge.py)
 
-VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-              num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=3, position_embedding_size=64)
-TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=16, global_head_dim=32, sliding_window=8, hidden_size_per_layer_input=8,
-            vocab_size_per_layer_input=512, final_logit_softcapping=30.0,
-            layer_types=["sliding_attention", "sliding_attention", "full_attention"])
-TOKEN_IDS = dict(image_token_id=500, boi_token_id=501, eoi_token_id=502, audio_token_id=503, boa_token_id=504,
-                 eoa_token_index=505, video_token_id=506)
+TEXT, TOKEN_IDS = TINY_TEXT, TINY_TOKEN_IDS
 VID, BOI, EOI = TOKEN_IDS["video_token_id"], TOKEN_IDS["boi_token_id"], TOKEN_IDS["eoi_token_id"]
 FRAME = (84, 120)  # 21 x 30 patches of 4 = 630 = 70 x 3^2: kept as it is at the video budget
 FPS = 0.8  # 7 frames: kept 0, 2, 4 -> 00:00, 00:02, 00:05
@@ -71,25 +64,7 @@ def video():
 @pytest.fixture(scope="module")
 def checkpoints(env, tmp_path_factory):
     """{name: (dir, float64 HF model)} for "vision" (bidirectional blocks) and "causal"."""
-    torch, mg, hf_reference = env
-    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
-
-    out = {}
-    for seed, (name, bidir) in enumerate([("vision", "vision"), ("causal", None)]):
-        cfg = Gemma4Config(text_config={**TEXT, "use_bidirectional_attention": bidir}, vision_config=dict(VISION),
-                           audio_config=None, **TOKEN_IDS)
-        model = Gemma4ForConditionalGeneration(cfg)
-        randomise_vision(torch, model, seed + 5)
-        randomise_text(torch, model, seed + 5)
-        path = tmp_path_factory.mktemp(f"video_{name}")
-        model.save_pretrained(path)
-        hf = Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float64, attn_implementation="eager",
-                                                            use_safetensors=True)
-        hf.eval()
-        recompute_vision_inv_freq(torch, mg, hf)
-        hf_reference.recompute_float64_buffers(hf)
-        out[name] = (path, hf)
-    return out
+    return tiny_vision_checkpoints(env, tmp_path_factory, "video", seed=5)
 
 
 def _prompt(video, tokens: MultimodalTokens) -> np.ndarray:
