@@ -13,21 +13,24 @@ vision block, the timestamps and markers outside; the layout against transformer
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from hf_towers import TINY_TEXT, TINY_TOKEN_IDS, tiny_vision_checkpoints, vision_float64_exact
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from refimpl.errors import InputError
+from refimpl.errors import ConfigError, InputError
 from refimpl.image import preprocess_image
-from refimpl.model import Gemma4
+from refimpl.model import Gemma4, KVCache
 from refimpl.multimodal import MultimodalTokens, load_multimodal_tokens, multimodal_inputs, multimodal_logits
 from refimpl.resample import resize_bicubic, resize_bicubic_torch
 from refimpl.video import (
     VideoSettings,
     check_frames,
     frame_timestamps,
+    load_video_settings,
     preprocess_video,
     sample_frame_indices,
     video_frame_size,
@@ -167,11 +170,6 @@ def test_bad_videos_are_one_line_errors():
 
 def test_the_video_processor_settings_of_a_checkpoint(tmp_path):
     """processor_config.json's "video_processor": its budget and frame count, else the processor's defaults."""
-    import json
-
-    from refimpl.errors import ConfigError
-    from refimpl.video import load_video_settings
-
     assert load_video_settings(tmp_path) == VideoSettings(70, 32)
     (tmp_path / "processor_config.json").write_text(json.dumps({"video_processor": {"max_soft_tokens": 140,
                                                                                     "num_frames": 8}}))
@@ -228,8 +226,6 @@ def test_drawn_videos_equal_transformers_whole_and_chunked(checkpoints, env, siz
     videos differ in size and soft-token count) and frame counts: the oracle's logits equal transformers' over the
     whole prompt, and the same prompt fed in chunks through the KV cache (cut at frame boundaries: a frame's block
     is never split) equals them too."""
-    from refimpl.model import KVCache
-
     path, hf = checkpoints[name]
     tokens = load_multimodal_tokens(path)
     rng = np.random.default_rng(seed)
