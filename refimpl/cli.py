@@ -251,7 +251,7 @@ def _add_prompt(p: argparse.ArgumentParser) -> None:
                         "go in front of the text (after the images when --image puts those in front too)")
     p.add_argument("--mmproj", metavar="FILE.gguf", default=None,
                    help="with a GGUF --model: the projector GGUF that holds its vision and audio towers (llama.cpp's "
-                        "convert_hf_to_gguf.py --mmproj), for --image and --audio")
+                        "convert_hf_to_gguf.py --mmproj), for --image, --video and --audio")
     p.add_argument("--max-soft-tokens", type=int, choices=list(SUPPORTED_SOFT_TOKENS), default=None,
                    help="soft-token budget per image (default: the checkpoint's processor config, else 280)")
     p.add_argument("--vision-mask", choices=list(VISION_MASK_RULES), default=VISION_MASK_RULES[0],

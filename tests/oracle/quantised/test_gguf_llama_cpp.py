@@ -516,7 +516,7 @@ def test_the_projector_options_are_refused_in_one_line(converted, e256, tmp_path
                                  "(convert_hf_to_gguf.py --mmproj); pass it with --mmproj FILE"),
         ([model_dir, "--mmproj", mmproj, "--image", png],
          f"--mmproj applies to a GGUF --model; the checkpoint directory {model_dir} holds its own towers"),
-        ([text, "--mmproj", mmproj], "--mmproj applies to --image and --audio"),
+        ([text, "--mmproj", mmproj], "--mmproj applies to --image, --video and --audio"),
         ([text, "--mmproj", text, "--image", png],
          f"{text}: not a projector GGUF (architecture 'clip', from convert_hf_to_gguf.py --mmproj); its architecture "
          "is 'gemma4'"),
