@@ -55,7 +55,7 @@ def prompt_ids(args, model_dir: Path, images: int = 0, mm: MultimodalTokens | No
     start of the user turn's content with --chat, as the Gemma 4 chat template places image items.
     Audio clips (``clips`` > 0) follow the same rule with the audio placeholder; when both kinds go in
     front, the images come first, then the clips (the chat template's order of image and audio items). Videos
-    (``videos`` > 0) likewise with the video placeholder, after the images (not with --chat yet).
+    (``videos`` > 0) likewise with the video placeholder, after the images ({"type": "video"} items with --chat).
     --chat renders the checkpoint's own chat template when it has one (``refimpl.chat``; media in front
     go as ``{"type": "image"}`` / ``{"type": "audio"}`` items before the text item), else the
     hand-written Gemma 4 format with the placeholders at the start of the user turn's text."""
@@ -81,9 +81,6 @@ def prompt_ids(args, model_dir: Path, images: int = 0, mm: MultimodalTokens | No
     if tok is None:
         raise TokenizerError(f"{model_dir} has no tokenizer.model; pass token ids with --tokens instead of --prompt")
     text = args.prompt
-    if videos and args.chat:
-        raise InputError("--chat with --video is not supported yet; write the <|video|> placeholder into --prompt "
-                         "(or pass --tokens) without --chat")
     kinds = [] if mm is None else [k for k in (
         (images, "image", mm.image_token_id, mm.boi_token_id, mm.eoi_token_id),
         (videos, "video", mm.video_token_id, mm.boi_token_id, mm.eoi_token_id),

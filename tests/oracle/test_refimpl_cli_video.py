@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from test_refimpl_cli import run, write_png
 
+from refimpl.chat import encode_conversation, user_turn
 from refimpl.frontends import image_front_end
 from refimpl.image import read_image
 from refimpl.model import Gemma4
@@ -76,6 +77,24 @@ def test_generate_with_a_video_runs_and_a_missing_fps_warns(preset_dirs, frames_
     assert "  video 0 " in err and "2 of 5 frames at 24 fps" in err
 
 
+def test_chat_puts_the_video_at_the_start_of_the_user_turn(tmp_path, preset_dirs, frames_dir, capsys):
+    """--chat with --video: a {"type": "video"} item in front of the text, as transformers' processors pass it; the
+    checkpoint without a chat template gets the hand-written Gemma 4 format, its <|video|> expanded into the frames."""
+    model_dir = preset_dirs[PRESET]
+    out_file = tmp_path / "chat.safetensors"
+    code, out, err = run(capsys, "logits", "--model", str(model_dir), "--prompt", "what is this", "--chat", "--video",
+                         str(frames_dir), "--fps", "1", "--num-frames", "2", "--out", str(out_file))
+    assert code == 0, err
+    tok, mm = Tokenizer.from_dir(model_dir), load_multimodal_tokens(model_dir)
+    bare = encode_conversation(tok, model_dir, user_turn("what is this", ["video"])).ids
+    assert bare.count(mm.video_token_id) == 1
+    got = TensorStore(out_file).raw("tokens").tolist()
+    at = bare.index(mm.video_token_id)
+    assert got[:at] == bare[:at] and got[len(got) - (len(bare) - at - 1):] == bare[at + 1:]
+    frames = got[at:len(got) - (len(bare) - at - 1)]
+    assert frames.count(mm.boi_token_id) == 2 and frames[-1] == mm.eoi_token_id
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--video", "{empty}"], "the video has no frames (no image file: "),
     (["--video", "{mixed}"], "the video's frames differ in size (20x20, 30x50, HxW)"),
@@ -83,7 +102,6 @@ def test_generate_with_a_video_runs_and_a_missing_fps_warns(preset_dirs, frames_
      "the frame rate must be a positive number of frames a second, got 0.0"),
     (["--video", "{frames}", "--num-frames", "9"],
      "the video has 5 frame(s), fewer than the 9 the processor samples"),
-    (["--video", "{frames}", "--chat"], "--chat with --video is not supported yet"),
     (["--fps", "2"], "--fps applies to --video"),
     (["--video", "{frames}", "--video", "{frames}", "--prompt", "a <|video|> b"],
      "the prompt holds 1 video placeholder(s)"),
