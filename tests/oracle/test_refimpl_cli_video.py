@@ -121,3 +121,20 @@ def test_bad_video_input_is_one_error_line_and_exit_2(tmp_path, preset_dirs, fra
                          "--out", str(tmp_path / "o.safetensors"))
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert message in err and "Traceback" not in err
+
+
+def test_too_many_frames_for_the_context_is_one_line(tmp_path, preset_dirs, capsys):
+    """60 frames of 70 soft tokens (4,141 tokens with the markers and timestamps) past the 4,096-token context:
+    refused before any tower runs, one line, exit 2, nothing written."""
+    rng = np.random.default_rng(3)
+    many = tmp_path / "many"
+    many.mkdir()
+    for k in range(60):
+        write_png(many / f"f{k:03d}.png", rng.integers(0, 256, (30, 50, 3), dtype=np.uint8))
+    argv = ["logits", "--model", str(preset_dirs[PRESET]), "--prompt", "x", "--video", str(many), "--fps", "1",
+            "--num-frames", "60", "--out", str(tmp_path / "o.safetensors")]
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and err == ("refimpl: error: the prompt is 4141 tokens long, beyond the checkpoint's context of "
+                                 "4096 tokens (max_position_embeddings in config.json); pass --allow-beyond-context "
+                                 "to run it anyway\n")
+    assert not (tmp_path / "o.safetensors").exists()
