@@ -1,0 +1,50 @@
+#!/bin/bash
+# The GPU measurements of issues 53 and 54 in one device call (the device machine: one H100/H200, 16 cores, CuPy,
+# torch; run from the repository root there, with OUT set to the folder whose files come back):
+#
+#   benchmarks/device_run.sh kernels   the fused-kernel tests, fused_kernels.py and a profile on the E2B 10-layer cut
+#   benchmarks/device_run.sh prefill   benchmarks/prefill.py --device cuda on E2B at full depth, last row and all rows
+#   benchmarks/device_run.sh generate  generate --device cuda of the real-size E2B text set, timed, then checked by
+#                                      the CPU oracle at exact-f64 on a -k subset
+#
+# transformers 5.24.0 (what --transformers exact patches) is installed from a wheel carried in .whl/ when there is
+# one (python3 -m pip download -q transformers==5.24.0 --no-deps -d .whl on this side; carry .whl). Each step has a
+# time limit so that the call ends inside the device's per-call limit; the logs and JSON go to $OUT.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null
+fi
+export PYTHONPATH=/tmp/site:.:tests PYTHONUNBUFFERED=1
+CONF='import sys; from conformance.cli import main; sys.argv[0] = "conformance"; sys.exit(main())'
+synth() {  # synth PRESET_ARGS DIR: a synthetic checkpoint, once per machine
+  [ -f "$2/model.safetensors" ] || timeout 200 python3 -m refimpl synth --preset e2b $1 --out "$2" > /dev/null
+}
+t0=$SECONDS
+case "${1:-}" in
+  kernels)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/oracle/test_cupy.py -k "fused or op_on_cupy" \
+      > "$OUT/cupy-fused.log" 2>&1; tail -3 "$OUT/cupy-fused.log"
+    synth "--layers 10" /tmp/e2b10
+    timeout 120 python3 benchmarks/fused_kernels.py --model /tmp/e2b10 --json "$OUT/fused-e2b10.json" 2>&1 | tail -6
+    timeout 60 python3 benchmarks/profile_forward.py --model /tmp/e2b10 --weight-cache all --device cuda --top 45 \
+      > "$OUT/profile-e2b10.txt" 2>&1; head -20 "$OUT/profile-e2b10.txt" ;;
+  prefill)
+    synth "" /tmp/e2b
+    for rows in last all; do
+      timeout 240 python3 benchmarks/prefill.py --model /tmp/e2b --rows $rows --device cuda \
+        --json "$OUT/e2b-$rows-cuda.json" 2>&1 | tail -9
+    done ;;
+  generate)
+    synth "" /tmp/e2b
+    rm -rf /tmp/sets; s=$SECONDS
+    timeout 300 python3 -c "$CONF" generate --model /tmp/e2b --out /tmp/sets/e2b-gpu --cases text --device cuda 2>&1 \
+      | tee "$OUT/generate-e2b-cuda.log" | tail -4
+    echo "generate: $((SECONDS - s)) s, $(du -sh /tmp/sets/e2b-gpu | cut -f1)"
+    timeout 200 python3 -c "$CONF" check --backend conformance.backends.refimpl_backend:RefimplBackend \
+      --fixtures /tmp/sets/e2b-gpu --model /tmp/e2b --profile exact-f64 -k 'last/plain/A' \
+      --json "$OUT/check-gpu-set-on-cpu.json" 2>&1 | tail -3 ;;
+  *) echo "usage: benchmarks/device_run.sh kernels|prefill|generate" >&2; exit 2 ;;
+esac
+echo "device_run.sh ${1}: $((SECONDS - t0)) s"
