@@ -203,22 +203,26 @@ def _check_markers(ids: list[int], tok: Tokenizer | None, mm: MultimodalTokens) 
 def _image_front_end(args, model_dir: Path, model: Gemma4) -> ImageFrontEnd | None:
     """The image front end (None without --image), after the checks that the model has the towers asked
     for: a checkpoint's config.json, or for a GGUF model the projector file --mmproj names."""
-    images, clips, projector = list(args.image), list(args.audio), args.mmproj
-    if projector is None:
-        if is_gguf(model_dir):
-            raise InputError(f"{model_dir} is a GGUF text model: its vision and audio towers are in a projector GGUF "
-                             "(convert_hf_to_gguf.py --mmproj); pass it with --mmproj FILE")
-        if images:
-            _config_has(model_dir, "vision_config", "vision", "--image")
-        if clips:
-            _config_has(model_dir, "audio_config", "audio", "--audio")
-        return image_front_end(model_dir, args.dtype) if images else None
-    if not is_gguf(model_dir):
+    if args.mmproj is None and is_gguf(model_dir):
+        raise InputError(f"{model_dir} is a GGUF text model: its vision and audio towers are in a projector GGUF "
+                         "(convert_hf_to_gguf.py --mmproj); pass it with --mmproj FILE")
+    if args.mmproj is not None and not is_gguf(model_dir):
         raise InputError(f"--mmproj applies to a GGUF --model; the checkpoint directory {model_dir} holds its own "
                          "towers")
-    front = image_front_end(model_dir, args.dtype, projector) if images else None
-    if front is not None:
-        _check_width(front.cfg.text_hidden_size, model, projector, "vision")
+    front = _vision_front_end(args, model_dir, model, "--image") if args.image else None
+    if args.mmproj is None and args.audio:
+        _config_has(model_dir, "audio_config", "audio", "--audio")
+    return front
+
+
+def _vision_front_end(args, model_dir: Path, model: Gemma4, flag: str) -> ImageFrontEnd:
+    """A vision front end of its own for ``flag`` (--image, --video: each with its own budget): the checkpoint's
+    (its config.json must have the tower) or the projector's (its soft tokens as wide as the model)."""
+    if args.mmproj is None:
+        _config_has(model_dir, "vision_config", "vision", flag)
+        return image_front_end(model_dir, args.dtype)
+    front = image_front_end(model_dir, args.dtype, args.mmproj)
+    _check_width(front.cfg.text_hidden_size, model, args.mmproj, "vision")
     return front
 
 
@@ -251,14 +255,14 @@ def media_prompt(args, model_dir: Path, model: Gemma4) -> ImagePrompt:
             prompt.info.append({"file": str(path), "size": list(pixels.shape[:2]),
                                 "resized": list(pre.pixels.shape[:2]), "soft_tokens": pre.num_soft_tokens})
     if videos:
-        _read_videos(args, model_dir, prompt)
+        _read_videos(args, model_dir, model, prompt)
     if clips:
         _read_clips(model_dir, clips, prompt, args.dtype, args.mmproj)
         if args.mmproj is not None:
             _check_width(prompt.audio_front.cfg.text_hidden_size, model, args.mmproj, "audio")
     expanded = expand_image_placeholders(ids, [p.num_soft_tokens for p in prompt.processed], mm)
-    encode = (lambda text: tok.encode(text, add_bos=False)) if tok is not None else None
-    expanded = expand_video_placeholders(expanded, [video_ids(v, mm, encode) for v in prompt.videos], mm)
+    expanded = expand_video_placeholders(
+        expanded, [video_ids(v, mm, lambda text: tok.encode(text, add_bos=False)) for v in prompt.videos], mm)
     prompt.ids = expand_audio_placeholders(expanded, [i["soft_tokens"] for i in prompt.audio_info], mm).tolist()
     for info, (start, length) in zip(prompt.info, image_spans(prompt.ids, mm), strict=True):
         info["rows"] = [start, start + length - 1]
@@ -271,13 +275,12 @@ def media_prompt(args, model_dir: Path, model: Gemma4) -> ImagePrompt:
     return prompt
 
 
-def _read_videos(args, model_dir: Path, prompt: ImagePrompt) -> None:
+def _read_videos(args, model_dir: Path, model: Gemma4, prompt: ImagePrompt) -> None:
     """Each --video directory: its frames read, sampled, time-stamped and preprocessed at the video budget
     (refimpl.video), with a vision front end of its own (not the images' budget)."""
     if prompt.tok is None:
         raise InputError(f"{model_dir} has no tokenizer.model: --video needs it for the frames' timestamps")
-    _config_has(model_dir, "vision_config", "vision", "--video")
-    front = prompt.video_front = image_front_end(model_dir, args.dtype, args.mmproj)  # (Unified: its embedder)
+    front = prompt.video_front = _vision_front_end(args, model_dir, model, "--video")  # (Unified: its embedder)
     settings = load_video_settings(model_dir if args.mmproj is None else Path(args.mmproj).parent)
     front.with_budget(settings.max_soft_tokens)
     fps = 24.0 if args.fps is None else args.fps

@@ -52,9 +52,9 @@ def greedy_generate_multimodal(model: Gemma4, ids: Sequence[int] | np.ndarray, s
     block ids); the new tokens are then decoded as text through the cache. Audio clips work the same
     way: ``ids`` holds ``boa + audio_token x A_j + eoa`` for clip j and ``audio_soft_tokens`` their
     [A_j, H] soft tokens in prompt order (``refimpl.audio.audio_tower``); they are causal. Video frames likewise
-(``video_soft_tokens``, one [N, H] a frame; refimpl.video). A generated
-    placeholder id (image, video or audio token) is fed back as ``pad_token_id``, as transformers'
-    forward does with any placeholder it gets no features for. Inputs are checked even when ``max_new_tokens`` is 0.
+    (``video_soft_tokens``, one [N, H] a frame; refimpl.video). A generated placeholder id (image, video or audio
+    token) is fed back as ``pad_token_id``, as transformers' forward does with any placeholder it gets no features
+    for. Inputs are checked even when ``max_new_tokens`` is 0.
     """
     if max_new_tokens < 0:
         raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")

@@ -396,9 +396,6 @@ def aspect_ratio_preserving_size(
 
 
 # ----------------------------------------------------------------------------------------------
-# Pillow's bicubic resampling (src/libImaging/Resample.c, 8 bits per channel)
-
-# ----------------------------------------------------------------------------------------------
 # rescale, patches, positions
 
 

@@ -272,18 +272,31 @@ def _expand(ids, counts: Sequence[int], placeholder: int, begin: int, end: int, 
             items: str, piece: str) -> np.ndarray:
     """Each ``placeholder`` of ``ids`` (one per item, in order) -> ``begin + placeholder x count + end``."""
     ids = np.asarray(ids, dtype=np.int64)
-    at = np.flatnonzero(ids == placeholder)
-    if at.size != len(counts):
-        raise InputError(
-            f"the prompt holds {at.size} {what} placeholder(s) ({placeholder}, the {piece} token) but "
-            f"{len(counts)} {items} were given; put one placeholder where each {item} goes, in order"
-        )
+    at = placeholder_positions(ids, placeholder, len(counts), what, item, items, piece)
     if np.isin(ids, (begin, end)).any():
         raise InputError(f"the prompt already holds begin/end-of-{what} tokens; give one bare {what} placeholder "
                          f"per {item} and let the processor expand it")
+    return splice(ids, at, [[begin] + [placeholder] * int(m) + [end] for m in counts])
+
+
+def placeholder_positions(ids: np.ndarray, placeholder: int, n: int, what: str, item: str, items: str,
+                          piece: str) -> np.ndarray:
+    """The positions of the ``n`` placeholders of ``ids`` (one per item, in order); InputError when there are
+    not ``n``."""
+    at = np.flatnonzero(np.asarray(ids) == placeholder)
+    if at.size != n:
+        raise InputError(
+            f"the prompt holds {at.size} {what} placeholder(s) ({placeholder}, the {piece} token) but "
+            f"{n} {items} were given; put one placeholder where each {item} goes, in order"
+        )
+    return at
+
+
+def splice(ids: np.ndarray, at: Sequence[int], pieces: Sequence[Sequence[int]]) -> np.ndarray:
+    """``ids`` with the token at each position of ``at`` replaced by the matching piece of ids."""
     out, start = [], 0
-    for a, m in zip(at, counts, strict=True):
-        out += [ids[start:a], [begin], [placeholder] * int(m), [end]]
+    for a, piece in zip(at, pieces, strict=True):
+        out += [ids[start:a], piece]
         start = a + 1
     out.append(ids[start:])
     return np.concatenate([np.asarray(x, dtype=np.int64) for x in out])
@@ -327,5 +340,5 @@ __all__: Sequence[str] = [
     "MultimodalTokens", "MultimodalInputs", "parse_multimodal_tokens", "load_multimodal_tokens",
     "vision_block_ids", "run_lengths", "vision_token_mask", "llm_input_ids", "merge_soft_tokens", "check_image_runs",
     "check_audio_runs", "check_soft_tokens", "multimodal_inputs", "multimodal_logits", "expand_image_placeholders",
-    "expand_audio_placeholders", "image_spans", "audio_spans", "video_spans",
+    "expand_audio_placeholders", "image_spans", "audio_spans", "video_spans", "placeholder_positions", "splice",
 ]

@@ -133,8 +133,9 @@ PRESETS["12b-assistant-mini"] = dict(
 # The PLE-fold trap (docs/bug-classes.md): RMSNorm(s y; eps) = RMSNorm(y; eps / s^2), so an engine may fold the
 # per-layer context's scale s = H^-1/2 into the norm's eps; keeping eps, or dividing it by s once, changes the
 # result only where that context is near eps. Here the embedding rows of a band of ordinary ids are a thousandth of
-# the others (as a real vocabulary's never-trained ids can be): their per-layer context's mean square is ~4e-7,
-# next to eps 1e-6, where every other token's is ~0.4. The random bases draw them as often as any other id.
+# the others (as a real vocabulary's never-trained ids can be): their per-layer context's mean square is ~3e-7
+# (median), next to eps 1e-6, where every other token's is 0.02 and more (median 0.33). The random bases draw them
+# as often as any other id.
 PRESETS["e2b-ple-eps-mini"] = dict(
     PRESETS["e2b-mini"],
     description="E2B in miniature (e2b-mini's weights) with the embedding rows of ids 472-511 scaled by 1e-3: "

@@ -41,7 +41,7 @@ from .image import (
     check_soft_token_budget,
     read_image,
 )
-from .multimodal import MultimodalTokens
+from .multimodal import MultimodalTokens, placeholder_positions, splice
 
 DEFAULT_VIDEO_SOFT_TOKENS = 70  # transformers' Gemma4VideoProcessor.max_soft_tokens
 DEFAULT_NUM_FRAMES = 32  # its num_frames (do_sample_frames True)
@@ -169,14 +169,5 @@ def expand_video_placeholders(ids: Sequence[int] | np.ndarray, videos: Sequence[
     Run after the images' expansion (``refimpl.multimodal.expand_image_placeholders`` refuses the boi/eoi markers
     this puts in)."""
     ids = np.asarray(ids, dtype=np.int64)
-    at = np.flatnonzero(ids == tokens.video_token_id)
-    if at.size != len(videos):
-        raise InputError(f"the prompt holds {at.size} video placeholder(s) ({tokens.video_token_id}, the <|video|> "
-                         f"token) but {len(videos)} video(s) were given; put one placeholder where each video goes, "
-                         "in order")
-    out, start = [], 0
-    for a, expanded in zip(at, videos, strict=True):
-        out += [ids[start:a], np.asarray(expanded, dtype=np.int64)]
-        start = a + 1
-    out.append(ids[start:])
-    return np.concatenate(out)
+    at = placeholder_positions(ids, tokens.video_token_id, len(videos), "video", "video", "video(s)", "<|video|>")
+    return splice(ids, at, videos)

@@ -365,8 +365,6 @@ PleMissingSqrtP = planted(
     "ple-missing-sqrt-p", "The per-layer-embedding table lookup is not multiplied by sqrt(P) (trap 10).",
     engine={"ple_table_rows": _ple_unscaled})
 
-
-
 MoeNoRenormalise = planted(
     "moe-no-renormalise", "MoE router weights are the top-k softmax probabilities without renormalising them (trap "
                           "12).",

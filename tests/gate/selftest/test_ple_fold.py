@@ -81,7 +81,7 @@ def test_the_wrong_folds_pass_every_other_ple_set_and_die_on_the_quiet_rows():
         assert m.verdict.failing_cases > m.verdict.cases_run // 2
 
 
-def test_the_right_fold_passes_at_exact_f64_where_the_wrong_ones_die(capsys):
+def test_the_right_fold_passes_at_exact_f64_where_the_wrong_ones_die():
     """The control of the trap: the fold done right (eps / s^2) is a rewrite, not a bug: it passes at exact-f64 on
     the new set and on e2b-mini, beside the wrong folds killed, and the self-test's table says so."""
     (right, reason), = REWRITES.values()

@@ -115,9 +115,23 @@ def test_video_prompt_logits_equal_transformers(name, checkpoints, video, env):
     assert (m.ids[ids == VID] == 0).all()  # the pad row of the per-layer table
 
 
+def _processor_text(indices, fps: float, soft_tokens: int) -> str:
+    """transformers' own replacement text of one video (Gemma4Processor.replace_video_token, its timestamps from
+    VideoMetadata.timestamps), called on a stand-in processor that has only the three token strings it reads."""
+    from types import SimpleNamespace
+
+    from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
+    from transformers.video_utils import VideoMetadata
+
+    me = SimpleNamespace(boi_token="<|image>", video_token="<|video|>", eoi_token="<image|>")
+    meta = VideoMetadata(total_num_frames=int(max(indices)) + 1, fps=fps, frames_indices=list(indices))
+    return Gemma4Processor.replace_video_token(me, {"num_soft_tokens_per_video": [soft_tokens],
+                                                    "video_metadata": [meta]}, 0)
+
+
 def test_the_layout_follows_the_processors_rules():
-    """Frame sampling, timestamps, the replacement text and the frame size: transformers' own functions (the video
-    processor's size rule is a copy of the image processor's, marked so; its module needs torchvision to import)."""
+    """Frame sampling, timestamps and the frame size: transformers' own functions (the video processor's size rule
+    is a copy of the image processor's, marked so; its module needs torchvision to import)."""
     from transformers.models.gemma4.image_processing_pil_gemma4 import get_aspect_ratio_preserving_size
     from transformers.video_utils import VideoMetadata, default_sample_indices_fn
 
@@ -126,21 +140,19 @@ def test_the_layout_follows_the_processors_rules():
         assert sample_frame_indices(total, n).tolist() == default_sample_indices_fn(meta, num_frames=n).tolist()
     idx = [0, 31, 1440, 1499, 86400]
     for fps in (24.0, 0.8, 29.97):
-        want = [f"{int(i / fps // 60):02d}:{int(i / fps % 60):02d}" for i in idx]  # the processor's f-string
-        assert frame_timestamps(idx, fps) == want
+        stamps = [part.split()[0] for part in _processor_text(idx, fps, 1).split("<image|>")[:-1]]
+        assert frame_timestamps(idx, fps) == stamps
     assert frame_timestamps([0, 2, 4], FPS) == ["00:00", "00:02", "00:05"]
     for h, w in [(84, 120), (480, 640), (1080, 1920), (30, 400)]:
         assert video_frame_size(h, w, 16, 3) == get_aspect_ratio_preserving_size(h, w, 16, 70 * 9, 3)
 
 
 def test_the_frames_tokens_are_the_processors_replacement(video):
-    """The ids of one video: the processor's text ("mm:ss " + boi + video x N + eoi, joined by one space) with the
-    timestamps tokenized between the special tokens."""
+    """The ids of one video: transformers' replacement text ("mm:ss " + boi + video x N + eoi, joined by one space)
+    with the timestamps tokenized between the special tokens."""
     tokens = MultimodalTokens(**{k.replace("eoa_token_index", "eoa_token_id"): v for k, v in TOKEN_IDS.items()})
     ids = video_ids(video, tokens, encode).tolist()
-    boi, vid, eoi = "<|image>", "<|video|>", "<image|>"
-    text = " ".join(f"{t} {boi}{vid * video.num_soft_tokens}{eoi}" for t in video.timestamps)  # the processor
-    pieces = {BOI: boi, VID: vid, EOI: eoi}
+    pieces = {BOI: "<|image>", VID: "<|video|>", EOI: "<image|>"}
     rendered, run = "", []
     for i in ids:
         if i in pieces:
@@ -148,7 +160,8 @@ def test_the_frames_tokens_are_the_processors_replacement(video):
             run = []
         else:
             run.append(i)
-    assert rendered == text and video.timestamps == ["00:00", "00:02", "00:05"]
+    assert rendered == _processor_text(video.indices.tolist(), FPS, video.num_soft_tokens)
+    assert video.timestamps == ["00:00", "00:02", "00:05"]
 
 
 def test_bad_videos_are_one_line_errors():
