@@ -72,10 +72,11 @@ class Policy:
 
 def case_profile(profile: Profile, ctx, case) -> Profile:
     """``profile`` as it grades ``case`` of the set ``ctx`` (a ``SetContext``): a rounding-scaled profile
-    (exact-f64; ``profiles.scaled``) with its thresholds scaled to the set's model, the longest base the
-    case reads, the largest logit scale of those bases and the largest rounding probe the set records for
-    them (checkpoints that amplify rounding beyond the first-order model); a fixed profile, or one whose
-    floor is above its rounding (every miniature), as it is."""
+    (exact-f64, fp32, ggml-cpu; ``profiles.scaled``) with its thresholds scaled to the set's model, the longest
+    base the case reads, the largest logit scale of those bases, the largest rounding probe the set records for
+    them (checkpoints that amplify rounding beyond the first-order model) and, for ggml-cpu, the largest event
+    probe (what a float32 engine's one-unit roundings reach); a fixed profile, or one whose floor is above its
+    rounding (every miniature), as it is."""
     if getattr(profile, "scaling", "fixed") == "fixed":
         return profile
     bases = sorted({r.base for _, rows in row_groups(case) for r in rows
@@ -83,9 +84,10 @@ def case_profile(profile: Profile, ctx, case) -> Profile:
     if not bases:
         return profile
     n = max(len(ctx.bases[b.split("@")[0]]) for b in bases)
-    probes = recorded_probes(ctx.fs.manifest)
+    probes, event_probes = recorded_probes(ctx.fs.manifest), recorded_probes(ctx.fs.manifest, "event_probes")
     probe = max((probes[b] for b in bases if b in probes), default=None)
-    return scaled(profile, ctx.text_config, n, max(ctx.logit_scale(b) for b in bases), probe)
+    events = max((event_probes[b] for b in bases if b in event_probes), default=None)
+    return scaled(profile, ctx.text_config, n, max(ctx.logit_scale(b) for b in bases), probe, events)
 
 
 def check_profile_name(name: str | None, flag: str = "--profile") -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
-from ..sets.bounds import FLOAT32_UNIT, SAFETY, UNIT_ROUNDOFF, first_order, length_factor, probe_bound
+from ..sets.bounds import FLOAT32_UNIT, SAFETY, UNIT_ROUNDOFF, event_bound, first_order, length_factor, probe_bound
 
 __all__ = ["Profile", "PROFILES", "SCALINGS", "TOLERANCE_FIELDS", "get_profile", "rounding_threshold", "scaled",
            "with_overrides"]
@@ -71,6 +71,7 @@ TOLERANCE_FIELDS: tuple[str, ...] = tuple(
 SCALINGS: dict[str, tuple[float, float]] = {
     "float64": (UNIT_ROUNDOFF, 2.0 * SAFETY),
     "float32": (FLOAT32_UNIT, 1.0),
+    "events": (FLOAT32_UNIT, 1.0),  # float32's, and at least EVENT_FACTOR x the base's event probe
 }
 _LINEAR = ("max_abs", "max_rel", "delta_p", "tie_margin")  # thresholds that grow as the error
 _SQUARED = ("nmse", "kl_max", "kl_mean")  # and as its square (1 - cosine_min too)
@@ -246,7 +247,15 @@ PROFILES: dict[str, Profile] = {
                 "rows within 2.6x of the row itself; the nearest-row rule still catches shifted rows",
                 "the default for a set made under a ggml-cpu convention when the run names no profile "
                 "(conformance.check.policy.CONVENTION_PROFILES)",
+                "scaling events: at the published widths one-unit events reach most rows (8 heads of 256, MLPs "
+                "of 6,144), so max_abs is at least float32's rounding bound and 2 x the base's event probe (the "
+                "logits' change under the convention when the inputs move by one float32 ulp; measured on the "
+                "E2B shapes cut to 4 layers, Q4_K_M, 64 tokens: llama.cpp's rows median 1.22, p90 1.85, worst "
+                "3.32 from the oracle, the probe's median 1.08..1.20, p90 1.85..2.03, worst 2.93..3.43), the "
+                "other thresholds in proportion; on the miniatures the probe stays under the floor "
+                "(docs/quantised.md, 'One-unit events')",
             ),
+            scaling="events",
         ),
         Profile(
             name="q8",
@@ -308,12 +317,14 @@ PROFILES: dict[str, Profile] = {
 
 
 def rounding_threshold(profile: Profile, cfg, length: int, logit_scale: float,
-                       probe: float | None = None) -> float | None:
+                       probe: float | None = None, events: float | None = None) -> float | None:
     """The max_abs that the rounding of ``profile.scaling`` reaches for a model ``cfg`` (a
     ``refimpl.config.TextConfig``), a base of ``length`` tokens and logits of ``logit_scale``; None for a
     fixed profile. ``probe``: the base's recorded rounding probe (``conformance.sets.bounds.probe_bound``),
     where the checkpoint amplifies rounding beyond the first-order model; the threshold is then at least
-    ``probe_bound(probe)``, times unit / 2^-53 for a float32 scaling (the amplification is linear)."""
+    ``probe_bound(probe)``, times unit / 2^-53 for a float32 scaling (the amplification is linear).
+    ``events``: the base's recorded event probe (a set made under a ggml-cpu convention); the "events" scaling
+    is then at least ``event_bound(events)``, what a float32 engine's one-unit roundings reach."""
     if profile.scaling == "fixed":
         return None
     if profile.scaling not in SCALINGS:
@@ -323,10 +334,13 @@ def rounding_threshold(profile: Profile, cfg, length: int, logit_scale: float,
     threshold = factor * first_order(cfg, length, logit_scale, unit) * length_factor(length)
     if probe is not None:
         threshold = max(threshold, probe_bound(probe) * unit / UNIT_ROUNDOFF)
+    if events is not None and profile.scaling == "events":
+        threshold = max(threshold, event_bound(events))
     return threshold
 
 
-def scaled(profile: Profile, cfg, length: int, logit_scale: float, probe: float | None = None) -> Profile:
+def scaled(profile: Profile, cfg, length: int, logit_scale: float, probe: float | None = None,
+           events: float | None = None) -> Profile:
     """``profile`` as it grades a case of a model ``cfg`` whose longest base has ``length`` tokens and
     logits of ``logit_scale`` (the largest |logit| of the oracle rows): a rounding-scaled profile whose
     ``rounding_threshold`` exceeds its max_abs has every absolute threshold raised by the same ratio r
@@ -334,8 +348,9 @@ def scaled(profile: Profile, cfg, length: int, logit_scale: float, probe: float 
     they grow with the square of the error), so the profile keeps its shape and its max_abs becomes the
     rounding threshold; the identity ratio, top-k and rel_floor stay. Never lowered: the fixed values,
     calibrated on the miniatures, are the floor, and a profile below its threshold (every miniature) is
-    returned as it is. ``probe``: as for ``rounding_threshold``. The change is appended to ``sources``."""
-    threshold = rounding_threshold(profile, cfg, length, logit_scale, probe)
+    returned as it is. ``probe``, ``events``: as for ``rounding_threshold``. The change is appended to
+    ``sources``."""
+    threshold = rounding_threshold(profile, cfg, length, logit_scale, probe, events)
     if threshold is None or not threshold > profile.max_abs or not profile.max_abs > 0:
         return profile
     r = threshold / profile.max_abs
@@ -345,6 +360,7 @@ def scaled(profile: Profile, cfg, length: int, logit_scale: float, probe: float 
     note = (f"{profile.scaling} rounding at this size ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
             f"{length} tokens, logit scale {logit_scale:.3g}"
             + (f", rounding probe {probe:.3g}" if probe is not None else "")
+            + (f", event probe {events:.3g}" if events is not None and profile.scaling == "events" else "")
             + f"): max_abs {profile.max_abs:g} -> {threshold:.3g}, "
             f"every absolute threshold x {r:.3g} (x {r * r:.3g} for the squared ones)")
     return replace(profile, **changes, sources=profile.sources + (note,))

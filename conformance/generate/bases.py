@@ -12,6 +12,7 @@ from refimpl.arrays import to_host
 from refimpl.generate import greedy_generate
 from refimpl.model import KVCache, Trace
 
+from ..sets.bounds import EVENT_ULPS, FLOAT32_UNIT, UNIT_ROUNDOFF
 from ..sets.format import FixtureError
 
 
@@ -86,23 +87,43 @@ def text_consistency(model, ids: list[int], full: np.ndarray) -> float:
     return float(np.max(np.abs(np.concatenate(rows) - full)))
 
 
-def rounding_probe(model, ids: list[int], full: np.ndarray, inputs=None, seed: int = 0) -> float:
-    """How much this checkpoint amplifies a rounding-level perturbation over the whole network: max |logits -
-    ``full``| when every input embedding value is moved by one unit roundoff (x (1 + u r), r = +-1 drawn from
-    ``numpy default_rng(seed)``; at least one ulp). ``full``: the base's logits from the same inputs;
-    ``inputs`` (refimpl.multimodal.MultimodalInputs) for an image or audio base. A correct oracle's
-    chunked-vs-full difference is of the same order (docs/profiles.md, "Rounding bounds");
-    ``conformance.sets.bounds.probe_bound`` turns it into a bound. One more full forward."""
-    x = to_host(model.embed(np.asarray(ids, dtype=np.int64))) if inputs is None else np.asarray(inputs.embeddings)
+def moved_embeddings(x: np.ndarray, unit: float, seed: int = 0) -> np.ndarray:
+    """``x`` with every value moved by one unit roundoff ``unit``: x (1 + unit r), r = +-1 drawn from ``numpy
+    default_rng(seed)``, at least one float64 ulp (``rounding_probe``'s move)."""
     r = np.random.default_rng(seed).choice([-1.0, 1.0], size=x.shape)
-    moved = x * (1.0 + 2.0 ** -53 * r)
-    moved = np.where(moved == x, np.nextafter(x, r * np.inf), moved)
+    moved = x * (1.0 + unit * r)
+    return np.where(moved == x, np.nextafter(x, r * np.inf), moved)
+
+
+def rounding_probe(model, ids: list[int], full: np.ndarray, inputs=None, seed: int = 0,
+                   unit: float = UNIT_ROUNDOFF) -> float:
+    """How much this checkpoint amplifies a rounding-level perturbation over the whole network: max |logits -
+    ``full``| when every input embedding value is moved by one unit roundoff ``unit`` (x (1 + unit r), r = +-1
+    drawn from ``numpy default_rng(seed)``; at least one float64 ulp). ``full``: the base's logits from the same
+    inputs; ``inputs`` (refimpl.multimodal.MultimodalInputs) for an image or audio base. At float64's unit a
+    correct oracle's chunked-vs-full difference is of the same order (docs/profiles.md, "Rounding bounds");
+    ``conformance.sets.bounds.probe_bound`` turns it into a bound. At float32's unit under a ggml-cpu
+    convention it is the event probe (``event_probe``). One more full forward."""
+    x = to_host(model.embed(np.asarray(ids, dtype=np.int64))) if inputs is None else np.asarray(inputs.embeddings)
+    moved = moved_embeddings(x, unit, seed)
     with np.errstate(over="ignore", invalid="ignore"):
         if inputs is None:
             got = model.forward(ids, rows="all", embeddings=moved)
         else:
             got = model.forward(inputs.ids, rows="all", embeddings=moved, vision_blocks=inputs.vision_blocks)
     return float(np.max(np.abs(got - full)))
+
+
+def event_probe(model, ids: list[int], full: np.ndarray, inputs=None, seed: int = 0) -> float:
+    """Under a ggml-cpu activation convention, how far the rounding events of a float32 engine move this base's
+    logits: ``rounding_probe`` at EVENT_ULPS float32 unit roundoffs. The convention's forward rounds values to
+    fp16 and to 8-bit activation codes; a float32 engine computes each value a few float32 ulps away from the
+    float64 one, so wherever a value lies that close to a half-way point the two round it one unit apart (a
+    "one-unit event"). Moving every input by EVENT_ULPS float32 ulps sets off such events at about the same
+    rate, each by the same one unit, so this forward's distance from ``full`` is what a correct engine's
+    events reach on this base (measured against llama.cpp at the published widths: docs/quantised.md,
+    "One-unit events"); ``conformance.sets.bounds.event_bound`` turns it into a bound."""
+    return rounding_probe(model, ids, full, inputs, seed, unit=EVENT_ULPS * FLOAT32_UNIT)
 
 
 def cross_entries(result: Any, who: str) -> list[dict]:

@@ -15,6 +15,7 @@ from refimpl.errors import check_choice
 from refimpl.ggml_act import CONVENTIONS as ACTIVATION_CONVENTIONS
 from refimpl.image import ProcessedImage
 
+from ..sets.bounds import EVENT_FACTOR, EVENT_ULPS
 from ..sets.case import GENERATION_BASE
 from ..sets.format import FixtureError
 from .bases import cross_entries
@@ -57,6 +58,7 @@ def oracle_checks(got, with_text: bool) -> list[dict]:
              "agreement": got.worst,
              "bounds": {b: bound for b, (_, bound) in got.consistency.items()},
              **({"rounding_probes": dict(got.probes)} if got.probes else {}),
+             **({"event_probes": dict(got.event_probes)} if got.event_probes else {}),
              "detail": f"max abs over every row of the {len(got.bases)} bases ({', '.join(got.bases)}) against the "
                        "full forward; " + ("each text base fed as pieces of 3, W+2, 1, 1 and W+5 tokens, "
                                            "then single-token decode of the rest" if with_text else "")
@@ -65,7 +67,10 @@ def oracle_checks(got, with_text: bool) -> list[dict]:
                           "every closing one, then single-token decode" if media_bases else "")
                        + "; each base held to the larger of 1e-9 and its float64 rounding bound (bounds; where the "
                          "difference exceeded the model's bound, 10 x the checkpoint's measured amplification of a "
-                         "one-ulp input perturbation, rounding_probes; docs/profiles.md)"}]
+                         "one-ulp input perturbation, rounding_probes; docs/profiles.md)"
+                       + ("; event_probes: under the set's ggml-cpu convention, the largest logit change when the "
+                          f"inputs move by {EVENT_ULPS} float32 ulps, what a float32 engine's one-unit roundings reach "
+                          f"(graded at {EVENT_FACTOR:g} x it; docs/quantised.md)" if got.event_probes else "")}]
 
 
 def cross_check_entries(cross_check, src: Path, got, results: Mapping[str, JobResult],

@@ -22,10 +22,10 @@ from refimpl.context import check_context
 from refimpl.model import Gemma4
 from refimpl.tokenizer import Tokenizer
 
-from ..sets.bounds import consistency_bound, probe_bound
+from ..sets.bounds import consistency_bound, has_events, probe_bound
 from ..sets.format import FixtureError, versions
 from ..sets.head import summaries_of
-from .bases import base_rows_of, greedy, ordinary_ids, rounding_probe, text_consistency
+from .bases import base_rows_of, event_probe, greedy, ordinary_ids, rounding_probe, text_consistency
 from .context import OVERRIDE
 from .media import AudioSide, VisionSide, make_media_base, media_consistency
 from .partial import JOBS, RESULT, write_result
@@ -105,7 +105,8 @@ def job_context(model_dir: str, key: str, vision_mask: str = "sliding-clamped",
 
 
 # what run_job returns of a job's metadata (small: never the arrays)
-RETURNED = ("base", "tokens", "seconds", "worker", "consistency", "consistency_bound", "rounding_probe")
+RETURNED = ("base", "tokens", "seconds", "worker", "consistency", "consistency_bound", "rounding_probe",
+            "event_probe")
 
 
 def run_job(spec: dict, context: JobContext | None = None, on_stage: Sink | None = None) -> dict:
@@ -167,6 +168,10 @@ def run_job(spec: dict, context: JobContext | None = None, on_stage: Sink | None
         with stage(base, "rounding probe", on_stage):
             probe = rounding_probe(model, ids, logits, None if kind == "text" else mb.inputs)
         bound = max(bound, probe_bound(probe))
+    events = None
+    if has_events(model.activations):  # what a float32 engine's one-unit roundings reach on this base
+        with stage(base, "event probe", on_stage):
+            events = event_probe(model, ids, logits, None if kind == "text" else mb.inputs)
     arrays["hidden"] = hidden
     arrays.update(summaries_of(logits))
     if spec.get("store", "logits") == "logits":
@@ -176,8 +181,9 @@ def run_job(spec: dict, context: JobContext | None = None, on_stage: Sink | None
         arrays["router_margin"] = margin
     seconds = time.perf_counter() - t0
     meta = {"key": spec["key"], "base": base, "kind": kind, "ids": ids, "tokens": len(ids), "consistency": worst,
-            "consistency_bound": bound, "rounding_probe": probe, "seconds": round(seconds, 3), "worker": where(),
-            "versions": job_versions(), "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS"), **extra}
+            "consistency_bound": bound, "rounding_probe": probe, "event_probe": events,
+            "seconds": round(seconds, 3), "worker": where(), "versions": job_versions(),
+            "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS"), **extra}
     write_result(job_dir, meta, arrays)
     emit({"base": base, "event": "end"}, on_stage)
     return {k: meta[k] for k in RETURNED}

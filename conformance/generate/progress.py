@@ -19,12 +19,14 @@ import contextlib
 import time
 from typing import Callable, Iterator
 
+from ..sets.bounds import has_events
+
 Event = dict
 Sink = Callable[[Event], None]
 Write = Callable[[str], None]
 
 # the share of a job's estimated cost each stage takes (normalised over the stages a job has)
-STAGE_WEIGHTS = {"continuation": 1.0, "towers": 1.0, "forward": 1.5, "consistency": 1.5}
+STAGE_WEIGHTS = {"continuation": 1.0, "towers": 1.0, "forward": 1.5, "consistency": 1.5, "event probe": 1.5}
 
 IN_PROCESS = "in this process"  # StageLog.plan's ``where`` when the jobs run in the parent
 
@@ -55,10 +57,12 @@ def stage(base: str, name: str, sink: Sink | None = None) -> Iterator[None]:
 
 
 def job_stages(spec: dict) -> list[str]:
-    """The stages a job of ``spec`` goes through, in order (the rounding probe, run only where needed, aside)."""
+    """The stages a job of ``spec`` goes through, in order (the rounding probe, run only where needed, aside;
+    the event probe last under a ggml-cpu activation convention)."""
+    events = ["event probe"] if has_events(spec.get("activations", "none")) else []
     if spec["kind"] == "text":
-        return (["continuation"] if spec.get("greedy") else []) + ["forward", "consistency"]
-    return ["towers", "forward", "consistency"]
+        return (["continuation"] if spec.get("greedy") else []) + ["forward", "consistency"] + events
+    return ["towers", "forward", "consistency"] + events
 
 
 def duration(seconds: float) -> str:

@@ -304,6 +304,7 @@ class _Assembled:
     worst: float = 0.0
     consistency: dict[str, tuple[float, float]] = field(default_factory=dict)  # base -> (observed, bound)
     probes: dict[str, float] = field(default_factory=dict)  # base -> rounding probe, where one was measured
+    event_probes: dict[str, float] = field(default_factory=dict)  # base -> event probe (ggml-cpu conventions)
 
 
 def _model_and_key(model_dir: Path | None, preset: str | None, seed: int, vision_mask: str,
@@ -544,6 +545,8 @@ def _assemble(run: partial.PartialRun, plan: _Plan, results: Mapping[str, partia
         got.consistency[b] = (float(r.meta["consistency"]), held_bound(r.meta, CONSISTENCY_BOUND))
         if r.meta.get("rounding_probe") is not None:
             got.probes[b] = float(r.meta["rounding_probe"])
+        if r.meta.get("event_probe") is not None:
+            got.event_probes[b] = float(r.meta["event_probe"])
     return got
 
 

@@ -41,10 +41,10 @@ import math
 
 import numpy as np
 
-__all__ = ["ELEMENTWISE", "FLOAT32_UNIT", "PROBE_FACTOR", "REFERENCE_LENGTH", "SAFETY", "UNIT_ROUNDOFF",
-           "audio_units", "consistency_bound", "decoder_units", "feature_units", "first_order", "layer_units",
-           "length_factor", "logit_bound", "logit_scale", "probe_bound", "recorded_probes", "tensor_bound",
-           "vision_units"]
+__all__ = ["ELEMENTWISE", "EVENT_FACTOR", "EVENT_ULPS", "FLOAT32_UNIT", "PROBE_FACTOR", "REFERENCE_LENGTH",
+           "SAFETY", "UNIT_ROUNDOFF", "audio_units", "consistency_bound", "decoder_units", "event_bound",
+           "feature_units", "first_order", "has_events", "layer_units", "length_factor", "logit_bound",
+           "logit_scale", "probe_bound", "recorded_probes", "tensor_bound", "vision_units"]
 
 UNIT_ROUNDOFF = 2.0 ** -53  # float64, round to nearest
 FLOAT32_UNIT = 2.0 ** -24  # float32, for profiles of float32 engines (conformance.check.profiles)
@@ -52,6 +52,8 @@ ELEMENTWISE = 8  # u per layer for its elementwise steps (GELU, products, RoPE, 
 SAFETY = 5.0  # over the first-order model; docs/profiles.md has what it was measured against
 REFERENCE_LENGTH = 128  # rows up to which the first-order model holds for the worst row as it is
 PROBE_FACTOR = 10.0  # over a checkpoint's measured amplification of a one-ulp input perturbation (probe_bound)
+EVENT_FACTOR = 2.0  # over a base's event probe, a float32 engine's one-unit events under a ggml-cpu convention
+EVENT_ULPS = 8  # the event probe's move, in float32 unit roundoffs: what a float32 engine's values are off by
 
 
 def _length(n) -> int:
@@ -138,14 +140,29 @@ def probe_bound(probe: float, *, factor: float = PROBE_FACTOR) -> float:
     return float(factor) * float(probe)
 
 
-def recorded_probes(manifest: dict) -> dict[str, float]:
-    """The rounding probes a set's manifest records per base (the oracle's consistency entry in
-    provenance.cross_checks, ``rounding_probes``; empty for sets that needed none or predate them)."""
+def has_events(activations: str) -> bool:
+    """Whether a set made under the activation convention ``activations`` records event probes: the ggml-cpu
+    ones, whose forward rounds values to fp16 and to 8-bit codes where a float32 engine rounds from nearby."""
+    return str(activations).split("/")[0] == "ggml-cpu"
+
+
+def event_bound(probe: float, *, factor: float = EVENT_FACTOR) -> float:
+    """The bound a base's event probe gives (``conformance.generate.bases.event_probe``: the logits' change when
+    the input embeddings move by EVENT_ULPS float32 ulps under the set's ggml-cpu convention): ``factor`` x
+    ``probe``. Measured against llama.cpp at the published widths, its worst row sits at 0.8x..1.3x the probe
+    (docs/quantised.md, "One-unit events"); ``factor`` covers that spread."""
+    return probe_bound(probe, factor=factor)
+
+
+def recorded_probes(manifest: dict, key: str = "rounding_probes") -> dict[str, float]:
+    """The probes a set's manifest records per base under ``key`` (the oracle's consistency entry in
+    provenance.cross_checks): ``rounding_probes`` (empty for sets that needed none or predate them) or
+    ``event_probes`` (sets made under a ggml-cpu convention since issue 49's event grading)."""
     out: dict[str, float] = {}
     provenance = manifest.get("provenance") if isinstance(manifest, dict) else None
     checks = provenance.get("cross_checks", []) if isinstance(provenance, dict) else []
     for entry in checks if isinstance(checks, list) else []:
-        probes = entry.get("rounding_probes") if isinstance(entry, dict) else None
+        probes = entry.get(key) if isinstance(entry, dict) else None
         if isinstance(probes, dict):
             for b, v in probes.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0:

@@ -6,53 +6,28 @@ convention's bad uses are one line each."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import pickle
-import subprocess
-import sys
 from pathlib import Path
 
+import llama_rows
 import numpy as np
 import pytest
 import strict_device
-
-if importlib.util.find_spec("llama_cpp") is None:  # looked up, not imported: importing it loads a library
-    pytest.skip("llama-cpp-python is not installed (scripts/build-llama-cpp.sh)", allow_module_level=True)
+from llama_rows import llama_source
 
 from conformance.backends.llama_cpp import convert, library
-from conformance.protocol import BackendError, Request
 from refimpl import Gemma4
 from refimpl.errors import InputError
 from refimpl.synth import write_checkpoint
 
-try:
-    SOURCE = library.resolve_source()
-except BackendError as exc:  # pragma: no cover - depends on the machine
-    pytest.skip(f"llama.cpp converter sources missing: {exc}", allow_module_level=True)
+SOURCE = llama_source()
 
 HAVE_EXACT = (library.EXACT_GELU_LIB / "libllama.so").is_file()
-REPO = Path(__file__).resolve().parents[3]
-CHILD = """
-import pickle, sys
-from pathlib import Path
-from conformance.backends.llama_cpp.engine import LlamaCppEngine
-options, model_dir, requests = pickle.loads(Path(sys.argv[1]).read_bytes())
-engine = LlamaCppEngine(**options)
-engine.open(Path(model_dir))
-Path(sys.argv[2]).write_bytes(pickle.dumps([engine.run(r).logits for r in requests]))
-"""
 IDS = tuple(int(i) for i in np.random.default_rng(0).integers(3, 500, 40))
 
 
 def llama_logits(options: dict, model, tmp_path: Path, ids: tuple[int, ...] = IDS) -> np.ndarray:
-    """llama.cpp's logits for every row of ``ids`` on ``model`` (a checkpoint directory or a GGUF file), float64, from
-    a fresh process (one library per process: ``options['lib']`` picks it)."""
-    (tmp_path / "job.pkl").write_bytes(pickle.dumps((options, str(model), [Request(kind="full", tokens=ids)])))
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "job.pkl"), str(tmp_path / "out.pkl")],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return pickle.loads((tmp_path / "out.pkl").read_bytes())[0].astype(np.float64)
+    """llama.cpp's logits for every row of ``ids`` (IDS by default) on ``model`` (tests/llama_rows.py)."""
+    return llama_rows.llama_logits(options, model, tmp_path, ids)
 
 
 def median_row_error(model: Gemma4, theirs: np.ndarray) -> float:
