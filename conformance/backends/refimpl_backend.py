@@ -58,7 +58,7 @@ def all_capabilities(default_profile: str) -> Capabilities:
         full_forward=True, last_plain=True, last_seq_id=True, last_embeddings=True,
         embedding_convention="scaled", interior_rows=True, output_rows=True, ubatch=True,
         chunked_prefill=True, multi_sequence=True, decode=True, image_prompts=True, audio_prompts=True,
-        audio_tower=True, image_tower=True, hidden_states=True, mtp=True, mtp_generate=True,
+        audio_tower=True, image_tower=True, video_prompts=True, hidden_states=True, mtp=True, mtp_generate=True,
         mtp_conventions=",".join(CONVENTIONS), traces=True, default_profile=default_profile,
         weight_formats="safetensors,mlx-affine,gguf",  # the oracle reads MLX's affine checkpoints and GGUF files
     )
@@ -177,12 +177,15 @@ class RefimplBackend(CachedBackend):
         ids = np.asarray(tokens, dtype=np.int64)
         placeholder = np.zeros(ids.shape[0], dtype=bool)
         blocks, notes = None, {}
-        for what, spans, token in (("image", images, self.tokens.image_token_id),
-                                   ("audio", audio, self.tokens.audio_token_id)):
+        t = self.tokens
+        for what, spans, token, also in (("image", images, t.image_token_id, (t.video_token_id,)),
+                                         ("audio", audio, t.audio_token_id, ())):
             for start, n in spans:
-                if not np.all(ids[start:start + n] == token):
+                run = ids[start:start + n]
+                if not (np.all(run == run[0]) and run[0] in (token, *also)):  # a video frame: all video tokens
                     raise ValueError(f"{self.who}: the {what} block ({start}, {n}) holds tokens other than the "
-                                     f"{what} token {token}")
+                                     f"{what} token {token}" + (f" (a video frame's: the video token {also[0]})"
+                                                                if also else ""))
                 placeholder[start:start + n] = True
         if images and self.model.cfg.use_bidirectional_attention == "vision":
             blocks = np.full(ids.shape[0], -1, dtype=np.int64)

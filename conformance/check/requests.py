@@ -26,6 +26,12 @@ def _images_within(images: Sequence[tuple[int, int]], T: int) -> tuple[tuple[int
     return tuple((int(s), int(n)) for s, n in images if s < T)
 
 
+def _videos_within(videos: Sequence[tuple[int, int]], n_blocks: int) -> tuple[tuple[int, int], ...]:
+    """The videos whose first frame is among the first ``n_blocks`` vision blocks, each with the frames of it
+    that are (a prompt may end between two frames of a video, never inside one)."""
+    return tuple((int(first), min(int(n), n_blocks - int(first))) for first, n in videos if first < n_blocks)
+
+
 def build_request(case: Case, bases: Mapping[str, np.ndarray], embed: Callable[[np.ndarray], np.ndarray],
                   media: Mapping[str, BaseMedia] | None = None, drafter: Path | None = None) -> Request:
     """The backend request. bases maps base id -> token ids (np int64). embed(ids) -> [T, H] float64
@@ -56,6 +62,7 @@ def build_request(case: Case, bases: Mapping[str, np.ndarray], embed: Callable[[
     audio = _images_within(m.audio, T) if m is not None else ()
     audio_inputs = tuple(m.audio_inputs[:len(audio)]) if m is not None else ()
     image_inputs = tuple(m.image_inputs[:len(images)]) if m is not None else ()
+    videos = _videos_within(m.videos, len(images)) if m is not None else ()
     if case.kind == "last":
         tokens = _ids(base[:T])
         embeddings = None
@@ -65,7 +72,7 @@ def build_request(case: Case, bases: Mapping[str, np.ndarray], embed: Callable[[
             embeddings = np.asarray(embed(np.asarray(tokens, dtype=np.int64)), dtype=np.float64)
         return Request(kind="last", tokens=tokens, entry=case.entry, last_pos=case.last_pos, seq_id=case.seq_id,
                        embeddings=embeddings, decode=decode, images=images, audio=audio, audio_inputs=audio_inputs,
-                       image_inputs=image_inputs)
+                       image_inputs=image_inputs, videos=videos)
     if case.kind == "prefill":
         pieces, offset = [], 0
         for n, rows in case.pieces:
@@ -74,7 +81,7 @@ def build_request(case: Case, bases: Mapping[str, np.ndarray], embed: Callable[[
                                 embeddings=rows_embeddings))
             offset += n
         return Request(kind="prefill", pieces=tuple(pieces), ubatch=case.ubatch, decode=decode, images=images,
-                       audio=audio, audio_inputs=audio_inputs, image_inputs=image_inputs)
+                       audio=audio, audio_inputs=audio_inputs, image_inputs=image_inputs, videos=videos)
     raise ValueError(f"case {case.id}: unknown kind {case.kind!r}")
 
 

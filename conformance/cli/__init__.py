@@ -7,8 +7,8 @@ scoreboard).
                       ...] [-q] [-v]
     conformance list backends|cases|profiles [--fixtures DIR ...] [-k REGEX]
     conformance generate (--model DIR | --preset NAME [--seed N]) [--prompts FILE.jsonl] --out DIR
-                         [--name N] [--version V] [--cases auto|text|images|audio|mtp|all] [--drafter DIR] [--image FILE
-                         ...]
+                         [--name N] [--version V] [--cases auto|text|images|audio|videos|mtp|all] [--drafter DIR]
+                         [--image FILE ...]
                          [--audio FILE.wav ...] [--workers N | --cluster ADDRESS]
     conformance verify DIR ... [--model DIR] [--rehash] [--recompute]
     conformance selftest [--fixtures DIR ...] [--mutant REGEX] [-k REGEX] [--json FILE] [--workers N] [-q]
@@ -176,10 +176,11 @@ def _add_generate(sub) -> None:
     src.add_argument("--preset", metavar="NAME", help="a refimpl synthetic preset (see 'refimpl synth')")
     g.add_argument("--seed", type=int, default=None, help="weights seed for --preset (default 0)")
     g.add_argument("--prompts", metavar="FILE.jsonl", help="extra bases from your prompts (one JSON object a line)")
-    g.add_argument("--cases", choices=("auto", "text", "images", "audio", "mtp", "all"), default="auto",
+    g.add_argument("--cases", choices=("auto", "text", "images", "audio", "videos", "mtp", "all"), default="auto",
                    help="which case matrix: text, images (image prompts: bases I0, I1), audio (audio prompts: bases "
-                        "S0, S1), mtp (assisted decoding with the drafter: bases M0..M3), or all (text plus what the "
-                        "checkpoint's towers and drafter allow; auto, the default, is the same)")
+                        "S0, S1), videos (synthetic videos' frames: bases V0, V1), mtp (assisted decoding with the "
+                        "drafter: bases M0..M3), or all (text plus what the checkpoint's towers and drafter allow, "
+                        "videos aside; auto, the default, is the same)")
     g.add_argument("--drafter", metavar="DIR",
                    help="an MTP assistant checkpoint for --model (gemma4_assistant, gemma4_unified_assistant): adds "
                         "the MTP matrix (docs/fixtures.md); a preset with an assistant brings its own")

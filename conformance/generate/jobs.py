@@ -30,6 +30,7 @@ from .context import OVERRIDE
 from .media import AudioSide, VisionSide, make_media_base, media_consistency
 from .partial import JOBS, RESULT, write_result
 from .progress import Sink, emit, stage
+from .video import VideoSide, make_video_base
 
 # tests only: "BASE:fail" makes that base's job raise, "BASE:hang" makes it sleep (to be killed)
 FAULT_ENV = "GEMMA4_CONFORMANCE_TEST_FAULT"
@@ -61,7 +62,7 @@ class JobContext:
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self._lock = threading.Lock()
         self._pool = None
-        self._vision, self._audio = vision, audio
+        self._vision, self._audio, self._video = vision, audio, None
 
     def _once(self, attr: str, make):
         """The attribute ``attr``, made by ``make()`` on first use (one thread at a time)."""
@@ -81,6 +82,10 @@ class JobContext:
     @property
     def audio(self) -> AudioSide:
         return self._once("_audio", lambda: AudioSide(self.model_dir))
+
+    @property
+    def video(self) -> VideoSide:
+        return self._once("_video", lambda: VideoSide(self.model_dir))
 
 
 _CONTEXTS: dict[tuple[str, str], JobContext] = {}
@@ -107,6 +112,16 @@ def job_context(model_dir: str, key: str, vision_mask: str = "sliding-clamped",
 # what run_job returns of a job's metadata (small: never the arrays)
 RETURNED = ("base", "tokens", "seconds", "worker", "consistency", "consistency_bound", "rounding_probe",
             "event_probe")
+
+
+def media_base(ctx: JobContext, side, spec: dict):
+    """The image, audio or video base of a job (``conformance.generate.media.MediaBase``): its sources, towers and
+    merged inputs."""
+    if spec["kind"] == "video":
+        return make_video_base(ctx.model, side, ctx.pool, spec["bos"], spec["seed"], spec["b_index"])
+    sources = {int(k): tuple(v) for k, v in spec["sources"].items()}
+    return make_media_base(ctx.model, side, ctx.pool, spec["bos"], spec["seed"], sources, spec["b_index"],
+                           n_sources=spec["n_sources"])
 
 
 def run_job(spec: dict, context: JobContext | None = None, on_stage: Sink | None = None) -> dict:
@@ -145,11 +160,9 @@ def run_job(spec: dict, context: JobContext | None = None, on_stage: Sink | None
         with stage(base, "consistency", on_stage):
             worst = text_consistency(model, ids, logits)
     else:
-        sources = {int(k): tuple(v) for k, v in spec["sources"].items()}
-        side = ctx.vision if kind == "image" else ctx.audio
+        side = getattr(ctx, {"image": "vision", "audio": "audio", "video": "video"}[kind])  # built on first use
         with stage(base, "towers", on_stage):
-            mb = make_media_base(model, side, ctx.pool, spec["bos"], spec["seed"], sources, spec["b_index"],
-                                 n_sources=spec["n_sources"])
+            mb = media_base(ctx, side, spec)
         if not spec.get("allow_beyond_context"):  # the text bases were checked by the planner
             check_context(model.cfg, len(mb.ids), f"{kind} base {base} is {len(mb.ids)} tokens long", OVERRIDE)
         for j, (source, processed, soft) in enumerate(zip(mb.sources, mb.processed, mb.soft, strict=True)):
@@ -161,7 +174,8 @@ def run_job(spec: dict, context: JobContext | None = None, on_stage: Sink | None
         with stage(base, "consistency", on_stage):
             worst = media_consistency(model, mb, logits)
         arrays["embeddings"] = np.asarray(mb.inputs.embeddings, dtype=np.float64)
-        extra.update({"spans": [[int(a), int(n)] for a, n in mb.spans], "info": mb.info, "n_media": len(mb.soft)})
+        extra.update({"spans": [[int(a), int(n)] for a, n in mb.spans], "info": mb.info, "n_media": len(mb.soft),
+                      **({"videos": [[int(a), int(n)] for a, n in mb.videos]} if mb.videos else {})})
     bound = consistency_bound(model.cfg, len(ids), logits)  # float64 rounding for this base (docs/profiles.md)
     probe = None
     if not worst <= bound:  # beyond the first-order model: measure how much this checkpoint amplifies rounding

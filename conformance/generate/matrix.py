@@ -272,7 +272,8 @@ class _MediaMatrix:
                  images: Mapping[str, Sequence[tuple[int, int]]], kind: str):
         self.p, self.W, self.kind, self.images = f"{set_name}/", cfg.sliding_window, kind, images
         self.model = model_features(cfg)
-        self.bidirectional = kind == "image" and getattr(cfg, "use_bidirectional_attention", None) == "vision"
+        self.bidirectional = kind in ("image", "video") and \
+            getattr(cfg, "use_bidirectional_attention", None) == "vision"  # a video's frames are vision blocks
         self.lengths = {b: len(t) for b, t in bases.items()}
         self.seq = _SeqIds()
         self.cases: list[Case] = []
@@ -355,7 +356,9 @@ def generate_image_cases(set_name: str, cfg, bases: Mapping[str, Sequence[int]],
     """The image matrix (docs/fixtures.md): for every image base ``I<k>`` (a prompt of text and image
     blocks ``boi + image x M + eoi``, then at least DECODE_STEPS text tokens), with ``images[I<k>]``
     its blocks ``(first position, M)``; with ``kind="audio"`` the same matrix over the audio bases
-    ``S<k>`` (blocks ``boa + audio x M + eoa``; tags ``audio``, ``inside-audio``, ``after-audio``, ``boa``):
+    ``S<k>`` (blocks ``boa + audio x M + eoa``; tags ``audio``, ``inside-audio``, ``after-audio``, ``boa``); with
+    ``kind="video"`` over the video bases ``V<k>``, whose blocks are a video's frames (``boi + video x M + eoi``,
+    each after its timestamp's text; tags ``video``, ``inside-video``, ``after-video``, ``boi``):
 
     * the embeddings entry (with a sequence id) at two prompt lengths, the block's eoi (the prompt
       ends right after the image) and the full prompt, at the last row and at interior rows: boi, the

@@ -10,7 +10,7 @@ builds base number ``b_index`` of ``side.texts`` (I0, I1 / S0, S1) for either.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -108,6 +108,7 @@ class MediaBase:
     processed: list[Any]  # per block: refimpl.image.ProcessedImage or refimpl.audio_features.AudioFeatures
     soft: list[np.ndarray]  # soft tokens [M, H] per block
     info: dict  # the manifest's description
+    videos: list[tuple[int, int]] = field(default_factory=list)  # video bases: (first block, frames) per video
 
 
 class Modality:

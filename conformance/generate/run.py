@@ -63,6 +63,7 @@ from .media import (
 from .mtp import SCENARIOS, checked_drafter, mtp_drafter, mtp_matrix
 from .progress import IN_PROCESS, StageLog, Write, held_bound
 from .prompts import chat_ids, encode_prompt, prompt_entries
+from .video import VideoSide, video_jobs
 from .write import write_set
 
 # chunked prefill + decode vs full forward inside the oracle (float64): per base the larger of this floor (the
@@ -76,7 +77,7 @@ CHAT_PROMPT = "What does the sliding window attention cache keep?"  # base G whe
 G_RANDOM_PROMPT = 16  # base G prompt length when the model has no tokenizer
 
 
-CASE_KINDS = ("auto", "text", "images", "audio", "mtp", "all")  # generate_set(cases=...); auto = all
+CASE_KINDS = ("auto", "text", "images", "audio", "videos", "mtp", "all")  # generate_set(cases=...); auto = all
 
 
 Progress = Callable[[int, int, str], None]
@@ -166,6 +167,9 @@ def _check_bases_asked(cases: str, entries: list, images: Any, audio: Any) -> No
         raise ValueError(f"audio was given, but cases={cases!r} writes no audio base; use cases='all' or 'audio'")
     if cases == "audio" and entries:
         raise ValueError("prompts make text bases, but cases='audio' writes the audio matrix only; use cases='all'")
+    if cases == "videos" and (entries or images is not None or audio is not None):
+        raise ValueError("cases='videos' writes the video matrix only (bases V0, V1 of synthetic videos): no prompts, "
+                         "images or audio")
 
 
 def _check_executor(workers: Any, cluster: Any) -> None:
@@ -213,10 +217,12 @@ def generate_set(out: str | Path, *, model_dir: str | Path | None = None, preset
     (refimpl.model.VISION_MASK_RULES; default "sliding-clamped"), recorded in the manifest. ``activations``: the
     oracle's activation convention (refimpl.ggml_act.CONVENTIONS; other than none for a GGUF file only). ``cases``:
     "text" (the text matrix), "images" (the image matrix only: image bases I0, I1), "audio" (the audio matrix only:
-    audio bases S0, S1), "mtp" (the MTP matrix only: MTP bases M0, M1, ...), "all" or "auto" (the text matrix plus the
-    image and audio matrices the checkpoint's towers allow). ``images``: the images of the image bases (file paths or
-    uint8 [h, w, 3] arrays; default: synthetic images from ``seed``); ``audio``: the clips of the audio bases (WAV paths
-    or float arrays at 16 kHz; default: synthetic clips). With image or audio bases, ``cross_check`` is also given
+    audio bases S0, S1), "videos" (the video matrix only: video bases V0, V1 of synthetic videos, each frame a vision
+    block; conformance.generate.video), "mtp" (the MTP matrix only: MTP bases M0, M1, ...), "all" or "auto" (the text
+    matrix plus the image and audio matrices the checkpoint's towers allow; the video matrix only when asked).
+    ``images``: the images of the image bases (file paths or uint8 [h, w, 3] arrays; default: synthetic images from
+    ``seed``); ``audio``: the clips of the audio bases (WAV paths or float arrays at 16 kHz; default: synthetic
+    clips). With image or audio bases, ``cross_check`` is also given
     ``images={base: [ProcessedImage, ...]}`` and/or ``audio={base: [AudioFeatures, ...]}``.
 
     Errors: ValueError for bad arguments (PromptError, a ValueError, for bad prompts, naming the line;
@@ -281,6 +287,7 @@ class _Plan:
     with_text: bool = False
     vision: VisionSide | None = None
     audio: AudioSide | None = None
+    video: VideoSide | None = None
 
     def add(self, common: dict, base: str, kind: str, cost: float, info: dict | None = None, **spec) -> None:
         self.jobs.append({"base": base, "cost": cost, "info": info,
@@ -301,6 +308,7 @@ class _Assembled:
     margins: dict[str, np.ndarray] = field(default_factory=dict)
     spans: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     audio_spans: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    videos: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # video bases: (first block, frames)
     worst: float = 0.0
     consistency: dict[str, tuple[float, float]] = field(default_factory=dict)  # base -> (observed, bound)
     probes: dict[str, float] = field(default_factory=dict)  # base -> rounding probe, where one was measured
@@ -322,7 +330,8 @@ def _matrix(name: str, cfg: Any, got: Any, plan: Any) -> list:
     """The text, image and audio cases of the set's bases, annotated with each row's top-2 margin."""
     matrix = (generate_cases(name, cfg, got.bases) if plan.with_text else []) + \
         (generate_image_cases(name, cfg, got.bases, got.spans) if plan.vision else []) + \
-        (generate_image_cases(name, cfg, got.bases, got.audio_spans, kind="audio") if plan.audio else [])
+        (generate_image_cases(name, cfg, got.bases, got.audio_spans, kind="audio") if plan.audio else []) + \
+        (generate_image_cases(name, cfg, got.bases, got.spans, kind="video") if plan.video else [])
     top2 = {b: s["margin"] for b, s in got.summaries.items()}
     return [annotate(c, top2, got.margins or None) for c in matrix]
 
@@ -407,9 +416,9 @@ def _plan(run: partial.PartialRun, src: Path, model, seed: int, entries: list[di
     tokenizer = Tokenizer.from_dir(src)
     cfg = model.cfg
     vision_tower, audio_tower = has_vision_tower(src), has_audio_tower(src)
-    if cases == "images" and not vision_tower:
-        raise ValueError(f"cases={cases!r} needs image bases, but {src} has no vision tower (config.json has no "
-                         "vision_config); use cases='text'")
+    if cases in ("images", "videos") and not vision_tower:
+        raise ValueError(f"cases={cases!r} needs {cases[:-1]} bases, but {src} has no vision tower (config.json has "
+                         "no vision_config); use cases='text'")
     if cases == "audio" and not audio_tower:
         raise ValueError(f"cases={cases!r} needs audio bases, but {src} has no audio tower (config.json has no "
                          "audio_config); use cases='text'")
@@ -474,6 +483,10 @@ def _plan(run: partial.PartialRun, src: Path, model, seed: int, entries: list[di
             m = sum(25.0 * clips[k][0].shape[0] / clips[k][1] for k in which)  # ~25 soft tokens a second
             plan.add(common, b, "audio", 3.0 * (sum(texts) + DECODE_STEPS + m) + 2.0 * m, b_index=b_index,
                      n_sources=len(clips), sources={k: clips[k] for k in sorted(set(which))})
+    if cases == "videos":
+        plan.video = VideoSide(src)
+        for b, cost, b_index in video_jobs(plan.video):
+            plan.add(common, b, "video", cost, b_index=b_index)
     return plan
 
 
@@ -486,7 +499,7 @@ def _run_pending(run: partial.PartialRun, plan: _Plan, src: Path, model, name: s
         if base in plan.text_cases:
             return plan.text_cases[base]
         r = run.result(base)
-        kind = "audio" if r.meta["kind"] == "audio" else "image"
+        kind = r.meta["kind"] if r.meta["kind"] in ("audio", "video") else "image"
         return len(generate_image_cases(name, cfg, {base: r.meta["ids"]}, {base: r.meta["spans"]}, kind=kind))
 
     def on_done(meta: dict) -> None:
@@ -535,6 +548,8 @@ def _assemble(run: partial.PartialRun, plan: _Plan, results: Mapping[str, partia
             got.info[b] = r.meta["info"]
             (got.audio_spans if r.meta["kind"] == "audio" else got.spans)[b] = [(int(a), int(n)) for a, n in
                                                                                r.meta["spans"]]
+            if r.meta.get("videos"):  # a video base: its frames are the vision blocks above
+                got.videos[b] = [(int(a), int(n)) for a, n in r.meta["videos"]]
         got.hidden[b] = r.array("hidden")
         got.summaries[b] = {leaf: r.array(leaf) for leaf in SUMMARY_LEAVES}
         if r.has("logits"):

@@ -58,6 +58,8 @@ def write_set(staged: Path, got: Any, results: Mapping[str, Any], set_cases: lis
             r = results[b]
             tensors["embeddings"] = r.array("embeddings")
             tensors[spans_leaf] = np.asarray(spans, dtype=np.int64)
+            if b in got.videos:  # a video base: which of its vision blocks are each video's frames
+                tensors["videos"] = np.asarray(got.videos[b], dtype=np.int64)
             for j in range(r.meta["n_media"]):
                 for leaf in leaves:
                     a = r.array(f"media.{j}.{leaf}")
@@ -90,6 +92,8 @@ def write_set(staged: Path, got: Any, results: Mapping[str, Any], set_cases: lis
         **({"images": plan.vision.manifest(cfg.use_bidirectional_attention == "vision", vision_mask)}
            if plan.vision else {}),
         **({"audio": plan.audio.manifest()} if plan.audio else {}),
+        **({"videos": plan.video.manifest(cfg.use_bidirectional_attention == "vision", vision_mask)}
+           if plan.video else {}),
         **({"mtp": mtp.manifest} if mtp is not None else {}),
         "cases": len(set_cases),
         "files": {f: sha256_file(staged / f) for f in (CASES, *(base_file(b) for b in got.bases),

@@ -53,6 +53,14 @@ transformers' ``pixel_values`` / ``image_position_ids``. An engine that claims `
 the image soft tokens itself from them (the embeddings' image rows are then only a reference), so its
 tower or embedder is graded too.
 
+**Video prompts** (``Request.videos`` non-empty; needs ``video_prompts`` besides ``image_prompts``): a video is
+its sampled frames, each frame a vision block ``boi + video_token_id x M + eoi`` after its timestamp's text
+("mm:ss ", frames joined by one space), so each frame is an entry of ``images`` (and of ``image_inputs``:
+the frame's patches at the video processor's budget, 70 soft tokens by default), and ``videos`` lists, per
+video, the index in ``images`` of its first frame and its number of frames. Everything said of image blocks
+holds for frames (pad-row per-layer inputs, each frame its own block for the vision mask), with the video
+token as the placeholder: an engine that takes only ``image_token_id`` positions for vision gets them wrong.
+
 **Vision-mask rule.** On ``use_bidirectional_attention == "vision"`` checkpoints the set's manifest
 (``oracle.vision_mask``) says how image blocks open the mask: ``sliding-clamped`` (the default: sliding
 layers only, the past side still bounded by the window, full layers causal; transformers' static-cache
@@ -145,6 +153,7 @@ class Capabilities:
     audio_prompts: bool = False  # prompts with audio blocks (soft tokens in the embeddings)
     audio_tower: bool = False  # with audio_prompts: computes audio soft tokens itself from request.audio_inputs
     image_tower: bool = False  # with image_prompts: computes image soft tokens itself from request.image_inputs
+    video_prompts: bool = False  # with image_prompts: video frames among the vision blocks (request.videos)
     hidden_states: bool = False  # answers the final-norm hidden state of every returned row (Response.hidden)
     mtp: bool = False  # MTP requests in mode "rounds": teacher-forced draft rounds, drafter and verify logits
     mtp_generate: bool = False  # MTP requests in mode "generate": its own assisted loop, drafts and acceptance
@@ -241,6 +250,7 @@ class Request:
     audio: tuple[tuple[int, int], ...] = ()  # audio prompts: (first position, soft tokens) of each block
     audio_inputs: tuple[AudioInput, ...] = field(default=(), compare=False)  # per audio block, in order
     image_inputs: tuple[ImageInput, ...] = field(default=(), compare=False)  # per image block, in order
+    videos: tuple[tuple[int, int], ...] = ()  # video prompts: (index in images of its first frame, frames) per video
     hidden: bool = False  # answer Response.hidden / decode_hidden too (set for backends claiming hidden_states)
     trace: bool = False  # answer Response.trace / decode_trace too (conformance explain, backends claiming traces)
     drafter: str | None = None  # mtp: the assistant checkpoint's directory
@@ -332,4 +342,6 @@ def required_capabilities(request: Request) -> list[str]:
         need.append("image_prompts")
     if request.audio:
         need.append("audio_prompts")
+    if request.videos:
+        need.append("video_prompts")
     return need

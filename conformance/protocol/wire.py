@@ -131,6 +131,7 @@ def request_to_json(request: Request, out_dir: str | Path) -> dict[str, Any]:
         "audio": [[int(start), int(n)] for start, n in request.audio],
         "audio_inputs": [_audio_input_json(clip, out_dir, k) for k, clip in enumerate(request.audio_inputs)],
         "image_inputs": [_image_input_json(image, out_dir, k) for k, image in enumerate(request.image_inputs)],
+        "videos": [[int(first), int(n)] for first, n in request.videos],
         "hidden": bool(request.hidden),
         "trace": bool(request.trace),
         "drafter": request.drafter,
@@ -175,6 +176,7 @@ def request_from_json(d: dict, out_dir: Path) -> Request:
     audio = tuple((int(start), int(n)) for start, n in d.get("audio") or ())
     audio_inputs = tuple(AudioInput(read_input_array(a["features"], out_dir), read_input_array(a["mask"], out_dir) != 0)
                          for a in d.get("audio_inputs") or ())
+    videos = tuple((int(first), int(n)) for first, n in d.get("videos") or ())  # after v1: absent means none
     image_inputs = tuple(ImageInput(read_input_array(a["pixel_values"], out_dir),
                                     read_input_array(a["positions"], out_dir).astype(np.int64))
                          for a in d.get("image_inputs") or ())
@@ -194,6 +196,7 @@ def request_from_json(d: dict, out_dir: Path) -> Request:
         audio=audio,
         audio_inputs=audio_inputs,
         image_inputs=image_inputs,
+        videos=videos,
         hidden=bool(d.get("hidden", False)),  # after v1: absent means not asked
         trace=bool(d.get("trace", False)),  # likewise
         drafter=d.get("drafter"),  # mtp requests (after v1)

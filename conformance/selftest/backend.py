@@ -184,19 +184,23 @@ class NumpyEngineBackend:
         return bool(request.images or request.audio)
 
     def _check_block_tokens(self, ids: Sequence[int], blocks: Sequence[tuple[int, int]], what: str,
-                            token: int) -> None:
-        """Every block (start, n) within the call's ids, filled with its placeholder token."""
+                            token: int, frame: int | None = None) -> None:
+        """Every block (start, n) within the call's ids, filled with its placeholder token (an image block
+        that is a video frame: with the video token ``frame``)."""
         T = len(ids)
         for s, n in blocks:
             if n < 1 or s < 0 or s + n > T:
                 raise ValueError(f"numpy-engine: {what} block ({s}, {n}) is outside the {T} tokens of the call")
-            if any(int(t) != token for t in ids[s:s + n]):
+            run = {int(t) for t in ids[s:s + n]}
+            if run != {token} and (frame is None or run != {frame}):
                 raise ValueError(f"numpy-engine: the {what} block ({s}, {n}) holds tokens other than the {what} "
-                                 f"token {token}")
+                                 f"token {token}" + (f" (a video frame's: the video token {frame})"
+                                                     if frame is not None else ""))
 
     def _check_media_tokens(self, ids: Sequence[int], images: Sequence[tuple[int, int]],
                             audio: Sequence[tuple[int, int]]) -> None:
-        self._check_block_tokens(ids, images, "image", self.image_token_id)
+        frame = None if self.tokens is None else self.tokens.video_token_id
+        self._check_block_tokens(ids, images, "image", self.image_token_id, frame)
         self._check_block_tokens(ids, audio, "audio", self.audio_token_id)
 
     def _piece_blocks(self, request: Request, blocks: Sequence[tuple[int, int]], what: str

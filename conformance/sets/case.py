@@ -29,8 +29,9 @@ GENERATION_BASE = "G"
 PROMPT_PREFIX = "P"
 IMAGE_PREFIX = "I"  # image bases I0, I1, ...: prompts with image blocks (see generate_image_cases)
 AUDIO_PREFIX = "S"  # audio (sound) bases S0, S1, ...: prompts with audio blocks
-MEDIA_PREFIX = {"image": IMAGE_PREFIX, "audio": AUDIO_PREFIX}
-MEDIA_OPEN = {"image": "boi", "audio": "boa"}  # the tag of the row before a block
+VIDEO_PREFIX = "V"  # video bases V0, V1, ...: prompts with a video's frames (vision blocks; conformance.generate.video)
+MEDIA_PREFIX = {"image": IMAGE_PREFIX, "audio": AUDIO_PREFIX, "video": VIDEO_PREFIX}
+MEDIA_OPEN = {"image": "boi", "audio": "boa", "video": "boi"}  # the tag of the row before a block
 MTP_PREFIX = "M"  # MTP bases M0, M1, ...: prompts with assisted-decoding rounds (mtp.safetensors)
 _FIELD = object()
 
@@ -242,6 +243,7 @@ class BaseMedia:
     audio: tuple[tuple[int, int], ...] = ()  # (first position, soft-token count) of each audio block
     audio_inputs: tuple = ()  # conformance.protocol.AudioInput per audio block (features, mask)
     image_inputs: tuple = ()  # conformance.protocol.ImageInput per image block (pixel_values, positions)
+    videos: tuple[tuple[int, int], ...] = ()  # (index in images of its first frame, frames) per video
 
 
 def shared_prefix(a: Sequence[int], b: Sequence[int] | None) -> int:

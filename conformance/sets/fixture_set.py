@@ -181,6 +181,10 @@ class FixtureSet:
         """Image base id -> its image blocks [(first position, soft tokens), ...]; empty for text sets."""
         return {b: [(int(a), int(n)) for a, n in np.asarray(x)] for b, x in self.stored("images").items()}
 
+    def video_groups(self) -> dict[str, list[tuple[int, int]]]:
+        """Video base id -> (index of its first frame among the base's image blocks, frames) per video."""
+        return {b: [(int(a), int(n)) for a, n in np.asarray(x)] for b, x in self.stored("videos").items()}
+
     def audio_blocks(self) -> dict[str, list[tuple[int, int]]]:
         """Audio base id -> its audio blocks [(first position, soft tokens), ...]."""
         return {b: [(int(a), int(n)) for a, n in np.asarray(x)] for b, x in self.stored("audio").items()}
@@ -191,7 +195,7 @@ class FixtureSet:
         and leaves the soft tokens as they were), the image and audio blocks, and each audio block's
         features and mask."""
         out = {}
-        blocks, audio = self.image_blocks(), self.audio_blocks()
+        blocks, audio, videos = self.image_blocks(), self.audio_blocks(), self.video_groups()
         for b, x in self.stored("embeddings").items():
             x = np.asarray(x, dtype=np.float64)
             if convention == "raw":
@@ -201,7 +205,7 @@ class FixtureSet:
             images = tuple(ImageInput(np.asarray(i["pixel_values"], dtype=np.float64),
                                       np.asarray(i["positions"]).astype(np.int64)) for i in self.image_inputs(b))
             out[b] = BaseMedia(embeddings=x, images=tuple(blocks.get(b, ())), audio=tuple(audio.get(b, ())),
-                               audio_inputs=clips, image_inputs=images)
+                               audio_inputs=clips, image_inputs=images, videos=tuple(videos.get(b, ())))
         return out
 
     def audio_inputs(self, base: str) -> list[dict[str, np.ndarray]]:

@@ -69,7 +69,7 @@ SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 IMAGE_LEAVES = ("pixels", "pixel_values", "positions", "soft_tokens")  # image/<base>/<j>/<leaf>
 AUDIO_LEAVES = ("waveform", "features", "mask", "soft_tokens")  # audio/<base>/<j>/<leaf>
 BASE_LEAVES = ("tokens", "logits", "hidden", "top_ids", "top_logits", "lse", "margin", "router_margin", "embeddings",
-               "images", "audio")  # base/<base>/<leaf> (schema 1), <leaf> in base-<base>.safetensors (schema 2)
+               "images", "audio", "videos")  # base/<base>/<leaf> (schema 1), <leaf> in base-<base>.safetensors (v2)
 MEDIA_LEAVES = {("image", leaf) for leaf in IMAGE_LEAVES} | {("audio", leaf) for leaf in AUDIO_LEAVES}
 
 

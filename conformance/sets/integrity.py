@@ -97,6 +97,7 @@ def _check_image_tensors(infos: Mapping[str, Any], b: str, N: int, where: str) -
                       f"{list(im.shape)}"]
     if len(images) != im.shape[0]:
         out.append(f"{where}: base {b} has {im.shape[0]} image blocks but {len(images)} stored images")
+    out += _check_video_groups(infos.get(f"base/{b}/videos"), b, int(im.shape[0]), where)
     out += missing
     for p, (px, pv, pos, st) in images:
         if None in (px, pv, pos, st):
@@ -110,6 +111,22 @@ def _check_image_tensors(infos: Mapping[str, Any], b: str, N: int, where: str) -
     return out
 
 
+def _check_video_groups(info: Any, b: str, n_blocks: int, where: str) -> list[str]:
+    """A video base's ``videos``: I64 [v, 2] (first block, frames), each video whole among the base's blocks and
+    no two sharing one; none for an image base."""
+    if info is None:
+        return []
+    if info.dtype != "I64" or len(info.shape) != 2 or info.shape[1] != 2 or info.shape[0] < 1:
+        return [f"{where}: base/{b}/videos must be I64 [v, 2] (first vision block, frames), got {info.dtype} "
+                f"{list(info.shape)}"]
+    return []
+
+
+def _video_frames(fs: "FixtureSet") -> dict[str, set[int]]:
+    """Base id -> the indices of its image blocks that are video frames (its stored ``videos`` groups)."""
+    return {b: {first + k for first, n in groups for k in range(n)} for b, groups in fs.video_groups().items()}
+
+
 def _check_image_blocks(fs: "FixtureSet", blocks: Mapping[str, list[tuple[int, int]]],
                         tokens: Mapping[str, np.ndarray], manifest: dict, where: str,
                         what: str = "image") -> list[str]:
@@ -117,18 +134,30 @@ def _check_image_blocks(fs: "FixtureSet", blocks: Mapping[str, list[tuple[int, i
     as many rows as its stored soft tokens."""
     out = []
     section, key = ("images", "image_token_id") if what == "image" else ("audio", "audio_token_id")
+    frames = _video_frames(fs) if what == "image" else {}  # video frames are vision blocks of the video token
     token = ((manifest.get(section) or {}).get("token_ids") or {}).get(key)
-    if blocks and not isinstance(token, int):
+    video_token = ((manifest.get("videos") or {}).get("token_ids") or {}).get("video_token_id")
+    if any(j not in frames.get(b, ()) for b, spans in blocks.items() for j in range(len(spans))) and \
+            not isinstance(token, int):
         return [f"{where}: the set has {what} bases but the manifest records no {section}.token_ids.{key}"]
+    if frames and not isinstance(video_token, int):
+        return [f"{where}: the set has video bases but the manifest records no videos.token_ids.video_token_id"]
+    for b, groups in (fs.video_groups().items() if what == "image" else ()):
+        taken = [first + k for first, n in groups for k in range(max(n, 0))]
+        if any(n < 1 or first < 0 for first, n in groups) or len(set(taken)) != len(taken) or \
+                max(taken, default=-1) >= len(blocks.get(b, ())):
+            out.append(f"{where}: base/{b}/videos {groups} must name runs of 1 or more of the base's "
+                       f"{len(blocks.get(b, ()))} vision blocks, none shared")
     for b, spans in blocks.items():
         ids = tokens[b]
         stored = fs.image_inputs(b) if what == "image" else fs.audio_inputs(b)
         for j, (a, n) in enumerate(spans):
+            want, noun = (video_token, "video") if j in frames.get(b, ()) else (token, what)
             if n < 1 or a < 1 or a + n >= len(ids):
                 out.append(f"{where}: base {b} {what} block {j} ({a}, {n}) does not lie inside its {len(ids)} tokens")
-            elif not np.all(ids[a:a + n] == token):
-                out.append(f"{where}: base {b} {what} block {j} ({a}, {n}) holds tokens other than the {what} token "
-                           f"{token}")
+            elif not np.all(ids[a:a + n] == want):
+                out.append(f"{where}: base {b} {what} block {j} ({a}, {n}) holds tokens other than the {noun} token "
+                           f"{want}")
             elif j < len(stored) and stored[j]["soft_tokens"].shape[0] != n:
                 out.append(f"{where}: base {b} {what} block {j} has {n} tokens but its {what} "
                            f"{stored[j]['soft_tokens'].shape[0]} soft tokens")

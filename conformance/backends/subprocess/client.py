@@ -41,7 +41,8 @@ piece, the ``image_prompts`` capability, read as not claimed when a v1 engine's 
 an image request is never sent to an engine that does not claim ``image_prompts``. Audio prompts
 likewise (``audio`` and ``audio_inputs`` on the request, each clip's features and frame mask written
 as raw float64 files; the ``audio_prompts`` and ``audio_tower`` capabilities); an audio request is
-never sent to an engine that does not claim ``audio_prompts``.
+never sent to an engine that does not claim ``audio_prompts``; a video request (its frames among the image
+blocks, ``videos`` naming them) to one that does not claim ``video_prompts``.
 
 ``RefimplSubprocessBackend`` runs ``python -m conformance.serve --backend
 refimpl``: the oracle behind the protocol, which must pass every bundled case at ``exact-f64``.
@@ -460,6 +461,10 @@ class SubprocessBackend:
             # likewise: an engine without audio_prompts would answer the prompt as text
             raise ValueError(f"subprocess backend {self.name!r}: the engine does not claim audio_prompts; an "
                              f"audio request is not sent to it")
+        if request.videos and not self.capabilities.video_prompts:
+            # likewise: an engine without video_prompts would take the frames' video tokens for text
+            raise ValueError(f"subprocess backend {self.name!r}: the engine does not claim video_prompts; a "
+                             f"video request is not sent to it")
         if request.kind == "multi" and request.decode and not any(request.decode):
             request = dataclasses.replace(request, decode=())  # no sequence has a step: sent as "decode": []
         if not self._alive():

@@ -205,7 +205,8 @@ class TransformersBackend(RequestMapping, CachedBackend):
             full_forward=True, last_plain=True, last_seq_id=True, last_embeddings=True,
             embedding_convention="scaled", interior_rows=True, output_rows=True, ubatch=True,
             chunked_prefill=True, multi_sequence=True, decode=True, image_prompts=True, audio_prompts=True,
-            audio_tower=self.audio_tower, image_tower=self.image_tower, hidden_states=True, mtp_generate=True,
+            audio_tower=self.audio_tower, image_tower=self.image_tower, video_prompts=True, hidden_states=True,
+            mtp_generate=True,
             mtp_conventions=MTP_CONVENTION, traces=True, default_profile="bf16" if dtype == "bfloat16" else "fp32",
         )
         self.expectations_file = shipped_expectations(self.name, self.device)
@@ -217,6 +218,7 @@ class TransformersBackend(RequestMapping, CachedBackend):
         self.text_config: Any = None
         self.text_model: Any = None  # the Gemma4TextModel (per-layer inputs)
         self.image_token_id: int | None = None
+        self.video_token_id: int | None = None
         self.audio_token_id: int | None = None
         self._model_dir: Path | None = None
         self._cache_kw = "cache"
@@ -248,6 +250,7 @@ class TransformersBackend(RequestMapping, CachedBackend):
         wraps_text = self.conditional or (self.unified and self.layout == "conditional")
         self.text_model = self.model.model.language_model if wraps_text else self.model.model
         self.image_token_id = int(self.model.config.image_token_id) if self.vision else None
+        self.video_token_id = int(self.model.config.video_token_id) if self.vision else None
         self.audio_token_id = int(self.model.config.audio_token_id) if self.audio else None
         params = inspect.signature(type(self.model).forward).parameters
         # transformers 5.24 renamed past_key_values -> cache (the old name is deprecated until 5.40)
@@ -267,6 +270,7 @@ class TransformersBackend(RequestMapping, CachedBackend):
         self.layout = None
         self.vision = self.audio = self.unified = False
         self.text_config = self.text_model = self.image_token_id = self.audio_token_id = self._model_dir = None
+        self.video_token_id = None
         self._states = {}
         if self.device.type == "cuda":  # pragma: no cover - needs a GPU
             torch.cuda.empty_cache()

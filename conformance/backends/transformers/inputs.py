@@ -117,11 +117,40 @@ class RequestMapping:
                 raise ValueError(f"{self.who}: {self._model_dir} has no {'vision' if what == 'image' else what}"
                                  f"_config ({kind} checkpoint); it cannot serve {what} prompts")
             for start, n in spans:
-                if any(t != token for t in ids[start:start + n]):
+                run = set(ids[start:start + n])
+                if what == "image" and run == {self.video_token_id}:  # a video frame: token type 2
+                    types[start:start + n] = [2] * n
+                    continue
+                if run != {token}:
                     raise ValueError(f"{self.who}: the {what} block ({start}, {n}) holds tokens other than the "
-                                     f"{what} token {token}")
+                                     f"{what} token {token}" + (f" (a video frame's: the video token "
+                                                                f"{self.video_token_id})" if what == "image" else ""))
                 types[start:start + n] = [type_id] * n
         return types
+
+    def _stacked(self, inputs: Sequence, whose: str, why: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pixel values [n, R, C] in the model dtype, positions [n, R, 2]) of ``inputs`` (ImageInput each) as one
+        batch on the device; ValueError when their shapes differ (``why`` says why they should not)."""
+        shapes = {np.asarray(i.pixel_values).shape for i in inputs}
+        if len(shapes) != 1:
+            raise ValueError(f"{self.who}: {whose} pixel_values have different shapes {sorted(shapes)}; {why}")
+        pv = np.stack([np.asarray(i.pixel_values, dtype=np.float64) for i in inputs])
+        pos = np.stack([np.asarray(i.positions, dtype=np.int64) for i in inputs])
+        return torch.from_numpy(pv).to(self.device, self.torch_dtype), torch.from_numpy(pos).to(self.device)
+
+    def _frame_soft_tokens(self, frames: Sequence[tuple[int, int]], frame_inputs: Sequence) -> torch.Tensor:
+        """The soft tokens of a forward's video frames, ``[sum of lengths, H]``, from transformers' own video
+        path: the frames' patches and positions as one video through ``get_video_features``
+        (``pixel_values_videos``, ``video_position_ids``, ``num_frames_per_video``); each frame must give as
+        many soft tokens as its block has."""
+        pv, pos = self._stacked(frame_inputs, "the video frames'", "a video's frames are resized to one size")
+        out = self.model.model.get_video_features(pv, pos, num_frames_per_video=torch.tensor([len(frames)]),
+                                                  return_dict=True)
+        soft = torch.cat(list(out.pooler_output))
+        if soft.shape[0] != sum(n for _, n in frames):
+            raise ValueError(f"{self.who}: the video frames' blocks hold {sum(n for _, n in frames)} tokens but "
+                             f"transformers' video features give {soft.shape[0]}")
+        return soft
 
     def _audio_soft_tokens(self, audio: Sequence[tuple[int, int]], audio_inputs: Sequence) -> torch.Tensor:
         """The soft tokens of a forward's audio blocks, ``[sum of lengths, H]`` in the model dtype, from
@@ -157,14 +186,9 @@ class RequestMapping:
         many soft tokens as its block has."""
         if len(image_inputs) != len(images):
             raise ValueError(f"{self.who}: {len(images)} image blocks but {len(image_inputs)} image_inputs")
-        rows = {np.asarray(i.pixel_values).shape for i in image_inputs}
-        if len(rows) != 1:
-            raise ValueError(f"{self.who}: the images' pixel_values have different shapes {sorted(rows)}; Gemma 4 "
-                             "Unified's processor pads every image to max_soft_tokens rows")
-        pv = np.stack([np.asarray(i.pixel_values, dtype=np.float64) for i in image_inputs])
-        pos = np.stack([np.asarray(i.positions, dtype=np.int64) for i in image_inputs])
-        out = self.model.model.get_image_features(torch.from_numpy(pv).to(self.device, self.torch_dtype),
-                                                  torch.from_numpy(pos).to(self.device), return_dict=True)
+        pv, pos = self._stacked(image_inputs, "the images'", "Gemma 4 Unified's processor pads every image to "
+                                                            "max_soft_tokens rows")
+        out = self.model.model.get_image_features(pv, pos, return_dict=True)
         parts = list(out.pooler_output)
         for (start, n), part in zip(images, parts, strict=True):
             if part.shape[0] != n:
@@ -181,12 +205,21 @@ class RequestMapping:
         kwargs: dict[str, Any] = {}
         inputs_embeds = torch.tensor(np.asarray(embeddings)[None]).to(self.device, self.torch_dtype)
         if images and self.image_tower:
-            at = [start + i for start, n in images for i in range(n)]
-            soft = self._image_soft_tokens(images, image_inputs)
-            notes["image_soft_tokens"] = "transformers vision embedder (Gemma4UnifiedModel.get_image_features)"
-            notes["image_rows_max_abs"] = float(np.abs(soft.double().cpu().numpy()
-                                                       - np.asarray(embeddings, dtype=np.float64)[at]).max())
-            inputs_embeds[0, at] = soft.to(inputs_embeds.dtype)
+            if len(image_inputs) != len(images):
+                raise ValueError(f"{self.who}: {len(images)} image blocks but {len(image_inputs)} image_inputs")
+            frame = [types[start] == 2 for start, _ in images]  # video frames (token type 2), the rest images
+            for is_frame, soft_of, note in ((False, self._image_soft_tokens, "get_image_features"),
+                                            (True, self._frame_soft_tokens, "get_video_features")):
+                spans = [b for b, f in zip(images, frame, strict=True) if f == is_frame]
+                if not spans:
+                    continue
+                at = [start + i for start, n in spans for i in range(n)]
+                soft = soft_of(spans, [x for x, f in zip(image_inputs, frame, strict=True) if f == is_frame])
+                key = "video" if is_frame else "image"
+                notes[f"{key}_soft_tokens"] = f"transformers vision tower or embedder ({note})"
+                notes[f"{key}_rows_max_abs"] = float(np.abs(soft.double().cpu().numpy()
+                                                            - np.asarray(embeddings, dtype=np.float64)[at]).max())
+                inputs_embeds[0, at] = soft.to(inputs_embeds.dtype)
         if audio:
             at = [start + i for start, n in audio for i in range(n)]
             if self.audio_tower:

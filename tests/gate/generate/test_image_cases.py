@@ -234,7 +234,7 @@ def test_generate_refuses_impossible_requests(tmp_path):
         generate_set(tmp_path / "b", preset="31b-vision-mini", cases="images", prompts=[{"tokens": [2, 5, 6]}])
     with pytest.raises(ValueError, match="images were given, but cases='text'"):
         generate_set(tmp_path / "c", preset="31b-vision-mini", cases="text", images=[np.zeros((9, 9, 3), np.uint8)])
-    with pytest.raises(ValueError, match="cases must be one of auto, text, images, audio, mtp, all"):
+    with pytest.raises(ValueError, match="cases must be one of auto, text, images, audio, videos, mtp, all"):
         generate_set(tmp_path / "d", preset="31b-vision-mini", cases="pictures")
     with pytest.raises(ValueError, match=r"image 0 must be a file path or a uint8 array \[h, w, 3\]"):
         generate_set(tmp_path / "e", preset="31b-vision-mini", cases="images", images=[np.zeros((9, 9))])

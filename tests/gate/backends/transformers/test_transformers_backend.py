@@ -587,7 +587,8 @@ def test_image_prompt_errors(preset_dirs, image_prompts, f64):
     backend = TransformersBackend(dtype="float64")
     backend.open(preset_dirs["e2b-vision-mini"])
     with pytest.raises(ValueError, match=rf"^transformers backend: the image block \({s0 - 1}, {n0}\) holds tokens "
-                                         rf"other than the image token {backend.image_token_id}$"):
+                                         rf"other than the image token {backend.image_token_id} \(a video "
+                                         rf"frame's: the video token {backend.video_token_id}\)$"):
         backend.run(request)
     backend.close()
     # f64 is open on the text-only e2b-mini (the same text model, no vision tower)
