@@ -6,6 +6,12 @@
 #   benchmarks/device_run.sh prefill   benchmarks/prefill.py --device cuda on E2B at full depth, last row and all rows
 #   benchmarks/device_run.sh generate  generate --device cuda of the real-size E2B text set, timed, then checked by
 #                                      the CPU oracle at exact-f64 on a -k subset
+#   benchmarks/device_run.sh families e4b:10 31b:4 ...
+#                                      each published shape cut to that many layers: synth, generate --device cuda
+#                                      (timed, peak GPU memory by nvidia-smi), one JSON line each in families.jsonl
+#   benchmarks/device_run.sh transformers [K]
+#                                      check --backend transformers --backend-option device=cuda on the GPU-made
+#                                      E2B set, -k K (default last/plain)
 #
 # transformers 5.24.0 (what --transformers exact patches) is installed from a wheel carried in .whl/ when there is
 # one (python3 -m pip download -q transformers==5.24.0 --no-deps -d .whl on this side; carry .whl). Each step has a
@@ -22,7 +28,8 @@ synth() {  # synth PRESET_ARGS DIR: a synthetic checkpoint, once per machine
   [ -f "$2/model.safetensors" ] || timeout 200 python3 -m refimpl synth --preset e2b $1 --out "$2" > /dev/null
 }
 t0=$SECONDS
-case "${1:-}" in
+mode=${1:-}
+case "$mode" in
   kernels)
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/oracle/test_cupy.py -k "fused or op_on_cupy" \
       > "$OUT/cupy-fused.log" 2>&1; tail -3 "$OUT/cupy-fused.log"
@@ -45,6 +52,32 @@ case "${1:-}" in
     timeout 200 python3 -c "$CONF" check --backend conformance.backends.refimpl_backend:RefimplBackend \
       --fixtures /tmp/sets/e2b-gpu --model /tmp/e2b --profile exact-f64 -k 'last/plain/A' \
       --json "$OUT/check-gpu-set-on-cpu.json" 2>&1 | tail -3 ;;
-  *) echo "usage: benchmarks/device_run.sh kernels|prefill|generate" >&2; exit 2 ;;
+  families)  # families PRESET:LAYERS ...: synth each cut, generate its text set on the GPU, timed, peak GPU memory
+    shift
+    for spec in "$@"; do
+      preset=${spec%%:*}; layers=${spec##*:}; dir=/tmp/ckpt-$preset-$layers; set_dir=/tmp/sets/$preset-$layers
+      s=$SECONDS
+      [ -f "$dir/config.json" ] || timeout 240 python3 -m refimpl synth --preset "$preset" --layers "$layers" \
+        --out "$dir" > /dev/null
+      synth_s=$((SECONDS - s)); rm -rf "$set_dir"; s=$SECONDS
+      nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 > "$OUT/smi-$preset-$layers.log" &
+      smi=$!
+      timeout 300 python3 -c "$CONF" generate --model "$dir" --out "$set_dir" --cases text --device cuda 2>&1 \
+        | tee "$OUT/generate-$preset-$layers-cuda.log" | tail -3
+      rc=${PIPESTATUS[0]}; gen_s=$((SECONDS - s)); kill $smi 2>/dev/null
+      peak=$(sort -n "$OUT/smi-$preset-$layers.log" | tail -1)
+      echo "{\"preset\": \"$preset\", \"layers\": $layers, \"synth_s\": $synth_s, \"generate_s\": $gen_s, \"exit\": $rc, \"peak_gpu_mib\": ${peak:-null}, \"checkpoint\": \"$(du -sh "$dir" | cut -f1)\", \"set\": \"$(du -sh "$set_dir" 2>/dev/null | cut -f1)\"}" \
+        | tee -a "$OUT/families.jsonl"
+      rm -rf "$dir"
+    done ;;
+  transformers)  # transformers on the GPU, float32, on a -k subset of the GPU-made E2B set (generate first)
+    synth "" /tmp/e2b
+    [ -f /tmp/sets/e2b-gpu/manifest.json ] || timeout 300 python3 -c "$CONF" generate --model /tmp/e2b \
+      --out /tmp/sets/e2b-gpu --cases text --device cuda > "$OUT/generate-e2b-cuda.log" 2>&1
+    timeout 300 python3 -c "$CONF" check --backend transformers --backend-option device=cuda --fixtures \
+      /tmp/sets/e2b-gpu --model /tmp/e2b -k "${2:-last/plain}" --json "$OUT/check-transformers-cuda.json" 2>&1 \
+      | tee "$OUT/check-transformers-cuda.log" | tail -6 ;;
+  *) echo "usage: benchmarks/device_run.sh kernels|prefill|generate|families PRESET:LAYERS...|transformers [-k]" >&2
+     exit 2 ;;
 esac
-echo "device_run.sh ${1}: $((SECONDS - t0)) s"
+echo "device_run.sh $mode: $((SECONDS - t0)) s"

@@ -70,7 +70,7 @@ def _failing(c) -> list[dict]:
 
 
 def _is_media(c) -> bool:
-    return "image" in c.features or "audio" in c.features
+    return "image" in c.features or "audio" in c.features or "video" in c.features
 
 
 def _media_classes(cases, unified: bool) -> list[str]:
@@ -185,7 +185,7 @@ def _set_patterns(failed: list, passed: list, kv_shared: bool, unified: bool) ->
 
     only(lambda c: c.kind == "multi", "multi-sequence cases", ["B5", "B6"])
     if all(_is_media(c) for c in text):  # also on a set of media prompts alone
-        out.append((f"only image or audio prompts fail in this set ({len(text)} "
+        out.append((f"only image, video or audio prompts fail in this set ({len(text)} "
                     "case(s))", _media_classes(text, unified)))
     only(lambda c: c.entry == "last:embeddings" or _is_media(c), "cases given input embeddings",
          ["B10", "trap 17"])

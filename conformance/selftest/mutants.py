@@ -68,6 +68,7 @@ from .mtp_mutants import (
 from .planting import planted
 from .ple_mutants import PleFoldEpsKept, PleFoldEpsOverS, PleFoldRight
 from .state import CacheSet, KVView, MicroBatch, Rows, SequenceCache
+from .video_mutants import VIDEO_SET_UNIFIED, VIDEO_SETS, VideoFramesNotVision, VideoFramesOneBlock
 
 __all__ = ["AUDIO_SET", "BACKENDS", "MTP_SETS", "MTP_SET_CENTROID", "MTP_SET_LAYOUT", "CLOSENESS", "EQUIVALENT",
            "IMAGE_SETS", "IMAGE_SET_BIDIRECTIONAL", "IMAGE_SET_PLE", "MUTANTS", "Mutant", "PLE_EPS_SET", "REWRITES",
@@ -541,6 +542,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(PositionAxesSwapped, "unified U8", kill_sets=(UNIFIED_SET,), where="embed"),
     _m(PaddingRowsKept, "unified U9", kill_sets=(UNIFIED_SET,), where="embed"),
     _m(AudioFramesNotNormed, "unified U10", kill_sets=(UNIFIED_SET,), where="embed"),
+    _m(VideoFramesNotVision, "trap 17", kill_sets=VIDEO_SETS, where="ple_add@0"),
+    _m(VideoFramesOneBlock, "trap 17", kill_sets=(VIDEO_SET_UNIFIED,), where="attn_out@sliding"),
     _m(HiddenPreNorm, "mtp M1", HIDDEN, where="final_norm"),
     _m(HiddenNormWeightSkipped, "mtp M1", HIDDEN, where="final_norm"),
     _m(MtpDrafterReadsPreNorm, "mtp M1", MTP, kill_sets=MTP_SETS),

@@ -106,12 +106,17 @@ def test_rebuilt_rows_equal_the_stored_logits_within_the_head_bound(bigvocab, tm
 
 
 def test_bundled_sets_rebuild_their_stored_logits(tmp_path):
-    """Every bundled set stores logits and hidden states: its rows rebuilt through the head equal the stored
-    logits within ``head_bound`` (stated in docs/profiles.md)."""
+    """Every bundled set that stores logits stores hidden states too: its rows rebuilt through the head equal the
+    stored logits within ``head_bound`` (stated in docs/profiles.md). The video sets store hidden states only (their
+    frames' patches are most of them): they are graded by rebuilding (tests/gate/generate/test_video_cases.py)."""
     from conformance.sets import bundled_sets
 
+    compact = {p.name for p in bundled_sets() if load_set(p).storage == "hidden"}
+    assert compact == {"e2b-vision-mini-video", "12b-mini-video"}
     for path in bundled_sets():
         fs = load_set(path)
+        if fs.name in compact:
+            continue
         model = Gemma4(materialise(fs, tmp_path / fs.name), activations=fs.activations)
         rebuilt = RebuiltLogits(model, fs.hidden_states(), fs.summaries(), tmp_path, fs.name)
         for b, stored in fs.base_logits().items():

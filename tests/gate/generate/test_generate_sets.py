@@ -48,6 +48,9 @@ MLX_SET = "e2b-mini-mlx-q4"  # and the MLX quantised set, its checkpoint shipped
 # and llama.cpp's own GGUF files, shipped (scripts/bundle-gguf-set.py): set -> (convention, stored types)
 GGUF_SETS = {"e2b-256-mini-q4km": ("ggml-cpu/x86/f16-kv/gelu-table", {"Q4_K", "Q6_K", "F32"}),
              "e2b-mini-q4-0": ("ggml-cpu/x86/gelu-table", {"Q4_0", "Q8_0", "F16", "F32"})}
+# and the video matrices of a vision preset with PLE (frames causal) and of Gemma 4 Unified (frames bidirectional on
+# sliding layers): set -> preset (conformance/generate/video.py)
+VIDEO_SETS = {"e2b-vision-mini-video": "e2b-vision-mini", "12b-mini-video": "12b-mini"}
 
 ROW_BOUND = 1e-10  # stored row vs the oracle driven as the request says (different chunking: float64 rounding)
 REPO = Path(__file__).resolve().parents[3]
@@ -529,7 +532,7 @@ def test_synthetic_model_is_reproduced(small_set, tmp_path):
 
 def test_bundled_sets_load_and_verify():
     paths = bundled_sets()
-    assert [p.name for p in paths] == sorted([*BUNDLED, MLX_SET, *GGUF_SETS])
+    assert [p.name for p in paths] == sorted([*BUNDLED, MLX_SET, *GGUF_SETS, *VIDEO_SETS])
     total = 0
     for p in paths:
         assert verify_set(p) == [], p
@@ -550,6 +553,11 @@ def test_bundled_sets_load_and_verify():
             assert {v["type"] for v in model["quantisation"]["tensors"].values()} == GGUF_SETS[p.name][1]
             assert len(fs.cases) == 52 and materialise(fs, p) == p / "checkpoint" / "model.gguf"
             continue
+        if p.name in VIDEO_SETS:
+            assert fs.manifest["model"] == {**fs.manifest["model"], "kind": "synthetic", "preset": VIDEO_SETS[p.name],
+                                            "seed": 0}
+            assert len(fs.cases) == 30 and all("video" in c.features for c in fs.cases) and len(fs.video_groups()) == 2
+            continue
         assert fs.manifest["model"] == {**fs.manifest["model"], "kind": "synthetic", "preset": p.name, "seed": 0}
         kind = bundled_cases(p.name)  # "text", "images", "audio" or "all" (Gemma 4 Unified: every matrix)
         media_set = kind != "text"
@@ -566,8 +574,9 @@ def test_bundled_sets_load_and_verify():
             # (images) and 5.8e-12 (audio) there; elsewhere 1e-12
             assert check["agreement"] < (3e-11 if media_set else 2e-12), check
     # 23.4 MB measured: the 12 earlier sets (14.1 MB), e2b-256-mini (1.2 MB), e2b-mini-mlx-q4 with its checkpoint
-    # (1.6 MB), e2b-256-mini-q4km with its GGUF file (5.6 MB), e2b-mini-q4-0 with its (0.9 MB)
-    assert total < 25 * 2**20
+    # (1.6 MB), e2b-256-mini-q4km with its GGUF file (5.6 MB), e2b-mini-q4-0 with its (0.9 MB); then the two video
+    # sets (stored as hidden states; their frames' patches, 218 KB a frame, are most of them)
+    assert total < 30 * 2**20  # 28.1 MiB with the video sets
 
 
 # test_bundled_sets_are_up_to_date compares the bundled sets (made on another machine: another CPU, other BLAS
@@ -626,7 +635,9 @@ def test_bundled_sets_are_up_to_date(sets, tmp_path):
                                           name=MLX_SET, cases="text", store="logits"),
             **{name: generate_set(tmp_path / name, model_dir=REPO / "fixtures" / name / "checkpoint" / "model.gguf",
                                   name=name, cases="text", store="logits", activations=conv)
-               for name, (conv, _) in GGUF_SETS.items()}}
+               for name, (conv, _) in GGUF_SETS.items()},
+            **{name: generate_set(tmp_path / name, preset=preset, name=name, cases="videos", store="hidden")
+               for name, preset in VIDEO_SETS.items()}}
     for p in bundled_sets():
         bundled, fresh = load_set(p), load_set(sets[p.name])
         mb, mf = (json.loads((d / MANIFEST).read_text()) for d in (p, sets[p.name]))
@@ -690,7 +701,7 @@ def test_bundled_sets_from_an_installed_layout(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{REPO}"}
     out = subprocess.run([sys.executable, "-c", code, str(pkg)], env=env, capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert int(out.stdout) == len(BUNDLED) + 1 + len(GGUF_SETS)  # and the MLX and GGUF quantised sets
+    assert int(out.stdout) == len(BUNDLED) + 1 + len(GGUF_SETS) + len(VIDEO_SETS)  # MLX, GGUF and video sets too
 
 
 @pytest.mark.hf
@@ -870,14 +881,17 @@ def hf_text_cross_check(model_dir, bases, base_logits):
 
 
 def regenerate_bundled(presets=()) -> None:
-    """Rewrite fixtures/<preset>/ (the bundled sets) for the given presets, or every preset (seed 0)."""
+    """Rewrite fixtures/<preset>/ (the bundled sets) for the given presets or video sets, or every one (seed 0)."""
     root = REPO / "fixtures"
-    for preset in presets or BUNDLED:
+    for preset in presets or [*BUNDLED, *VIDEO_SETS]:
         out = root / preset
         if out.exists():
             shutil.rmtree(out)
-        generate_set(out, preset=preset, seed=0, cross_check=hf_cross_check, cases=bundled_cases(preset),
-                     store="logits",
+        video = {"preset": VIDEO_SETS[preset], "name": preset, "cases": "videos", "store": "hidden"} \
+            if preset in VIDEO_SETS else None  # (hidden states: the frames' patches are most of the set)
+        generate_set(out, **(video or {"preset": preset, "cross_check": hf_cross_check,
+                                       "cases": bundled_cases(preset), "store": "logits"}),
+                     seed=0,
                      command="python tests/gate/generate/test_generate_sets.py --regenerate-bundled",
                      progress=lambda d, t, label, p=preset: print(f"\r{p}: {d}/{t} {label:<20}", end="", flush=True))
         print(f"\r{preset}: {len(load_set(out).cases)} cases, "
@@ -885,7 +899,7 @@ def regenerate_bundled(presets=()) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] != ["--regenerate-bundled"] or any(p not in BUNDLED for p in sys.argv[2:]):
+    if sys.argv[1:2] != ["--regenerate-bundled"] or any(p not in [*BUNDLED, *VIDEO_SETS] for p in sys.argv[2:]):
         sys.exit("usage: python tests/gate/generate/test_generate_sets.py --regenerate-bundled [PRESET ...] (presets: "
-                 f"{', '.join(BUNDLED)})")
+                 f"{', '.join([*BUNDLED, *VIDEO_SETS])})")
     regenerate_bundled(sys.argv[2:])

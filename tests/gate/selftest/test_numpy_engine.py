@@ -52,6 +52,7 @@ from conformance.selftest.mutants import (
     mutant,
 )
 from conformance.selftest.state import NO_BLOCK
+from conformance.selftest.video_mutants import VIDEO_SETS
 from refimpl.model import Gemma4
 from refimpl.mtp import CONVENTIONS
 from refimpl.synth import PRESETS
@@ -67,6 +68,7 @@ AUDIO_MUTANTS = [m for m in MUTANTS if AUDIO_SET in m.kill_sets]  # need audio p
 MTP_MUTANTS = [m for m in MUTANTS if set(m.kill_sets) & set(MTP_SETS)]  # need MTP requests
 UNIFIED_MUTANTS = [m for m in MUTANTS if m.kill_sets == (UNIFIED_SET,)]  # need Gemma 4 Unified's embedders
 PLE_FOLD_MUTANTS = [m for m in MUTANTS if m.kill_sets == (PLE_EPS_SET,)]  # need per-layer contexts near eps
+VIDEO_MUTANTS = [m for m in MUTANTS if set(m.kill_sets) & set(VIDEO_SETS)]  # need video prompts
 AUDIO_PRESET = "e2b-audio-mini"
 GRADING_CHECKS = CLOSENESS | {"count", "shape", "nonfinite", "identity", "top1", "topk", "generation", "hidden",
                                "hidden_identity", "mtp", "mtp_output", "mtp_accepted", "mtp_trace"}
@@ -307,8 +309,9 @@ def test_mutant_catalogue():
     special = {"mtp-centroid-top-k-minus-1": (MTP_SET_CENTROID,), "mtp-positional-store-layers": (MTP_SET_LAYOUT,)}
     assert all(m.kill_sets == special.get(m.name, MTP_SETS) for m in MTP_MUTANTS)
     assert {m.name for m in PLE_FOLD_MUTANTS} == {"ple-fold-eps-kept", "ple-fold-eps-over-s"}
+    assert {m.name for m in VIDEO_MUTANTS} == {"video-frames-not-vision", "video-frames-one-block"}
     assert len(MUTANTS) == len(TEXT_MUTANTS) + len(IMAGE_MUTANTS) + len(AUDIO_MUTANTS) + len(UNIFIED_MUTANTS) + \
-        len(MTP_MUTANTS) + len(PLE_FOLD_MUTANTS)
+        len(MTP_MUTANTS) + len(PLE_FOLD_MUTANTS) + len(VIDEO_MUTANTS)
     assert "moe-no-renormalise" in EQUIVALENT and "moe-no-renormalise" not in BACKENDS
 
 

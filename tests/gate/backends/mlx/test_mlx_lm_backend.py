@@ -79,7 +79,7 @@ def test_identity_capabilities_and_options():
     assert claimed.pop("embedding_convention") == "raw"
     claimed.pop("default_profile")
     # mlx-lm is text only (media are mlx-vlm's)
-    for media in ("image_prompts", "audio_prompts", "audio_tower", "image_tower"):
+    for media in ("image_prompts", "audio_prompts", "audio_tower", "image_tower", "video_prompts"):
         assert claimed.pop(media) is False
     for later in ("hidden_states", "mtp", "mtp_generate"):  # not served (yet): docs/backends.md
         assert claimed.pop(later) is False

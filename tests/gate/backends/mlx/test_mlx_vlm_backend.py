@@ -175,8 +175,10 @@ def test_identity_capabilities_and_options():
     claimed.pop("default_profile")
     assert claimed.pop("weight_formats") == "safetensors,mlx-affine"  # mlx_vlm.convert -q directories as they are
     assert claimed.pop("activation_conventions") == "none"  # MLX multiplies the activations as they are
-    # image and audio prompts, both towers, MTP in mode generate; not the hidden rows nor the white-box rounds
-    assert {k for k, v in claimed.items() if v is not True} == {"hidden_states", "mtp", "traces"}, claimed
+    # image and audio prompts, both towers, MTP in mode generate; not the hidden rows nor the white-box rounds, nor
+    # video prompts (docs/backends.md, "Video prompts on mlx-vlm")
+    assert {k for k, v in claimed.items() if v is not True} == {"hidden_states", "mtp", "traces", "video_prompts"}, \
+        claimed
     assert b.expectations_file == EXPECTATIONS_DIR / "mlx-vlm-float32.json"
     claim = MlxVlmBackend(mtp_convention="target-cache/P")
     assert (claim.name, claim.capabilities.mtp_conventions) == ("mlx-vlm-float32-mtp-target-cache-P", "target-cache/P")
