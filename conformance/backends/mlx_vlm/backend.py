@@ -90,7 +90,7 @@ __all__ = ["MlxVlmBackend", "DTYPES", "TOWER_OPTIONS", "EXPECTATIONS_DIR"]
 DTYPES = ("float32",)
 TOWER_OPTIONS = ("on", "off")
 EXPECTATIONS_DIR = Path(__file__).resolve().parent / "expectations"
-IMAGE_TYPE, AUDIO_TYPE = 1, 3  # mm_token_type_ids, as mlx-vlm's Gemma4Processor makes them (video: 2)
+IMAGE_TYPE, VIDEO_TYPE, AUDIO_TYPE = 1, 2, 3  # mm_token_type_ids, as mlx-vlm's Gemma4Processor makes them
 
 
 def _versions() -> dict[str, str]:
@@ -146,7 +146,7 @@ class MlxVlmBackend(CachedBackend):
             full_forward=True, last_plain=True, last_seq_id=True, last_embeddings=True,
             embedding_convention="scaled", interior_rows=True, output_rows=True, ubatch=True,
             chunked_prefill=True, multi_sequence=True, decode=True, image_prompts=True, audio_prompts=True,
-            audio_tower=self.audio_tower, image_tower=self.image_tower, mtp_generate=True,
+            audio_tower=self.audio_tower, image_tower=self.image_tower, video_prompts=True, mtp_generate=True,
             mtp_conventions=mtp_convention, default_profile=default_profile,
             weight_formats="safetensors,mlx-affine",  # mlx-vlm loads a quantised directory as QuantizedLinear layers
         )
@@ -286,14 +286,17 @@ class MlxVlmBackend(CachedBackend):
             if not have:
                 raise ValueError(f"{self.who}: {self._model_dir} has no {config} ({kind} checkpoint); it cannot "
                                  f"serve {what} prompts")
-            token = self.media_ids[what]
+            token, frame = self.media_ids[what], self.media_ids["video"] if what == "image" else None
             for start, n in spans:
-                if any(t != token for t in ids[start:start + n]):
+                run = set(ids[start:start + n])
+                if run != {token} and (frame is None or run != {frame}):  # a video frame: the video token
                     raise ValueError(f"{self.who}: the {what} block ({start}, {n}) holds tokens other than the "
-                                     f"{what} token {token}")
+                                     f"{what} token {token}" + (f" (a video frame's: the video token {frame})"
+                                                                if frame is not None else ""))
         if not self.family.media:
             return [0] * len(ids)
-        rule = {self.media_ids["image"]: IMAGE_TYPE, self.media_ids["video"]: 2, self.media_ids["audio"]: AUDIO_TYPE}
+        rule = {self.media_ids["image"]: IMAGE_TYPE, self.media_ids["video"]: VIDEO_TYPE,
+                self.media_ids["audio"]: AUDIO_TYPE}
         return [rule.get(t, 0) for t in ids]
 
     def _audio_features(self, audio_inputs: Sequence) -> tuple[mx.array, mx.array]:
@@ -339,7 +342,13 @@ class MlxVlmBackend(CachedBackend):
         if images and self.image_tower:
             if len(image_inputs) != len(images):
                 raise ValueError(f"{self.who}: {len(images)} image blocks but {len(image_inputs)} image_inputs")
-            towers["image"] = self._image_pixels(image_inputs)
+            frame = [types[start] == VIDEO_TYPE for start, _ in images]  # video frames, through the video keywords
+            for what, want in (("image", False), ("video", True)):
+                chosen = [x for x, f in zip(image_inputs, frame, strict=True) if f == want]
+                if chosen:
+                    kw = self._image_pixels(chosen)
+                    towers[what] = kw if what == "image" else {"pixel_values_videos": kw["pixel_values"],
+                                                               "video_position_ids": kw["image_position_ids"]}
         if audio and self.audio_tower:
             x, mask = self._audio_features(audio_inputs)
             towers["audio"] = {"input_features": x, "input_features_mask": mask}
