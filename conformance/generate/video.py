@@ -60,9 +60,9 @@ class VideoSide(VisionSide):
     def merge(self, model, ids: list[int], soft: list[np.ndarray]):
         return multimodal_inputs(model, ids, [], self.tokens, video_soft_tokens=soft)
 
-    def manifest(self, bidirectional: bool, vision_mask: str) -> dict:
+    def manifest(self, bidirectional: bool) -> dict:
         """The manifest's ``videos`` section: the video token, the processor's budget and sampling, the
-        synthetic videos' frame rate."""
+        synthetic videos' frame rate, whether frames are vision blocks (the rule: ``oracle.vision_mask``)."""
         return {"token_ids": {"video_token_id": self.tokens.video_token_id, "boi_token_id": self.tokens.boi_token_id,
                               "eoi_token_id": self.tokens.eoi_token_id},
                 "processor": {"max_soft_tokens": self.video_settings.max_soft_tokens,

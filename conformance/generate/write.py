@@ -92,8 +92,7 @@ def write_set(staged: Path, got: Any, results: Mapping[str, Any], set_cases: lis
         **({"images": plan.vision.manifest(cfg.use_bidirectional_attention == "vision", vision_mask)}
            if plan.vision else {}),
         **({"audio": plan.audio.manifest()} if plan.audio else {}),
-        **({"videos": plan.video.manifest(cfg.use_bidirectional_attention == "vision", vision_mask)}
-           if plan.video else {}),
+        **({"videos": plan.video.manifest(cfg.use_bidirectional_attention == "vision")} if plan.video else {}),
         **({"mtp": mtp.manifest} if mtp is not None else {}),
         "cases": len(set_cases),
         "files": {f: sha256_file(staged / f) for f in (CASES, *(base_file(b) for b in got.bases),
