@@ -47,6 +47,7 @@ from refimpl.schedule import apply_rope, layer_norm, rms_norm, softmax
 from refimpl.unified import LAYER_NORM_EPS
 
 from ..protocol.types import Backend
+from . import video_mutants as vm
 from .backend import NumpyEngineBackend
 from .engine import Engine
 from .mtp_mutants import (
@@ -68,7 +69,7 @@ from .mtp_mutants import (
 from .planting import planted
 from .ple_mutants import PleFoldEpsKept, PleFoldEpsOverS, PleFoldRight
 from .state import CacheSet, KVView, MicroBatch, Rows, SequenceCache
-from .video_mutants import VIDEO_SET_UNIFIED, VIDEO_SETS, VideoFramesNotVision, VideoFramesOneBlock
+from .video_mutants import VideoFramesNotVision, VideoFramesOneBlock, VideoTimestampsDropped
 
 __all__ = ["AUDIO_SET", "BACKENDS", "MTP_SETS", "MTP_SET_CENTROID", "MTP_SET_LAYOUT", "CLOSENESS", "EQUIVALENT",
            "IMAGE_SETS", "IMAGE_SET_BIDIRECTIONAL", "IMAGE_SET_PLE", "MUTANTS", "Mutant", "PLE_EPS_SET", "REWRITES",
@@ -542,8 +543,9 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(PositionAxesSwapped, "unified U8", kill_sets=(UNIFIED_SET,), where="embed"),
     _m(PaddingRowsKept, "unified U9", kill_sets=(UNIFIED_SET,), where="embed"),
     _m(AudioFramesNotNormed, "unified U10", kill_sets=(UNIFIED_SET,), where="embed"),
-    _m(VideoFramesNotVision, "trap 17", kill_sets=VIDEO_SETS, where="ple_add@0"),
-    _m(VideoFramesOneBlock, "trap 17", kill_sets=(VIDEO_SET_UNIFIED,), where="attn_out@sliding"),
+    _m(VideoFramesNotVision, "trap 17", kill_sets=vm.VIDEO_SETS, where="ple_add@0"),
+    _m(VideoFramesOneBlock, "trap 17", kill_sets=(vm.VIDEO_SET_UNIFIED,), where="attn_out@sliding"),
+    _m(VideoTimestampsDropped, "trap 17", kill_sets=vm.VIDEO_SETS, where="attn_out@full"),
     _m(HiddenPreNorm, "mtp M1", HIDDEN, where="final_norm"),
     _m(HiddenNormWeightSkipped, "mtp M1", HIDDEN, where="final_norm"),
     _m(MtpDrafterReadsPreNorm, "mtp M1", MTP, kill_sets=MTP_SETS),

@@ -3,14 +3,15 @@ handled wrongly, listed with the rest of the zoo in ``mutants.py``. A frame is a
 (``conformance.generate.video``); each mutant replaces the backend's ``_one_sequence`` (how one call's tokens
 become an engine batch), so the engine itself is unchanged.
 
-Not planted, with the reason: an engine that drops the frames' timestamps or preprocesses frames at the image
-budget builds a prompt of its own, while the gate's requests hand it the processor's tokens and each frame's
-patches and block length: such an engine cannot even take the request (a block of another length), which the
-gate reports, and its prompt is outside what a request grades.
+Not planted, with the reason: an engine that preprocesses frames at the image budget makes frames of another
+length, while the gate's requests hand it each frame's patches and block length: such an engine cannot even take
+the request (a block of another length), which the gate reports, and its processor is outside what a request
+grades.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -19,7 +20,8 @@ from .backend import NumpyEngineBackend
 from .planting import planted
 from .state import Batch, CacheSet
 
-__all__ = ["VIDEO_SET_PLE", "VIDEO_SET_UNIFIED", "VIDEO_SETS", "VideoFramesNotVision", "VideoFramesOneBlock"]
+__all__ = ["VIDEO_SET_PLE", "VIDEO_SET_UNIFIED", "VIDEO_SETS", "VideoFramesNotVision", "VideoFramesOneBlock",
+           "VideoTimestampsDropped"]
 
 #: the bundled video sets: frames causal with PLE (E-series), and frames as vision blocks on sliding layers (Unified)
 VIDEO_SET_PLE = "e2b-vision-mini-video"
@@ -51,6 +53,19 @@ def _one_block(self, caches: CacheSet, seq: Any, ids: Sequence[int], rows: Itera
     return batch
 
 
+def _timestamps_dropped(self, caches: CacheSet, seq: Any, ids: Sequence[int], rows: Iterable[int],
+                        x0: np.ndarray | None = None, images: Sequence[tuple[int, int]] = (),
+                        audio: Sequence[tuple[int, int]] = ()) -> Batch:
+    rows = [int(r) for r in rows]
+    frames = _frames(self, ids, images)
+    drop = {t for (s0, n0), (s1, _) in itertools.pairwise(frames) for t in range(s0 + n0 + 1, s1 - 1)} - set(rows)
+    keep = [t for t in range(len(ids)) if t not in drop]  # a requested row stays: harder to kill, never easier
+    at = {t: k for k, t in enumerate(keep)}
+    return NumpyEngineBackend._one_sequence(self, caches, seq, [ids[t] for t in keep], [at[r] for r in rows],
+                                            None if x0 is None else np.asarray(x0)[keep],
+                                            [(at[s], n) for s, n in images], [(at[s], n) for s, n in audio])
+
+
 VideoFramesNotVision = planted(
     "video-frames-not-vision",
     "Video prompts: only image_token_id positions are vision, so a frame's tokens take the video token's own "
@@ -62,3 +77,9 @@ VideoFramesOneBlock = planted(
     "Video prompts: a video's frames form one vision block, so on vision-block checkpoints a frame sees the later "
     "frames of its video.",
     backend={"_one_sequence": _one_block})
+
+VideoTimestampsDropped = planted(
+    "video-timestamps-dropped",
+    "Video prompts: the frames are laid out back to back, without the timestamp text between them (as an engine "
+    "that lowers frames to image tokens does), so every later token sits earlier.",
+    backend={"_one_sequence": _timestamps_dropped})

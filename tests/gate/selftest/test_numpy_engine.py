@@ -309,7 +309,8 @@ def test_mutant_catalogue():
     special = {"mtp-centroid-top-k-minus-1": (MTP_SET_CENTROID,), "mtp-positional-store-layers": (MTP_SET_LAYOUT,)}
     assert all(m.kill_sets == special.get(m.name, MTP_SETS) for m in MTP_MUTANTS)
     assert {m.name for m in PLE_FOLD_MUTANTS} == {"ple-fold-eps-kept", "ple-fold-eps-over-s"}
-    assert {m.name for m in VIDEO_MUTANTS} == {"video-frames-not-vision", "video-frames-one-block"}
+    assert {m.name for m in VIDEO_MUTANTS} == {"video-frames-not-vision", "video-frames-one-block",
+                                               "video-timestamps-dropped"}
     assert len(MUTANTS) == len(TEXT_MUTANTS) + len(IMAGE_MUTANTS) + len(AUDIO_MUTANTS) + len(UNIFIED_MUTANTS) + \
         len(MTP_MUTANTS) + len(PLE_FOLD_MUTANTS) + len(VIDEO_MUTANTS)
     assert "moe-no-renormalise" in EQUIVALENT and "moe-no-renormalise" not in BACKENDS

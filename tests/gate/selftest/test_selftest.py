@@ -21,6 +21,7 @@ import pytest
 from conformance import selftest as st
 from conformance.backends.refimpl_backend import RefimplBackend
 from conformance.cli import main
+from conformance.selftest.video_mutants import VIDEO_SETS
 from conformance.sets import bundled_sets
 from refimpl.threads import cores
 
@@ -620,19 +621,20 @@ def test_unified_mutants_are_killed_by_the_bundled_unified_set(sets):
 # the video mutants: only the bundled video sets can kill them
 
 # a row after the first video (V0, e2b-vision-mini-video: the frames' per-layer rows) and the rows inside every frame
-# of V0 on 12b-mini-video (its frames open on sliding layers); the full run kills video-frames-not-vision in 60/60
-# and video-frames-one-block in 17/30 of 12b-mini-video
+# of V0 on 12b-mini-video (its frames open on sliding layers); the full run kills video-frames-not-vision in 60/60,
+# video-frames-one-block in 17/30 of 12b-mini-video and video-timestamps-dropped in 30/60
 VIDEO_SUBSET = r"^(e2b-vision-mini-video/last/embeddings/V0/T154/pos153|12b-mini-video/last/embeddings/V0/T154/pos153)$"
 
 
 def test_video_mutants_are_killed_by_the_bundled_video_sets(sets):
-    """The two video mutants on one video case of each bundled video set, each killed by a matching check; the
+    """The video mutants on one video case of each bundled video set, each killed by a matching check; the
     frames-one-block mutant only on 12b-mini-video (frames are causal on e2b-vision-mini-video)."""
     mutants_mod = pytest.importorskip("conformance.selftest.mutants")
-    video = [m for m in mutants_mod.MUTANTS if set(m.kill_sets) & set(mutants_mod.VIDEO_SETS)]
+    video = [m for m in mutants_mod.MUTANTS if set(m.kill_sets) & set(VIDEO_SETS)]
     assert {m.name: m.kill_sets for m in video} == {
         "video-frames-not-vision": ("e2b-vision-mini-video", "12b-mini-video"),
-        "video-frames-one-block": ("12b-mini-video",)}
+        "video-frames-one-block": ("12b-mini-video",),
+        "video-timestamps-dropped": ("e2b-vision-mini-video", "12b-mini-video")}
     result = st.run_selftest(sets, video, profiles=("fp32",), select=VIDEO_SUBSET)
     assert result.cases == 2
     _assert_every_mutant_killed_by_a_matching_check(result, video)
@@ -651,7 +653,7 @@ def test_the_subsets_cover_every_mutant():
               [x for x in m.MUTANTS if set(x.kill_sets) & set(m.MTP_SETS)],
               [x for x in m.MUTANTS if x.kill_sets == (m.UNIFIED_SET,)],
               [x for x in m.MUTANTS if x.kill_sets == (m.PLE_EPS_SET,)],
-              [x for x in m.MUTANTS if set(x.kill_sets) & set(m.VIDEO_SETS)]]
+              [x for x in m.MUTANTS if set(x.kill_sets) & set(VIDEO_SETS)]]
     assert {x.name for g in groups for x in g} == {x.name for x in m.MUTANTS}
 
 
