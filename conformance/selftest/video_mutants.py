@@ -3,10 +3,10 @@ handled wrongly, listed with the rest of the zoo in ``mutants.py``. A frame is a
 (``conformance.generate.video``); each mutant replaces the backend's ``_one_sequence`` (how one call's tokens
 become an engine batch), so the engine itself is unchanged.
 
-Not planted, with the reason: an engine that preprocesses frames at the image budget makes frames of another
-length, while the gate's requests hand it each frame's patches and block length: such an engine cannot even take
-the request (a block of another length), which the gate reports, and its processor is outside what a request
-grades.
+Not planted, with the reason: an engine that preprocesses frames at the image budget. The gate's requests hand
+it each frame's patches and block length, so its processor never runs: at the published budgets (280 and 70) it
+could not take the request (a block of another length, an error the gate reports), and the miniatures' two
+budgets are both 70 (docs/bug-classes.md, "Video prompts").
 """
 
 from __future__ import annotations
