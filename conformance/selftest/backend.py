@@ -129,7 +129,7 @@ class NumpyEngineBackend:
 
     def sequence_batch(self, caches: CacheSet, seq: Any, ids: Sequence[int], rows: Iterable[int]) -> Batch:
         """A text batch of one sequence with output ``rows`` (the MTP driver's prefill and verification)."""
-        return self._one_sequence(caches, seq, ids, rows)
+        return self.one_sequence(caches, seq, ids, rows)
 
     def _mtp(self, request: Request, caches: CacheSet) -> Response:
         if request.drafter not in self._drafters or self._drafters[request.drafter].engine is not self.engine:
@@ -167,9 +167,12 @@ class NumpyEngineBackend:
 
     # -- request kinds --------------------------------------------------------------------------
 
-    def _one_sequence(self, caches: CacheSet, seq: Any, ids: Sequence[int], rows: Iterable[int],
-                      x0: np.ndarray | None = None, images: Sequence[tuple[int, int]] = (),
-                      audio: Sequence[tuple[int, int]] = ()) -> Batch:
+    def one_sequence(self, caches: CacheSet, seq: Any, ids: Sequence[int], rows: Iterable[int],
+                     x0: np.ndarray | None = None, images: Sequence[tuple[int, int]] = (),
+                     audio: Sequence[tuple[int, int]] = ()) -> Batch:
+        """One call's tokens of sequence ``seq`` as an engine batch: ``rows`` flagged as output, ``x0`` the input
+        embeddings, ``images`` / ``audio`` the media blocks within ``ids`` (the request hook the video mutants
+        replace: conformance/selftest/video_mutants.py)."""
         if len(ids) == 0:
             raise ValueError("numpy-engine: a call has no tokens")
         rows = list(rows)
@@ -280,7 +283,7 @@ class NumpyEngineBackend:
 
     def _decode(self, caches: CacheSet, seq: Any, tokens: Sequence[int]) -> np.ndarray:
         """Teacher-forced decode: one batch of one output token per step."""
-        out = [self.engine.prefill(caches, self._one_sequence(caches, seq, [int(t)], [0])) for t in tokens]
+        out = [self.engine.prefill(caches, self.one_sequence(caches, seq, [int(t)], [0])) for t in tokens]
         return np.concatenate(out) if out else np.empty((0, self.engine.cfg.vocab_size), dtype=self.dtype)
 
     def _executed(self, path: str, n_prefill: int, **extra) -> dict[str, Any]:
@@ -310,7 +313,7 @@ class NumpyEngineBackend:
     def _full(self, request: Request, caches: CacheSet) -> Response:
         self._no_media(request)
         T = len(request.tokens)
-        logits = self.engine.prefill(caches, self._one_sequence(caches, 0, request.tokens, range(T)))
+        logits = self.engine.prefill(caches, self.one_sequence(caches, 0, request.tokens, range(T)))
         n, state = len(self.engine.log), caches.get(0).length
         decode = self._decode(caches, 0, request.decode) if request.decode else None
         return Response(logits, decode, self._executed("full", n, state_len=state))
@@ -334,7 +337,7 @@ class NumpyEngineBackend:
             x0 = self._with_soft_tokens(x0, request.audio, self._audio_soft_tokens(request))
         seq = PLAIN_SEQ if request.entry == "plain" else request.seq_id
         row = self.last_row(T, request.last_pos)
-        batch = self._one_sequence(caches, seq, request.tokens, [row], x0, request.images, request.audio)
+        batch = self.one_sequence(caches, seq, request.tokens, [row], x0, request.images, request.audio)
         logits = self.engine.prefill(caches, batch)
         n, state = len(self.engine.log), caches.get(seq).length
         decode = self._decode(caches, seq, request.decode) if request.decode else None
@@ -365,7 +368,7 @@ class NumpyEngineBackend:
             if piece_audio[p]:
                 x0 = self._with_soft_tokens(x0, piece_audio[p], soft[clip:clip + len(piece_audio[p])])
                 clip += len(piece_audio[p])
-            batch = self._one_sequence(caches, 0, piece.tokens, rows, x0, piece_images[p], piece_audio[p])
+            batch = self.one_sequence(caches, 0, piece.tokens, rows, x0, piece_images[p], piece_audio[p])
             out.append(self.engine.prefill(caches, batch, request.ubatch))
             pieces.append({"tokens": len(piece.tokens), "rows": rows,
                            **({"images": piece_images[p]} if request.images else {}),
