@@ -35,7 +35,7 @@ from refimpl.model import VISION_MASK_RULES, Trace
 from refimpl.mtp import CONVENTIONS, assisted_greedy, run_rounds
 from refimpl.multimodal import llm_input_ids, load_multimodal_tokens
 
-from ..protocol.serving import CachedBackend
+from ..protocol.serving import CachedBackend, block_token_problem
 from ..protocol.trace import FINAL, split_point
 from ..protocol.types import BackendError, Capabilities, MtpResponse, Request, Response
 
@@ -178,14 +178,11 @@ class RefimplBackend(CachedBackend):
         placeholder = np.zeros(ids.shape[0], dtype=bool)
         blocks, notes = None, {}
         t = self.tokens
-        for what, spans, token, also in (("image", images, t.image_token_id, (t.video_token_id,)),
-                                         ("audio", audio, t.audio_token_id, ())):
+        for what, spans, token, frame in (("image", images, t.image_token_id, t.video_token_id),
+                                          ("audio", audio, t.audio_token_id, None)):
             for start, n in spans:
-                run = ids[start:start + n]
-                if not (np.all(run == run[0]) and run[0] in (token, *also)):  # a video frame: all video tokens
-                    raise ValueError(f"{self.who}: the {what} block ({start}, {n}) holds tokens other than the "
-                                     f"{what} token {token}" + (f" (a video frame's: the video token {also[0]})"
-                                                                if also else ""))
+                if (why := block_token_problem(ids, start, n, what, token, frame)) is not None:
+                    raise ValueError(f"{self.who}: {why}")
                 placeholder[start:start + n] = True
         if images and self.model.cfg.use_bidirectional_attention == "vision":
             blocks = np.full(ids.shape[0], -1, dtype=np.int64)

@@ -53,10 +53,6 @@ class VideoSide(VisionSide):
         if self.tokenizer is None:
             raise ValueError(f"{model_dir} has no tokenizer.model: video bases need it for the frames' timestamps")
 
-    def block(self, M: int) -> tuple[int, int, int, int]:
-        t = self.tokens
-        return t.boi_token_id, t.video_token_id, t.eoi_token_id, M
-
     def merge(self, model, ids: list[int], soft: list[np.ndarray]):
         return multimodal_inputs(model, ids, [], self.tokens, video_soft_tokens=soft)
 

@@ -43,7 +43,7 @@ import numpy as np
 from .trace import check_trace, trace_rows
 from .types import Request, Response
 
-__all__ = ["CachedBackend", "check_mtp_generate", "micro_batches"]
+__all__ = ["CachedBackend", "block_token_problem", "check_mtp_generate", "micro_batches"]
 
 
 def micro_batches(T: int, rows: Sequence[int], ubatch: int | None) -> Iterator[tuple[int, int, list[int]]]:
@@ -95,6 +95,18 @@ def check_mtp_generate(request: Request, who: str, convention: str, how: str) ->
                          f"mode {spec.mode!r} with convention {spec.convention!r}")
     if not request.drafter:
         raise ValueError(f"{who}: an mtp request needs the drafter's directory (request.drafter)")
+
+
+def block_token_problem(ids: Sequence[int], start: int, n: int, what: str, token: int,
+                        frame: int | None = None) -> str | None:
+    """Why the ``what`` block (start, n) of ``ids`` does not hold only its placeholder ``token`` (an image block may
+    be a video frame instead, holding only the video token ``frame``); None when it does. The engines' own check of
+    a media request, one message for all of them."""
+    run = {int(t) for t in ids[start:start + n]}
+    if not run or run == {token} or (frame is not None and run == {frame}):
+        return None
+    return (f"the {what} block ({start}, {n}) holds tokens other than the {what} token {token}"
+            + (f" (a video frame's: the video token {frame})" if frame is not None else ""))
 
 
 def padded_clips(audio_inputs: Sequence[Any], who: str) -> tuple[np.ndarray, np.ndarray]:

@@ -27,6 +27,7 @@ from refimpl.multimodal import MultimodalTokens, load_multimodal_tokens
 from refimpl.unified import is_unified, load_unified_audio
 
 from ..backends.refimpl_backend import all_capabilities, check_options
+from ..protocol.serving import block_token_problem
 from ..protocol.trace import trace_rows
 from ..protocol.types import BackendError, Request, Response
 from .engine import Engine
@@ -194,11 +195,8 @@ class NumpyEngineBackend:
         for s, n in blocks:
             if n < 1 or s < 0 or s + n > T:
                 raise ValueError(f"numpy-engine: {what} block ({s}, {n}) is outside the {T} tokens of the call")
-            run = {int(t) for t in ids[s:s + n]}
-            if run != {token} and (frame is None or run != {frame}):
-                raise ValueError(f"numpy-engine: the {what} block ({s}, {n}) holds tokens other than the {what} "
-                                 f"token {token}" + (f" (a video frame's: the video token {frame})"
-                                                     if frame is not None else ""))
+            if (why := block_token_problem(ids, s, n, what, token, frame)) is not None:
+                raise ValueError(f"numpy-engine: {why}")
 
     def _check_media_tokens(self, ids: Sequence[int], images: Sequence[tuple[int, int]],
                             audio: Sequence[tuple[int, int]]) -> None:

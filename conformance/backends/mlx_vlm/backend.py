@@ -76,7 +76,7 @@ from refimpl.errors import check_choice
 from refimpl.mtp import CONVENTIONS
 
 from ...check.profiles import PROFILES
-from ...protocol.serving import CachedBackend, padded_clips
+from ...protocol.serving import CachedBackend, block_token_problem, padded_clips
 from ...protocol.types import BackendError, Capabilities, Request, Response
 from ..mlx_common import read_configs, versions
 from .config import checkpoint_view, config_patch, remove_view
@@ -288,11 +288,8 @@ class MlxVlmBackend(CachedBackend):
                                  f"serve {what} prompts")
             token, frame = self.media_ids[what], self.media_ids["video"] if what == "image" else None
             for start, n in spans:
-                run = set(ids[start:start + n])
-                if run != {token} and (frame is None or run != {frame}):  # a video frame: the video token
-                    raise ValueError(f"{self.who}: the {what} block ({start}, {n}) holds tokens other than the "
-                                     f"{what} token {token}" + (f" (a video frame's: the video token {frame})"
-                                                                if frame is not None else ""))
+                if (why := block_token_problem(ids, start, n, what, token, frame)) is not None:
+                    raise ValueError(f"{self.who}: {why}")
         if not self.family.media:
             return [0] * len(ids)
         rule = {self.media_ids["image"]: IMAGE_TYPE, self.media_ids["video"]: VIDEO_TYPE,

@@ -79,10 +79,12 @@ import numpy as np
 import torch
 import transformers
 
-from ...protocol.serving import padded_clips
+from ...protocol.serving import block_token_problem, padded_clips
 from ...protocol.types import Request
 
 __all__ = ["RequestMapping"]
+
+VIDEO_TYPE = 2  # mm_token_type_ids of a video frame's tokens, as transformers' Gemma4Processor makes them
 
 
 class RequestMapping:
@@ -116,16 +118,11 @@ class RequestMapping:
             if not have:
                 raise ValueError(f"{self.who}: {self._model_dir} has no {'vision' if what == 'image' else what}"
                                  f"_config ({kind} checkpoint); it cannot serve {what} prompts")
+            frame = self.video_token_id if what == "image" else None
             for start, n in spans:
-                run = set(ids[start:start + n])
-                if what == "image" and run == {self.video_token_id}:  # a video frame: token type 2
-                    types[start:start + n] = [2] * n
-                    continue
-                if run != {token}:
-                    raise ValueError(f"{self.who}: the {what} block ({start}, {n}) holds tokens other than the "
-                                     f"{what} token {token}" + (f" (a video frame's: the video token "
-                                                                f"{self.video_token_id})" if what == "image" else ""))
-                types[start:start + n] = [type_id] * n
+                if (why := block_token_problem(ids, start, n, what, token, frame)) is not None:
+                    raise ValueError(f"{self.who}: {why}")
+                types[start:start + n] = [VIDEO_TYPE if ids[start] == frame else type_id] * n
         return types
 
     def _stacked(self, inputs: Sequence, whose: str, why: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,8 +181,6 @@ class RequestMapping:
         transformers' own embedder: the images' padded patches and positions as one batch through
         ``Gemma4UnifiedModel.get_image_features`` (padding rows dropped per image); each image must give as
         many soft tokens as its block has."""
-        if len(image_inputs) != len(images):
-            raise ValueError(f"{self.who}: {len(images)} image blocks but {len(image_inputs)} image_inputs")
         pv, pos = self._stacked(image_inputs, "the images'", "Gemma 4 Unified's processor pads every image to "
                                                             "max_soft_tokens rows")
         out = self.model.model.get_image_features(pv, pos, return_dict=True)
@@ -207,7 +202,7 @@ class RequestMapping:
         if images and self.image_tower:
             if len(image_inputs) != len(images):
                 raise ValueError(f"{self.who}: {len(images)} image blocks but {len(image_inputs)} image_inputs")
-            frame = [types[start] == 2 for start, _ in images]  # video frames (token type 2), the rest images
+            frame = [types[start] == VIDEO_TYPE for start, _ in images]  # video frames, the rest images
             for is_frame, soft_of, note in ((False, self._image_soft_tokens, "get_image_features"),
                                             (True, self._frame_soft_tokens, "get_video_features")):
                 spans = [b for b, f in zip(images, frame, strict=True) if f == is_frame]
