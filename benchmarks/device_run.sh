@@ -6,8 +6,9 @@
 #   benchmarks/device_run.sh prefill   benchmarks/prefill.py --device cuda on E2B at full depth, last row and all rows
 #   benchmarks/device_run.sh generate  generate --device cuda of the real-size E2B text set, timed, then checked by
 #                                      the CPU oracle at exact-f64 on a -k subset
-#   benchmarks/device_run.sh families e4b:10 31b:4 ...
-#                                      each published shape cut to that many layers: synth, generate --device cuda
+#   benchmarks/device_run.sh families e4b:full 31b:4 ...
+#                                      each published shape cut to that many layers (full: every layer): synth,
+#                                      generate --device cuda
 #                                      (timed, peak GPU memory by nvidia-smi), one JSON line each in families.jsonl
 #   benchmarks/device_run.sh transformers [K]
 #                                      check --backend transformers --backend-option device=cuda on the GPU-made
@@ -56,8 +57,10 @@ case "$mode" in
     shift
     for spec in "$@"; do
       preset=${spec%%:*}; layers=${spec##*:}; dir=/tmp/ckpt-$preset-$layers; set_dir=/tmp/sets/$preset-$layers
+      if [ $((SECONDS - t0)) -gt ${BUDGET_S:-330} ]; then echo "skipped $spec: the call's time is spent"; continue; fi
+      cut="--layers $layers"; jl=$layers; [ "$layers" = full ] && { cut=""; jl='"full"'; }
       s=$SECONDS
-      [ -f "$dir/config.json" ] || timeout 240 python3 -m refimpl synth --preset "$preset" --layers "$layers" \
+      [ -f "$dir/config.json" ] || timeout 280 python3 -m refimpl synth --preset "$preset" $cut \
         --out "$dir" > /dev/null
       synth_s=$((SECONDS - s)); rm -rf "$set_dir"; s=$SECONDS
       nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 > "$OUT/smi-$preset-$layers.log" &
@@ -66,7 +69,7 @@ case "$mode" in
         | tee "$OUT/generate-$preset-$layers-cuda.log" | tail -3
       rc=${PIPESTATUS[0]}; gen_s=$((SECONDS - s)); kill $smi 2>/dev/null
       peak=$(sort -n "$OUT/smi-$preset-$layers.log" | tail -1)
-      echo "{\"preset\": \"$preset\", \"layers\": $layers, \"synth_s\": $synth_s, \"generate_s\": $gen_s, \"exit\": $rc, \"peak_gpu_mib\": ${peak:-null}, \"checkpoint\": \"$(du -sh "$dir" | cut -f1)\", \"set\": \"$(du -sh "$set_dir" 2>/dev/null | cut -f1)\"}" \
+      echo "{\"preset\": \"$preset\", \"layers\": $jl, \"synth_s\": $synth_s, \"generate_s\": $gen_s, \"exit\": $rc, \"peak_gpu_mib\": ${peak:-null}, \"checkpoint\": \"$(du -sh "$dir" | cut -f1)\", \"set\": \"$(du -sh "$set_dir" 2>/dev/null | cut -f1)\"}" \
         | tee -a "$OUT/families.jsonl"
       rm -rf "$dir"
     done ;;

@@ -27,6 +27,15 @@ Where engines differ (spec B7 and Part C) is a named **convention** ``"<kv>/<pos
               (mlx-vlm, mlxcel).
 
 docs/refimpl.md ("MTP drafters") says why the default is ``target-cache/P``.
+
+**After an image or audio prompt** (``inputs``: refimpl.multimodal.MultimodalInputs) the prompt is prefilled in
+one call with its soft tokens (and vision blocks); positions are the 1-D token index over everything the target
+has seen, soft tokens and markers included, so P, the drafter's query position and the keys handed over count
+every soft token (spec B9). The drafter's own inputs are text: the pending token and its drafts are embedded as
+text ids, and round 1 reads the target's state of the prompt's last row (the text after the last block). A
+placeholder id (image, audio, video token) that is generated or drafted reaches the target as the pad id, as in
+``refimpl.generate.greedy_generate_multimodal`` and transformers (its forward feeds any placeholder it gets no
+features for so); the drafter embeds it as drafted.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from .assistant import Drafter
 from .config import FULL, SLIDING
 from .errors import InputError
 from .model import Gemma4, KVCache, LayerKV
+from .multimodal import MultimodalInputs
 
 KV_CONVENTIONS = ("target-cache", "rotating", "transformers")
 POSITION_CONVENTIONS = ("P", "P-1")
@@ -125,11 +135,17 @@ class MtpRun:
 
 
 def _target_call(target: Gemma4, ids: Sequence[int], cache: KVCache, store: dict[str, int],
-                 prefill: bool) -> tuple[np.ndarray, np.ndarray, TargetCall]:
-    """Run ``ids`` through the target's cache: (logits [T, V], final-normed states [T, H], the call's record)."""
+                 prefill: bool, inputs: MultimodalInputs | None = None) -> tuple[np.ndarray, np.ndarray, TargetCall]:
+    """Run ``ids`` through the target's cache: (logits [T, V], final-normed states [T, H], the call's record).
+    ``inputs``: a media prompt's ids, embeddings and vision blocks (then ``ids`` is not read)."""
     first = cache.length
     with np.errstate(over="ignore", invalid="ignore"):
-        y = target.final_norm(target.hidden_states(ids, cache=cache))
+        if inputs is None:
+            x = target.hidden_states(ids, cache=cache)
+        else:
+            x = target.hidden_states(inputs.ids, cache=cache, embeddings=inputs.embeddings,
+                                     vision_blocks=inputs.vision_blocks)
+        y = target.final_norm(x)
         logits = target.logits_of(y)
     kv = {kind: cache.layers[i] for kind, i in store.items()}
     return logits, to_host(y), TargetCall(kv, first, cache.length - 1, prefill)  # (the drafter runs on the host)
@@ -140,13 +156,19 @@ class Assisted:
     rolled back), the last target call, the pending token and the hidden state the next round starts
     from. ``start`` prefills the prompt; each ``round`` drafts, verifies and rolls back."""
 
-    def __init__(self, target: Gemma4, drafter: Drafter, prompt: Sequence[int], convention: str = DEFAULT_CONVENTION):
+    def __init__(self, target: Gemma4, drafter: Drafter, prompt: Sequence[int], convention: str = DEFAULT_CONVENTION,
+                 inputs: MultimodalInputs | None = None):
         self.kv_rule, self.pos_rule = parse_convention(convention)
         self.target, self.drafter, self.convention = target, drafter, convention
         self.ids = target.check_ids(prompt)
+        if inputs is not None and len(inputs.ids) != len(self.ids):
+            raise InputError(f"the media prompt's inputs hold {len(inputs.ids)} positions, the prompt "
+                             f"{len(self.ids)} tokens")
         self.store = drafter.store_layers(target.cfg)
+        self.placeholders = () if inputs is None else inputs.placeholders
+        self.pad = target.cfg.pad_token_id if target.cfg.pad_token_id is not None else 0
         self.cache = KVCache(keep_all=True)
-        logits, y, self.call = _target_call(target, self.ids, self.cache, self.store, prefill=True)
+        logits, y, self.call = _target_call(target, self.ids, self.cache, self.store, prefill=True, inputs=inputs)
         self.run = MtpRun(tuple(int(t) for t in self.ids), convention, 0, logits[-1:], y[-1:])
         self.token = int(np.argmax(logits[-1]))  # the pending token: the target's first
         self.h, self.h_row = y[-1], len(self.ids) - 1
@@ -172,8 +194,9 @@ class Assisted:
             steps.append(step.logits)
             states.append(step.z_hat)
             state = step.h_next
-        v_logits, v_hidden, self.call = _target_call(target, np.array([t] + drafts), self.cache, self.store,
-                                                     prefill=False)
+        chunk = np.array([t] + drafts)  # (after media, a placeholder id reaches the target as the pad id)
+        chunk = np.where(np.isin(chunk, self.placeholders), self.pad, chunk) if self.placeholders else chunk
+        v_logits, v_hidden, self.call = _target_call(target, chunk, self.cache, self.store, prefill=False)
         sel = np.argmax(v_logits, axis=-1)
         n = 0
         while n < k and drafts[n] == sel[n]:
@@ -203,16 +226,20 @@ class Assisted:
 
 def assisted_greedy(target: Gemma4, drafter: Drafter, prompt: Sequence[int], max_new_tokens: int,
                     num_drafts: int, convention: str = DEFAULT_CONVENTION,
-                    forced: Sequence[Sequence[int]] | None = None, stop_at_eos: bool = True) -> MtpRun:
+                    forced: Sequence[Sequence[int]] | None = None, stop_at_eos: bool = True,
+                    inputs: MultimodalInputs | None = None) -> MtpRun:
     """Greedy assisted decoding of ``max_new_tokens`` tokens (fewer at an end-of-sequence id), recording
     every round (``MtpRun``). Round r drafts k = min(num_drafts, budget - 1) tokens, as transformers does.
 
     ``forced`` (teacher forcing): round r verifies ``forced[r]`` instead of the drafter's argmax chain, and
     each draft step reads the forced previous draft; the drafter's logits are still those of its own steps.
-    Rounds past the end of ``forced`` draft on their own. The output is plain greedy decoding either way."""
+    Rounds past the end of ``forced`` draft on their own. The output is plain greedy decoding either way.
+
+    ``inputs`` (refimpl.multimodal.MultimodalInputs of ``prompt``): an image or audio prompt, prefilled in one
+    call with its soft tokens and vision blocks; positions count every soft token (P is the cache's length)."""
     if max_new_tokens < 1 or num_drafts < 1:
         raise InputError(f"max_new_tokens and num_drafts must be >= 1, got {max_new_tokens} and {num_drafts}")
-    a = Assisted(target, drafter, prompt, convention)
+    a = Assisted(target, drafter, prompt, convention, inputs=inputs)
     a.run.num_drafts = num_drafts
     eos = frozenset(target.cfg.eos_token_ids) if stop_at_eos else frozenset()
     out = [a.token]
@@ -229,12 +256,14 @@ def assisted_greedy(target: Gemma4, drafter: Drafter, prompt: Sequence[int], max
 
 
 def run_rounds(target: Gemma4, drafter: Drafter, prompt: Sequence[int],
-               rounds: Sequence[tuple[int, Sequence[int], int]], convention: str = DEFAULT_CONVENTION) -> MtpRun:
+               rounds: Sequence[tuple[int, Sequence[int], int]], convention: str = DEFAULT_CONVENTION,
+               inputs: MultimodalInputs | None = None) -> MtpRun:
     """Teacher-forced rounds, exactly as given: each ``(token, drafts, accepted)`` is the pending token, the
     drafts to verify and how many of them to keep (what an MTP case of the gate prescribes). Each recorded
     round's ``accepted`` is the target's own judgement of those drafts; the output is the first round's token
-    and what every round appends (its kept drafts and the target's token after them)."""
-    a = Assisted(target, drafter, prompt, convention)
+    and what every round appends (its kept drafts and the target's token after them). ``inputs``: as in
+    ``assisted_greedy``."""
+    a = Assisted(target, drafter, prompt, convention, inputs=inputs)
     out = [int(rounds[0][0])] if rounds else [a.token]
     for token, drafts, accepted in rounds:
         out += a.round(len(drafts), drafts, accept=accepted, token=token).appended

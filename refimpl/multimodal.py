@@ -216,6 +216,8 @@ class MultimodalInputs:
     ids: np.ndarray  # [T] llm ids: placeholders replaced by pad_token_id (select the PLE rows)
     embeddings: np.ndarray  # [T, H] E[ids] * sqrt(H) with the soft tokens scattered in
     vision_blocks: np.ndarray | None  # [T] block ids, or None when the checkpoint is causal over images
+    # the placeholder ids (image, audio, video tokens): a later call's generated or drafted one is fed as pad_token_id
+    placeholders: tuple[int, ...] = ()
 
 
 def multimodal_inputs(model: Gemma4, ids: Sequence[int] | np.ndarray, soft_tokens: Sequence[np.ndarray],
@@ -243,7 +245,7 @@ def multimodal_inputs(model: Gemma4, ids: Sequence[int] | np.ndarray, soft_token
         x = merge_soft_tokens(x, ids == tokens.video_token_id, np.concatenate(frames).astype(model.dtype))
     vision = vision_token_mask(ids, tokens)
     blocks = vision_block_ids(vision) if model.cfg.use_bidirectional_attention == "vision" else None
-    return MultimodalInputs(llm_ids, x, blocks)
+    return MultimodalInputs(llm_ids, x, blocks, tuple(int(t) for t in tokens.placeholders))
 
 
 def expand_image_placeholders(ids: Sequence[int] | np.ndarray, counts: Sequence[int],

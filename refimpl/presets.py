@@ -123,6 +123,12 @@ PRESETS["e2b-assistant-mini"] = dict(
     assistant=dict(_ASSISTANT_COMMON, family="gemma4_assistant", num_key_value_heads=1,
                    use_ordered_embeddings=True, num_centroids=16, centroid_intermediate_top_k=4),
 )
+PRESETS["e2b-vision-assistant-mini"] = dict(
+    PRESETS["e2b-vision-mini"],
+    description="E2B in miniature with its vision tower and the E2B assistant: MTP after an image prompt (image "
+                "tokens causal, PLE from the pad row)",
+    assistant=PRESETS["e2b-assistant-mini"]["assistant"],
+)
 PRESETS["12b-assistant-mini"] = dict(
     PRESETS["12b-mini"],
     description="Gemma 4 Unified 12B in miniature with its MTP assistant: 4 q-only layers over the target's "

@@ -10,6 +10,7 @@ weights' dtype, and its RoPE and embedding buffers are recomputed in float64 lik
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -38,10 +39,12 @@ class HFAssistedRun:
     calls: list[DrafterCall] = field(default_factory=list)
 
 
-def load_pair(target_dir: str | Path, drafter_dir: str | Path):
-    """(target, drafter) as float64 eager transformers models with float64 buffers."""
+def load_pair(target_dir: str | Path, drafter_dir: str | Path, target=None):
+    """(target, drafter) as float64 eager transformers models with float64 buffers (``target``: one already
+    loaded, a Gemma4ForConditionalGeneration with its vision tower, say)."""
     cfg = load_config(target_dir)
-    target = load_hf_unified(target_dir) if cfg.family == "gemma4_unified" else load_hf_causal_lm(target_dir)
+    if target is None:
+        target = load_hf_unified(target_dir) if cfg.family == "gemma4_unified" else load_hf_causal_lm(target_dir)
     cls = (Gemma4UnifiedAssistantForCausalLM if load_assistant_config(drafter_dir).family == "gemma4_unified_assistant"
            else Gemma4AssistantForCausalLM)
     drafter, info = cls.from_pretrained(str(drafter_dir), dtype=torch.float64, attn_implementation="eager",
@@ -55,8 +58,11 @@ def load_pair(target_dir: str | Path, drafter_dir: str | Path):
     return target, drafter
 
 
-def hf_assisted_run(target, drafter, prompt: Sequence[int], max_new_tokens: int, num_drafts: int) -> HFAssistedRun:
-    """Greedy ``generate(assistant_model=drafter)`` in float64; every drafter call recorded."""
+def hf_assisted_run(target, drafter, prompt: Sequence[int], max_new_tokens: int, num_drafts: int,
+                    exact=contextlib.nullcontext, **media) -> HFAssistedRun:
+    """Greedy ``generate(assistant_model=drafter)`` in float64; every drafter call recorded. ``media``: a media
+    prompt's inputs as the processor hands them to ``generate`` (pixel_values, image_position_ids,
+    input_features, mm_token_type_ids, ...); ``exact``: a context patching a tower's float32 spots besides."""
     run = HFAssistedRun(output=())
 
     def hook(module, args, kwargs, out):
@@ -72,9 +78,9 @@ def hf_assisted_run(target, drafter, prompt: Sequence[int], max_new_tokens: int,
     handle = drafter.register_forward_hook(hook, with_kwargs=True)
     ids = torch.tensor([list(map(int, prompt))], dtype=torch.long)
     try:
-        with float64_exact(), unified_float64_exact(), torch.no_grad():
+        with exact(), float64_exact(), unified_float64_exact(), torch.no_grad():
             out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
-                                  do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0)
+                                  do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0, **media)
     finally:
         handle.remove()
     run.output = tuple(int(t) for t in out[0, len(prompt):])

@@ -261,7 +261,7 @@ def test_bundled_sets_are_found_from_the_source_tree():
     from conformance.sets import bundled_sets
 
     found = bundled_sets()
-    assert [p.parent for p in found] == [REPO / "fixtures"] * len(found) and len(found) == 19
+    assert [p.parent for p in found] == [REPO / "fixtures"] * len(found) and len(found) == 20
     assert sys.modules["conformance.sets.bundled"].bundle_root() == REPO / "fixtures"
 
 
@@ -293,7 +293,7 @@ def test_a_wheel_of_the_tree_ships_the_bundled_sets_and_finds_them(tmp_path):
     got = subprocess.run([sys.executable, "-c", code, str(site)], capture_output=True, text=True, cwd=tmp_path)
     assert got.returncode == 0, got.stderr
     n, root, cases = got.stdout.split()
-    assert (int(n), root, int(cases)) == (len(sets), str(site / "conformance" / "bundled"), 926)
+    assert (int(n), root, int(cases)) == (len(sets), str(site / "conformance" / "bundled"), 1055)
     # the MLX quantised set ships its checkpoint (scripts/bundle-mlx-set.py): every recorded file is in the wheel
     assert {f"conformance/bundled/e2b-mini-mlx-q4/checkpoint/{f}" for f in
             ("config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.model")} <= set(names)

@@ -33,7 +33,7 @@ from refimpl.ggml_act import CONVENTIONS as ACTIVATION_CONVENTIONS
 from refimpl.gguf_io import is_gguf
 from refimpl.model import VISION_MASK_RULES, Trace
 from refimpl.mtp import CONVENTIONS, assisted_greedy, run_rounds
-from refimpl.multimodal import llm_input_ids, load_multimodal_tokens
+from refimpl.multimodal import MultimodalInputs, llm_input_ids, load_multimodal_tokens
 
 from ..protocol.serving import CachedBackend, block_token_problem
 from ..protocol.trace import FINAL, split_point
@@ -59,7 +59,7 @@ def all_capabilities(default_profile: str) -> Capabilities:
         embedding_convention="scaled", interior_rows=True, output_rows=True, ubatch=True,
         chunked_prefill=True, multi_sequence=True, decode=True, image_prompts=True, audio_prompts=True,
         audio_tower=True, image_tower=True, video_prompts=True, hidden_states=True, mtp=True, mtp_generate=True,
-        mtp_conventions=",".join(CONVENTIONS), traces=True, default_profile=default_profile,
+        mtp_media=True, mtp_conventions=",".join(CONVENTIONS), traces=True, default_profile=default_profile,
         weight_formats="safetensors,mlx-affine,gguf",  # the oracle reads MLX's affine checkpoints and GGUF files
     )
 
@@ -174,6 +174,19 @@ class RefimplBackend(CachedBackend):
         ``image_inputs`` and ``audio_inputs`` (the given embeddings' media rows are replaced), so the
         stored soft tokens are checked too. When the request asks for traces, the forward records every point
         of ``refimpl.Trace`` that the protocol's vocabulary names (conformance.protocol.trace) at ``rows``."""
+        ids, embeddings, blocks, notes = self._media_inputs(tokens, embeddings, images, audio, audio_inputs,
+                                                            image_inputs)
+        trace = Trace() if self._trace is not None else None
+        logits, hidden = self.model.forward_rows(ids, rows=rows, cache=state, embeddings=embeddings,
+                                                 vision_blocks=blocks, trace=trace)
+        if trace is None:
+            return logits, notes, hidden
+        return logits, notes, hidden, {**protocol_points(trace, rows), FINAL: hidden}
+
+    def _media_inputs(self, tokens: Sequence[int], embeddings, images: Sequence[tuple[int, int]],
+                      audio: Sequence[tuple[int, int]], audio_inputs: Sequence, image_inputs: Sequence) -> tuple:
+        """(llm ids, embeddings with the oracle's soft tokens, vision block ids or None, notes) of a call's tokens
+        and media blocks (``_forward``)."""
         ids = np.asarray(tokens, dtype=np.int64)
         placeholder = np.zeros(ids.shape[0], dtype=bool)
         blocks, notes = None, {}
@@ -203,12 +216,7 @@ class RefimplBackend(CachedBackend):
         if placeholder.any():
             pad = self.model.cfg.pad_token_id if self.model.cfg.pad_token_id is not None else 0
             ids = llm_input_ids(ids, placeholder, pad)
-        trace = Trace() if self._trace is not None else None
-        logits, hidden = self.model.forward_rows(ids, rows=rows, cache=state, embeddings=embeddings,
-                                                 vision_blocks=blocks, trace=trace)
-        if trace is None:
-            return logits, notes, hidden
-        return logits, notes, hidden, {**protocol_points(trace, rows), FINAL: hidden}
+        return ids, embeddings, blocks, notes
 
     def _with_soft_tokens(self, embeddings: np.ndarray, spans, inputs, front, what: str, key: str) -> np.ndarray:
         """``embeddings`` with each ``what`` block's rows replaced by the oracle's soft tokens of its
@@ -254,13 +262,20 @@ class RefimplBackend(CachedBackend):
         if spec.convention not in CONVENTIONS:
             raise ValueError(f"{self.who}: unknown MTP convention {spec.convention!r}; one of {', '.join(CONVENTIONS)}")
         drafter = self._drafter(request.drafter)
+        inputs, notes = None, {}
+        if request.images or request.audio:  # MTP after media: the prompt's soft tokens from the oracle's towers
+            if request.embeddings is None:
+                raise ValueError(f"{self.who}: an MTP request after media needs the prompt's embeddings")
+            ids, x, blocks, notes = self._media_inputs(request.tokens, request.embeddings, request.images,
+                                                       request.audio, request.audio_inputs, request.image_inputs)
+            inputs = MultimodalInputs(ids, np.asarray(x, dtype=np.float64), blocks, tuple(self.tokens.placeholders))
         try:
             if spec.mode == "rounds":
                 run = run_rounds(self.model, drafter, request.tokens,
-                                 [(r.token, r.drafts, r.accepted) for r in spec.rounds], spec.convention)
+                                 [(r.token, r.drafts, r.accepted) for r in spec.rounds], spec.convention, inputs=inputs)
             else:
                 run = assisted_greedy(self.model, drafter, request.tokens, spec.max_new_tokens, spec.num_drafts,
-                                      spec.convention)
+                                      spec.convention, inputs=inputs)
         except RefimplError as exc:
             raise ValueError(f"{self.who}: {exc}") from exc
         rounds = run.rounds
@@ -272,7 +287,7 @@ class RefimplBackend(CachedBackend):
             verify_logits=[r.verify_logits for r in rounds] if white else None,
             verify_hidden=[r.verify_hidden for r in rounds] if white and request.hidden else None)
         return Response(run.prefill_logits, None, self._executed(
-            "mtp", mode=spec.mode, convention=spec.convention, rounds=len(rounds),
+            "mtp", mode=spec.mode, convention=spec.convention, rounds=len(rounds), **notes,
             positions=[r.position for r in rounds], keys={kind: [len(r.keys[kind]) for r in rounds]
                                                           for kind in (rounds[0].keys if rounds else {})}),
             hidden=run.prefill_hidden if request.hidden else None, mtp=mtp)

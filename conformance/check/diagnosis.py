@@ -45,6 +45,7 @@ CLASSES = {
     "audio tower": "the audio tower (mm trap 24, mm §9)",
     "unified U1-U14": "Gemma 4 Unified's vision masks or embedders",
     "mtp M1-M13": "the MTP drafter, its rounds, or the hidden-state output",
+    "mtp M14": "the MTP drafter after an image or audio prompt: its first state, its positions",
     "degenerate": "output not computed for the input: zeros, a constant, one row for every row or case",
 }
 FAILED = ("fail", "xfail")
@@ -52,12 +53,14 @@ FAILED = ("fail", "xfail")
 
 def summary_class(bug_class: str) -> str:
     """The summary-table row of a mutant's bug class ("trap 3" -> "traps 1-12", "unified U6" -> "unified
-    U1-U14", "mtp M4" -> "mtp M1-M13", "mm §9" -> "audio tower")."""
+    U1-U14", "mtp M4" -> "mtp M1-M13", "mtp M14" itself, "mm §9" -> "audio tower")."""
     m = re.fullmatch(r"trap (\d+)", bug_class)
     if m is not None and int(m.group(1)) <= 12:
         return "traps 1-12"
     if bug_class.startswith("unified"):
         return "unified U1-U14"
+    if bug_class == "mtp M14":
+        return bug_class
     if bug_class.startswith("mtp"):
         return "mtp M1-M13"
     if bug_class.startswith("mm"):
@@ -126,8 +129,10 @@ def _case_patterns(c, cap: float | None) -> list[tuple[str, list[str]]]:
     out: list[tuple[str, list[str]]] = []
     bad, rows = _failing(c), c.rows
     if c.kind == "mtp":
-        return [("an MTP case" + (" whose request the backend could not serve" if c.status in ("error", "xfail")
-                                   and c.error is not None else ""), ["mtp M1-M13"])]
+        media = "mtp-after-media" in c.features
+        return [(f"an MTP case{' after media' if media else ''}" + (
+            " whose request the backend could not serve" if c.status in ("error", "xfail") and c.error is not None
+            else ""), ["mtp M14", "mtp M1-M13"] if media else ["mtp M1-M13"])]
     if not bad:
         return out
     degenerate = _degenerate(c)

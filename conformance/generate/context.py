@@ -11,9 +11,7 @@ from refimpl.config import TextConfig
 from refimpl.context import beyond_context, check_context
 
 from ..sets.case import MTP_PREFIX, PROMPT_PREFIX
-from .mtp import SCENARIOS
-
-OVERRIDE = "--allow-beyond-context (generate_set(allow_beyond_context=True))"
+from .mtp import OVERRIDE, SCENARIOS
 
 
 def _what(base: str, info: dict, length: int) -> str:

@@ -15,26 +15,37 @@ heads when the set is used (a draft step of a real checkpoint is 262144 logits, 
 the tokens (prompt, then plain greedy's), the prompt's final-norm hidden rows, every round's verification
 rows (the same under every convention: the forced drafts are) and, per convention, every draft step's
 final-normed drafter state.
+
+**After media** (MEDIA_SCENARIOS, spec M14): a target with a vision (audio) tower gets one more scenario whose
+prompt is the image base I0's (audio base S0's) up to its decode steps, text, a block and text; its cases name
+that base (``MtpCase.media``), so a request carries the base's embeddings, blocks and media inputs, and the
+image (audio) cases of the same base tell a target's media bug from a drafter's. Positions count the soft
+tokens (``refimpl.mtp``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from refimpl.assistant import Drafter
+from refimpl.context import check_context
 from refimpl.generate import greedy_generate
-from refimpl.model import Gemma4
+from refimpl.model import Gemma4, KVCache
 from refimpl.mtp import CONVENTIONS, DEFAULT_CONVENTION, MtpRun, assisted_greedy
+from refimpl.multimodal import MultimodalInputs
 from refimpl.synth import ASSISTANT_DIR
 
-from ..sets.case import MTP_PREFIX, Case, MtpCase, MtpRoundCase
+from ..sets.case import DECODE_STEPS, MTP_PREFIX, Case, MtpCase, MtpRoundCase
 from ..sets.format import DRAFTER_FILES, FixtureError, hash_files
 
-__all__ = ["SCENARIOS", "MtpMatrix", "checked_drafter", "generate_mtp", "mtp_drafter", "mtp_matrix"]
+__all__ = ["MEDIA_SCENARIOS", "OVERRIDE", "SCENARIOS", "MediaPrompt", "MtpMatrix", "checked_drafter", "generate_mtp",
+           "media_prompts", "mtp_drafter", "mtp_matrix"]
+
+OVERRIDE = "--allow-beyond-context (generate_set(allow_beyond_context=True))"
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,25 @@ SCENARIOS = (
     Scenario("first-round", lambda W: W + 3, 3, 4, (2,),
              "max_new_tokens = k + 1: the first round right after the prompt is the whole run"),
 )
+# MTP after media (gemma4-unified-and-mtp-spec.md M14): the prompt is an image (audio) base's prompt, every
+# position before its decode steps (text, a block, text); prompt_length is not used
+MEDIA_SCENARIOS = {
+    "image": Scenario("image-prompt", lambda W: 0, 3, 12, (2, 0, 3, 1),
+                      "after an image prompt: the drafter reads the target's K/V of the image block and the state of "
+                      "the text after it; positions count the soft tokens"),
+    "audio": Scenario("audio-prompt", lambda W: 0, 3, 12, (0, 2, 1, 3),
+                      "after an audio prompt: the same, the block causal"),
+}
+
+
+@dataclass(frozen=True)
+class MediaPrompt:
+    """The prompt of an MTP-after-media scenario: the first ``length`` positions of a media base."""
+
+    kind: str  # "image" or "audio" (a key of MEDIA_SCENARIOS)
+    base: str  # the media base (I0, S0)
+    ids: list[int]  # its prompt ids, placeholders in
+    inputs: MultimodalInputs  # the oracle's inputs of those positions
 
 
 @dataclass
@@ -71,7 +101,8 @@ def _margins(logits: np.ndarray) -> tuple[float, ...]:
 
 
 def _forced(greedy: list[int], scenario: Scenario, vocab: int, eos: set[int]) -> list[list[int]]:
-    """The drafts of each round that make it accept the scenario's pattern (``greedy``: plain greedy output)."""
+    """The drafts of each round that make it accept the scenario's pattern (``greedy``: plain greedy output); the
+    rejected ones are never an id of ``eos`` (the end-of-sequence ids, and after media the placeholder ids)."""
     forced, out = [], 1  # tokens of the output produced so far (the first comes from the prefill)
     while out < len(greedy):
         budget = scenario.max_new_tokens - out
@@ -100,10 +131,28 @@ def _stack(arrays: list[np.ndarray], width: int) -> np.ndarray:
     return np.concatenate(arrays) if arrays else np.empty((0, width))
 
 
+def _plain_greedy(target: Gemma4, prompt: list[int], n: int, inputs: MultimodalInputs | None) -> list[int]:
+    """Plain greedy decoding of ``n`` tokens after ``prompt`` (with its media ``inputs``), stopping at EOS."""
+    if inputs is None:
+        return list(greedy_generate(target, prompt, n).tokens)
+    cache = KVCache()
+    logits = target.forward(inputs.ids, rows="last", cache=cache, embeddings=inputs.embeddings,
+                            vision_blocks=inputs.vision_blocks)[0]
+    out, eos = [], set(target.cfg.eos_token_ids)
+    pad = target.cfg.pad_token_id if target.cfg.pad_token_id is not None else 0
+    while True:
+        out.append(int(np.argmax(logits)))
+        if len(out) == n or out[-1] in eos:
+            return out
+        fed = pad if out[-1] in inputs.placeholders else out[-1]  # (as refimpl.mtp feeds a placeholder id)
+        logits = target.forward([fed], rows="last", cache=cache)[0]
+
+
 def generate_mtp(name: str, target: Gemma4, drafter: Drafter, seed: int,
-                 progress: Callable[[str], None] | None = None) -> MtpMatrix:
-    """The MTP bases and cases of a set (module doc). FixtureError when an assisted run of the oracle does not
-    reproduce plain greedy decoding (the oracle would be broken)."""
+                 progress: Callable[[str], None] | None = None, media: Sequence[MediaPrompt] = ()) -> MtpMatrix:
+    """The MTP bases and cases of a set (module doc); ``media``: the prompts of the MTP-after-media scenarios
+    (bases after the text ones). FixtureError when an assisted run of the oracle does not reproduce plain
+    greedy decoding (the oracle would be broken)."""
     cfg = target.cfg
     W, V, H = cfg.sliding_window, cfg.vocab_size, cfg.hidden_size
     eos = set(cfg.eos_token_ids)
@@ -111,19 +160,24 @@ def generate_mtp(name: str, target: Gemma4, drafter: Drafter, seed: int,
     drawable = np.array([t for t in range(3, V) if t not in eos])
     centroid = drafter.acfg.use_ordered_embeddings
     cases, tensors, scenarios = [], {}, {}
-    for i, sc in enumerate(SCENARIOS):
+    for i, (sc, mp) in enumerate([(sc, None) for sc in SCENARIOS] + [(MEDIA_SCENARIOS[m.kind], m) for m in media]):
         base = f"{MTP_PREFIX}{i}"
-        prompt = [int(t) for t in rng.choice(drawable, sc.prompt_length(W))]
-        greedy = list(greedy_generate(target, prompt, sc.max_new_tokens).tokens)
-        forced = _forced(greedy, sc, V, eos)
-        _, hidden = target.forward_rows(prompt, rows="all")
+        inputs = None if mp is None else mp.inputs
+        prompt = [int(t) for t in rng.choice(drawable, sc.prompt_length(W))] if mp is None else list(mp.ids)
+        greedy = _plain_greedy(target, prompt, sc.max_new_tokens, inputs)
+        forced = _forced(greedy, sc, V, eos | set(() if inputs is None else inputs.placeholders))
+        if inputs is None:
+            _, hidden = target.forward_rows(prompt, rows="all")
+        else:
+            _, hidden = target.forward_rows(inputs.ids, rows="all", embeddings=inputs.embeddings,
+                                            vision_blocks=inputs.vision_blocks)
         tensors[f"{base}/tokens"] = np.asarray(prompt + greedy, dtype=np.int64)
         tensors[f"{base}/prompt_hidden"] = hidden
         for convention in CONVENTIONS:
             kv, pos = convention.split("/")
             for mode in ("rounds", "generate"):
                 run = assisted_greedy(target, drafter, prompt, sc.max_new_tokens, sc.num_drafts, convention,
-                                      forced=forced if mode == "rounds" else None)
+                                      forced=forced if mode == "rounds" else None, inputs=inputs)
                 if list(run.output) != greedy:
                     raise FixtureError(f"{name}: the oracle's assisted run of {base} ({mode}, {convention}) produced "
                                        f"{list(run.output)}, not plain greedy decoding {greedy}")
@@ -142,12 +196,15 @@ def generate_mtp(name: str, target: Gemma4, drafter: Drafter, seed: int,
                     features.append("beyond-window")
                 if centroid:
                     features.append("centroid-head")
-                spec = MtpCase(mode, convention, sc.num_drafts, sc.max_new_tokens, _rounds(run), tuple(greedy))
+                if mp is not None:
+                    features += ["mtp-after-media", {"image": "vision", "audio": "audio"}[mp.kind]]
+                spec = MtpCase(mode, convention, sc.num_drafts, sc.max_new_tokens, _rounds(run), tuple(greedy),
+                               None if mp is None else mp.base)
                 cases.append(Case(id=f"{name}/mtp/{mode}/{base}/{convention}", kind="mtp", base=base,
                                   length=len(prompt), features=tuple(features), mtp=spec))
         scenarios[base] = {"scenario": sc.name, "prompt_length": len(prompt), "num_drafts": sc.num_drafts,
                            "max_new_tokens": sc.max_new_tokens, "forced_drafts": [len(f) for f in forced],
-                           "note": sc.note}
+                           "note": sc.note, **({"media": mp.base} if mp is not None else {})}
         if progress is not None:
             progress(f"MTP base {base}: {sc.name}, {len(prompt)} + {len(greedy)} tokens, {len(CONVENTIONS)} "
                      "conventions")
@@ -155,6 +212,28 @@ def generate_mtp(name: str, target: Gemma4, drafter: Drafter, seed: int,
                 "drafter_store_layers": drafter.store_layers(cfg),
                 "drafter_head": "centroid" if centroid else "dense"}
     return MtpMatrix(cases, tensors, manifest)
+
+
+def media_prompts(target: Gemma4, sides: Mapping[str, Any], bases: Mapping[str, list[int]],
+                  soft: Mapping[str, list[np.ndarray]], allow_beyond_context: bool) -> list[MediaPrompt]:
+    """The prompts of the MTP-after-media scenarios: per kind whose side (``sides``: "image" -> VisionSide, "audio"
+    -> AudioSide, or None) the set has, its first base (I0, S0: ``bases`` its ids, ``soft`` its blocks' soft
+    tokens) up to its decode steps. ContextLimitError when the scenario's tokens pass the context (unless
+    allowed)."""
+    out = []
+    for kind, side in sides.items():
+        if side is None:
+            continue
+        base = next(iter(side.texts))  # I0 / S0
+        n = len(bases[base]) - DECODE_STEPS
+        full = side.merge(target, bases[base], soft[base])
+        if not allow_beyond_context:
+            check_context(target.cfg, n + MEDIA_SCENARIOS[kind].max_new_tokens,
+                          f"the MTP base after {kind} ({base}'s prompt and new tokens)", OVERRIDE)
+        inputs = MultimodalInputs(full.ids[:n], full.embeddings[:n],
+                                  None if full.vision_blocks is None else full.vision_blocks[:n], full.placeholders)
+        out.append(MediaPrompt(kind, base, list(bases[base][:n]), inputs))
+    return out
 
 
 def checked_drafter(drafter, preset: str | None) -> Path | None:
@@ -182,12 +261,12 @@ def mtp_drafter(src: Path, synthetic: bool, drafter: Path | None, cases: str) ->
 
 
 def mtp_matrix(name: str, target: Gemma4, drafter_dir: Path | None, seed: int, progress, *,
-               synthetic: bool) -> MtpMatrix | None:
+               synthetic: bool, media: Sequence[MediaPrompt] = ()) -> MtpMatrix | None:
     """``generate_mtp`` with the drafter recorded for the manifest (its path, relative for a preset's, and the
     sha256 of its files); None without a drafter."""
     if drafter_dir is None:
         return None
-    mtp = generate_mtp(name, target, Drafter(drafter_dir), seed, progress=progress)
+    mtp = generate_mtp(name, target, Drafter(drafter_dir), seed, progress=progress, media=media)
     mtp.manifest["drafter"] = {"path": ASSISTANT_DIR if synthetic else str(drafter_dir),
                                "sha256": hash_files(drafter_dir, DRAFTER_FILES)}
     return mtp

@@ -46,7 +46,7 @@ from ..sets.head import SUMMARY_LEAVES, RebuiltLogits
 from . import executors, partial
 from .bases import bos_id, ordinary_ids
 from .checks import check_activations, cross_check_entries, oracle_checks
-from .context import check_bases, context_record, mtp_lengths
+from .context import check_bases, context_record
 from .jobs import JobContext, job_versions
 from .matrix import annotate, generate_cases, generate_image_cases, random_base_length
 from .media import (
@@ -60,7 +60,7 @@ from .media import (
     image_sources,
     media_order,
 )
-from .mtp import SCENARIOS, checked_drafter, mtp_drafter, mtp_matrix
+from .mtp import SCENARIOS, MediaPrompt, checked_drafter, media_prompts, mtp_drafter, mtp_matrix
 from .progress import IN_PROCESS, StageLog, Write, held_bound
 from .prompts import chat_ids, encode_prompt, prompt_entries
 from .video import VideoSide, video_jobs
@@ -363,11 +363,11 @@ def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str |
             src, reused, model_info = model_dir, False, {"kind": "external", "path": str(model_dir), **model_key}
             if callable(quantisation := getattr(model.weights.store, "quantisation", None)):
                 model_info["quantisation"] = {**quantisation(), "activations": activations}  # types, convention
-        plan = _plan(run, src, model, seed, entries, name, cases, images, audio, store)
         drafter_dir = mtp_drafter(src, preset is not None, drafter, cases)
+        plan = _plan(run, src, model, seed, entries, name, cases, images, audio, store, mtp=drafter_dir is not None)
         check_bases(model.cfg, plan.jobs, drafter_dir is not None, allow_beyond_context)  # before any forward
         steps.total = (1 if preset is not None else 0) + len(plan.jobs) + (1 if cross_check is not None else 0) + 1 + \
-            (len(SCENARIOS) if drafter_dir is not None else 0)
+            (len(SCENARIOS) + (plan.vision is not None) + (plan.audio is not None) if drafter_dir is not None else 0)
         if preset is not None:
             steps("model: reused from an earlier run" if reused else "model")
         log = StageLog(stages, plan.jobs, CONSISTENCY_BOUND, t0)
@@ -381,15 +381,18 @@ def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str |
             steps("cross check")
         cfg = model.cfg
         set_cases = _matrix(name, cfg, got, plan)
-        mtp = mtp_matrix(name, model, drafter_dir, seed, steps, synthetic=preset is not None)
+        mtp = mtp_matrix(name, model, drafter_dir, seed, steps, synthetic=preset is not None,
+                         media=_media_prompts(model, plan, got, results, drafter_dir, allow_beyond_context))
         set_cases += mtp.cases if mtp is not None else []
         staging = run.staging()
         staged = staging / "set"
         staged.mkdir()
         beyond = None
         if allow_beyond_context:
+            mtp_bases = mtp.manifest["bases"] if mtp is not None else {}
             beyond = context_record(cfg, {**{b: len(ids) for b, ids in got.bases.items()},
-                                          **(mtp_lengths(cfg) if mtp is not None else {})})
+                                          **{b: i["prompt_length"] + i["max_new_tokens"]
+                                             for b, i in mtp_bases.items()}})
         with partial.full_disk_named(run.path):
             write_set(staged, got, results, set_cases, plan, cfg, name=name, version=version, checks=checks,
                        command=command, model_info=model_info, store=store, vision_mask=vision_mask, mtp=mtp,
@@ -410,9 +413,21 @@ def _generate(out: Path, out_abs: Path, *, model_dir: Path | None, preset: str |
     return out
 
 
+def _media_prompts(model, plan: _Plan, got: _Assembled, results: Mapping[str, partial.JobResult],
+                   drafter_dir: Path | None, allow: bool) -> list[MediaPrompt]:
+    """The MTP-after-media prompts of a set with a drafter: its first image and audio bases' (soft tokens read
+    back from their jobs)."""
+    if drafter_dir is None:
+        return []
+    soft = {b: [results[b].array(f"media.{j}.soft_tokens") for j in range(len(spans))]
+            for b, spans in {**got.spans, **got.audio_spans}.items()}
+    return media_prompts(model, {"image": plan.vision, "audio": plan.audio}, got.bases, soft, allow)
+
+
 def _plan(run: partial.PartialRun, src: Path, model, seed: int, entries: list[dict], name: str, cases: str,
-          images, audio, store: str) -> _Plan:
-    """One job per base, in the set's order; the parent only draws ids and encodes prompts."""
+          images, audio, store: str, mtp: bool = False) -> _Plan:
+    """One job per base, in the set's order; the parent only draws ids and encodes prompts. ``mtp`` (the set gets
+    an MTP matrix): with cases 'mtp', the first image and audio base too, the prompts of MTP after media."""
     tokenizer = Tokenizer.from_dir(src)
     cfg = model.cfg
     vision_tower, audio_tower = has_vision_tower(src), has_audio_tower(src)
@@ -429,6 +444,9 @@ def _plan(run: partial.PartialRun, src: Path, model, seed: int, entries: list[di
     plan = _Plan(with_text=cases in ("text", "all", "auto"))
     with_images = cases == "images" or (cases in ("all", "auto") and vision_tower)
     with_audio = cases == "audio" or (cases in ("all", "auto") and audio_tower)
+    only_first = cases == "mtp"  # the media bases of the MTP matrix only (MEDIA_SCENARIOS)
+    with_images = with_images or (only_first and mtp and vision_tower)
+    with_audio = with_audio or (only_first and mtp and audio_tower)
     prompt_ids = [encode_prompt(p, tokenizer, cfg.vocab_size, src) for p in entries]
     bos = bos_id(cfg, tokenizer)
     common = {"key": run.key, "partial": str(run.path), "model_dir": str(src), "seed": seed, "bos": bos,
@@ -464,11 +482,22 @@ def _plan(run: partial.PartialRun, src: Path, model, seed: int, entries: list[di
                      ids=[int(t) for t in ids], greedy=steps)
         lengths = {q["base"]: q["info"]["length"] for q in plan.jobs}
         plan.text_cases = count_by_base(generate_cases(name, cfg, {b: [0] * L for b, L in lengths.items()}))
+    _plan_media(plan, common, src, seed, images, audio, with_images, with_audio, only_first)
+    if cases == "videos":
+        plan.video = VideoSide(src)
+        for b, cost, b_index in video_jobs(plan.video):
+            plan.add(common, b, "video", cost, b_index=b_index)
+    return plan
+
+
+def _plan_media(plan: _Plan, common: dict, src: Path, seed: int, images, audio, with_images: bool, with_audio: bool,
+                only_first: bool) -> None:
+    """The image and audio jobs of ``_plan`` (``only_first``: I0 and S0 only, the prompts of MTP after media)."""
     unified = is_unified(src)
     if with_images:
         plan.vision = VisionSide(src)
         sources = image_sources(images, seed, unified)
-        for b_index, (b, texts) in enumerate(IMAGE_TEXT.items()):
+        for b_index, (b, texts) in enumerate(list(IMAGE_TEXT.items())[:1 if only_first else None]):
             which = media_order(b_index, len(texts) - 1, len(sources))
             m = len(which) * plan.vision.settings.max_soft_tokens  # an upper bound: the tower runs before the merge
             plan.add(common, b, "image", 3.0 * (sum(texts) + DECODE_STEPS + m) + 2.0 * m, b_index=b_index,
@@ -478,16 +507,11 @@ def _plan(run: partial.PartialRun, src: Path, model, seed: int, entries: list[di
         clips = audio_sources(audio, seed, plan.audio.sampling_rate, unified)
         for wave, rate, _ in clips:
             plan.audio.check(wave, rate)  # a wrong rate is a usage error: before any job
-        for b_index, (b, texts) in enumerate(AUDIO_TEXT.items()):
+        for b_index, (b, texts) in enumerate(list(AUDIO_TEXT.items())[:1 if only_first else None]):
             which = media_order(b_index, len(texts) - 1, len(clips))
             m = sum(25.0 * clips[k][0].shape[0] / clips[k][1] for k in which)  # ~25 soft tokens a second
             plan.add(common, b, "audio", 3.0 * (sum(texts) + DECODE_STEPS + m) + 2.0 * m, b_index=b_index,
                      n_sources=len(clips), sources={k: clips[k] for k in sorted(set(which))})
-    if cases == "videos":
-        plan.video = VideoSide(src)
-        for b, cost, b_index in video_jobs(plan.video):
-            plan.add(common, b, "video", cost, b_index=b_index)
-    return plan
 
 
 def _run_pending(run: partial.PartialRun, plan: _Plan, src: Path, model, name: str, workers: int, dask,

@@ -23,9 +23,9 @@ A request is one of five kinds (``Request.kind``):
                 with no rows.
 ``multi``       several sequences prefilled together (``sequences``, with ``seq_ids``); answer the
                 last row of each sequence, ``[n, V]``, in the order given.
-**Image prompts** (``Request.images`` non-empty; only ``last`` with entry ``embeddings`` and
-``prefill``; needs the ``image_prompts`` capability): ``tokens`` are the processor's ids, each image a
-block ``boi + image_token_id x M + eoi``; ``images`` lists ``(first position, M)`` of every block of
+**Image prompts** (``Request.images`` non-empty; only ``last`` with entry ``embeddings``, ``prefill`` and
+``mtp`` (MTP after media, below); needs the ``image_prompts`` capability): ``tokens`` are the processor's ids,
+each image a block ``boi + image_token_id x M + eoi``; ``images`` lists ``(first position, M)`` of every block of
 image tokens, positions counted over the whole prompt (all pieces). The input embeddings carry the
 image: ``embeddings`` (``last``) or every piece's ``Piece.embeddings`` (``prefill``) hold E[id] * sqrt(H)
 at text rows and the image's soft tokens, NOT scaled, at image rows (convention ``raw``: all divided
@@ -100,6 +100,14 @@ e.g. ``target-cache/P``), ``num_drafts`` and ``max_new_tokens``, and a ``mode``:
 A backend declares the conventions it follows (``mtp_conventions``, comma-separated); a case of another
 convention is not claimed.
 
+**MTP after media** (capability ``mtp_media`` besides ``image_prompts`` / ``audio_prompts``): an MTP request whose
+prompt holds image or audio blocks carries them as a ``last``/``embeddings`` request does (``embeddings`` [T, H],
+``images`` / ``audio``, ``image_inputs`` / ``audio_inputs``). The engine prefills the whole prompt in one call
+with its soft tokens (and vision blocks); positions count every soft token, so P, the drafter's query position
+and the keys handed over are those of the target's cache; the drafter's inputs stay text, and round 1 reads the
+state of the prompt's last row. A placeholder id that is generated or drafted reaches the target as the pad id
+(as transformers feeds it).
+
 **Hidden states.** A backend that claims ``hidden_states`` gets every request with ``hidden=True`` and
 answers, beside the logits, the final-norm hidden state of every row it returns: ``Response.hidden``
 ``[R, H]`` row for row with ``logits``, and ``decode_hidden`` row for row with ``decode_logits`` (a list
@@ -158,6 +166,7 @@ class Capabilities:
     mtp: bool = False  # MTP requests in mode "rounds": teacher-forced draft rounds, drafter and verify logits
     mtp_generate: bool = False  # MTP requests in mode "generate": its own assisted loop, drafts and acceptance
     mtp_conventions: str = ""  # the MTP conventions it follows, comma-separated (refimpl.mtp.CONVENTIONS)
+    mtp_media: bool = False  # MTP requests after an image or audio prompt (with image_prompts / audio_prompts)
     traces: bool = False  # answers request.trace: named intermediates of every returned row (Response.trace)
     default_profile: str = "fp32"
     # the checkpoint formats it opens, comma-separated (WEIGHT_FORMATS); a set made from a quantised checkpoint of
@@ -336,6 +345,8 @@ def required_capabilities(request: Request) -> list[str]:
         need.append("mtp" if request.mtp is None or request.mtp.mode == "rounds" else "mtp_generate")
         if request.mtp is not None:
             need.append(f"mtp_conventions={request.mtp.convention}")
+        if request.images or request.audio:
+            need.append("mtp_media")
     if request.decode:
         need.append("decode")
     if request.images:

@@ -132,6 +132,27 @@ class NumpyEngineBackend:
         """A text batch of one sequence with output ``rows`` (the MTP driver's prefill and verification)."""
         return self.one_sequence(caches, seq, ids, rows)
 
+    def prompt_embeddings(self, request: Request) -> np.ndarray:
+        """The input rows of a whole-prompt request with ``embeddings`` (``last``, or an MTP request after media):
+        the given rows with each image and audio block's rows replaced by the engine's own soft tokens."""
+        self._check_media_tokens(request.tokens, request.images, request.audio)
+        x0 = np.asarray(request.embeddings)
+        if request.images:
+            x0 = self._with_soft_tokens(x0, request.images, self._image_soft_tokens(request))
+        if request.audio:
+            x0 = self._with_soft_tokens(x0, request.audio, self._audio_soft_tokens(request))
+        return x0
+
+    def prompt_batch(self, caches: CacheSet, request: Request, rows: Iterable[int]) -> Batch:
+        """The MTP driver's prefill of the request's prompt with output ``rows``: a text batch, or after media
+        the prompt's embeddings and blocks (one batch: a block never straddles two)."""
+        if not self._media(request):
+            return self.sequence_batch(caches, 0, request.tokens, rows)
+        if request.embeddings is None:
+            raise ValueError("numpy-engine: an MTP request after media needs the prompt's embeddings")
+        return self.one_sequence(caches, 0, request.tokens, rows, self.prompt_embeddings(request), request.images,
+                                 request.audio)
+
     def _mtp(self, request: Request, caches: CacheSet) -> Response:
         if request.drafter not in self._drafters or self._drafters[request.drafter].engine is not self.engine:
             self._drafters = {request.drafter: load_draft_model(self.draft_model_class, request.drafter, self.engine)}
@@ -324,15 +345,10 @@ class NumpyEngineBackend:
         if request.entry == "embeddings":
             if request.embeddings is None:
                 raise ValueError("numpy-engine: entry 'embeddings' without embeddings")
-            x0 = np.asarray(request.embeddings)
+            x0 = self.prompt_embeddings(request)
         elif self._media(request):
             what = "an image" if request.images else "an audio"
             raise ValueError(f"numpy-engine: {what} prompt needs entry 'embeddings', got {request.entry!r}")
-        self._check_media_tokens(request.tokens, request.images, request.audio)
-        if request.images:
-            x0 = self._with_soft_tokens(x0, request.images, self._image_soft_tokens(request))
-        if request.audio:
-            x0 = self._with_soft_tokens(x0, request.audio, self._audio_soft_tokens(request))
         seq = PLAIN_SEQ if request.entry == "plain" else request.seq_id
         row = self.last_row(T, request.last_pos)
         batch = self.one_sequence(caches, seq, request.tokens, [row], x0, request.images, request.audio)

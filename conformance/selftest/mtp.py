@@ -50,6 +50,7 @@ class DraftModel:
         self.eps = drafter.cfg.rms_norm_eps
         self.inv_freq = {layer.index: rope_inv_freq(layer.rope, layer.head_dim) for layer in drafter.cfg.layers}
         self.dtype = engine.dtype
+        self.media_tokens = 0  # soft tokens in the request's prompt (serve_mtp sets it)
 
     def w(self, name: str) -> np.ndarray:
         return self.d[name].astype(self.dtype, copy=False)
@@ -69,7 +70,8 @@ class DraftModel:
         return self.engine.model.embed(np.array([int(token)]))[0]
 
     def position(self, P: int, j: int, rule: str) -> int:
-        """The query position of draft step j of a round whose pending token is at P."""
+        """The query position of draft step j of a round whose pending token is at P (P counts every position
+        of the target's cache, a media prompt's soft tokens included)."""
         return P if rule == "P" else P - 1
 
     # -- one step -----------------------------------------------------------------------------
@@ -138,20 +140,27 @@ class MtpDriver:
     convention: str
     spare: int  # extra sliding keys kept while drafting (the largest chunk), so a rollback leaves W - 1
     rounds: list[MtpRoundResult] = field(default_factory=list)
+    placeholders: tuple[int, ...] = ()  # after media: ids a verification feeds the target as the pad id
 
     def __post_init__(self):
         self.kv_rule, self.pos_rule = parse_convention(self.convention)
         self.engine = self.backend.engine
+        self.pad = self.engine.cfg.pad_token_id if self.engine.cfg.pad_token_id is not None else 0
         self.engine.spare_keys = self.spare
         self.cache = self.caches.get(0)
 
-    def prefill(self, prompt) -> np.ndarray:
-        """The prompt through the engine with its last row as the only output; logits [1, V]."""
-        n = len(prompt)
-        logits = self.engine.prefill(self.caches, self.backend.sequence_batch(self.caches, 0, prompt, [n - 1]))
+    def prefill(self, request: Request) -> np.ndarray:
+        """The request's prompt (text, or with its image and audio blocks) through the engine in one batch, its
+        last row the output; logits [1, V]."""
+        rows = self.prompt_rows(len(request.tokens), sorted(request.images + request.audio))
+        logits = self.engine.prefill(self.caches, self.backend.prompt_batch(self.caches, request, rows))[-1:]
         self.token, self.h = int(np.argmax(logits[0])), self.first_hidden(self.target_states())
         self.snapshot(0, True)
         return logits
+
+    def prompt_rows(self, n: int, blocks: list[tuple[int, int]]) -> list[int]:
+        """The prefill's output rows (the last of them is the prompt's answer): the last row only."""
+        return [n - 1]
 
     def snapshot(self, first: int, prefill: bool) -> None:
         """The store layers' entries right after a target call (rejected drafts still in): transformers' view."""
@@ -198,7 +207,7 @@ class MtpDriver:
             tok = int(forced[j]) if forced is not None else argmax[-1]
             drafts.append(tok)
             rows.append(logits)
-        chunk = [t] + drafts
+        chunk = [self.pad if x in self.placeholders else x for x in [t] + drafts]  # (placeholders after media)
         v_logits = self.engine.prefill(self.caches, self.backend.sequence_batch(self.caches, 0, chunk,
                                                                                  range(len(chunk))))
         self.snapshot(P, False)
@@ -240,8 +249,11 @@ def serve_mtp(backend, draft: DraftModel, request: Request, caches) -> Response:
         draft.d.store_layers(engine.cfg)
     except RefimplError as exc:
         raise ValueError(f"numpy-engine: {exc}") from exc
-    driver = backend.driver_class(backend, draft, caches, spec.convention, spare=spec.num_drafts + 1)
-    logits = driver.prefill(request.tokens)
+    media = bool(request.images or request.audio)
+    driver = backend.driver_class(backend, draft, caches, spec.convention, spare=spec.num_drafts + 1,
+                                  placeholders=tuple(backend.tokens.placeholders) if media else ())
+    draft.media_tokens = sum(n for _, n in request.images + request.audio)  # (what the position mutant leaves out)
+    logits = driver.prefill(request)
     prompt_hidden = engine.hidden_log[-1][-1:]
     out = [int(spec.rounds[0].token)] if spec.mode == "rounds" and spec.rounds else [driver.token]
     if spec.mode == "rounds":

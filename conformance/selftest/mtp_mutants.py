@@ -87,3 +87,24 @@ MtpFixedTargetState = planted(
 MtpNoRollback = planted(
     "mtp-no-rollback", "MTP: rejected drafts stay in the target's cache (M13, a verifier bug).",
     driver={"rollback": lambda self, length: None})
+
+
+# MTP after media (gemma4-unified-and-mtp-spec.md M14): what an engine's drafter gets wrong after an image or audio
+# prompt, killed on the Unified pair after an image and an audio prompt (M4, M5) and on E2B-vision with the E2B
+# drafter after an image prompt (M4)
+MTP_MEDIA_SETS = ("12b-assistant-mini", "e2b-vision-assistant-mini")
+
+def _rows_before_media(self, n: int, blocks: list[tuple[int, int]]) -> list[int]:
+    """The prefill's output rows with the last text row before the first media block first (the mutant's state)."""
+    return ([blocks[0][0] - 1] if blocks else []) + [n - 1]
+
+
+MtpMediaStateNotAdvanced = planted(
+    "mtp-media-state-not-advanced", "MTP after media: the drafter's state is not advanced past a media chunk: round 1 "
+                                    "starts from the last text row before the first block (M14).",
+    driver={"prompt_rows": _rows_before_media, "first_hidden": lambda self, states: states[0]})
+
+MtpMediaPositionsWithoutSoftTokens = planted(
+    "mtp-media-positions-without-soft-tokens", "MTP after media: the drafter's query position counts the prompt's "
+                                               "text only, not its soft tokens (M14).",
+    draft={"position": lambda self, P, j, rule: (P if rule == "P" else P - 1) - self.media_tokens})

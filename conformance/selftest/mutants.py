@@ -25,11 +25,10 @@ The audio mutants (``gemma4-multimodal-spec.md`` section 9, traps 22-24) overrid
 miniature tower (W = 4, 4 past keys) it is an equivalent mutant, since the mask is a distance rule
 and the relative-position rows stay the distances while ``(W + L + R) // 2 == L`` (measured: 2e-15).
 
-Run one by hand (every mutant backend is a module-level class, listed in ``BACKENDS``):
+Run one by hand (every mutant backend is a module-level class, listed in ``BACKENDS``; from Python: ``for m in
+MUTANTS: backend = m.backend()``, a fresh, unopened float64 backend):
 
     conformance check --backend conformance.selftest.mutants:ShiftInteriorRow --profile fp32 -q
-
-From Python: ``for m in MUTANTS: backend = m.backend()`` (a fresh, unopened float64 backend).
 
 ``EQUIVALENT`` lists a planted bug that no float profile can see, with the reason (skipping the MoE
 top-k renormalisation: the expert branch's own post-norm cancels it); it is not in ``MUTANTS``.
@@ -51,6 +50,7 @@ from . import video_mutants as vm
 from .backend import NumpyEngineBackend
 from .engine import Engine
 from .mtp_mutants import (
+    MTP_MEDIA_SETS,
     HiddenNormWeightSkipped,
     HiddenPreNorm,
     MtpCentroidTopKMinus1,
@@ -61,6 +61,8 @@ from .mtp_mutants import (
     MtpFixedTargetState,
     MtpKeysRerotated,
     MtpLastRowAfterPartial,
+    MtpMediaPositionsWithoutSoftTokens,
+    MtpMediaStateNotAdvanced,
     MtpNoRollback,
     MtpPositionAdvances,
     MtpPositionalStoreLayers,
@@ -71,16 +73,15 @@ from .ple_mutants import PleFoldEpsKept, PleFoldEpsOverS, PleFoldRight
 from .state import CacheSet, KVView, MicroBatch, Rows, SequenceCache
 from .video_mutants import VideoFramesNotVision, VideoFramesOneBlock, VideoTimestampsDropped
 
-__all__ = ["AUDIO_SET", "BACKENDS", "MTP_SETS", "MTP_SET_CENTROID", "MTP_SET_LAYOUT", "CLOSENESS", "EQUIVALENT",
-           "IMAGE_SETS", "IMAGE_SET_BIDIRECTIONAL", "IMAGE_SET_PLE", "MUTANTS", "Mutant", "PLE_EPS_SET", "REWRITES",
-           "UNIFIED_SET", "mutant", "planted"]
+__all__ = ["AUDIO_SET", "BACKENDS", "MTP_MEDIA_SETS", "MTP_SETS", "MTP_SET_CENTROID", "MTP_SET_LAYOUT", "CLOSENESS",
+           "EQUIVALENT", "IMAGE_SETS", "IMAGE_SET_BIDIRECTIONAL", "IMAGE_SET_PLE", "MUTANTS", "Mutant", "PLE_EPS_SET",
+           "REWRITES", "UNIFIED_SET", "mutant", "planted"]
 
 CLOSENESS = frozenset({"max_abs", "max_rel", "nmse", "cosine", "kl", "kl_mean", "delta_p"})
 IDENTITY = frozenset({"identity"})
 HIDDEN = frozenset({"hidden", "hidden_identity"})
 MTP = CLOSENESS | IDENTITY | frozenset({"top1", "topk", "mtp_output", "mtp_accepted", "mtp_trace"})
 # the MTP and hidden-state mutants are defined in mtp_mutants.py (they replace hooks of selftest/mtp.py)
-
 
 # ----------------------------------------------------------------------------------------------
 # B1: row shifted or wrong index (request hooks of the backend)
@@ -560,6 +561,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(MtpEmbeddingUnscaled, "mtp M11", MTP, kill_sets=MTP_SETS),
     _m(MtpFixedTargetState, "mtp M12", MTP, kill_sets=MTP_SETS),
     _m(MtpNoRollback, "mtp M13", MTP, kill_sets=MTP_SETS),
+    _m(MtpMediaStateNotAdvanced, "mtp M14", MTP, kill_sets=MTP_MEDIA_SETS),
+    _m(MtpMediaPositionsWithoutSoftTokens, "mtp M14", MTP, kill_sets=MTP_MEDIA_SETS),
 )
 
 BACKENDS: dict[str, type] = {m.name: m.backend_class for m in MUTANTS}

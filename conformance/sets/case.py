@@ -68,20 +68,26 @@ class MtpCase:
     max_new_tokens: int
     rounds: tuple[MtpRoundCase, ...]
     output: tuple[int, ...]  # the generated tokens: plain greedy decoding
+    # MTP after media: the image or audio base whose first ``length`` tokens are the prompt (its embeddings,
+    # blocks and media inputs travel with the request)
+    media: str | None = None
 
     def to_json(self) -> dict:
         return {"mode": self.mode, "convention": self.convention, "num_drafts": self.num_drafts,
                 "max_new_tokens": self.max_new_tokens, "rounds": [r.to_json() for r in self.rounds],
-                "output": list(self.output)}
+                "output": list(self.output), **({"media": self.media} if self.media is not None else {})}
 
     @staticmethod
     def from_json(d: Any, where: str) -> "MtpCase":
         def bad(what: str):
             return ValueError(f"{where}: field 'mtp' {what}")
 
-        if not isinstance(d, dict) or set(d) != {"mode", "convention", "num_drafts", "max_new_tokens", "rounds",
-                                                 "output"}:
-            raise bad("must be an object with mode, convention, num_drafts, max_new_tokens, rounds and output")
+        if not isinstance(d, dict) or set(d) - {"media"} != {"mode", "convention", "num_drafts", "max_new_tokens",
+                                                             "rounds", "output"}:
+            raise bad("must be an object with mode, convention, num_drafts, max_new_tokens, rounds and output (and "
+                      "optionally media)")
+        if d.get("media") is not None and not isinstance(d["media"], str):
+            raise bad(f"has media {d['media']!r}: the name of an image or audio base")
         if d["mode"] not in MTP_MODES or not isinstance(d["convention"], str):
             raise bad(f"has mode {d['mode']!r} (one of {', '.join(MTP_MODES)}) and convention {d['convention']!r}")
 
@@ -106,7 +112,7 @@ class MtpCase:
             rounds.append(MtpRoundCase(r[0], ints(r[1], "drafts"), r[2], ints(r[3], "draft_argmax"),
                                        nums(r[4], "draft_margins"), nums(r[5], "verify_margins")))
         return MtpCase(d["mode"], d["convention"], d["num_drafts"], d["max_new_tokens"], tuple(rounds),
-                       ints(d["output"], "output"))
+                       ints(d["output"], "output"), d.get("media"))
 
 
 @dataclass(frozen=True)
@@ -376,6 +382,10 @@ def check_case(case: Case, base_lengths: Mapping[str, int],
         if case.kind != "mtp":
             return [f"{where}: field 'mtp' on a {case.kind} case"]
         out += _check_mtp_case(case, where)
+        media = case.mtp.media if case.mtp else None
+        if media is not None and (media not in base_lengths or case.length > base_lengths[media]):
+            out.append(f"{where}: its prompt is the first {case.length} tokens of media base {media!r}, which the set "
+                       f"does not have" + (f" (it has {base_lengths[media]} tokens)" if media in base_lengths else ""))
         if case.base not in base_lengths:
             out.append(f"{where}: base {case.base!r} is not in the set")
         elif case.length + len(case.mtp.output if case.mtp else ()) > base_lengths[case.base] or case.length < 1:

@@ -1,4 +1,5 @@
-"""The MTP cases of a fixture set (bundled ``e2b-assistant-mini`` and ``12b-assistant-mini``) and how the gate
+"""The MTP cases of a fixture set (bundled ``e2b-assistant-mini``, ``12b-assistant-mini``, ``mtp-layout-mini`` and
+``e2b-vision-assistant-mini``: MTP after an image and an audio prompt in the second and the last) and how the gate
 grades them.
 
 * The rows a set stores (the prompt's, every verification row, every draft step's: rebuilt through the
@@ -28,14 +29,25 @@ from conformance.sets.integrity import load_set
 from refimpl import Gemma4
 from refimpl.assistant import Drafter
 from refimpl.mtp import CONVENTIONS, run_rounds
+from refimpl.multimodal import MultimodalInputs, load_multimodal_tokens, multimodal_inputs
 
-MTP_SETS = ("e2b-assistant-mini", "12b-assistant-mini", "mtp-layout-mini")
+MTP_SETS = ("e2b-assistant-mini", "12b-assistant-mini", "mtp-layout-mini", "e2b-vision-assistant-mini")
 EXACT = get_profile("exact-f64")
 
 
 def margins(rows: np.ndarray) -> np.ndarray:
     top = -np.sort(-rows, axis=-1)[:, :2]
     return top[:, 0] - top[:, 1]
+
+
+def media_inputs(fs, target, model_dir, base: str, n: int) -> MultimodalInputs:
+    """The oracle's inputs of the first ``n`` positions of media base ``base``, merged from its stored soft tokens."""
+    images = [d["soft_tokens"] for d in fs.image_inputs(base)]
+    clips = [d["soft_tokens"] for d in fs.audio_inputs(base)]
+    tokens = load_multimodal_tokens(model_dir, ["image"] if images else ["audio"])
+    full = multimodal_inputs(target, fs.bases()[base], images, tokens, audio_soft_tokens=clips)
+    return MultimodalInputs(full.ids[:n], full.embeddings[:n],
+                            None if full.vision_blocks is None else full.vision_blocks[:n], full.placeholders)
 
 
 @pytest.mark.parametrize("name", MTP_SETS)
@@ -46,13 +58,17 @@ def test_stored_rows_are_the_round_protocol_run_again(name, tmp_path):
     logits, hidden = fs.mtp_rows(target, drafter)
     bases = fs.bases()
     seen = set()
-    for case in fs.cases:
+    for case in (c for c in fs.cases if c.kind == "mtp"):
         m = case.mtp
         prompt = bases[case.base][:case.length]
         assert list(bases[case.base][case.length:]) == list(m.output)  # the base: prompt, then plain greedy
         if m.mode != "rounds":
             continue
-        got = run_rounds(target, drafter, prompt, [(r.token, r.drafts, r.accepted) for r in m.rounds], m.convention)
+        inputs = None if m.media is None else media_inputs(fs, target, model_dir, m.media, case.length)
+        if inputs is not None:  # the prompt is the media base's, placeholders in
+            assert list(prompt) == list(bases[m.media][:case.length])
+        got = run_rounds(target, drafter, prompt, [(r.token, r.drafts, r.accepted) for r in m.rounds], m.convention,
+                         inputs=inputs)
         draft = logits[mtp_rows(case.base, "draft", m.convention)]
         verify = logits[mtp_rows(case.base, "verify")]
         d = np.concatenate([r.draft_logits for r in got.rounds])
@@ -155,3 +171,6 @@ def test_the_subprocess_protocol_carries_mtp_requests():
     assert len(result.cases) == 24 and result.exit_code == 0, [c.message for c in result.cases if c.status != "pass"]
     rounds = next(c for c in result.cases if c.id.endswith("rounds/M0/transformers/P"))
     assert sum(r["label"].endswith(" hidden") for r in rounds.rows) == 1 + 4 * 4 + 1
+    # MTP after media: the prompt's embeddings, blocks and media inputs travel too (the server's own towers)
+    result = run(engine, [bundled_set("12b-assistant-mini")], EXACT, select="/mtp/.*/M[45]/target-cache/P$")
+    assert len(result.cases) == 4 and result.exit_code == 0, [c.message for c in result.cases if c.status != "pass"]

@@ -41,6 +41,7 @@ from conformance.sets.case import GENERATION_STEPS, TIE_MARGIN, check_case, row_
 from refimpl.assistant import Drafter
 from refimpl.model import Gemma4, KVCache
 from refimpl.mtp import assisted_greedy, run_rounds
+from refimpl.multimodal import MultimodalInputs, load_multimodal_tokens
 from refimpl.synth import PRESETS
 
 BUNDLED = list(PRESETS)  # one bundled set per preset
@@ -96,9 +97,21 @@ def oracle_answer(model, request) -> Response:
     through refimpl.mtp's teacher-forced rounds (mode rounds) or its own assisted run (mode generate)."""
     if request.kind == "mtp":
         spec, drafter = request.mtp, Drafter(request.drafter)
+        inputs = None
+        if request.images or request.audio:  # MTP after media: the request's rows, pad ids at the blocks
+            ids = np.asarray(request.tokens, dtype=np.int64)
+            blocks = np.full(len(ids), -1)
+            for b, (a, n) in enumerate(request.images):
+                ids[a:a + n], blocks[a:a + n] = model.cfg.pad_token_id, b
+            for a, n in request.audio:
+                ids[a:a + n] = model.cfg.pad_token_id
+            vision = model.cfg.use_bidirectional_attention == "vision" and bool(request.images)
+            inputs = MultimodalInputs(ids, np.asarray(request.embeddings), blocks if vision else None,
+                                      load_multimodal_tokens(Path(request.drafter).parent).placeholders)
         run = (run_rounds(model, drafter, request.tokens, [(r.token, r.drafts, r.accepted) for r in spec.rounds],
-                          spec.convention) if spec.mode == "rounds" else
-               assisted_greedy(model, drafter, request.tokens, spec.max_new_tokens, spec.num_drafts, spec.convention))
+                          spec.convention, inputs=inputs) if spec.mode == "rounds" else
+               assisted_greedy(model, drafter, request.tokens, spec.max_new_tokens, spec.num_drafts, spec.convention,
+                               inputs=inputs))
         return Response(run.prefill_logits, mtp=MtpResponse(
             run.output, [r.accepted for r in run.rounds], [r.draft_argmax for r in run.rounds],
             [r.draft_logits for r in run.rounds], [r.verify_logits for r in run.rounds]))
@@ -213,12 +226,13 @@ def test_expected_rows_equal_the_oracle_run_directly(sets, preset, tmp_path):
             err = float(np.max(np.abs(g - w))) if rows else 0.0
             assert err <= ROW_BOUND, f"{case.id} {name}: {err}"
         kinds.add((case.kind, case.entry, len(case.pieces) > 1, case.ubatch))
-    if bundled_cases(preset) == "mtp":
-        assert kinds == {("mtp", "plain", False, None)}
+    media = {("last", "embeddings", False, None), ("prefill", "embeddings", False, None),
+             ("prefill", "embeddings", True, None)}
+    if bundled_cases(preset) == "mtp":  # and with a tower the cases of the media bases MTP after media reads
+        assert kinds - media == {("mtp", "plain", False, None)}
         return
     if bundled_cases(preset) in ("images", "audio"):
-        assert kinds == {("last", "embeddings", False, None), ("prefill", "embeddings", False, None),
-                         ("prefill", "embeddings", True, None)}
+        assert kinds == media
         return
     assert {("full", "plain", False, None), ("last", "plain", False, None), ("last", "seq_id", False, None),
             ("last", "embeddings", False, None), ("prefill", "plain", False, None), ("prefill", "plain", False, 5),
@@ -562,7 +576,11 @@ def test_bundled_sets_load_and_verify():
         kind = bundled_cases(p.name)  # "text", "images", "audio" or "all" (Gemma 4 Unified: every matrix)
         media_set = kind != "text"
         assert fs.name == p.name and len(fs.cases) >= (25 if media_set else 50)
-        if kind == "all":
+        if kind == "mtp":  # the MTP matrix, and with a tower the media base(s) of MTP after media with their cases
+            media_bases = {c.mtp.media for c in fs.cases if c.kind == "mtp" and c.mtp.media is not None}
+            assert {c.base for c in fs.cases if c.kind != "mtp"} == media_bases <= {"I0", "S0"}
+            assert bool(media_bases) == bool(PRESETS[p.name].get("vision") or PRESETS[p.name].get("unified_vision"))
+        elif kind == "all":
             assert {f for c in fs.cases for f in c.features} >= {"image", "audio", "vision-blocks", "chunked"}
             assert not any("image" in c.features and "audio" in c.features for c in fs.cases)
         else:
@@ -575,8 +593,9 @@ def test_bundled_sets_load_and_verify():
             assert check["agreement"] < (3e-11 if media_set else 2e-12), check
     # 23.4 MB measured: the 12 earlier sets (14.1 MB), e2b-256-mini (1.2 MB), e2b-mini-mlx-q4 with its checkpoint
     # (1.6 MB), e2b-256-mini-q4km with its GGUF file (5.6 MB), e2b-mini-q4-0 with its (0.9 MB); then the two video
-    # sets (stored as hidden states; their frames' patches, 218 KB a frame, are most of them)
-    assert total < 30 * 2**20  # 28.1 MiB with the video sets
+    # sets (stored as hidden states; their frames' patches, 218 KB a frame, are most of them), 28.1 MiB; then the
+    # media bases of MTP after media (12b-assistant-mini's I0 and S0, e2b-vision-assistant-mini's I0): 30.4 MiB
+    assert total < 32 * 2**20
 
 
 # test_bundled_sets_are_up_to_date compares the bundled sets (made on another machine: another CPU, other BLAS
@@ -756,9 +775,12 @@ def hf_unified_cross_check(model_dir, bases, base_logits, images, audio):
         clips = [c.features[c.mask] for c in audio.get(b, ())]
         got = hf_logits(hf, [int(t) for t in ids], images=imgs, clips=clips, rule="sliding-clamped")
         worst[kind] = max(worst[kind], float(np.max(np.abs(got - base_logits[b]))))
-    ids = [int(t) for t in bases["A"]]
-    cuts = np.cumsum([3, 10, 1, 1, 13, len(ids) - 31, 1, 1]).tolist()
-    inc = float(np.max(np.abs(hf_logits_incremental(hf, ids, cuts) - base_logits["A"])))
+    incremental = []  # (an MTP set's media bases have no base A)
+    if "A" in bases:
+        ids = [int(t) for t in bases["A"]]
+        cuts = np.cumsum([3, 10, 1, 1, 13, len(ids) - 31, 1, 1]).tolist()
+        inc = float(np.max(np.abs(hf_logits_incremental(hf, ids, cuts) - base_logits["A"])))
+        incremental = [("DynamicCache", inc, f"chunked prefill and decode on base A, cuts {cuts}, max abs")]
     who = (f"transformers {transformers.__version__} Gemma4UnifiedForConditionalGeneration (eager, float64 with the "
            f"float32 spots made float64 by tests/hf_unified_reference.py; torch {torch.__version__})")
     return [{"implementation": who, "agreement": worst[k], "detail": d} for k, d in (
@@ -766,9 +788,9 @@ def hf_unified_cross_check(model_dir, bases, base_logits, images, audio):
         ("image", f"every row of the image bases ({', '.join(images)}) from the stored padded patches and positions, "
                   "mm_token_type_ids and the static-cache mask dict (rule sliding-clamped), max abs"),
         ("audio", f"every row of the audio bases ({', '.join(audio)}) from the stored raw frames (transformers' "
-                  "own embedder), max abs")) if k == "text" or (images if k == "image" else audio)] + [
-        {"implementation": who + ", DynamicCache", "agreement": inc,
-         "detail": f"chunked prefill and decode on base A, cuts {cuts}, max abs"}]
+                  "own embedder), max abs")) if (k == "text" and len(images) + len(audio) < len(bases))
+        or (images if k == "image" else audio)] + [
+        {"implementation": f"{who}, {what}", "agreement": a, "detail": d} for what, a, d in incremental]
 
 
 def hf_audio_cross_check(model_dir, bases, base_logits, audio):

@@ -42,6 +42,7 @@ from conformance.selftest.mutants import (
     IMAGE_SET_BIDIRECTIONAL,
     IMAGE_SET_PLE,
     IMAGE_SETS,
+    MTP_MEDIA_SETS,
     MTP_SET_CENTROID,
     MTP_SET_LAYOUT,
     MTP_SETS,
@@ -61,7 +62,7 @@ TOL = 1e-12
 N = 40  # base length
 W = 8  # sliding window of every preset
 PRESET_NAMES = list(PRESETS)
-VISION_PRESETS = [p for p in PRESETS if "vision" in PRESETS[p]]
+VISION_PRESETS = [p for p in PRESETS if "vision" in PRESETS[p] and not PRESETS[p].get("assistant")]  # (MTP pairs aside)
 TEXT_MUTANTS = [m for m in MUTANTS if not m.kill_sets]  # killed on all-features
 IMAGE_MUTANTS = [m for m in MUTANTS if set(m.kill_sets) & set(IMAGE_SETS)]  # need image prompts
 AUDIO_MUTANTS = [m for m in MUTANTS if AUDIO_SET in m.kill_sets]  # need audio prompts
@@ -306,7 +307,9 @@ def test_mutant_catalogue():
                                         "audio-ple-placeholder-row")}
     assert AUDIO_SET == AUDIO_PRESET and "audio" in PRESETS[AUDIO_PRESET]
     assert {m.name for m in MTP_MUTANTS} == {n for n in BACKENDS if n.startswith("mtp-")}
-    special = {"mtp-centroid-top-k-minus-1": (MTP_SET_CENTROID,), "mtp-positional-store-layers": (MTP_SET_LAYOUT,)}
+    special = {"mtp-centroid-top-k-minus-1": (MTP_SET_CENTROID,), "mtp-positional-store-layers": (MTP_SET_LAYOUT,),
+               "mtp-media-state-not-advanced": MTP_MEDIA_SETS,
+               "mtp-media-positions-without-soft-tokens": MTP_MEDIA_SETS}
     assert all(m.kill_sets == special.get(m.name, MTP_SETS) for m in MTP_MUTANTS)
     assert {m.name for m in PLE_FOLD_MUTANTS} == {"ple-fold-eps-kept", "ple-fold-eps-over-s"}
     assert {m.name for m in VIDEO_MUTANTS} == {"video-frames-not-vision", "video-frames-one-block",

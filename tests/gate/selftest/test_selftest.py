@@ -669,7 +669,8 @@ MTP_SUBSET = r"^(e2b-assistant|12b-assistant|mtp-layout)-mini/mtp/(rounds|genera
 def test_mtp_mutants_are_killed_by_the_bundled_mtp_sets(sets):
     """Each MTP mutant on 12 MTP cases, run on its kill sets only (the text sets hold no MTP request)."""
     mutants_mod = pytest.importorskip("conformance.selftest.mutants")
-    mtp = [m for m in mutants_mod.MUTANTS if set(m.kill_sets) & set(mutants_mod.MTP_SETS)]
+    mtp = [m for m in mutants_mod.MUTANTS if set(m.kill_sets) & set(mutants_mod.MTP_SETS)
+           and m.kill_sets != mutants_mod.MTP_MEDIA_SETS]
     assert len(mtp) == 12 and not _missing_kill_sets(mutants_mod, mtp)
     result = st.run_selftest(sets, mtp, profiles=("fp32",), select=MTP_SUBSET)
     assert result.cases == 12
@@ -677,3 +678,21 @@ def test_mtp_mutants_are_killed_by_the_bundled_mtp_sets(sets):
     by = _by_name(result)
     assert by["mtp-centroid-top-k-minus-1"].run_calls == 4  # the centroid-head set only
     assert by["mtp-no-rollback"].killed and by["mtp-position-p-minus-1"].killed
+
+
+# MTP after media: the image (and audio) base's rounds and generate cases under target-cache/P on the two sets
+MTP_MEDIA_SUBSET = r"^(12b-assistant|e2b-vision-assistant)-mini/mtp/(rounds|generate)/M[45]/target-cache/P$"
+
+
+def test_mtp_media_mutants_are_killed_after_an_image_and_an_audio_prompt(sets):
+    """The drafter's state not advanced past a media chunk, and its positions counted without the soft tokens: killed
+    on the MTP-after-media cases of both pairs (6 cases: image and audio on the Unified pair, image on E2B), by the
+    draft rows of the white-box rounds and by the drafts of the engine's own loop."""
+    mutants_mod = pytest.importorskip("conformance.selftest.mutants")
+    media = [m for m in mutants_mod.MUTANTS if m.kill_sets == mutants_mod.MTP_MEDIA_SETS]
+    assert {m.name for m in media} == {"mtp-media-state-not-advanced", "mtp-media-positions-without-soft-tokens"}
+    result = st.run_selftest(sets, media, profiles=("fp32",), select=MTP_MEDIA_SUBSET)
+    assert result.cases == 6
+    _assert_every_mutant_killed_by_a_matching_check(result, media)
+    for m in _by_name(result).values():
+        assert m.verdict.failing_cases == 6, (m.name, m.verdict.failing)
