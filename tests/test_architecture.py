@@ -293,7 +293,7 @@ def test_a_wheel_of_the_tree_ships_the_bundled_sets_and_finds_them(tmp_path):
     got = subprocess.run([sys.executable, "-c", code, str(site)], capture_output=True, text=True, cwd=tmp_path)
     assert got.returncode == 0, got.stderr
     n, root, cases = got.stdout.split()
-    assert (int(n), root, int(cases)) == (len(sets), str(site / "conformance" / "bundled"), 1055)
+    assert (int(n), root, int(cases)) == (len(sets), str(site / "conformance" / "bundled"), 1103)
     # the MLX quantised set ships its checkpoint (scripts/bundle-mlx-set.py): every recorded file is in the wheel
     assert {f"conformance/bundled/e2b-mini-mlx-q4/checkpoint/{f}" for f in
             ("config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.model")} <= set(names)

@@ -59,7 +59,8 @@ def all_capabilities(default_profile: str) -> Capabilities:
         embedding_convention="scaled", interior_rows=True, output_rows=True, ubatch=True,
         chunked_prefill=True, multi_sequence=True, decode=True, image_prompts=True, audio_prompts=True,
         audio_tower=True, image_tower=True, video_prompts=True, hidden_states=True, mtp=True, mtp_generate=True,
-        mtp_media=True, mtp_conventions=",".join(CONVENTIONS), traces=True, default_profile=default_profile,
+        mtp_media=True, mtp_batch=True, mtp_conventions=",".join(CONVENTIONS), traces=True,
+        default_profile=default_profile,
         weight_formats="safetensors,mlx-affine,gguf",  # the oracle reads MLX's affine checkpoints and GGUF files
     )
 
@@ -255,7 +256,21 @@ class RefimplBackend(CachedBackend):
                 raise ValueError(f"{self.who}: cannot load the drafter {path}: {exc}") from exc
         return self._drafters[path]
 
+    def _mtp_batch(self, request: Request) -> Response:
+        """A batched MTP request: the oracle runs each sequence alone (what each is graded against)."""
+        if len(request.mtp_batch) != len(request.sequences):
+            raise ValueError(f"{self.who}: {len(request.mtp_batch)} MTP requests for {len(request.sequences)} "
+                             "sequences")
+        solo = [self._mtp(Request(kind="mtp", tokens=tokens, drafter=request.drafter, mtp=spec, hidden=request.hidden))
+                for tokens, spec in zip(request.sequences, request.mtp_batch, strict=True)]
+        hidden = np.concatenate([r.hidden for r in solo]) if request.hidden else None
+        return Response(np.concatenate([r.logits for r in solo]), None, self._executed(
+            "mtp-batch", sequences=len(solo), each="the oracle's solo run",
+            accepted=[r.mtp.accepted for r in solo]), hidden=hidden, mtp_batch=[r.mtp for r in solo])
+
     def _mtp(self, request: Request) -> Response:
+        if request.mtp_batch:
+            return self._mtp_batch(request)
         spec = request.mtp
         if spec is None:
             raise ValueError(f"{self.who}: an mtp request needs its MtpRequest (request.mtp)")

@@ -46,6 +46,7 @@ CLASSES = {
     "unified U1-U14": "Gemma 4 Unified's vision masks or embedders",
     "mtp M1-M13": "the MTP drafter, its rounds, or the hidden-state output",
     "mtp M14": "the MTP drafter after an image or audio prompt: its first state, its positions",
+    "mtp M15": "batched MTP: drafter state or rows shared between the sequences of a batch",
     "degenerate": "output not computed for the input: zeros, a constant, one row for every row or case",
 }
 FAILED = ("fail", "xfail")
@@ -59,7 +60,7 @@ def summary_class(bug_class: str) -> str:
         return "traps 1-12"
     if bug_class.startswith("unified"):
         return "unified U1-U14"
-    if bug_class == "mtp M14":
+    if bug_class in ("mtp M14", "mtp M15"):
         return bug_class
     if bug_class.startswith("mtp"):
         return "mtp M1-M13"
@@ -129,10 +130,10 @@ def _case_patterns(c, cap: float | None) -> list[tuple[str, list[str]]]:
     out: list[tuple[str, list[str]]] = []
     bad, rows = _failing(c), c.rows
     if c.kind == "mtp":
-        media = "mtp-after-media" in c.features
-        return [(f"an MTP case{' after media' if media else ''}" + (
+        media, batch = "mtp-after-media" in c.features, "mtp-batch" in c.features
+        return [(f"{'a batched MTP case' if batch else 'an MTP case'}{' after media' if media else ''}" + (
             " whose request the backend could not serve" if c.status in ("error", "xfail") and c.error is not None
-            else ""), ["mtp M14", "mtp M1-M13"] if media else ["mtp M1-M13"])]
+            else ""), ["mtp M15"] * batch + ["mtp M14"] * media + ["mtp M1-M13"])]
     if not bad:
         return out
     degenerate = _degenerate(c)

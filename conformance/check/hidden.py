@@ -18,9 +18,11 @@ import numpy as np
 from refimpl.arrays import to_host
 from refimpl.model import Gemma4
 
+from ..sets.case import mtp_groups, solo_cases
 from . import metrics as M
 from .grading import RowResult, empty_metrics, finite_or_none, real_array, show_threshold, show_value
 from .profiles import Profile
+from .requests import sequence_response
 
 __all__ = ["OracleHidden", "grade_hidden", "hidden_groups"]
 
@@ -52,6 +54,13 @@ def hidden_groups(case, groups, response) -> tuple[list, list[Any]]:
     """(the groups that have hidden rows, the response's hidden rows of each): ``row_groups(case)``'s logits
     rows, then its decode group(s); for an MTP case the prompt's row and every round's verification rows
     (draft steps have none)."""
+    if case.kind == "mtp" and case.mtp_batch:  # each sequence's, as its solo case's
+        picked, rows, at = [], [], 0
+        for s, solo in enumerate(solo_cases(case)):
+            n = len(mtp_groups(solo))
+            p, r = hidden_groups(solo, groups[at:at + n], sequence_response(response, s))
+            picked, rows, at = picked + p, rows + r, at + n
+        return picked, rows
     if case.kind == "mtp":
         mtp = response.mtp
         verify = [] if mtp is None else (mtp.verify_hidden or [])

@@ -18,7 +18,9 @@ Every message names the round, the step or row, and what each side had.
 
 from __future__ import annotations
 
+from ..sets.case import solo_cases
 from .profiles import Profile
+from .requests import sequence_response
 
 __all__ = ["MTP_CHECKS", "grade_mtp"]
 
@@ -33,7 +35,18 @@ def _first_difference(got, want) -> int | None:
 
 
 def grade_mtp(case, response, profile: Profile) -> tuple[str, str] | None:
-    """(check, message) of the first failure of an MTP case's answer, or None when it passes."""
+    """(check, message) of the first failure of an MTP case's answer, or None when it passes; a batched case's
+    first failing sequence, graded as its solo case, its message naming the sequence."""
+    if case.mtp_batch:
+        answers = response.mtp_batch
+        if not isinstance(answers, (list, tuple)) or len(answers) != len(case.mtp_batch):
+            return "mtp", (f"the response has {'no' if answers is None else len(answers)} MTP answers "
+                           f"(Response.mtp_batch), the request {len(case.mtp_batch)} sequences")
+        for s, solo in enumerate(solo_cases(case)):
+            failure = grade_mtp(solo, sequence_response(response, s), profile)
+            if failure is not None:
+                return failure[0], f"sequence {s} ({solo.base}, {solo.length}-token prompt): {failure[1]}"
+        return None
     spec, mtp = case.mtp, response.mtp
     tie = profile.tie_margin
     if mtp is None:

@@ -14,7 +14,7 @@ from refimpl.arrays import to_host
 from refimpl.model import Gemma4
 
 from ..protocol.types import MtpRequest, MtpRound, Piece, Request, Response
-from ..sets.case import BaseMedia, Case, prompt_length, row_groups
+from ..sets.case import BaseMedia, Case, prompt_length, row_groups, solo_cases
 
 
 def _ids(x) -> tuple[int, ...]:
@@ -39,6 +39,11 @@ def build_request(case: Case, bases: Mapping[str, np.ndarray], embed: Callable[[
     bases. ``media`` maps each image base to its ``BaseMedia`` (embeddings already in the backend's
     convention): a case on an image base sends those rows and the image blocks it contains."""
     m = (media or {}).get(case.base) if case.kind != "multi" else None
+    if case.kind == "mtp" and case.mtp_batch:  # batched: each sequence's prompt and MtpRequest, as its solo case's
+        solos = [build_request(solo, bases, embed, media, drafter) for solo in solo_cases(case)]
+        return Request(kind="mtp", sequences=tuple(r.tokens for r in solos),
+                       seq_ids=tuple(int(sid) for _, _, sid, _ in case.sequences), drafter=solos[0].drafter,
+                       mtp_batch=tuple(r.mtp for r in solos))
     if case.kind == "mtp":
         spec = case.mtp
         rounds = tuple(MtpRound(r.token, r.drafts, r.accepted) for r in spec.rounds) if spec.mode == "rounds" else ()
@@ -92,6 +97,15 @@ def build_request(case: Case, bases: Mapping[str, np.ndarray], embed: Callable[[
     raise ValueError(f"case {case.id}: unknown kind {case.kind!r}")
 
 
+def sequence_response(response: Response, s: int) -> Response:
+    """Sequence ``s``'s answer to a batched MTP request, as a solo MTP response: its row of ``logits`` (and of
+    ``hidden``) and its ``mtp_batch`` entry (None where the response has none)."""
+    logits, hidden, answers = _array(response.logits), _array(response.hidden), response.mtp_batch
+    return Response(logits[s:s + 1] if logits is not None and logits.ndim == 2 and s < len(logits) else None,
+                    hidden=hidden[s:s + 1] if hidden is not None and hidden.ndim == 2 and s < len(hidden) else None,
+                    mtp=answers[s] if isinstance(answers, (list, tuple)) and s < len(answers) else None)
+
+
 def _array(x) -> np.ndarray | None:
     return None if x is None else np.asarray(x)
 
@@ -102,6 +116,9 @@ def response_groups(case: Case, response: Response) -> list[np.ndarray | None]:
     Shapes are not checked here (the grader does); a missing group is None.
     """
     groups = row_groups(case)
+    if case.kind == "mtp" and case.mtp_batch:  # each sequence's groups from its row of logits and its answer
+        return [g for s, solo in enumerate(solo_cases(case)) for g in response_groups(solo, sequence_response(
+            response, s))]
     out: list[np.ndarray | None] = [_array(response.logits)]
     if case.kind == "mtp":  # then each round's draft logits and verification logits
         mtp = response.mtp

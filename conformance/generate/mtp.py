@@ -42,8 +42,8 @@ from refimpl.synth import ASSISTANT_DIR
 from ..sets.case import DECODE_STEPS, MTP_PREFIX, Case, MtpCase, MtpRoundCase
 from ..sets.format import DRAFTER_FILES, FixtureError, hash_files
 
-__all__ = ["MEDIA_SCENARIOS", "OVERRIDE", "SCENARIOS", "MediaPrompt", "MtpMatrix", "checked_drafter", "generate_mtp",
-           "media_prompts", "mtp_drafter", "mtp_matrix"]
+__all__ = ["BATCH", "MEDIA_SCENARIOS", "OVERRIDE", "SCENARIOS", "MediaPrompt", "MtpMatrix", "batched_cases",
+           "checked_drafter", "generate_mtp", "media_prompts", "mtp_drafter", "mtp_matrix"]
 
 OVERRIDE = "--allow-beyond-context (generate_set(allow_beyond_context=True))"
 
@@ -76,6 +76,10 @@ MEDIA_SCENARIOS = {
     "audio": Scenario("audio-prompt", lambda W: 0, 3, 12, (0, 2, 1, 3),
                       "after an audio prompt: the same, the block causal"),
 }
+
+
+# batched MTP (gemma4-unified-and-mtp-spec.md M15): the text bases drafting concurrently, prompts of different lengths
+BATCH = ("M0", "M1", "M3")
 
 
 @dataclass(frozen=True)
@@ -159,7 +163,7 @@ def generate_mtp(name: str, target: Gemma4, drafter: Drafter, seed: int,
     rng = np.random.default_rng(seed + 2027)
     drawable = np.array([t for t in range(3, V) if t not in eos])
     centroid = drafter.acfg.use_ordered_embeddings
-    cases, tensors, scenarios = [], {}, {}
+    cases, tensors, scenarios, solo = [], {}, {}, {}
     for i, (sc, mp) in enumerate([(sc, None) for sc in SCENARIOS] + [(MEDIA_SCENARIOS[m.kind], m) for m in media]):
         base = f"{MTP_PREFIX}{i}"
         inputs = None if mp is None else mp.inputs
@@ -202,13 +206,16 @@ def generate_mtp(name: str, target: Gemma4, drafter: Drafter, seed: int,
                                None if mp is None else mp.base)
                 cases.append(Case(id=f"{name}/mtp/{mode}/{base}/{convention}", kind="mtp", base=base,
                                   length=len(prompt), features=tuple(features), mtp=spec))
+                solo[base, mode, convention] = cases[-1]
         scenarios[base] = {"scenario": sc.name, "prompt_length": len(prompt), "num_drafts": sc.num_drafts,
                            "max_new_tokens": sc.max_new_tokens, "forced_drafts": [len(f) for f in forced],
                            "note": sc.note, **({"media": mp.base} if mp is not None else {})}
         if progress is not None:
             progress(f"MTP base {base}: {sc.name}, {len(prompt)} + {len(greedy)} tokens, {len(CONVENTIONS)} "
                      "conventions")
+    cases += batched_cases(name, solo)
     manifest = {"conventions": list(CONVENTIONS), "default_convention": DEFAULT_CONVENTION, "bases": scenarios,
+                "batch": list(BATCH),
                 "drafter_store_layers": drafter.store_layers(cfg),
                 "drafter_head": "centroid" if centroid else "dense"}
     return MtpMatrix(cases, tensors, manifest)
@@ -233,6 +240,22 @@ def media_prompts(target: Gemma4, sides: Mapping[str, Any], bases: Mapping[str, 
         inputs = MultimodalInputs(full.ids[:n], full.embeddings[:n],
                                   None if full.vision_blocks is None else full.vision_blocks[:n], full.placeholders)
         out.append(MediaPrompt(kind, base, list(bases[base][:n]), inputs))
+    return out
+
+
+def batched_cases(name: str, solo: Mapping[tuple[str, str, str], Case]) -> list[Case]:
+    """Batched MTP (spec M15): per mode and convention, one case running the BATCH bases' solo cases concurrently
+    (prompts of 3, 2W - 1 and W + 3 tokens, 3 drafts a round, budgets of 12, 12 and 4 tokens), each sequence
+    graded against its solo rows."""
+    out = []
+    for mode in ("rounds", "generate"):
+        for convention in CONVENTIONS:
+            parts = [solo[b, mode, convention] for b in BATCH]
+            features = sorted({f for c in parts for f in c.features} | {"mtp-batch"})
+            out.append(Case(id=f"{name}/mtp/{mode}/batch-{'+'.join(BATCH)}/{convention}", kind="mtp",
+                            base=parts[0].base, length=parts[0].length, features=tuple(features),
+                            sequences=tuple((c.base, c.length, s, 0) for s, c in enumerate(parts)),
+                            mtp_batch=tuple(c.mtp for c in parts)))
     return out
 
 

@@ -100,6 +100,13 @@ e.g. ``target-cache/P``), ``num_drafts`` and ``max_new_tokens``, and a ``mode``:
 A backend declares the conventions it follows (``mtp_conventions``, comma-separated); a case of another
 convention is not claimed.
 
+**Batched MTP** (capability ``mtp_batch``): ``sequences`` (with ``seq_ids``) are several prompts and
+``mtp_batch`` one ``MtpRequest`` per sequence (the same mode and convention; each its own rounds and budget);
+``mtp`` and ``tokens`` are empty. The engine runs them concurrently, each sequence with its own target cache,
+drafter state and rounds, as its server would batch them, and answers ``logits`` ``[n, V]`` (each prompt's last
+row, in order) and ``Response.mtp_batch``, one ``MtpResponse`` per sequence; each is graded against the
+sequence's solo run (spec M15: drafter state leaking between sequences, a fill value per row).
+
 **MTP after media** (capability ``mtp_media`` besides ``image_prompts`` / ``audio_prompts``): an MTP request whose
 prompt holds image or audio blocks carries them as a ``last``/``embeddings`` request does (``embeddings`` [T, H],
 ``images`` / ``audio``, ``image_inputs`` / ``audio_inputs``). The engine prefills the whole prompt in one call
@@ -167,6 +174,7 @@ class Capabilities:
     mtp_generate: bool = False  # MTP requests in mode "generate": its own assisted loop, drafts and acceptance
     mtp_conventions: str = ""  # the MTP conventions it follows, comma-separated (refimpl.mtp.CONVENTIONS)
     mtp_media: bool = False  # MTP requests after an image or audio prompt (with image_prompts / audio_prompts)
+    mtp_batch: bool = False  # batched MTP requests: several sequences drafting concurrently (Request.mtp_batch)
     traces: bool = False  # answers request.trace: named intermediates of every returned row (Response.trace)
     default_profile: str = "fp32"
     # the checkpoint formats it opens, comma-separated (WEIGHT_FORMATS); a set made from a quantised checkpoint of
@@ -264,6 +272,7 @@ class Request:
     trace: bool = False  # answer Response.trace / decode_trace too (conformance explain, backends claiming traces)
     drafter: str | None = None  # mtp: the assistant checkpoint's directory
     mtp: MtpRequest | None = None  # mtp
+    mtp_batch: tuple[MtpRequest, ...] = ()  # batched mtp: one per sequence of ``sequences`` (seq_ids theirs)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -280,6 +289,7 @@ class Response:
     hidden: np.ndarray | None = None  # [R, H] final-norm hidden states of the logits rows (request.hidden)
     decode_hidden: np.ndarray | list[np.ndarray] | None = None  # [len(decode), H]; a list for multi
     mtp: MtpResponse | None = None  # mtp requests
+    mtp_batch: list[MtpResponse] | None = None  # batched mtp requests: one per sequence, in the order given
     trace: dict[str, np.ndarray] | None = None  # request.trace: point name -> [R, ...] (conformance.protocol.trace)
     decode_trace: dict[str, np.ndarray] | list[dict[str, np.ndarray]] | None = None  # per decode row; a list for multi
 
@@ -342,9 +352,12 @@ def required_capabilities(request: Request) -> list[str]:
     elif request.kind == "multi":
         need.append("multi_sequence")
     elif request.kind == "mtp":
-        need.append("mtp" if request.mtp is None or request.mtp.mode == "rounds" else "mtp_generate")
-        if request.mtp is not None:
-            need.append(f"mtp_conventions={request.mtp.convention}")
+        spec = request.mtp_batch[0] if request.mtp_batch else request.mtp
+        need.append("mtp" if spec is None or spec.mode == "rounds" else "mtp_generate")
+        if spec is not None:
+            need.append(f"mtp_conventions={spec.convention}")
+        if request.mtp_batch:
+            need.append("mtp_batch")
         if request.images or request.audio:
             need.append("mtp_media")
     if request.decode:

@@ -135,11 +135,8 @@ def request_to_json(request: Request, out_dir: str | Path) -> dict[str, Any]:
         "hidden": bool(request.hidden),
         "trace": bool(request.trace),
         "drafter": request.drafter,
-        "mtp": None if request.mtp is None else {
-            "mode": request.mtp.mode, "convention": request.mtp.convention, "num_drafts": int(request.mtp.num_drafts),
-            "max_new_tokens": int(request.mtp.max_new_tokens),
-            "rounds": [{"token": int(r.token), "drafts": [int(t) for t in r.drafts], "accepted": int(r.accepted)}
-                       for r in request.mtp.rounds]},
+        "mtp": _mtp_json(request.mtp),
+        "mtp_batch": [_mtp_json(m) for m in request.mtp_batch],  # (after v1: batched MTP)
     }
     if request.embeddings is not None:
         d["embeddings"] = _embeddings_json(request.embeddings, out_dir, "embeddings.f64")
@@ -201,7 +198,17 @@ def request_from_json(d: dict, out_dir: Path) -> Request:
         trace=bool(d.get("trace", False)),  # likewise
         drafter=d.get("drafter"),  # mtp requests (after v1)
         mtp=_mtp_request(d.get("mtp")),
+        mtp_batch=tuple(_mtp_request(m) for m in d.get("mtp_batch") or ()),  # after v1
     )
+
+
+def _mtp_json(m: MtpRequest | None) -> dict | None:
+    if m is None:
+        return None
+    return {"mode": m.mode, "convention": m.convention, "num_drafts": int(m.num_drafts),
+            "max_new_tokens": int(m.max_new_tokens),
+            "rounds": [{"token": int(r.token), "drafts": [int(t) for t in r.drafts], "accepted": int(r.accepted)}
+                       for r in m.rounds]}
 
 
 def _mtp_request(d: Any) -> MtpRequest | None:
@@ -213,10 +220,12 @@ def _mtp_request(d: Any) -> MtpRequest | None:
                                    for r in d.get("rounds") or ()))
 
 
-def mtp_reply(out_dir: Path, mtp: MtpResponse, fmt: str) -> dict:
-    """The reply's "mtp" object (server side): tokens as JSON, each round's logits as ARRAY files."""
+def mtp_reply(out_dir: Path, mtp: MtpResponse, fmt: str, prefix: str = "") -> dict:
+    """The reply's "mtp" object (server side): tokens as JSON, each round's logits as ARRAY files (their names
+    after ``prefix``: a batched reply's sequence)."""
     def arrays(name: str, rows: list | None) -> list | None:
-        return None if rows is None else [write_array(out_dir, f"{name}.{r}", a, fmt) for r, a in enumerate(rows)]
+        return None if rows is None else [write_array(out_dir, f"{prefix}{name}.{r}", a, fmt)
+                                          for r, a in enumerate(rows)]
 
     return {"output": [int(t) for t in mtp.output], "accepted": [int(a) for a in mtp.accepted],
             "drafts": [[int(t) for t in d] for d in mtp.drafts],
@@ -284,6 +293,8 @@ def expected_rows(request: Request) -> tuple[int, int | list[int] | None]:
     """(rows of ``logits``, rows of ``decode_logits``: an int, a list per sequence for multi, or None)."""
     if request.kind == "full":
         rows = len(request.tokens)
+    elif request.kind == "mtp" and request.mtp_batch:
+        rows = len(request.sequences)
     elif request.kind in ("last", "mtp"):
         rows = 1
     elif request.kind == "prefill":

@@ -37,7 +37,7 @@ def _rerotated(self, kv, layer_type):
 
 MtpDrafterReadsPreNorm = planted(
     "mtp-drafter-reads-pre-norm", "MTP: the drafter is fed the target's residual before the final norm (M1).",
-    driver={"target_states": lambda self: self.engine.residual_log[-1]})
+    driver={"target_states": lambda self: self.engine.residual_log[-1][self.span]})
 
 MtpLastRowAfterPartial = planted(
     "mtp-last-row-after-partial", "MTP: after a verification the next round reads the chunk's last row, not row n "
@@ -108,3 +108,15 @@ MtpMediaPositionsWithoutSoftTokens = planted(
     "mtp-media-positions-without-soft-tokens", "MTP after media: the drafter's query position counts the prompt's "
                                                "text only, not its soft tokens (M14).",
     draft={"position": lambda self, P, j, rule: (P if rule == "P" else P - 1) - self.media_tokens})
+
+
+# batched MTP (gemma4-unified-and-mtp-spec.md M15): drafter state leaking between the sequences of one batch
+
+def _remember_shared(self, h) -> None:
+    self.draft.shared_state = h  # one slot for the whole batch: the drafter object every driver shares
+
+
+MtpBatchSharedState = planted(
+    "mtp-batch-shared-state", "Batched MTP: the drafter's state is one slot for the whole batch: a sequence's round "
+                              "starts from the state the last settled sequence left (M15).",
+    driver={"remember": _remember_shared, "recall": lambda self: self.draft.shared_state})

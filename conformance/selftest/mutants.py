@@ -1,29 +1,28 @@
 """The mutant zoo: the numpy engine with one known bug planted, for the harness's self-test.
 
-Each mutant is the numpy engine (``conformance.selftest.engine``) with one hook replaced, made by one
-factory (``planted``): an engine method or attribute (``engine=``: a method of ``Engine``, or
-``cache_set_class``), or a request hook of the backend (``backend=``: ``last_row``, ``piece_rows``).
-The bugs are those of ``conformance-semantics.md`` section 3 (B1-B12) and the traps of
-``gemma4-text-spec.md`` section 12. Every one of them must be caught by the bundled fixture sets at the
-``fp32`` profile; ``expected_checks`` names the grading checks that count as catching it for the right
-reason (None: any failing check). ``kill_sets`` names the bundled sets that can kill a mutant when only
-some can (the image mutants: only the image sets hold image prompts, and the vision-block mutants need
-a ``use_bidirectional_attention == "vision"`` checkpoint; the audio mutants: only ``e2b-audio-mini``
-holds audio prompts, and its audio cases run the engine's own audio tower); empty: every mutant is
-killed on ``all-features``.
+Each mutant is the numpy engine (``conformance.selftest.engine``) with one hook replaced, made by one factory
+(``planted``): an engine method or attribute (``engine=``: a method of ``Engine``, or ``cache_set_class``), or a
+request hook of the backend (``backend=``: ``last_row``, ``piece_rows``). The bugs are those of
+``conformance-semantics.md`` section 3 (B1-B12) and the traps of ``gemma4-text-spec.md`` section 12. Every one of them
+must be caught by the bundled fixture sets at the ``fp32`` profile; ``expected_checks`` names the grading checks that
+count as catching it for the right reason (None: any failing check). ``kill_sets`` names the bundled sets that can
+kill a mutant when only some can (the image mutants: only the image sets hold image prompts, and the vision-block
+mutants need a ``use_bidirectional_attention == "vision"`` checkpoint; the audio mutants: only ``e2b-audio-mini``
+holds audio prompts, and its audio cases run the engine's own audio tower); empty: every mutant is killed on
+``all-features``.
 
-The Gemma 4 Unified mutants (``gemma4-unified-and-mtp-spec.md`` E2: U2 window clamp, U4 a block split
-across micro-batches, U6 LayerNorm kind and eps, U7 patch order, U8 position axes, U9 padding rows, U10
-the audio embedder's norm; U1/U3/U5 are the vision-block and soft-token mutants above, also killed on
-``12b-mini``) override the engine's own embedder steps (``patch_norm``, ``patch_values``,
-``patch_position_embedding``, ``real_patches``, ``audio_frame_norm``), ``vision_overlay`` and ``split``.
-k_eq_v (U11) is ``keqv-v-is-rotated-k``, killed on every K=V set.
+The Gemma 4 Unified mutants (``gemma4-unified-and-mtp-spec.md`` E2: U2 window clamp, U4 a block split across
+micro-batches, U6 LayerNorm kind and eps, U7 patch order, U8 position axes, U9 padding rows, U10 the audio embedder's
+norm; U1/U3/U5 are the vision-block and soft-token mutants above, also killed on ``12b-mini``) override the engine's
+own embedder steps (``patch_norm``, ``patch_values``, ``patch_position_embedding``, ``real_patches``,
+``audio_frame_norm``), ``vision_overlay`` and ``split``. k_eq_v (U11) is ``keqv-v-is-rotated-k``, killed on every K=V
+set.
 
-The audio mutants (``gemma4-multimodal-spec.md`` section 9, traps 22-24) override the audio hooks of
-``Engine``: ``audio_context`` (the local attention's chunk context), ``audio_logit_cap``,
-``audio_soft_tokens`` and ``ple_ids``. A chunk size off by one (W + 1) is not among them: on the
-miniature tower (W = 4, 4 past keys) it is an equivalent mutant, since the mask is a distance rule
-and the relative-position rows stay the distances while ``(W + L + R) // 2 == L`` (measured: 2e-15).
+The audio mutants (``gemma4-multimodal-spec.md`` section 9, traps 22-24) override the audio hooks of ``Engine``:
+``audio_context`` (the local attention's chunk context), ``audio_logit_cap``, ``audio_soft_tokens`` and ``ple_ids``. A
+chunk size off by one (W + 1) is not among them: on the miniature tower (W = 4, 4 past keys) it is an equivalent
+mutant, since the mask is a distance rule and the relative-position rows stay the distances while ``(W + L + R) // 2
+== L`` (measured: 2e-15).
 
 Run one by hand (every mutant backend is a module-level class, listed in ``BACKENDS``; from Python: ``for m in
 MUTANTS: backend = m.backend()``, a fresh, unopened float64 backend):
@@ -53,6 +52,7 @@ from .mtp_mutants import (
     MTP_MEDIA_SETS,
     HiddenNormWeightSkipped,
     HiddenPreNorm,
+    MtpBatchSharedState,
     MtpCentroidTopKMinus1,
     MtpDrafterReadsPreNorm,
     MtpEmbeddingUnscaled,
@@ -117,7 +117,6 @@ SoftcapDroppedSingleRow = planted(
 SoftcapTwice = planted(
     "softcap-twice", "The final softcap is applied twice.",
     engine={"final_softcap": lambda self, logits: Engine.final_softcap(self, Engine.final_softcap(self, logits))})
-
 
 # ----------------------------------------------------------------------------------------------
 # B7: pruned prefill misaligned (Engine.prune gathers some fields with the first |O| rows)
@@ -563,6 +562,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(MtpNoRollback, "mtp M13", MTP, kill_sets=MTP_SETS),
     _m(MtpMediaStateNotAdvanced, "mtp M14", MTP, kill_sets=MTP_MEDIA_SETS),
     _m(MtpMediaPositionsWithoutSoftTokens, "mtp M14", MTP, kill_sets=MTP_MEDIA_SETS),
+    _m(MtpBatchSharedState, "mtp M15", MTP, kill_sets=MTP_SETS),
 )
 
 BACKENDS: dict[str, type] = {m.name: m.backend_class for m in MUTANTS}

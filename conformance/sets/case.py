@@ -136,6 +136,8 @@ class Case:
     # row_groups(case) has no bases, so the case carries them)
     golden_tokens: tuple[int, ...] = ()
     mtp: MtpCase | None = None  # kind "mtp": the assisted-decoding request and the oracle's rounds
+    # batched MTP (kind "mtp", ``sequences`` its prompts, ``mtp`` None): one MtpCase per sequence, run concurrently
+    mtp_batch: tuple[MtpCase, ...] = ()
 
     def to_json(self) -> dict:
         return {
@@ -147,6 +149,7 @@ class Case:
             "ties": [[label, margin] for label, margin in self.ties], "moe_min_margin": self.moe_min_margin,
             "golden_tokens": list(self.golden_tokens),
             **({"mtp": self.mtp.to_json()} if self.mtp is not None else {}),
+            **({"mtp_batch": [m.to_json() for m in self.mtp_batch]} if self.mtp_batch else {}),
         }
 
     @staticmethod
@@ -228,6 +231,7 @@ class Case:
         kw["golden_tokens"] = tuple(i("golden_tokens", t) for t in lst("golden_tokens"))
         if d.get("mtp") is not None:
             kw["mtp"] = MtpCase.from_json(d["mtp"], where)
+        kw["mtp_batch"] = tuple(MtpCase.from_json(m, f"{where} (mtp_batch)") for m in lst("mtp_batch"))
         return Case(**kw)
 
 
@@ -290,6 +294,9 @@ def row_groups(case: Case) -> list[tuple[str, list[RowSpec]]]:
         return groups
 
     T = prompt_length(case)
+    if case.kind == "mtp" and case.mtp_batch:  # each sequence's groups, as its solo case's
+        return [(f"seq {s} {name}", [RowSpec(f"seq {s} {r.label}", r.base, r.position) for r in rows])
+                for s, solo in enumerate(solo_cases(case)) for name, rows in mtp_groups(solo)]
     if case.kind == "mtp":
         return mtp_groups(case)
     if case.kind == "full":
@@ -311,6 +318,12 @@ def row_groups(case: Case) -> list[tuple[str, list[RowSpec]]]:
     return groups
 
 
+def solo_cases(case: Case) -> list[Case]:
+    """A batched MTP case as the solo MTP case of each of its sequences (what each is graded against)."""
+    return [Case(id=f"{case.id}#seq{s}", kind="mtp", base=b, length=n, features=case.features, mtp=m)
+            for s, ((b, n, _, _), m) in enumerate(zip(case.sequences, case.mtp_batch, strict=True))]
+
+
 def mtp_groups(case: Case) -> list[tuple[str, list[RowSpec]]]:
     """An MTP case's rows: the prompt's last row, then per round (mode "rounds") its draft steps' logits and
     its verification rows, read from the base's stored MTP rows (``mtp_rows``)."""
@@ -330,6 +343,12 @@ def mtp_groups(case: Case) -> list[tuple[str, list[RowSpec]]]:
 
 def _check_mtp_case(case: Case, where: str) -> list[str]:
     m = case.mtp
+    if case.mtp_batch:
+        if m is not None or len(case.mtp_batch) != len(case.sequences) or len(case.sequences) < 2 or \
+                len({(x.mode, x.convention) for x in case.mtp_batch}) != 1:
+            return [f"{where}: a batched mtp case needs one 'mtp_batch' entry per sequence (at least 2, one mode and "
+                    "convention) and no 'mtp'"]
+        return [p for solo in solo_cases(case) for p in _check_mtp_case(solo, where)]
     if m is None:
         return [f"{where}: an mtp case needs its 'mtp' field"]
     out = []
@@ -378,10 +397,13 @@ def check_case(case: Case, base_lengths: Mapping[str, int],
         out += _check_image_case(case, blocks, where)
     if case.kind not in KINDS:
         return [f"{where}: unknown kind {case.kind!r}"]
-    if case.kind == "mtp" or case.mtp is not None:
+    if case.kind == "mtp" or case.mtp is not None or case.mtp_batch:
         if case.kind != "mtp":
             return [f"{where}: field 'mtp' on a {case.kind} case"]
         out += _check_mtp_case(case, where)
+        if case.mtp_batch:
+            return out + [p for solo in solo_cases(case) if not out
+                          for p in check_case(solo, base_lengths, base_images)]
         media = case.mtp.media if case.mtp else None
         if media is not None and (media not in base_lengths or case.length > base_lengths[media]):
             out.append(f"{where}: its prompt is the first {case.length} tokens of media base {media!r}, which the set "

@@ -43,7 +43,7 @@ likewise (``audio`` and ``audio_inputs`` on the request, each clip's features an
 as raw float64 files; the ``audio_prompts`` and ``audio_tower`` capabilities); an audio request is
 never sent to an engine that does not claim ``audio_prompts``; a video request (its frames among the image
 blocks, ``videos`` naming them) to one that does not claim ``video_prompts``; an MTP request after media to one
-that does not claim ``mtp_media``.
+that does not claim ``mtp_media``; a batched MTP request to one that does not claim ``mtp_batch``.
 
 ``RefimplSubprocessBackend`` runs ``python -m conformance.serve --backend
 refimpl``: the oracle behind the protocol, which must pass every bundled case at ``exact-f64``.
@@ -470,6 +470,10 @@ class SubprocessBackend:
             # likewise: an engine without mtp_media would draft after the placeholders as text
             raise ValueError(f"subprocess backend {self.name!r}: the engine does not claim mtp_media; an MTP "
                              f"request after media is not sent to it")
+        if request.mtp_batch and not self.capabilities.mtp_batch:
+            # likewise: an engine without mtp_batch would find no "mtp" request in it
+            raise ValueError(f"subprocess backend {self.name!r}: the engine does not claim mtp_batch; a batched "
+                             f"MTP request is not sent to it")
         if request.kind == "multi" and request.decode and not any(request.decode):
             request = dataclasses.replace(request, decode=())  # no sequence has a step: sent as "decode": []
         if not self._alive():

@@ -75,11 +75,20 @@ def response_from_reply(reply: dict, request: Request, out_dir: str, vocab: int 
         raise ProtocolError(f"the run reply's 'executed' must be an object, got {clip_text(repr(executed))}")
     hidden, decode_hidden = _hidden(reply, request, out_dir, rows, decode_rows)
     trace, decode_trace = _trace(reply, request, out_dir, rows, decode_rows)
-    if request.kind == "mtp" and "mtp" not in reply:
-        raise ProtocolError("the run reply lacks the required field 'mtp' (the request is an mtp request)")
-    mtp = mtp_from_reply(reply.get("mtp"), request, out_dir, vocab) if request.kind == "mtp" else None
+    mtp, batch = None, None
+    if request.kind == "mtp" and request.mtp_batch:  # batched: one "mtp" object per sequence
+        answers = reply.get("mtp_batch")
+        if not isinstance(answers, list) or len(answers) != len(request.mtp_batch):
+            raise ProtocolError(f"the run reply of a batched mtp request needs 'mtp_batch', one 'mtp' object per "
+                                f"sequence ({len(request.mtp_batch)}), got {clip_text(repr(answers))}")
+        batch = [mtp_from_reply(a, Request(kind="mtp", mtp=m), out_dir, vocab)
+                 for a, m in zip(answers, request.mtp_batch, strict=True)]
+    elif request.kind == "mtp":
+        if "mtp" not in reply:
+            raise ProtocolError("the run reply lacks the required field 'mtp' (the request is an mtp request)")
+        mtp = mtp_from_reply(reply.get("mtp"), request, out_dir, vocab)
     return Response(logits, decode, executed, hidden=hidden, decode_hidden=decode_hidden, mtp=mtp, trace=trace,
-                    decode_trace=decode_trace)
+                    decode_trace=decode_trace, mtp_batch=batch)
 
 def _trace(reply: dict, request: Request, out_dir: str, rows: int, decode_rows) -> tuple[Any, Any]:
     """The reply's traces (an engine that claims traces, asked with the request's "trace" flag): "trace" a

@@ -64,6 +64,8 @@ def handle(backend: Any, msg: dict, fmt: str) -> dict:
             reply["decode_logits"] = write_array(out_dir, "decode_logits", dl, fmt)
         if response.mtp is not None:
             reply["mtp"] = mtp_reply(out_dir, response.mtp, fmt)
+        if response.mtp_batch is not None:  # batched MTP: one "mtp" object per sequence
+            reply["mtp_batch"] = [mtp_reply(out_dir, m, fmt, f"seq{s}.") for s, m in enumerate(response.mtp_batch)]
         if request.hidden and response.hidden is not None:  # hidden_states: the same rows' final-norm states
             reply["hidden"] = write_array(out_dir, "hidden", response.hidden, fmt)
             dh = response.decode_hidden if request.decode else None

@@ -15,6 +15,8 @@ grades them.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -58,7 +60,7 @@ def test_stored_rows_are_the_round_protocol_run_again(name, tmp_path):
     logits, hidden = fs.mtp_rows(target, drafter)
     bases = fs.bases()
     seen = set()
-    for case in (c for c in fs.cases if c.kind == "mtp"):
+    for case in (c for c in fs.cases if c.mtp is not None):  # (a batched case's rows are its solo cases')
         m = case.mtp
         prompt = bases[case.base][:case.length]
         assert list(bases[case.base][case.length:]) == list(m.output)  # the base: prompt, then plain greedy
@@ -174,3 +176,56 @@ def test_the_subprocess_protocol_carries_mtp_requests():
     # MTP after media: the prompt's embeddings, blocks and media inputs travel too (the server's own towers)
     result = run(engine, [bundled_set("12b-assistant-mini")], EXACT, select="/mtp/.*/M[45]/target-cache/P$")
     assert len(result.cases) == 4 and result.exit_code == 0, [c.message for c in result.cases if c.status != "pass"]
+
+
+# ----------------------------------------------------------------------------------------------
+# batched MTP (spec M15): the text bases M0, M1, M3 drafting concurrently
+
+
+def test_batched_cases_ask_every_sequence_at_once():
+    """A batched case is one request: the three prompts (3, 2W - 1 and W + 3 tokens) with their seq ids and one
+    MtpRequest each (their own rounds and budgets), needing mtp_batch besides the mode and convention."""
+    from conformance.check.requests import build_request
+
+    fs = load_set(bundled_set("e2b-assistant-mini"))
+    case = next(c for c in fs.cases if c.id == "e2b-assistant-mini/mtp/rounds/batch-M0+M1+M3/rotating/P-1")
+    solo = {c.base: c for c in fs.cases if c.mtp is not None and c.id.endswith("/rounds/" + c.base + "/rotating/P-1")}
+    req = build_request(case, fs.bases(), None, None, Path("assistant"))
+    assert [len(p) for p in req.sequences] == [3, 15, 11] and req.seq_ids == (0, 1, 2) and req.mtp is None
+    assert [m.rounds for m in req.mtp_batch] == [build_request(solo[b], fs.bases(), None, None, None).mtp.rounds
+                                                 for b in ("M0", "M1", "M3")]
+    assert required_capabilities(req) == ["mtp", "mtp_conventions=rotating/P-1", "mtp_batch"]
+    groups = row_groups(case)
+    assert groups[0][0] == "seq 0 logits" and groups[-1][0] == "seq 2 round 0 verify"
+
+
+class _TamperedBatch(RefimplBackend):
+    def run(self, request: Request) -> Response:
+        r = super().run(request)
+        if request.mtp_batch:
+            r.mtp_batch[1].accepted = [a + 1 for a in r.mtp_batch[1].accepted]
+        return r
+
+
+def test_batched_grading_names_the_sequence():
+    result = run(_TamperedBatch(), [bundled_set("e2b-assistant-mini")], EXACT,
+                 select=r"/mtp/rounds/batch-M0\+M1\+M3/target-cache/P$")
+    (case,) = result.cases
+    assert (case.status, case.check) == ("fail", "mtp_accepted")
+    assert case.message.startswith("sequence 1 (M1, 15-token prompt): round 0 (pending token at position 15)")
+
+
+def test_the_numpy_engine_verifies_the_sequences_in_one_batch_a_round():
+    """The numpy engine's batched path: one multi-sequence prefill, then one verification call a round for every
+    live sequence (5 rounds: M0's and M1's; M3 is done after one), each sequence's acceptance its solo run's; it
+    passes the batched cases at exact-f64."""
+    from conformance.selftest.backend import NumpyEngineBackend
+
+    result = run(NumpyEngineBackend(), [bundled_set("12b-assistant-mini")], EXACT, select=r"/batch-M0\+M1\+M3/")
+    assert len(result.cases) == 12 and result.exit_code == 0, [c.message for c in result.cases if c.status != "pass"]
+    ex = next(c.executed for c in result.cases if c.id.endswith("/rounds/batch-M0+M1+M3/target-cache/P"))
+    assert (ex["path"], ex["verify_calls"], ex["seq_ids"]) == ("mtp-batch", 5, [0, 1, 2])
+    fs = load_set(bundled_set("12b-assistant-mini"))
+    want = {c.base: [r.accepted for r in c.mtp.rounds] for c in fs.cases
+            if c.mtp is not None and c.id.endswith(f"/rounds/{c.base}/target-cache/P")}
+    assert ex["accepted"] == [want["M0"], want["M1"], want["M3"]]

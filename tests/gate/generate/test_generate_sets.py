@@ -35,7 +35,7 @@ from conformance.check import materialise
 from conformance.check.requests import build_request, response_groups
 from conformance.generate import RECOMPUTE_BOUND, PromptError, generate_set, load_prompts, verify_set
 from conformance.generate.matrix import generate_cases
-from conformance.protocol import MtpResponse, Response, required_capabilities
+from conformance.protocol import MtpResponse, Request, Response, required_capabilities
 from conformance.sets import CASES, MANIFEST, FixtureError, bundled_sets, load_set, sha256_file
 from conformance.sets.case import GENERATION_STEPS, TIE_MARGIN, check_case, row_groups
 from refimpl.assistant import Drafter
@@ -95,6 +95,10 @@ def _decode(model, cache, tokens):
 def oracle_answer(model, request) -> Response:
     """What an exact backend answers: a fresh cache per request (per sequence for multi); MTP requests
     through refimpl.mtp's teacher-forced rounds (mode rounds) or its own assisted run (mode generate)."""
+    if request.kind == "mtp" and request.mtp_batch:  # batched: each sequence's solo run
+        solo = [oracle_answer(model, Request(kind="mtp", tokens=p, drafter=request.drafter, mtp=m))
+                for p, m in zip(request.sequences, request.mtp_batch, strict=True)]
+        return Response(np.concatenate([r.logits for r in solo]), mtp_batch=[r.mtp for r in solo])
     if request.kind == "mtp":
         spec, drafter = request.mtp, Drafter(request.drafter)
         inputs = None
@@ -577,7 +581,8 @@ def test_bundled_sets_load_and_verify():
         media_set = kind != "text"
         assert fs.name == p.name and len(fs.cases) >= (25 if media_set else 50)
         if kind == "mtp":  # the MTP matrix, and with a tower the media base(s) of MTP after media with their cases
-            media_bases = {c.mtp.media for c in fs.cases if c.kind == "mtp" and c.mtp.media is not None}
+            media_bases = {c.mtp.media for c in fs.cases if c.mtp is not None and c.mtp.media is not None}
+            assert sum(bool(c.mtp_batch) for c in fs.cases) == 12  # batched: per mode and convention
             assert {c.base for c in fs.cases if c.kind != "mtp"} == media_bases <= {"I0", "S0"}
             assert bool(media_bases) == bool(PRESETS[p.name].get("vision") or PRESETS[p.name].get("unified_vision"))
         elif kind == "all":

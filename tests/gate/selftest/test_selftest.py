@@ -670,7 +670,7 @@ def test_mtp_mutants_are_killed_by_the_bundled_mtp_sets(sets):
     """Each MTP mutant on 12 MTP cases, run on its kill sets only (the text sets hold no MTP request)."""
     mutants_mod = pytest.importorskip("conformance.selftest.mutants")
     mtp = [m for m in mutants_mod.MUTANTS if set(m.kill_sets) & set(mutants_mod.MTP_SETS)
-           and m.kill_sets != mutants_mod.MTP_MEDIA_SETS]
+           and m.bug_class not in ("mtp M14", "mtp M15")]  # (after media, batched: their tests below)
     assert len(mtp) == 12 and not _missing_kill_sets(mutants_mod, mtp)
     result = st.run_selftest(sets, mtp, profiles=("fp32",), select=MTP_SUBSET)
     assert result.cases == 12
@@ -696,3 +696,21 @@ def test_mtp_media_mutants_are_killed_after_an_image_and_an_audio_prompt(sets):
     _assert_every_mutant_killed_by_a_matching_check(result, media)
     for m in _by_name(result).values():
         assert m.verdict.failing_cases == 6, (m.name, m.verdict.failing)
+
+
+# batched MTP: the three text bases drafting concurrently, rounds and generate under target-cache/P
+MTP_BATCH_SUBSET = r"^(e2b-assistant|12b-assistant)-mini/mtp/(rounds|generate)/batch-M0\+M1\+M3/target-cache/P$"
+
+
+def test_mtp_batch_mutant_is_killed_by_the_batched_cases(sets):
+    """The drafter's state as one slot for the whole batch: it passes every solo case (one sequence, one state) and
+    fails the batched ones, each sequence graded against its solo rows; the failure names the sequence."""
+    mutants_mod = pytest.importorskip("conformance.selftest.mutants")
+    (batch,) = [m for m in mutants_mod.MUTANTS if m.bug_class == "mtp M15"]
+    assert batch.name == "mtp-batch-shared-state"
+    result = st.run_selftest(sets, [batch], profiles=("fp32",), select=MTP_BATCH_SUBSET)
+    assert result.cases == 4
+    _assert_every_mutant_killed_by_a_matching_check(result, [batch])
+    assert _by_name(result)["mtp-batch-shared-state"].verdict.failing_cases == 4
+    solo = st.run_selftest(sets, [batch], profiles=("fp32",), select=MTP_SUBSET)
+    assert solo.cases == 12 and not _by_name(solo)["mtp-batch-shared-state"].killed

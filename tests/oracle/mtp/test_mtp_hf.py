@@ -99,7 +99,7 @@ def test_bundled_generate_cases_are_transformers_own_runs(name, tmp_path):
     model_dir = materialise(fs, tmp_path)
     target, drafter = load_pair(model_dir, fs.drafter_dir(model_dir))
     bases = fs.bases()
-    cases = [c for c in fs.cases if c.kind == "mtp" and c.mtp.media is None and c.mtp.mode == "generate"
+    cases = [c for c in fs.cases if c.mtp is not None and c.mtp.media is None and c.mtp.mode == "generate"
              and c.mtp.convention == "transformers/P"]  # (after media: test_mtp_after_media_agrees_with_transformers)
     assert len(cases) == 4
     for case in cases:
