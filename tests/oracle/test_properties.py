@@ -158,7 +158,8 @@ def test_preset_tensors_follow_spec_table(preset_dirs, preset):
     assert text == spec_tensor_shapes(read_config(preset_dirs[preset]))
     # the towers: tests/oracle/towers/test_vision_tower.py, test_audio_tower.py; Unified's embedders:
     # tests/oracle/hf/test_unified_hf.py, tests/oracle/test_unified_naive.py
-    media = preset.endswith(("-vision-mini", "-audio-mini")) or PRESETS[preset].get("family") == "gemma4_unified"
+    media = preset.endswith(("-vision-mini", "-audio-mini", "-vision-assistant-mini")) or \
+        PRESETS[preset].get("family") == "gemma4_unified"
     assert (len(text) < len(weights)) == media
 
 

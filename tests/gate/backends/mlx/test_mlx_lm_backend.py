@@ -81,7 +81,7 @@ def test_identity_capabilities_and_options():
     # mlx-lm is text only (media are mlx-vlm's)
     for media in ("image_prompts", "audio_prompts", "audio_tower", "image_tower", "video_prompts"):
         assert claimed.pop(media) is False
-    for later in ("hidden_states", "mtp", "mtp_generate"):  # not served (yet): docs/backends.md
+    for later in ("hidden_states", "mtp", "mtp_generate", "mtp_media", "mtp_batch"):  # not served (yet): backends.md
         assert claimed.pop(later) is False
     assert claimed.pop("mtp_conventions") == ""
     assert claimed.pop("weight_formats") == "safetensors,mlx-affine"  # a quantised directory as it is
