@@ -18,8 +18,9 @@ from .guard import CallInfo, error_info
 from .hidden import grade_hidden, hidden_groups
 from .mtp import grade_mtp
 from .policy import Policy
-from .requests import build_request, response_groups, without_decode
+from .requests import build_request, response_groups, topk_groups, without_decode
 from .results import CaseResult, _finite, entry_point
+from .topk import grade_topk_case
 
 
 def run_case(backend: Backend, claimed: dict, ctx, case, policy: Policy) -> CaseResult:
@@ -136,8 +137,10 @@ def _answered(res: CaseResult, backend: Backend, ctx, case, request, policy: Pol
 
 
 def _graded(case, response: Response, ctx, prof):
-    """(the grade of the response's logits rows, the case's row groups)."""
+    """(the grade of the response's logits rows, or of its top-k logprobs rows, and the case's row groups)."""
     groups = row_groups(case)
+    if response.logprobs is not None:  # a server's top-k logprobs (conformance.check.topk)
+        return grade_topk_case(case, groups, topk_groups(case, response), ctx.base_logits, prof), groups
     return grade_case(case, groups, response_groups(case, response), ctx.base_logits, prof), groups
 
 

@@ -97,6 +97,19 @@ def build_request(case: Case, bases: Mapping[str, np.ndarray], embed: Callable[[
     raise ValueError(f"case {case.id}: unknown kind {case.kind!r}")
 
 
+def topk_groups(case: Case, response: Response) -> list:
+    """A top-k logprobs answer split like ``response_groups``: the logits group's rows, then the decode group(s)
+    (``TopLogprobs`` each, or None where the response has none)."""
+    groups = row_groups(case)
+    out: list = [response.logprobs]
+    dl = response.decode_logprobs
+    if case.kind == "multi":
+        out += [dl[s] if isinstance(dl, (list, tuple)) and s < len(dl) else None for s in range(len(groups) - 1)]
+    elif len(groups) > 1:
+        out.append(dl)
+    return out
+
+
 def sequence_response(response: Response, s: int) -> Response:
     """Sequence ``s``'s answer to a batched MTP request, as a solo MTP response: its row of ``logits`` (and of
     ``hidden``) and its ``mtp_batch`` entry (None where the response has none)."""

@@ -22,10 +22,11 @@ from .types import (
     Piece,
     Request,
     Response,
+    TopLogprobs,
     claims,
     required_capabilities,
 )
 
 __all__ = ["EMBEDDING_CONVENTIONS", "ENTRIES", "KINDS", "MTP_MODES", "AudioInput", "Backend", "BackendError",
            "Capabilities", "ImageInput", "CaseTimeout", "MtpRequest", "MtpResponse", "MtpRound", "Piece", "Request",
-           "Response", "claims", "required_capabilities"]
+           "Response", "TopLogprobs", "claims", "required_capabilities"]

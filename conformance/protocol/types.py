@@ -175,6 +175,7 @@ class Capabilities:
     mtp_conventions: str = ""  # the MTP conventions it follows, comma-separated (refimpl.mtp.CONVENTIONS)
     mtp_media: bool = False  # MTP requests after an image or audio prompt (with image_prompts / audio_prompts)
     mtp_batch: bool = False  # batched MTP requests: several sequences drafting concurrently (Request.mtp_batch)
+    top_logprobs: bool = False  # answers every row as its top-k logprobs (Response.logprobs), not logits (a server)
     traces: bool = False  # answers request.trace: named intermediates of every returned row (Response.trace)
     default_profile: str = "fp32"
     # the checkpoint formats it opens, comma-separated (WEIGHT_FORMATS); a set made from a quantised checkpoint of
@@ -282,6 +283,15 @@ class Request:
 
 
 @dataclass
+class TopLogprobs:
+    """Rows answered as top-k log-probabilities instead of logits (a server's completions endpoint): per row the
+    ids of its k most likely tokens and their logprobs, as the server returned them."""
+
+    ids: np.ndarray  # [R, k] int
+    logprobs: np.ndarray  # [R, k] float, each <= 0
+
+
+@dataclass
 class Response:
     logits: np.ndarray  # [R, V] rows as the request defines them
     decode_logits: np.ndarray | list[np.ndarray] | None = None  # [len(decode), V]; a list for multi
@@ -290,6 +300,9 @@ class Response:
     decode_hidden: np.ndarray | list[np.ndarray] | None = None  # [len(decode), H]; a list for multi
     mtp: MtpResponse | None = None  # mtp requests
     mtp_batch: list[MtpResponse] | None = None  # batched mtp requests: one per sequence, in the order given
+    # instead of logits / decode_logits (top_logprobs backends): the rows as top-k logprobs (conformance.check.topk)
+    logprobs: TopLogprobs | None = None
+    decode_logprobs: TopLogprobs | list[TopLogprobs] | None = None  # a list per sequence for multi
     trace: dict[str, np.ndarray] | None = None  # request.trace: point name -> [R, ...] (conformance.protocol.trace)
     decode_trace: dict[str, np.ndarray] | list[dict[str, np.ndarray]] | None = None  # per decode row; a list for multi
 

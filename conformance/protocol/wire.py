@@ -427,6 +427,9 @@ def capabilities_from_json(raw: Any) -> Capabilities:
                 raise ValueError(f"capabilities.{k} must be a string, got {v!r}")
         elif isinstance(f.default, bool) and not isinstance(v, bool):
             raise ValueError(f"capabilities.{k} must be true or false, got {v!r}")
+        if k == "top_logprobs" and v:  # (rows as top-k logprobs, Response.logprobs)
+            raise ValueError("capabilities.top_logprobs must be false over this protocol, whose replies carry logits "
+                             "rows")
         values[k] = v
     if values.get("embedding_convention", "scaled") not in ("scaled", "raw"):
         raise ValueError(f"capabilities.embedding_convention must be \"scaled\" or \"raw\", "

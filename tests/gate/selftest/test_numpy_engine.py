@@ -99,6 +99,7 @@ def test_identity_capabilities_and_registry():
     assert claimed.pop("mtp_conventions") == ",".join(CONVENTIONS)  # it serves every MTP convention
     assert claimed.pop("weight_formats") == "safetensors,mlx-affine,gguf"  # through the oracle's loader
     assert claimed.pop("activation_conventions") == "none"
+    assert claimed.pop("top_logprobs") is False  # whole logits rows
     assert all(v is True for v in claimed.values()), claimed
     assert NumpyEngineBackend(dtype="float32").capabilities.default_profile == "fp32"
     assert "numpy-engine" in registry.available_backends()

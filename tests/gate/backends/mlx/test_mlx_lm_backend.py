@@ -86,6 +86,7 @@ def test_identity_capabilities_and_options():
     assert claimed.pop("mtp_conventions") == ""
     assert claimed.pop("weight_formats") == "safetensors,mlx-affine"  # a quantised directory as it is
     assert claimed.pop("activation_conventions") == "none"  # MLX multiplies the activations as they are
+    assert claimed.pop("top_logprobs") is False  # whole logits rows
     assert all(v is True for v in claimed.values()), claimed
     assert b.expectations_file is None
     for dtype in ("bfloat16", "float16"):

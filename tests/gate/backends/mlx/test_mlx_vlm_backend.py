@@ -183,7 +183,7 @@ def test_identity_capabilities_and_options():
     # image, video and audio prompts, both towers, MTP in mode generate; not the hidden rows nor the white-box rounds
     # (MTP after media and batched MTP: its loop takes one sequence and no given patches)
     assert {k for k, v in claimed.items() if v is not True} == {"hidden_states", "mtp", "traces", "mtp_media",
-                                                                 "mtp_batch"}, claimed
+                                                                 "mtp_batch", "top_logprobs"}, claimed
     assert b.expectations_file == EXPECTATIONS_DIR / "mlx-vlm-float32.json"
     claim = MlxVlmBackend(mtp_convention="target-cache/P")
     assert (claim.name, claim.capabilities.mtp_conventions) == ("mlx-vlm-float32-mtp-target-cache-P", "target-cache/P")

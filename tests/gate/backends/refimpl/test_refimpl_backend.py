@@ -62,6 +62,7 @@ def test_identity_and_capabilities():
     assert claimed.pop("activation_conventions") == "none"  # option activations: one of ggml's instead
     assert RefimplBackend(activations="ggml-cpu/x86/f16-kv").capabilities.activation_conventions == \
         "ggml-cpu/x86/f16-kv"
+    assert claimed.pop("top_logprobs") is False  # whole logits rows
     assert all(v is True for v in claimed.values()), claimed
     f32 = RefimplFloat32Backend()
     assert (f32.name, f32.dtype, f32.capabilities.default_profile) == ("refimpl-float32", "float32", "fp32")

@@ -297,6 +297,7 @@ def test_identity_and_capabilities():
     assert claimed.pop("mtp_conventions") == "transformers/P"
     assert claimed.pop("weight_formats") == "safetensors"  # transformers does not read MLX's quantised format
     assert claimed.pop("activation_conventions") == "none"
+    assert claimed.pop("top_logprobs") is False  # whole logits rows
     assert all(v is True for v in claimed.values()), claimed
     assert TransformersBackend(dtype="float64").capabilities.default_profile == "fp32"
     assert TransformersBackend(dtype="float64", attn="sdpa").name == "transformers-float64-sdpa"
