@@ -206,7 +206,7 @@ class TransformersBackend(RequestMapping, CachedBackend):
             embedding_convention="scaled", interior_rows=True, output_rows=True, ubatch=True,
             chunked_prefill=True, multi_sequence=True, decode=True, image_prompts=True, audio_prompts=True,
             audio_tower=self.audio_tower, image_tower=self.image_tower, video_prompts=True, hidden_states=True,
-            mtp_generate=True,
+            mtp_generate=True, mtp_media=self.image_tower and self.audio_tower,  # (generate runs its own towers)
             mtp_conventions=MTP_CONVENTION, traces=True, default_profile="bf16" if dtype == "bfloat16" else "fp32",
         )
         self.expectations_file = shipped_expectations(self.name, self.device)
@@ -287,12 +287,16 @@ class TransformersBackend(RequestMapping, CachedBackend):
         drafter = self.own_mtp_drafter(request, MTP_CONVENTION, "transformers' own assisted generation",
                                        lambda path: load_assistant(path, self.torch_dtype, self.attn, self.device))
         self._hidden = [] if request.hidden else None
+        media = bool(request.images or request.audio)  # MTP after media: generate runs its own towers on them
         try:  # the prompt's last row (and its hidden state) from a forward of its own
-            logits, _ = self._forward_rows(self._forward(request.tokens, [len(request.tokens) - 1], self._new_state()))
+            logits, _ = self._forward_rows(self._forward(
+                request.tokens, [len(request.tokens) - 1], self._new_state(), request.embeddings if media else None,
+                request.images, request.audio, request.audio_inputs, image_inputs=request.image_inputs))
             hidden = self._take_hidden(1)
         finally:
             self._hidden = None
-        mtp, notes = assisted_generate(self.model, drafter, request, self.pad_token_id)
+        mtp, notes = assisted_generate(self.model, drafter, request, self.pad_token_id,
+                                       self._generate_media(request) if media else {})
         return Response(logits, None, self._executed("mtp", **notes), hidden=hidden, mtp=mtp)
 
     # -- engine hooks ---------------------------------------------------------------------------

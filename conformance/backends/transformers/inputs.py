@@ -191,6 +191,22 @@ class RequestMapping:
                                  f"embedder gives {part.shape[0]} soft tokens for its image")
         return torch.cat(parts)
 
+    def _generate_media(self, request) -> dict[str, torch.Tensor]:
+        """What ``generate`` takes for an MTP request after media, its own embedder and audio tower computing the
+        soft tokens (image_tower and audio_tower on): ``mm_token_type_ids`` of the prompt, the images' padded
+        patches and positions, the clips' frames and masks."""
+        ids = [int(t) for t in request.tokens]
+        kw = {"mm_token_type_ids": torch.tensor([self._token_types(ids, request.images, request.audio)],
+                                                dtype=torch.long, device=self.device)}
+        if request.images:
+            kw["pixel_values"], kw["image_position_ids"] = self._stacked(
+                request.image_inputs, "the images'", "Gemma 4 Unified's processor pads each to max_soft_tokens rows")
+        if request.audio:
+            x, mask = padded_clips(request.audio_inputs, self.who)
+            kw["input_features"] = torch.from_numpy(x).to(self.device, self.torch_dtype)
+            kw["input_features_mask"] = torch.from_numpy(mask).to(self.device)
+        return kw
+
     def _embeddings_kwargs(self, ids: Any, embeddings: np.ndarray, images: Sequence[tuple[int, int]],
                            audio: Sequence[tuple[int, int]], audio_inputs: Sequence, image_inputs: Sequence,
                            types: list[int], token_types: list[int], notes: dict[str, Any]) -> dict[str, Any]:

@@ -48,13 +48,15 @@ def load_assistant(path: str | Path, dtype: torch.dtype, attn_implementation: st
     return model.to(device).eval()
 
 
-def assisted_generate(target, drafter, request: Request, pad_token_id: int) -> tuple[MtpResponse, dict[str, Any]]:
+def assisted_generate(target, drafter, request: Request, pad_token_id: int,
+                      media: dict | None = None) -> tuple[MtpResponse, dict[str, Any]]:
     """Greedy ``generate(assistant_model=drafter)`` for the request; the MTP answer and notes for ``executed``.
 
     The rounds are read off two forward hooks: the target's calls (the prefill, then one verification chunk
     of k + 1 tokens a round) and the drafter's (k a round, at the round's position P). A round's acceptance
     follows from the next round's P (P grows by the accepted drafts and the target's token), the last
-    round's from the output's length."""
+    round's from the output's length. ``media``: after an image or audio prompt, what ``generate`` takes besides
+    the ids (the backend's ``_generate_media``)."""
     spec = request.mtp
     calls: list[tuple[int, int]] = []  # (query position, argmax) of every drafter call
     chunks: list[int] = []  # tokens of every target call
@@ -73,7 +75,7 @@ def assisted_generate(target, drafter, request: Request, pad_token_id: int) -> t
                target.register_forward_pre_hook(on_target, with_kwargs=True)]
     try:
         out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, do_sample=False,
-                              max_new_tokens=spec.max_new_tokens, pad_token_id=pad_token_id)
+                              max_new_tokens=spec.max_new_tokens, pad_token_id=pad_token_id, **(media or {}))
     finally:
         for h in handles:
             h.remove()

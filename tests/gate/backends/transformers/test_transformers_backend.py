@@ -127,6 +127,27 @@ def test_subset_passes_fp32(dtype, tmp_path):
     assert multi["caches"] == "one DynamicCache per seq_id"
 
 
+def test_mtp_after_media_with_its_own_towers(tmp_path):
+    """With image_tower=on (and the audio tower) transformers claims MTP after media: generate(assistant_model=...)
+    gets the prompt's padded patches / raw frames and mm_token_type_ids. After the audio prompt (M5) every round
+    is the oracle's; after the image prompt (M4) its masks open the Unified image block by its own rule, as on the
+    I0 cases (the prompt's last row 5.53 off): the known failure of its expectations file. Without the towers the
+    two cases are not claimed."""
+    select = r"^12b-assistant-mini/mtp/generate/M[45]/transformers/P$"
+    on = TransformersBackend(dtype="float32", threads=1, image_tower="on")
+    assert on.capabilities.mtp_media and not TransformersBackend().capabilities.mtp_media
+    shipped = load_expectations(on.expectations_file)
+    result = run_cases(on, [bundled_set("12b-assistant-mini")], PROFILES["fp32"], select=select, workdir=tmp_path,
+                       expectations=shipped)
+    by = {c.id.split("/")[3]: c for c in result.cases}
+    assert by["M5"].status == "pass" and by["M5"].executed["drafter_calls"] == 27
+    assert (by["M4"].status, by["M4"].check) == ("xfail", "max_abs") and result.exit_code == 0
+    assert "max_abs 5.53" in by["M4"].message and "round 0 step 0: drafted 9" in by["M4"].message
+    off = run_cases(TransformersBackend(dtype="float32", threads=1), [bundled_set("12b-assistant-mini")],
+                    PROFILES["fp32"], select=select, workdir=tmp_path)
+    assert {c.status for c in off.cases} == {"not-claimed"}
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_assisted_generation_and_hidden_rows(dtype, tmp_path):
     """transformers' own generate(assistant_model=...) on the bundled MTP sets: every transformers/P generate
