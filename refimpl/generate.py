@@ -10,7 +10,7 @@ import numpy as np
 
 from .errors import InputError
 from .model import Gemma4, KVCache
-from .multimodal import MultimodalTokens, multimodal_inputs
+from .multimodal import MultimodalInputs, MultimodalTokens, multimodal_inputs
 
 
 @dataclass
@@ -60,13 +60,23 @@ def greedy_generate_multimodal(model: Gemma4, ids: Sequence[int] | np.ndarray, s
         raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     m = multimodal_inputs(model, ids, soft_tokens, tokens, audio_soft_tokens=audio_soft_tokens,
                           video_soft_tokens=video_soft_tokens)
+    return greedy_generate_inputs(model, m, max_new_tokens, stop_ids, on_token)
+
+
+def greedy_generate_inputs(model: Gemma4, inputs: MultimodalInputs, max_new_tokens: int,
+                           stop_ids: Sequence[int] | None = None,
+                           on_token: Callable[[int], None] | None = None) -> Generation:
+    """``greedy_generate_multimodal`` from the prompt's merged inputs (``multimodal_inputs``): one cached prefill,
+    then text decode, a generated placeholder id (``inputs.placeholders``) fed back as ``pad_token_id``."""
+    if max_new_tokens < 0:
+        raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if max_new_tokens == 0:
         return Generation([], False, [])
     cache = KVCache()
-    logits = model.forward(m.ids, rows="last", cache=cache, embeddings=m.embeddings,
-                           vision_blocks=m.vision_blocks)[0]
+    logits = model.forward(inputs.ids, rows="last", cache=cache, embeddings=inputs.embeddings,
+                           vision_blocks=inputs.vision_blocks)[0]
     pad = model.cfg.pad_token_id if model.cfg.pad_token_id is not None else 0
-    placeholders = set(tokens.placeholders)
+    placeholders = set(inputs.placeholders)
     return _decode_greedily(model, cache, logits, max_new_tokens, stop_ids, on_token,
                             feed=lambda t: pad if t in placeholders else t)
 

@@ -50,10 +50,12 @@ def build_request(case: Case, bases: Mapping[str, np.ndarray], embed: Callable[[
         T, m = case.length, (media or {}).get(spec.media) if spec.media is not None else None
         if spec.media is not None and m is None:
             raise ValueError(f"case {case.id}: its prompt is media base {spec.media!r}, which has no media")
-        media_fields = {} if m is None else dict(
-            embeddings=np.asarray(m.embeddings[:T], dtype=np.float64), images=_images_within(m.images, T),
-            audio=_images_within(m.audio, T), image_inputs=tuple(m.image_inputs[:len(_images_within(m.images, T))]),
-            audio_inputs=tuple(m.audio_inputs[:len(_images_within(m.audio, T))]))
+        media_fields = {}
+        if m is not None:
+            images, audio = _images_within(m.images, T), _images_within(m.audio, T)
+            media_fields = dict(embeddings=np.asarray(m.embeddings[:T], dtype=np.float64), images=images, audio=audio,
+                                image_inputs=tuple(m.image_inputs[:len(images)]),
+                                audio_inputs=tuple(m.audio_inputs[:len(audio)]))
         return Request(kind="mtp", tokens=_ids(bases[case.base][:T]), drafter=None if drafter is None else str(drafter),
                        mtp=MtpRequest(spec.mode, spec.convention, spec.num_drafts, spec.max_new_tokens, rounds),
                        **media_fields)

@@ -24,10 +24,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from . import metrics as M
 from .grading import CaseGrade, RowResult, empty_metrics, show_threshold, show_value
 from .profiles import Profile
 
-__all__ = ["TOPK_CHECKS", "grade_topk_case", "logprob_bound", "oracle_logprobs"]
+__all__ = ["TOPK_CHECKS", "grade_topk_case", "logprob_bound"]
 
 TOPK_CHECKS = ("count", "shape", "nonfinite", "logprob", "top1", "topk")
 SHOWN = 5  # ids in a row's top_ref / top_got
@@ -36,13 +37,6 @@ SHOWN = 5  # ids in a row's top_ref / top_got
 def logprob_bound(profile: Profile) -> float:
     """The largest |logprob difference| a row within the profile's ``max_abs`` can show (module doc)."""
     return 2.0 * profile.max_abs
-
-
-def oracle_logprobs(row: np.ndarray) -> np.ndarray:
-    """log-softmax [V] of one oracle logits row (float64; -inf where the logit is -inf)."""
-    row = np.asarray(row, dtype=np.float64)
-    top = np.max(row[np.isfinite(row)])
-    return row - (top + np.log(np.sum(np.exp(row[np.isfinite(row)] - top))))
 
 
 def _row(label: str, position: int, ref: np.ndarray, ids: np.ndarray, lps: np.ndarray,
@@ -65,7 +59,7 @@ def _row(label: str, position: int, ref: np.ndarray, ids: np.ndarray, lps: np.nd
         return fail("nonfinite", f"the returned logprobs must be finite and <= 0: {lps.tolist()}")
     mine = np.argsort(-lps, kind="stable")
     res.top_got = [int(ids[j]) for j in mine[:SHOWN]]
-    lp = oracle_logprobs(ref)
+    lp = M.log_softmax(ref)
     diff = np.abs(lps - lp[ids])
     top_k = order[:k]
     m.update(logprob_max_abs=float(diff.max()), topk_overlap=float(np.isin(top_k, ids).mean()),

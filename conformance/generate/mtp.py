@@ -33,8 +33,8 @@ import numpy as np
 
 from refimpl.assistant import Drafter
 from refimpl.context import check_context
-from refimpl.generate import greedy_generate
-from refimpl.model import Gemma4, KVCache
+from refimpl.generate import greedy_generate, greedy_generate_inputs
+from refimpl.model import Gemma4
 from refimpl.mtp import CONVENTIONS, DEFAULT_CONVENTION, MtpRun, assisted_greedy
 from refimpl.multimodal import MultimodalInputs
 from refimpl.synth import ASSISTANT_DIR
@@ -137,19 +137,8 @@ def _stack(arrays: list[np.ndarray], width: int) -> np.ndarray:
 
 def _plain_greedy(target: Gemma4, prompt: list[int], n: int, inputs: MultimodalInputs | None) -> list[int]:
     """Plain greedy decoding of ``n`` tokens after ``prompt`` (with its media ``inputs``), stopping at EOS."""
-    if inputs is None:
-        return list(greedy_generate(target, prompt, n).tokens)
-    cache = KVCache()
-    logits = target.forward(inputs.ids, rows="last", cache=cache, embeddings=inputs.embeddings,
-                            vision_blocks=inputs.vision_blocks)[0]
-    out, eos = [], set(target.cfg.eos_token_ids)
-    pad = target.cfg.pad_token_id if target.cfg.pad_token_id is not None else 0
-    while True:
-        out.append(int(np.argmax(logits)))
-        if len(out) == n or out[-1] in eos:
-            return out
-        fed = pad if out[-1] in inputs.placeholders else out[-1]  # (as refimpl.mtp feeds a placeholder id)
-        logits = target.forward([fed], rows="last", cache=cache)[0]
+    run = greedy_generate(target, prompt, n) if inputs is None else greedy_generate_inputs(target, inputs, n)
+    return list(run.tokens)
 
 
 def generate_mtp(name: str, target: Gemma4, drafter: Drafter, seed: int,

@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 
 from conformance.backends.refimpl_backend import RefimplBackend
+from conformance.check.metrics import log_softmax
 from conformance.check.profiles import get_profile
 from conformance.check.runner import run
-from conformance.check.topk import logprob_bound, oracle_logprobs
+from conformance.check.topk import logprob_bound
 from conformance.protocol.types import Capabilities, Request, Response, TopLogprobs
 from conformance.sets.bundled import bundled_set
 from conformance.sets.case import row_groups
@@ -33,7 +34,7 @@ SELECT = r"^e2b-mini/(last/plain/A/T9/pos(8|4)|full/A/T9|prefill/A/T19/rows-midd
 
 
 def top_k(rows: np.ndarray, k: int = K) -> TopLogprobs:
-    lp = np.stack([oracle_logprobs(r) for r in np.asarray(rows, dtype=np.float64)])
+    lp = np.stack([log_softmax(r) for r in np.asarray(rows, dtype=np.float64)])
     ids = np.argsort(-lp, axis=-1, kind="stable")[:, :k]
     return TopLogprobs(ids, np.take_along_axis(lp, ids, axis=-1))
 
@@ -55,7 +56,7 @@ class TopKOracle(RefimplBackend):
         elif self.how == "top1":  # the oracle's top-1 and its second token swap places
             t.ids[0, [0, 1]] = t.ids[0, [1, 0]]
         elif self.how == "missing":  # the second token left out: the 6th in its place
-            lp = oracle_logprobs(r.logits[0])
+            lp = log_softmax(r.logits[0])
             sixth = int(np.argsort(-lp, kind="stable")[K])
             t.ids[0, 1], t.logprobs[0, 1] = sixth, lp[sixth]
         elif self.how == "short":
