@@ -25,7 +25,7 @@ $(VENV)/.core: pyproject.toml | $(BIN)/python
 	touch $@
 
 $(VENV)/.test: pyproject.toml constraints/engines.txt | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[test,hf,mlx,cluster,plot,chat]' -c constraints/engines.txt
+	$(BIN)/python -m pip install -q -e '.[test,hf,mlx,cluster,plot,chat,server]' -c constraints/engines.txt
 	touch $@ $(VENV)/.core
 
 $(VENV)/.llama-cpp: scripts/build-llama-cpp.sh | $(VENV)/.test

@@ -10,6 +10,9 @@
 #                                      each published shape cut to that many layers (full: every layer): synth,
 #                                      generate --device cuda
 #                                      (timed, peak GPU memory by nvidia-smi), one JSON line each in families.jsonl
+#   benchmarks/device_run.sh profile [PRESET:LAYERS]
+#                                      generate --device cuda under cProfile (default e2b:full): the stages' log and
+#                                      the costliest functions in $OUT
 #   benchmarks/device_run.sh transformers [K]
 #                                      check --backend transformers --backend-option device=cuda on the GPU-made
 #                                      E2B set, -k K (default last/plain)
@@ -73,6 +76,18 @@ case "$mode" in
         | tee -a "$OUT/families.jsonl"
       rm -rf "$dir"
     done ;;
+  profile)  # profile [PRESET:LAYERS]: generate --device cuda of that set under cProfile (default e2b:full), the
+             # stages' log and the 45 costliest functions by cumulative and by own time
+    spec=${2:-e2b:full}; preset=${spec%%:*}; layers=${spec##*:}; dir=/tmp/ckpt-$preset-$layers
+    cut="--layers $layers"; [ "$layers" = full ] && cut=""
+    [ -f "$dir/config.json" ] || timeout 280 python3 -m refimpl synth --preset "$preset" $cut --out "$dir" > /dev/null
+    rm -rf /tmp/sets/prof; s=$SECONDS
+    timeout 300 python3 -m cProfile -o "$OUT/generate-$preset-$layers.prof" -m conformance.cli generate --model "$dir" \
+      --out /tmp/sets/prof --cases text --device cuda > "$OUT/generate-$preset-$layers-profile.log" 2>&1
+    echo "generate under cProfile: $((SECONDS - s)) s"; tail -3 "$OUT/generate-$preset-$layers-profile.log"
+    python3 -c "import pstats, sys; p = pstats.Stats(sys.argv[1]); p.sort_stats('cumulative').print_stats(45); \
+p.sort_stats('tottime').print_stats(45)" "$OUT/generate-$preset-$layers.prof" > "$OUT/profile-$preset-$layers.txt"
+    ;;
   transformers)  # transformers on the GPU, float32, on a -k subset of the GPU-made E2B set (generate first)
     synth "" /tmp/e2b
     [ -f /tmp/sets/e2b-gpu/manifest.json ] || timeout 300 python3 -c "$CONF" generate --model /tmp/e2b \
@@ -80,7 +95,7 @@ case "$mode" in
     timeout 300 python3 -c "$CONF" check --backend transformers --backend-option device=cuda --fixtures \
       /tmp/sets/e2b-gpu --model /tmp/e2b -k "${2:-last/plain}" --json "$OUT/check-transformers-cuda.json" 2>&1 \
       | tee "$OUT/check-transformers-cuda.log" | tail -6 ;;
-  *) echo "usage: benchmarks/device_run.sh kernels|prefill|generate|families PRESET:LAYERS...|transformers [-k]" >&2
+  *) echo "usage: benchmarks/device_run.sh kernels|prefill|generate|families PRESET:LAYERS...|profile [PRESET:LAYERS]|transformers [-k]" >&2
      exit 2 ;;
 esac
 echo "device_run.sh $mode: $((SECONDS - t0)) s"

@@ -97,7 +97,7 @@ ENGINE_TEST_MODULES = ("test_transformers_backend.py", "test_mlx_lm_backend.py",
                        "test_llama_cpp_backend.py", "test_traces_transformers.py", "test_traces_mlx_lm.py",
                        "test_traces_llama_cpp.py", "test_hf_agreement.py",
                        "test_parallel_generate.py", "test_generation_faults.py",  # these two: Dask distributed
-                       "test_gguf_llama_cpp.py")
+                       "test_gguf_llama_cpp.py", "test_openai_server.py")
 MISSING_ENGINE_REASONS = ("not installed", "could not import", "No module named", "missing", "exact-GELU")
 
 

@@ -78,5 +78,15 @@ class Calls:
     def run(self, request) -> Any:
         return self._call(lambda: self.backend.run(request), self.timeout)
 
+    def refuses(self, request) -> str | None:
+        """The backend's reason it cannot be asked ``request`` exactly (its optional ``refuses``), or None."""
+        refuses = getattr(self.backend, "refuses", None)
+        return self._call(lambda: refuses(request), self.timeout) if callable(refuses) else None
+
+    def prefetch(self, requests: list, concurrency: int) -> None:
+        """Hand the backend a set's requests ahead (its ``prefetch``: a server backend sends them ``concurrency``
+        at a time); ``run`` then takes each answer."""
+        self._call(lambda: self.backend.prefetch(requests, concurrency), self.timeout)
+
     def _call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
         return fn() if self.supervisor is None else self.supervisor.call(fn, timeout)

@@ -38,7 +38,7 @@ def run_case(backend: Backend, claimed: dict, ctx, case, policy: Policy) -> Case
     )
     decision = policy.decide(case.id)
     res.expectation = decision.to_json()
-    built = CallInfo.from_call(lambda: _claimed_request(res, case, ctx, claimed))
+    built = CallInfo.from_call(lambda: _claimed_request(res, case, ctx, claimed, backend))
     if built.failed:
         return _harness_error(res, "build the request", built.excinfo)
     if res.status == "not-claimed":
@@ -65,13 +65,32 @@ def asked(case, ctx, claimed: dict) -> tuple[Any, Any, list[str], list[str]]:
     return case, request, needs, missing
 
 
-def _claimed_request(res: CaseResult, case, ctx, claimed: dict):
+def claimed_requests(calls, claimed: dict, ctx, cases: list) -> list:
+    """The requests of ``cases`` the backend claims and does not refuse, as ``run_case`` asks them (``--concurrency``
+    hands them to the backend's ``prefetch``)."""
+    out = []
+    for case in cases:
+        res = CaseResult(id=case.id, set=ctx.name, kind=case.kind, entry="", features=[], status="pass")
+        built = CallInfo.from_call(lambda c=case, r=res: _claimed_request(r, c, ctx, claimed, calls))
+        if not built.failed and res.status != "not-claimed":
+            out.append(built.value[1])
+    return out
+
+
+def _claimed_request(res: CaseResult, case, ctx, claimed: dict, backend: Backend | None = None):
     """(case, request) as the backend is asked it (``asked``): ``res.needs`` and ``res.missing`` filled in;
-    ``res`` marked ``not-claimed`` when it needs more than the backend claims."""
+    ``res`` marked ``not-claimed`` when it needs more than the backend claims, or when the backend's optional
+    ``refuses(request)`` gives a reason it cannot be asked this request exactly (a server that takes text prompts
+    only, for a prompt whose text does not come back as its ids)."""
     case, request, res.needs, res.missing = asked(case, ctx, claimed)
     if res.missing and res.missing != ["decode"]:
         res.status = "not-claimed"
         res.message = "needs " + ", ".join(res.missing) + " (not claimed by the backend)"
+        return case, request
+    refuses = getattr(backend, "refuses", None)
+    reason = refuses(request) if callable(refuses) else None  # a Calls, or a backend that has its own
+    if reason:
+        res.status, res.message = "not-claimed", f"refused by the backend: {reason}"
         return case, request
     if claimed.get("hidden_states", False):
         request = dataclasses.replace(request, hidden=True)  # the final-norm hidden state of every returned row

@@ -30,7 +30,7 @@ from typing import Any, Iterable
 
 from ..protocol.types import Backend
 from ..sets.integrity import load_set
-from .cases import diagnose, run_case
+from .cases import claimed_requests, diagnose, run_case
 from .exits import refuse_process_exit
 from .expectations import Expectations
 from .policy import Policy
@@ -100,6 +100,7 @@ def run(
     rehash: bool = False,
     drafter: str | Path | None = None,
     profile_named: bool = True,
+    concurrency: int | None = None,
 ) -> RunResult:
     """Run the selected cases of ``sets`` (paths or loaded ``FixtureSet``s) on ``backend``.
 
@@ -114,7 +115,8 @@ def run(
     ``drafter``: the MTP assistant of sets with MTP cases (``--drafter``; default: the path each set records);
     ``profile_named``: ``profile`` was named by the user and grades every set; when False a set made under an
     activation convention is graded with that convention's profile (``Policy.set_profile``; the set's
-    ``SetInfo.profile`` says which).
+    ``SetInfo.profile`` says which); ``concurrency``: each set's claimed requests handed to the backend's
+    ``prefetch`` as it opens on the set, to be sent that many at a time (``--concurrency``; a server backend).
     """
     started = _dt.datetime.now(_dt.timezone.utc)
     t0 = time.perf_counter()
@@ -131,7 +133,7 @@ def run(
     interrupted = None
     with tempfile.TemporaryDirectory(prefix="gemma4-conformance-", dir=workdir) as tmp, refuse_process_exit():
         session = Session(backend, Checkpoints(tmp, model=model, rehash=rehash, drafter=drafter), case_timeout)
-        work = _CheckWork(session, policy, total, progress)
+        work = _CheckWork(session, policy, total, progress, concurrency)
         try:
             session.run(plan, work, work.note)
             interrupted = session.stopped
@@ -160,8 +162,9 @@ class _CheckWork:
     ``progress``; the set's failed cases diagnosed together at its end. A case timed out on an in-process
     backend (which cannot be stopped or restarted) ends the run."""
 
-    def __init__(self, session: Session, policy: Policy, total: int, progress: Progress | None):
-        self.session, self.policy = session, policy
+    def __init__(self, session: Session, policy: Policy, total: int, progress: Progress | None,
+                 concurrency: int | None = None):
+        self.session, self.policy, self.concurrency = session, policy, concurrency
         self.total, self.progress = total, progress
         self.results: list[CaseResult] = []
         self.first = 0  # where the current set's results start
@@ -169,6 +172,14 @@ class _CheckWork:
     def note(self, text: str) -> None:
         if self.progress is not None:
             self.progress(len(self.results), self.total, text, None)
+
+    def start(self, ctx: SetContext, chosen: list) -> None:
+        """``--concurrency``: the set's claimed requests to the backend's prefetch, sent ahead of grading."""
+        if self.concurrency:
+            session = self.session
+            with session.clock("backend"):
+                session.calls.prefetch(claimed_requests(session.calls, session.claimed, ctx, chosen),
+                                       self.concurrency)
 
     def case(self, ctx: SetContext, case) -> CaseResult:
         session = self.session

@@ -292,6 +292,9 @@ class CaseWork(Protocol):
         """The case's result, once the case is no longer in flight (an interrupt from here on leaves it
         reported)."""
 
+    def start(self, ctx: SetContext, chosen: list) -> None:
+        """Called once the backend is open on the set, before its first case (``--concurrency``'s prefetch)."""
+
     def done(self, ctx: SetContext, results: list) -> None:
         """After the set's last case, or when the run stops in the middle of it: its results so far."""
 
@@ -348,6 +351,9 @@ class Session:
             if any(ctx.claimable(case, self.claimed) for case in chosen):
                 with self.clock("open"):
                     self.enter(fs)
+                start = getattr(work, "start", None)  # optional: the faces that send nothing ahead have none
+                if callable(start):
+                    start(ctx, chosen)
             for case in chosen:
                 self.in_flight = case.id
                 result = work.case(ctx, case)

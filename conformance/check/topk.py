@@ -32,6 +32,7 @@ __all__ = ["TOPK_CHECKS", "grade_topk_case", "logprob_bound"]
 
 TOPK_CHECKS = ("count", "shape", "nonfinite", "logprob", "top1", "topk")
 SHOWN = 5  # ids in a row's top_ref / top_got
+PAD = -1  # an id that pads a row returned with fewer than k (TopLogprobs.ids)
 
 
 def logprob_bound(profile: Profile) -> float:
@@ -40,9 +41,13 @@ def logprob_bound(profile: Profile) -> float:
 
 
 def _row(label: str, position: int, ref: np.ndarray, ids: np.ndarray, lps: np.ndarray,
-         profile: Profile) -> RowResult:
-    """One returned row (``ids`` [k], ``lps`` [k]) against the oracle's logits row ``ref`` [V]."""
+         profile: Profile, unnamed: Sequence[int] = ()) -> RowResult:
+    """One returned row (``ids`` [k], ``lps`` [k]; -1 pads) against the oracle's logits row ``ref`` [V];
+    ``unnamed``: ids the answer cannot name (neither graded nor counted missing)."""
+    keep = ids != PAD
+    ids, lps = ids[keep], lps[keep]
     V, k, bound = ref.shape[0], ids.shape[0], logprob_bound(profile)
+    hidden = {int(t) for t in unnamed}
     m = {key: None for key in (*empty_metrics(), "logprob_max_abs", "mass_outside", "mass_outside_got")}
     order = np.argsort(-ref, kind="stable")
     res = RowResult(label, position, "pass", None, m, [int(t) for t in order[:SHOWN]], [], "")
@@ -51,6 +56,8 @@ def _row(label: str, position: int, ref: np.ndarray, ids: np.ndarray, lps: np.nd
         res.status, res.check, res.message = "fail", check, f"{label}: {message}"
         return res
 
+    if k == 0 and hidden:
+        return res  # nothing named: the server's text keys are all shared (nothing to grade on this row)
     if k == 0 or ids.shape != lps.shape or ids.min(initial=0) < 0 or ids.max(initial=0) >= V:
         return fail("shape", f"{k} ids and {lps.shape[0]} logprobs, ids in [0, {V}) needed")
     if len(set(ids.tolist())) != k:
@@ -71,11 +78,11 @@ def _row(label: str, position: int, ref: np.ndarray, ids: np.ndarray, lps: np.nd
                                f"{show_value(float(lp[ids[j]]))}: |difference| {show_value(float(diff[j]))} > "
                                f"{show_threshold(bound)} (2 x max_abs)")
     best = int(ids[mine[0]])
-    if m["margin"] > profile.tie_margin and best != int(order[0]):
+    if m["margin"] > profile.tie_margin and best != int(order[0]) and int(order[0]) not in hidden:
         return fail("top1", f"the most likely returned token is {best}, the oracle's top-1 is {int(order[0])} "
                             f"(margin {show_value(m['margin'])})")
     floor = float(lps.min())
-    missing = [int(t) for t in top_k if t not in set(ids.tolist()) and lp[t] > floor + bound]
+    missing = [int(t) for t in top_k if t not in set(ids.tolist()) and int(t) not in hidden and lp[t] > floor + bound]
     if missing:
         return fail("topk", f"token {missing[0]} (oracle logprob {show_value(float(lp[missing[0]]))}) is missing from "
                             f"the returned top {k}, whose least likely has {show_value(floor)}")
@@ -94,9 +101,10 @@ def grade_topk_case(case: Any, groups: Sequence[tuple[str, Sequence[Any]]], got:
             return CaseGrade("fail", "count", f"{gname}: {have} top-k rows returned, the request defines {n}", rows,
                              {}, None)
         ids, lps = np.asarray(answer.ids, dtype=np.int64), np.asarray(answer.logprobs, dtype=np.float64)
+        unnamed = getattr(answer, "unnamed", None) or [()] * n
         for i, spec in enumerate(specs):
             rows.append(_row(spec.label, spec.position, np.asarray(base_logits[spec.base][spec.position]), ids[i],
-                             lps[i], profile))
+                             lps[i], profile, unnamed[i] if i < len(unnamed) else ()))
     failing = [r for r in rows if r.status == "fail"]
     worst = max((r.metrics["logprob_max_abs"] for r in rows if r.metrics["logprob_max_abs"] is not None),
                 default=None)

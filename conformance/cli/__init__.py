@@ -49,6 +49,7 @@ from .common import (
     UsageError,
     add_device,
     add_selection,
+    concurrency_count,
     err,
     oracle_device,
     positive_seconds,
@@ -106,6 +107,10 @@ def _add_check(sub) -> None:
     c.add_argument("--case-timeout", type=positive_seconds, metavar="SECONDS",
                    help="a case whose request takes longer is an error (check 'timeout'); a backend in a child "
                         "process (--isolate, subprocess, llama-cpp) is restarted, an in-process one ends the run")
+    c.add_argument("--concurrency", type=concurrency_count, metavar="N",
+                   help="send each set's requests ahead, N at a time, so that a server batches requests of "
+                        "different lengths (sorted by prompt: a prefix cache reuses blocks); backends with prefetch "
+                        "only (openai)")
     add_device(c, "the oracle (the rows rebuilt through the head, the embeddings, the MTP rows)")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     c.add_argument("-v", "--verbose", action="store_true", help="details of every failing case, not only the first")

@@ -102,6 +102,12 @@ def cmd_check(args, argv: Sequence[str]) -> int:
     except BackendError as e:
         err(str(e))
         return reports.aborted("backend", str(e))
+    if args.concurrency is not None and not callable(getattr(backend, "prefetch", None)):
+        msg = (f"--concurrency: backend {backend.name!r} takes one request at a time (a backend with prefetch, "
+               "such as openai, sends them concurrently)")
+        err(msg)
+        shutdown_backend(backend)
+        return reports.aborted("backend", msg)
     if policy.expectations.backend and policy.expectations.backend != backend.name:
         warn(f"the expectations file is for backend {policy.expectations.backend!r}, running {backend.name!r}")
 
@@ -109,7 +115,7 @@ def cmd_check(args, argv: Sequence[str]) -> int:
     result, failed = guarded(bar, lambda: run(backend, sets, policy.profile, policy.expectations, pattern, bar,
                                                backend_options=options, case_timeout=args.case_timeout,
                                                model=model, rehash=args.rehash, drafter=drafter,
-                                               profile_named=policy.named),
+                                               profile_named=policy.named, concurrency=args.concurrency),
                              on_error=reports.aborted)
     shutdown_backend(backend)
     if failed is not None:

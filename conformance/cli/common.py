@@ -172,6 +172,17 @@ def output_path(flag: str, value: str | None) -> str | None:
     return value
 
 
+def concurrency_count(value: str) -> int:
+    """An argparse type: how many requests at a time, an integer in [1, 256]."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 256:
+        raise argparse.ArgumentTypeError(f"must be an integer from 1 to 256, got {value!r}")
+    return n
+
+
 def positive_seconds(value: str) -> float:
     """An argparse type: a finite positive number of seconds."""
     try:

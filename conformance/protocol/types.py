@@ -287,8 +287,11 @@ class TopLogprobs:
     """Rows answered as top-k log-probabilities instead of logits (a server's completions endpoint): per row the
     ids of its k most likely tokens and their logprobs, as the server returned them."""
 
-    ids: np.ndarray  # [R, k] int
-    logprobs: np.ndarray  # [R, k] float, each <= 0
+    ids: np.ndarray  # [R, k] int; -1 pads a row that returned fewer than k
+    logprobs: np.ndarray  # [R, k] float, each <= 0 (any value at padding)
+    # per row, the ids the answer cannot name: a server that keys its logprobs by text (llama-cpp-python) gives one
+    # value for tokens that share a text; those ids are neither graded nor counted missing (None: every id named)
+    unnamed: list[list[int]] | None = None
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""The ``openai`` backend: a running OpenAI-compatible completions server, graded from top-k logprobs."""
