@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,7 +29,7 @@ import numpy as np
 from refimpl.tokenizer import Tokenizer
 
 from ...protocol.types import BackendError, Capabilities, Request, Response, TopLogprobs
-from .http import Http, ServerError
+from .http import Http, ServerError, ServerTimeout
 from .probe import PROMPT_ROWS, PROMPTS, probe
 from .replies import Completion, Keys, Row, parse_completion
 
@@ -80,6 +81,7 @@ class OpenAIBackend:
             weight_formats="safetensors,mlx-affine,gguf", activation_conventions=str(activations))
         self.pool: ThreadPoolExecutor | None = None
         self.futures: dict[Request, Future] = {}
+        self.case_timeout: float | None = None
 
     # -- the harness's calls -------------------------------------------------------------------------
 
@@ -106,8 +108,20 @@ class OpenAIBackend:
         self.pool, self.futures = None, {}
 
     def set_case_timeout(self, seconds: float) -> None:
-        """Each HTTP call of a case gives up after ``seconds`` (nothing to restart: the next case goes on)."""
+        """A case's calls give up together once ``seconds`` have passed since its first (nothing to restart: the
+        next case goes on)."""
+        self.case_timeout = float(seconds)
         self.http.timeout = float(seconds)
+
+    def _left(self, deadline: float | None) -> float | None:
+        """Seconds left of the case's time (None: no case timeout); ServerTimeout once none is."""
+        if deadline is None:
+            return None
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ServerTimeout(f"the case's calls to the server took longer than {self.case_timeout:g} s "
+                                "(--case-timeout)")
+        return left
 
     def refuses(self, request: Request) -> str | None:
         """Why this server cannot be asked ``request`` exactly (text mode: a prompt whose text does not come back as
@@ -138,10 +152,12 @@ class OpenAIBackend:
     # -- one request -----------------------------------------------------------------------------------
 
     def _serve(self, request: Request) -> Response:
+        deadline = None if self.case_timeout is None else time.monotonic() + self.case_timeout
         if request.kind == "multi":
             def one(i: int):
                 seq = tuple(request.sequences[i])
-                return self._sequence([(seq, (len(seq) - 1,))], tuple(request.decode[i]) if request.decode else ())
+                return self._sequence([(seq, (len(seq) - 1,))], tuple(request.decode[i]) if request.decode else (),
+                                      deadline)
 
             with ThreadPoolExecutor(len(request.sequences)) as pool:  # sent at once: the server batches them
                 parts = list(pool.map(one, range(len(request.sequences))))
@@ -149,7 +165,7 @@ class OpenAIBackend:
             return Response(None, logprobs=_top([p[0][0] for p in parts], self.top_k),
                             decode_logprobs=[_top(p[1], self.top_k) for p in parts] if request.decode else None,
                             executed={"calls": calls, "sequences": len(parts), **self._path()})
-        rows, dec, info = self._sequence(_targets(request), tuple(request.decode))
+        rows, dec, info = self._sequence(_targets(request), tuple(request.decode), deadline)
         return Response(None, logprobs=_top(rows, self.top_k),
                         decode_logprobs=_top(dec, self.top_k) if request.decode else None,
                         executed={**info, **self._path()})
@@ -158,18 +174,19 @@ class OpenAIBackend:
         return {"server": self.probed.model, "prompts": self.probed.prompts,
                 "prompt_rows": self.probed.prompt_rows or "none"}
 
-    def _sequence(self, targets: list[tuple[tuple[int, ...], tuple[int, ...]]], decode: tuple[int, ...]):
+    def _sequence(self, targets: list[tuple[tuple[int, ...], tuple[int, ...]]], decode: tuple[int, ...],
+                  deadline: float | None):
         """The rows of one sequence: per target (a prompt, its rows to return) one completion; then its decode
         steps. (rows, decode rows, executed)."""
         rows: list[Row] = []
         calls, last = 0, None
         for i, (prompt, wanted) in enumerate(targets):
             more = len(decode) if i == len(targets) - 1 else 0
-            last = self._complete(prompt, 1 + more, any(r < len(prompt) - 1 for r in wanted))
+            last = self._complete(prompt, 1 + more, any(r < len(prompt) - 1 for r in wanted), deadline)
             calls += 1
             for r in wanted:
                 if r not in last.rows and r < len(prompt) - 1:  # a prompt row the reply leaves out (echo's first)
-                    rows.append(_row(self._complete(prompt[:r + 1], 1, False), r, prompt[:r + 1]))
+                    rows.append(_row(self._complete(prompt[:r + 1], 1, False, deadline), r, prompt[:r + 1]))
                     calls += 1
                 else:
                     rows.append(_row(last, r, prompt))
@@ -181,11 +198,12 @@ class OpenAIBackend:
             generated += 1
         for i in range(generated, len(decode)):
             fed = prompt + tuple(decode[:i + 1])
-            dec.append(_row(self._complete(fed, 1, False), len(fed) - 1, fed))
+            dec.append(_row(self._complete(fed, 1, False, deadline), len(fed) - 1, fed))
             calls += 1
         return rows, dec, {"calls": calls, "decode_generated": generated, "decode_forced": len(decode) - generated}
 
-    def _complete(self, ids: tuple[int, ...], max_tokens: int, prompt_rows: bool) -> Completion:
+    def _complete(self, ids: tuple[int, ...], max_tokens: int, prompt_rows: bool,
+                  deadline: float | None = None) -> Completion:
         p = self.probed
         body = {"model": p.model, "prompt": list(ids) if p.prompts == "ids" else self._text(p.tokenizer, list(ids)),
                 "max_tokens": max_tokens, "temperature": 0, "logprobs": self.top_k, "n": 1, "stream": False,
@@ -195,7 +213,8 @@ class OpenAIBackend:
             body["return_tokens_as_token_ids"] = True
         if prompt_rows:
             body.update({"prompt_logprobs": self.top_k} if p.prompt_rows == "prompt_logprobs" else {"echo": True})
-        got = parse_completion(self.http.post(self.base + "/completions", body), len(ids), self.keys,
+        reply = self.http.post(self.base + "/completions", body, self._left(deadline))
+        got = parse_completion(reply, len(ids), self.keys,
                                echo=prompt_rows and p.prompt_rows == "echo")
         if got.prompt_tokens is not None and got.prompt_tokens != len(ids):
             raise ServerError(f"a reply for another request: its prompt has {got.prompt_tokens} tokens, this "

@@ -43,28 +43,30 @@ class Http:
     def get(self, path: str) -> Any:
         return self._call(urllib.request.Request(self.root + path, method="GET", headers=self.headers()))
 
-    def post(self, path: str, body: dict) -> Any:
+    def post(self, path: str, body: dict, timeout: float | None = None) -> Any:
+        """``timeout``: this call's limit when shorter than the client's (what is left of a case's time)."""
         data = json.dumps(body).encode("utf-8")
         headers = {**self.headers(), "Content-Type": "application/json"}
-        return self._call(urllib.request.Request(self.root + path, data=data, method="POST", headers=headers))
+        return self._call(urllib.request.Request(self.root + path, data=data, method="POST", headers=headers), timeout)
 
     def headers(self) -> dict:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
-    def _call(self, req: urllib.request.Request) -> Any:
+    def _call(self, req: urllib.request.Request, timeout: float | None = None) -> Any:
         where = f"{req.get_method()} {req.full_url}"
+        limit = self.timeout if timeout is None else min(self.timeout, timeout)
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as reply:
+            with urllib.request.urlopen(req, timeout=limit) as reply:
                 raw = reply.read()
         except urllib.error.HTTPError as e:
             body = e.read().decode("utf-8", errors="replace") if e.fp is not None else ""
             raise ServerError(f"{where}: HTTP {e.code} {e.reason}: {_clip(body) or '(no body)'}") from None
         except urllib.error.URLError as e:
             if isinstance(e.reason, (socket.timeout, TimeoutError)):
-                raise ServerTimeout(f"{where}: no answer within {self.timeout:g} s") from None
+                raise ServerTimeout(f"{where}: no answer within {limit:.3g} s") from None
             raise ServerError(f"{where}: cannot reach the server ({e.reason})") from None
         except (socket.timeout, TimeoutError):
-            raise ServerTimeout(f"{where}: no answer within {self.timeout:g} s") from None
+            raise ServerTimeout(f"{where}: no answer within {limit:.3g} s") from None
         except (ConnectionError, http.client.HTTPException) as e:
             raise ServerError(f"{where}: the connection failed ({type(e).__name__}: {e})") from None
         try:

@@ -108,7 +108,7 @@ FAULTS = {
     "stale": ("error", "a reply for another request"),
     "malformed": ("error", "malformed JSON in the reply"),
     "http500": ("error", "HTTP 500 Internal Server Error"),
-    "hang": ("error", "no answer within 2 s"),
+    "hang": ("error", "no answer within"),
     "no-logprobs": ("error", "logprobs missing"),
     "fewer": ("error", "logprobs missing"),
 }
@@ -137,4 +137,6 @@ def test_every_planted_fault_is_caught(fault, server, tmp_path):
     assert piece is None or piece in first["message"], first["message"]
     assert status != "fail" or first["check"] in ("logprob", "top1", "topk")
     assert all("\n" not in c["message"] for c in spoiled)
-    assert time.monotonic() - t0 < 120  # nothing hangs: each call gives up at the case timeout
+    assert time.monotonic() - t0 < 120
+    if fault == "hang":  # a case's calls give up together at the case timeout, whatever their number
+        assert first["check"] == "timeout" and first["duration"] < 2 + 1.0, first
