@@ -11,6 +11,8 @@ the rounding bound ``head_bound``.
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator, Mapping
 
@@ -24,7 +26,9 @@ from .format import FixtureError
 TOP_K = 16  # token ids and logits kept per row
 SUMMARY_LEAVES = ("top_ids", "top_logits", "lse", "margin")
 U = 2.0 ** -53  # unit roundoff of float64
-ROW_BLOCK_BYTES = 1 << 28  # rows of logits summarised or checked at a time: at most 256 MiB of float64
+ROW_BLOCK_BYTES = 1 << 28  # rows of logits checked at a time: at most 256 MiB of float64
+SUMMARY_BLOCK_BYTES = 1 << 25  # rows of logits summarised at a time (summaries_of): 32 MiB of float64
+SUMMARY_THREADS = 8  # at most this many blocks summarised at once
 IN_MEMORY_BYTES = 1 << 28  # a rebuilt base larger than this lives in a memory-mapped file under the workdir
 
 
@@ -50,9 +54,14 @@ def row_summary(logits: np.ndarray, k: int = TOP_K) -> dict[str, np.ndarray]:
 
 
 def summaries_of(logits: np.ndarray, k: int = TOP_K) -> dict[str, np.ndarray]:
-    """``row_summary`` of a whole base [N, V], computed a block of rows at a time (memory maps stay lazy)."""
-    step = max(1, ROW_BLOCK_BYTES // (8 * max(1, logits.shape[-1])))
-    parts = [row_summary(np.asarray(logits[s:s + step]), k) for s in range(0, logits.shape[0], step)]
+    """``row_summary`` of a whole base [N, V], a block of rows at a time (memory maps stay lazy), the blocks on
+    the machine's cores (NumPy's partition and reductions let go of the GIL). Each row's summary is its own
+    (the same whatever the blocking or thread): 256 rows of a 262k vocabulary in 0.57 s on two cores against
+    1.02 s for 256 MiB blocks on one thread (benchmarks/summaries.py)."""
+    step = max(1, SUMMARY_BLOCK_BYTES // (8 * max(1, logits.shape[-1])))
+    starts = range(0, logits.shape[0], step)
+    with ThreadPoolExecutor(max(1, min(SUMMARY_THREADS, os.cpu_count() or 1, len(starts)))) as pool:
+        parts = list(pool.map(lambda s: row_summary(np.asarray(logits[s:s + step]), k), starts))
     return {leaf: np.concatenate([p[leaf] for p in parts]) for leaf in SUMMARY_LEAVES}
 
 
