@@ -334,13 +334,13 @@ def test_weight_cache_keeps_decoded_weights_within_its_budget(tiny_published, tm
 
 def test_weight_cache_size_parsing(monkeypatch, tmp_path):
     from refimpl.errors import InputError
-    from refimpl.weights import weight_cache_bytes
+    from refimpl.weights import AUTO_CACHE, weight_cache_bytes
 
     assert weight_cache_bytes(0) == 0 and weight_cache_bytes(1234) == 1234
     assert weight_cache_bytes("12GiB") == 12 * 2**30 and weight_cache_bytes("1.5 mib") == 3 * 2**19
     assert weight_cache_bytes("all") > 2**60
     monkeypatch.delenv("REFIMPL_WEIGHT_CACHE", raising=False)
-    assert weight_cache_bytes(None) == 0
+    assert weight_cache_bytes(None) == AUTO_CACHE  # "auto": off on the CPU, 80% of the free memory on a GPU
     monkeypatch.setenv("REFIMPL_WEIGHT_CACHE", "2KiB")
     assert weight_cache_bytes(None) == 2048
     monkeypatch.setenv("REFIMPL_WEIGHT_CACHE", "lots")
