@@ -10,6 +10,7 @@
 #                                      each published shape cut to that many layers (full: every layer): synth,
 #                                      generate --device cuda
 #                                      (timed, peak GPU memory by nvidia-smi), one JSON line each in families.jsonl
+#   benchmarks/device_run.sh rerun     generate --device cuda of the real-size E2B text set twice (first, cached)
 #   benchmarks/device_run.sh summaries benchmarks/summaries.py on 1,032 rows (a real-size base) on its cores
 #   benchmarks/device_run.sh profile [PRESET:LAYERS]
 #                                      generate --device cuda under cProfile (default e2b:full): the stages' log and
@@ -77,6 +78,15 @@ case "$mode" in
         | tee -a "$OUT/families.jsonl"
       rm -rf "$dir"
     done ;;
+  rerun)  # generate --device cuda of the real-size E2B text set twice: a first run on this machine (the checkpoint
+           # hashed, CuPy's kernels compiled) and a second (both cached), each timed end to end
+    synth "" /tmp/e2b
+    for run in 1 2; do
+      rm -rf /tmp/sets/e2b-gpu; s=$SECONDS
+      timeout 300 python3 -c "$CONF" generate --model /tmp/e2b --out /tmp/sets/e2b-gpu --cases text --device cuda \
+        > "$OUT/generate-e2b-cuda-run$run.log" 2>&1
+      echo "generate run $run: exit $?, $((SECONDS - s)) s, $(du -sh /tmp/sets/e2b-gpu | cut -f1)"
+    done ;;
   summaries)  # benchmarks/summaries.py on the machine's cores (1,032 rows: a real-size base)
     timeout 200 python3 benchmarks/summaries.py --rows 1032 --repeat 2 --json "$OUT/summaries-device.json" ;;
   profile)  # profile [PRESET:LAYERS]: generate --device cuda of that set under cProfile (default e2b:full), the
@@ -98,7 +108,7 @@ p.sort_stats('tottime').print_stats(45)" "$OUT/generate-$preset-$layers.prof" > 
     timeout 300 python3 -c "$CONF" check --backend transformers --backend-option device=cuda --fixtures \
       /tmp/sets/e2b-gpu --model /tmp/e2b -k "${2:-last/plain}" --json "$OUT/check-transformers-cuda.json" 2>&1 \
       | tee "$OUT/check-transformers-cuda.log" | tail -6 ;;
-  *) echo "usage: benchmarks/device_run.sh kernels|prefill|generate|families PRESET:LAYERS...|summaries|profile [PRESET:LAYERS]|transformers [-k]" >&2
+  *) echo "usage: benchmarks/device_run.sh kernels|prefill|generate|families PRESET:LAYERS...|rerun|summaries|profile [PRESET:LAYERS]|transformers [-k]" >&2
      exit 2 ;;
 esac
 echo "device_run.sh $mode: $((SECONDS - t0)) s"

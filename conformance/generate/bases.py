@@ -80,11 +80,13 @@ def consistency_plan(n: int, window: int) -> list[int]:
 
 def text_consistency(model, ids: list[int], full: np.ndarray) -> float:
     """Max |chunked prefill + single-token decode through the KV cache - full forward| over every row."""
-    cache, rows, at = KVCache(), [], 0
+    cache, worst, at = KVCache(), 0.0, 0
     for size in consistency_plan(len(ids), model.cfg.sliding_window):
-        rows.append(model.forward(ids[at:at + size], rows="all", cache=cache))
+        piece = model.forward(ids[at:at + size], rows="all", cache=cache)  # compared piece by piece: no 2 GB copy
+        d = float(np.max(np.abs(piece - full[at:at + size])))
+        worst = d if (d > worst or d != d) else worst  # a NaN stays (it fails the bound)
         at += size
-    return float(np.max(np.abs(np.concatenate(rows) - full)))
+    return worst
 
 
 def moved_embeddings(x: np.ndarray, unit: float, seed: int = 0) -> np.ndarray:
