@@ -69,6 +69,7 @@ class OpenAIBackend:
         self.top_k, self.order, self.cache_prompt = top_k, order, bool(cache_prompt)
         self.keys = Keys(None)
         self.texts: dict[tuple[int, ...], str] = {}  # text mode: a prompt's ids -> the text that round-trips
+        self.bos = 2  # text mode: the <bos> the server adds to a text prompt (the checkpoint's, read at open)
         self.lock = threading.Lock()
         try:
             self.probed = probe(self.http, self.base, self.root, model, top_k, prompts, prompt_rows)
@@ -94,7 +95,7 @@ class OpenAIBackend:
             raise BackendError(f"openai backend: text prompts need the checkpoint's tokenizer, {model_dir} has none")
         with ThreadPoolExecutor(8) as pool:
             texts = list(pool.map(self._token_text, range(tok.vocab_size)))
-        self.keys = Keys(texts)
+        self.keys, self.bos = Keys(texts), int(tok.bos_id)
 
     def run(self, request: Request) -> Response:
         future = self.futures.pop(request, None)
@@ -132,7 +133,7 @@ class OpenAIBackend:
         if any(0 in rows or len(p) == 1 for p, rows in targets):
             return ("row 0 (the row after <bos> alone): a text-prompt server gives no logprobs for a prompt's first "
                     "token, nor for an empty prompt")
-        for ids in _prompts_of(request):
+        for ids in _sent_prompts(request):
             try:
                 self._text(self.probed.tokenizer, list(ids))
             except ServerError as e:
@@ -235,7 +236,7 @@ class OpenAIBackend:
         with self.lock:
             if key in self.texts:
                 return self.texts[key]
-        body_ids = ids[1:] if ids and ids[0] == 2 else ids
+        body_ids = ids[1:] if ids and ids[0] == self.bos else ids
         detok = "/extras/detokenize" if tokenizer == "/extras/tokenize" else "/detokenize"
         reply = self.http.post(self.root + detok, {"tokens": body_ids})
         text = reply.get("text", reply.get("content")) if isinstance(reply, dict) else None
@@ -252,13 +253,27 @@ class OpenAIBackend:
 
     def _token_text(self, i: int) -> str:
         """The server's text of token ``i`` as its replies key it ('' where the bytes are not UTF-8 alone)."""
+        detok = "/extras/detokenize" if self.probed.tokenizer == "/extras/tokenize" else "/detokenize"
         try:
-            reply = self.http.post(self.root + "/extras/detokenize", {"tokens": [i]})
+            reply = self.http.post(self.root + detok, {"tokens": [i]})
         except ServerError as e:
             if "HTTP 500" in str(e):  # a byte that is not UTF-8 on its own: the replies key it ''
                 return ""
             raise
-        return str(reply.get("text", ""))
+        return str(reply.get("text", reply.get("content", "")))
+
+
+def _sent_prompts(request: Request) -> list[tuple[int, ...]]:
+    """Every prompt serving ``request`` sends: each completion's prompt, and each decode step's extension."""
+    if request.kind == "multi":
+        seqs = [(tuple(s), tuple(request.decode[i]) if request.decode else ()) for i, s in enumerate(request.sequences)]
+        targets = [[(s, ())] for s, _ in seqs]
+    else:
+        targets, seqs = [_targets(request)], [(_targets(request)[-1][0], tuple(request.decode))]
+    out = [p for t in targets for p, _ in t]
+    for prompt, decode in seqs:
+        out += [prompt + decode[:i + 1] for i in range(len(decode))]
+    return out
 
 
 def _prompts_of(request: Request) -> list[tuple[int, ...]]:
