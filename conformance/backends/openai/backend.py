@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from refimpl.errors import check_choice
 from refimpl.tokenizer import Tokenizer
 
 from ...protocol.types import BackendError, Capabilities, Request, Response, TopLogprobs
@@ -58,8 +59,7 @@ class OpenAIBackend:
                  cache_prompt: bool = True):
         for key, value, allowed in (("prompts", prompts, PROMPTS), ("prompt_rows", prompt_rows, PROMPT_ROWS),
                                     ("order", order, ORDERS)):
-            if value not in allowed:
-                raise BackendError(f"openai backend: {key} must be one of {', '.join(allowed)}, got {value!r}")
+            check_choice(key, value, allowed, who="openai backend", error=BackendError)
         if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= 1000:
             raise BackendError(f"openai backend: top_k must be an integer in [1, 1000], got {top_k!r}")
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
