@@ -1,7 +1,7 @@
 """A fault-injecting HTTP proxy between the gate and a real OpenAI-compatible server (the openai backend's tests).
 
 ``FaultProxy(upstream, fault)`` listens on the loopback address and forwards every call to ``upstream``; on
-``POST /v1/completions`` it plants ``fault``:
+``POST /v1/completions``, after the first three (the backend's probe), it plants ``fault``:
 
 ``shift``          the row before: the prompt's last token is cut before forwarding (through the server's own
                    tokenizer) and the reply's ``usage.prompt_tokens`` put back, so the answer looks like the request's
@@ -10,7 +10,7 @@
 ``stale``          each completion is answered with the previous completion's reply (a reply for another request)
 ``malformed``      the reply's JSON is cut in the middle
 ``http500``        HTTP 500 with an error body
-``hang``           the reply comes 5 s late
+``hang``           the reply comes 3 s late
 ``no-logprobs``    the reply's ``choices[0].logprobs`` removed
 ``fewer``          the reply's last generated position removed (fewer tokens than asked)
 """
@@ -38,9 +38,11 @@ def _post(url: str, body: dict) -> tuple[int, bytes]:
 
 
 class FaultProxy:
-    def __init__(self, upstream: str, fault: str):
+    def __init__(self, upstream: str, fault: str, spare: int = 3):
+        """``spare``: the first completions pass untouched (the backend's probe: a server that misbehaves later)."""
         assert fault in FAULTS, fault
         self.upstream, self.fault = upstream.rstrip("/").removesuffix("/v1"), fault  # the server's root
+        self.spare = spare
         self.count = 0
         self.lock = threading.Lock()
         self.previous: bytes | None = None
@@ -89,7 +91,7 @@ class FaultProxy:
         with self.lock:
             self.count += 1
             n = self.count
-        f = self.fault
+        f = self.fault if n > self.spare else None
         if f == "drop" and n % 3 == 0:
             return None
         if f == "http500":
@@ -111,7 +113,7 @@ class FaultProxy:
                     lp[key].pop()
         raw = json.dumps(reply).encode()
         if f == "hang":
-            time.sleep(5)
+            time.sleep(3)
         if f == "malformed":
             return 200, raw[: len(raw) // 2]
         if f == "stale":
