@@ -81,7 +81,7 @@ case "$mode" in
   rerun)  # generate --device cuda of the real-size E2B text set twice: a first run on this machine (the checkpoint
            # hashed, CuPy's kernels compiled) and a second (both cached), each timed end to end
     synth "" /tmp/e2b
-    for run in 1 2; do
+    for run in $(seq 1 "${RUNS:-2}"); do
       rm -rf /tmp/sets/e2b-gpu; s=$SECONDS
       timeout 300 python3 -c "$CONF" generate --model /tmp/e2b --out /tmp/sets/e2b-gpu --cases text --device cuda \
         > "$OUT/generate-e2b-cuda-run$run.log" 2>&1
