@@ -250,6 +250,15 @@ def guarded(bar, work, on_error: Callable[[str, str], None] | None = None):
         bar.close()
 
 
+def needs_logits(backend, command: str) -> str | None:
+    """Why ``command`` (explain, loss: they compare whole logits rows) cannot run ``backend``: one that answers
+    top-k logprobs (a server); None for any other."""
+    if not getattr(getattr(backend, "capabilities", None), "top_logprobs", False):
+        return None
+    return (f"backend {backend.name!r} answers top-k logprobs, not logits (capability top_logprobs): {command} "
+            "compares whole logits rows; conformance check grades its rows")
+
+
 def shutdown_backend(backend) -> None:
     """End a backend's engine process now (the subprocess protocol's ``shutdown``, a grace period, then a kill)
     rather than whenever the backend object is collected; an in-process backend has nothing to end."""

@@ -24,7 +24,9 @@ from .common import (
     guarded,
     load_fixture_sets,
     model_dir_arg,
+    needs_logits,
     output_path,
+    shutdown_backend,
     write_stdout,
 )
 
@@ -102,6 +104,10 @@ def cmd_explain(args) -> int:
         profile = resolve_policy(backend, args.profile, shipped=False).profile
     except PolicyError as e:
         err(str(e))
+        return EXIT_BACKEND
+    if (why := needs_logits(backend, "explain")) is not None:
+        err(why)
+        shutdown_backend(backend)
         return EXIT_BACKEND
     if not backend.capabilities.traces and not args.quiet:
         sys.stderr.write(printable(f"backend {backend.name!r} serves no traces (capability traces): only its logits "

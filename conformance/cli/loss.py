@@ -25,6 +25,7 @@ from .common import (
     err,
     fixture_paths,
     model_dir_arg,
+    needs_logits,
     output_path,
     shutdown_backend,
     write_stdout,
@@ -111,6 +112,10 @@ def cmd_loss(args, argv: list[str] | None = None) -> int:
             backend = load_backend(args.backend, **options)
         except BackendError as e:
             err(str(e))
+            return EXIT_BACKEND
+        if (why := needs_logits(backend, "loss")) is not None:
+            err(why)
+            shutdown_backend(backend)
             return EXIT_BACKEND
     bar = ProgressBar(sys.stderr, tty=is_tty(sys.stderr), enabled=not args.quiet)
     try:

@@ -136,3 +136,19 @@ def test_the_api_key_comes_from_the_environment_only(model, monkeypatch):
     finally:
         server.close()
     assert seen == [{"Authorization": "Bearer s3cret"}]
+
+
+@pytest.mark.parametrize("command", [["explain", "-k", "last/plain/A/T7/pos6"],
+                                     ["loss", "--reference", str(SET)]])
+def test_explain_and_loss_refuse_a_top_k_backend(command, model, tmp_path, capsys):
+    """explain and loss compare whole logits rows: a backend answering top-k logprobs is refused, exit 4 (never a
+    comparison of nothing reported as within)."""
+    server = OracleServer(model, "content")
+    try:
+        code = main([command[0], "--backend", "openai", "--backend-option", f"url={server.url}", "--fixtures", str(SET),
+                     *command[1:]])
+    finally:
+        server.close()
+    assert code == 4
+    assert (f"backend 'openai' answers top-k logprobs, not logits (capability top_logprobs): {command[0]} compares "
+            "whole logits rows; conformance check grades its rows") in capsys.readouterr().err
