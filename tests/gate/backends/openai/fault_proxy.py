@@ -28,6 +28,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 FAULTS = ("shift", "drop", "reorder", "stale", "malformed", "http500", "hang", "no-logprobs", "fewer")
 
 
+def send_raw(handler: BaseHTTPRequestHandler, status: int, raw: bytes) -> None:
+    """Answer ``handler``'s request with ``raw`` as a JSON body (the oracle server's too)."""
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(raw)))
+    handler.end_headers()
+    handler.wfile.write(raw)
+
+
 def _post(url: str, body: dict) -> tuple[int, bytes]:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     try:
@@ -72,11 +81,7 @@ class FaultProxy:
                 self._send(*answer)
 
             def _send(self, status: int, raw: bytes):
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
+                send_raw(self, status, raw)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.handle_error = lambda request, address: None  # a client that gave up (hang): no traceback

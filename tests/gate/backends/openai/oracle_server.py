@@ -17,6 +17,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
+from fault_proxy import send_raw
 
 from conformance.check.metrics import log_softmax
 
@@ -49,12 +50,7 @@ class OracleServer:
                 self._send(200, server.complete(body))
 
             def _send(self, status: int, reply: dict):
-                raw = json.dumps(reply).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
+                send_raw(self, status, json.dumps(reply).encode())
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"

@@ -139,4 +139,5 @@ def test_every_planted_fault_is_caught(fault, server, tmp_path):
     assert all("\n" not in c["message"] for c in spoiled)
     assert time.monotonic() - t0 < 120
     if fault == "hang":  # a case's calls give up together at the case timeout, whatever their number
-        assert first["check"] == "timeout" and first["duration"] < 1 + 1.0, first
+        assert first["check"] == "timeout", first["message"]
+        assert first["duration"] < 1 + 2.0, first["duration"]  # the case's 1 s, and slack for a loaded machine
