@@ -109,10 +109,9 @@ class OpenAIBackend:
         self.pool, self.futures = None, {}
 
     def set_case_timeout(self, seconds: float) -> None:
-        """A case's calls give up together once ``seconds`` have passed since its first (nothing to restart: the
-        next case goes on)."""
+        """A case's completions give up together once ``seconds`` have passed since its first (nothing to restart:
+        the next case goes on). Calls outside a case (the vocabulary's texts at ``open``) keep ``timeout``."""
         self.case_timeout = float(seconds)
-        self.http.timeout = float(seconds)
 
     def _left(self, deadline: float | None) -> float | None:
         """Seconds left of the case's time (None: no case timeout); ServerTimeout once none is."""
