@@ -101,10 +101,15 @@ def logit_scale(logits) -> float:
     a = np.asarray(logits)
     if a.ndim == 0:
         a = a.reshape(1)
-    best, step = 1.0, max(1, (1 << 24) // max(1, int(np.prod(a.shape[1:], dtype=np.int64))))
+    best, step = 1.0, max(1, (1 << 22) // max(1, int(np.prod(a.shape[1:], dtype=np.int64))))
     for start in range(0, a.shape[0], step):
         block = np.asarray(a[start:start + step], dtype=np.float64)
-        best = max(best, float(np.max(np.abs(block), where=np.isfinite(block), initial=0.0)))
+        if block.size == 0:
+            continue
+        top = max(float(np.max(block)), -float(np.min(block)))  # two passes, no temporary: |x| of finite rows
+        if not math.isfinite(top):  # a NaN or an infinity in the block: the finite ones only
+            top = float(np.max(np.abs(block), where=np.isfinite(block), initial=0.0))
+        best = max(best, top)
     return best
 
 
