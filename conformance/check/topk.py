@@ -47,7 +47,7 @@ def _row(label: str, position: int, ref: np.ndarray, ids: np.ndarray, lps: np.nd
     keep = ids != PAD
     ids, lps = ids[keep], lps[keep]
     V, k, bound = ref.shape[0], ids.shape[0], logprob_bound(profile)
-    hidden = {int(t) for t in unnamed}
+    unnamed_ids = {int(t) for t in unnamed}
     m = {key: None for key in (*empty_metrics(), "logprob_max_abs", "mass_outside", "mass_outside_got")}
     order = np.argsort(-ref, kind="stable")
     res = RowResult(label, position, "pass", None, m, [int(t) for t in order[:SHOWN]], [], "")
@@ -56,7 +56,7 @@ def _row(label: str, position: int, ref: np.ndarray, ids: np.ndarray, lps: np.nd
         res.status, res.check, res.message = "fail", check, f"{label}: {message}"
         return res
 
-    if k == 0 and hidden:
+    if k == 0 and unnamed_ids:
         return res  # nothing named: the server's text keys are all shared (nothing to grade on this row)
     if k == 0 or ids.shape != lps.shape or ids.min(initial=0) < 0 or ids.max(initial=0) >= V:
         return fail("shape", f"{k} ids and {lps.shape[0]} logprobs, ids in [0, {V}) needed")
@@ -78,11 +78,12 @@ def _row(label: str, position: int, ref: np.ndarray, ids: np.ndarray, lps: np.nd
                                f"{show_value(float(lp[ids[j]]))}: |difference| {show_value(float(diff[j]))} > "
                                f"{show_threshold(bound)} (2 x max_abs)")
     best = int(ids[mine[0]])
-    if m["margin"] > profile.tie_margin and best != int(order[0]) and int(order[0]) not in hidden:
+    if m["margin"] > profile.tie_margin and best != int(order[0]) and int(order[0]) not in unnamed_ids:
         return fail("top1", f"the most likely returned token is {best}, the oracle's top-1 is {int(order[0])} "
                             f"(margin {show_value(m['margin'])})")
     floor = float(lps.min())
-    missing = [int(t) for t in top_k if t not in set(ids.tolist()) and int(t) not in hidden and lp[t] > floor + bound]
+    accounted = set(ids.tolist()) | unnamed_ids
+    missing = [int(t) for t in top_k if int(t) not in accounted and lp[t] > floor + bound]
     if missing:
         return fail("topk", f"token {missing[0]} (oracle logprob {show_value(float(lp[missing[0]]))}) is missing from "
                             f"the returned top {k}, whose least likely has {show_value(floor)}")

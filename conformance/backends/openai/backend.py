@@ -29,13 +29,13 @@ import numpy as np
 from refimpl.errors import check_choice
 from refimpl.tokenizer import Tokenizer
 
+from ...check.topk import PAD
 from ...protocol.types import BackendError, Capabilities, Request, Response, TopLogprobs
 from .http import Http, ServerError, ServerTimeout
 from .probe import PROMPT_ROWS, PROMPTS, probe
 from .replies import Completion, Keys, Row, parse_completion
 
 ORDERS = ("prefix", "given")
-UNNAMED = -1  # a padded entry of a row shorter than the longest (TopLogprobs.ids)
 
 
 def _split_url(url: str) -> tuple[str, str]:
@@ -134,7 +134,7 @@ class OpenAIBackend:
                     "token, nor for an empty prompt")
         for ids in _sent_prompts(request):
             try:
-                self._text(self.probed.tokenizer, list(ids))
+                self._text(list(ids))
             except ServerError as e:
                 return str(e)
         return None
@@ -143,7 +143,7 @@ class OpenAIBackend:
         """Send ``requests`` now, ``concurrency`` at a time (``order=prefix``: sorted by prompt, so that each prompt
         follows the ones it extends and a prefix cache reuses their blocks); ``run`` then takes each answer."""
         self.close()
-        todo = sorted(set(requests), key=lambda r: _prompts_of(r)[0]) if self.order == "prefix" else requests
+        todo = sorted(set(requests), key=_whole_prompt) if self.order == "prefix" else requests
         self.pool = ThreadPoolExecutor(max(1, int(concurrency)), thread_name_prefix="openai")
         for request in todo:
             if request not in self.futures:
@@ -205,7 +205,7 @@ class OpenAIBackend:
     def _complete(self, ids: tuple[int, ...], max_tokens: int, prompt_rows: bool,
                   deadline: float | None = None) -> Completion:
         p = self.probed
-        body = {"model": p.model, "prompt": list(ids) if p.prompts == "ids" else self._text(p.tokenizer, list(ids)),
+        body = {"model": p.model, "prompt": list(ids) if p.prompts == "ids" else self._text(list(ids)),
                 "max_tokens": max_tokens, "temperature": 0, "logprobs": self.top_k, "n": 1, "stream": False,
                 # llama-server, vLLM: a greedy <eos> still answers its row
                 "cache_prompt": self.cache_prompt, "ignore_eos": True}
@@ -228,7 +228,11 @@ class OpenAIBackend:
 
     # -- text mode ---------------------------------------------------------------------------------------
 
-    def _text(self, tokenizer: str | None, ids: list[int]) -> str:
+    def _detokenize_path(self) -> str:
+        """The server's detokenize endpoint, beside its tokenize one (llama-cpp-python's extras, or llama-server's)."""
+        return "/extras/detokenize" if self.probed.tokenizer == "/extras/tokenize" else "/detokenize"
+
+    def _text(self, ids: list[int]) -> str:
         """The text the server turns back into exactly ``ids`` (its <bos> added by the server); ServerError when
         there is none."""
         key = tuple(ids)
@@ -236,7 +240,7 @@ class OpenAIBackend:
             if key in self.texts:
                 return self.texts[key]
         body_ids = ids[1:] if ids and ids[0] == self.bos else ids
-        detok = "/extras/detokenize" if tokenizer == "/extras/tokenize" else "/detokenize"
+        detok, tokenizer = self._detokenize_path(), self.probed.tokenizer
         reply = self.http.post(self.root + detok, {"tokens": body_ids})
         text = reply.get("text", reply.get("content")) if isinstance(reply, dict) else None
         if not isinstance(text, str):
@@ -252,9 +256,8 @@ class OpenAIBackend:
 
     def _token_text(self, i: int) -> str:
         """The server's text of token ``i`` as its replies key it ('' where the bytes are not UTF-8 alone)."""
-        detok = "/extras/detokenize" if self.probed.tokenizer == "/extras/tokenize" else "/detokenize"
         try:
-            reply = self.http.post(self.root + detok, {"tokens": [i]})
+            reply = self.http.post(self.root + self._detokenize_path(), {"tokens": [i]})
         except ServerError as e:
             if "HTTP 500" in str(e):  # a byte that is not UTF-8 on its own: the replies key it ''
                 return ""
@@ -268,20 +271,20 @@ def _sent_prompts(request: Request) -> list[tuple[int, ...]]:
         seqs = [(tuple(s), tuple(request.decode[i]) if request.decode else ()) for i, s in enumerate(request.sequences)]
         targets = [[(s, ())] for s, _ in seqs]
     else:
-        targets, seqs = [_targets(request)], [(_targets(request)[-1][0], tuple(request.decode))]
+        targets = [_targets(request)]
+        seqs = [(targets[0][-1][0], tuple(request.decode))]
     out = [p for t in targets for p, _ in t]
     for prompt, decode in seqs:
         out += [prompt + decode[:i + 1] for i in range(len(decode))]
     return out
 
 
-def _prompts_of(request: Request) -> list[tuple[int, ...]]:
-    """Every prompt a request sends (a sequence's prompt extended by its decode tokens)."""
+def _whole_prompt(request: Request) -> tuple[int, ...]:
+    """The request's (first) sequence extended by its decode tokens: what ``order=prefix`` sorts by."""
     if request.kind == "multi":
-        return [tuple(s) + (tuple(request.decode[i]) if request.decode else ())
-                for i, s in enumerate(request.sequences)]
+        return tuple(request.sequences[0]) + (tuple(request.decode[0]) if request.decode else ())
     tokens = tuple(request.tokens) or tuple(t for p in request.pieces for t in p.tokens)
-    return [tokens + tuple(request.decode)]
+    return tokens + tuple(request.decode)
 
 
 def _targets(request: Request) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -310,7 +313,7 @@ def _top(rows: list[Row], k: int) -> TopLogprobs:
     """Rows as one TopLogprobs: each row's ``k`` most likely entries (a server may add the sampled or prompt token's
     own entry beyond its top k: vLLM's prompt_logprobs, llama-cpp-python), the shorter rows padded with id -1."""
     width = min(k, max((len(r.ids) for r in rows), default=0))
-    ids = np.full((len(rows), width), UNNAMED, dtype=np.int64)
+    ids = np.full((len(rows), width), PAD, dtype=np.int64)
     lps = np.full((len(rows), width), -np.inf)
     for i, r in enumerate(rows):
         best = np.argsort(-np.asarray(r.logprobs, dtype=np.float64), kind="stable")[:width]

@@ -105,9 +105,10 @@ def _prompt_rows(http: Http, base: str, model: str, prompt, T: int, k: int, keys
 def probe(http: Http, base: str, root: str, model: str | None, k: int, prompts: str, prompt_rows: str) -> Probed:
     """What the server serves."""
     name = served_model(http, base, model)
-    mode = "ids" if prompts == "ids" or (prompts == "auto" and _takes_ids(http, base, name, k)) else "text"
-    if prompts == "ids" and not _takes_ids(http, base, name, k):
+    takes_ids = prompts != "text" and _takes_ids(http, base, name, k)
+    if prompts == "ids" and not takes_ids:
         raise ServerError(f"the server at {base} refuses token-id prompts (prompts=ids)")
+    mode = "ids" if takes_ids else "text"
     tokenizer = _tokenizer_path(http, root) if mode == "text" else None
     prompt, T = (PROBE_IDS, len(PROBE_IDS)) if mode == "ids" else _text_probe(http, root, tokenizer)
     keys = Keys(None) if mode == "ids" else Keys([])

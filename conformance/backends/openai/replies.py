@@ -68,10 +68,9 @@ def _row_of_dict(tops: dict, keys: Keys) -> Row:
     for key, value in tops.items():
         lp = float(value["logprob"] if isinstance(value, dict) else value)
         if isinstance(value, dict) and str(key).lstrip("-").isdigit():  # prompt_logprobs: keyed by id
-            row.ids.append(int(key))
-            row.logprobs.append(lp)
-            continue
-        i, could = keys.resolve(str(key))
+            i, could = int(key), ()
+        else:
+            i, could = keys.resolve(str(key))
         if i is None:
             row.unnamed.update(could)
         else:

@@ -22,7 +22,7 @@ from conformance.backends.refimpl_backend import RefimplBackend
 from conformance.check.metrics import log_softmax
 from conformance.check.profiles import get_profile
 from conformance.check.runner import run
-from conformance.check.topk import logprob_bound
+from conformance.check.topk import PAD, logprob_bound
 from conformance.protocol.types import Capabilities, Request, Response, TopLogprobs
 from conformance.sets.bundled import bundled_set
 from conformance.sets.case import row_groups
@@ -65,6 +65,13 @@ class TopKOracle(RefimplBackend):
             t.ids[0, 1] = t.ids[0, 0]
         elif self.how == "positive":
             t.logprobs[0, 0] = 0.5
+        elif self.how == "padded":  # the row's least likely entry left out, padded
+            t.ids[0, -1], t.logprobs[0, -1] = PAD, -np.inf
+        elif self.how in ("unnamed", "withheld"):  # the oracle's top-1 not named (a text shared by several ids)
+            top1 = int(t.ids[0, 0])
+            t.ids[0, 0], t.logprobs[0, 0] = PAD, -np.inf
+            if self.how == "unnamed":  # ... and said to be unnamed
+                t.unnamed = [[top1]] + [[] for _ in range(len(t.ids) - 1)]
         dl = r.decode_logits
         decode = None if dl is None else ([top_k(d) for d in dl] if isinstance(dl, list) else top_k(dl))
         return Response(None, None, r.executed, logprobs=t, decode_logprobs=decode)
@@ -114,3 +121,14 @@ def test_a_wrong_row_fails_by_its_check(how, check, says):
     (case,) = result.cases
     assert (case.status, case.check) == ("fail", check), case.message
     assert says in case.message
+
+
+@pytest.mark.parametrize("how, status", [("padded", "pass"), ("unnamed", "pass"), ("withheld", "fail")])
+def test_padding_and_unnamed_ids(how, status):
+    """A row returned with fewer than k entries (padded with -1) is graded on what it names; the oracle's top-1
+    left out of a row passes only where the answer says it cannot name it (TopLogprobs.unnamed: a server keying its
+    logprobs by a text several ids share), and fails where it is simply missing."""
+    (case,) = run(TopKOracle(how), [bundled_set("e2b-mini")], EXACT, select=r"^e2b-mini/last/plain/A/T9/pos8$").cases
+    assert case.status == status, case.message
+    if status == "fail":
+        assert case.check in ("top1", "topk"), case.message

@@ -30,6 +30,7 @@ class OracleServer:
         self.model, self.dialect = model, dialect
         self.lock = threading.Lock()  # one forward at a time
         self.calls = 0
+        self.auth: str | None = None  # the Authorization header of the last POST
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -40,6 +41,7 @@ class OracleServer:
                 self._send(200 if self.path == "/v1/models" else 404, {"object": "list", "data": [{"id": "oracle"}]})
 
             def do_POST(self):
+                server.auth = self.headers.get("Authorization")
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if self.path != "/v1/completions":
                     self._send(404, {"error": "no such endpoint"})

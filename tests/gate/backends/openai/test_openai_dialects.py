@@ -127,15 +127,17 @@ def test_concurrency_needs_a_backend_that_prefetches(tmp_path, capsys):
 
 
 def test_the_api_key_comes_from_the_environment_only(model, monkeypatch):
-    seen = []
+    """The key named by api_key_env reaches the server as a bearer token; without the variable none is sent."""
     server = OracleServer(model, "content")
-    monkeypatch.setenv("MY_KEY", "s3cret")
     try:
-        backend = OpenAIBackend(url=server.url, api_key_env="MY_KEY")
-        seen.append(backend.http.headers())  # what every call carries
+        monkeypatch.setenv("MY_KEY", "s3cret")
+        OpenAIBackend(url=server.url, api_key_env="MY_KEY")  # its probe posts completions
+        with_key = server.auth
+        monkeypatch.delenv("MY_KEY")
+        OpenAIBackend(url=server.url, api_key_env="MY_KEY")
     finally:
         server.close()
-    assert seen == [{"Authorization": "Bearer s3cret"}]
+    assert with_key == "Bearer s3cret" and server.auth is None
 
 
 @pytest.mark.parametrize("command", [["explain", "-k", "last/plain/A/T7/pos6"],
