@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import time
+from typing import Any
 
 import numpy as np
 
@@ -35,7 +36,7 @@ def scale_masked(z: np.ndarray) -> float:
     return best
 
 
-def best_of(fn, z: np.ndarray, repeat: int) -> tuple[float, dict]:
+def best_of(fn, z: np.ndarray, repeat: int) -> tuple[float, Any]:
     best, out = float("inf"), None
     for _ in range(repeat):
         t0 = time.perf_counter()
