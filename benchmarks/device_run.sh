@@ -30,6 +30,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=/tmp/site:.:tests PYTHONUNBUFFERED=1
 CONF='import sys; from conformance.cli import main; sys.argv[0] = "conformance"; sys.exit(main())'
+# the backend by its object: the checkout runs from PYTHONPATH, not installed, so its entry points are not registered
+TRANSFORMERS=conformance.backends.transformers.backend:TransformersBackend
 synth() {  # synth PRESET_ARGS DIR: a synthetic checkpoint, once per machine
   [ -f "$2/model.safetensors" ] || timeout 200 python3 -m refimpl synth --preset e2b $1 --out "$2" > /dev/null
 }
@@ -105,7 +107,7 @@ p.sort_stats('tottime').print_stats(45)" "$OUT/generate-$preset-$layers.prof" > 
     synth "" /tmp/e2b
     [ -f /tmp/sets/e2b-gpu/manifest.json ] || timeout 300 python3 -c "$CONF" generate --model /tmp/e2b \
       --out /tmp/sets/e2b-gpu --cases text --device cuda > "$OUT/generate-e2b-cuda.log" 2>&1
-    timeout 300 python3 -c "$CONF" check --backend transformers --backend-option device=cuda --fixtures \
+    timeout 300 python3 -c "$CONF" check --backend "$TRANSFORMERS" --backend-option device=cuda --fixtures \
       /tmp/sets/e2b-gpu --model /tmp/e2b -k "${2:-last/plain}" --json "$OUT/check-transformers-cuda.json" 2>&1 \
       | tee "$OUT/check-transformers-cuda.log" | tail -6 ;;
   *) echo "usage: benchmarks/device_run.sh kernels|prefill|generate|families PRESET:LAYERS...|rerun|summaries|profile [PRESET:LAYERS]|transformers [-k]" >&2
