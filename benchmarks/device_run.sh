@@ -12,6 +12,9 @@
 #                                      (timed, peak GPU memory by nvidia-smi), one JSON line each in families.jsonl
 #   benchmarks/device_run.sh rerun     generate --device cuda of the real-size E2B text set twice (first, cached)
 #   benchmarks/device_run.sh summaries benchmarks/summaries.py on 1,032 rows (a real-size base) on its cores
+#   benchmarks/device_run.sh synth [PRESET [LAYERS]]
+#                                      benchmarks/synth_writer.py (the synthesiser's writer before and now, side by
+#                                      side) on its cores, default the 12B cut to 8 layers
 #   benchmarks/device_run.sh profile [PRESET:LAYERS]
 #                                      generate --device cuda under cProfile (default e2b:full): the stages' log and
 #                                      the costliest functions in $OUT
@@ -76,7 +79,7 @@ case "$mode" in
         | tee "$OUT/generate-$preset-$layers-cuda.log" | tail -3
       rc=${PIPESTATUS[0]}; gen_s=$((SECONDS - s)); kill $smi 2>/dev/null
       peak=$(sort -n "$OUT/smi-$preset-$layers.log" | tail -1)
-      echo "{\"preset\": \"$preset\", \"layers\": $jl, \"synth_s\": $synth_s, \"generate_s\": $gen_s, \"exit\": $rc, \"peak_gpu_mib\": ${peak:-null}, \"checkpoint\": \"$(du -sh "$dir" | cut -f1)\", \"set\": \"$(du -sh "$set_dir" 2>/dev/null | cut -f1)\"}" \
+      echo "{\"preset\": \"$preset\", \"layers\": $jl, \"synth_s\": $synth_s, \"generate_s\": $gen_s, \"exit\": $rc, \"weight_cache\": \"${REFIMPL_WEIGHT_CACHE:-auto}\", \"peak_gpu_mib\": ${peak:-null}, \"checkpoint\": \"$(du -sh "$dir" | cut -f1)\", \"set\": \"$(du -sh "$set_dir" 2>/dev/null | cut -f1)\"}" \
         | tee -a "$OUT/families.jsonl"
       rm -rf "$dir"
     done ;;
@@ -89,6 +92,9 @@ case "$mode" in
         > "$OUT/generate-e2b-cuda-run$run.log" 2>&1
       echo "generate run $run: exit $?, $((SECONDS - s)) s, $(du -sh /tmp/sets/e2b-gpu | cut -f1)"
     done ;;
+  synth)  # synth [PRESET [LAYERS]]: benchmarks/synth_writer.py on the machine's cores (default 12b, 8 layers)
+    timeout 400 python3 benchmarks/synth_writer.py --preset "${2:-12b}" --layers "${3:-8}" --dir /tmp/synth-bench \
+      --json "$OUT/synth-writer.json" ;;
   summaries)  # benchmarks/summaries.py on the machine's cores (1,032 rows: a real-size base)
     timeout 200 python3 benchmarks/summaries.py --rows 1032 --repeat 2 --json "$OUT/summaries-device.json" ;;
   profile)  # profile [PRESET:LAYERS]: generate --device cuda of that set under cProfile (default e2b:full), the
@@ -110,7 +116,7 @@ p.sort_stats('tottime').print_stats(45)" "$OUT/generate-$preset-$layers.prof" > 
     timeout 300 python3 -c "$CONF" check --backend "$TRANSFORMERS" --backend-option device=cuda --fixtures \
       /tmp/sets/e2b-gpu --model /tmp/e2b -k "${2:-last/plain}" --json "$OUT/check-transformers-cuda.json" 2>&1 \
       | tee "$OUT/check-transformers-cuda.log" | tail -6 ;;
-  *) echo "usage: benchmarks/device_run.sh kernels|prefill|generate|families PRESET:LAYERS...|rerun|summaries|profile [PRESET:LAYERS]|transformers [-k]" >&2
+  *) echo "usage: benchmarks/device_run.sh kernels|prefill|generate|families PRESET:LAYERS...|rerun|summaries|synth [PRESET [LAYERS]]|profile [PRESET:LAYERS]|transformers [-k]" >&2
      exit 2 ;;
 esac
 echo "device_run.sh $mode: $((SECONDS - t0)) s"

@@ -56,6 +56,7 @@ from .presets import (
     S,
 )
 from .safetensors_io import write_safetensors, write_safetensors_streamed
+from .threads import threads
 from .unified import (
     expected_unified_audio_tensors,
     expected_unified_vision_tensors,
@@ -143,7 +144,9 @@ def write_published_checkpoint(variant: str, seed: int, out: str | Path, layers:
                                dtype: str = "bf16", layout: str = "causal", overwrite: bool = False,
                                progress=None) -> Path:
     """Write a checkpoint with the published shapes of ``variant`` (optionally cut to ``layers`` layers),
-    weights streamed to disk (never the whole checkpoint in memory); atomic like ``write_checkpoint``.
+    weights streamed to disk (never the whole checkpoint in memory; the next tensors drawn on the oracle's
+    threads, ``threads()``, each from its own generator, so the bytes do not depend on their number); atomic
+    like ``write_checkpoint``.
     The tokenizer is the synthetic one (its ids are a prefix of the 262144-id vocabulary).
     ``progress(bytes_done, bytes_total)`` is called as the weights are written."""
     if dtype not in ("f32", "bf16"):
@@ -182,7 +185,7 @@ def write_published_checkpoint(variant: str, seed: int, out: str | Path, layers:
         write_safetensors_streamed(tmp / "model.safetensors", tensors, "BF16" if dtype == "bf16" else "F32",
                                    metadata={"format": "pt", "preset": variant, "seed": str(seed),
                                              "layers": str(len(config.get("text_config", config)["layer_types"]))},
-                                   progress=progress)
+                                   progress=progress, ahead=threads())
         (tmp / "tokenizer.model").write_bytes(train_tokenizer())
     return out
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from refimpl import safetensors_io
 from refimpl.cli import main as cli_main
 from refimpl.config import load_config
 from refimpl.errors import WeightsError
@@ -198,6 +199,25 @@ def test_bf16_rounding_matches_torch():
     got = bf16_to_f32(f32_to_bf16(x))
     want = _torch_bf16(x)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_bf16_rounding_in_blocks_equals_the_one_pass_formula(monkeypatch):
+    """f32_to_bf16 rounds BF16_BLOCK values at a time: over many blocks (a small block here, a last one
+    partial) and a shape of two axes, every value equals the formula applied to the whole array at once,
+    NaNs of either sign and any payload at block edges included."""
+    monkeypatch.setattr(safetensors_io, "BF16_BLOCK", 64)
+    rng = np.random.default_rng(8)
+    bits = rng.integers(0, 2**32, size=(7, 45), dtype=np.uint64).astype(np.uint32)
+    bits.reshape(-1)[[0, 63, 64, 127, 200, 314]] = [0x7FC00000, 0xFF800001, 0x7FFFFFFF, 0xFFFFFFFF, 0x7F800000,
+                                                    0x7F7FFFFF]  # NaNs, +inf, the largest finite
+    u = bits
+    want = ((u.astype(np.uint64) + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    want[nan] = ((u[nan] >> 16) | 0x0040).astype(np.uint16)
+    got = f32_to_bf16(bits.view(np.float32))
+    assert got.shape == (7, 45) and got.dtype == np.uint16
+    assert np.array_equal(got, want)
+    assert f32_to_bf16(np.zeros(0, np.float32)).shape == (0,)
 
 
 def test_bf16_hand_cases():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
+import threading
 from collections import namedtuple
 
 import numpy as np
@@ -119,14 +120,38 @@ def test_streamed_writer_writes_the_same_bytes(tmp_path):
             return lambda: (flat[i:i + size] for i in range(0, flat.size, size))
 
         streamed = {name: (x.shape, pieces(x, 7)) for name, x in tensors.items()}
-        seen = []
-        write_safetensors_streamed(tmp_path / "two.safetensors", streamed, dtype, metadata={"k": "v"},
-                                   progress=lambda done, total, seen=seen: seen.append((done, total)))
-        assert (tmp_path / "one.safetensors").read_bytes() == (tmp_path / "two.safetensors").read_bytes()
-        assert seen[-1][0] == seen[-1][1] and all(a <= b for (a, _), (b, _) in itertools.pairwise(seen))
-    bad = {"x": ((4, 4), lambda: iter([np.zeros(15)]))}
-    with pytest.raises(ValueError, match=r"tensor 'x': the chunks hold 15 values, its shape \[4, 4\] needs 16"):
-        write_safetensors_streamed(tmp_path / "bad.safetensors", bad)
+        for ahead in (0, 1, 2, 5):  # in the writer's thread; 1, 2 and more than all tensors ahead on threads
+            seen = []
+            write_safetensors_streamed(tmp_path / "two.safetensors", streamed, dtype, metadata={"k": "v"},
+                                       progress=lambda done, total, seen=seen: seen.append((done, total)), ahead=ahead)
+            assert (tmp_path / "one.safetensors").read_bytes() == (tmp_path / "two.safetensors").read_bytes(), ahead
+            assert seen[-1][0] == seen[-1][1] and all(a <= b for (a, _), (b, _) in itertools.pairwise(seen))
+    for ahead in (0, 2):
+        bad = {"x": ((4, 4), lambda: iter([np.zeros(15)]))}
+        with pytest.raises(ValueError, match=r"tensor 'x': the chunks hold 15 values, its shape \[4, 4\] needs 16"):
+            write_safetensors_streamed(tmp_path / "bad.safetensors", bad, ahead=ahead)
+
+
+def test_streamed_writer_ahead_raises_a_tensors_error_and_stops_its_threads(tmp_path):
+    """With tensors drawn ahead on threads, an error while drawing one reaches the writer (raised there, not
+    lost in its thread), and every thread ends: those blocked on a full queue and those still drawing."""
+    def endless():
+        while True:
+            yield np.ones(3)
+
+    def failing():
+        yield np.ones(3)
+        raise RuntimeError("drawing failed")
+
+    tensors = {"a": ((6,), lambda: iter([np.ones(3)] * 2)), "b": ((6,), failing), "c": ((9,), endless),
+               "d": ((9,), endless)}
+    before = threading.active_count()
+    with pytest.raises(RuntimeError, match="drawing failed"):
+        write_safetensors_streamed(tmp_path / "x.safetensors", tensors, ahead=3)
+    assert threading.active_count() == before
+    with pytest.raises(ValueError, match=r"tensor 'c': the chunks hold 12 values, its shape \[9\] needs 9"):
+        write_safetensors_streamed(tmp_path / "y.safetensors", {"c": tensors["c"], "d": tensors["d"]}, ahead=2)
+    assert threading.active_count() == before
 
 
 @pytest.fixture
@@ -148,6 +173,10 @@ def test_streamed_checkpoint_does_not_depend_on_the_chunk_size(tiny_published, t
     monkeypatch.setattr(synth, "CHUNK_VALUES", 1000)  # many chunks per tensor
     b = write_published_checkpoint(tiny_published, 5, tmp_path / "b", layers=10)
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    for ahead in (0, 7):  # nor on how many tensors are drawn ahead on threads (threads() of this machine above)
+        monkeypatch.setattr(synth, "threads", lambda ahead=ahead: ahead)
+        c = write_published_checkpoint(tiny_published, 5, tmp_path / f"c{ahead}", layers=10)
+        assert (a / "model.safetensors").read_bytes() == (c / "model.safetensors").read_bytes(), ahead
     cfg = json.loads((a / "config.json").read_text())
     assert cfg["num_kv_shared_layers"] == 5 and cfg["use_double_wide_mlp"] and cfg["dtype"] == "bfloat16"
     store = TensorStore(a)

@@ -178,6 +178,12 @@ def test_a_failed_job_keeps_the_finished_ones_and_a_rerun_resumes(reference, tmp
     assert sorted(os.listdir(tmp_path)) == ["set"]  # the partial run removed after the publish
 
 
+def _finished_jobs(partial: Path) -> list[str]:
+    """The bases whose job is complete in a partial directory (jobs/<base>/result.json), not those being
+    written (jobs/.<base>.tmp-*/, renamed when complete: a glob's * matches their dot names too)."""
+    return sorted(p.parent.name for p in partial.glob("jobs/*/result.json") if not p.parent.name.startswith("."))
+
+
 def test_sigkill_keeps_finished_jobs_and_a_rerun_resumes(reference, tmp_path):
     out = tmp_path / "set"
     partial = tmp_path / ".set.partial"
@@ -188,9 +194,9 @@ def test_sigkill_keeps_finished_jobs_and_a_rerun_resumes(reference, tmp_path):
                             start_new_session=True)
     try:
         deadline = time.time() + 60
-        while time.time() < deadline and len(list(partial.glob("jobs/*/result.json"))) < 5:
+        while time.time() < deadline and len(_finished_jobs(partial)) < 5:
             time.sleep(0.05)
-        assert len(list(partial.glob("jobs/*/result.json"))) == 5, proc.stderr.read().decode() if proc.poll() else ""
+        assert len(_finished_jobs(partial)) == 5, proc.stderr.read().decode() if proc.poll() else ""
         os.kill(proc.pid, signal.SIGKILL)  # the CLI process only: its workers notice and exit
         proc.wait(10)
     finally:
@@ -208,7 +214,7 @@ def test_sigkill_keeps_finished_jobs_and_a_rerun_resumes(reference, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert not left, "a local worker outlived the killed CLI process"
     assert not out.exists()
-    done = sorted(p.parent.name for p in partial.glob("jobs/*/result.json"))
+    done = _finished_jobs(partial)
     assert done == ["A", "B", "C", "G", "I0"]
     meta = json.loads((partial / "jobs" / "A" / "result.json").read_text())
     assert meta["blas_threads"] == str(max(1, (os.cpu_count() or 1) // 2))  # BLAS threads split between workers
