@@ -476,8 +476,8 @@ class _Ahead:
 
     def _run(self, chunks, kind) -> None:
         try:
-            for size, data in _encoded(chunks, kind):
-                if not self._put((size, data)):
+            for piece in _encoded(chunks, kind):
+                if not self._put(piece):
                     return
             self._put(None)
         except BaseException as error:  # noqa: BLE001 - handed to the writer, which raises it
@@ -523,14 +523,14 @@ def _tensor_pieces(entries, tensors, ahead: int):
             name, kind, _ = entries[i]
             started.append(_Ahead(tensors[name][1], kind, stop))
 
-    def pieces():
+    def in_order():
         for i in range(min(ahead, len(entries))):
             start(i)
         for i in range(len(entries)):
             yield started[i].pieces()
             start(i + ahead)
     try:
-        yield pieces()
+        yield in_order()
     finally:
         stop.set()
         for producer in started:
