@@ -9,7 +9,9 @@
 #   benchmarks/device_run.sh families e4b:full 31b:4 ...
 #                                      each published shape cut to that many layers (full: every layer): synth,
 #                                      generate --device cuda
-#                                      (timed, peak GPU memory by nvidia-smi), one JSON line each in families.jsonl
+#                                      (timed, peak GPU memory by nvidia-smi), one JSON line each in families.jsonl;
+#                                      BUDGET_S (default 330): start no cut after that many seconds; SYNTH_S (default
+#                                      280): the synthesiser's limit per cut
 #   benchmarks/device_run.sh rerun     generate --device cuda of the real-size E2B text set twice (first, cached)
 #   benchmarks/device_run.sh summaries benchmarks/summaries.py on 1,032 rows (a real-size base) on its cores
 #   benchmarks/device_run.sh synth [PRESET [LAYERS]]
@@ -70,7 +72,7 @@ case "$mode" in
       if [ $((SECONDS - t0)) -gt ${BUDGET_S:-330} ]; then echo "skipped $spec: the call's time is spent"; continue; fi
       cut="--layers $layers"; jl=$layers; [ "$layers" = full ] && { cut=""; jl='"full"'; }
       s=$SECONDS
-      [ -f "$dir/config.json" ] || timeout 280 python3 -m refimpl synth --preset "$preset" $cut \
+      [ -f "$dir/config.json" ] || timeout "${SYNTH_S:-280}" python3 -m refimpl synth --preset "$preset" $cut \
         --out "$dir" > /dev/null
       synth_s=$((SECONDS - s)); rm -rf "$set_dir"; s=$SECONDS
       nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 > "$OUT/smi-$preset-$layers.log" &
