@@ -169,7 +169,8 @@ class Gemma4Weights:
         if self.xp is np or self.cache_budget == 0 or not isinstance(self.store, TensorStore):
             return "decoded"
         infos = [self.store.infos[self.prefix + name] for name, shape in expected_tensors(self.cfg).items()
-                 if len(shape) == 2 and name != "embed_tokens_per_layer.weight"]  # (what ``product`` multiplies by)
+                 if len(shape) in (2, 3) and name != "embed_tokens_per_layer.weight"]
+        # (what ``product`` multiplies by, and the MoE experts ``rows`` gathers)
         decoded = sum(math.prod(info.shape) for info in infos) * self.dtype.itemsize
         if decoded <= self.cache_budget or not all(info.dtype in PLAIN_FLOATS for info in infos):
             return "decoded"
@@ -313,10 +314,15 @@ class Gemma4Weights:
     def rows(self, name: str, index) -> np.ndarray:
         """Only ``tensor[index]`` (first axis), gathered from the memory map and decoded. On the device, the rows of
         a BF16/F16/F32 tensor of a safetensors checkpoint cross as stored and are decoded there, as ``_decoded``
-        (the embedding and PLE rows of a prompt: a quarter of the bytes, and no decoding on the host)."""
+        (the embedding and PLE rows of a prompt: a quarter of the bytes, and no decoding on the host). The MoE
+        experts (3-D, gathered an expert at a time) are kept by the weight cache as the matrices are, decoded whole
+        or resident as stored: no later forward copies them from the host again."""
         full = self.prefix + name
         if not self._crosses_as_stored(full):
             return self.xp.asarray(self.store.rows(full, index, self.dtype))
+        shape = self.store.infos[full].shape
+        if len(shape) == 3 and (W := self._cached(full, 0, shape[0])) is not None:  # MoE experts: decoded once
+            return W[self.xp.asarray(index)] if isinstance(index, np.ndarray) else W[index]
         return decode_where_stored(self._stored_on_device(full, index), self.store.infos[full].dtype, self.dtype)
 
     def linear(self, x: np.ndarray, name: str) -> np.ndarray:
@@ -384,7 +390,7 @@ class Gemma4Weights:
             return self.cache[key]
         if self.keep == "stored":
             return None
-        nbytes = (stop - start) * self.store.infos[full].shape[1] * self.dtype.itemsize
+        nbytes = (stop - start) * math.prod(self.store.infos[full].shape[1:]) * self.dtype.itemsize
         if self.cache_bytes + nbytes > self.cache_budget:
             return None
         W = self.cache[key] = self._decoded(full, start, stop)
