@@ -314,15 +314,15 @@ class Gemma4Weights:
     def rows(self, name: str, index) -> np.ndarray:
         """Only ``tensor[index]`` (first axis), gathered from the memory map and decoded. On the device, the rows of
         a BF16/F16/F32 tensor of a safetensors checkpoint cross as stored and are decoded there, as ``_decoded``
-        (the embedding and PLE rows of a prompt: a quarter of the bytes, and no decoding on the host). The MoE
-        experts (3-D, gathered an expert at a time) are kept by the weight cache as the matrices are, decoded whole
-        or resident as stored: no later forward copies them from the host again."""
+        (the embedding and PLE rows of a prompt: a quarter of the bytes, and no decoding on the host). On the
+        device the MoE experts (3-D, gathered an expert at a time) are kept by the weight cache as the matrices
+        are, decoded whole (any store) or resident as stored: no later forward reads them from the host again."""
         full = self.prefix + name
+        shape = self.store.infos[full].shape
+        if self.xp is not np and len(shape) == 3 and (W := self._cached(full, 0, shape[0])) is not None:
+            return W[self.xp.asarray(index)] if isinstance(index, np.ndarray) else W[index]  # (MoE experts)
         if not self._crosses_as_stored(full):
             return self.xp.asarray(self.store.rows(full, index, self.dtype))
-        shape = self.store.infos[full].shape
-        if len(shape) == 3 and (W := self._cached(full, 0, shape[0])) is not None:  # MoE experts: decoded once
-            return W[self.xp.asarray(index)] if isinstance(index, np.ndarray) else W[index]
         return decode_where_stored(self._stored_on_device(full, index), self.store.infos[full].dtype, self.dtype)
 
     def linear(self, x: np.ndarray, name: str) -> np.ndarray:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import strict_device
+from gguf_writer import T, write_gguf
 
 from refimpl.arrays import DEVICE_ENV, resolve_device
 from refimpl.errors import InputError
@@ -103,24 +104,32 @@ def test_the_auto_weight_cache_takes_most_of_the_free_gpu_memory(preset_dirs, mo
     assert Gemma4(preset_dirs["e2b-mini"], device="cuda").weights.cache_budget == 8 * 2**30
 
 
-@pytest.mark.parametrize("keep", ["decoded", "stored"])
-def test_the_moe_experts_cross_to_the_device_once(preset_dirs, monkeypatch, keep):
+@pytest.mark.parametrize("keep", ["decoded", "stored", "decoded from a Q8_0 GGUF"])
+def test_the_moe_experts_cross_to_the_device_once(preset_dirs, monkeypatch, tmp_path, keep):
     """The MoE experts, gathered an expert at a time (``Gemma4Weights.rows``), are kept by the weight cache as the
-    matrices are (decoded, or resident as stored): after the first forwards no forward reads them from the host
-    again. (They crossed at every use before: the 26B-A4B cuts' text sets grew about 13 s a layer on an H100.)"""
+    matrices are (decoded, or resident as stored; a GGUF's decoded on the host once): after the first forwards no
+    forward reads them from the checkpoint again, and the logits are the host's. (They crossed at every use
+    before: the 26B-A4B cuts' text sets grew about 13 s a layer on an H100.)"""
     strict_device.install(monkeypatch)
     directory = preset_dirs["26b-a4b-mini"]
+    if keep.endswith("GGUF"):
+        directory = write_gguf(directory, tmp_path / "moe-q8_0.gguf", T.Q8_0)
     probe = Gemma4(directory, device="cuda", weight_cache="all")
     strict_device.model_outputs(probe, list(range(3, 26)))
     assert probe.weights.keep == "decoded"
     assert any(".experts." in key[0] for key in probe.weights.cache)  # the experts are in the decoded budget
-    budget = "all" if keep == "decoded" else int(0.75 * probe.weights.cache_bytes)
+    budget = int(0.75 * probe.weights.cache_bytes) if keep == "stored" else "all"
     cpu = Gemma4(directory, device="cpu")
     gpu = Gemma4(directory, device="cuda", weight_cache=budget)
-    assert gpu.weights.keep == keep
-    strict_device.assert_device_is_host(cpu, gpu)  # (the first forwards fill the cache)
+    assert gpu.weights.keep == keep.split()[0]
     store, reads = gpu.weights.store, []
-    raw = store.raw
-    monkeypatch.setattr(store, "raw", lambda full: reads.append(full) or raw(full))
+    for method in ("raw", "read", "rows"):  # what reads a tensor from the checkpoint
+        if hasattr(store, method):
+            original = getattr(store, method)
+            monkeypatch.setattr(store, method, lambda full, *args, _f=original, **kw: reads.append(full) or _f(
+                full, *args, **kw))
+    strict_device.assert_device_is_host(cpu, gpu)  # the first forwards fill the cache
+    assert [full for full in reads if ".experts." in full]
+    reads.clear()
     strict_device.assert_device_is_host(cpu, gpu)
     assert not [full for full in reads if ".experts." in full]
