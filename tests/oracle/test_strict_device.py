@@ -104,16 +104,20 @@ def test_the_auto_weight_cache_takes_most_of_the_free_gpu_memory(preset_dirs, mo
     assert Gemma4(preset_dirs["e2b-mini"], device="cuda").weights.cache_budget == 8 * 2**30
 
 
-@pytest.mark.parametrize("keep", ["decoded", "stored", "decoded from a Q8_0 GGUF"])
+@pytest.mark.parametrize("keep", ["decoded", "stored", "decoded from a Q8_0 GGUF", "decoded from an MLX q4-g32"])
 def test_the_moe_experts_cross_to_the_device_once(preset_dirs, monkeypatch, tmp_path, keep):
     """The MoE experts, gathered an expert at a time (``Gemma4Weights.rows``), are kept by the weight cache as the
-    matrices are (decoded, or resident as stored; a GGUF's decoded on the host once): after the first forwards no
-    forward reads them from the checkpoint again, and the logits are the host's. (They crossed at every use
-    before: the 26B-A4B cuts' text sets grew about 13 s a layer on an H100.)"""
+    matrices are (decoded, or resident as stored; a GGUF's or MLX checkpoint's decoded on the host once): after
+    the first forwards no forward reads them from the checkpoint again, and the logits are the host's. (They
+    crossed at every use before: the 26B-A4B cuts' text sets grew about 13 s a layer on an H100.)"""
     strict_device.install(monkeypatch)
     directory = preset_dirs["26b-a4b-mini"]
     if keep.endswith("GGUF"):
         directory = write_gguf(directory, tmp_path / "moe-q8_0.gguf", T.Q8_0)
+    if keep.endswith("q4-g32"):
+        pytest.importorskip("mlx_lm")  # (mlx-lm quantises it: a heavy engine, imported here)
+        from mlx_convert import quantise
+        directory = quantise(directory, tmp_path / "mlx", 4, 32)
     probe = Gemma4(directory, device="cuda", weight_cache="all")
     strict_device.model_outputs(probe, list(range(3, 26)))
     assert probe.weights.keep == "decoded"
