@@ -10,8 +10,10 @@
 #                                      each published shape cut to that many layers (full: every layer): synth,
 #                                      generate --device cuda
 #                                      (timed, peak GPU memory by nvidia-smi), one JSON line each in families.jsonl;
-#                                      BUDGET_S (default 330): start no cut after that many seconds; SYNTH_S (default
-#                                      280): the synthesiser's limit per cut
+#                                      BUDGET_S (default 330): start no cut after that many seconds; SYNTH_S, GEN_S
+#                                      (default 280, 300): the synthesiser's and generate's limits per cut; a cut
+#                                      whose generate did not finish keeps its checkpoint, and the same spec in a
+#                                      later call on the machine resumes from the bases it finished
 #   benchmarks/device_run.sh rerun     generate --device cuda of the real-size E2B text set twice (first, cached)
 #   benchmarks/device_run.sh summaries benchmarks/summaries.py on 1,032 rows (a real-size base) on its cores
 #   benchmarks/device_run.sh synth [PRESET [LAYERS]]
@@ -77,13 +79,13 @@ case "$mode" in
       synth_s=$((SECONDS - s)); rm -rf "$set_dir"; s=$SECONDS
       nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 > "$OUT/smi-$preset-$layers.log" &
       smi=$!
-      timeout 300 python3 -c "$CONF" generate --model "$dir" --out "$set_dir" --cases text --device cuda 2>&1 \
-        | tee "$OUT/generate-$preset-$layers-cuda.log" | tail -3
+      timeout "${GEN_S:-300}" python3 -c "$CONF" generate --model "$dir" --out "$set_dir" --cases text \
+        --device cuda 2>&1 | tee "$OUT/generate-$preset-$layers-cuda.log" | tail -3
       rc=${PIPESTATUS[0]}; gen_s=$((SECONDS - s)); kill $smi 2>/dev/null
       peak=$(sort -n "$OUT/smi-$preset-$layers.log" | tail -1)
       echo "{\"preset\": \"$preset\", \"layers\": $jl, \"synth_s\": $synth_s, \"generate_s\": $gen_s, \"exit\": $rc, \"weight_cache\": \"${REFIMPL_WEIGHT_CACHE:-auto}\", \"peak_gpu_mib\": ${peak:-null}, \"checkpoint\": \"$(du -sh "$dir" | cut -f1)\", \"set\": \"$(du -sh "$set_dir" 2>/dev/null | cut -f1)\"}" \
         | tee -a "$OUT/families.jsonl"
-      rm -rf "$dir"
+      if [ "$rc" = 0 ]; then rm -rf "$dir"; else echo "kept $dir: the same spec again resumes from its finished bases"; fi
     done ;;
   rerun)  # generate --device cuda of the real-size E2B text set twice: a first run on this machine (the checkpoint
            # hashed, CuPy's kernels compiled) and a second (both cached), each timed end to end
