@@ -210,10 +210,9 @@ def test_bf16_rounding_in_blocks_equals_the_one_pass_formula(monkeypatch):
     bits = rng.integers(0, 2**32, size=(7, 45), dtype=np.uint64).astype(np.uint32)
     bits.reshape(-1)[[0, 63, 64, 127, 200, 314]] = [0x7FC00000, 0xFF800001, 0x7FFFFFFF, 0xFFFFFFFF, 0x7F800000,
                                                     0x7F7FFFFF]  # NaNs, +inf, the largest finite
-    u = bits
-    want = ((u.astype(np.uint64) + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    nan = (u & 0x7FFFFFFF) > 0x7F800000
-    want[nan] = ((u[nan] >> 16) | 0x0040).astype(np.uint16)
+    want = ((bits.astype(np.uint64) + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    want[nan] = ((bits[nan] >> 16) | 0x0040).astype(np.uint16)
     got = f32_to_bf16(bits.view(np.float32))
     assert got.shape == (7, 45) and got.dtype == np.uint16
     assert np.array_equal(got, want)

@@ -127,11 +127,16 @@ def test_the_moe_experts_cross_to_the_device_once(preset_dirs, monkeypatch, tmp_
     gpu = Gemma4(directory, device="cuda", weight_cache=budget)
     assert gpu.weights.keep == keep.split()[0]
     store, reads = gpu.weights.store, []
+
+    def recorded(read):
+        def reading(full, *args, **kwargs):
+            reads.append(full)
+            return read(full, *args, **kwargs)
+        return reading
+
     for method in ("raw", "read", "rows"):  # what reads a tensor from the checkpoint
         if hasattr(store, method):
-            original = getattr(store, method)
-            monkeypatch.setattr(store, method, lambda full, *args, _f=original, **kw: reads.append(full) or _f(
-                full, *args, **kw))
+            monkeypatch.setattr(store, method, recorded(getattr(store, method)))
     strict_device.assert_device_is_host(cpu, gpu)  # the first forwards fill the cache
     assert [full for full in reads if ".experts." in full]
     reads.clear()
