@@ -13,7 +13,8 @@
 #                                      BUDGET_S (default 330): start no cut after that many seconds; SYNTH_S, GEN_S
 #                                      (default 280, 300): the synthesiser's and generate's limits per cut; a cut
 #                                      whose generate did not finish keeps its checkpoint, and the same spec in a
-#                                      later call on the machine resumes from the bases it finished
+#                                      later call on the machine resumes from the bases it finished; one whose
+#                                      synth did not finish is recorded (generate_s null) and skipped
 #   benchmarks/device_run.sh rerun     generate --device cuda of the real-size E2B text set twice (first, cached)
 #   benchmarks/device_run.sh summaries benchmarks/summaries.py on 1,032 rows (a real-size base) on its cores
 #   benchmarks/device_run.sh synth [PRESET [LAYERS]]
@@ -76,7 +77,14 @@ case "$mode" in
       s=$SECONDS
       [ -f "$dir/config.json" ] || timeout "${SYNTH_S:-280}" python3 -m refimpl synth --preset "$preset" $cut \
         --out "$dir" > /dev/null
-      synth_s=$((SECONDS - s)); rm -rf "$set_dir"; s=$SECONDS
+      synth_s=$((SECONDS - s))
+      if [ ! -f "$dir/config.json" ]; then  # synth ran out of SYNTH_S (its partial checkpoint is removed on SIGTERM)
+        rm -rf /tmp/.ckpt-$preset-$layers.*
+        echo "{\"preset\": \"$preset\", \"layers\": $jl, \"synth_s\": $synth_s, \"generate_s\": null, \"exit\": null, \"note\": \"synth did not finish within SYNTH_S=${SYNTH_S:-280}\"}" \
+          | tee -a "$OUT/families.jsonl"
+        continue
+      fi
+      rm -rf "$set_dir"; s=$SECONDS
       nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 > "$OUT/smi-$preset-$layers.log" &
       smi=$!
       timeout "${GEN_S:-300}" python3 -c "$CONF" generate --model "$dir" --out "$set_dir" --cases text \

@@ -34,6 +34,7 @@ from .inspect_cmd import cmd_inspect
 from .model import VISION_MASK_RULES, Gemma4, resolve_rows
 from .multimodal import multimodal_logits
 from .safetensors_io import write_safetensors
+from .signals import interrupt_signal, stop_signals
 from .synth import (
     PRESETS,
     PUBLISHED,
@@ -318,16 +319,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        with stop_signals():  # SIGTERM/SIGHUP (a CI job's timeout) end it as Ctrl-C does: temporary files go
+            return args.func(args)
     except RefimplError as e:
         print(f"refimpl: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as e:
         print(f"refimpl: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        print(f"refimpl: interrupted by {e.args[0] if e.args else 'SIGINT'}", file=sys.stderr)
+        return 128 + interrupt_signal(e)
 
 
 if __name__ == "__main__":

@@ -23,10 +23,11 @@ import datetime as _dt
 import re
 import signal
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Iterable
+
+from refimpl.signals import Interrupted, interrupt_signal, stop_signals
 
 from ..protocol.types import Backend
 from ..sets.integrity import load_set
@@ -38,46 +39,6 @@ from .results import CaseResult, Progress, RunResult
 from .session import PHASES, Checkpoints, Selection, Session, SetContext
 
 __all__ = ["PHASES", "Interrupted", "interrupt_signal", "load_sets", "run", "run_case", "stop_signals"]
-
-
-class Interrupted(KeyboardInterrupt):
-    """A stop signal other than SIGINT (SIGTERM, SIGHUP) arrived during a run: raised by the handler of
-    ``stop_signals``. A subclass of KeyboardInterrupt, so every place that lets an interrupt through
-    lets this through too."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = int(signum)
-
-
-def interrupt_signal(exc: KeyboardInterrupt) -> int:
-    """The signal number an interrupt stands for (SIGINT for a plain KeyboardInterrupt)."""
-    return exc.signum if isinstance(exc, Interrupted) else int(signal.SIGINT)
-
-
-class stop_signals:
-    """``with stop_signals():`` SIGTERM and SIGHUP raise ``Interrupted`` in the main thread (SIGINT already
-    raises KeyboardInterrupt), so a CI job's timeout ends a run like Ctrl-C: finally blocks run,
-    temporary files go, and the finished cases are reported. The previous handlers come back on exit.
-    Outside the main thread it does nothing."""
-
-    SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
-
-    def __enter__(self):
-        self._saved = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self._saved[sig] = signal.signal(sig, self._raise)
-        return self
-
-    @staticmethod
-    def _raise(signum, frame):
-        raise Interrupted(signum)
-
-    def __exit__(self, *exc):
-        for sig, handler in self._saved.items():
-            signal.signal(sig, handler)
-        return False
 
 
 def load_sets(paths: Iterable[str | Path]) -> list:

@@ -11,6 +11,9 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 from collections import namedtuple
 
@@ -223,6 +226,28 @@ def test_synth_cli_published(tmp_path, capsys, monkeypatch):
     assert 2 * 30e9 / 2**30 < need < 2 * 32e9 / 2**30  # a 31B model in bf16
     assert "GiB, but only 10.0 GiB are free; choose another --out or fewer --layers" in err
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_an_interrupted_synth_leaves_no_partial_checkpoint(tmp_path, sig, code):
+    """A CI job's timeout (SIGTERM) or Ctrl-C in the middle of a real-size synth: the half-written checkpoint
+    (the hidden directory beside --out; 45 GiB of a 31B when it happened on the device) is removed, the exit
+    says which signal, and --out is not made. Python's default SIGTERM would end it without the cleanup."""
+    out = tmp_path / "ck"
+    proc = subprocess.Popen([sys.executable, "-m", "refimpl", "synth", "--preset", "26b-a4b", "--layers", "1",
+                             "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stderr:  # one line per 10% (stderr is not a terminal)
+        lines.append(line)
+        if "weights  10%" in line:
+            break
+    partial = [p.name for p in tmp_path.iterdir()]
+    assert len(partial) == 1 and partial[0].startswith(".ck."), lines  # the weights being written
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err
+    assert err.splitlines()[-1] == f"refimpl: interrupted by {sig.name}"
+    assert list(tmp_path.iterdir()) == []
 
 
 # ----------------------------------------------------------------------------------------------
