@@ -14,7 +14,10 @@
 #                                      (default 280, 300): the synthesiser's and generate's limits per cut; a cut
 #                                      whose generate did not finish keeps its checkpoint, and the same spec in a
 #                                      later call on the machine resumes from the bases it finished; one whose
-#                                      synth did not finish is recorded (generate_s null) and skipped
+#                                      synth did not finish is recorded (generate_s null) and skipped; each step
+#                                      stops at most at CALL_S (default 590) from the start, so the records are
+#                                      written inside the device's per-call limit; CKPT_ROOT (default /tmp): where
+#                                      the checkpoints go (/dev/shm: in memory, where the disk writes slowly)
 #   benchmarks/device_run.sh rerun     generate --device cuda of the real-size E2B text set twice (first, cached)
 #   benchmarks/device_run.sh summaries benchmarks/summaries.py on 1,032 rows (a real-size base) on its cores
 #   benchmarks/device_run.sh synth [PRESET [LAYERS]]
@@ -40,6 +43,11 @@ export PYTHONPATH=/tmp/site:.:tests PYTHONUNBUFFERED=1
 CONF='import sys; from conformance.cli import main; sys.argv[0] = "conformance"; sys.exit(main())'
 # the backend by its object: the checkout runs from PYTHONPATH, not installed, so its entry points are not registered
 TRANSFORMERS=conformance.backends.transformers.backend:TransformersBackend
+limit() {  # limit S: S seconds, or what is left of the call's CALL_S (default 590) less 10 s for the records
+  local left=$(( ${CALL_S:-590} - (SECONDS - t0) - 10 ))
+  [ "$left" -lt 1 ] && left=1
+  [ "$1" -lt "$left" ] && echo "$1" || echo "$left"
+}
 synth() {  # synth PRESET_ARGS DIR: a synthetic checkpoint, once per machine
   [ -f "$2/model.safetensors" ] || timeout 200 python3 -m refimpl synth --preset e2b $1 --out "$2" > /dev/null
 }
@@ -71,23 +79,25 @@ case "$mode" in
   families)  # families PRESET:LAYERS ...: synth each cut, generate its text set on the GPU, timed, peak GPU memory
     shift
     for spec in "$@"; do
-      preset=${spec%%:*}; layers=${spec##*:}; dir=/tmp/ckpt-$preset-$layers; set_dir=/tmp/sets/$preset-$layers
+      preset=${spec%%:*}; layers=${spec##*:}; root=${CKPT_ROOT:-/tmp}; dir=$root/ckpt-$preset-$layers
+      set_dir=/tmp/sets/$preset-$layers
       if [ $((SECONDS - t0)) -gt ${BUDGET_S:-330} ]; then echo "skipped $spec: the call's time is spent"; continue; fi
       cut="--layers $layers"; jl=$layers; [ "$layers" = full ] && { cut=""; jl='"full"'; }
       s=$SECONDS
-      [ -f "$dir/config.json" ] || timeout "${SYNTH_S:-280}" python3 -m refimpl synth --preset "$preset" $cut \
-        --out "$dir" > /dev/null
+      df -h "$root" | tail -1
+      lim=$(limit "${SYNTH_S:-280}")
+      [ -f "$dir/config.json" ] || timeout "$lim" python3 -m refimpl synth --preset "$preset" $cut --out "$dir" > /dev/null
       synth_s=$((SECONDS - s))
       if [ ! -f "$dir/config.json" ]; then  # synth ran out of SYNTH_S (its partial checkpoint is removed on SIGTERM)
-        rm -rf /tmp/.ckpt-$preset-$layers.*
-        echo "{\"preset\": \"$preset\", \"layers\": $jl, \"synth_s\": $synth_s, \"generate_s\": null, \"exit\": null, \"note\": \"synth did not finish within SYNTH_S=${SYNTH_S:-280}\"}" \
+        rm -rf "$root"/.ckpt-$preset-$layers.*
+        echo "{\"preset\": \"$preset\", \"layers\": $jl, \"synth_s\": $synth_s, \"generate_s\": null, \"exit\": null, \"note\": \"synth did not finish within its $lim s\"}" \
           | tee -a "$OUT/families.jsonl"
         continue
       fi
       rm -rf "$set_dir"; s=$SECONDS
       nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 > "$OUT/smi-$preset-$layers.log" &
       smi=$!
-      timeout "${GEN_S:-300}" python3 -c "$CONF" generate --model "$dir" --out "$set_dir" --cases text \
+      timeout "$(limit "${GEN_S:-300}")" python3 -c "$CONF" generate --model "$dir" --out "$set_dir" --cases text \
         --device cuda 2>&1 | tee "$OUT/generate-$preset-$layers-cuda.log" | tail -3
       rc=${PIPESTATUS[0]}; gen_s=$((SECONDS - s)); kill $smi 2>/dev/null
       peak=$(sort -n "$OUT/smi-$preset-$layers.log" | tail -1)
