@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -117,6 +118,22 @@ def _check_out(out: Path, model_dir: Path, force: bool) -> None:
         raise InputError(f"--out {out} is a directory; pass the path of the .safetensors file to write")
     if out.exists() and not force:
         raise InputError(f"--out {out} already exists; pass --force to overwrite it, or choose another path")
+    if not out.parent.is_dir():
+        raise InputError(f"--out {out}: the directory {out.parent} does not exist; create it first")
+
+
+def _write_atomically(out: Path, tensors: dict, dtype: str, metadata: dict) -> None:
+    """write_safetensors into a hidden file beside ``out``, renamed to ``out`` when complete: an error or an
+    interrupt (a CI job's timeout while gigabytes of all-rows logits are written) leaves no truncated file and
+    keeps the one --force was to replace."""
+    target = out.resolve()  # through a symbolic link, as a plain write goes
+    tmp = target.parent / f".{target.name}.{os.getpid()}.tmp"  # made as a plain file is: the user's umask
+    try:
+        write_safetensors(tmp, tensors, dtype, metadata=metadata)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def cmd_logits(args) -> int:
@@ -150,8 +167,8 @@ def cmd_logits(args) -> int:
             metadata["videos"] = json.dumps(prompt.video_info)
     else:
         logits = model.forward(ids, rows=rows)
-    write_safetensors(args.out, {"logits": logits, "rows": index, "tokens": np.asarray(ids)},
-                      "F64" if model.dtype == np.float64 else "F32", metadata=metadata)
+    _write_atomically(Path(args.out), {"logits": logits, "rows": index, "tokens": np.asarray(ids)},
+                      "F64" if model.dtype == np.float64 else "F32", metadata)
     images = f" ({prompt.summary})" if has_media(args) else ""
     print(f"{len(ids)} tokens{images}, {len(index)} rows of {logits.shape[1]} logits ({model.dtype}) -> {args.out}")
     if has_media(args):

@@ -75,6 +75,36 @@ def test_logits_out_refuses_an_existing_file_without_force(tmp_path, text_ckpt, 
     assert TensorStore(out).raw("tokens").tolist() == [2, 5]
 
 
+def test_logits_out_is_written_whole_or_not_at_all(tmp_path, text_ckpt, capsys, monkeypatch):
+    """An interrupt while the logits are written (gigabytes for --rows all at real size) leaves no truncated
+    file and keeps the one --force was replacing; a link is written through; a missing directory is said
+    before the forward."""
+    out = tmp_path / "golden.safetensors"
+    out.write_text("keep me")
+
+    def interrupted(path, *args, **kwargs):
+        with open(path, "wb") as f:
+            f.write(b"half a header")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("refimpl.cli.write_safetensors", interrupted)
+    code, _, err = run(capsys, "logits", "--model", text_ckpt, "--tokens", "2,5", "--out", out, "--force")
+    assert code == 130 and err == "refimpl: interrupted by SIGINT\n"
+    assert out.read_text() == "keep me" and [p.name for p in tmp_path.iterdir()] == ["golden.safetensors"]
+    monkeypatch.undo()
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(out)
+    code, _, err = run(capsys, "logits", "--model", text_ckpt, "--tokens", "2,5", "--out", link, "--force")
+    assert code == 0, err
+    assert link.is_symlink() and TensorStore(out).raw("tokens").tolist() == [2, 5]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["golden.safetensors", "link.safetensors"]
+    missing = tmp_path / "no" / "o.safetensors"
+    monkeypatch.setattr(Gemma4, "forward", lambda *a, **k: pytest.fail("the forward ran before --out was checked"))
+    code, _, err = run(capsys, "logits", "--model", text_ckpt, "--tokens", "2,5", "--out", missing)
+    assert code == 2
+    assert err == f"refimpl: error: --out {missing}: the directory {missing.parent} does not exist; create it first\n"
+
+
 def test_logits_out_never_writes_into_the_model_directory(tmp_path, text_ckpt, capsys):
     model = copy_ckpt(text_ckpt, tmp_path / "ckpt")
     before = {p.name: sha(p) for p in model.iterdir()}
