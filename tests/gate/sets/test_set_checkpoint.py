@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -190,7 +191,7 @@ def test_a_second_check_reads_no_checkpoint_file(small, tmp_path, capsys, hashed
     _age(copy)
     files = [os.path.realpath(copy / n) for n in ("config.json", "model.safetensors")]
     check = ["check", "--backend", "refimpl", "--fixtures", str(s), "--model", str(copy), "-q", *ONE_CASE]
-    assert main(check) == 0 and hashed == files
+    assert main(check) == 0 and sorted(hashed) == files  # the order: the threads'
     entries = json.loads(cache.read_text())["files"]
     assert sorted(entries) == sorted(files)
     st = os.stat(files[1])
@@ -199,7 +200,7 @@ def test_a_second_check_reads_no_checkpoint_file(small, tmp_path, capsys, hashed
     hashed.clear()
     assert main(check) == 0 and hashed == []  # from the cache
 
-    assert main([*check, "--rehash"]) == 0 and hashed == files  # --rehash reads them all again
+    assert main([*check, "--rehash"]) == 0 and sorted(hashed) == files  # --rehash reads them all again
     hashed.clear()
     os.utime(copy / "config.json", ns=(PAST + 10**9, PAST + 10**9))  # another mtime: another file for the cache
     assert main(check) == 0 and hashed == files[:1]
@@ -207,7 +208,7 @@ def test_a_second_check_reads_no_checkpoint_file(small, tmp_path, capsys, hashed
     assert main(["verify", str(s), "--model", str(copy)]) == 0 and hashed == []  # verify reads the same cache
 
     cache.write_text("{not json")  # a corrupt cache is ignored, then replaced
-    assert main(check) == 0 and hashed == files
+    assert main(check) == 0 and sorted(hashed) == files  # the order: the threads'
     assert sorted(json.loads(cache.read_text())["files"]) == sorted(files)
     capsys.readouterr()
 
@@ -251,6 +252,35 @@ def test_digests_follow_the_file_identity(tmp_path, hashed, cache):
     assert DigestCache().sha256(f) == sha256_file(f) and len(hashed) == 7  # not a digest cache: ignored
     with pytest.raises(OSError):
         file_digests(tmp_path, ["gone.bin"])
+
+
+def test_the_shards_are_hashed_side_by_side(tmp_path, monkeypatch, cache):
+    """A sharded checkpoint's files are read on threads at once (each call here waits until the other has
+    started: one after another, the barrier breaks); a file that cannot be read is named with its error and
+    the others are still hashed; the digests land in the cache as before."""
+    shards = [tmp_path / f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    for i, f in enumerate(shards):
+        f.write_bytes(bytes([i]) * 100_000)
+    _age(tmp_path)
+    together = threading.Barrier(2, timeout=20)
+    real = checkpoint.sha256_file
+
+    def meeting(path):
+        if Path(path).name.startswith("model-00002"):
+            raise PermissionError(13, "Permission denied")
+        together.wait()  # the other two shards meet here
+        return real(path)
+
+    monkeypatch.setattr(checkpoint, "cores", lambda: 2)
+    monkeypatch.setattr(checkpoint, "sha256_file", meeting)
+    got = DigestCache().sha256_all(shards)
+    assert [got[0], got[2]] == [real(shards[0]), real(shards[2])]
+    assert isinstance(got[1], PermissionError) and got[1].strerror == "Permission denied"
+    with pytest.raises(PermissionError):
+        file_digests(tmp_path, [f.name for f in shards])
+    monkeypatch.setattr(checkpoint, "sha256_file", lambda path: pytest.fail(f"{path} read again"))
+    assert file_digests(tmp_path, [shards[0].name, shards[2].name]) == {  # cached by the call before
+        shards[0].name: real(shards[0]), shards[2].name: real(shards[2])}
 
 
 def test_where_the_cache_lives(tmp_path, monkeypatch):
