@@ -78,6 +78,7 @@ case "$mode" in
       --json "$OUT/check-gpu-set-on-cpu.json" 2>&1 | tail -3 ;;
   families)  # families PRESET:LAYERS ...: synth each cut, generate its text set on the GPU, timed, peak GPU memory
     shift
+    df -h /tmp /dev/shm | tail -n +2  # the disk and the shared memory (CKPT_ROOT=/dev/shm where it holds the cut)
     for spec in "$@"; do
       preset=${spec%%:*}; layers=${spec##*:}; root=${CKPT_ROOT:-/tmp}; dir=$root/ckpt-$preset-$layers
       set_dir=/tmp/sets/$preset-$layers
