@@ -78,18 +78,17 @@ case "$mode" in
       --json "$OUT/check-gpu-set-on-cpu.json" 2>&1 | tail -3 ;;
   families)  # families PRESET:LAYERS ...: synth each cut, generate its text set on the GPU, timed, peak GPU memory
     shift
-    df -h /tmp /dev/shm | tail -n +2  # the disk and the shared memory (CKPT_ROOT=/dev/shm where it holds the cut)
     for spec in "$@"; do
       preset=${spec%%:*}; layers=${spec##*:}; root=${CKPT_ROOT:-/tmp}; dir=$root/ckpt-$preset-$layers
       set_dir=/tmp/sets/$preset-$layers
       if [ $((SECONDS - t0)) -gt ${BUDGET_S:-330} ]; then echo "skipped $spec: the call's time is spent"; continue; fi
       cut="--layers $layers"; jl=$layers; [ "$layers" = full ] && { cut=""; jl='"full"'; }
       s=$SECONDS
-      df -h "$root" | tail -1
+      df -h "$root" /dev/shm | tail -n +2  # the free space, and whether CKPT_ROOT=/dev/shm could hold the cut
       lim=$(limit "${SYNTH_S:-280}")
       [ -f "$dir/config.json" ] || timeout "$lim" python3 -m refimpl synth --preset "$preset" $cut --out "$dir" > /dev/null
       synth_s=$((SECONDS - s))
-      if [ ! -f "$dir/config.json" ]; then  # synth ran out of SYNTH_S (its partial checkpoint is removed on SIGTERM)
+      if [ ! -f "$dir/config.json" ]; then  # synth ran out of its limit (it removes its partial checkpoint on SIGTERM; this, after a harder end)
         rm -rf "$root"/.ckpt-$preset-$layers.*
         echo "{\"preset\": \"$preset\", \"layers\": $jl, \"synth_s\": $synth_s, \"generate_s\": null, \"exit\": null, \"note\": \"synth did not finish within its $lim s\"}" \
           | tee -a "$OUT/families.jsonl"

@@ -35,7 +35,7 @@ from .inspect_cmd import cmd_inspect
 from .model import VISION_MASK_RULES, Gemma4, resolve_rows
 from .multimodal import multimodal_logits
 from .safetensors_io import write_safetensors
-from .signals import interrupt_signal, stop_signals
+from .signals import interrupt_name, interrupt_signal, stop_signals
 from .synth import (
     PRESETS,
     PUBLISHED,
@@ -132,7 +132,7 @@ def _write_atomically(out: Path, tensors: dict, dtype: str, metadata: dict) -> N
         write_safetensors(tmp, tensors, dtype, metadata=metadata)
         os.replace(tmp, target)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"refimpl: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt as e:
-        print(f"refimpl: interrupted by {e.args[0] if e.args else 'SIGINT'}", file=sys.stderr)
+        print(f"refimpl: interrupted by {interrupt_name(e)}", file=sys.stderr)
         return 128 + interrupt_signal(e)
 
 

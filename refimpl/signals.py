@@ -8,7 +8,7 @@ from __future__ import annotations
 import signal
 import threading
 
-__all__ = ["Interrupted", "interrupt_signal", "stop_signals"]
+__all__ = ["Interrupted", "interrupt_name", "interrupt_signal", "stop_signals"]
 
 
 class Interrupted(KeyboardInterrupt):
@@ -23,6 +23,11 @@ class Interrupted(KeyboardInterrupt):
 def interrupt_signal(exc: KeyboardInterrupt) -> int:
     """The signal number an interrupt stands for (SIGINT for a plain KeyboardInterrupt)."""
     return exc.signum if isinstance(exc, Interrupted) else int(signal.SIGINT)
+
+
+def interrupt_name(exc: KeyboardInterrupt) -> str:
+    """The name of the signal an interrupt stands for: SIGINT, SIGTERM, SIGHUP."""
+    return signal.Signals(interrupt_signal(exc)).name
 
 
 class stop_signals:

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import datetime as _dt
 import re
-import signal
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from refimpl.signals import Interrupted, interrupt_signal, stop_signals
+from refimpl.signals import Interrupted, interrupt_name, interrupt_signal, stop_signals
 
 from ..protocol.types import Backend
 from ..sets.integrity import load_set
@@ -99,7 +98,7 @@ def run(
             session.run(plan, work, work.note)
             interrupted = session.stopped
         except KeyboardInterrupt as exc:
-            sig = signal.Signals(interrupt_signal(exc)).name
+            sig = interrupt_name(exc)
             case = session.in_flight
             interrupted = {"reason": sig, "case": case, "message": f"interrupted by {sig}" + (
                 f" while case {case} was running (it is not reported)" if case else "")}

@@ -35,6 +35,7 @@ from importlib import metadata
 from typing import Sequence
 
 from refimpl.ggml_act import CONVENTIONS as ACTIVATION_CONVENTIONS
+from refimpl.signals import interrupt_name
 
 from ..check.runner import interrupt_signal, stop_signals
 from ..protocol.wire import VERSIONS
@@ -336,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         err(str(e))
         return EXIT_USAGE
     except KeyboardInterrupt as e:
-        err(f"interrupted by {e.args[0] if e.args else 'SIGINT'}")
+        err(f"interrupted by {interrupt_name(e)}")
         return 128 + interrupt_signal(e)
     except BrokenPipeError:  # a reader that quit early: the output is incomplete, never a pass
         silence_stdout()
