@@ -17,7 +17,8 @@
 #                                      synth did not finish is recorded (generate_s null) and skipped; each step
 #                                      stops at most at CALL_S (default 590) from the start, so the records are
 #                                      written inside the device's per-call limit; CKPT_ROOT (default /tmp): where
-#                                      the checkpoints go (/dev/shm: in memory, where the disk writes slowly)
+#                                      the checkpoints go (/dev/shm: in memory, where the disk writes slowly;
+#                                      auto: /dev/shm when it holds the cut or has room with memory to spare)
 #   benchmarks/device_run.sh rerun     generate --device cuda of the real-size E2B text set twice (first, cached)
 #   benchmarks/device_run.sh summaries benchmarks/summaries.py on 1,032 rows (a real-size base) on its cores
 #   benchmarks/device_run.sh synth [PRESET [LAYERS]]
@@ -47,6 +48,18 @@ limit() {  # limit S: S seconds, or what is left of the call's CALL_S (default 5
   local left=$(( ${CALL_S:-590} - (SECONDS - t0) - 10 ))
   [ "$left" -lt 1 ] && left=1
   [ "$1" -lt "$left" ] && echo "$1" || echo "$left"
+}
+ckpt_root() {  # ckpt_root PRESET LAYERS: CKPT_ROOT, or with CKPT_ROOT=auto /dev/shm where it already holds the cut
+  # or has room for its bf16 (+4 GiB) with 24 GiB of memory left beside it, else /tmp
+  local root=${CKPT_ROOT:-/tmp}
+  [ "$root" = auto ] || { echo "$root"; return; }
+  [ -f "/dev/shm/ckpt-$1-$2/config.json" ] && { echo /dev/shm; return; }
+  local need shm mem
+  need=$(python3 -c "import sys; from refimpl.synth import published_config as c, published_parameters as n
+print(int(n(c(sys.argv[1], 0, None if sys.argv[2] == 'full' else int(sys.argv[2]))) * 2 / 2**30) + 4)" "$1" "$2" 2>/dev/null)
+  shm=$(df --output=avail -BG /dev/shm | tail -1 | tr -dc 0-9)
+  mem=$(awk '/MemAvailable/ {print int($2 / 2^20)}' /proc/meminfo)
+  if [ "${need:-999}" -le "${shm:-0}" ] && [ $((mem - need)) -ge 24 ]; then echo /dev/shm; else echo /tmp; fi
 }
 synth() {  # synth PRESET_ARGS DIR: a synthetic checkpoint, once per machine
   [ -f "$2/model.safetensors" ] || timeout 200 python3 -m refimpl synth --preset e2b $1 --out "$2" > /dev/null
@@ -79,7 +92,7 @@ case "$mode" in
   families)  # families PRESET:LAYERS ...: synth each cut, generate its text set on the GPU, timed, peak GPU memory
     shift
     for spec in "$@"; do
-      preset=${spec%%:*}; layers=${spec##*:}; root=${CKPT_ROOT:-/tmp}; dir=$root/ckpt-$preset-$layers
+      preset=${spec%%:*}; layers=${spec##*:}; root=$(ckpt_root "$preset" "$layers"); dir=$root/ckpt-$preset-$layers
       set_dir=/tmp/sets/$preset-$layers
       if [ $((SECONDS - t0)) -gt ${BUDGET_S:-330} ]; then echo "skipped $spec: the call's time is spent"; continue; fi
       cut="--layers $layers"; jl=$layers; [ "$layers" = full ] && { cut=""; jl='"full"'; }
