@@ -20,6 +20,8 @@ CLOSENESS_OR_IDENTITY = {"max_abs", "max_rel", "nmse", "cosine", "kl", "kl_mean"
 
 @pytest.fixture(scope="module")
 def results():
+    """Every quantised mutant on every bundled quantised set it applies to, once for the module's tests: about
+    60 s on two cores (each mutant answers its sets' cases and is graded at two profiles, as the command does)."""
     return quant_selftest()
 
 
