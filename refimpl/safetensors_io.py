@@ -12,23 +12,20 @@ streaming a 10 GB bf16 checkpoint layer by layer keeps only the decoded working 
 stays in the page cache). A gather of rows (``rows`` with an index list: embedding rows) reads the
 memory map and hands its pages back to the kernel afterwards (``madvise(MADV_DONTNEED)``).
 
-``write_safetensors_streamed`` writes tensors from chunk generators, so a checkpoint larger than
-memory can be written.
+``safetensors_stream.write_safetensors_streamed`` writes tensors from chunk generators, so a checkpoint
+larger than memory can be written.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import mmap
 import os
-import queue
 import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
 
 import numpy as np
 
@@ -424,7 +421,8 @@ class TensorStore:
         return count
 
 
-def _encode(x: np.ndarray, kind: str) -> bytes:
+def encode_tensor(x: np.ndarray, kind: str) -> bytes:
+    """The bytes of ``x`` stored as ``kind`` (a safetensors dtype; BF16 rounded to nearest even)."""
     if kind == "BF16":
         return f32_to_bf16(x.astype(np.float32)).astype("<u2").tobytes()
     return np.asarray(x).astype(STORAGE[kind]).tobytes()
@@ -434,7 +432,7 @@ def _kind(x: np.ndarray, dtype: str) -> str:
     return ("U8" if x.dtype == np.uint8 else "I64") if np.issubdtype(x.dtype, np.integer) else dtype
 
 
-def _header_blob(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None) -> bytes:
+def header_blob(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None) -> bytes:
     """The 8-byte length and the JSON header of tensors (name, safetensors dtype, shape) laid out in order."""
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
@@ -456,112 +454,6 @@ def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], dtype: s
     arrays = {name: np.asarray(tensors[name]) for name in sorted(tensors)}
     entries = [(name, _kind(x, dtype), tuple(x.shape)) for name, x in arrays.items()]
     with open(path, "wb") as f:
-        f.write(_header_blob(entries, metadata))
+        f.write(header_blob(entries, metadata))
         for name, kind, _ in entries:
-            f.write(_encode(arrays[name], kind))
-
-
-AHEAD_QUEUE = 2  # encoded chunks a tensor's thread may hold before the writer takes them
-
-
-class _Ahead:
-    """One tensor's chunks drawn and encoded on a thread of its own, into a queue of AHEAD_QUEUE; ``stop``
-    (set by the writer when it ends, done or failed) ends the thread at its next chunk."""
-
-    def __init__(self, chunks: Callable[[], Iterable[np.ndarray]], kind: str, stop: threading.Event):
-        self.queue: queue.Queue = queue.Queue(AHEAD_QUEUE)
-        self.stop = stop
-        self.thread = threading.Thread(target=self._run, args=(chunks, kind), daemon=True)
-        self.thread.start()
-
-    def _run(self, chunks, kind) -> None:
-        try:
-            for piece in _encoded(chunks, kind):
-                if not self._put(piece):
-                    return
-            self._put(None)
-        except BaseException as error:  # noqa: BLE001 - handed to the writer, which raises it
-            self._put(error)
-
-    def _put(self, item) -> bool:
-        while not self.stop.is_set():
-            try:
-                self.queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def pieces(self):
-        while (item := self.queue.get()) is not None:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-
-
-def _encoded(chunks: Callable[[], Iterable[np.ndarray]], kind: str):
-    """(values, bytes) of each chunk of a tensor, encoded as ``kind``."""
-    for chunk in chunks():
-        chunk = np.asarray(chunk)
-        yield chunk.size, _encode(chunk, kind)
-
-
-@contextlib.contextmanager
-def _tensor_pieces(entries, tensors, ahead: int):
-    """An iterator over the tensors of ``entries`` in order, each an iterator of its (values, bytes) pieces:
-    drawn in the writer's thread (ahead 0), or each tensor on a thread of its own, up to ``ahead`` tensors
-    ahead of the writer (the chunk functions must then be independent of each other, as the synthesiser's,
-    each with its own generator, are); the threads are stopped when the block ends."""
-    if ahead <= 0:
-        yield (_encoded(tensors[name][1], kind) for name, kind, _ in entries)
-        return
-    stop = threading.Event()
-    started: list[_Ahead] = []
-
-    def start(i: int) -> None:
-        if i < len(entries):
-            name, kind, _ = entries[i]
-            started.append(_Ahead(tensors[name][1], kind, stop))
-
-    def in_order():
-        for i in range(min(ahead, len(entries))):
-            start(i)
-        for i in range(len(entries)):
-            yield started[i].pieces()
-            start(i + ahead)
-    try:
-        yield in_order()
-    finally:
-        stop.set()
-        for producer in started:
-            producer.thread.join()
-
-
-def write_safetensors_streamed(path: str | Path,
-                               tensors: dict[str, tuple[tuple[int, ...], Callable[[], Iterable[np.ndarray]]]],
-                               dtype: str = "BF16", metadata: dict[str, str] | None = None,
-                               progress: Callable[[int, int], None] | None = None, ahead: int = 0) -> None:
-    """``write_safetensors`` for float tensors given as (shape, chunks): ``chunks()`` yields the tensor's
-    values in C order, a piece at a time (any shapes; only their sizes must add up). The bytes equal
-    ``write_safetensors`` of the concatenated tensors; one chunk at a time is in memory, or with ``ahead`` N,
-    the next N tensors are drawn and encoded on threads of their own, AHEAD_QUEUE chunks each held at most
-    (the same bytes). ``progress(bytes_done, bytes_total)`` is called after each chunk."""
-    if dtype not in ("F64", "F32", "F16", "BF16"):
-        raise ValueError(f"unsupported dtype {dtype!r}")
-    entries = [(name, dtype, tuple(tensors[name][0])) for name in sorted(tensors)]
-    total = sum(math.prod(shape) for _, _, shape in entries) * STORAGE[dtype].itemsize
-    done = 0
-    with open(path, "wb") as f, _tensor_pieces(entries, tensors, ahead) as by_tensor:
-        f.write(_header_blob(entries, metadata))
-        for (name, _, shape), pieces in zip(entries, by_tensor, strict=True):
-            want, got = math.prod(shape), 0
-            for size, data in pieces:
-                got += size
-                if got > want:
-                    break
-                f.write(data)
-                done += len(data)
-                if progress is not None:
-                    progress(done, total)
-            if got != want:
-                raise ValueError(f"tensor {name!r}: the chunks hold {got} values, its shape {list(shape)} needs {want}")
+            f.write(encode_tensor(arrays[name], kind))

@@ -55,7 +55,8 @@ from .presets import (
     F,
     S,
 )
-from .safetensors_io import write_safetensors, write_safetensors_streamed
+from .safetensors_io import write_safetensors
+from .safetensors_stream import write_safetensors_streamed
 from .threads import threads
 from .unified import (
     expected_unified_audio_tensors,
@@ -144,8 +145,9 @@ def write_published_checkpoint(variant: str, seed: int, out: str | Path, layers:
                                dtype: str = "bf16", layout: str = "causal", overwrite: bool = False,
                                progress=None) -> Path:
     """Write a checkpoint with the published shapes of ``variant`` (optionally cut to ``layers`` layers),
-    weights streamed to disk (never the whole checkpoint in memory; the next tensors drawn on the oracle's
-    threads, ``threads()``, each from its own generator, so the bytes do not depend on their number); atomic
+    weights streamed to disk (never the whole checkpoint in memory: the tensors drawn ahead on the oracle's
+    threads, ``threads()``, within ``safetensors_stream``'s budget, each from its own generator, so the bytes do
+    not depend on their number); atomic
     like ``write_checkpoint``.
     The tokenizer is the synthetic one (its ids are a prefix of the 262144-id vocabulary).
     ``progress(bytes_done, bytes_total)`` is called as the weights are written."""

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import namedtuple
 
 import numpy as np
@@ -25,7 +26,8 @@ from refimpl.cli import main as cli_main
 from refimpl.config import FULL, SLIDING, parse_config
 from refimpl.model import HEAD_CHUNK, Gemma4
 from refimpl.presets import PUBLISHED_COMMON
-from refimpl.safetensors_io import TensorStore, write_safetensors, write_safetensors_streamed
+from refimpl.safetensors_io import TensorStore, write_safetensors
+from refimpl.safetensors_stream import AHEAD_BYTES, AHEAD_QUEUE, ahead_bytes, write_safetensors_streamed
 from refimpl.synth import PUBLISHED, published_config, write_published_checkpoint
 from refimpl.weights import expected_tensors
 
@@ -123,16 +125,59 @@ def test_streamed_writer_writes_the_same_bytes(tmp_path):
             return lambda: (flat[i:i + size] for i in range(0, flat.size, size))
 
         streamed = {name: (x.shape, pieces(x, 7)) for name, x in tensors.items()}
-        for ahead in (0, 1, 2, 5):  # in the writer's thread; 1, 2 and more than all tensors ahead on threads
+        # in the writer's thread; 1, 2 and more workers than tensors; a budget of nothing, of one chunk, the default
+        for ahead, budget in itertools.product((0, 1, 2, 5), (0, 7 * 8, None)):
             seen = []
             write_safetensors_streamed(tmp_path / "two.safetensors", streamed, dtype, metadata={"k": "v"},
-                                       progress=lambda done, total, seen=seen: seen.append((done, total)), ahead=ahead)
+                                       progress=lambda done, total, seen=seen: seen.append((done, total)), ahead=ahead,
+                                       budget_bytes=budget)
             assert (tmp_path / "one.safetensors").read_bytes() == (tmp_path / "two.safetensors").read_bytes(), ahead
             assert seen[-1][0] == seen[-1][1] and all(a <= b for (a, _), (b, _) in itertools.pairwise(seen))
     for ahead in (0, 2):
         bad = {"x": ((4, 4), lambda: iter([np.zeros(15)]))}
         with pytest.raises(ValueError, match=r"tensor 'x': the chunks hold 15 values, its shape \[4, 4\] needs 16"):
             write_safetensors_streamed(tmp_path / "bad.safetensors", bad, ahead=ahead)
+
+
+def test_the_workers_run_ahead_within_the_budget(tmp_path):
+    """With a slow writer the workers draw the later tensors ahead as far as the budget lets them, beyond the
+    AHEAD_QUEUE chunks a tensor (what each held at most before: the large tensors were then drawn one after
+    another while the writer waited), and never further: the chunks drawn and not yet written stay within the
+    budget, AHEAD_QUEUE chunks of the writer's tensor, one chunk in each worker's hands and one in the writer's."""
+    lock, drawn, written, outstanding = threading.Lock(), [0], [0], []
+    chunk_bytes, workers, budget = 16 * 4, 3, 30 * 16 * 4  # F32 chunks of 16 values; 30 chunks of budget
+
+    def chunks(seed):
+        def draw():
+            for k in range(40):
+                with lock:
+                    drawn[0] += chunk_bytes
+                    outstanding.append(drawn[0] - written[0])
+                yield np.full(16, seed + k, dtype=np.float64)
+        return draw
+
+    def slow_writer(done, total):
+        with lock:
+            written[0] = done
+        time.sleep(0.002)
+
+    tensors = {f"t{i}": ((40 * 16,), chunks(100 * i)) for i in range(6)}
+    write_safetensors_streamed(tmp_path / "model.safetensors", tensors, "F32", progress=slow_writer, ahead=workers,
+                               budget_bytes=budget)
+    assert max(outstanding) <= budget + (AHEAD_QUEUE + workers + 1) * chunk_bytes
+    # twice what AHEAD_QUEUE queued and one in hand a tensor (the most before: 3 tensors ahead, 10 chunks) allow
+    assert max(outstanding) > 2 * workers * (AHEAD_QUEUE + 1) * chunk_bytes
+    store = TensorStore(tmp_path)
+    assert all(np.array_equal(store.get(f"t{i}"), np.repeat(100 * i + np.arange(40.0), 16)) for i in range(6))
+
+
+def test_the_budget_is_a_share_of_the_memory_available(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       33554432 kB\nMemFree:         1048576 kB\nMemAvailable:    4194304 kB\n")
+    assert ahead_bytes(str(meminfo)) == (4 << 30) // 4  # a quarter of 4 GiB available
+    meminfo.write_text("MemAvailable:   67108864 kB\n")
+    assert ahead_bytes(str(meminfo)) == AHEAD_BYTES == 2 << 30  # 64 GiB available: the cap
+    assert 0 <= ahead_bytes(str(tmp_path / "absent")) <= AHEAD_BYTES  # no /proc: the free pages, or the cap
 
 
 def test_streamed_writer_ahead_raises_a_tensors_error_and_stops_its_threads(tmp_path):
