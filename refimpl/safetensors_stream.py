@@ -42,6 +42,7 @@ def ahead_bytes(meminfo: str = "/proc/meminfo") -> int:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     available = int(line.split()[1]) * 1024
+                    break
     except (OSError, ValueError, IndexError):
         pass
     if available is None:

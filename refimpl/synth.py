@@ -147,8 +147,7 @@ def write_published_checkpoint(variant: str, seed: int, out: str | Path, layers:
     """Write a checkpoint with the published shapes of ``variant`` (optionally cut to ``layers`` layers),
     weights streamed to disk (never the whole checkpoint in memory: the tensors drawn ahead on the oracle's
     threads, ``threads()``, within ``safetensors_stream``'s budget, each from its own generator, so the bytes do
-    not depend on their number); atomic
-    like ``write_checkpoint``.
+    not depend on their number); atomic like ``write_checkpoint``.
     The tokenizer is the synthetic one (its ids are a prefix of the 262144-id vocabulary).
     ``progress(bytes_done, bytes_total)`` is called as the weights are written."""
     if dtype not in ("f32", "bf16"):

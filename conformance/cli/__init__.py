@@ -35,9 +35,8 @@ from importlib import metadata
 from typing import Sequence
 
 from refimpl.ggml_act import CONVENTIONS as ACTIVATION_CONVENTIONS
-from refimpl.signals import interrupt_name
+from refimpl.signals import interrupt_name, interrupt_signal, stop_signals
 
-from ..check.runner import interrupt_signal, stop_signals
 from ..protocol.wire import VERSIONS
 from ..report.json_report import SCHEMA_VERSION as REPORT_SCHEMA_VERSION
 from ..sets.format import SCHEMA_VERSION as SET_SCHEMA_VERSION

@@ -116,9 +116,7 @@ class DigestCache:
         real = os.path.realpath(file)
         before = _identity(real)
         if not self.rehash:
-            if self._entries is None:
-                self._entries = _read_cache(self.path)
-            entry = self._new.get(real) or self._entries.get(real)
+            entry = self._new.get(real) or self._cached().get(real)
             if entry is not None and {k: entry[k] for k in IDENTITY} == before:
                 return entry["sha256"]
         started = time.time_ns()
@@ -127,12 +125,18 @@ class DigestCache:
             self._new[real] = {**before, "sha256": digest}
         return digest
 
+    def _cached(self) -> dict[str, dict]:
+        """The cache file's entries, read at the first use."""
+        if self._entries is None:
+            self._entries = _read_cache(self.path)
+        return self._entries
+
     def sha256_all(self, files: list[str | Path]) -> list[str | OSError]:
         """The sha256 of each file, or the OSError reading it raised, in order: files not in the cache are read
         side by side on up to ``cores()`` threads (hashlib lets go of the GIL), so the shards of a real
         checkpoint (a 31B's 62 GB in a dozen files) are hashed together, not one after another."""
-        if self._entries is None and not self.rehash:
-            self._entries = _read_cache(self.path)
+        if not self.rehash:
+            self._cached()  # read once, before the threads
 
         def one(file):
             try:

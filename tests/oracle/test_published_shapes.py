@@ -21,7 +21,7 @@ from collections import namedtuple
 import numpy as np
 import pytest
 
-from refimpl import synth
+from refimpl import safetensors_stream, synth
 from refimpl.cli import main as cli_main
 from refimpl.config import FULL, SLIDING, parse_config
 from refimpl.model import HEAD_CHUNK, Gemma4
@@ -171,18 +171,26 @@ def test_the_workers_run_ahead_within_the_budget(tmp_path):
     assert all(np.array_equal(store.get(f"t{i}"), np.repeat(100 * i + np.arange(40.0), 16)) for i in range(6))
 
 
-def test_the_budget_is_a_share_of_the_memory_available(tmp_path):
+def test_the_budget_is_a_share_of_the_memory_available(tmp_path, monkeypatch):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       33554432 kB\nMemFree:         1048576 kB\nMemAvailable:    4194304 kB\n")
     assert ahead_bytes(str(meminfo)) == (4 << 30) // 4  # a quarter of 4 GiB available
     meminfo.write_text("MemAvailable:   67108864 kB\n")
     assert ahead_bytes(str(meminfo)) == AHEAD_BYTES == 2 << 30  # 64 GiB available: the cap
-    assert 0 <= ahead_bytes(str(tmp_path / "absent")) <= AHEAD_BYTES  # no /proc: the free pages, or the cap
+    pages = {"SC_AVPHYS_PAGES": 1 << 18, "SC_PAGE_SIZE": 4096}  # 1 GiB free
+    monkeypatch.setattr(safetensors_stream.os, "sysconf", pages.__getitem__)
+    assert ahead_bytes(str(tmp_path / "absent")) == (1 << 30) // 4  # no /proc: a quarter of the free pages
+    def unknown(name):
+        raise ValueError(f"unrecognized configuration name {name}")
+
+    monkeypatch.setattr(safetensors_stream.os, "sysconf", unknown)
+    assert ahead_bytes(str(tmp_path / "absent")) == AHEAD_BYTES  # nor those: the cap
 
 
 def test_streamed_writer_ahead_raises_a_tensors_error_and_stops_its_threads(tmp_path):
     """With tensors drawn ahead on threads, an error while drawing one reaches the writer (raised there, not
-    lost in its thread), and every thread ends: those blocked on a full queue and those still drawing."""
+    lost in its thread), and every thread ends: those waiting for room in the budget (one chunk's) and those
+    still drawing."""
     def endless():
         while True:
             yield np.ones(3)
@@ -195,10 +203,11 @@ def test_streamed_writer_ahead_raises_a_tensors_error_and_stops_its_threads(tmp_
                "d": ((9,), endless)}
     before = threading.active_count()
     with pytest.raises(RuntimeError, match="drawing failed"):
-        write_safetensors_streamed(tmp_path / "x.safetensors", tensors, ahead=3)
+        write_safetensors_streamed(tmp_path / "x.safetensors", tensors, ahead=3, budget_bytes=6)
     assert threading.active_count() == before
     with pytest.raises(ValueError, match=r"tensor 'c': the chunks hold 12 values, its shape \[9\] needs 9"):
-        write_safetensors_streamed(tmp_path / "y.safetensors", {"c": tensors["c"], "d": tensors["d"]}, ahead=2)
+        write_safetensors_streamed(tmp_path / "y.safetensors", {"c": tensors["c"], "d": tensors["d"]}, ahead=2,
+                                   budget_bytes=6)
     assert threading.active_count() == before
 
 
